@@ -1,0 +1,1 @@
+"""kvstore: shared prefix KV blocks across executors (see issue 5)."""

@@ -1,0 +1,123 @@
+"""Domain errors and the one server interceptor that maps them to gRPC status codes.
+
+Cores raise these exceptions; they never import grpc status handling themselves.
+``ErrorInterceptor`` turns each into its status code with the exception's message;
+any other exception is our own bug and becomes INTERNAL (and is logged).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Callable
+
+import grpc
+
+log = logging.getLogger(__name__)
+
+
+class MeshError(Exception):
+    """Base of the errors that carry a gRPC status code."""
+
+    code: grpc.StatusCode = grpc.StatusCode.INTERNAL
+
+
+class InvalidArgument(MeshError, ValueError):
+    """The caller sent a bad parameter; the message names the field or limit."""
+
+    code = grpc.StatusCode.INVALID_ARGUMENT
+
+
+class ResourceExhausted(MeshError):
+    """Quota or overload; ``retry_after_s`` tells when to try again (seconds)."""
+
+    code = grpc.StatusCode.RESOURCE_EXHAUSTED
+
+    def __init__(self, message: str, retry_after_s: float = 1.0):
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
+
+
+class Unavailable(MeshError):
+    """No executor (or another service) can take the request now."""
+
+    code = grpc.StatusCode.UNAVAILABLE
+
+
+class Unauthenticated(MeshError):
+    """Missing or unknown API key."""
+
+    code = grpc.StatusCode.UNAUTHENTICATED
+
+
+class PermissionDenied(MeshError):
+    """The tenant may not do this."""
+
+    code = grpc.StatusCode.PERMISSION_DENIED
+
+
+class NotFound(MeshError):
+    """Unknown task, lease or request."""
+
+    code = grpc.StatusCode.NOT_FOUND
+
+
+async def _abort(context: grpc.aio.ServicerContext, exc: BaseException) -> None:
+    if isinstance(exc, MeshError):
+        if isinstance(exc, ResourceExhausted):
+            context.set_trailing_metadata((("retry-after-s", f"{exc.retry_after_s:.3f}"),))
+        await context.abort(exc.code, str(exc))
+    log.exception("internal error", exc_info=exc)
+    await context.abort(grpc.StatusCode.INTERNAL, f"internal error: {type(exc).__name__}: {exc}")
+
+
+def _wrap_unary(fn: Callable[..., Any]) -> Callable[..., Any]:
+    async def wrapper(request: Any, context: grpc.aio.ServicerContext) -> Any:
+        try:
+            return await fn(request, context)
+        except (grpc.aio.AbortError, grpc.aio.UsageError):
+            raise
+        except Exception as exc:  # noqa: BLE001 - mapped to a status code
+            await _abort(context, exc)
+
+    return wrapper
+
+
+def _wrap_stream(fn: Callable[..., Any]) -> Callable[..., Any]:
+    async def wrapper(request: Any, context: grpc.aio.ServicerContext) -> Any:
+        try:
+            async for item in fn(request, context):
+                yield item
+        except (grpc.aio.AbortError, grpc.aio.UsageError):
+            raise
+        except Exception as exc:  # noqa: BLE001 - mapped to a status code
+            await _abort(context, exc)
+
+    return wrapper
+
+
+class ErrorInterceptor(grpc.aio.ServerInterceptor):
+    """Maps ``MeshError`` subclasses to their status code, anything else to INTERNAL."""
+
+    async def intercept_service(self, continuation, handler_call_details):  # type: ignore[override]
+        handler = await continuation(handler_call_details)
+        if handler is None:
+            return None
+        if handler.unary_unary:
+            return grpc.unary_unary_rpc_method_handler(
+                _wrap_unary(handler.unary_unary),
+                request_deserializer=handler.request_deserializer,
+                response_serializer=handler.response_serializer,
+            )
+        if handler.unary_stream:
+            return grpc.unary_stream_rpc_method_handler(
+                _wrap_stream(handler.unary_stream),
+                request_deserializer=handler.request_deserializer,
+                response_serializer=handler.response_serializer,
+            )
+        if handler.stream_stream:
+            return grpc.stream_stream_rpc_method_handler(
+                _wrap_stream(handler.stream_stream),
+                request_deserializer=handler.request_deserializer,
+                response_serializer=handler.response_serializer,
+            )
+        return handler

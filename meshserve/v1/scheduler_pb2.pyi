@@ -1,0 +1,111 @@
+from google.protobuf.internal import containers as _containers
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class AdmitRequest(_message.Message):
+    __slots__ = ("request_id", "tenant", "priority", "num_prompt_tokens", "max_tokens", "model")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    TENANT_FIELD_NUMBER: _ClassVar[int]
+    PRIORITY_FIELD_NUMBER: _ClassVar[int]
+    NUM_PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    MAX_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    tenant: str
+    priority: int
+    num_prompt_tokens: int
+    max_tokens: int
+    model: str
+    def __init__(self, request_id: _Optional[str] = ..., tenant: _Optional[str] = ..., priority: _Optional[int] = ..., num_prompt_tokens: _Optional[int] = ..., max_tokens: _Optional[int] = ..., model: _Optional[str] = ...) -> None: ...
+
+class AdmitQueued(_message.Message):
+    __slots__ = ("position", "estimated_wait_s")
+    POSITION_FIELD_NUMBER: _ClassVar[int]
+    ESTIMATED_WAIT_S_FIELD_NUMBER: _ClassVar[int]
+    position: int
+    estimated_wait_s: float
+    def __init__(self, position: _Optional[int] = ..., estimated_wait_s: _Optional[float] = ...) -> None: ...
+
+class Assignment(_message.Message):
+    __slots__ = ("executor_id", "address", "lease_id", "queue_s")
+    EXECUTOR_ID_FIELD_NUMBER: _ClassVar[int]
+    ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    LEASE_ID_FIELD_NUMBER: _ClassVar[int]
+    QUEUE_S_FIELD_NUMBER: _ClassVar[int]
+    executor_id: str
+    address: str
+    lease_id: str
+    queue_s: float
+    def __init__(self, executor_id: _Optional[str] = ..., address: _Optional[str] = ..., lease_id: _Optional[str] = ..., queue_s: _Optional[float] = ...) -> None: ...
+
+class AdmitEvent(_message.Message):
+    __slots__ = ("queued", "assignment")
+    QUEUED_FIELD_NUMBER: _ClassVar[int]
+    ASSIGNMENT_FIELD_NUMBER: _ClassVar[int]
+    queued: AdmitQueued
+    assignment: Assignment
+    def __init__(self, queued: _Optional[_Union[AdmitQueued, _Mapping]] = ..., assignment: _Optional[_Union[Assignment, _Mapping]] = ...) -> None: ...
+
+class ReleaseRequest(_message.Message):
+    __slots__ = ("lease_id",)
+    LEASE_ID_FIELD_NUMBER: _ClassVar[int]
+    lease_id: str
+    def __init__(self, lease_id: _Optional[str] = ...) -> None: ...
+
+class ReleaseResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class ExecutorRegister(_message.Message):
+    __slots__ = ("executor_id", "address", "model", "num_blocks", "block_size", "max_model_len", "pool")
+    EXECUTOR_ID_FIELD_NUMBER: _ClassVar[int]
+    ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
+    MAX_MODEL_LEN_FIELD_NUMBER: _ClassVar[int]
+    POOL_FIELD_NUMBER: _ClassVar[int]
+    executor_id: str
+    address: str
+    model: str
+    num_blocks: int
+    block_size: int
+    max_model_len: int
+    pool: str
+    def __init__(self, executor_id: _Optional[str] = ..., address: _Optional[str] = ..., model: _Optional[str] = ..., num_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., max_model_len: _Optional[int] = ..., pool: _Optional[str] = ...) -> None: ...
+
+class CapacityReport(_message.Message):
+    __slots__ = ("num_free_blocks", "num_running", "num_waiting", "lease_ids")
+    NUM_FREE_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    NUM_RUNNING_FIELD_NUMBER: _ClassVar[int]
+    NUM_WAITING_FIELD_NUMBER: _ClassVar[int]
+    LEASE_IDS_FIELD_NUMBER: _ClassVar[int]
+    num_free_blocks: int
+    num_running: int
+    num_waiting: int
+    lease_ids: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, num_free_blocks: _Optional[int] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., lease_ids: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class ExecutorMessage(_message.Message):
+    __slots__ = ("register", "capacity")
+    REGISTER_FIELD_NUMBER: _ClassVar[int]
+    CAPACITY_FIELD_NUMBER: _ClassVar[int]
+    register: ExecutorRegister
+    capacity: CapacityReport
+    def __init__(self, register: _Optional[_Union[ExecutorRegister, _Mapping]] = ..., capacity: _Optional[_Union[CapacityReport, _Mapping]] = ...) -> None: ...
+
+class RegisterAck(_message.Message):
+    __slots__ = ("executor_id",)
+    EXECUTOR_ID_FIELD_NUMBER: _ClassVar[int]
+    executor_id: str
+    def __init__(self, executor_id: _Optional[str] = ...) -> None: ...
+
+class SchedulerCommand(_message.Message):
+    __slots__ = ("registered",)
+    REGISTERED_FIELD_NUMBER: _ClassVar[int]
+    registered: RegisterAck
+    def __init__(self, registered: _Optional[_Union[RegisterAck, _Mapping]] = ...) -> None: ...
