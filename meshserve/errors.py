@@ -121,3 +121,24 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
                 response_serializer=handler.response_serializer,
             )
         return handler
+
+
+_BY_CODE = {
+    cls.code: cls
+    for cls in (InvalidArgument, ResourceExhausted, Unavailable, Unauthenticated, PermissionDenied, NotFound)
+}
+
+
+def from_rpc_error(exc: grpc.aio.AioRpcError, service: str) -> MeshError:
+    """Re-raises an upstream call's failure with the same status code and message.
+
+    Codes without a domain class (DEADLINE_EXCEEDED, INTERNAL…) keep their code;
+    a lost connection stays UNAVAILABLE.
+    """
+    cls = _BY_CODE.get(exc.code())
+    message = f"{service}: {exc.details()}"
+    if cls is None:
+        err = MeshError(message)
+        err.code = exc.code()
+        return err
+    return cls(message)

@@ -1,0 +1,225 @@
+"""The Executor gRPC servicer and its link to the scheduler.
+
+A thin layer over ``executor.engine.AsyncEngine``: ``Execute`` validates the
+request, feeds it to the engine and streams token ids back; cancelling the call
+aborts the request in the engine, which frees its blocks at its next step.
+``SchedulerLink`` keeps one ``Connect`` stream to the scheduler open: Register,
+then a capacity report whenever the engine's state changes, reconnecting with
+back-off if the scheduler goes away.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass
+
+import grpc
+from opentelemetry import trace
+
+from executor.engine.async_engine import AsyncEngine
+from executor.engine.llm_engine import LLMEngine
+from executor.engine.outputs import EngineStats
+from meshserve.errors import InvalidArgument
+from meshserve.grpc_server import CHANNEL_OPTIONS, Service
+from meshserve.sampling import from_proto
+from meshserve.telemetry import context_from_grpc, tracer
+from meshserve.v1 import common_pb2, executor_pb2, executor_pb2_grpc, scheduler_pb2, scheduler_pb2_grpc
+
+log = logging.getLogger(__name__)
+_tracer = tracer(__name__)
+
+FINISH_REASONS = {
+    "stop": common_pb2.FINISH_REASON_STOP,
+    "length": common_pb2.FINISH_REASON_LENGTH,
+    "abort": common_pb2.FINISH_REASON_ABORT,
+}
+
+
+class ExecutorServicer(executor_pb2_grpc.ExecutorServicer):
+    """Serves Execute and Stats over one ``AsyncEngine``."""
+
+    def __init__(self, engine: AsyncEngine, model_id: str):
+        self.engine = engine
+        self.model_id = model_id
+        self.active_leases: dict[str, str] = {}  # request_id -> lease_id
+
+    async def Execute(self, request: executor_pb2.ExecuteRequest, context: grpc.aio.ServicerContext):
+        eng = self.engine.engine
+        if not request.request_id:
+            raise InvalidArgument("request_id must not be empty")
+        params = from_proto(request.sampling, max_model_len=eng.max_model_len, vocab_size=eng.vocab_size)
+        prompt = list(request.prompt_token_ids)
+        with _tracer.start_as_current_span("executor.execute", context=context_from_grpc(context)) as span:
+            span.set_attributes(
+                {
+                    "meshserve.request_id": request.request_id,
+                    "gen_ai.request.max_tokens": params.max_tokens,
+                    "gen_ai.usage.input_tokens": len(prompt),
+                }
+            )
+            self.active_leases[request.request_id] = request.lease_id
+            num_output = 0
+            phase = _tracer.start_span("executor.prefill")
+            try:
+                async for out in self.engine.generate(request.request_id, prompt, params, request.priority):
+                    if num_output == 0 and out.new_token_ids:
+                        phase.add_event("first_token")
+                        phase.set_attribute("meshserve.cached_tokens", out.num_cached_tokens)
+                        phase.end()
+                        phase = _tracer.start_span("executor.decode")
+                    num_output += len(out.new_token_ids)
+                    yield executor_pb2.ExecuteResponse(
+                        token_ids=out.new_token_ids,
+                        finish_reason=FINISH_REASONS.get(out.finish_reason or "", 0) if out.finished else 0,
+                        num_cached_tokens=out.num_cached_tokens,
+                    )
+            finally:
+                phase.end()
+                span.set_attribute("gen_ai.usage.output_tokens", num_output)
+                self.active_leases.pop(request.request_id, None)
+
+    async def Stats(self, request, context) -> executor_pb2.StatsResponse:
+        return stats_to_proto(self.engine.stats(), self.model_id)
+
+
+def stats_to_proto(s: EngineStats, model_id: str) -> executor_pb2.StatsResponse:
+    """Copies engine counters into a ``StatsResponse``."""
+    return executor_pb2.StatsResponse(
+        num_blocks=s.num_blocks,
+        num_free_blocks=s.num_free_blocks,
+        num_running=s.num_running,
+        num_waiting=s.num_waiting,
+        num_steps=s.num_steps,
+        num_joined_running_batch=s.num_joined_running_batch,
+        num_finished=s.num_finished,
+        num_aborted=s.num_aborted,
+        block_size=s.block_size,
+        max_model_len=s.max_model_len,
+        model=model_id,
+    )
+
+
+@dataclass
+class LinkConfig:
+    """How an executor presents itself to the scheduler."""
+
+    scheduler_address: str
+    executor_id: str
+    advertise_address: str
+    pool: str = "default"
+    report_interval_s: float = 0.05
+
+
+class SchedulerLink:
+    """Keeps the executor registered with the scheduler over one Connect stream."""
+
+    def __init__(self, config: LinkConfig, servicer: ExecutorServicer):
+        self.config = config
+        self.servicer = servicer
+        self.connected = asyncio.Event()
+        self._wake = asyncio.Event()
+        self._task: asyncio.Task | None = None
+
+    def notify(self) -> None:
+        """Asks for a capacity report soon (called when the engine state changes)."""
+        self._wake.set()
+
+    def start(self) -> None:
+        self._task = asyncio.create_task(self._run())
+
+    async def stop(self) -> None:
+        if self._task:
+            self._task.cancel()
+            try:
+                await self._task
+            except (asyncio.CancelledError, Exception):  # noqa: BLE001 - shutting down
+                pass
+
+    def _register(self) -> scheduler_pb2.ExecutorMessage:
+        eng = self.servicer.engine.engine
+        return scheduler_pb2.ExecutorMessage(
+            register=scheduler_pb2.ExecutorRegister(
+                executor_id=self.config.executor_id,
+                address=self.config.advertise_address,
+                model=self.servicer.model_id,
+                num_blocks=eng.num_blocks,
+                block_size=eng.block_size,
+                max_model_len=eng.max_model_len,
+                pool=self.config.pool,
+            )
+        )
+
+    def _report(self) -> scheduler_pb2.ExecutorMessage:
+        s = self.servicer.engine.stats()
+        return scheduler_pb2.ExecutorMessage(
+            capacity=scheduler_pb2.CapacityReport(
+                num_free_blocks=s.num_free_blocks,
+                num_running=s.num_running,
+                num_waiting=s.num_waiting,
+                lease_ids=[lease for lease in self.servicer.active_leases.values() if lease],
+            )
+        )
+
+    async def _messages(self):
+        yield self._register()
+        while True:
+            yield self._report()
+            await self._wake.wait()
+            self._wake.clear()
+            await asyncio.sleep(self.config.report_interval_s)
+
+    async def _run(self) -> None:
+        backoff = 0.2
+        while True:
+            try:
+                async with grpc.aio.insecure_channel(self.config.scheduler_address, options=CHANNEL_OPTIONS) as ch:
+                    stub = scheduler_pb2_grpc.SchedulerStub(ch)
+                    async for cmd in stub.Connect(self._messages()):
+                        if cmd.WhichOneof("kind") == "registered":
+                            log.info("registered with the scheduler as %s", cmd.registered.executor_id)
+                            self.connected.set()
+                            backoff = 0.2
+            except asyncio.CancelledError:
+                raise
+            except grpc.aio.AioRpcError as exc:
+                log.warning("scheduler link lost (%s); retrying in %.1f s", exc.code().name, backoff)
+            self.connected.clear()
+            await asyncio.sleep(backoff)
+            backoff = min(backoff * 2, 5.0)
+
+
+async def start_executor(
+    engine: LLMEngine,
+    port: int,
+    host: str = "127.0.0.1",
+    scheduler_address: str | None = None,
+    executor_id: str | None = None,
+    pool: str = "default",
+) -> tuple[Service, AsyncEngine, SchedulerLink | None]:
+    """Starts the engine thread, the Executor service and its scheduler link.
+
+    Health is SERVING once the engine runs (and, with a scheduler, once registered).
+
+    Raises:
+        TimeoutError: the scheduler did not accept the registration within 60 s.
+    """
+    service = Service("meshserve.v1.Executor", port, host)
+    links: list[SchedulerLink] = []
+    async_engine = AsyncEngine(engine, on_stats=lambda _stats: [link.notify() for link in links])
+    await async_engine.start()
+    servicer = ExecutorServicer(async_engine, engine.model_id)
+    executor_pb2_grpc.add_ExecutorServicer_to_server(servicer, service.server)
+    await service.start()
+    link = None
+    if scheduler_address:
+        link = SchedulerLink(
+            LinkConfig(scheduler_address, executor_id or f"executor-{service.port}", service.address, pool), servicer
+        )
+        links.append(link)
+        link.start()
+        await asyncio.wait_for(link.connected.wait(), timeout=60)
+    await service.set_serving(True)
+    service.servicer = servicer  # type: ignore[attr-defined]
+    return service, async_engine, link

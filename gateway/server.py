@@ -1,0 +1,220 @@
+"""The public Gateway servicer.
+
+``Generate``: authenticate (API key → tenant), build the prompt token ids, validate
+the sampling parameters, ask the scheduler for an executor (streaming queue
+updates to the caller), stream tokens from the executor through the incremental
+detokenizer and the stop-string matcher, then send usage and timings. When a stop
+string matches, the caller goes away or anything fails, the executor call is
+cancelled (the engine frees the request's blocks) and the lease is released.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import uuid
+from dataclasses import dataclass
+
+import grpc
+
+from gateway.detokenizer import IncrementalDetokenizer
+from gateway.prompt import PromptBuilder
+from gateway.stop_strings import StopStringMatcher
+from gateway.tenants import TenantRegistry
+from meshserve.errors import InvalidArgument, Unavailable, from_rpc_error
+from meshserve.grpc_server import CHANNEL_OPTIONS, Service
+from meshserve.sampling import from_proto, to_proto
+from meshserve.telemetry import context_from_grpc, outgoing_metadata, tracer
+from meshserve.v1 import common_pb2, executor_pb2, executor_pb2_grpc, gateway_pb2, gateway_pb2_grpc
+from meshserve.v1 import scheduler_pb2, scheduler_pb2_grpc
+
+log = logging.getLogger(__name__)
+_tracer = tracer(__name__)
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    """What the gateway knows of the model it fronts."""
+
+    model_id: str
+    max_model_len: int
+    vocab_size: int
+
+
+def _prompt_ids(builder: PromptBuilder, request: gateway_pb2.GenerateRequest) -> list[int]:
+    kind = request.WhichOneof("input")
+    if kind == "prompt":
+        return builder.from_text(request.prompt)
+    if kind == "chat":
+        return builder.from_chat([(m.role, m.content) for m in request.chat.messages])
+    if kind == "prompt_token_ids":
+        return builder.from_token_ids(list(request.prompt_token_ids.ids))
+    raise InvalidArgument("one of prompt, chat or prompt_token_ids must be set")
+
+
+class _Timer:
+    def __init__(self) -> None:
+        self.start = time.monotonic()
+        self.assigned = self.first_token = self.last_token = 0.0
+
+    def timings(self, num_tokens: int) -> common_pb2.Timings:
+        now = time.monotonic()
+        first = self.first_token or now
+        return common_pb2.Timings(
+            queue_s=(self.assigned or now) - self.start,
+            ttft_s=first - self.start if self.first_token else 0.0,
+            tpot_s=(self.last_token - first) / (num_tokens - 1) if num_tokens > 1 else 0.0,
+            e2e_s=now - self.start,
+        )
+
+
+class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
+    """Serves Generate for one model through the scheduler and its executors."""
+
+    def __init__(self, tokenizer, model: ModelInfo, tenants: TenantRegistry, scheduler_address: str):
+        self.tokenizer = tokenizer
+        self.prompts = PromptBuilder(tokenizer)
+        self.model = model
+        self.tenants = tenants
+        self._scheduler_channel = grpc.aio.insecure_channel(scheduler_address, options=CHANNEL_OPTIONS)
+        self.scheduler = scheduler_pb2_grpc.SchedulerStub(self._scheduler_channel)
+        self._executors: dict[str, executor_pb2_grpc.ExecutorStub] = {}
+        self._channels: list[grpc.aio.Channel] = [self._scheduler_channel]
+
+    def _executor(self, address: str) -> executor_pb2_grpc.ExecutorStub:
+        stub = self._executors.get(address)
+        if stub is None:
+            channel = grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
+            self._channels.append(channel)
+            stub = self._executors[address] = executor_pb2_grpc.ExecutorStub(channel)
+        return stub
+
+    async def close(self) -> None:
+        for channel in self._channels:
+            await channel.close()
+
+    async def Generate(self, request: gateway_pb2.GenerateRequest, context: grpc.aio.ServicerContext):
+        timer = _Timer()
+        tenant = self.tenants.authenticate(context.invocation_metadata())
+        with _tracer.start_as_current_span("gateway.generate", context=context_from_grpc(context)) as span:
+            request_id = request.request_id or uuid.uuid4().hex
+            prompt_ids = _prompt_ids(self.prompts, request)
+            params = from_proto(request.sampling, max_model_len=self.model.max_model_len, vocab_size=self.model.vocab_size)
+            if len(prompt_ids) + 1 > self.model.max_model_len:
+                raise InvalidArgument(
+                    f"prompt has {len(prompt_ids)} tokens; max_model_len is {self.model.max_model_len} "
+                    "(prompt + at least 1 output token)"
+                )
+            priority = request.priority if request.HasField("priority") else tenant.default_priority
+            span.set_attributes(
+                {
+                    "meshserve.request_id": request_id,
+                    "meshserve.tenant": tenant.name,
+                    "meshserve.priority": priority,
+                    "gen_ai.request.model": self.model.model_id,
+                    "gen_ai.request.max_tokens": params.max_tokens,
+                    "gen_ai.usage.input_tokens": len(prompt_ids),
+                }
+            )
+            admit = scheduler_pb2.AdmitRequest(
+                request_id=request_id,
+                tenant=tenant.name,
+                priority=priority,
+                num_prompt_tokens=len(prompt_ids),
+                max_tokens=params.max_tokens,
+                model=self.model.model_id,
+            )
+            assignment = None
+            try:
+                async for event in self.scheduler.Admit(admit, metadata=outgoing_metadata()):
+                    if event.WhichOneof("kind") == "queued":
+                        q = event.queued
+                        yield gateway_pb2.GenerateResponse(
+                            queue=gateway_pb2.QueueUpdate(position=q.position, estimated_wait_s=q.estimated_wait_s)
+                        )
+                    else:
+                        assignment = event.assignment
+            except grpc.aio.AioRpcError as exc:
+                raise from_rpc_error(exc, "scheduler") from None
+            if assignment is None:
+                raise Unavailable("scheduler ended admission without an assignment")
+            timer.assigned = time.monotonic()
+            span.set_attribute("meshserve.executor_id", assignment.executor_id)
+            try:
+                async for msg in self._execute(request_id, prompt_ids, params, priority, assignment, timer, span):
+                    yield msg
+            finally:
+                await self._release(assignment.lease_id)
+
+    async def _execute(self, request_id, prompt_ids, params, priority, assignment, timer, span):
+        exe = executor_pb2.ExecuteRequest(
+            request_id=request_id, lease_id=assignment.lease_id, prompt_token_ids=prompt_ids, priority=priority
+        )
+        to_proto(params, exe.sampling)
+        detok = IncrementalDetokenizer(self.tokenizer, prompt_token_ids=prompt_ids)
+        stops = StopStringMatcher(params.stop)
+        call = self._executor(assignment.address).Execute(exe, metadata=outgoing_metadata())
+        finish, stop_reason, num_tokens, cached = common_pb2.FINISH_REASON_UNSPECIFIED, "", 0, 0
+        try:
+            async for out in call:
+                now = time.monotonic()
+                if out.token_ids and not timer.first_token:
+                    timer.first_token = now
+                    span.add_event("first_token")
+                    cached = out.num_cached_tokens
+                if out.token_ids:
+                    timer.last_token = now
+                num_tokens += len(out.token_ids)
+                text, matched = stops.feed(detok.add(list(out.token_ids)))
+                if out.finish_reason and not matched:
+                    more, matched = stops.feed(detok.finish())
+                    text += more
+                    if not matched:
+                        text += stops.flush()
+                    finish = out.finish_reason
+                if matched is not None:
+                    finish, stop_reason = common_pb2.FINISH_REASON_STOP, matched
+                yield gateway_pb2.GenerateResponse(delta=gateway_pb2.TokenDelta(text=text, token_ids=out.token_ids))
+                if finish:
+                    break
+        except grpc.aio.AioRpcError as exc:
+            raise from_rpc_error(exc, f"executor {assignment.executor_id}") from None
+        finally:
+            call.cancel()  # no-op when finished; aborts the engine request otherwise
+        if not finish:
+            raise Unavailable(f"executor {assignment.executor_id} ended the stream without finishing")
+        span.set_attributes({"gen_ai.usage.output_tokens": num_tokens, "meshserve.cached_tokens": cached})
+        yield gateway_pb2.GenerateResponse(
+            result=gateway_pb2.GenerateResult(
+                request_id=request_id,
+                finish_reason=finish,
+                usage=common_pb2.Usage(
+                    prompt_tokens=len(prompt_ids), completion_tokens=num_tokens, cached_tokens=cached
+                ),
+                timings=timer.timings(num_tokens),
+                prompt_token_ids=prompt_ids,
+                executor_id=assignment.executor_id,
+                stop_reason=stop_reason,
+            )
+        )
+
+    async def _release(self, lease_id: str) -> None:
+        try:
+            await asyncio.shield(self.scheduler.Release(scheduler_pb2.ReleaseRequest(lease_id=lease_id), timeout=5))
+        except (grpc.aio.AioRpcError, asyncio.CancelledError) as exc:
+            log.warning("release of lease %s failed: %s", lease_id, exc)
+
+
+async def start_gateway(
+    tokenizer, model: ModelInfo, scheduler_address: str, port: int, host: str = "127.0.0.1",
+    tenants: TenantRegistry | None = None,
+) -> Service:
+    """Starts the Gateway service; SERVING at once (the tokenizer is already loaded)."""
+    service = Service("meshserve.v1.Gateway", port, host)
+    servicer = GatewayServicer(tokenizer, model, tenants or TenantRegistry.open(), scheduler_address)
+    gateway_pb2_grpc.add_GatewayServicer_to_server(servicer, service.server)
+    service.servicer = servicer  # type: ignore[attr-defined]
+    await service.start()
+    await service.set_serving(True)
+    return service

@@ -1,0 +1,230 @@
+"""The ``meshserve`` command line (typer).
+
+``up`` starts the local mesh, ``demo`` runs it on 8 real chat prompts,
+``scheduler|executor|gateway`` start one service (for containers), ``generate`` is
+a client, ``bench`` measures throughput and latency.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import sys
+from pathlib import Path
+from typing import Optional
+
+import typer
+
+app = typer.Typer(add_completion=False, no_args_is_help=True, help="meshserve: LLM serving as a mesh of gRPC services.")
+
+TracesOpt = typer.Option(None, "--traces", help="Trace exporter: none, console, otlp (default: $MESHSERVE_TRACES or none).")
+OtlpOpt = typer.Option(None, "--otlp-endpoint", help="OTLP/gRPC collector host:port (default localhost:4317).")
+
+
+def _logging(level: str) -> None:
+    logging.basicConfig(level=level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s", stream=sys.stderr)
+
+
+def _traces(exporter: Optional[str], endpoint: Optional[str]) -> None:
+    import os
+
+    if exporter:
+        os.environ["MESHSERVE_TRACES"] = exporter
+    if endpoint:
+        os.environ["OTEL_EXPORTER_OTLP_ENDPOINT"] = endpoint
+
+
+def _engine_config(model, dtype, kv_cache_memory, block_size, max_num_seqs, max_num_batched_tokens,
+                   no_chunked_prefill, max_model_len, num_threads):
+    from executor.engine.config import BatchSchedulerConfig, CacheConfig, EngineConfig
+    from meshserve.services import parse_bytes
+
+    return EngineConfig(
+        model=model,
+        dtype=dtype,
+        max_model_len=max_model_len,
+        num_threads=num_threads,
+        cache=CacheConfig(block_size=block_size, kv_cache_memory_bytes=parse_bytes(kv_cache_memory)),
+        batch=BatchSchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
+                                   enable_chunked_prefill=not no_chunked_prefill),
+    )
+
+
+@app.command()
+def scheduler(
+    port: int = typer.Option(50052, help="Port of the Scheduler service."),
+    host: str = typer.Option("127.0.0.1", help="Interface to listen on."),
+    traces: Optional[str] = TracesOpt, otlp_endpoint: Optional[str] = OtlpOpt,
+    log_level: str = typer.Option("info"),
+) -> None:
+    """Run the global scheduler (executor registry and admission queue)."""
+    from meshserve.services import run_scheduler
+
+    _logging(log_level)
+    _traces(traces, otlp_endpoint)
+    asyncio.run(run_scheduler(port, host))
+
+
+@app.command()
+def executor(
+    scheduler: str = typer.Option(..., "--scheduler", help="host:port of the scheduler."),
+    port: int = typer.Option(50053, help="Port of the Executor service."),
+    host: str = typer.Option("127.0.0.1", help="Interface to listen on (and advertise)."),
+    model: str = typer.Option("default", help="Model alias, .gguf file or safetensors folder."),
+    dtype: str = typer.Option("auto", help="auto, float32 or bfloat16."),
+    kv_cache_memory: str = typer.Option("1GiB", "--kv-cache-memory", help="KV cache budget in bytes (512MiB, 2GB…)."),
+    block_size: int = typer.Option(16, help="Tokens per KV block."),
+    max_num_seqs: int = typer.Option(64, help="Most requests in the running batch."),
+    max_num_batched_tokens: int = typer.Option(2048, help="Token budget of one engine step."),
+    no_chunked_prefill: bool = typer.Option(False, "--no-chunked-prefill", help="Prefill each prompt in one step."),
+    max_model_len: Optional[int] = typer.Option(None, help="Longest prompt + output (default: the model's)."),
+    num_threads: Optional[int] = typer.Option(None, help="torch CPU threads."),
+    executor_id: Optional[str] = typer.Option(None, help="Id in the registry (default executor-PORT)."),
+    pool: str = typer.Option("default", help="Instance pool name."),
+    traces: Optional[str] = TracesOpt, otlp_endpoint: Optional[str] = OtlpOpt,
+    log_level: str = typer.Option("info"),
+) -> None:
+    """Run one executor: a model replica with its continuous-batching engine."""
+    from meshserve.services import run_executor
+
+    _logging(log_level)
+    _traces(traces, otlp_endpoint)
+    cfg = _engine_config(model, dtype, kv_cache_memory, block_size, max_num_seqs, max_num_batched_tokens,
+                         no_chunked_prefill, max_model_len, num_threads)
+    asyncio.run(run_executor(cfg, port, host, scheduler, executor_id, pool))
+
+
+@app.command()
+def gateway(
+    scheduler: str = typer.Option(..., "--scheduler", help="host:port of the scheduler."),
+    port: int = typer.Option(50051, help="Public port of the Gateway service."),
+    host: str = typer.Option("127.0.0.1", help="Interface to listen on."),
+    model: str = typer.Option("default", help="Model alias or path (for the tokenizer and limits)."),
+    tenants: Optional[str] = typer.Option(None, help="Tenants TOML file (default: open, tenant 'default')."),
+    traces: Optional[str] = TracesOpt, otlp_endpoint: Optional[str] = OtlpOpt,
+    log_level: str = typer.Option("info"),
+) -> None:
+    """Run the public gateway."""
+    from meshserve.services import run_gateway
+
+    _logging(log_level)
+    _traces(traces, otlp_endpoint)
+    asyncio.run(run_gateway(model, port, host, scheduler, tenants))
+
+
+def _mesh_config(port, executors, model, dtype, kv_cache_memory, extra, tenants, log_dir):
+    from meshserve.launcher import MeshConfig
+
+    args = ["--dtype", dtype, "--kv-cache-memory", kv_cache_memory, *extra]
+    return MeshConfig(port=port, executors=executors, model=model, executor_args=args, tenants_file=tenants,
+                      log_dir=Path(log_dir) if log_dir else None)
+
+
+@app.command()
+def up(
+    port: int = typer.Option(50051, help="Public port of the gateway."),
+    executors: int = typer.Option(1, help="Number of executor processes."),
+    model: str = typer.Option("default", help="Model alias, .gguf file or safetensors folder."),
+    dtype: str = typer.Option("auto", help="auto, float32 or bfloat16."),
+    kv_cache_memory: str = typer.Option("1GiB", "--kv-cache-memory", help="KV cache budget of each executor."),
+    tenants: Optional[str] = typer.Option(None, help="Tenants TOML file."),
+    log_dir: Optional[str] = typer.Option(None, help="Write each service's log here instead of the terminal."),
+    traces: Optional[str] = TracesOpt, otlp_endpoint: Optional[str] = OtlpOpt,
+) -> None:
+    """Start the whole mesh on loopback; Ctrl-C stops it cleanly."""
+    import signal
+    import threading
+
+    from meshserve.launcher import Mesh
+
+    _traces(traces, otlp_endpoint)
+    mesh = Mesh(_mesh_config(port, executors, model, dtype, kv_cache_memory, [], tenants, log_dir))
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    try:
+        asyncio.run(mesh.start())
+        typer.echo(f"meshserve is up: gateway {mesh.gateway_address}, scheduler {mesh.scheduler_address}, "
+                   f"executors {', '.join(mesh.executor_addresses)}. Ctrl-C stops it.")
+        while not stop.wait(0.5):
+            if mesh.exited():
+                typer.echo(f"service(s) exited: {', '.join(mesh.exited())}", err=True)
+                break
+    except KeyboardInterrupt:
+        pass
+    finally:
+        mesh.stop()
+        typer.echo("meshserve stopped.")
+
+
+@app.command()
+def demo(
+    port: int = typer.Option(0, help="Gateway port (0: a free one)."),
+    executors: int = typer.Option(1, help="Number of executor processes."),
+    max_tokens: int = typer.Option(96, help="Tokens per answer."),
+) -> None:
+    """Start the mesh, stream 8 concurrent chat answers, print a summary, stop."""
+    from meshserve.demo import run_demo
+
+    sys.exit(run_demo(port, executors, max_tokens))
+
+
+@app.command()
+def generate(
+    addr: str = typer.Option("127.0.0.1:50051", "--addr", help="Gateway host:port."),
+    prompt: list[str] = typer.Option(..., "--prompt", help="Prompt text; repeat to send several concurrently."),
+    chat: bool = typer.Option(False, "--chat", help="Send each prompt as one user chat message."),
+    max_tokens: Optional[int] = typer.Option(None, "--max-tokens"),
+    temperature: Optional[float] = typer.Option(None, "--temperature"),
+    top_p: Optional[float] = typer.Option(None, "--top-p"),
+    top_k: Optional[int] = typer.Option(None, "--top-k"),
+    seed: Optional[int] = typer.Option(None, "--seed"),
+    ignore_eos: bool = typer.Option(False, "--ignore-eos"),
+    stop: list[str] = typer.Option([], "--stop", help="Stop string; may repeat."),
+    priority: Optional[int] = typer.Option(None, "--priority"),
+    api_key: Optional[str] = typer.Option(None, "--api-key", envvar="MESHSERVE_API_KEY"),
+    as_json: bool = typer.Option(False, "--json", help="One JSON object per prompt, one per line."),
+) -> None:
+    """Send prompts to a gateway and print the answers (streamed for one prompt)."""
+    import grpc
+
+    from meshserve.client import build_request, channel, generate as run
+    from meshserve.v1 import gateway_pb2_grpc
+
+    async def main() -> int:
+        metadata = (("x-api-key", api_key),) if api_key else ()
+        async with channel(addr) as ch:
+            stub = gateway_pb2_grpc.GatewayStub(ch)
+            reqs = [build_request(None if chat else p, chat=[("user", p)] if chat else None, max_tokens=max_tokens,
+                                  temperature=temperature, top_p=top_p, top_k=top_k, seed=seed, stop=stop,
+                                  ignore_eos=ignore_eos, priority=priority) for p in prompt]
+            live = len(reqs) == 1 and not as_json
+            on_delta = (lambda text, _ids: (sys.stdout.write(text), sys.stdout.flush())) if live else None
+            results = await asyncio.gather(*(run(stub, r, metadata, on_delta=on_delta) for r in reqs),
+                                           return_exceptions=True)
+        code = 0
+        for p, r in zip(prompt, results):
+            if isinstance(r, grpc.aio.AioRpcError):
+                code = 1
+                err = {"error": {"code": r.code().name, "message": r.details()}}
+                print(json.dumps(err) if as_json else f"error: {r.code().name}: {r.details()}", file=sys.stdout if as_json else sys.stderr)
+            elif isinstance(r, BaseException):
+                raise r
+            elif as_json:
+                print(json.dumps(r.as_json()))
+            elif live:
+                print(f"\n[{r.finish_reason}; {r.usage['completion_tokens']} tokens; TTFT {r.timings['ttft_s']:.3f} s]")
+            else:
+                print(f"### {p}\n{r.text}\n[{r.finish_reason}; {r.usage['completion_tokens']} tokens]\n")
+        return code
+
+    sys.exit(asyncio.run(main()))
+
+
+def main() -> None:
+    """Console-script entry point."""
+    app()
+
+
+if __name__ == "__main__":
+    main()

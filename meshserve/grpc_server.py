@@ -1,0 +1,98 @@
+"""What every service's gRPC server shares: the error interceptor, grpc.health.v1,
+binding, and a clean stop on SIGINT/SIGTERM with a grace period."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+from typing import Awaitable, Callable
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_health.v1._async import HealthServicer
+
+from meshserve.errors import ErrorInterceptor
+
+log = logging.getLogger(__name__)
+
+SERVING = health_pb2.HealthCheckResponse.SERVING
+NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
+
+# Long token streams: keep connections alive, allow large prompt messages.
+CHANNEL_OPTIONS = (
+    ("grpc.max_send_message_length", 64 << 20),
+    ("grpc.max_receive_message_length", 64 << 20),
+    ("grpc.keepalive_time_ms", 20_000),
+    ("grpc.keepalive_timeout_ms", 10_000),
+    ("grpc.http2.max_pings_without_data", 0),
+    ("grpc.keepalive_permit_without_calls", 1),
+)
+
+
+class Service:
+    """A grpc.aio server with the error interceptor and a health servicer.
+
+    ``health`` starts NOT_SERVING for both the overall status ("") and ``name``;
+    the service sets SERVING once warm.
+    """
+
+    def __init__(self, name: str, port: int, host: str = "127.0.0.1"):
+        self.name = name
+        self.server = grpc.aio.server(interceptors=[ErrorInterceptor()], options=CHANNEL_OPTIONS)
+        self.health = HealthServicer()
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
+        self.port = self.server.add_insecure_port(f"{host}:{port}")
+        if self.port == 0:
+            raise OSError(f"{name}: cannot bind {host}:{port}")
+        self.address = f"{host}:{self.port}"
+
+    async def start(self) -> None:
+        """Starts listening (health still NOT_SERVING)."""
+        await self.health.set("", NOT_SERVING)
+        await self.health.set(self.name, NOT_SERVING)
+        await self.server.start()
+
+    async def set_serving(self, serving: bool = True) -> None:
+        """Reports SERVING or NOT_SERVING on grpc.health.v1."""
+        status = SERVING if serving else NOT_SERVING
+        await self.health.set("", status)
+        await self.health.set(self.name, status)
+
+    async def stop(self, grace_s: float = 5.0) -> None:
+        """Reports NOT_SERVING, then stops, letting calls finish for ``grace_s``."""
+        await self.health.enter_graceful_shutdown()
+        await self.server.stop(grace_s)
+
+
+async def run_until_signal(start: Callable[[], Awaitable[None]], stop: Callable[[], Awaitable[None]]) -> None:
+    """Runs ``start``, waits for SIGINT/SIGTERM, then runs ``stop``."""
+    done = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, done.set)
+    await start()
+    await done.wait()
+    await stop()
+
+
+async def wait_serving(address: str, timeout_s: float = 120.0, service: str = "") -> None:
+    """Polls grpc.health.v1 at ``address`` until SERVING.
+
+    Raises:
+        TimeoutError: not SERVING within ``timeout_s`` seconds.
+    """
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout_s
+    async with grpc.aio.insecure_channel(address) as channel:
+        stub = health_pb2_grpc.HealthStub(channel)
+        while True:
+            try:
+                resp = await stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=2.0)
+                if resp.status == SERVING:
+                    return
+            except grpc.aio.AioRpcError:
+                pass
+            if loop.time() > deadline:
+                raise TimeoutError(f"{address} not SERVING after {timeout_s:.0f} s")
+            await asyncio.sleep(0.2)

@@ -1,0 +1,130 @@
+"""Starts the whole mesh on loopback as separate processes (``meshserve up``).
+
+Order: scheduler, then the executors (they register with it), then the gateway;
+each must report SERVING on grpc.health.v1 before the next starts. ``stop``
+sends SIGTERM to all (gateway first) and kills what is still alive after the
+grace period.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from meshserve.grpc_server import wait_serving
+
+
+def free_port() -> int:
+    """A TCP port free on 127.0.0.1 right now."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@dataclass
+class MeshConfig:
+    """What ``meshserve up`` starts.
+
+    Attributes:
+        port: the gateway's public port.
+        executors: number of executor processes.
+        model: model alias or path (see ``meshserve.model_files``).
+        executor_args: extra ``meshserve executor`` flags (dtype, KV memory…).
+        threads_per_executor: torch threads of each executor (default: cores / executors).
+        log_dir: where each service's log goes (None: inherit the terminal).
+    """
+
+    port: int = 50051
+    executors: int = 1
+    model: str = "default"
+    executor_args: list[str] = field(default_factory=list)
+    threads_per_executor: int | None = None
+    log_dir: Path | None = None
+    tenants_file: str | None = None
+    startup_timeout_s: float = 300.0
+
+
+class Mesh:
+    """The processes of one local mesh."""
+
+    def __init__(self, config: MeshConfig):
+        self.config = config
+        self.procs: list[tuple[str, subprocess.Popen]] = []
+        self.gateway_address = f"127.0.0.1:{config.port}"
+        self.scheduler_address = ""
+        self.executor_addresses: list[str] = []
+
+    def _spawn(self, name: str, args: list[str]) -> None:
+        cmd = [sys.executable, "-m", "meshserve.cli", *args]
+        out = None
+        if self.config.log_dir is not None:
+            self.config.log_dir.mkdir(parents=True, exist_ok=True)
+            out = open(self.config.log_dir / f"{name}.log", "w")  # noqa: SIM115 - owned by the child
+        env = dict(os.environ, PYTHONUNBUFFERED="1")
+        self.procs.append((name, subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT if out else None, env=env)))
+
+    async def _wait(self, name: str, address: str) -> None:
+        proc = dict(self.procs)[name]
+        task = asyncio.create_task(wait_serving(address, self.config.startup_timeout_s))
+        while not task.done():
+            if proc.poll() is not None:
+                task.cancel()
+                raise RuntimeError(f"{name} exited with code {proc.returncode} during start-up")
+            await asyncio.sleep(0.2)
+        await task
+
+    async def start(self) -> None:
+        """Starts every service and waits until all are SERVING.
+
+        Raises:
+            RuntimeError: a service exited during start-up.
+            TimeoutError: a service was not SERVING in time.
+        """
+        c = self.config
+        try:
+            sport = free_port()
+            self.scheduler_address = f"127.0.0.1:{sport}"
+            self._spawn("scheduler", ["scheduler", "--port", str(sport)])
+            await self._wait("scheduler", self.scheduler_address)
+            threads = c.threads_per_executor or max(1, (os.cpu_count() or 1) // c.executors)
+            for i in range(c.executors):
+                eport = free_port()
+                self.executor_addresses.append(f"127.0.0.1:{eport}")
+                self._spawn(f"executor-{i}", ["executor", "--port", str(eport), "--scheduler", self.scheduler_address,
+                                              "--model", c.model, "--executor-id", f"executor-{i}",
+                                              "--num-threads", str(threads), *c.executor_args])
+            for i, address in enumerate(self.executor_addresses):
+                await self._wait(f"executor-{i}", address)
+            gw = ["gateway", "--port", str(c.port), "--scheduler", self.scheduler_address, "--model", c.model]
+            if c.tenants_file:
+                gw += ["--tenants", c.tenants_file]
+            self._spawn("gateway", gw)
+            await self._wait("gateway", self.gateway_address)
+        except BaseException:
+            self.stop()
+            raise
+
+    def stop(self, grace_s: float = 10.0) -> None:
+        """SIGTERM to every service (gateway first), SIGKILL after ``grace_s``."""
+        for _, proc in reversed(self.procs):
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + grace_s
+        for _, proc in reversed(self.procs):
+            try:
+                proc.wait(timeout=max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+        self.procs.clear()
+
+    def exited(self) -> list[str]:
+        """Names of services that have exited."""
+        return [name for name, proc in self.procs if proc.poll() is not None]

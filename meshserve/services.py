@@ -1,0 +1,117 @@
+"""Each service's process: load what it needs, serve, stop cleanly on a signal.
+
+``run_scheduler``, ``run_executor`` and ``run_gateway`` are what ``meshserve
+scheduler|executor|gateway`` run (one service per container); ``meshserve up``
+starts them as separate processes (``meshserve.launcher``). Tests call the
+``start_*`` functions of each service in one process instead.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import re
+
+from meshserve.grpc_server import run_until_signal
+from meshserve.telemetry import setup_tracing, shutdown_tracing
+
+log = logging.getLogger(__name__)
+
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?i?b?)?\s*$", re.IGNORECASE)
+_UNITS = {"": 1, "b": 1, "k": 1e3, "kb": 1e3, "m": 1e6, "mb": 1e6, "g": 1e9, "gb": 1e9, "t": 1e12, "tb": 1e12,
+          "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "tib": 1 << 40, "ki": 1 << 10, "mi": 1 << 20,
+          "gi": 1 << 30, "ti": 1 << 40}
+
+
+def parse_bytes(text: str) -> int:
+    """Parses a byte size such as ``1073741824``, ``512MiB`` or ``2GB``.
+
+    Raises:
+        ValueError: not a size.
+    """
+    m = _SIZE.match(str(text))
+    if not m or (m.group(2) or "").lower() not in _UNITS:
+        raise ValueError(f"not a byte size: {text!r} (examples: 1073741824, 512MiB, 2GB)")
+    return int(float(m.group(1)) * _UNITS[(m.group(2) or "").lower()])
+
+
+def model_info(model: str):
+    """Tokenizer and ``ModelInfo`` for the gateway (limits read from the model config)."""
+    from transformers import AutoConfig, AutoTokenizer
+
+    from gateway.server import ModelInfo
+    from meshserve.model_files import resolve_model
+
+    files = resolve_model(model)
+    config = AutoConfig.from_pretrained(files.path)
+    max_len = config.max_position_embeddings
+    if getattr(config, "sliding_window", None) and getattr(config, "use_sliding_window", True):
+        max_len = min(max_len, config.sliding_window)
+    tokenizer = AutoTokenizer.from_pretrained(files.path)
+    return tokenizer, ModelInfo(files.model_id, max_len, config.vocab_size)
+
+
+async def run_scheduler(port: int, host: str = "127.0.0.1") -> None:
+    """Serves the scheduler until SIGINT/SIGTERM."""
+    from scheduler.server import start_scheduler
+
+    setup_tracing("scheduler")
+    holder = {}
+
+    async def start():
+        holder["svc"] = await start_scheduler(port, host)
+        log.info("scheduler serving on %s", holder["svc"].address)
+
+    async def stop():
+        await holder["svc"].stop()
+        shutdown_tracing()
+
+    await run_until_signal(start, stop)
+
+
+async def run_executor(engine_config, port: int, host: str, scheduler: str, executor_id: str | None,
+                       pool: str = "default") -> None:
+    """Loads the model, serves the executor and stays registered until a signal."""
+    from executor.engine.llm_engine import LLMEngine
+    from executor.server import start_executor
+
+    setup_tracing("executor")
+    holder = {}
+
+    async def start():
+        engine = await asyncio.to_thread(LLMEngine, engine_config)
+        svc, async_engine, link = await start_executor(engine, port, host, scheduler, executor_id, pool)
+        holder.update(svc=svc, engine=async_engine, link=link)
+        log.info("executor serving on %s (%d KV blocks of %d tokens)", svc.address, engine.num_blocks,
+                 engine.block_size)
+
+    async def stop():
+        await holder["svc"].stop()
+        if holder.get("link"):
+            await holder["link"].stop()
+        await holder["engine"].stop()
+        shutdown_tracing()
+
+    await run_until_signal(start, stop)
+
+
+async def run_gateway(model: str, port: int, host: str, scheduler: str, tenants_file: str | None = None) -> None:
+    """Loads the tokenizer, serves the public Gateway until a signal."""
+    from gateway.server import start_gateway
+    from gateway.tenants import TenantRegistry
+
+    setup_tracing("gateway")
+    holder = {}
+
+    async def start():
+        tokenizer, info = await asyncio.to_thread(model_info, model)
+        tenants = TenantRegistry.from_file(tenants_file) if tenants_file else TenantRegistry.open()
+        holder["svc"] = await start_gateway(tokenizer, info, scheduler, port, host, tenants)
+        log.info("gateway serving on %s", holder["svc"].address)
+
+    async def stop():
+        await holder["svc"].stop()
+        await holder["svc"].servicer.close()
+        shutdown_tracing()
+
+    await run_until_signal(start, stop)

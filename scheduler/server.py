@@ -1,0 +1,160 @@
+"""The Scheduler gRPC servicer: a thin layer over ``scheduler.admission.AdmissionCore``.
+
+``Admit`` queues the request, streams queue positions while it waits and ends with
+one Assignment. ``Connect`` is one executor's life: Register, then capacity
+reports; when the stream ends the executor is gone at once. Every state change
+runs ``_dispatch`` which hands leases to waiting ``Admit`` calls.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+import grpc
+
+from meshserve.errors import InvalidArgument, Unavailable
+from meshserve.grpc_server import Service
+from meshserve.telemetry import context_from_grpc, tracer
+from meshserve.v1 import scheduler_pb2 as pb
+from meshserve.v1 import scheduler_pb2_grpc
+from scheduler.admission import AdmissionCore, AdmissionRequest, SchedulerConfig
+from scheduler.registry import ExecutorState, Lease
+
+log = logging.getLogger(__name__)
+_tracer = tracer(__name__)
+QUEUE_UPDATE_INTERVAL_S = 0.5
+
+
+class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
+    """Serves Admit, Release and Connect over one ``AdmissionCore``."""
+
+    def __init__(self, core: AdmissionCore):
+        self.core = core
+        self._waiters: dict[str, asyncio.Future[Lease]] = {}
+        self._changed = asyncio.Event()
+
+    def _dispatch(self) -> None:
+        for req, lease in self.core.dispatch():
+            fut = self._waiters.pop(req.request_id, None)
+            if fut is None or fut.done():
+                self.core.release(lease.lease_id)
+            else:
+                fut.set_result(lease)
+        self._changed.set()
+
+    def _fail_orphans(self) -> None:
+        """Fails queued requests whose model no executor serves any more."""
+        for req in self.core.queued():
+            if not any(not req.model or e.model == req.model for e in self.core.registry):
+                self.core.cancel(req.request_id)
+                fut = self._waiters.pop(req.request_id, None)
+                if fut is not None and not fut.done():
+                    fut.set_exception(Unavailable("no executor is serving the model any more"))
+
+    async def Admit(self, request: pb.AdmitRequest, context: grpc.aio.ServicerContext):
+        if not request.request_id:
+            raise InvalidArgument("request_id must not be empty")
+        with _tracer.start_as_current_span("scheduler.admit", context=context_from_grpc(context)) as span:
+            span.set_attributes({"meshserve.request_id": request.request_id, "meshserve.tenant": request.tenant})
+            req = AdmissionRequest(
+                request_id=request.request_id,
+                tenant=request.tenant,
+                priority=request.priority,
+                num_prompt_tokens=request.num_prompt_tokens,
+                max_tokens=request.max_tokens,
+                model=request.model,
+            )
+            self.core.submit(req)
+            fut: asyncio.Future[Lease] = asyncio.get_running_loop().create_future()
+            self._waiters[request.request_id] = fut
+            self._dispatch()
+            handed_over = False
+            try:
+                last_position = None
+                while not fut.done():
+                    position = self.core.position(request.request_id)
+                    if position >= 0 and position != last_position:
+                        last_position = position
+                        yield pb.AdmitEvent(
+                            queued=pb.AdmitQueued(
+                                position=position, estimated_wait_s=self.core.estimated_wait_s(position)
+                            )
+                        )
+                    try:
+                        await asyncio.wait_for(asyncio.shield(fut), QUEUE_UPDATE_INTERVAL_S)
+                    except asyncio.TimeoutError:
+                        pass
+                lease = fut.result()
+                executor = self.core.registry.get(lease.executor_id)
+                queue_s = max(0.0, lease.assigned_at - req.arrival)
+                span.set_attributes({"meshserve.executor_id": lease.executor_id, "meshserve.queue_s": queue_s})
+                yield pb.AdmitEvent(
+                    assignment=pb.Assignment(
+                        executor_id=lease.executor_id,
+                        address=executor.address if executor else "",
+                        lease_id=lease.lease_id,
+                        queue_s=queue_s,
+                    )
+                )
+                handed_over = True
+            finally:
+                if not fut.done():
+                    self.core.cancel(request.request_id)
+                    self._waiters.pop(request.request_id, None)
+                    fut.cancel()
+                elif not handed_over and not fut.cancelled() and fut.exception() is None:
+                    self.core.release(fut.result().lease_id)
+                    self._dispatch()
+
+    async def Release(self, request: pb.ReleaseRequest, context: grpc.aio.ServicerContext) -> pb.ReleaseResponse:
+        if self.core.release(request.lease_id):
+            self._dispatch()
+        return pb.ReleaseResponse()
+
+    async def Connect(self, request_iterator, context: grpc.aio.ServicerContext):
+        first = await anext(aiter(request_iterator), None)
+        if first is None or first.WhichOneof("kind") != "register":
+            raise InvalidArgument("the first message of Connect must be a register message")
+        reg = first.register
+        if not reg.executor_id or not reg.address or reg.num_blocks <= 0 or reg.block_size <= 0:
+            raise InvalidArgument("register needs executor_id, address, num_blocks > 0 and block_size > 0")
+        if self.core.registry.get(reg.executor_id) is not None:
+            raise InvalidArgument(f"executor id {reg.executor_id!r} is already connected")
+        state = ExecutorState(
+            executor_id=reg.executor_id,
+            address=reg.address,
+            model=reg.model,
+            num_blocks=reg.num_blocks,
+            block_size=reg.block_size,
+            max_model_len=reg.max_model_len,
+            pool=reg.pool or "default",
+        )
+        self.core.registry.add(state)
+        log.info("executor %s registered at %s (%d blocks)", reg.executor_id, reg.address, reg.num_blocks)
+        try:
+            yield pb.SchedulerCommand(registered=pb.RegisterAck(executor_id=reg.executor_id))
+            self._dispatch()
+            async for msg in request_iterator:
+                if msg.WhichOneof("kind") == "capacity":
+                    cap = msg.capacity
+                    self.core.registry.report(
+                        reg.executor_id, cap.num_free_blocks, cap.num_running, cap.num_waiting, set(cap.lease_ids)
+                    )
+                    self._dispatch()
+        finally:
+            lost = self.core.remove_executor(reg.executor_id)
+            log.info("executor %s disconnected (%d leases void)", reg.executor_id, len(lost))
+            self._fail_orphans()
+            self._dispatch()
+
+
+async def start_scheduler(port: int, host: str = "127.0.0.1", config: SchedulerConfig | None = None) -> Service:
+    """Starts a Scheduler service on ``host:port`` (0 picks a free port); SERVING at once."""
+    service = Service("meshserve.v1.Scheduler", port, host)
+    servicer = SchedulerServicer(AdmissionCore(config))
+    scheduler_pb2_grpc.add_SchedulerServicer_to_server(servicer, service.server)
+    service.servicer = servicer  # type: ignore[attr-defined]
+    await service.start()
+    await service.set_serving(True)
+    return service

@@ -1,0 +1,112 @@
+"""AdmissionCore without gRPC: exact assignment order, block accounting, errors."""
+
+import pytest
+
+from meshserve.errors import InvalidArgument, ResourceExhausted, Unavailable
+from scheduler.admission import AdmissionCore, AdmissionRequest, SchedulerConfig
+from scheduler.registry import ExecutorState
+
+
+class Clock:
+    def __init__(self):
+        self.t = 100.0
+
+    def __call__(self):
+        return self.t
+
+
+def executor(eid, num_blocks=10, block_size=16, max_model_len=1024, model="m"):
+    return ExecutorState(eid, f"addr-{eid}", model, num_blocks, block_size, max_model_len)
+
+
+def req(rid, tokens=15, model="m"):
+    return AdmissionRequest(rid, "t", 0, tokens, 16, model)
+
+
+def test_no_executor_is_unavailable():
+    core = AdmissionCore()
+    with pytest.raises(Unavailable, match="no executor"):
+        core.submit(req("a"))
+    core.registry.add(executor("e0", model="other"))
+    with pytest.raises(Unavailable, match="'m'"):
+        core.submit(req("a"))
+
+
+def test_request_that_never_fits_is_invalid():
+    core = AdmissionCore()
+    core.registry.add(executor("e0", num_blocks=4, block_size=16, max_model_len=1024))
+    with pytest.raises(InvalidArgument, match="63 prompt tokens"):
+        core.submit(req("a", tokens=64))  # needs 5 blocks (64 + 1 tokens), the cache has 4
+    core.submit(req("b", tokens=63))
+    assert core.queued()[0].request_id == "b"
+
+
+def test_fcfs_to_most_free_executor_with_pending_blocks():
+    clock = Clock()
+    core = AdmissionCore(SchedulerConfig(pending_timeout_s=5.0), clock=clock)
+    core.registry.add(executor("e0", num_blocks=10))
+    core.registry.add(executor("e1", num_blocks=8))
+    for rid in ("a", "b", "c"):
+        core.submit(req(rid, tokens=47))  # 3 blocks each
+    got = [(r.request_id, lease.executor_id, lease.num_blocks) for r, lease in core.dispatch()]
+    # a -> e0 (10 free), b -> e1 (8 vs 7), c -> e0 (7 vs 5)
+    assert got == [("a", "e0", 3), ("b", "e1", 3), ("c", "e0", 3)]
+    assert core.registry.get("e0").available_blocks(clock(), 5.0) == 4
+    assert core.registry.get("e1").available_blocks(clock(), 5.0) == 5
+
+
+def test_head_of_line_waits_and_release_unblocks():
+    core = AdmissionCore()
+    core.registry.add(executor("e0", num_blocks=4))
+    core.submit(req("big", tokens=63))  # 4 blocks
+    core.submit(req("small", tokens=1))
+    (r, lease), = core.dispatch()
+    assert r.request_id == "big"
+    assert core.dispatch() == []  # small waits: nothing free
+    assert core.position("small") == 0
+    core.registry.report("e0", 0, 1, 0, {lease.lease_id})
+    assert core.dispatch() == []
+    assert core.release(lease.lease_id) is True
+    assert core.release(lease.lease_id) is False  # idempotent
+    core.registry.report("e0", 4, 0, 0, set())
+    assert [r.request_id for r, _ in core.dispatch()] == ["small"]
+    assert len(core) == 0
+
+
+def test_acknowledged_lease_is_not_counted_twice_and_pending_expires():
+    clock = Clock()
+    core = AdmissionCore(SchedulerConfig(pending_timeout_s=5.0), clock=clock)
+    core.registry.add(executor("e0", num_blocks=10))
+    core.submit(req("a", tokens=47))
+    (_, lease), = core.dispatch()
+    e0 = core.registry.get("e0")
+    assert e0.available_blocks(clock(), 5.0) == 7
+    core.registry.report("e0", 7, 1, 0, {lease.lease_id})  # the executor now holds it
+    assert e0.available_blocks(clock(), 5.0) == 7
+    core.submit(req("b", tokens=47))
+    core.dispatch()
+    clock.t += 6.0  # b's gateway never called Execute: its promise lapses
+    assert e0.available_blocks(clock(), 5.0) == 7
+
+
+def test_queue_bound_and_cancel():
+    core = AdmissionCore(SchedulerConfig(max_queue_len=2))
+    core.registry.add(executor("e0", num_blocks=1))
+    core.submit(req("a", tokens=15))
+    core.submit(req("b", tokens=15))
+    with pytest.raises(ResourceExhausted, match="queue is full"):
+        core.submit(req("c"))
+    assert core.cancel("a") is True
+    assert core.position("b") == 0
+    assert core.cancel("a") is False
+
+
+def test_removed_executor_voids_its_leases():
+    core = AdmissionCore()
+    core.registry.add(executor("e0"))
+    core.submit(req("a"))
+    (_, lease), = core.dispatch()
+    assert core.num_leases() == 1
+    assert [x.lease_id for x in core.remove_executor("e0")] == [lease.lease_id]
+    assert core.num_leases() == 0
+    assert core.release(lease.lease_id) is False
