@@ -197,6 +197,7 @@ async def start_executor(
     scheduler_address: str | None = None,
     executor_id: str | None = None,
     pool: str = "default",
+    advertise_address: str | None = None,
 ) -> tuple[Service, AsyncEngine, SchedulerLink | None]:
     """Starts the engine thread, the Executor service and its scheduler link.
 
@@ -215,7 +216,9 @@ async def start_executor(
     link = None
     if scheduler_address:
         link = SchedulerLink(
-            LinkConfig(scheduler_address, executor_id or f"executor-{service.port}", service.address, pool), servicer
+            LinkConfig(scheduler_address, executor_id or f"executor-{service.port}",
+                       advertise_address or service.address, pool),
+            servicer,
         )
         links.append(link)
         link.start()

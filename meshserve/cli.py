@@ -82,6 +82,8 @@ def executor(
     num_threads: Optional[int] = typer.Option(None, help="torch CPU threads."),
     executor_id: Optional[str] = typer.Option(None, help="Id in the registry (default executor-PORT)."),
     pool: str = typer.Option("default", help="Instance pool name."),
+    advertise: Optional[str] = typer.Option(None, "--advertise", help="host:port the gateway dials (default host:port; "
+                                            "set it when listening on 0.0.0.0)."),
     traces: Optional[str] = TracesOpt, otlp_endpoint: Optional[str] = OtlpOpt,
     log_level: str = typer.Option("info"),
 ) -> None:
@@ -92,7 +94,7 @@ def executor(
     _traces(traces, otlp_endpoint)
     cfg = _engine_config(model, dtype, kv_cache_memory, block_size, max_num_seqs, max_num_batched_tokens,
                          no_chunked_prefill, max_model_len, num_threads)
-    asyncio.run(run_executor(cfg, port, host, scheduler, executor_id, pool))
+    asyncio.run(run_executor(cfg, port, host, scheduler, executor_id, pool, advertise))
 
 
 @app.command()

@@ -70,7 +70,7 @@ async def run_scheduler(port: int, host: str = "127.0.0.1") -> None:
 
 
 async def run_executor(engine_config, port: int, host: str, scheduler: str, executor_id: str | None,
-                       pool: str = "default") -> None:
+                       pool: str = "default", advertise_address: str | None = None) -> None:
     """Loads the model, serves the executor and stays registered until a signal."""
     from executor.engine.llm_engine import LLMEngine
     from executor.server import start_executor
@@ -80,7 +80,8 @@ async def run_executor(engine_config, port: int, host: str, scheduler: str, exec
 
     async def start():
         engine = await asyncio.to_thread(LLMEngine, engine_config)
-        svc, async_engine, link = await start_executor(engine, port, host, scheduler, executor_id, pool)
+        svc, async_engine, link = await start_executor(engine, port, host, scheduler, executor_id, pool,
+                                                    advertise_address)
         holder.update(svc=svc, engine=async_engine, link=link)
         log.info("executor serving on %s (%d KV blocks of %d tokens)", svc.address, engine.num_blocks,
                  engine.block_size)

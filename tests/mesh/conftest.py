@@ -1,0 +1,34 @@
+"""One in-process mesh on the default model, shared by the mesh tests."""
+
+import pytest
+import pytest_asyncio
+
+from tests.mesh_harness import start_local_mesh
+
+
+def make_engine(**overrides):
+    """A float32 engine on the default model; keyword overrides go to the configs."""
+    from executor.engine.config import BatchSchedulerConfig, CacheConfig, EngineConfig
+    from executor.engine.llm_engine import LLMEngine
+
+    cache = CacheConfig(block_size=16, kv_cache_memory_bytes=overrides.pop("kv_cache_memory_bytes", 256 << 20),
+                        num_blocks=overrides.pop("num_blocks", None))
+    batch = BatchSchedulerConfig(
+        max_num_seqs=overrides.pop("max_num_seqs", 32),
+        max_num_batched_tokens=overrides.pop("max_num_batched_tokens", 512),
+        enable_chunked_prefill=overrides.pop("enable_chunked_prefill", True),
+    )
+    overrides.setdefault("max_model_len", 1024)  # keeps limit tests (C11) fast on a CPU
+    return LLMEngine(EngineConfig(model="default", dtype="float32", cache=cache, batch=batch, **overrides))
+
+
+@pytest.fixture(scope="session")
+def default_engine():
+    return make_engine()
+
+
+@pytest_asyncio.fixture(scope="session")
+async def mesh(default_engine, tokenizer):
+    m = await start_local_mesh([default_engine], tokenizer)
+    yield m
+    await m.stop()

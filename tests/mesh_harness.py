@@ -1,0 +1,80 @@
+"""An in-process mesh for tests: scheduler, executors and gateway in one event loop,
+talking real gRPC over loopback ports."""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass, field
+
+from executor.engine.async_engine import AsyncEngine
+from executor.engine.llm_engine import LLMEngine
+from executor.server import SchedulerLink, start_executor
+from gateway.server import ModelInfo, start_gateway
+from meshserve.client import channel
+from meshserve.grpc_server import Service
+from meshserve.v1 import executor_pb2, executor_pb2_grpc, gateway_pb2_grpc
+from scheduler.server import start_scheduler
+
+
+@dataclass
+class LocalMesh:
+    """Handles on every part of an in-process mesh."""
+
+    scheduler: Service
+    gateway: Service
+    executors: list[tuple[Service, AsyncEngine, SchedulerLink]] = field(default_factory=list)
+    stub: gateway_pb2_grpc.GatewayStub | None = None
+    _channel: object = None
+
+    @property
+    def engines(self) -> list[LLMEngine]:
+        return [e.engine for _, e, _ in self.executors]
+
+    async def executor_stats(self, i: int = 0) -> executor_pb2.StatsResponse:
+        """Stats of executor ``i`` over its gRPC Stats call."""
+        async with channel(self.executors[i][0].address) as ch:
+            return await executor_pb2_grpc.ExecutorStub(ch).Stats(executor_pb2.StatsRequest())
+
+    async def wait_idle(self, timeout_s: float = 30.0) -> None:
+        """Waits until every engine has no request and every block is free.
+
+        Raises:
+            TimeoutError: blocks still held after ``timeout_s``.
+        """
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout_s
+        while True:
+            stats = [e.stats() for _, e, _ in self.executors]
+            if all(s.num_running == 0 and s.num_waiting == 0 and s.num_free_blocks == s.num_blocks for s in stats):
+                return
+            if loop.time() > deadline:
+                raise TimeoutError(f"engines not idle: {stats}")
+            await asyncio.sleep(0.02)
+
+    async def stop(self) -> None:
+        await self._channel.close()
+        await self.gateway.stop(0.5)
+        await self.gateway.servicer.close()
+        for svc, eng, link in self.executors:
+            await svc.stop(0.5)
+            if link is not None:
+                await link.stop()
+            await eng.stop()
+        await self.scheduler.stop(0.5)
+
+
+async def start_local_mesh(engines: list[LLMEngine], tokenizer, tenants=None) -> LocalMesh:
+    """Starts scheduler, one executor per engine, and a gateway, on free ports."""
+    scheduler = await start_scheduler(0)
+    executors = []
+    for i, engine in enumerate(engines):
+        svc, async_engine, link = await start_executor(engine, 0, scheduler_address=scheduler.address,
+                                                       executor_id=f"executor-{i}")
+        executors.append((svc, async_engine, link))
+    e0 = engines[0]
+    info = ModelInfo(e0.model_id, e0.max_model_len, e0.vocab_size)
+    gateway = await start_gateway(tokenizer, info, scheduler.address, 0, tenants=tenants)
+    mesh = LocalMesh(scheduler, gateway, executors)
+    mesh._channel = channel(gateway.address)
+    mesh.stub = gateway_pb2_grpc.GatewayStub(mesh._channel)
+    return mesh
