@@ -1,0 +1,22 @@
+"""meshserve gateway: the public API in front of the mesh.
+
+Pure core (no gRPC, unit-tested directly):
+
+* ``gateway.tenants``: API key -> ``Tenant`` (``TenantRegistry``).
+* ``gateway.prompt``: raw text / chat messages / token ids -> prompt ids
+  (``PromptBuilder``), with the chat template and the special-token policy.
+* ``gateway.detokenizer``: output ids -> UTF-8-safe text pieces
+  (``IncrementalDetokenizer``).
+* ``gateway.stop_strings``: cuts streamed text at stop strings
+  (``StopStringMatcher``).
+
+Per request, the servicer chains the last two::
+
+    detok = IncrementalDetokenizer(tokenizer, skip_special_tokens=True)
+    stops = StopStringMatcher(params.stop)
+    for ids in executor_stream:
+        text, match = stops.feed(detok.add(ids))
+        ...  # send text; on a match cancel Execute, finish_reason "stop"
+    text, match = stops.feed(detok.finish())
+    text += stops.flush() if match is None else ""
+"""

@@ -1,0 +1,130 @@
+"""Prompt building: raw text, chat messages or token ids -> validated token ids.
+
+Policies (tested in tests/gateway/test_prompt.py):
+
+* **Raw text** (``from_text``): the caller owns the format. The text is encoded
+  as ``tokenizer(text)`` does (the vLLM and Hugging Face default): special-token
+  text such as ``<|im_start|>`` IS parsed as the control token, and the
+  tokenizer's post-processor adds what it adds by default. SmolLM2's adds
+  nothing (no BOS); a Llama-2-style tokenizer prepends its BOS.
+* **Chat** (``from_chat``): the model's chat template is rendered with
+  ``add_generation_prompt=True``. Control tokens come only from the template:
+  text a user types inside a message, such as ``<|im_end|>``, is encoded as
+  ordinary text (case C05). When no content holds control-token text the ids
+  equal the plain ``apply_chat_template(..., tokenize=True)`` exactly.
+* **Token ids** (``from_token_ids``): taken as given after a range check.
+
+Every form rejects an empty prompt (case C09).
+
+C05 uses the mechanism ``transformers`` keeps for it (>= 5.x),
+``apply_chat_template(..., sanitize_control_tokens=True)``: control-token text in
+the messages is wrapped in private-use markers (U+F0000 / U+F0001) before
+rendering, so it stays recognisable whatever the template does with the content
+(strip it, repeat it); the rendering is then split at the markers and marked
+tokens are encoded as plain text. Control tokens are the tokenizer's special
+tokens plus added tokens written in the template. A user's own U+F0000 / U+F0001
+characters are dropped.
+
+Thread safety: a ``transformers`` tokenizer implements ``split_special_tokens``
+by toggling a flag on the shared Rust tokenizer, so two threads encoding at once
+could encode a user's ``<|im_end|>`` as the control token. Every encode here
+holds one lock; encode with this tokenizer only through a ``PromptBuilder``.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any, Sequence
+
+import jinja2
+
+from meshserve.errors import InvalidArgument
+
+ROLES = ("system", "user", "assistant")
+
+
+class PromptBuilder:
+    """Builds prompt token ids for one model.
+
+    Args:
+        tokenizer: the model's ``transformers`` tokenizer (a fast tokenizer).
+        vocab_size: ids accepted by ``from_token_ids`` are ``[0, vocab_size)``;
+            default ``len(tokenizer)`` (base vocabulary plus added tokens).
+    """
+
+    def __init__(self, tokenizer: Any, vocab_size: int | None = None):
+        self.tokenizer = tokenizer
+        self.vocab_size = vocab_size if vocab_size is not None else len(tokenizer)
+        added = {i for i, t in tokenizer.added_tokens_decoder.items() if t.special}
+        self.special_token_ids: frozenset[int] = frozenset(tokenizer.all_special_ids) | added
+        self._lock = threading.Lock()
+
+    def from_text(self, text: str) -> list[int]:
+        """Encodes a raw prompt (special-token text parsed; see the module policy).
+
+        Raises:
+            InvalidArgument: empty ``prompt``.
+        """
+        if not text:
+            raise InvalidArgument("prompt must not be empty")
+        with self._lock:
+            ids = list(self.tokenizer(text, split_special_tokens=False)["input_ids"])
+        if not ids:
+            raise InvalidArgument("prompt encodes to no tokens")
+        return ids
+
+    def from_token_ids(self, ids: Sequence[int]) -> list[int]:
+        """Checks pre-tokenized prompt ids.
+
+        Raises:
+            InvalidArgument: empty ``prompt_token_ids``, or an id outside
+                ``[0, vocab_size)`` (names the first bad index).
+        """
+        if len(ids) == 0:
+            raise InvalidArgument("prompt_token_ids must not be empty")
+        for j, tid in enumerate(ids):
+            if isinstance(tid, bool) or not isinstance(tid, int) or not 0 <= tid < self.vocab_size:
+                raise InvalidArgument(
+                    f"prompt_token_ids[{j}] = {tid!r} is outside the vocabulary [0, {self.vocab_size})"
+                )
+        return list(ids)
+
+    def from_chat(self, messages: Sequence[tuple[str, str]]) -> list[int]:
+        """Renders a conversation with the chat template plus the generation
+        prompt; user-typed control-token text stays text (see the module docstring).
+
+        Args:
+            messages: (role, content) pairs; role in ``ROLES``.
+
+        Raises:
+            InvalidArgument: no messages, an unknown role, a non-string content,
+                a model without a chat template, or an error raised by the
+                template itself (e.g. roles that do not alternate).
+        """
+        self._check_messages(messages)
+        conversation = [{"role": role, "content": content} for role, content in messages]
+        try:
+            with self._lock:
+                ids = self.tokenizer.apply_chat_template(
+                    conversation,
+                    add_generation_prompt=True,
+                    tokenize=True,
+                    return_dict=False,
+                    sanitize_control_tokens=True,
+                )
+        except jinja2.TemplateError as exc:  # includes the template's raise_exception()
+            raise InvalidArgument(f"chat.messages: the model's chat template refused them: {exc}") from exc
+        if not ids:
+            raise InvalidArgument("chat.messages render to an empty prompt")
+        return list(ids)
+
+    def _check_messages(self, messages: Sequence[tuple[str, str]]) -> None:
+        if not messages:
+            raise InvalidArgument("chat.messages must not be empty")
+        if not getattr(self.tokenizer, "chat_template", None):
+            raise InvalidArgument("this model has no chat template: send a raw prompt instead of chat messages")
+        for i, (role, content) in enumerate(messages):
+            if role not in ROLES:
+                raise InvalidArgument(f"chat.messages[{i}].role must be one of {', '.join(ROLES)}, got {role!r}")
+            if not isinstance(content, str):
+                raise InvalidArgument(f"chat.messages[{i}].content must be a string")

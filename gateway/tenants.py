@@ -1,0 +1,185 @@
+"""Tenants and API-key authentication (pure core, no gRPC).
+
+A tenant is who pays for a request: the scheduler accounts KV blocks against
+its quota and uses its default priority. The gateway maps the API key in a
+call's metadata to a tenant with a ``TenantRegistry``:
+
+* **file mode** (``TenantRegistry.from_file``): a TOML file lists the tenants and
+  their keys; a call without a key, or with an unknown one, is refused with
+  ``Unauthenticated``::
+
+      [[tenants]]
+      name = "acme"
+      api_keys = ["key-1", "key-2"]
+      default_priority = 0        # optional, default 0
+      kv_quota_blocks = 4096      # optional, default: no quota
+
+* **open mode** (``TenantRegistry.open``): no file; every call is tenant
+  ``"default"`` (no quota), whatever key it carries.
+
+The key is read from ``x-api-key: KEY`` or ``authorization: Bearer KEY``.
+Keys are kept only as SHA-256 digests, so a lookup compares digests, never the
+secret itself.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import tomllib
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Sequence
+
+from meshserve.errors import Unauthenticated
+
+DEFAULT_TENANT = "default"
+_TENANT_FIELDS = {"name", "api_keys", "default_priority", "kv_quota_blocks"}
+
+
+@dataclass(frozen=True)
+class Tenant:
+    """One tenant.
+
+    Attributes:
+        name: unique tenant name (used in logs, metrics and quota accounting).
+        default_priority: priority class of its requests when a request sets
+            none (larger is more urgent; see the scheduler's admission queue).
+        kv_quota_blocks: most KV blocks its running requests may hold together
+            across the mesh (blocks), or None for no quota.
+    """
+
+    name: str
+    default_priority: int = 0
+    kv_quota_blocks: int | None = None
+
+
+def _digest(key: str) -> bytes:
+    return hashlib.sha256(key.encode("utf-8")).digest()
+
+
+def _as_str(value: str | bytes) -> str:
+    return value.decode("utf-8", errors="replace") if isinstance(value, bytes) else value
+
+
+def _api_keys(metadata: Sequence[tuple[str, str | bytes]] | None) -> set[str]:
+    """The API keys a call's metadata carries (``x-api-key`` and bearer tokens).
+
+    Raises:
+        Unauthenticated: an ``authorization`` entry that is not ``Bearer KEY``.
+    """
+    keys: set[str] = set()
+    for name, value in metadata or ():
+        name, text = name.lower(), _as_str(value).strip()
+        if name == "x-api-key" and text:
+            keys.add(text)
+        elif name == "authorization":
+            scheme, _, token = text.partition(" ")
+            if scheme.lower() != "bearer" or not token.strip():
+                raise Unauthenticated("authorization metadata must be 'Bearer <api key>'")
+            keys.add(token.strip())
+    return keys
+
+
+class TenantRegistry:
+    """Maps API keys to tenants; see the module docstring for the two modes."""
+
+    def __init__(self, tenants: Sequence[Tenant], keys: dict[bytes, Tenant], *, open_mode: bool):
+        self._tenants = {t.name: t for t in tenants}
+        self._by_digest = keys
+        self.open_mode = open_mode
+
+    @classmethod
+    def open(cls) -> TenantRegistry:
+        """A registry with no keys: every caller is tenant ``"default"``."""
+        return cls([Tenant(DEFAULT_TENANT)], {}, open_mode=True)
+
+    @classmethod
+    def from_file(cls, path: str | Path) -> TenantRegistry:
+        """Reads a tenants TOML file (format in the module docstring).
+
+        Raises:
+            FileNotFoundError: no such file.
+            ValueError: not valid TOML, or a tenant entry is malformed (missing or
+                mistyped field, unknown field, duplicate name or key); the message
+                names the file, the entry and the problem.
+        """
+        path = Path(path)
+        try:
+            data = tomllib.loads(path.read_text(encoding="utf-8"))
+        except tomllib.TOMLDecodeError as exc:
+            raise ValueError(f"{path}: not valid TOML: {exc}") from exc
+        entries = data.get("tenants")
+        if not isinstance(entries, list) or not entries:
+            raise ValueError(f"{path}: expected one or more [[tenants]] tables")
+        extra = set(data) - {"tenants"}
+        if extra:
+            raise ValueError(f"{path}: unknown top-level keys {sorted(extra)}")
+        tenants: list[Tenant] = []
+        keys: dict[bytes, Tenant] = {}
+        for i, entry in enumerate(entries):
+            tenant, api_keys = _parse_tenant(entry, f"{path}: tenants[{i}]")
+            if tenant.name in {t.name for t in tenants}:
+                raise ValueError(f"{path}: tenants[{i}]: duplicate tenant name {tenant.name!r}")
+            for key in api_keys:
+                if _digest(key) in keys:
+                    raise ValueError(f"{path}: tenants[{i}] ({tenant.name}): an API key is listed twice")
+                keys[_digest(key)] = tenant
+            tenants.append(tenant)
+        return cls(tenants, keys, open_mode=False)
+
+    @property
+    def tenants(self) -> tuple[Tenant, ...]:
+        """All tenants, in file order."""
+        return tuple(self._tenants.values())
+
+    def get(self, name: str) -> Tenant | None:
+        """The tenant called ``name``, or None."""
+        return self._tenants.get(name)
+
+    def authenticate(self, metadata: Sequence[tuple[str, str | bytes]] | None) -> Tenant:
+        """The tenant of a call, from its gRPC (or HTTP header) metadata.
+
+        ``metadata`` is a sequence of (key, value) pairs (``None`` is empty), as
+        ``ServicerContext.invocation_metadata()`` gives it; keys are compared
+        case-insensitively; values may be ``str`` or ``bytes``.
+
+        Raises:
+            Unauthenticated: (file mode) no key, an unknown key, two different
+                keys, or a malformed ``authorization`` entry.
+        """
+        if self.open_mode:
+            return self._tenants[DEFAULT_TENANT]
+        keys = _api_keys(metadata)
+        if not keys:
+            raise Unauthenticated("missing API key: send 'x-api-key: <key>' or 'authorization: Bearer <key>'")
+        if len(keys) > 1:
+            raise Unauthenticated("conflicting API keys in x-api-key and authorization metadata")
+        tenant = self._by_digest.get(_digest(keys.pop()))
+        if tenant is None:
+            raise Unauthenticated("unknown API key")
+        return tenant
+
+
+def _parse_tenant(entry: Any, where: str) -> tuple[Tenant, list[str]]:
+    """Validates one ``[[tenants]]`` table; returns the tenant and its keys."""
+    if not isinstance(entry, dict):
+        raise ValueError(f"{where}: expected a table")
+    unknown = set(entry) - _TENANT_FIELDS
+    if unknown:
+        raise ValueError(f"{where}: unknown fields {sorted(unknown)} (allowed: {sorted(_TENANT_FIELDS)})")
+    name = entry.get("name")
+    if not isinstance(name, str) or not name.strip():
+        raise ValueError(f"{where}: 'name' must be a non-empty string")
+    where = f"{where} ({name})"
+    api_keys = entry.get("api_keys")
+    if not isinstance(api_keys, list) or not api_keys or not all(isinstance(k, str) and k.strip() for k in api_keys):
+        raise ValueError(f"{where}: 'api_keys' must be a non-empty list of non-empty strings")
+    if any(k != k.strip() for k in api_keys):
+        raise ValueError(f"{where}: an API key has leading or trailing whitespace")
+    priority = entry.get("default_priority", 0)
+    if not isinstance(priority, int) or isinstance(priority, bool):
+        raise ValueError(f"{where}: 'default_priority' must be an integer, got {priority!r}")
+    quota = entry.get("kv_quota_blocks")
+    if quota is not None and (not isinstance(quota, int) or isinstance(quota, bool) or quota < 1):
+        raise ValueError(f"{where}: 'kv_quota_blocks' must be an integer >= 1 (blocks), got {quota!r}")
+    return Tenant(name, priority, quota), api_keys

@@ -1,0 +1,144 @@
+"""Incremental UTF-8-safe detokenization (case C03 at the unit level)."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from gateway.detokenizer import IncrementalDetokenizer
+
+pytestmark = pytest.mark.model
+
+C03_TEXT = "Café 你好 🙂🚀 ok"
+MORE_TEXTS = [
+    "👩‍👩‍👧‍👦 family, 🇫🇷 flag, 🏳️‍🌈",
+    "日本語のテキストと한국어 텍스트, 中文：「你好，世界！」",
+    "Ünïcödé ∑∫√π ≠ ≤ — ‘quotes’ “double” …",
+    "𝔘𝔫𝔦𝔠𝔬𝔡𝔢 𓀀𓁐 🧬🦀🛰️",
+    "tab\tnew\nline  spaces   ",
+]
+
+
+def stream(tokenizer, ids, chunks=1, **kwargs):
+    """Pieces of ``ids`` fed ``chunks`` at a time, then the flush."""
+    detok = IncrementalDetokenizer(tokenizer, **kwargs)
+    pieces = [detok.add(ids[i : i + chunks]) for i in range(0, len(ids), chunks)]
+    return pieces + [detok.finish()]
+
+
+def assert_invariant(tokenizer, ids, pieces, skip_special_tokens=True):
+    full = tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
+    for piece in pieces:
+        piece.encode("utf-8")  # strict: no lone surrogates
+    assert "".join(pieces).encode("utf-8") == full.encode("utf-8")
+    return full
+
+
+def test_C03_multibyte_text_one_token_at_a_time(tokenizer):
+    ids = tokenizer.encode(C03_TEXT, add_special_tokens=False)
+    singles = [tokenizer.decode([i]) for i in ids]
+    assert any("\ufffd" in s for s in singles)  # the case is real: some tokens hold partial characters
+    pieces = stream(tokenizer, ids)
+    assert all("\ufffd" not in p for p in pieces)
+    assert assert_invariant(tokenizer, ids, pieces) == C03_TEXT
+
+
+@pytest.mark.parametrize("text", MORE_TEXTS)
+@pytest.mark.parametrize("chunks", [1, 2, 3])
+def test_C03_emoji_and_cjk(tokenizer, text, chunks):
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    pieces = stream(tokenizer, ids, chunks)
+    assert all("\ufffd" not in p for p in pieces)
+    assert assert_invariant(tokenizer, ids, pieces) == text
+
+
+def test_C03_with_prompt_context(tokenizer):
+    prompt = tokenizer.apply_chat_template(
+        [{"role": "user", "content": "Say hi"}], add_generation_prompt=True, tokenize=False
+    )
+    prompt_ids = tokenizer.encode(prompt, add_special_tokens=False)
+    ids = tokenizer.encode(C03_TEXT, add_special_tokens=False)
+    pieces = stream(tokenizer, ids, prompt_token_ids=prompt_ids)
+    assert all("\ufffd" not in p for p in pieces)
+    assert assert_invariant(tokenizer, ids, pieces) == C03_TEXT
+
+
+def test_partial_character_at_the_end_is_flushed_as_replacement(tokenizer):
+    ids = tokenizer.encode("ok 你", add_special_tokens=False)
+    cut = ids[:-1]  # "你" is two tokens: keep only its first
+    assert tokenizer.decode(cut).endswith("\ufffd")
+    pieces = stream(tokenizer, cut)
+    assert "\ufffd" not in "".join(pieces[:-1])
+    assert pieces[-1].endswith("\ufffd")
+    assert_invariant(tokenizer, cut, pieces)
+
+
+def test_malformed_bytes_in_the_middle_appear_where_decode_has_them(tokenizer):
+    a = tokenizer.encode("你", add_special_tokens=False)
+    b = tokenizer.encode("🚀 done", add_special_tokens=False)
+    ids = a[:1] + b  # a lone lead byte, then a complete emoji
+    full = tokenizer.decode(ids)
+    assert "\ufffd" in full
+    pieces = stream(tokenizer, ids)
+    assert_invariant(tokenizer, ids, pieces)
+
+
+@pytest.mark.parametrize("skip", [True, False])
+def test_special_tokens_skipped_or_kept(tokenizer, skip):
+    ids = tokenizer.encode("Hi 🙂<|im_end|>\n<|im_start|>", add_special_tokens=False)
+    ids += [tokenizer.eos_token_id]
+    pieces = stream(tokenizer, ids, skip_special_tokens=skip)
+    full = assert_invariant(tokenizer, ids, pieces, skip_special_tokens=skip)
+    assert (tokenizer.eos_token in full) is not skip
+
+
+def test_window_stays_small(tokenizer):
+    """O(1) per token: every decode call sees a few ids, however long the output."""
+
+    class Counting:
+        def __init__(self):
+            self.longest = 0
+
+        def decode(self, ids, **kwargs):
+            self.longest = max(self.longest, len(ids))
+            return tokenizer.decode(ids, **kwargs)
+
+    counting = Counting()
+    ids = tokenizer.encode((C03_TEXT + " ") * 40, add_special_tokens=False)
+    pieces = stream(counting, ids)
+    assert len(ids) > 400
+    assert counting.longest <= 6
+    assert_invariant(tokenizer, ids, pieces)
+
+
+def test_add_after_finish_raises(tokenizer):
+    detok = IncrementalDetokenizer(tokenizer)
+    detok.add([42])
+    detok.finish()
+    assert detok.finish() == ""
+    with pytest.raises(RuntimeError):
+        detok.add([42])
+
+
+@settings(max_examples=100, deadline=None)
+@given(text=st.text(st.characters(blacklist_categories=("Cs",)), max_size=40), chunks=st.integers(1, 3))
+def test_C03_random_unicode_text(tokenizer, text, chunks):
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    pieces = stream(tokenizer, ids, chunks)
+    full = assert_invariant(tokenizer, ids, pieces)
+    if "\ufffd" not in full:  # (the GGUF tokenizer does not round-trip a few rare code points)
+        assert all("\ufffd" not in p for p in pieces)
+
+
+@settings(max_examples=100, deadline=None)
+@given(data=st.data(), chunks=st.integers(1, 4), skip=st.booleans(), with_prompt=st.booleans())
+def test_random_token_ids_match_full_decode(tokenizer, data, chunks, skip, with_prompt):
+    """Arbitrary ids, malformed byte sequences and special tokens included."""
+    vocab = len(tokenizer)
+    byte_ids = tokenizer.encode("你好🙂🚀é", add_special_tokens=False)
+    token = st.one_of(st.integers(0, vocab - 1), st.sampled_from(byte_ids), st.integers(0, 16))
+    ids = data.draw(st.lists(token, max_size=30))
+    prompt = data.draw(st.lists(token, min_size=1, max_size=8)) if with_prompt else None
+    pieces = stream(tokenizer, ids, chunks, prompt_token_ids=prompt, skip_special_tokens=skip)
+    assert_invariant(tokenizer, ids, pieces, skip_special_tokens=skip)
