@@ -1,0 +1,53 @@
+"""Golden outputs through the whole mesh: 16 prompts (raw text and chat) of 5 to 600
+tokens sent at once, greedy, max_tokens 64, ignore_eos; token ids equal to
+transformers' own ``generate`` run one prompt at a time in float32."""
+
+import asyncio
+
+import pytest
+
+from meshserve.client import build_request, generate
+from tests.executor.reference import SENTENCES, HFReference, assert_greedy_matches, golden_lengths
+
+pytestmark = pytest.mark.model
+MAX_TOKENS = 64
+
+
+def mesh_prompts(tokenizer):
+    """(request kwargs, expected prompt ids) for 16 prompts of about 5..600 tokens;
+    even indices raw text, odd indices one chat message."""
+    cases = []
+    for i, target in enumerate(golden_lengths(16, 5, 600)):
+        words = " ".join(SENTENCES[(i * 7 + j) % len(SENTENCES)] for j in range(target)).split(" ")
+        lo, hi = 1, len(words)
+        while lo < hi:  # the fewest words whose prompt reaches the target length
+            mid = (lo + hi) // 2
+            text = " ".join(words[:mid])
+            n = len(tokenizer(text).input_ids) if i % 2 == 0 else len(
+                tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
+                                              tokenize=True, return_dict=True)["input_ids"])
+            lo, hi = (mid + 1, hi) if n < target else (lo, mid)
+        text = " ".join(words[:lo])
+        if i % 2 == 0:
+            cases.append((dict(prompt=text), tokenizer(text).input_ids))
+        else:
+            ids = tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
+                                                tokenize=True, return_dict=True)["input_ids"]
+            cases.append((dict(chat=[("user", text)]), list(ids)))
+    return cases
+
+
+async def test_golden_outputs_through_the_mesh(mesh, tokenizer, hf_reference: HFReference):
+    cases = mesh_prompts(tokenizer)
+    lengths = [len(ids) for _, ids in cases]
+    assert min(lengths) <= 40 and 560 <= max(lengths) <= 640, lengths
+    reqs = [build_request(**kw, max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True) for kw, _ in cases]
+    outs = await asyncio.gather(*(generate(mesh.stub, r) for r in reqs))
+    for (_, expected_ids), out in zip(cases, outs):
+        assert out.prompt_token_ids == expected_ids  # the gateway tokenized exactly like transformers
+        assert out.finish_reason == "length" and len(out.token_ids) == MAX_TOKENS
+    refs = hf_reference.greedy_many([ids for _, ids in cases], MAX_TOKENS)
+    assert_greedy_matches([o.token_ids for o in outs], refs, tie_tol=1e-4, max_divergent=1)
+    stats = await mesh.executor_stats()
+    assert stats.num_joined_running_batch > 0
+    await mesh.wait_idle()
