@@ -223,6 +223,40 @@ def generate(
     sys.exit(asyncio.run(main()))
 
 
+@app.command()
+def bench(
+    target: str = typer.Option("engine", "--target", help="engine, mesh or hf-generate."),
+    concurrency: int = typer.Option(8, "--concurrency", help="Requests in flight (closed loop); hf-generate runs 1."),
+    num_requests: int = typer.Option(32, "--num-requests", help="Measured requests."),
+    seed: int = typer.Option(0, "--seed", help="Workload seed (same seed, same requests for every target)."),
+    report_json: Optional[str] = typer.Option(None, "--report-json", help="Write the JSON report here."),
+    model: str = typer.Option("default", help="Model alias, .gguf file or safetensors folder."),
+    dtype: str = typer.Option("auto", help="auto, float32 or bfloat16."),
+    kv_cache_memory: str = typer.Option("1GiB", "--kv-cache-memory", help="KV cache budget of the engine."),
+    max_num_batched_tokens: int = typer.Option(2048, help="Token budget of one engine step."),
+    max_num_seqs: int = typer.Option(64, help="Most requests in the running batch."),
+    addr: Optional[str] = typer.Option(None, "--addr", help="mesh target: a running gateway's host:port."),
+    executors: int = typer.Option(1, help="mesh target: executor processes to launch."),
+    prompt_len_median: int = typer.Option(150, help="Median prompt length (tokens)."),
+    output_len_median: int = typer.Option(128, help="Median output length (tokens)."),
+    warmup: int = typer.Option(2, help="Unmeasured warm-up requests."),
+    log_level: str = typer.Option("warning"),
+) -> None:
+    """Measure output tokens/s, TTFT, TPOT and e2e latency of a target on a seeded workload."""
+    from meshserve.bench import BenchConfig, WorkloadSpec, main as run
+
+    _logging(log_level)
+    try:
+        spec = WorkloadSpec(num_requests=num_requests, seed=seed, prompt_len_median=prompt_len_median,
+                            output_len_median=output_len_median)
+        cfg = BenchConfig(target=target, concurrency=concurrency, workload=spec, warmup=warmup, model=model,
+                          dtype=dtype, kv_cache_memory=kv_cache_memory, max_num_seqs=max_num_seqs,
+                          max_num_batched_tokens=max_num_batched_tokens, executors=executors, addr=addr)
+    except ValueError as exc:
+        raise typer.BadParameter(str(exc)) from None
+    sys.exit(run(cfg, report_json))
+
+
 def main() -> None:
     """Console-script entry point."""
     app()

@@ -87,9 +87,10 @@ async def run_executor(engine_config, port: int, host: str, scheduler: str, exec
                  engine.block_size)
 
     async def stop():
-        await holder["svc"].stop()
+        await holder["svc"].set_serving(False)
         if holder.get("link"):
-            await holder["link"].stop()
+            await holder["link"].stop()  # leave the registry first: no new assignments
+        await holder["svc"].stop()
         await holder["engine"].stop()
         shutdown_tracing()
 

@@ -1,0 +1,106 @@
+"""The benchmark's report: one JSON object, and a short table for people.
+
+Definitions (the ones vLLM's ``benchmark_serving`` uses):
+
+* ``output_tokens_per_s`` = total output tokens / ``wall_s``, where ``wall_s``
+  runs from the first submit to the last finish of the measured requests
+  (warm-up excluded).
+* TTFT: submit → first output token, as the benchmark process saw it.
+* TPOT: mean gap between output tokens after the first, per request:
+  ``(t_last - t_first) / (n - 1)``; requests with one token have none and are left
+  out of the TPOT percentiles.
+* e2e: submit → last token / end of the call.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+from pathlib import Path
+from typing import Sequence
+
+from meshserve.bench.config import BenchConfig
+from meshserve.bench.loop import RequestResult
+from meshserve.bench.workload import Workload
+from meshserve.demo import percentile
+
+__all__ = ["build_report", "format_table", "percentile", "write_report"]
+
+
+def _latency(name: str, values: Sequence[float]) -> dict[str, float]:
+    """p50, p90, p99 and mean of ``values`` (seconds) under ``{name}_p50_s``…; 0.0 when empty."""
+    xs = list(values)
+    stats = {f"{name}_p{q}_s": percentile(xs, q) for q in (50, 90, 99)}
+    return {**stats, f"{name}_mean_s": statistics.fmean(xs) if xs else 0.0}
+
+
+def build_report(
+    config: BenchConfig, workload: Workload, results: Sequence[RequestResult], wall_s: float, target_facts: dict
+) -> dict:
+    """The report of one measured run.
+
+    Args:
+        config: the run's configuration.
+        workload: the measured requests (for the length medians).
+        results: one per measured request, in any order.
+        wall_s: seconds of the measured run.
+        target_facts: ``Target.describe()`` (its ``dtype`` overrides the asked one).
+
+    Raises:
+        ValueError: ``results`` and ``workload`` differ in size.
+    """
+    if len(results) != len(workload.requests):
+        raise ValueError(f"{len(results)} results for {len(workload.requests)} requests")
+    spec = workload.spec
+    total_out = sum(r.output_len for r in results)
+    report = {
+        "target": config.target,
+        "model": config.model,
+        "dtype": config.dtype,
+        "concurrency": config.effective_concurrency,
+        "num_requests": len(results),
+        "seed": spec.seed,
+        "warmup": config.warmup,
+        "wall_s": wall_s,
+        "total_output_tokens": total_out,
+        "total_prompt_tokens": sum(r.prompt_len for r in results),
+        "output_tokens_per_s": total_out / wall_s if wall_s > 0 else 0.0,
+        "requests_per_s": len(results) / wall_s if wall_s > 0 else 0.0,
+        **_latency("ttft", [r.ttft_s for r in results]),
+        **_latency("tpot", [r.tpot_s for r in results if r.output_len > 1]),
+        **_latency("e2e", [r.e2e_s for r in results]),
+        "prompt_len_median": statistics.median(workload.prompt_lens),
+        "output_len_median": statistics.median(workload.output_lens),
+        "prompt_len_median_target": spec.prompt_len_median,
+        "output_len_median_target": spec.output_len_median,
+        **target_facts,
+    }
+    if config.target == "hf-generate":
+        report["ttft_method"] = "streamer: time the first generated token reaches a transformers streamer"
+    report["requests"] = [{"request_id": r.request_id, "prompt_len": r.prompt_len, "output_len": r.output_len,
+                           "ttft_s": r.ttft_s, "tpot_s": r.tpot_s, "e2e_s": r.e2e_s} for r in results]
+    return report
+
+
+def format_table(report: dict) -> str:
+    """A few lines summarising ``report`` for the terminal."""
+    ms = 1000.0
+    rows = [
+        ("target", f"{report['target']} ({report['dtype']}, concurrency {report['concurrency']})"),
+        ("requests", f"{report['num_requests']} (seed {report['seed']}, warm-up {report['warmup']})"),
+        ("prompt / output median", f"{report['prompt_len_median']:g} / {report['output_len_median']:g} tokens"),
+        ("wall", f"{report['wall_s']:.2f} s"),
+        ("output tokens", f"{report['total_output_tokens']} ({report['output_tokens_per_s']:.1f} tokens/s)"),
+        ("TTFT p50 / p99", f"{report['ttft_p50_s'] * ms:.1f} / {report['ttft_p99_s'] * ms:.1f} ms"),
+        ("TPOT p50 / p99", f"{report['tpot_p50_s'] * ms:.1f} / {report['tpot_p99_s'] * ms:.1f} ms"),
+        ("e2e p50 / p99", f"{report['e2e_p50_s']:.2f} / {report['e2e_p99_s']:.2f} s"),
+    ]
+    width = max(len(name) for name, _ in rows)
+    return "\n".join(f"{name:<{width}}  {value}" for name, value in rows)
+
+
+def write_report(report: dict, path: str | Path) -> None:
+    """Writes ``report`` as indented JSON (parent folders created)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(report, indent=2) + "\n")

@@ -1,0 +1,162 @@
+"""The benchmark's synthetic workload: seeded prompt and output lengths and token ids.
+
+Lengths are log-normal, as request lengths of served chat traffic are (long right
+tail; see the ShareGPT length histograms used by vLLM's ``benchmark_serving``):
+``length = round(exp(N(ln median, sigma)))`` clipped to a range, so the median of
+the distribution is ``median`` whatever ``sigma`` is. Prompt token ids are drawn
+uniformly from the ordinary vocabulary (no special/control ids), which makes
+prompts share no prefix, so no target gets prefix-cache hits. Every request sets
+``ignore_eos`` and temperature 0: each produces exactly ``output_len`` tokens.
+
+The same ``(seed, vocabulary)`` gives the identical workload for every target;
+``numpy.random.default_rng(seed)`` draws, in this order, the prompt lengths, the
+output lengths, then all prompt token ids at once.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+import numpy as np
+
+# Warm-up requests come from their own stream so they never share a prompt (and so
+# a prefix-cache entry) with the measured ones.
+WARMUP_STREAM = 1
+# A warm-up request only needs to run every code path once; long outputs waste time.
+WARMUP_MAX_OUTPUT_LEN = 16
+
+
+@dataclass(frozen=True)
+class WorkloadSpec:
+    """Shape of a workload.
+
+    Attributes:
+        num_requests: number of requests.
+        seed: seed of ``numpy.random.default_rng``.
+        prompt_len_median / output_len_median: medians in tokens.
+        sigma: standard deviation of the lengths' natural logarithm.
+        prompt_len_range / output_len_range: inclusive clip bounds in tokens.
+
+    Raises:
+        ValueError: ``num_requests`` < 1, or a median outside its clip range.
+    """
+
+    num_requests: int
+    seed: int = 0
+    prompt_len_median: int = 150
+    output_len_median: int = 128
+    sigma: float = 0.5
+    prompt_len_range: tuple[int, int] = (16, 1024)
+    output_len_range: tuple[int, int] = (8, 512)
+
+    def __post_init__(self) -> None:
+        if self.num_requests < 1:
+            raise ValueError(f"num_requests must be >= 1, got {self.num_requests}")
+        for name, median, (lo, hi) in (("prompt", self.prompt_len_median, self.prompt_len_range),
+                                       ("output", self.output_len_median, self.output_len_range)):
+            if not 1 <= lo <= median <= hi:
+                raise ValueError(f"{name} length median {median} must lie in its clip range [{lo}, {hi}] (lo >= 1)")
+
+
+@dataclass(frozen=True)
+class BenchRequest:
+    """One request of the workload.
+
+    Attributes:
+        request_id: unique id ("bench-3", "warmup-0").
+        prompt_token_ids: prompt ids, all ordinary vocabulary ids.
+        output_len: exact number of tokens to generate (``max_tokens``).
+    """
+
+    request_id: str
+    prompt_token_ids: tuple[int, ...]
+    output_len: int
+
+
+@dataclass(frozen=True)
+class Workload:
+    """The requests of one benchmark run and the spec they were drawn from."""
+
+    spec: WorkloadSpec
+    requests: tuple[BenchRequest, ...]
+
+    @property
+    def prompt_lens(self) -> list[int]:
+        """Prompt length of each request (tokens)."""
+        return [len(r.prompt_token_ids) for r in self.requests]
+
+    @property
+    def output_lens(self) -> list[int]:
+        """Output length of each request (tokens)."""
+        return [r.output_len for r in self.requests]
+
+
+def _lengths(rng: np.random.Generator, n: int, median: int, sigma: float, bounds: tuple[int, int]) -> np.ndarray:
+    lo, hi = bounds
+    raw = rng.lognormal(mean=np.log(median), sigma=sigma, size=n)
+    return np.clip(np.rint(raw), lo, hi).astype(np.int64)
+
+
+def make_workload(
+    spec: WorkloadSpec, vocab_size: int, special_token_ids: frozenset[int] | set[int], *, stream: int | None = None,
+    prefix: str = "bench",
+) -> Workload:
+    """Draws the workload of ``spec`` over the ordinary ids of ``[0, vocab_size)``.
+
+    Args:
+        spec: sizes, seed and length distributions.
+        vocab_size: ids are drawn from ``[0, vocab_size)`` minus ``special_token_ids``.
+        special_token_ids: control ids never to use in prompts.
+        stream: None for the measured workload (``default_rng(seed)``); an int
+            selects an independent stream (``default_rng([seed, stream])``).
+        prefix: request id prefix.
+
+    Raises:
+        ValueError: no ordinary id left.
+    """
+    allowed = np.setdiff1d(np.arange(vocab_size, dtype=np.int64), np.fromiter(special_token_ids, dtype=np.int64))
+    if allowed.size == 0:
+        raise ValueError("the vocabulary has no ordinary (non-special) token id")
+    rng = np.random.default_rng(spec.seed if stream is None else [spec.seed, stream])
+    prompt_lens = _lengths(rng, spec.num_requests, spec.prompt_len_median, spec.sigma, spec.prompt_len_range)
+    output_lens = _lengths(rng, spec.num_requests, spec.output_len_median, spec.sigma, spec.output_len_range)
+    ids = allowed[rng.integers(0, allowed.size, size=int(prompt_lens.sum()))]
+    chunks = np.split(ids, np.cumsum(prompt_lens)[:-1])
+    requests = tuple(
+        BenchRequest(f"{prefix}-{i}", tuple(int(t) for t in chunk), int(n))
+        for i, (chunk, n) in enumerate(zip(chunks, output_lens))
+    )
+    return Workload(spec, requests)
+
+
+def make_warmup(spec: WorkloadSpec, num_requests: int, vocab_size: int, special_token_ids) -> Workload | None:
+    """``num_requests`` warm-up requests (own stream, outputs of at most 16 tokens); None for 0."""
+    if num_requests < 1:
+        return None
+    wl = make_workload(replace(spec, num_requests=num_requests), vocab_size, special_token_ids,
+                       stream=WARMUP_STREAM, prefix="warmup")
+    capped = tuple(BenchRequest(r.request_id, r.prompt_token_ids, min(r.output_len, WARMUP_MAX_OUTPUT_LEN))
+                   for r in wl.requests)
+    return Workload(wl.spec, capped)
+
+
+def special_token_ids(tokenizer) -> frozenset[int]:
+    """Every special id of a ``transformers`` tokenizer: its named specials and its
+    added tokens marked special (SmolLM2: ids 0..16)."""
+    ids = set(tokenizer.all_special_ids)
+    ids.update(i for i, tok in tokenizer.added_tokens_decoder.items() if tok.special)
+    return frozenset(ids)
+
+
+def model_vocabulary(model_path: str | Path) -> tuple[int, frozenset[int]]:
+    """``(vocab_size, special ids)`` of a model folder.
+
+    ``vocab_size`` is the smaller of the tokenizer's size and the model's
+    embedding rows, so every drawn id is both a real token and a valid input.
+    """
+    from transformers import AutoConfig, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(model_path)
+    config = AutoConfig.from_pretrained(model_path)
+    return min(len(tokenizer), config.vocab_size), special_token_ids(tokenizer)
