@@ -27,10 +27,3 @@ def tokenizer(default_model_files):
 
     return AutoTokenizer.from_pretrained(default_model_files.path)
 
-
-@pytest.fixture(scope="session")
-def hf_reference(default_model_files):
-    """transformers' own model in float32 (the golden reference)."""
-    from tests.executor.reference import HFReference
-
-    return HFReference(default_model_files.path)

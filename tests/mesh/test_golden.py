@@ -7,7 +7,7 @@ import asyncio
 import pytest
 
 from meshserve.client import build_request, generate
-from tests.executor.reference import SENTENCES, HFReference, assert_greedy_matches, golden_lengths
+from tests.executor.reference import SENTENCES, HFReference, assert_greedy_matches, cached_reference, golden_lengths
 
 pytestmark = pytest.mark.model
 MAX_TOKENS = 64
@@ -37,7 +37,7 @@ def mesh_prompts(tokenizer):
     return cases
 
 
-async def test_golden_outputs_through_the_mesh(mesh, tokenizer, hf_reference: HFReference):
+async def test_golden_outputs_through_the_mesh(mesh, tokenizer, default_model_files):
     cases = mesh_prompts(tokenizer)
     lengths = [len(ids) for _, ids in cases]
     assert min(lengths) <= 40 and 560 <= max(lengths) <= 640, lengths
@@ -46,7 +46,10 @@ async def test_golden_outputs_through_the_mesh(mesh, tokenizer, hf_reference: HF
     for (_, expected_ids), out in zip(cases, outs):
         assert out.prompt_token_ids == expected_ids  # the gateway tokenized exactly like transformers
         assert out.finish_reason == "length" and len(out.token_ids) == MAX_TOKENS
-    refs = hf_reference.greedy_many([ids for _, ids in cases], MAX_TOKENS)
+    prompts = [ids for _, ids in cases]
+    key = {"model": default_model_files.model_id, "revision": default_model_files.revision, "prompts": prompts,
+           "max_new_tokens": MAX_TOKENS, "ignore_eos": True}
+    refs = cached_reference(key, lambda: HFReference(default_model_files.path).greedy_many(prompts, MAX_TOKENS))
     assert_greedy_matches([o.token_ids for o in outs], refs, tie_tol=1e-4, max_divergent=1)
     stats = await mesh.executor_stats()
     assert stats.num_joined_running_batch > 0

@@ -1,0 +1,81 @@
+"""The attention backend interface and its registry by name.
+
+A backend does two things per step: ``plan`` (once, after the ModelRunner built
+the ``AttentionMetadata``: precompute gather indices, masks, kernel work lists)
+and ``forward`` (once per layer: write this step's K/V into the paged cache, then
+attend). Backends: ``torch`` (a reference in plain PyTorch, used on CPU); a
+Triton paged-attention backend for CUDA registers itself the same way.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from typing import Callable, ClassVar
+
+import torch
+
+from executor.attention.metadata import AttentionMetadata
+
+KVCache = tuple[torch.Tensor, torch.Tensor]
+"""One layer's ``(key_cache, value_cache)``, each ``(num_blocks, block_size,
+num_kv_heads, head_dim)`` in the model's dtype."""
+
+
+class AttentionBackend(ABC):
+    """Paged causal attention over a flattened, unpadded batch."""
+
+    name: ClassVar[str]
+
+    def plan(self, metadata: AttentionMetadata) -> None:
+        """Precomputes per-step data into ``metadata.plan`` (default: nothing)."""
+
+    @abstractmethod
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: KVCache,
+                metadata: AttentionMetadata, scale: float) -> torch.Tensor:
+        """Writes ``k``/``v`` into ``kv_cache`` at ``metadata.slot_mapping`` and attends.
+
+        Args:
+            q: ``(num_tokens, num_heads, head_dim)``.
+            k, v: ``(num_tokens, num_kv_heads, head_dim)``; ``num_heads`` must be a
+                multiple of ``num_kv_heads`` (grouped-query attention).
+            kv_cache: this layer's paged cache (written in place).
+            metadata: the step's metadata, after ``plan``.
+            scale: softmax scale (usually ``head_dim ** -0.5``).
+
+        Returns:
+            ``(num_tokens, num_heads, head_dim)``, the dtype of ``q``.
+        """
+
+
+_REGISTRY: dict[str, type[AttentionBackend]] = {}
+
+
+def register_backend(name: str) -> Callable[[type[AttentionBackend]], type[AttentionBackend]]:
+    """Class decorator: makes a backend available to ``get_backend(name)``."""
+
+    def register(cls: type[AttentionBackend]) -> type[AttentionBackend]:
+        cls.name = name
+        _REGISTRY[name] = cls
+        return cls
+
+    return register
+
+
+def get_backend(name: str) -> AttentionBackend:
+    """A new instance of the backend registered as ``name``.
+
+    Raises:
+        ValueError: no backend of that name.
+    """
+    import executor.attention.torch_backend  # noqa: F401 - registers "torch"
+
+    if name not in _REGISTRY:
+        raise ValueError(f"unknown attention backend {name!r}; available: {', '.join(sorted(_REGISTRY))}")
+    return _REGISTRY[name]()
+
+
+def available_backends() -> list[str]:
+    """Names of the registered backends."""
+    import executor.attention.torch_backend  # noqa: F401
+
+    return sorted(_REGISTRY)

@@ -1,0 +1,202 @@
+"""AsyncEngine: runs ``LLMEngine.step()`` in one dedicated thread for asyncio servers.
+
+::
+
+    event loop (gRPC)                         engine thread
+    ─────────────────                         ─────────────
+    generate(): check_request
+                put ("add") ────┐
+    cancel:     put ("abort") ──┼──▶ _commands ──▶ add_request / abort_request
+                wake ───────────┘                  (in call order, start of each step)
+                                               step() ──▶ outputs
+    per-request asyncio.Queue ◀── call_soon_threadsafe(_dispatch, outputs, stats)
+
+Only the engine thread touches the ``LLMEngine`` (it is not thread-safe), except
+``check_request``, which reads immutable limits: the loop calls it first so that
+``InvalidArgument`` is raised by ``generate`` before any output. When there is no
+work the thread sleeps on an event (no busy loop). ``on_stats`` runs in the loop
+when the counters changed, at most every ``STATS_INTERVAL_S`` (a last change is
+always delivered once the engine goes idle).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+import time
+from typing import AsyncIterator, Callable
+
+from executor.engine.llm_engine import LLMEngine
+from executor.engine.outputs import EngineStats, RequestOutput
+from meshserve.errors import InvalidArgument, Unavailable
+from meshserve.sampling import SamplingParams
+
+log = logging.getLogger(__name__)
+
+STATS_INTERVAL_S = 0.05
+
+
+class AsyncEngine:
+    """An ``LLMEngine`` behind an asyncio interface.
+
+    Args:
+        engine: the engine; from ``start()`` on only the engine thread uses it.
+        on_stats: called in the event loop with fresh ``EngineStats`` when they change
+            (at most every ~50 ms).
+    """
+
+    def __init__(self, engine: LLMEngine, on_stats: Callable[[EngineStats], None] | None = None):
+        self.engine = engine
+        self._on_stats = on_stats
+        # ("add", request_id, prompt, params, priority) | ("abort", request_id), in call order
+        self._commands: queue.SimpleQueue = queue.SimpleQueue()
+        self._wake = threading.Event()
+        self._stopping = False
+        self._thread: threading.Thread | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._streams: dict[str, asyncio.Queue] = {}
+        self._stats = engine.stats()
+        self._failure: BaseException | None = None
+
+    async def start(self) -> None:
+        """Starts the engine thread (idempotent)."""
+        if self._thread is not None:
+            return
+        self._loop = asyncio.get_running_loop()
+        self._thread = threading.Thread(target=self._run, name="llm-engine", daemon=True)
+        self._thread.start()
+
+    async def stop(self) -> None:
+        """Aborts every request, stops the thread, and ends open streams with "abort"."""
+        if self._thread is None:
+            return
+        self._stopping = True
+        self._wake.set()
+        await asyncio.to_thread(self._thread.join)
+        self._thread = None
+        for request_id, stream in list(self._streams.items()):
+            stream.put_nowait(RequestOutput(request_id, [], True, "abort"))
+
+    def stats(self) -> EngineStats:
+        """The latest counters (as of the engine thread's last step or idle moment)."""
+        return self._stats
+
+    async def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                       priority: int = 0) -> AsyncIterator[RequestOutput]:
+        """Adds a request and yields its outputs until one is ``finished``.
+
+        Raises:
+            InvalidArgument: the request is invalid or its id is in use (before any output).
+            Unavailable: the engine is not running.
+            BaseException: what the engine thread raised, if it failed.
+
+        Cancelling the consumer (``CancelledError``, ``aclose()``) aborts the request;
+        its blocks are freed at the start of the engine's next step.
+        """
+        if self._thread is None or self._stopping or self._failure is not None:
+            raise Unavailable("engine is not running")
+        if not request_id:
+            raise InvalidArgument("request_id must not be empty")
+        if request_id in self._streams:
+            raise InvalidArgument(f"request_id {request_id!r} is already in use by an unfinished request")
+        params = self.engine.check_request(prompt_token_ids, params)
+        stream: asyncio.Queue = asyncio.Queue()
+        self._streams[request_id] = stream
+        self._commands.put(("add", request_id, list(prompt_token_ids), params, priority))
+        self._wake.set()
+        finished = False
+        try:
+            while not finished:
+                item = await stream.get()
+                if isinstance(item, BaseException):
+                    finished = True
+                    raise item
+                finished = item.finished
+                yield item
+        finally:
+            self._streams.pop(request_id, None)
+            if not finished:
+                self._commands.put(("abort", request_id))
+                self._wake.set()
+
+    # -- event loop side ------------------------------------------------------
+
+    def _dispatch(self, outputs: list, stats: EngineStats | None) -> None:
+        for item in outputs:
+            request_id, value = item
+            stream = self._streams.get(request_id)
+            if stream is not None:
+                stream.put_nowait(value)
+        if stats is not None and self._on_stats is not None:
+            try:
+                self._on_stats(stats)
+            except Exception:  # noqa: BLE001 - a callback bug must not kill dispatch
+                log.exception("on_stats callback failed")
+
+    def _fail_streams(self, exc: BaseException) -> None:
+        for stream in self._streams.values():
+            stream.put_nowait(exc)
+
+    def _send(self, outputs: list, stats: EngineStats | None) -> None:
+        if self._loop is not None and not self._loop.is_closed():
+            self._loop.call_soon_threadsafe(self._dispatch, outputs, stats)
+
+    # -- engine thread --------------------------------------------------------
+
+    def _run(self) -> None:
+        last_sent_stats, last_sent_at = None, 0.0
+        try:
+            while not self._stopping:
+                self._wake.clear()
+                errors = self._apply_queues()
+                outputs = errors + [(o.request_id, o) for o in self.engine.step()]
+                self._stats = self.engine.stats()
+                now = time.monotonic()
+                stats = None
+                if self._stats != last_sent_stats and now - last_sent_at >= STATS_INTERVAL_S:
+                    stats, last_sent_stats, last_sent_at = self._stats, self._stats, now
+                if outputs or stats is not None:
+                    self._send(outputs, stats)
+                if not self.engine.has_unfinished_requests() and self._commands.empty():
+                    self._check_integrity()
+                    pending = self._stats != last_sent_stats
+                    self._wake.wait(max(0.0, STATS_INTERVAL_S - (now - last_sent_at)) if pending else None)
+            self._abort_all()
+        except BaseException as exc:  # noqa: BLE001 - reported to every stream
+            log.exception("engine thread failed")
+            self._failure = exc
+            if self._loop is not None and not self._loop.is_closed():
+                self._loop.call_soon_threadsafe(self._fail_streams, exc)
+
+    def _check_integrity(self) -> None:
+        """The KV conservation invariant, checked whenever the engine goes idle; a
+        violation is our bug: logged loudly, not raised into callers."""
+        try:
+            self.engine.check_integrity()
+        except AssertionError:
+            log.exception("KV cache integrity check failed")
+
+    def _apply_queues(self) -> list:
+        """Applies queued adds and aborts in call order; returns ``(request_id, error)``
+        for adds the engine refused."""
+        errors = []
+        while not self._commands.empty():
+            command = self._commands.get()
+            if command[0] == "abort":
+                self.engine.abort_request(command[1])
+                continue
+            _, request_id, prompt, params, priority = command
+            try:
+                self.engine.add_request(request_id, prompt, params, priority)
+            except InvalidArgument as exc:
+                errors.append((request_id, exc))
+        return errors
+
+    def _abort_all(self) -> None:
+        self._apply_queues()
+        for request_id in list(self.engine.batch_scheduler.requests):
+            self.engine.abort_request(request_id)
+        self._stats = self.engine.stats()
+        self._send([], self._stats)

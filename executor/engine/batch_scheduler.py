@@ -1,0 +1,223 @@
+"""BatchScheduler: iteration-level continuous batching over a token budget.
+
+(Named so it is not confused with the ``scheduler/`` service, which places
+requests on executors.) Orca's iteration-level scheduling (Yu et al., OSDI '22)
+with vLLM v1's rule "no prefill or decode phases, only a token budget": each
+step gives every scheduled request a share of ``max_num_batched_tokens``:
+
+1. running decodes, one token each (keeps inter-token latency flat);
+2. running requests still in their prompt (chunked prefill), a chunk each;
+3. waiting requests in order (higher priority first, then earlier arrival), a
+   first chunk each, while the budget, ``max_num_seqs`` and free blocks allow.
+
+Requests join and leave the batch every step. When a running request needs a
+block and none is free, the scheduler preempts by recompute (vLLM, Kwon et al.,
+SOSP '23): the victim is the running request with the lowest priority, then the
+latest arrival; its blocks are freed and it goes back to waiting with
+``num_computed_tokens = 0``. The request being scheduled is never preempted for
+a lower one, and one request alone always fits (``Request.max_len`` is capped at
+the cache's capacity), so the scheduler cannot deadlock. No waiting request is
+admitted in a step that preempted.
+
+The scheduler owns request status and ``num_computed_tokens``; it advances them
+only in ``update_from_output``.
+"""
+
+from __future__ import annotations
+
+import bisect
+from dataclasses import dataclass
+
+from executor.engine.config import BatchSchedulerConfig
+from executor.engine.kv_cache_manager import KVCacheManager
+from executor.engine.outputs import RequestOutput
+from executor.engine.request import Request, RequestStatus
+from executor.engine.scheduler_output import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
+from executor.engine.stop import check_stop
+
+
+@dataclass
+class _StepState:
+    budget: int
+    scheduled: dict[str, int]    # request id -> tokens this step (insertion order = batch order)
+    preempted: list[str]
+
+
+class BatchScheduler:
+    """Decides, each step, which requests run and how many tokens each.
+
+    Args:
+        config: budget and limits.
+        kv_cache_manager: the requests' KV blocks.
+        eos_token_ids: ids that stop a request unless ``ignore_eos``.
+    """
+
+    def __init__(self, config: BatchSchedulerConfig, kv_cache_manager: KVCacheManager,
+                 eos_token_ids: frozenset[int] = frozenset()):
+        self.config = config
+        self.kv = kv_cache_manager
+        self.eos_token_ids = eos_token_ids
+        self.requests: dict[str, Request] = {}
+        self.waiting: list[Request] = []   # sorted by Request.sort_key
+        self.running: list[Request] = []   # sorted by Request.sort_key
+        self._finished_ids: set[str] = set()
+        self.num_preemptions = 0
+        self.num_joined_running_batch = 0
+        self.num_finished = 0
+        self.num_aborted = 0
+
+    # -- requests in and out --------------------------------------------------
+
+    def add_request(self, request: Request) -> None:
+        """Queues a validated request (the engine checks ids, lengths and params)."""
+        if request.request_id in self.requests:
+            raise ValueError(f"duplicate request id {request.request_id!r}")
+        self.requests[request.request_id] = request
+        bisect.insort(self.waiting, request, key=lambda r: r.sort_key)
+
+    def abort_request(self, request_id: str) -> bool:
+        """Finishes the request as aborted and frees its blocks now.
+
+        Returns:
+            False when the id is unknown or already finished.
+        """
+        request = self.requests.get(request_id)
+        if request is None:
+            return False
+        if request in self.waiting:
+            self.waiting.remove(request)
+        self._finish(request, RequestStatus.FINISHED_ABORTED)
+        self.num_aborted += 1
+        return True
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    # -- schedule -------------------------------------------------------------
+
+    def schedule(self) -> SchedulerOutput:
+        """Picks this step's batch and allocates its KV slots (see the module doc)."""
+        state = _StepState(self.config.max_num_batched_tokens, {}, [])
+        had_running = bool(self.running)
+        self._schedule_running(state, decodes=True)
+        self._schedule_running(state, decodes=False)
+        if not state.preempted:
+            self._schedule_waiting(state, had_running)
+        scheduled = [self._scheduled_request(self.requests[rid], n) for rid, n in state.scheduled.items()]
+        finished, self._finished_ids = self._finished_ids, set()
+        return SchedulerOutput(scheduled, sum(state.scheduled.values()), state.preempted, finished)
+
+    def _schedule_running(self, state: _StepState, decodes: bool) -> None:
+        for request in list(self.running):
+            if state.budget == 0:
+                return
+            if request.status != RequestStatus.RUNNING or request.request_id in state.scheduled:
+                continue
+            if (request.num_uncomputed_tokens == 1) != decodes:
+                continue
+            num_new = min(request.num_uncomputed_tokens, state.budget)
+            if self._allocate_or_preempt(request, num_new, state):
+                state.scheduled[request.request_id] = num_new
+                state.budget -= num_new
+
+    def _allocate_or_preempt(self, request: Request, num_new: int, state: _StepState) -> bool:
+        """Allocates the request's slots, preempting lower requests until they fit.
+
+        Returns:
+            False when ``request`` itself was the lowest and got preempted.
+        """
+        while self.kv.allocate_slots(request.request_id, request.num_computed_tokens + num_new) is None:
+            victim = self.running[-1]  # lowest priority, latest arrival
+            self._preempt(victim, state)
+            if victim is request:
+                return False
+        return True
+
+    def _preempt(self, request: Request, state: _StepState) -> None:
+        self.running.remove(request)
+        self.kv.free(request.request_id)
+        state.budget += state.scheduled.pop(request.request_id, 0)
+        state.preempted.append(request.request_id)
+        request.status = RequestStatus.PREEMPTED
+        request.num_computed_tokens = 0
+        request.num_preemptions += 1
+        self.num_preemptions += 1
+        bisect.insort(self.waiting, request, key=lambda r: r.sort_key)
+
+    def _schedule_waiting(self, state: _StepState, had_running: bool) -> None:
+        while self.waiting and state.budget > 0 and len(self.running) < self.config.max_num_seqs:
+            request = self.waiting[0]
+            num_new = request.num_uncomputed_tokens
+            if num_new > state.budget and not self._may_chunk(request):
+                return
+            num_new = min(num_new, state.budget)
+            if self.kv.allocate_slots(request.request_id, request.num_computed_tokens + num_new) is None:
+                return  # head-of-line waits for blocks; running requests free them
+            self.waiting.pop(0)
+            if had_running and request.num_preemptions == 0:
+                self.num_joined_running_batch += 1
+            request.status = RequestStatus.RUNNING
+            bisect.insort(self.running, request, key=lambda r: r.sort_key)
+            state.scheduled[request.request_id] = num_new
+            state.budget -= num_new
+
+    def _may_chunk(self, request: Request) -> bool:
+        """Chunked prefill on; or off, but a preempted request longer than the whole
+        budget must recompute in chunks or it would never run again."""
+        return self.config.enable_chunked_prefill or (
+            request.num_preemptions > 0 and request.num_uncomputed_tokens > self.config.max_num_batched_tokens)
+
+    def _scheduled_request(self, request: Request, num_new: int) -> ScheduledRequest:
+        start = request.num_computed_tokens
+        return ScheduledRequest(
+            request_id=request.request_id,
+            token_ids=request.all_token_ids[start:start + num_new],
+            num_computed_tokens=start,
+            block_ids=self.kv.get_block_ids(request.request_id),
+            sampling_params=request.sampling_params,
+            sample=start + num_new == request.num_tokens,
+        )
+
+    # -- update ---------------------------------------------------------------
+
+    def update_from_output(self, scheduler_output: SchedulerOutput,
+                           runner_output: ModelRunnerOutput) -> list[RequestOutput]:
+        """Advances ``num_computed_tokens``, appends sampled tokens, applies stop
+        conditions and frees finished requests' blocks.
+
+        Returns:
+            One output per request that got a token this step.
+        """
+        outputs = []
+        for scheduled in scheduler_output.scheduled:
+            request = self.requests.get(scheduled.request_id)
+            if request is None or request.status != RequestStatus.RUNNING:
+                continue  # aborted or preempted since schedule()
+            request.num_computed_tokens += scheduled.num_scheduled_tokens
+            token = runner_output.sampled_token_ids.get(request.request_id)
+            if token is None:
+                continue  # a prefill chunk that is not the last
+            request.append_output(token)
+            status = check_stop(request, self.eos_token_ids)
+            if status is not None:
+                self._finish(request, status)
+            outputs.append(RequestOutput(request.request_id, [token], status is not None,
+                                         status.finish_reason if status else None, request.num_cached_tokens))
+        return outputs
+
+    def _finish(self, request: Request, status: RequestStatus) -> None:
+        if request.status == RequestStatus.RUNNING:
+            self.running.remove(request)
+        self.kv.free(request.request_id)
+        request.status = status
+        del self.requests[request.request_id]
+        self._finished_ids.add(request.request_id)
+        self.num_finished += 1

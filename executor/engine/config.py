@@ -1,0 +1,82 @@
+"""Engine configuration: frozen dataclasses grouped by concern, validated once."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    """The paged KV cache.
+
+    Attributes:
+        block_size: tokens per KV block.
+        kv_cache_memory_bytes: memory for K and V of all layers (bytes); the number
+            of blocks is ``kv_cache_memory_bytes // bytes_per_block``.
+        num_blocks: an explicit number of blocks (overrides the memory budget; tests).
+    """
+
+    block_size: int = 16
+    kv_cache_memory_bytes: int = 1 << 30
+    num_blocks: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.block_size < 1:
+            raise ValueError(f"block_size must be >= 1, got {self.block_size}")
+        if self.kv_cache_memory_bytes < 1:
+            raise ValueError(f"kv_cache_memory_bytes must be >= 1, got {self.kv_cache_memory_bytes}")
+        if self.num_blocks is not None and self.num_blocks < 1:
+            raise ValueError(f"num_blocks must be >= 1, got {self.num_blocks}")
+
+
+@dataclass(frozen=True)
+class BatchSchedulerConfig:
+    """The iteration-level batch scheduler.
+
+    Attributes:
+        max_num_seqs: most requests in one step's batch.
+        max_num_batched_tokens: most tokens in one step's batch (the token budget).
+        enable_chunked_prefill: split prompts over steps to fit the budget; when
+            off, a prompt longer than ``max_num_batched_tokens`` is rejected.
+    """
+
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+    enable_chunked_prefill: bool = True
+
+    def __post_init__(self) -> None:
+        if self.max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
+        if self.max_num_batched_tokens < 1:
+            raise ValueError(f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Everything an ``LLMEngine`` needs.
+
+    Attributes:
+        model: ``--model`` as ``meshserve.model_files.resolve_model`` takes it.
+        dtype: ``auto`` (float32 on CPU), ``float32``, ``bfloat16`` or ``float16``.
+        max_model_len: cap on prompt + output tokens (default: the model's limit).
+        num_threads: ``torch.set_num_threads`` for the engine (default: torch's).
+        cache: KV cache settings.
+        batch: batch scheduler settings.
+        seed: seed of the generator shared by unseeded sampled requests.
+        attention_backend: registered attention backend name.
+        device: torch device of the model and cache.
+    """
+
+    model: str = "default"
+    dtype: str = "auto"
+    max_model_len: int | None = None
+    num_threads: int | None = None
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    batch: BatchSchedulerConfig = field(default_factory=BatchSchedulerConfig)
+    seed: int = 0
+    attention_backend: str = "torch"
+    device: str = "cpu"
+
+    def __post_init__(self) -> None:
+        if self.num_threads is not None and self.num_threads < 1:
+            raise ValueError(f"num_threads must be >= 1, got {self.num_threads}")

@@ -1,0 +1,205 @@
+"""LLMEngine: the synchronous engine core; one ``step()`` is one batch.
+
+The step loop is three calls with plain dataclasses between them (vLLM v1)::
+
+    SchedulerOutput   = batch_scheduler.schedule()
+    ModelRunnerOutput = model_runner.execute_model(SchedulerOutput)
+    [RequestOutput]   = batch_scheduler.update_from_output(SchedulerOutput, ModelRunnerOutput)
+
+Not thread-safe: ``AsyncEngine`` drives it from one thread. ``check_request`` is
+the exception: it reads only immutable limits, so any thread may call it.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+
+import torch
+
+from executor.engine.batch_scheduler import BatchScheduler
+from executor.engine.config import EngineConfig
+from executor.engine.kv_cache import bytes_per_block, num_blocks_for_budget
+from executor.engine.kv_cache_manager import KVCacheManager, cdiv
+from executor.engine.model_runner import ModelRunner
+from executor.engine.outputs import EngineStats, RequestOutput
+from executor.engine.request import Request
+from executor.model_loader import load_model
+from meshserve.errors import InvalidArgument
+from meshserve.model_files import resolve_model
+from meshserve.sampling import SamplingParams, validate
+
+log = logging.getLogger(__name__)
+
+
+class LLMEngine:
+    """One model replica with its paged KV cache and continuous batch.
+
+    Args:
+        config: engine configuration; the model is resolved with
+            ``meshserve.model_files.resolve_model(config.model)``.
+
+    Raises:
+        FileNotFoundError: the model cannot be resolved.
+        ValueError: bad configuration (dtype, max_model_len, cache budget smaller
+            than one block, unsupported architecture).
+    """
+
+    def __init__(self, config: EngineConfig):
+        if config.num_threads is not None:
+            torch.set_num_threads(config.num_threads)
+        self.config = config
+        files = resolve_model(config.model)
+        self.model_id, self.revision = files.model_id, files.revision
+        loaded = load_model(files.path, dtype=config.dtype, max_model_len=config.max_model_len,
+                            attention_backend=config.attention_backend, device=config.device)
+        self.dtype = loaded.dtype
+        self.max_model_len = loaded.max_model_len
+        self.vocab_size = loaded.vocab_size
+        self.eos_token_ids = loaded.eos_token_ids
+        self.block_size = config.cache.block_size
+        layer = loaded.model.attention_layers()[0]
+        block_bytes = bytes_per_block(len(loaded.model.attention_layers()), self.block_size, layer.num_kv_heads,
+                                      layer.head_dim, loaded.dtype)
+        self.num_blocks = config.cache.num_blocks or num_blocks_for_budget(config.cache.kv_cache_memory_bytes,
+                                                                           block_bytes)
+        self.kv_cache_manager = KVCacheManager(self.num_blocks, self.block_size)
+        self.batch_scheduler = BatchScheduler(config.batch, self.kv_cache_manager, self.eos_token_ids)
+        self.model_runner = ModelRunner(loaded, self.num_blocks, self.block_size, config.seed, config.device)
+        self.num_steps = 0
+        self._arrivals = itertools.count()
+        self._generate_ids = itertools.count()
+        log.info("engine ready: %s, %d blocks of %d tokens (%.1f MiB), max_model_len %d", self.model_id,
+                 self.num_blocks, self.block_size, self.num_blocks * block_bytes / 2**20, self.max_model_len)
+
+    # -- requests -------------------------------------------------------------
+
+    def check_request(self, prompt_token_ids: list[int], params: SamplingParams) -> SamplingParams:
+        """Validates a request against the engine's limits; returns normalised params.
+
+        Thread-safe (reads only immutable limits). Does not check the request id.
+
+        Raises:
+            InvalidArgument: empty prompt, an id outside the vocabulary, a prompt that
+                leaves no room for one generated token within ``max_model_len``, a
+                prompt needing more blocks than the whole cache, a prompt longer than
+                ``max_num_batched_tokens`` with chunked prefill off, or invalid params.
+        """
+        n = len(prompt_token_ids)
+        if n == 0:
+            raise InvalidArgument("prompt_token_ids must not be empty")
+        low, high = min(prompt_token_ids), max(prompt_token_ids)
+        if low < 0 or high >= self.vocab_size:
+            bad = low if low < 0 else high
+            raise InvalidArgument(f"prompt_token_ids entry {bad} is outside the vocabulary [0, {self.vocab_size})")
+        if n + 1 > self.max_model_len:
+            raise InvalidArgument(f"prompt has {n} tokens; prompt + 1 generated token exceeds max_model_len "
+                                  f"{self.max_model_len}")
+        if cdiv(n, self.block_size) > self.num_blocks:
+            raise InvalidArgument(f"prompt has {n} tokens and needs {cdiv(n, self.block_size)} KV blocks of "
+                                  f"{self.block_size} tokens; the whole KV cache has {self.num_blocks} blocks")
+        batch = self.config.batch
+        if not batch.enable_chunked_prefill and n > batch.max_num_batched_tokens:
+            raise InvalidArgument(f"prompt has {n} tokens, more than max_num_batched_tokens "
+                                  f"{batch.max_num_batched_tokens} (chunked prefill is off)")
+        return validate(params, max_model_len=self.max_model_len, vocab_size=self.vocab_size)
+
+    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                    priority: int = 0) -> None:
+        """Queues a request; it joins the running batch at a following step.
+
+        Raises:
+            InvalidArgument: see ``check_request``; also an empty or duplicate request id.
+        """
+        if not request_id:
+            raise InvalidArgument("request_id must not be empty")
+        if request_id in self.batch_scheduler.requests:
+            raise InvalidArgument(f"request_id {request_id!r} is already in use by an unfinished request")
+        params = self.check_request(prompt_token_ids, params)
+        max_len = min(self.max_model_len, self.num_blocks * self.block_size)
+        request = Request(request_id, list(prompt_token_ids), params, priority, next(self._arrivals), max_len)
+        self.batch_scheduler.add_request(request)
+
+    def abort_request(self, request_id: str) -> bool:
+        """Aborts a request and frees its KV blocks at once.
+
+        Returns:
+            False when the id is unknown or the request already finished.
+        """
+        return self.batch_scheduler.abort_request(request_id)
+
+    # -- the step loop --------------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        """Runs one iteration of the batch.
+
+        Returns:
+            One output per request that got a token (finished ones included); empty
+            when nothing is runnable.
+        """
+        scheduler_output = self.batch_scheduler.schedule()
+        if scheduler_output.is_empty:
+            self.model_runner.release(scheduler_output.finished_request_ids)
+            return []
+        runner_output = self.model_runner.execute_model(scheduler_output)
+        self.num_steps += 1
+        return self.batch_scheduler.update_from_output(scheduler_output, runner_output)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.batch_scheduler.has_unfinished_requests()
+
+    def stats(self) -> EngineStats:
+        s = self.batch_scheduler
+        return EngineStats(
+            num_blocks=self.num_blocks,
+            num_free_blocks=self.kv_cache_manager.num_free_blocks,
+            num_running=s.num_running,
+            num_waiting=s.num_waiting,
+            num_steps=self.num_steps,
+            num_joined_running_batch=s.num_joined_running_batch,
+            num_finished=s.num_finished,
+            num_aborted=s.num_aborted,
+            num_preemptions=s.num_preemptions,
+            block_size=self.block_size,
+            max_model_len=self.max_model_len,
+        )
+
+    def check_integrity(self) -> None:
+        """Asserts the KV cache invariants (free + referenced == num_blocks; blocks held by
+        requests == referenced blocks). Cheap; run it when idle and in tests.
+
+        Raises:
+            AssertionError: inconsistent state (a bug).
+        """
+        self.kv_cache_manager.check_integrity()
+        held = set(self.kv_cache_manager.req_to_blocks)
+        assert held <= set(self.batch_scheduler.requests), "blocks held by a request the scheduler forgot"
+
+    def generate(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams]) -> list[list[int]]:
+        """Offline generation: adds every prompt, steps until all finish.
+
+        Returns:
+            The generated token ids of each prompt, in order.
+
+        Raises:
+            InvalidArgument: a prompt or its params are invalid (nothing is left queued).
+        """
+        params_list = params if isinstance(params, list) else [params] * len(prompts)
+        if len(params_list) != len(prompts):
+            raise InvalidArgument(f"got {len(params_list)} params for {len(prompts)} prompts")
+        ids = [f"generate-{next(self._generate_ids)}" for _ in prompts]
+        results: dict[str, list[int]] = {i: [] for i in ids}
+        try:
+            for request_id, prompt, p in zip(ids, prompts, params_list):
+                self.add_request(request_id, prompt, p)
+            pending = set(ids)
+            while pending:
+                for out in self.step():
+                    if out.request_id in results:
+                        results[out.request_id].extend(out.new_token_ids)
+                        if out.finished:
+                            pending.discard(out.request_id)
+        finally:
+            for request_id in ids:
+                self.abort_request(request_id)  # no-op for finished ones
+        return [results[i] for i in ids]

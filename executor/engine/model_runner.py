@@ -1,0 +1,116 @@
+"""ModelRunner: turns a SchedulerOutput into one forward pass and sampled tokens.
+
+Per step:
+
+1. order the scheduled requests decodes first (query length 1, longest sequence
+   first, so attention can batch decodes of similar length), prefill chunks after;
+2. build the flattened, unpadded inputs: ``input_ids`` and ``positions``
+   ``(num_tokens,)`` int64 and the ``AttentionMetadata`` (``slot_mapping``,
+   ``block_table``, ``query_start_loc``, ``seq_lens``);
+3. run the model under ``torch.inference_mode``;
+4. compute logits only at the last scheduled token of each request whose
+   prefill is complete (``ScheduledRequest.sample``) and sample them.
+
+The runner owns the KV cache tensors and the per-request seeded generators, and
+nothing of the scheduler's state.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from executor.attention import build_attention_metadata
+from executor.engine.kv_cache import allocate_kv_caches
+from executor.engine.sampler import Sampler, SamplingBatch
+from executor.engine.scheduler_output import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
+from executor.model_loader import LoadedModel
+
+
+class ModelRunner:
+    """Runs the model over the paged KV cache.
+
+    Args:
+        loaded: the model and its limits.
+        num_blocks: KV blocks to allocate.
+        block_size: tokens per block.
+        seed: seed of the sampler's shared generator.
+        device: device of the model and cache.
+    """
+
+    def __init__(self, loaded: LoadedModel, num_blocks: int, block_size: int, seed: int = 0,
+                 device: torch.device | str = "cpu"):
+        self.model = loaded.model
+        self.vocab_size = loaded.vocab_size
+        self.device = torch.device(device)
+        self.block_size = block_size
+        layers = self.model.attention_layers()
+        first = layers[0]
+        self.kv_caches = allocate_kv_caches(len(layers), num_blocks, block_size, first.num_kv_heads,
+                                            first.head_dim, loaded.dtype, self.device)
+        for layer, kv_cache in zip(layers, self.kv_caches):
+            layer.kv_cache = kv_cache
+        self.attention_backend = first.backend
+        self.sampler = Sampler(seed, self.device)
+        self.generators: dict[str, torch.Generator] = {}
+
+    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        """One forward pass over the step's batch.
+
+        Returns:
+            The token sampled for each scheduled request with ``sample`` set.
+        """
+        self.release(scheduler_output.finished_request_ids)
+        scheduled = sorted(scheduler_output.scheduled, key=_batch_order)
+        if not scheduled:
+            return ModelRunnerOutput({})
+        input_ids, positions, md = self._prepare_inputs(scheduled)
+        self.attention_backend.plan(md)
+        sampling = [(i, s) for i, s in enumerate(scheduled) if s.sample]
+        with torch.inference_mode():
+            hidden = self.model(input_ids, positions, md)
+            if not sampling:
+                return ModelRunnerOutput({})
+            last = torch.tensor([md.query_start_loc_cpu[i + 1] - 1 for i, _ in sampling], device=self.device)
+            logits = self.model.compute_logits(hidden[last])
+            batch = SamplingBatch.build([s.sampling_params for _, s in sampling],
+                                        [self._generator(s) for _, s in sampling], self.vocab_size, self.device)
+            tokens = self.sampler(logits, batch).tolist()
+        return ModelRunnerOutput({s.request_id: t for (_, s), t in zip(sampling, tokens)})
+
+    def release(self, request_ids: set[str]) -> None:
+        """Drops per-request state (seeded generators) of finished requests."""
+        for request_id in request_ids:
+            self.generators.pop(request_id, None)
+
+    def _generator(self, scheduled: ScheduledRequest) -> torch.Generator | None:
+        """The request's own generator when it has a seed (made at its first sample)."""
+        seed = scheduled.sampling_params.seed
+        if seed is None or scheduled.sampling_params.greedy:
+            return None
+        generator = self.generators.get(scheduled.request_id)
+        if generator is None:
+            generator = torch.Generator(device=self.device)
+            generator.manual_seed(seed)
+            self.generators[scheduled.request_id] = generator
+        return generator
+
+    def _prepare_inputs(self, scheduled: list[ScheduledRequest]):
+        """``input_ids`` ``(num_tokens,)`` int64, ``positions`` ``(num_tokens,)`` int64 and
+        the ``AttentionMetadata`` of requests already ordered decodes first."""
+        query_lens = [s.num_scheduled_tokens for s in scheduled]
+        computed = [s.num_computed_tokens for s in scheduled]
+        md = build_attention_metadata(query_lens, computed, [s.block_ids for s in scheduled], self.block_size,
+                                      self.device)
+        token_ids = [t for s in scheduled for t in s.token_ids]
+        q_lens = np.asarray(query_lens)
+        starts = np.repeat(np.asarray(computed) - np.asarray(md.query_start_loc_cpu[:-1]), q_lens)
+        positions = np.arange(md.num_tokens) + starts
+        return (torch.tensor(token_ids, dtype=torch.int64, device=self.device),
+                torch.from_numpy(positions).to(self.device), md)
+
+
+def _batch_order(scheduled: ScheduledRequest) -> tuple[bool, int]:
+    """Sort key: decodes first, longest first; prefill chunks after, in scheduling order."""
+    decode = scheduled.num_scheduled_tokens == 1
+    return (not decode, -scheduled.num_computed_tokens if decode else 0)

@@ -1,0 +1,57 @@
+"""What the engine hands back: per-request outputs of a step, and engine counters."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass
+class RequestOutput:
+    """One request's result of one engine step.
+
+    Attributes:
+        request_id: the request.
+        new_token_ids: tokens sampled this step (empty only when finishing without one).
+        finished: the request is done; no more outputs follow.
+        finish_reason: ``"stop"`` (EOS or a stop token id), ``"length"`` (max_tokens or
+            max_model_len) or ``"abort"``; None while unfinished.
+        num_cached_tokens: prompt tokens whose KV was reused from the prefix cache.
+    """
+
+    request_id: str
+    new_token_ids: list[int]
+    finished: bool
+    finish_reason: str | None
+    num_cached_tokens: int = 0
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    """A snapshot of the engine's counters.
+
+    Attributes:
+        num_blocks: KV blocks in the cache.
+        num_free_blocks: blocks not held by any request.
+        num_running: requests in the running batch.
+        num_waiting: requests waiting (new or preempted).
+        num_steps: engine steps that ran a batch.
+        num_joined_running_batch: requests first scheduled in a step whose batch
+            already held requests from the previous step (continuous batching).
+        num_finished: requests finished for any reason, aborts included.
+        num_aborted: requests aborted.
+        num_preemptions: preemptions (recompute) so far.
+        block_size: tokens per block.
+        max_model_len: longest sequence accepted (tokens).
+    """
+
+    num_blocks: int
+    num_free_blocks: int
+    num_running: int
+    num_waiting: int
+    num_steps: int
+    num_joined_running_batch: int
+    num_finished: int
+    num_aborted: int
+    num_preemptions: int
+    block_size: int
+    max_model_len: int

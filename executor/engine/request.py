@@ -1,0 +1,110 @@
+"""A request inside the engine: its tokens, progress and status.
+
+The batch scheduler owns every mutable field here (status, ``num_computed_tokens``,
+outputs); the KV cache manager and the model runner only read.
+
+Token accounting (the only "phase" there is)::
+
+    all_token_ids:  [ p0 p1 p2 p3 p4 | o0 o1 ]        num_tokens = 7
+                      ^^^^^^^^^^^^^^^^^^^^^            num_computed_tokens = 6 (K/V in cache)
+                                             ^^        next step computes o1 and samples o2
+
+A new request has ``num_computed_tokens == 0``; a decode has ``num_tokens -
+num_computed_tokens == 1``; a preempted request is reset to 0 and recomputes its
+prompt *and* its outputs, so preemption needs no special mode.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+from meshserve.sampling import SamplingParams
+
+
+class RequestStatus(enum.IntEnum):
+    """Request lifecycle. Ordering rule: every status above ``PREEMPTED`` is finished."""
+
+    WAITING = 0
+    RUNNING = 1
+    PREEMPTED = 2             # waiting again, will recompute
+    FINISHED_STOPPED = 3      # EOS or a stop token id
+    FINISHED_LENGTH_CAPPED = 4  # max_tokens or max_model_len
+    FINISHED_ABORTED = 5
+
+    @property
+    def finished(self) -> bool:
+        return self > RequestStatus.PREEMPTED
+
+    @property
+    def finish_reason(self) -> str | None:
+        """``"stop"``, ``"length"``, ``"abort"``, or None while unfinished."""
+        return _FINISH_REASONS.get(self)
+
+
+_FINISH_REASONS = {
+    RequestStatus.FINISHED_STOPPED: "stop",
+    RequestStatus.FINISHED_LENGTH_CAPPED: "length",
+    RequestStatus.FINISHED_ABORTED: "abort",
+}
+
+
+@dataclass(eq=False)
+class Request:
+    """One generation request.
+
+    Attributes:
+        request_id: unique id.
+        prompt_token_ids: prompt tokens (non-empty).
+        sampling_params: validated sampling parameters.
+        priority: higher runs first and is preempted last.
+        arrival: engine-wide arrival counter (FCFS tie-break; larger is later).
+        max_len: ``num_tokens`` at which the request stops with "length":
+            ``min(max_model_len, num_blocks * block_size)`` (``max_tokens`` is
+            checked separately).
+        output_token_ids: sampled tokens so far.
+        num_computed_tokens: tokens whose K/V are in the cache.
+        status: see ``RequestStatus``.
+        num_preemptions: times this request was preempted.
+        num_cached_tokens: prompt tokens reused from the prefix cache (0 for now).
+    """
+
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    priority: int
+    arrival: int
+    max_len: int
+    output_token_ids: list[int] = field(default_factory=list)
+    all_token_ids: list[int] = field(default_factory=list)
+    num_computed_tokens: int = 0
+    status: RequestStatus = RequestStatus.WAITING
+    num_preemptions: int = 0
+    num_cached_tokens: int = 0
+
+    def __post_init__(self) -> None:
+        self.all_token_ids = list(self.prompt_token_ids) + list(self.output_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        """Prompt plus output tokens."""
+        return len(self.all_token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_uncomputed_tokens(self) -> int:
+        """Tokens still to run through the model before the next sample (1 for a decode)."""
+        return self.num_tokens - self.num_computed_tokens
+
+    @property
+    def sort_key(self) -> tuple[int, int]:
+        """Scheduling order: higher priority first, then earlier arrival.
+        The preemption victim is the running request with the largest key."""
+        return (-self.priority, self.arrival)
+
+    def append_output(self, token_id: int) -> None:
+        self.output_token_ids.append(token_id)
+        self.all_token_ids.append(token_id)

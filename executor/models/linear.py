@@ -1,0 +1,159 @@
+"""Column- and row-parallel linear layers with ``weight_loader`` methods.
+
+Megatron-LM's split of a transformer block over ``world_size`` ranks
+(Shoeybi et al., 2019), in vLLM's layer vocabulary:
+
+* ``ColumnParallelLinear``: ``W`` of shape ``(out, in)`` is split along ``out``;
+  each rank computes its slice of the output, no communication.
+* ``MergedColumnParallelLinear``: several column-parallel matrices stacked
+  (``gate_proj`` and ``up_proj``): one matmul instead of two.
+* ``QKVParallelLinear``: ``q_proj``, ``k_proj``, ``v_proj`` stacked, split by heads.
+* ``RowParallelLinear``: ``W`` split along ``in``; each rank's partial product
+  is summed with an all-reduce (``o_proj``, ``down_proj``).
+
+Each parameter carries a ``weight_loader(param, loaded, shard_id=None)`` that
+copies this rank's part of a checkpoint tensor into its place, so the model
+loader never needs to know how a layer is sharded.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from executor.models.parallel import SINGLE, TensorParallel
+
+
+def _copy(param: nn.Parameter, loaded: torch.Tensor) -> None:
+    if param.shape != loaded.shape:
+        raise ValueError(f"checkpoint tensor of shape {tuple(loaded.shape)} does not fit parameter "
+                         f"{tuple(param.shape)}")
+    param.data.copy_(loaded)
+
+
+class ColumnParallelLinear(nn.Module):
+    """``y = x W^T + b`` with ``W`` split along the output dimension.
+
+    Args:
+        input_size: ``in`` features.
+        output_size: ``out`` features over the whole group.
+        bias: add a bias (split like the output).
+        tp: the tensor-parallel group.
+        dtype: parameter dtype.
+
+    Shapes: ``x`` ``(num_tokens, in)`` → ``(num_tokens, out / world_size)``.
+    """
+
+    def __init__(self, input_size: int, output_size: int, bias: bool = False,
+                 tp: TensorParallel = SINGLE, dtype: torch.dtype = torch.float32):
+        super().__init__()
+        self.tp = tp
+        self.input_size = input_size
+        self.output_size_per_rank = tp.shard_size(output_size, "output_size")
+        self.weight = nn.Parameter(torch.empty(self.output_size_per_rank, input_size, dtype=dtype), requires_grad=False)
+        self.weight.weight_loader = self.weight_loader
+        self.bias = None
+        if bias:
+            self.bias = nn.Parameter(torch.empty(self.output_size_per_rank, dtype=dtype), requires_grad=False)
+            self.bias.weight_loader = self.weight_loader
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: object = None) -> None:
+        """Copies this rank's rows of the full ``(out, in)`` weight (or ``(out,)`` bias)."""
+        n = param.shape[0]
+        _copy(param, loaded.narrow(0, self.tp.rank * n, n))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+
+class MergedColumnParallelLinear(ColumnParallelLinear):
+    """Column-parallel layers of the same input stacked along ``out`` (e.g.
+    ``[gate_proj; up_proj]``); ``shard_id`` is the index of the stacked matrix.
+
+    Shapes: ``x`` ``(num_tokens, in)`` → ``(num_tokens, sum(output_sizes) / world_size)``.
+    """
+
+    def __init__(self, input_size: int, output_sizes: list[int], bias: bool = False,
+                 tp: TensorParallel = SINGLE, dtype: torch.dtype = torch.float32):
+        self.output_sizes = [tp.shard_size(s, "output_size") for s in output_sizes]
+        super().__init__(input_size, sum(output_sizes), bias, tp, dtype)
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: object = None) -> None:
+        """Copies this rank's rows of stacked matrix number ``shard_id`` into its slice."""
+        assert isinstance(shard_id, int), "MergedColumnParallelLinear needs an integer shard_id"
+        size = self.output_sizes[shard_id]
+        offset = sum(self.output_sizes[:shard_id])
+        _copy_into(param.data.narrow(0, offset, size), loaded.narrow(0, self.tp.rank * size, size))
+
+
+class QKVParallelLinear(ColumnParallelLinear):
+    """``[q_proj; k_proj; v_proj]`` as one column-parallel matmul, split by heads.
+
+    Args:
+        hidden_size: input features.
+        head_dim: features per head.
+        num_heads: query heads over the group.
+        num_kv_heads: key/value heads over the group (GQA when fewer than ``num_heads``).
+
+    Shapes: ``x`` ``(num_tokens, hidden_size)`` → ``(num_tokens, (q + 2 kv) * head_dim)``
+    with ``q = num_heads / world_size`` and ``kv = num_kv_heads / world_size``
+    (key/value heads are not replicated: ``world_size`` must divide both).
+    ``shard_id`` is ``"q"``, ``"k"`` or ``"v"``.
+    """
+
+    def __init__(self, hidden_size: int, head_dim: int, num_heads: int, num_kv_heads: int,
+                 bias: bool = False, tp: TensorParallel = SINGLE, dtype: torch.dtype = torch.float32):
+        self.head_dim = head_dim
+        self.num_heads = tp.shard_size(num_heads, "num_attention_heads")
+        self.num_kv_heads = tp.shard_size(num_kv_heads, "num_key_value_heads")
+        self.q_size = self.num_heads * head_dim
+        self.kv_size = self.num_kv_heads * head_dim
+        super().__init__(hidden_size, (num_heads + 2 * num_kv_heads) * head_dim, bias, tp, dtype)
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: object = None) -> None:
+        """Copies this rank's heads of ``q_proj``/``k_proj``/``v_proj`` (``shard_id``) into place."""
+        offsets = {"q": (0, self.q_size), "k": (self.q_size, self.kv_size),
+                   "v": (self.q_size + self.kv_size, self.kv_size)}
+        offset, size = offsets[shard_id]  # type: ignore[index]
+        _copy_into(param.data.narrow(0, offset, size), loaded.narrow(0, self.tp.rank * size, size))
+
+
+class RowParallelLinear(nn.Module):
+    """``y = x W^T + b`` with ``W`` split along the input dimension, summed over the group.
+
+    Shapes: ``x`` ``(num_tokens, in / world_size)`` → ``(num_tokens, out)``. The bias is
+    added once, after the all-reduce.
+    """
+
+    def __init__(self, input_size: int, output_size: int, bias: bool = False,
+                 tp: TensorParallel = SINGLE, dtype: torch.dtype = torch.float32):
+        super().__init__()
+        self.tp = tp
+        self.input_size_per_rank = tp.shard_size(input_size, "input_size")
+        self.weight = nn.Parameter(torch.empty(output_size, self.input_size_per_rank, dtype=dtype), requires_grad=False)
+        self.weight.weight_loader = self.weight_loader
+        self.bias = None
+        if bias:
+            self.bias = nn.Parameter(torch.empty(output_size, dtype=dtype), requires_grad=False)
+            self.bias.weight_loader = self.weight_loader
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: object = None) -> None:
+        """Copies this rank's columns of the full ``(out, in)`` weight; the bias whole."""
+        if param.dim() == 1:
+            _copy(param, loaded)
+            return
+        n = param.shape[1]
+        _copy(param, loaded.narrow(1, self.tp.rank * n, n))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.tp.world_size == 1:
+            return F.linear(x, self.weight, self.bias)
+        y = self.tp.all_reduce(F.linear(x, self.weight))
+        return y if self.bias is None else y + self.bias
+
+
+def _copy_into(dst: torch.Tensor, loaded: torch.Tensor) -> None:
+    if dst.shape != loaded.shape:
+        raise ValueError(f"checkpoint tensor of shape {tuple(loaded.shape)} does not fit slice {tuple(dst.shape)}")
+    dst.copy_(loaded)

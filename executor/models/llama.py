@@ -1,0 +1,189 @@
+"""The Llama family (Llama, Qwen2, Mistral) over a flattened, unpadded batch.
+
+One decoder layer::
+
+    x ─▶ RMSNorm ─▶ qkv_proj ─▶ rope(q, k) ─▶ paged attention ─▶ o_proj ─▶ (+x) ─▶ h
+    h ─▶ RMSNorm ─▶ gate_up_proj ─▶ silu(gate) * up ─▶ down_proj ─▶ (+h)
+
+Architecture differences are config flags: Qwen2 has q/k/v biases; Llama's
+``attention_bias``/``mlp_bias`` add biases; Mistral's ``sliding_window`` is
+handled by the engine capping ``max_model_len`` at the window (so attention is
+always full causal). ``lm_head`` is the embedding when ``tie_word_embeddings``.
+
+Layers are the tensor-parallel ones of ``linear.py``: ``qkv_proj`` and
+``gate_up_proj`` column-parallel (fused), ``o_proj`` and ``down_proj`` row-parallel.
+"""
+
+from __future__ import annotations
+
+from typing import Iterable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from executor.attention import Attention, AttentionBackend, AttentionMetadata
+from executor.models.embedding import ParallelLMHead, VocabParallelEmbedding
+from executor.models.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
+from executor.models.norm import RMSNorm
+from executor.models.parallel import SINGLE, TensorParallel
+from executor.models.rotary import RotaryEmbedding, head_dim_of, rope_inv_freq
+
+# checkpoint name fragment -> (our parameter fragment, shard id)
+_STACKED = (
+    (".q_proj.", ".qkv_proj.", "q"),
+    (".k_proj.", ".qkv_proj.", "k"),
+    (".v_proj.", ".qkv_proj.", "v"),
+    (".gate_proj.", ".gate_up_proj.", 0),
+    (".up_proj.", ".gate_up_proj.", 1),
+)
+
+
+class LlamaAttention(nn.Module):
+    """Self-attention with rotary positions and grouped-query heads."""
+
+    def __init__(self, config, rotary: RotaryEmbedding, backend: AttentionBackend, tp: TensorParallel,
+                 dtype: torch.dtype):
+        super().__init__()
+        head_dim = head_dim_of(config)
+        qwen2 = config.model_type == "qwen2"
+        attention_bias = bool(getattr(config, "attention_bias", False))
+        self.qkv_proj = QKVParallelLinear(config.hidden_size, head_dim, config.num_attention_heads,
+                                          config.num_key_value_heads, bias=attention_bias or qwen2, tp=tp, dtype=dtype)
+        self.o_proj = RowParallelLinear(config.num_attention_heads * head_dim, config.hidden_size,
+                                        bias=attention_bias and not qwen2, tp=tp, dtype=dtype)
+        self.num_heads, self.num_kv_heads = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads
+        self.head_dim = head_dim
+        self.rotary = rotary
+        self.attn = Attention(self.num_heads, self.num_kv_heads, head_dim, head_dim**-0.5, backend)
+
+    def forward(self, positions: torch.Tensor, x: torch.Tensor, md: AttentionMetadata) -> torch.Tensor:
+        qkv = self.qkv_proj(x)
+        q_size, kv_size = self.qkv_proj.q_size, self.qkv_proj.kv_size
+        q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
+        n = x.shape[0]
+        q = q.view(n, self.num_heads, self.head_dim)
+        k = k.view(n, self.num_kv_heads, self.head_dim)
+        q, k = self.rotary(positions, q, k)
+        o = self.attn(q, k, v.view(n, self.num_kv_heads, self.head_dim), md)
+        return self.o_proj(o)
+
+
+class LlamaMLP(nn.Module):
+    """SwiGLU feed-forward: ``down(silu(gate(x)) * up(x))``."""
+
+    def __init__(self, config, tp: TensorParallel, dtype: torch.dtype):
+        super().__init__()
+        if config.hidden_act != "silu":
+            raise ValueError(f"hidden_act {config.hidden_act!r} is not supported (only silu)")
+        bias = bool(getattr(config, "mlp_bias", False))
+        size = config.intermediate_size
+        self.gate_up_proj = MergedColumnParallelLinear(config.hidden_size, [size, size], bias=bias, tp=tp, dtype=dtype)
+        self.down_proj = RowParallelLinear(size, config.hidden_size, bias=bias, tp=tp, dtype=dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class LlamaDecoderLayer(nn.Module):
+    """Pre-norm attention block then pre-norm MLP block, each with a residual."""
+
+    def __init__(self, config, rotary: RotaryEmbedding, backend: AttentionBackend, tp: TensorParallel,
+                 dtype: torch.dtype):
+        super().__init__()
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
+        self.self_attn = LlamaAttention(config, rotary, backend, tp, dtype)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
+        self.mlp = LlamaMLP(config, tp, dtype)
+
+    def forward(self, positions: torch.Tensor, x: torch.Tensor, md: AttentionMetadata) -> torch.Tensor:
+        x = x + self.self_attn(positions, self.input_layernorm(x), md)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class LlamaForCausalLM(nn.Module):
+    """A Llama-family causal LM over a flattened batch with a paged KV cache.
+
+    Args:
+        config: a ``transformers`` Llama, Qwen2 or Mistral config.
+        backend: the attention backend (shared by all layers).
+        max_positions: positions supported by the rotary table (``max_model_len``).
+        tp: tensor-parallel group (world size 1 today).
+        dtype: parameter and activation dtype (float32 or bfloat16).
+    """
+
+    def __init__(self, config, backend: AttentionBackend, max_positions: int, tp: TensorParallel = SINGLE,
+                 dtype: torch.dtype = torch.float32):
+        super().__init__()
+        self.config = config
+        inv_freq, scaling = rope_inv_freq(config)
+        rotary = RotaryEmbedding(inv_freq, max_positions, scaling, dtype)
+        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, tp, dtype)
+        self.layers = nn.ModuleList(LlamaDecoderLayer(config, rotary, backend, tp, dtype)
+                                    for _ in range(config.num_hidden_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
+        self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
+        self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, tp, dtype)
+        if self.tie_word_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight
+
+    def attention_layers(self) -> list[Attention]:
+        """The attention layer of each decoder layer, in order (for binding KV caches)."""
+        return [layer.self_attn.attn for layer in self.layers]
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, md: AttentionMetadata) -> torch.Tensor:
+        """Runs the decoder stack.
+
+        Args:
+            input_ids: ``(num_tokens,)`` int64 token ids of the flattened batch.
+            positions: ``(num_tokens,)`` int64 position of each token in its sequence.
+            md: the step's attention metadata.
+
+        Returns:
+            ``(num_tokens, hidden_size)`` final-normed hidden states, model dtype.
+        """
+        x = self.embed_tokens(input_ids)
+        for layer in self.layers:
+            x = layer(positions, x, md)
+        return self.norm(x)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """``(num_reqs, hidden_size)`` hidden states (one row per request that samples)
+        → ``(num_reqs, vocab_size)`` float32 logits."""
+        return self.lm_head.compute_logits(hidden).float()
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        """Loads checkpoint tensors named as in ``transformers`` (``model.layers.0.self_attn.q_proj.weight``…).
+
+        Returns:
+            Names of our parameters that were loaded.
+
+        Raises:
+            KeyError: a checkpoint tensor has no parameter to go to.
+        """
+        params = dict(self.named_parameters(remove_duplicate=False))
+        loaded: set[str] = set()
+        for name, tensor in weights:
+            if "rotary_emb.inv_freq" in name:
+                continue
+            if name == "lm_head.weight" and self.tie_word_embeddings:
+                continue  # tied: the embedding is the head
+            name = name.removeprefix("model.")
+            shard_id = None
+            for ckpt, ours, sid in _STACKED:
+                if ckpt in name:
+                    name, shard_id = name.replace(ckpt, ours), sid
+                    break
+            if name not in params:
+                raise KeyError(f"checkpoint tensor {name!r} has no matching parameter")
+            param = params[name]
+            loader = getattr(param, "weight_loader", None)
+            if loader is None:
+                if param.shape != tensor.shape:
+                    raise ValueError(f"{name}: checkpoint shape {tuple(tensor.shape)} != {tuple(param.shape)}")
+                param.data.copy_(tensor)
+            else:
+                loader(param, tensor, shard_id)
+            loaded.add(name)
+        return loaded

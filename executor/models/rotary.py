@@ -1,0 +1,83 @@
+"""Rotary position embedding (Su et al., 2021, "RoFormer"), GPT-NeoX layout.
+
+The cosine and sine of every position up to ``max_positions`` are computed once
+in float32, exactly as ``transformers`` computes them per call
+(``cat(freqs, freqs)`` then ``cos``/``sin``), then looked up by position: rows of
+the flattened batch may belong to different requests at different positions.
+
+Frequency schedules: ``default``; ``linear``, ``llama3`` and ``yarn`` scaling take
+their inverse frequencies from ``transformers``' own ``ROPE_INIT_FUNCTIONS`` so the
+numbers match the reference model. Schedules that change with the sequence
+length (``dynamic``, ``longrope``) are rejected.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+_STATIC_SCALED = ("linear", "llama3", "yarn")
+
+
+def rope_inv_freq(config) -> tuple[torch.Tensor, float]:
+    """Inverse frequencies ``(head_dim / 2,)`` float32 and the attention scaling factor.
+
+    Raises:
+        ValueError: a rope type whose frequencies depend on the sequence length,
+            or a partial rotary factor (not in the Llama family).
+    """
+    params = dict(getattr(config, "rope_parameters", None) or {})
+    rope_type = params.get("rope_type", "default")
+    if params.get("partial_rotary_factor", 1.0) != 1.0:
+        raise ValueError("partial_rotary_factor != 1 is not supported")
+    if rope_type == "default":
+        theta = params.get("rope_theta", getattr(config, "rope_theta", 10000.0))
+        dim = head_dim_of(config)
+        return 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.float) / dim)), 1.0
+    if rope_type in _STATIC_SCALED:
+        from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+        inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](config, "cpu")
+        return inv_freq.float(), float(scaling)
+    raise ValueError(f"rope_type {rope_type!r} is not supported (supported: default, {', '.join(_STATIC_SCALED)})")
+
+
+def head_dim_of(config) -> int:
+    """``config.head_dim``, or ``hidden_size / num_attention_heads`` when unset."""
+    return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+
+
+class RotaryEmbedding(nn.Module):
+    """Applies rotary embeddings to flattened queries and keys.
+
+    Args:
+        inv_freq: ``(head_dim / 2,)`` float32 inverse frequencies.
+        max_positions: positions ``[0, max_positions)`` are supported (tokens).
+        attention_scaling: factor on cos and sin (1.0 except for yarn).
+        dtype: dtype of the cached cos/sin (the model's dtype).
+    """
+
+    def __init__(self, inv_freq: torch.Tensor, max_positions: int, attention_scaling: float = 1.0,
+                 dtype: torch.dtype = torch.float32):
+        super().__init__()
+        freqs = torch.arange(max_positions, dtype=torch.float32)[:, None] * inv_freq.float()[None, :]
+        emb = torch.cat((freqs, freqs), dim=-1)
+        self.register_buffer("cos", (emb.cos() * attention_scaling).to(dtype), persistent=False)
+        self.register_buffer("sin", (emb.sin() * attention_scaling).to(dtype), persistent=False)
+
+    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Rotates ``q`` ``(num_tokens, num_heads, head_dim)`` and ``k``
+        ``(num_tokens, num_kv_heads, head_dim)`` by their ``positions`` ``(num_tokens,)``
+        int64; returns new tensors of the same shapes and dtype.
+
+        Raises:
+            IndexError: a position is ``>= max_positions``.
+        """
+        cos = self.cos[positions].unsqueeze(1)
+        sin = self.sin[positions].unsqueeze(1)
+        return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)

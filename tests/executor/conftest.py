@@ -1,0 +1,53 @@
+"""Fixtures shared by the executor tests: the default model's files and tokenizer,
+one general-purpose engine, the golden prompts and their transformers reference
+(all made once per session)."""
+
+from __future__ import annotations
+
+import pytest
+
+GOLDEN_MAX_TOKENS = 64
+
+
+@pytest.fixture(scope="session")
+def default_model():
+    from meshserve.model_files import resolve_model
+
+    return resolve_model("default")
+
+
+@pytest.fixture(scope="session")
+def tokenizer(default_model):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(default_model.path)
+
+
+@pytest.fixture(scope="session")
+def engine():
+    """A default-model engine for behaviour tests (idle between tests)."""
+    from executor.engine.config import BatchSchedulerConfig, CacheConfig, EngineConfig
+    from executor.engine.llm_engine import LLMEngine
+
+    eng = LLMEngine(EngineConfig(cache=CacheConfig(num_blocks=256),
+                                 batch=BatchSchedulerConfig(max_num_seqs=32, max_num_batched_tokens=512)))
+    yield eng
+    assert not eng.has_unfinished_requests()
+
+
+@pytest.fixture(scope="session")
+def golden_prompts(tokenizer):
+    from tests.executor.reference import golden_prompts
+
+    return golden_prompts(tokenizer)
+
+
+@pytest.fixture(scope="session")
+def golden_reference(default_model, golden_prompts):
+    """transformers' greedy outputs for the golden prompts (cached on disk by content)."""
+    from tests.executor.reference import HFReference, cached_reference
+
+    key = {"model": default_model.model_id, "revision": default_model.revision, "prompts": golden_prompts,
+           "max_new_tokens": GOLDEN_MAX_TOKENS, "ignore_eos": True}
+    return cached_reference(key, lambda: HFReference(default_model.path).greedy_many(golden_prompts,
+                                                                                      GOLDEN_MAX_TOKENS))

@@ -1,0 +1,97 @@
+"""AsyncEngine: concurrent streams, errors before output, cancellation frees blocks."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from executor.engine.async_engine import AsyncEngine
+from meshserve.errors import InvalidArgument
+from meshserve.sampling import SamplingParams
+
+pytestmark = pytest.mark.model
+
+GREEDY = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+
+
+@pytest.fixture
+async def async_engine(engine):
+    seen = []
+    eng = AsyncEngine(engine, on_stats=seen.append)
+    eng.seen_stats = seen
+    await eng.start()
+    yield eng
+    await eng.stop()
+    assert engine.stats().num_free_blocks == engine.num_blocks
+
+
+async def collect(eng: AsyncEngine, request_id: str, prompt: list[int], params=GREEDY) -> tuple[list[int], str]:
+    tokens, reason = [], None
+    async for out in eng.generate(request_id, prompt, params):
+        tokens += out.new_token_ids
+        reason = out.finish_reason
+    return tokens, reason
+
+
+async def wait_until(predicate, max_polls: int = 2000) -> None:
+    for _ in range(max_polls):
+        if predicate():
+            return
+        await asyncio.sleep(0.01)
+    raise AssertionError("condition not reached")
+
+
+async def test_concurrent_generate_matches_offline(engine, async_engine, tokenizer):
+    prompts = [tokenizer(t).input_ids for t in ("Hello", "The sky is", "1, 2, 3,", "Paris is the capital of")]
+    results = await asyncio.gather(*(collect(async_engine, f"c{i}", p) for i, p in enumerate(prompts)))
+    assert all(reason == "length" and len(tokens) == 6 for tokens, reason in results)
+    await async_engine.stop()  # the engine thread is gone: offline generate may use the engine again
+    expected = engine.generate(prompts, GREEDY)
+    assert [tokens for tokens, _ in results] == expected
+    await wait_until(lambda: async_engine.seen_stats and async_engine.seen_stats[-1].num_running == 0)
+    assert async_engine.stats().num_finished >= 4
+
+
+async def test_errors_are_raised_before_any_output(async_engine):
+    with pytest.raises(InvalidArgument, match="must not be empty"):
+        await collect(async_engine, "e1", [])
+    with pytest.raises(InvalidArgument, match="max_tokens"):
+        await collect(async_engine, "e2", [1, 2], SamplingParams(max_tokens=0))
+    stream = async_engine.generate("dup", [1, 2, 3], SamplingParams(max_tokens=50, temperature=0.0, ignore_eos=True))
+    await stream.__anext__()
+    with pytest.raises(InvalidArgument, match="already in use"):
+        await collect(async_engine, "dup", [1])
+    await stream.aclose()
+
+
+async def test_aclose_aborts_and_frees_blocks(engine, async_engine):
+    start = async_engine.stats()
+    stream = async_engine.generate("long", [1] * 40, SamplingParams(max_tokens=500, temperature=0.0, ignore_eos=True))
+    for _ in range(2):
+        out = await stream.__anext__()
+        assert not out.finished
+    assert async_engine.stats().num_free_blocks < engine.num_blocks
+    await stream.aclose()
+    await wait_until(lambda: async_engine.stats().num_free_blocks == engine.num_blocks
+                     and async_engine.stats().num_running == 0)
+    assert async_engine.stats().num_aborted == start.num_aborted + 1
+
+
+async def test_task_cancel_aborts_and_frees_blocks(engine, async_engine):
+    first = asyncio.Event()
+
+    async def consume():
+        async for _ in async_engine.generate("cancel-me", [5] * 30,
+                                             SamplingParams(max_tokens=500, temperature=0.0, ignore_eos=True)):
+            first.set()
+
+    task = asyncio.create_task(consume())
+    await first.wait()
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    await wait_until(lambda: async_engine.stats().num_free_blocks == engine.num_blocks
+                     and async_engine.stats().num_running == 0)
+    engine_free = async_engine.stats().num_free_blocks
+    assert engine_free == engine.num_blocks

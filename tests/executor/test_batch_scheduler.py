@@ -1,0 +1,208 @@
+"""BatchScheduler without a model: token shares, block ids, statuses, preemption."""
+
+from __future__ import annotations
+
+import random
+
+from executor.engine.batch_scheduler import BatchScheduler
+from executor.engine.config import BatchSchedulerConfig
+from executor.engine.kv_cache_manager import KVCacheManager
+from executor.engine.request import RequestStatus
+from tests.executor.helpers import make_request, run_step, shares
+
+
+def make_scheduler(num_blocks=100, block_size=4, budget=10, max_num_seqs=4, chunked=True, eos=frozenset()):
+    config = BatchSchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=budget,
+                                  enable_chunked_prefill=chunked)
+    return BatchScheduler(config, KVCacheManager(num_blocks, block_size), eos)
+
+
+def test_chunked_prefill_shares_and_block_ids():
+    s = make_scheduler(budget=10)
+    a, b = make_request("a", 7), make_request("b", 15)
+    s.add_request(a)
+    s.add_request(b)
+
+    out, results = run_step(s)
+    assert shares(out) == {"a": 7, "b": 3}
+    assert [x.sample for x in out.scheduled] == [True, False]
+    assert out.scheduled[1].token_ids == [0, 1, 2] and out.scheduled[1].num_computed_tokens == 0
+    assert s.kv.get_block_ids("a") == [0, 1] and s.kv.get_block_ids("b") == [2]
+    assert [(r.request_id, r.new_token_ids, r.finished) for r in results] == [("a", [7], False)]
+
+    out, _ = run_step(s)  # decode of a first, then b's next chunk with the rest of the budget
+    assert shares(out) == {"a": 1, "b": 9}
+    assert out.scheduled[1].num_computed_tokens == 3
+    assert s.kv.get_block_ids("b") == [2, 3, 4]
+
+    out, results = run_step(s)
+    assert shares(out) == {"a": 1, "b": 3}
+    assert s.kv.get_block_ids("a") == [0, 1, 5] and s.kv.get_block_ids("b") == [2, 3, 4, 6]
+    assert [r.request_id for r in results] == ["a", "b"]
+    assert (a.num_computed_tokens, a.num_tokens, b.num_computed_tokens, b.num_tokens) == (9, 10, 15, 16)
+    assert a.status == b.status == RequestStatus.RUNNING
+
+
+def test_chunked_prefill_off_waits_for_whole_prompt():
+    s = make_scheduler(budget=10, chunked=False)
+    s.add_request(make_request("a", 6))
+    s.add_request(make_request("b", 6))
+    out, _ = run_step(s)
+    assert shares(out) == {"a": 6}
+    assert s.requests["b"].status == RequestStatus.WAITING
+    out, _ = run_step(s)
+    assert shares(out) == {"a": 1, "b": 6}
+
+
+def test_max_num_seqs_and_joined_running_batch():
+    s = make_scheduler(budget=100, max_num_seqs=2)
+    for name in "abc":
+        s.add_request(make_request(name, 3, max_tokens=2))
+    out, _ = run_step(s)
+    assert shares(out) == {"a": 3, "b": 3}
+    assert s.num_joined_running_batch == 0  # the batch was empty
+    out, results = run_step(s)  # a and b finish (max_tokens 2), c still waits for a seat
+    assert shares(out) == {"a": 1, "b": 1}
+    assert [(r.request_id, r.finish_reason) for r in results] == [("a", "length"), ("b", "length")]
+    out, _ = run_step(s)
+    assert shares(out) == {"c": 3}
+    assert out.finished_request_ids == {"a", "b"}
+    assert s.num_joined_running_batch == 0
+    s.add_request(make_request("d", 2, max_tokens=2))
+    out, _ = run_step(s)
+    assert shares(out) == {"c": 1, "d": 2}
+    assert s.num_joined_running_batch == 1  # d joined c's running batch
+
+
+def test_preemption_victim_is_lowest_priority_then_latest_arrival():
+    s = make_scheduler(num_blocks=6, block_size=4, budget=100)
+    a = make_request("a", 8, max_tokens=6)
+    b = make_request("b", 8, max_tokens=7, priority=1)
+    c = make_request("c", 7, max_tokens=6)
+    for r in (a, b, c):
+        s.add_request(r)
+    out, _ = run_step(s)
+    assert [x.request_id for x in out.scheduled] == ["b", "a", "c"]  # priority, then arrival
+    assert (s.kv.get_block_ids("b"), s.kv.get_block_ids("a"), s.kv.get_block_ids("c")) == ([0, 1], [2, 3], [4, 5])
+
+    out, _ = run_step(s)  # b needs a 3rd block: c (priority 0, latest) is preempted
+    assert out.preempted_request_ids == ["c"]
+    assert shares(out) == {"b": 1, "a": 1}
+    assert c.status == RequestStatus.PREEMPTED and c.num_computed_tokens == 0 and c.num_preemptions == 1
+    assert c.output_token_ids == [7]  # kept: recomputed with the prompt later
+    assert s.kv.get_block_ids("b") == [0, 1, 5] and s.kv.get_block_ids("a") == [2, 3, 4]
+    assert s.kv.num_free_blocks == 0
+
+    for _ in range(3):
+        out, _ = run_step(s)
+        assert shares(out) == {"b": 1, "a": 1} and not out.preempted_request_ids
+    out, _ = run_step(s)  # 13th token: b needs a 4th block, a (priority 0) goes
+    assert out.preempted_request_ids == ["a"]
+    assert shares(out) == {"b": 1}
+    assert s.kv.get_block_ids("b") == [0, 1, 5, 4]
+    assert [r.request_id for r in s.waiting] == ["a", "c"]
+
+    out, results = run_step(s)  # b's 7th token: finished; a and c come back after
+    assert [(r.request_id, r.finish_reason) for r in results] == [("b", "length")]
+    out, _ = run_step(s)
+    assert shares(out) == {"a": 13, "c": 8}  # recompute prompt + outputs
+    assert [x.sample for x in out.scheduled] == [True, True]
+    assert [x.block_ids for x in out.scheduled] == [[3, 2, 4, 5], [1, 0]]
+    _drain(s)
+    assert a.output_token_ids == [7] * 6 and c.output_token_ids == [7] * 6
+    assert s.num_preemptions == 2 and s.kv.num_free_blocks == 6
+
+
+def test_preempting_a_request_scheduled_earlier_in_the_step_unschedules_it():
+    # l (priority 0) decodes; h (priority 1) is mid-prefill and needs l's blocks.
+    s = make_scheduler(num_blocks=4, block_size=4, budget=5)
+    low = make_request("l", 4, max_tokens=8)
+    s.add_request(low)
+    run_step(s)
+    high = make_request("h", 12, max_tokens=2, priority=1)
+    s.add_request(high)
+    out, _ = run_step(s)
+    assert shares(out) == {"l": 1, "h": 4}
+    out, _ = run_step(s)
+    assert shares(out) == {"l": 1, "h": 4}
+    assert s.kv.get_block_ids("l") == [0, 1] and s.kv.get_block_ids("h") == [2, 3]
+    out, results = run_step(s)  # l's decode was scheduled first, then preempted for h's last chunk
+    assert out.preempted_request_ids == ["l"] and shares(out) == {"h": 4}
+    assert out.num_scheduled_tokens == 4 and [r.request_id for r in results] == ["h"]
+    assert s.kv.get_block_ids("h") == [2, 3, 1]
+    assert low.status == RequestStatus.PREEMPTED and low.output_token_ids == [7, 7, 7]
+    _drain(s)
+    assert low.output_token_ids == [7] * 8 and s.kv.num_free_blocks == 4
+
+
+def test_a_request_that_is_itself_the_lowest_preempts_itself():
+    s = make_scheduler(num_blocks=4, block_size=4, budget=100)
+    b = make_request("b", 4, max_tokens=8, priority=1)
+    s.add_request(b)
+    run_step(s)
+    a = make_request("a", 8, max_tokens=2)
+    s.add_request(a)
+    out, _ = run_step(s)
+    assert shares(out) == {"b": 1, "a": 8}
+    out, _ = run_step(s)  # a's decode needs a 3rd block; a is the lowest: it goes, b keeps its blocks
+    assert out.preempted_request_ids == ["a"] and shares(out) == {"b": 1}
+    assert s.kv.get_block_ids("b") == [0, 1]
+    _drain(s)
+    assert a.output_token_ids == [7, 7] and s.kv.num_free_blocks == 4
+
+
+def test_stop_conditions():
+    s = make_scheduler(budget=100, eos=frozenset({7}))
+    s.add_request(make_request("eos", 3, ignore_eos=False))
+    s.add_request(make_request("stop-id", 3, stop_token_ids=(7,)))
+    s.add_request(make_request("len", 3, max_len=5))
+    req = make_request("max-tokens", 3, max_tokens=2)
+    s.add_request(req)
+    _, results = run_step(s)
+    assert {r.request_id: r.finish_reason for r in results} == {"eos": "stop", "stop-id": "stop", "len": None,
+                                                                "max-tokens": None}
+    _, results = run_step(s)
+    assert {r.request_id: r.finish_reason for r in results} == {"len": "length", "max-tokens": "length"}
+    assert not s.has_unfinished_requests() and s.kv.num_free_blocks == 100
+    assert s.num_finished == 4
+
+
+def test_abort_frees_blocks_at_once():
+    s = make_scheduler(budget=100)
+    s.add_request(make_request("a", 9))
+    s.add_request(make_request("w", 9))
+    run_step(s)
+    assert s.kv.num_free_blocks == 100 - 6
+    assert s.abort_request("a") and s.abort_request("w")
+    assert not s.abort_request("a") and not s.abort_request("nope")
+    assert s.kv.num_free_blocks == 100 and s.num_aborted == 2 and s.num_finished == 2
+    out, _ = run_step(s)
+    assert out.is_empty and out.finished_request_ids == {"a", "w"}
+
+
+def test_random_workloads_never_deadlock_and_return_every_block():
+    rng = random.Random(1234)
+    for trial in range(20):
+        num_blocks = rng.randint(8, 24)
+        s = make_scheduler(num_blocks=num_blocks, block_size=4, budget=rng.choice([4, 8, 32]),
+                           max_num_seqs=rng.randint(1, 6), chunked=True)
+        capacity = num_blocks * 4
+        reqs = [make_request(f"{trial}-{i}", rng.randint(1, capacity - 1), max_tokens=rng.randint(1, 12),
+                             priority=rng.randint(0, 2), max_len=capacity) for i in range(rng.randint(1, 10))]
+        for r in reqs:
+            s.add_request(r)
+        _drain(s, limit=5000)
+        for r in reqs:
+            assert r.status.finished
+            assert len(r.output_token_ids) == min(r.sampling_params.max_tokens, capacity - r.num_prompt_tokens)
+        assert s.kv.num_free_blocks == num_blocks
+
+
+def _drain(s, limit=1000):
+    for _ in range(limit):
+        if not s.has_unfinished_requests():
+            return
+        out, _ = run_step(s)
+        assert out.num_scheduled_tokens <= s.config.max_num_batched_tokens
+        assert len(out.scheduled) <= s.config.max_num_seqs
+    raise AssertionError("scheduler did not finish: deadlock?")
