@@ -19,13 +19,23 @@ log = logging.getLogger(__name__)
 SERVING = health_pb2.HealthCheckResponse.SERVING
 NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
 
-# Long token streams: keep connections alive, allow large prompt messages.
-CHANNEL_OPTIONS = (
+# Long token streams and the executors' long-lived Connect streams: clients ping
+# every 20 s, and servers must accept that (gRPC's server default allows one ping
+# per 5 minutes and answers more with GOAWAY "too_many_pings", which would drop
+# every idle executor from the registry after about 80 s).
+_MESSAGE_LIMITS = (
     ("grpc.max_send_message_length", 64 << 20),
     ("grpc.max_receive_message_length", 64 << 20),
+)
+CHANNEL_OPTIONS = _MESSAGE_LIMITS + (
     ("grpc.keepalive_time_ms", 20_000),
     ("grpc.keepalive_timeout_ms", 10_000),
     ("grpc.http2.max_pings_without_data", 0),
+    ("grpc.keepalive_permit_without_calls", 1),
+)
+SERVER_OPTIONS = _MESSAGE_LIMITS + (
+    ("grpc.http2.min_recv_ping_interval_without_data_ms", 10_000),
+    ("grpc.http2.max_ping_strikes", 0),
     ("grpc.keepalive_permit_without_calls", 1),
 )
 
@@ -39,7 +49,7 @@ class Service:
 
     def __init__(self, name: str, port: int, host: str = "127.0.0.1"):
         self.name = name
-        self.server = grpc.aio.server(interceptors=[ErrorInterceptor()], options=CHANNEL_OPTIONS)
+        self.server = grpc.aio.server(interceptors=[ErrorInterceptor()], options=SERVER_OPTIONS)
         self.health = HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         self.port = self.server.add_insecure_port(f"{host}:{port}")
