@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: setup demo up test protos bench clean
+.PHONY: setup demo up test protos bench bench-compare clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -35,3 +35,15 @@ bench: $(STAMP)
 
 clean:
 	rm -rf $(VENV) .pytest_cache
+
+# Issue-2 figures in one run: engine and mesh interleaved at 1, 8 and 32 concurrent
+# requests (two rounds), then transformers' generate one request at a time.
+bench-compare: $(STAMP)
+	mkdir -p reports
+	for round in 1 2; do for c in 1 8 32; do for t in engine mesh; do \
+	  n=$$((c * 2 > 4 ? c * 2 : 4)); \
+	  $(BIN)/meshserve bench --target $$t --concurrency $$c --num-requests $$n --seed $$round \
+	    --report-json reports/bench-$$t-c$$c-r$$round.json || exit 1; \
+	done; done; done
+	$(BIN)/meshserve bench --target hf-generate --num-requests 8 --seed 1 --report-json reports/bench-hf-generate.json
+	$(BIN)/python -m meshserve.bench.summary reports
