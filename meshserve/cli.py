@@ -240,6 +240,8 @@ def bench(
     prompt_len_median: int = typer.Option(150, help="Median prompt length (tokens)."),
     output_len_median: int = typer.Option(128, help="Median output length (tokens)."),
     warmup: int = typer.Option(2, help="Unmeasured warm-up requests."),
+    num_threads: Optional[int] = typer.Option(None, help="torch threads of every target (default: cores - 1, "
+                                              "one core left for the other services and the client)."),
     log_level: str = typer.Option("warning"),
 ) -> None:
     """Measure output tokens/s, TTFT, TPOT and e2e latency of a target on a seeded workload."""
@@ -251,7 +253,8 @@ def bench(
                             output_len_median=output_len_median)
         cfg = BenchConfig(target=target, concurrency=concurrency, workload=spec, warmup=warmup, model=model,
                           dtype=dtype, kv_cache_memory=kv_cache_memory, max_num_seqs=max_num_seqs,
-                          max_num_batched_tokens=max_num_batched_tokens, executors=executors, addr=addr)
+                          max_num_batched_tokens=max_num_batched_tokens, executors=executors, addr=addr,
+                          num_threads=num_threads)
     except ValueError as exc:
         raise typer.BadParameter(str(exc)) from None
     sys.exit(run(cfg, report_json))

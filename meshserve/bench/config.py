@@ -26,6 +26,9 @@ class BenchConfig:
         max_num_seqs / max_num_batched_tokens: the engine's batch limits.
         executors: executor processes of a launched mesh.
         addr: host:port of a running gateway (mesh target only; None: launch one).
+        num_threads: torch CPU threads of the engine, of each launched executor and of
+            hf-generate (None: ``meshserve.launcher.default_threads_per_executor``), so
+            every target computes on the same cores.
     """
 
     target: str
@@ -39,6 +42,7 @@ class BenchConfig:
     max_num_batched_tokens: int = 2048
     executors: int = 1
     addr: str | None = None
+    num_threads: int | None = None
 
     def __post_init__(self) -> None:
         if self.target not in TARGETS:
@@ -52,6 +56,13 @@ class BenchConfig:
         parse_bytes(self.kv_cache_memory)  # ValueError names the bad size
         if self.addr is not None and self.target != "mesh":
             raise ValueError("--addr applies to the mesh target only")
+
+    @property
+    def threads(self) -> int:
+        """The torch threads every target uses."""
+        from meshserve.launcher import default_threads_per_executor
+
+        return self.num_threads or default_threads_per_executor(self.executors)
 
     @property
     def effective_concurrency(self) -> int:

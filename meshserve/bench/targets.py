@@ -60,7 +60,7 @@ class Target(ABC):
     def _engine_settings(self) -> dict:
         c = self.config
         return {"engine": {"kv_cache_memory": c.kv_cache_memory, "max_num_seqs": c.max_num_seqs,
-                           "max_num_batched_tokens": c.max_num_batched_tokens}}
+                           "max_num_batched_tokens": c.max_num_batched_tokens, "num_threads": c.threads}}
 
 
 class EngineTarget(Target):
@@ -76,7 +76,7 @@ class EngineTarget(Target):
 
         c = self.config
         cfg = EngineConfig(
-            model=c.model, dtype=c.dtype, seed=c.workload.seed,
+            model=c.model, dtype=c.dtype, seed=c.workload.seed, num_threads=c.threads,
             cache=CacheConfig(kv_cache_memory_bytes=parse_bytes(c.kv_cache_memory)),
             batch=BatchSchedulerConfig(max_num_seqs=c.max_num_seqs, max_num_batched_tokens=c.max_num_batched_tokens),
         )
@@ -133,8 +133,9 @@ class MeshTarget(Target):
         self.log_dir = Path(tempfile.mkdtemp(prefix="meshserve-bench-"))
         args = ["--dtype", c.dtype, "--kv-cache-memory", c.kv_cache_memory, "--max-num-seqs", str(c.max_num_seqs),
                 "--max-num-batched-tokens", str(c.max_num_batched_tokens)]
+        # --num-threads comes from threads_per_executor
         self.mesh = Mesh(MeshConfig(port=free_port(), executors=c.executors, model=c.model, executor_args=args,
-                                    log_dir=self.log_dir))
+                                    log_dir=self.log_dir, threads_per_executor=c.threads))
         await self.mesh.start()
         return self.mesh.gateway_address
 
@@ -198,6 +199,7 @@ class HFGenerateTarget(Target):
         from transformers import AutoModelForCausalLM
 
         dtype = getattr(torch, resolve_dtype(self.config.dtype))
+        torch.set_num_threads(self.config.threads)  # the same cores as the engine targets
         return AutoModelForCausalLM.from_pretrained(self.model_path, dtype=dtype).eval()
 
     async def send(self, req: BenchRequest) -> RequestResult:
