@@ -38,12 +38,15 @@ clean:
 
 # Issue-2 figures in one run: engine and mesh interleaved at 1, 8 and 32 concurrent
 # requests (two rounds), then transformers' generate one request at a time.
+# BENCH_ROUNDS / BENCH_CONCURRENCY shorten it; each run sends max(4, 2C) requests (C at 32).
+BENCH_ROUNDS ?= 1 2
+BENCH_CONCURRENCY ?= 1 8 32
 bench-compare: $(STAMP)
 	mkdir -p reports
-	for round in 1 2; do for c in 1 8 32; do for t in engine mesh; do \
-	  n=$$((c * 2 > 4 ? c * 2 : 4)); \
+	for round in $(BENCH_ROUNDS); do for c in $(BENCH_CONCURRENCY); do for t in engine mesh; do \
+	  n=$$((c >= 32 ? c : (c * 2 > 4 ? c * 2 : 4))); \
 	  $(BIN)/meshserve bench --target $$t --concurrency $$c --num-requests $$n --seed $$round \
 	    --report-json reports/bench-$$t-c$$c-r$$round.json || exit 1; \
 	done; done; done
-	$(BIN)/meshserve bench --target hf-generate --num-requests 8 --seed 1 --report-json reports/bench-hf-generate.json
+	$(BIN)/meshserve bench --target hf-generate --num-requests 4 --seed 1 --report-json reports/bench-hf-generate.json
 	$(BIN)/python -m meshserve.bench.summary reports

@@ -10,17 +10,10 @@ GOLDEN_MAX_TOKENS = 64
 
 
 @pytest.fixture(scope="session")
-def default_model():
-    from meshserve.model_files import resolve_model
-
-    return resolve_model("default")
-
-
-@pytest.fixture(scope="session")
-def tokenizer(default_model):
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(default_model.path)
+def default_model(default_model_files):
+    """The default model's files (``tests/conftest.py`` resolves them; the tokenizer
+    fixture comes from there too)."""
+    return default_model_files
 
 
 @pytest.fixture(scope="session")
