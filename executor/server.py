@@ -51,34 +51,36 @@ class ExecutorServicer(executor_pb2_grpc.ExecutorServicer):
             raise InvalidArgument("request_id must not be empty")
         params = from_proto(request.sampling, max_model_len=eng.max_model_len, vocab_size=eng.vocab_size)
         prompt = list(request.prompt_token_ids)
-        with _tracer.start_as_current_span("executor.execute", context=context_from_grpc(context)) as span:
-            span.set_attributes(
-                {
-                    "meshserve.request_id": request.request_id,
-                    "gen_ai.request.max_tokens": params.max_tokens,
-                    "gen_ai.usage.input_tokens": len(prompt),
-                }
-            )
-            self.active_leases[request.request_id] = request.lease_id
-            num_output = 0
-            phase = _tracer.start_span("executor.prefill")
-            try:
-                async for out in self.engine.generate(request.request_id, prompt, params, request.priority):
-                    if num_output == 0 and out.new_token_ids:
-                        phase.add_event("first_token")
-                        phase.set_attribute("meshserve.cached_tokens", out.num_cached_tokens)
-                        phase.end()
-                        phase = _tracer.start_span("executor.decode")
-                    num_output += len(out.new_token_ids)
-                    yield executor_pb2.ExecuteResponse(
-                        token_ids=out.new_token_ids,
-                        finish_reason=FINISH_REASONS.get(out.finish_reason or "", 0) if out.finished else 0,
-                        num_cached_tokens=out.num_cached_tokens,
-                    )
-            finally:
-                phase.end()
-                span.set_attribute("gen_ai.usage.output_tokens", num_output)
-                self.active_leases.pop(request.request_id, None)
+        span = _tracer.start_span("executor.execute", context=context_from_grpc(context))
+        span.set_attributes(
+            {
+                "meshserve.request_id": request.request_id,
+                "gen_ai.request.max_tokens": params.max_tokens,
+                "gen_ai.usage.input_tokens": len(prompt),
+            }
+        )
+        in_span = trace.set_span_in_context(span)
+        self.active_leases[request.request_id] = request.lease_id
+        num_output = 0
+        phase = _tracer.start_span("executor.prefill", context=in_span)
+        try:
+            async for out in self.engine.generate(request.request_id, prompt, params, request.priority):
+                if num_output == 0 and out.new_token_ids:
+                    phase.add_event("first_token")
+                    phase.set_attribute("meshserve.cached_tokens", out.num_cached_tokens)
+                    phase.end()
+                    phase = _tracer.start_span("executor.decode", context=in_span)
+                num_output += len(out.new_token_ids)
+                yield executor_pb2.ExecuteResponse(
+                    token_ids=out.new_token_ids,
+                    finish_reason=FINISH_REASONS.get(out.finish_reason or "", 0) if out.finished else 0,
+                    num_cached_tokens=out.num_cached_tokens,
+                )
+        finally:
+            phase.end()
+            span.set_attribute("gen_ai.usage.output_tokens", num_output)
+            span.end()
+            self.active_leases.pop(request.request_id, None)
 
     async def Stats(self, request, context) -> executor_pb2.StatsResponse:
         return stats_to_proto(self.engine.stats(), self.model_id)

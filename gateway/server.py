@@ -97,7 +97,8 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
     async def Generate(self, request: gateway_pb2.GenerateRequest, context: grpc.aio.ServicerContext):
         timer = _Timer()
         tenant = self.tenants.authenticate(context.invocation_metadata())
-        with _tracer.start_as_current_span("gateway.generate", context=context_from_grpc(context)) as span:
+        span = _tracer.start_span("gateway.generate", context=context_from_grpc(context))
+        try:
             request_id = request.request_id or uuid.uuid4().hex
             prompt_ids = _prompt_ids(self.prompts, request)
             params = from_proto(request.sampling, max_model_len=self.model.max_model_len, vocab_size=self.model.vocab_size)
@@ -127,7 +128,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
             )
             assignment = None
             try:
-                async for event in self.scheduler.Admit(admit, metadata=outgoing_metadata()):
+                async for event in self.scheduler.Admit(admit, metadata=outgoing_metadata(span)):
                     if event.WhichOneof("kind") == "queued":
                         q = event.queued
                         yield gateway_pb2.GenerateResponse(
@@ -146,6 +147,11 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
                     yield msg
             finally:
                 await self._release(assignment.lease_id)
+        except Exception as exc:
+            span.record_exception(exc)
+            raise
+        finally:
+            span.end()
 
     async def _execute(self, request_id, prompt_ids, params, priority, assignment, timer, span):
         exe = executor_pb2.ExecuteRequest(
@@ -154,7 +160,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         to_proto(params, exe.sampling)
         detok = IncrementalDetokenizer(self.tokenizer, prompt_token_ids=prompt_ids)
         stops = StopStringMatcher(params.stop)
-        call = self._executor(assignment.address).Execute(exe, metadata=outgoing_metadata())
+        call = self._executor(assignment.address).Execute(exe, metadata=outgoing_metadata(span))
         finish, stop_reason, num_tokens, cached = common_pb2.FINISH_REASON_UNSPECIFIED, "", 0, 0
         try:
             async for out in call:
@@ -202,7 +208,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
     async def _release(self, lease_id: str) -> None:
         try:
             await asyncio.shield(self.scheduler.Release(scheduler_pb2.ReleaseRequest(lease_id=lease_id), timeout=5))
-        except (grpc.aio.AioRpcError, asyncio.CancelledError) as exc:
+        except (Exception, asyncio.CancelledError) as exc:  # noqa: BLE001 - shutting down or scheduler gone
             log.warning("release of lease %s failed: %s", lease_id, exc)
 
 

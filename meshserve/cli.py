@@ -144,19 +144,23 @@ def up(
     mesh = Mesh(_mesh_config(port, executors, model, dtype, kv_cache_memory, [], tenants, log_dir))
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    failed = False
     try:
         asyncio.run(mesh.start())
         typer.echo(f"meshserve is up: gateway {mesh.gateway_address}, scheduler {mesh.scheduler_address}, "
                    f"executors {', '.join(mesh.executor_addresses)}. Ctrl-C stops it.")
         while not stop.wait(0.5):
             if mesh.exited():
-                typer.echo(f"service(s) exited: {', '.join(mesh.exited())}", err=True)
+                typer.echo(f"service(s) exited: {', '.join(mesh.exited())}; stopping the mesh", err=True)
+                failed = True
                 break
     except KeyboardInterrupt:
         pass
     finally:
         mesh.stop()
         typer.echo("meshserve stopped.")
+    if failed:
+        raise typer.Exit(1)
 
 
 @app.command()
@@ -197,9 +201,13 @@ def generate(
         metadata = (("x-api-key", api_key),) if api_key else ()
         async with channel(addr) as ch:
             stub = gateway_pb2_grpc.GatewayStub(ch)
-            reqs = [build_request(None if chat else p, chat=[("user", p)] if chat else None, max_tokens=max_tokens,
-                                  temperature=temperature, top_p=top_p, top_k=top_k, seed=seed, stop=stop,
-                                  ignore_eos=ignore_eos, priority=priority) for p in prompt]
+            try:
+                reqs = [build_request(None if chat else p, chat=[("user", p)] if chat else None,
+                                      max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
+                                      seed=seed, stop=stop, ignore_eos=ignore_eos, priority=priority) for p in prompt]
+            except ValueError as exc:  # an integer the wire type cannot hold
+                print(f"error: bad option value: {exc}", file=sys.stderr)
+                return 2
             live = len(reqs) == 1 and not as_json
             on_delta = (lambda text, _ids: (sys.stdout.write(text), sys.stdout.flush())) if live else None
             results = await asyncio.gather(*(run(stub, r, metadata, on_delta=on_delta) for r in reqs),

@@ -81,10 +81,16 @@ def tracer(name: str) -> trace.Tracer:
     return trace.get_tracer(name)
 
 
-def outgoing_metadata(extra: Iterable[tuple[str, str]] = ()) -> tuple[tuple[str, str], ...]:
-    """gRPC metadata carrying the current span's W3C context, plus ``extra``."""
+def outgoing_metadata(span: trace.Span | None = None,
+                      extra: Iterable[tuple[str, str]] = ()) -> tuple[tuple[str, str], ...]:
+    """gRPC metadata carrying ``span``'s W3C context (default: the current span's), plus ``extra``.
+
+    Servicers that are async generators pass their span explicitly instead of
+    attaching it as the current context: a generator closed from another task
+    cannot detach a context token it attached.
+    """
     carrier: dict[str, str] = {}
-    propagate.inject(carrier)
+    propagate.inject(carrier, context=trace.set_span_in_context(span) if span is not None else None)
     return tuple(extra) + tuple(carrier.items())
 
 

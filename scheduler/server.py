@@ -55,7 +55,8 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
     async def Admit(self, request: pb.AdmitRequest, context: grpc.aio.ServicerContext):
         if not request.request_id:
             raise InvalidArgument("request_id must not be empty")
-        with _tracer.start_as_current_span("scheduler.admit", context=context_from_grpc(context)) as span:
+        span = _tracer.start_span("scheduler.admit", context=context_from_grpc(context))
+        try:
             span.set_attributes({"meshserve.request_id": request.request_id, "meshserve.tenant": request.tenant})
             req = AdmissionRequest(
                 request_id=request.request_id,
@@ -106,6 +107,8 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
                 elif not handed_over and not fut.cancelled() and fut.exception() is None:
                     self.core.release(fut.result().lease_id)
                     self._dispatch()
+        finally:
+            span.end()
 
     async def Release(self, request: pb.ReleaseRequest, context: grpc.aio.ServicerContext) -> pb.ReleaseResponse:
         if self.core.release(request.lease_id):
