@@ -8,7 +8,6 @@ p50/p99, output tokens/s) and stops every process.
 from __future__ import annotations
 
 import asyncio
-import statistics
 import tempfile
 import time
 from pathlib import Path
@@ -16,6 +15,8 @@ from pathlib import Path
 from rich.console import Console
 from rich.live import Live
 from rich.table import Table
+
+from meshserve.bench.report import percentile
 
 DEMO_PROMPTS = [
     "What is the capital of France?",
@@ -27,16 +28,6 @@ DEMO_PROMPTS = [
     "Why is the sky blue?",
     "Suggest a name for a friendly robot.",
 ]
-
-
-def percentile(values: list[float], q: float) -> float:
-    """The q-th percentile (0..100) by linear interpolation; 0.0 for no values."""
-    if not values:
-        return 0.0
-    xs = sorted(values)
-    k = (len(xs) - 1) * q / 100
-    lo, hi = int(k), min(int(k) + 1, len(xs) - 1)
-    return xs[lo] + (xs[hi] - xs[lo]) * (k - lo)
 
 
 def _table(texts: list[str], done: list[str]) -> Table:

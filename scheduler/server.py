@@ -32,7 +32,6 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
     def __init__(self, core: AdmissionCore):
         self.core = core
         self._waiters: dict[str, asyncio.Future[Lease]] = {}
-        self._changed = asyncio.Event()
 
     def _dispatch(self) -> None:
         for req, lease in self.core.dispatch():
@@ -41,7 +40,6 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
                 self.core.release(lease.lease_id)
             else:
                 fut.set_result(lease)
-        self._changed.set()
 
     def _fail_orphans(self) -> None:
         """Fails queued requests whose model no executor serves any more."""

@@ -19,10 +19,15 @@ import statistics
 from pathlib import Path
 from typing import Sequence
 
+import numpy as np
+
 from meshserve.bench.config import BenchConfig
 from meshserve.bench.loop import RequestResult
 from meshserve.bench.workload import Workload
-from meshserve.demo import percentile
+
+def percentile(values: Sequence[float], q: float) -> float:
+    """The q-th percentile (0..100) by linear interpolation (numpy's default); 0.0 for no values."""
+    return float(np.percentile(values, q)) if len(values) else 0.0
 
 __all__ = ["build_report", "format_table", "percentile", "write_report"]
 
