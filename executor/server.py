@@ -100,6 +100,13 @@ def stats_to_proto(s: EngineStats, model_id: str) -> executor_pb2.StatsResponse:
         block_size=s.block_size,
         max_model_len=s.max_model_len,
         model=model_id,
+        num_preemptions=s.num_preemptions,
+        prefix_cache_queried_tokens=s.prefix_cache_queried_tokens,
+        prefix_cache_hit_tokens=s.prefix_cache_hit_tokens,
+        kv_cache_utilization=s.kv_cache_utilization,
+        num_cached_free_blocks=s.num_cached_free_blocks,
+        num_prompt_tokens=s.num_prompt_tokens,
+        num_generation_tokens=s.num_generation_tokens,
     )
 
 

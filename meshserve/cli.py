@@ -36,7 +36,7 @@ def _traces(exporter: Optional[str], endpoint: Optional[str]) -> None:
 
 
 def _engine_config(model, dtype, kv_cache_memory, block_size, max_num_seqs, max_num_batched_tokens,
-                   no_chunked_prefill, max_model_len, num_threads):
+                   no_chunked_prefill, max_model_len, num_threads, no_prefix_caching=False, max_batch_wait_ms=0.0):
     from executor.engine.config import BatchSchedulerConfig, CacheConfig, EngineConfig
     from meshserve.services import parse_bytes
 
@@ -45,9 +45,11 @@ def _engine_config(model, dtype, kv_cache_memory, block_size, max_num_seqs, max_
         dtype=dtype,
         max_model_len=max_model_len,
         num_threads=num_threads,
-        cache=CacheConfig(block_size=block_size, kv_cache_memory_bytes=parse_bytes(kv_cache_memory)),
+        cache=CacheConfig(block_size=block_size, kv_cache_memory_bytes=parse_bytes(kv_cache_memory),
+                          enable_prefix_caching=not no_prefix_caching),
         batch=BatchSchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
-                                   enable_chunked_prefill=not no_chunked_prefill),
+                                   enable_chunked_prefill=not no_chunked_prefill,
+                                   max_batch_wait_ms=max_batch_wait_ms),
     )
 
 
@@ -78,6 +80,9 @@ def executor(
     max_num_seqs: int = typer.Option(64, help="Most requests in the running batch."),
     max_num_batched_tokens: int = typer.Option(2048, help="Token budget of one engine step."),
     no_chunked_prefill: bool = typer.Option(False, "--no-chunked-prefill", help="Prefill each prompt in one step."),
+    no_prefix_caching: bool = typer.Option(False, "--no-prefix-caching", help="Never reuse cached prefix KV blocks."),
+    max_batch_wait_ms: float = typer.Option(0.0, "--max-batch-wait-ms", min=0.0,
+                                            help="Hold a new prefill up to this long to batch it with others."),
     max_model_len: Optional[int] = typer.Option(None, help="Longest prompt + output (default: the model's)."),
     num_threads: Optional[int] = typer.Option(None, help="torch CPU threads."),
     executor_id: Optional[str] = typer.Option(None, help="Id in the registry (default executor-PORT)."),
@@ -93,7 +98,7 @@ def executor(
     _logging(log_level)
     _traces(traces, otlp_endpoint)
     cfg = _engine_config(model, dtype, kv_cache_memory, block_size, max_num_seqs, max_num_batched_tokens,
-                         no_chunked_prefill, max_model_len, num_threads)
+                         no_chunked_prefill, max_model_len, num_threads, no_prefix_caching, max_batch_wait_ms)
     asyncio.run(run_executor(cfg, port, host, scheduler, executor_id, pool, advertise))
 
 

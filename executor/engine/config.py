@@ -14,11 +14,14 @@ class CacheConfig:
         kv_cache_memory_bytes: memory for K and V of all layers (bytes); the number
             of blocks is ``kv_cache_memory_bytes // bytes_per_block``.
         num_blocks: an explicit number of blocks (overrides the memory budget; tests).
+        enable_prefix_caching: reuse the KV of full blocks whose chain hash matches
+            (``meshserve.block_hash``); freed cached blocks stay reusable until evicted.
     """
 
     block_size: int = 16
     kv_cache_memory_bytes: int = 1 << 30
     num_blocks: int | None = None
+    enable_prefix_caching: bool = True
 
     def __post_init__(self) -> None:
         if self.block_size < 1:
@@ -38,17 +41,23 @@ class BatchSchedulerConfig:
         max_num_batched_tokens: most tokens in one step's batch (the token budget).
         enable_chunked_prefill: split prompts over steps to fit the budget; when
             off, a prompt longer than ``max_num_batched_tokens`` is rejected.
+        max_batch_wait_ms: dynamic batching wait (milliseconds, >= 0): while the
+            running batch is small, a new prefill may be held up to this long so
+            that it starts together with others; never longer. 0 = never hold.
     """
 
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
     enable_chunked_prefill: bool = True
+    max_batch_wait_ms: float = 0.0
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
         if self.max_num_batched_tokens < 1:
             raise ValueError(f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
+        if not 0 <= self.max_batch_wait_ms < float("inf"):
+            raise ValueError(f"max_batch_wait_ms must be a finite number >= 0, got {self.max_batch_wait_ms}")
 
 
 @dataclass(frozen=True)

@@ -42,6 +42,13 @@ class EngineStats:
         num_preemptions: preemptions (recompute) so far.
         block_size: tokens per block.
         max_model_len: longest sequence accepted (tokens).
+        prefix_cache_queried_tokens: prompt tokens looked up in the prefix cache.
+        prefix_cache_hit_tokens: of those, tokens reused from it.
+        kv_cache_utilization: tokens stored / slots of the blocks held by requests,
+            in [0, 1]; 1.0 when no block is held.
+        num_cached_free_blocks: free blocks still holding reusable prefix KV.
+        num_prompt_tokens: prompt tokens computed (cache hits excluded, recomputes included).
+        num_generation_tokens: tokens sampled.
     """
 
     num_blocks: int
@@ -55,3 +62,14 @@ class EngineStats:
     num_preemptions: int
     block_size: int
     max_model_len: int
+    prefix_cache_queried_tokens: int = 0
+    prefix_cache_hit_tokens: int = 0
+    kv_cache_utilization: float = 1.0
+    num_cached_free_blocks: int = 0
+    num_prompt_tokens: int = 0
+    num_generation_tokens: int = 0
+
+    @property
+    def prefix_cache_hit_rate(self) -> float:
+        """Hit tokens / queried tokens (0.0 before any query)."""
+        return self.prefix_cache_hit_tokens / self.prefix_cache_queried_tokens if self.prefix_cache_queried_tokens else 0.0

@@ -36,7 +36,7 @@ class StatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class StatsResponse(_message.Message):
-    __slots__ = ("num_blocks", "num_free_blocks", "num_running", "num_waiting", "num_steps", "num_joined_running_batch", "num_finished", "num_aborted", "block_size", "max_model_len", "model")
+    __slots__ = ("num_blocks", "num_free_blocks", "num_running", "num_waiting", "num_steps", "num_joined_running_batch", "num_finished", "num_aborted", "block_size", "max_model_len", "model", "num_preemptions", "prefix_cache_queried_tokens", "prefix_cache_hit_tokens", "kv_cache_utilization", "num_cached_free_blocks", "num_prompt_tokens", "num_generation_tokens")
     NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     NUM_FREE_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     NUM_RUNNING_FIELD_NUMBER: _ClassVar[int]
@@ -48,6 +48,13 @@ class StatsResponse(_message.Message):
     BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
     MAX_MODEL_LEN_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
+    NUM_PREEMPTIONS_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_CACHE_QUERIED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_CACHE_HIT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    KV_CACHE_UTILIZATION_FIELD_NUMBER: _ClassVar[int]
+    NUM_CACHED_FREE_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    NUM_PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    NUM_GENERATION_TOKENS_FIELD_NUMBER: _ClassVar[int]
     num_blocks: int
     num_free_blocks: int
     num_running: int
@@ -59,4 +66,11 @@ class StatsResponse(_message.Message):
     block_size: int
     max_model_len: int
     model: str
-    def __init__(self, num_blocks: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., num_steps: _Optional[int] = ..., num_joined_running_batch: _Optional[int] = ..., num_finished: _Optional[int] = ..., num_aborted: _Optional[int] = ..., block_size: _Optional[int] = ..., max_model_len: _Optional[int] = ..., model: _Optional[str] = ...) -> None: ...
+    num_preemptions: int
+    prefix_cache_queried_tokens: int
+    prefix_cache_hit_tokens: int
+    kv_cache_utilization: float
+    num_cached_free_blocks: int
+    num_prompt_tokens: int
+    num_generation_tokens: int
+    def __init__(self, num_blocks: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., num_steps: _Optional[int] = ..., num_joined_running_batch: _Optional[int] = ..., num_finished: _Optional[int] = ..., num_aborted: _Optional[int] = ..., block_size: _Optional[int] = ..., max_model_len: _Optional[int] = ..., model: _Optional[str] = ..., num_preemptions: _Optional[int] = ..., prefix_cache_queried_tokens: _Optional[int] = ..., prefix_cache_hit_tokens: _Optional[int] = ..., kv_cache_utilization: _Optional[float] = ..., num_cached_free_blocks: _Optional[int] = ..., num_prompt_tokens: _Optional[int] = ..., num_generation_tokens: _Optional[int] = ...) -> None: ...
