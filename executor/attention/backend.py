@@ -3,12 +3,14 @@
 A backend does two things per step: ``plan`` (once, after the ModelRunner built
 the ``AttentionMetadata``: precompute gather indices, masks, kernel work lists)
 and ``forward`` (once per layer: write this step's K/V into the paged cache, then
-attend). Backends: ``torch`` (a reference in plain PyTorch, used on CPU); a
-Triton paged-attention backend for CUDA registers itself the same way.
+attend). Backends: ``torch`` (a reference in plain PyTorch, used on CPU) and
+``triton`` (paged-attention kernels for CUDA, registered only where triton is
+installed); ``resolve_backend_name("auto", device)`` picks between them.
 """
 
 from __future__ import annotations
 
+import importlib.util
 from abc import ABC, abstractmethod
 from typing import Callable, ClassVar
 
@@ -61,14 +63,31 @@ def register_backend(name: str) -> Callable[[type[AttentionBackend]], type[Atten
     return register
 
 
+def _import_backends() -> None:
+    """Imports the backend modules so they register: ``torch`` always, ``triton`` when
+    triton is installed (the project runs without it). Registering ``triton`` does not
+    import triton itself; constructing the backend does."""
+    import executor.attention.torch_backend  # noqa: F401 - registers "torch"
+
+    if importlib.util.find_spec("triton") is not None:
+        import executor.attention.triton_backend  # noqa: F401 - registers "triton"
+
+
+def _triton_importable() -> bool:
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
 def get_backend(name: str) -> AttentionBackend:
     """A new instance of the backend registered as ``name``.
 
     Raises:
         ValueError: no backend of that name.
     """
-    import executor.attention.torch_backend  # noqa: F401 - registers "torch"
-
+    _import_backends()
     if name not in _REGISTRY:
         raise ValueError(f"unknown attention backend {name!r}; available: {', '.join(sorted(_REGISTRY))}")
     return _REGISTRY[name]()
@@ -76,6 +95,21 @@ def get_backend(name: str) -> AttentionBackend:
 
 def available_backends() -> list[str]:
     """Names of the registered backends."""
-    import executor.attention.torch_backend  # noqa: F401
-
+    _import_backends()
     return sorted(_REGISTRY)
+
+
+def resolve_backend_name(name: str, device: torch.device | str) -> str:
+    """The backend to use for ``name`` on ``device``.
+
+    ``"auto"`` is ``"triton"`` on a CUDA device when triton imports, else ``"torch"``;
+    any other name is returned unchanged once checked.
+
+    Raises:
+        ValueError: ``name`` is neither ``"auto"`` nor a registered backend.
+    """
+    if name == "auto":
+        return "triton" if torch.device(device).type == "cuda" and _triton_importable() else "torch"
+    if name not in available_backends():
+        raise ValueError(f"unknown attention backend {name!r}; available: auto, {', '.join(available_backends())}")
+    return name
