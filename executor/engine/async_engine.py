@@ -163,6 +163,10 @@ class AsyncEngine:
                     self._check_integrity()
                     pending = self._stats != last_sent_stats
                     self._wake.wait(max(0.0, STATS_INTERVAL_S - (now - last_sent_at)) if pending else None)
+                elif self.engine.last_step_was_empty and self._commands.empty():
+                    # prefills held for batching (max_batch_wait_ms): sleep until released or woken
+                    deadline = self.engine.batch_scheduler.hold_deadline
+                    self._wake.wait(max(0.0, deadline - time.monotonic()) if deadline is not None else 0.001)
             self._abort_all()
         except BaseException as exc:  # noqa: BLE001 - reported to every stream
             log.exception("engine thread failed")

@@ -17,7 +17,24 @@ latest arrival; its blocks are freed and it goes back to waiting with
 ``num_computed_tokens = 0``. The request being scheduled is never preempted for
 a lower one, and one request alone always fits (``Request.max_len`` is capped at
 the cache's capacity), so the scheduler cannot deadlock. No waiting request is
-admitted in a step that preempted.
+admitted in a step whose running requests had to preempt.
+
+Priority: a waiting request that does not fit (no free ``max_num_seqs`` slot or
+too few blocks) preempts the lowest running request if, and only if, that one's
+priority is strictly lower; equal priorities never preempt each other.
+
+Prefix caching: a request scheduled from waiting (new or preempted) first takes
+the longest cached prefix of its tokens (``KVCacheManager.get_computed_blocks``)
+and starts with ``num_computed_tokens`` at its end; after each step the
+request's newly computed full blocks are registered in the cache. A preempted
+request usually finds its own blocks again, so recompute is often cheap.
+
+Dynamic batching wait (``max_batch_wait_ms`` > 0, TGI's ``max_waiting_tokens``
+idea in wall-clock form): while the running batch plus the waiting new requests
+leave ``max_num_seqs`` room and their prompt tokens do not fill the step budget,
+new (never preempted) requests are held until the oldest of them has waited
+``max_batch_wait_ms``, never longer; ``hold_deadline`` tells the engine loop when
+to look again.
 
 The scheduler owns request status and ``num_computed_tokens``; it advances them
 only in ``update_from_output``.
@@ -26,6 +43,7 @@ only in ``update_from_output``.
 from __future__ import annotations
 
 import bisect
+import time
 from dataclasses import dataclass
 
 from executor.engine.config import BatchSchedulerConfig
@@ -65,6 +83,12 @@ class BatchScheduler:
         self.num_joined_running_batch = 0
         self.num_finished = 0
         self.num_aborted = 0
+        self.prefix_cache_queried_tokens = 0
+        self.prefix_cache_hit_tokens = 0
+        self.num_prompt_tokens = 0
+        self.num_generation_tokens = 0
+        self.hold_deadline: float | None = None  # monotonic time a held prefill is released
+        self.clock = time.monotonic
 
     # -- requests in and out --------------------------------------------------
 
@@ -73,6 +97,7 @@ class BatchScheduler:
         if request.request_id in self.requests:
             raise ValueError(f"duplicate request id {request.request_id!r}")
         self.requests[request.request_id] = request
+        request.arrival_time = self.clock()
         bisect.insort(self.waiting, request, key=lambda r: r.sort_key)
 
     def abort_request(self, request_id: str) -> bool:
@@ -106,6 +131,7 @@ class BatchScheduler:
     def schedule(self) -> SchedulerOutput:
         """Picks this step's batch and allocates its KV slots (see the module doc)."""
         state = _StepState(self.config.max_num_batched_tokens, {}, [])
+        self.hold_deadline = None
         had_running = bool(self.running)
         self._schedule_running(state, decodes=True)
         self._schedule_running(state, decodes=False)
@@ -143,7 +169,7 @@ class BatchScheduler:
 
     def _preempt(self, request: Request, state: _StepState) -> None:
         self.running.remove(request)
-        self.kv.free(request.request_id)
+        self.kv.free(request.request_id, keep_hashes=True)
         state.budget += state.scheduled.pop(request.request_id, 0)
         state.preempted.append(request.request_id)
         request.status = RequestStatus.PREEMPTED
@@ -153,27 +179,66 @@ class BatchScheduler:
         bisect.insort(self.waiting, request, key=lambda r: r.sort_key)
 
     def _schedule_waiting(self, state: _StepState, had_running: bool) -> None:
-        while self.waiting and state.budget > 0 and len(self.running) < self.config.max_num_seqs:
+        if self._hold_for_batching(state):
+            return
+        while self.waiting and state.budget > 0:
             request = self.waiting[0]
-            num_new = request.num_uncomputed_tokens
-            if num_new > state.budget and not self._may_chunk(request):
+            if len(self.running) >= self.config.max_num_seqs:
+                if self._preempt_lower(request, state):
+                    continue
+                return
+            # a waiting request holds no block (new, or preempted and freed)
+            computed_blocks, num_hit = self.kv.get_computed_blocks(request)
+            num_new = request.num_tokens - num_hit
+            if num_new > state.budget and not self._may_chunk(request, num_new):
                 return
             num_new = min(num_new, state.budget)
-            if self.kv.allocate_slots(request.request_id, request.num_computed_tokens + num_new) is None:
+            if self.kv.allocate_slots(request.request_id, num_hit + num_new, computed_blocks) is None:
+                if self._preempt_lower(request, state):
+                    continue
                 return  # head-of-line waits for blocks; running requests free them
             self.waiting.pop(0)
             if had_running and request.num_preemptions == 0:
                 self.num_joined_running_batch += 1
+            if request.num_preemptions == 0:
+                request.num_cached_tokens = num_hit
+            self.prefix_cache_queried_tokens += request.num_tokens
+            self.prefix_cache_hit_tokens += num_hit
+            request.num_computed_tokens = num_hit
             request.status = RequestStatus.RUNNING
             bisect.insort(self.running, request, key=lambda r: r.sort_key)
             state.scheduled[request.request_id] = num_new
             state.budget -= num_new
 
-    def _may_chunk(self, request: Request) -> bool:
+    def _preempt_lower(self, request: Request, state: _StepState) -> bool:
+        """Preempts the lowest running request if its priority is strictly lower than
+        ``request``'s (making room for it); returns whether it did."""
+        if not self.running or self.running[-1].priority >= request.priority:
+            return False
+        self._preempt(self.running[-1], state)
+        return True
+
+    def _hold_for_batching(self, state: _StepState) -> bool:
+        """Whether new prefills wait this step to be batched with later arrivals (see
+        the module doc); sets ``hold_deadline`` when they do."""
+        wait_s = self.config.max_batch_wait_ms / 1000.0
+        if wait_s <= 0 or not self.waiting or any(r.num_preemptions for r in self.waiting):
+            return False
+        if len(self.running) + len(self.waiting) >= self.config.max_num_seqs:
+            return False
+        if sum(r.num_uncomputed_tokens for r in self.waiting) >= state.budget:
+            return False
+        deadline = min(r.arrival_time for r in self.waiting) + wait_s
+        if self.clock() >= deadline:
+            return False
+        self.hold_deadline = deadline
+        return True
+
+    def _may_chunk(self, request: Request, num_new: int) -> bool:
         """Chunked prefill on; or off, but a preempted request longer than the whole
         budget must recompute in chunks or it would never run again."""
         return self.config.enable_chunked_prefill or (
-            request.num_preemptions > 0 and request.num_uncomputed_tokens > self.config.max_num_batched_tokens)
+            request.num_preemptions > 0 and num_new > self.config.max_num_batched_tokens)
 
     def _scheduled_request(self, request: Request, num_new: int) -> ScheduledRequest:
         start = request.num_computed_tokens
@@ -184,6 +249,8 @@ class BatchScheduler:
             block_ids=self.kv.get_block_ids(request.request_id),
             sampling_params=request.sampling_params,
             sample=start + num_new == request.num_tokens,
+            all_token_ids=request.all_token_ids,  # a view for penalties / min_tokens, not a copy
+            num_prompt_tokens=request.num_prompt_tokens,
         )
 
     # -- update ---------------------------------------------------------------
@@ -201,16 +268,23 @@ class BatchScheduler:
             request = self.requests.get(scheduled.request_id)
             if request is None or request.status != RequestStatus.RUNNING:
                 continue  # aborted or preempted since schedule()
+            start = request.num_computed_tokens
             request.num_computed_tokens += scheduled.num_scheduled_tokens
+            self.num_prompt_tokens += max(0, min(request.num_computed_tokens, request.num_prompt_tokens) - start)
+            self.kv.cache_blocks(request, request.num_computed_tokens)
             token = runner_output.sampled_token_ids.get(request.request_id)
             if token is None:
                 continue  # a prefill chunk that is not the last
             request.append_output(token)
+            self.num_generation_tokens += 1
             status = check_stop(request, self.eos_token_ids)
             if status is not None:
                 self._finish(request, status)
+            logprobs = runner_output.logprobs.get(request.request_id)
             outputs.append(RequestOutput(request.request_id, [token], status is not None,
-                                         status.finish_reason if status else None, request.num_cached_tokens))
+                                         status.finish_reason if status else None, request.num_cached_tokens,
+                                         logprobs=None if logprobs is None else [logprobs],
+                                         prompt_logprobs=runner_output.prompt_logprobs.get(request.request_id)))
         return outputs
 
     def _finish(self, request: Request, status: RequestStatus) -> None:

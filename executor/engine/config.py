@@ -16,12 +16,15 @@ class CacheConfig:
         num_blocks: an explicit number of blocks (overrides the memory budget; tests).
         enable_prefix_caching: reuse the KV of full blocks whose chain hash matches
             (``meshserve.block_hash``); freed cached blocks stay reusable until evicted.
+        enable_kv_events: record the block pool's stored/removed events
+            (``LLMEngine.take_kv_events``) for prefix-aware routing.
     """
 
     block_size: int = 16
     kv_cache_memory_bytes: int = 1 << 30
     num_blocks: int | None = None
     enable_prefix_caching: bool = True
+    enable_kv_events: bool = False
 
     def __post_init__(self) -> None:
         if self.block_size < 1:
@@ -72,7 +75,8 @@ class EngineConfig:
         cache: KV cache settings.
         batch: batch scheduler settings.
         seed: seed of the generator shared by unseeded sampled requests.
-        attention_backend: registered attention backend name.
+        attention_backend: ``auto`` (``triton`` on CUDA when installed, else ``torch``)
+            or a registered attention backend name.
         device: torch device of the model and cache.
     """
 
@@ -83,7 +87,7 @@ class EngineConfig:
     cache: CacheConfig = field(default_factory=CacheConfig)
     batch: BatchSchedulerConfig = field(default_factory=BatchSchedulerConfig)
     seed: int = 0
-    attention_backend: str = "torch"
+    attention_backend: str = "auto"
     device: str = "cpu"
 
     def __post_init__(self) -> None:

@@ -14,9 +14,11 @@ from __future__ import annotations
 
 import itertools
 import logging
+import time
 
 import torch
 
+from executor.attention.backend import resolve_backend_name
 from executor.engine.batch_scheduler import BatchScheduler
 from executor.engine.config import EngineConfig
 from executor.engine.kv_cache import bytes_per_block, num_blocks_for_budget
@@ -25,6 +27,7 @@ from executor.engine.model_runner import ModelRunner
 from executor.engine.outputs import EngineStats, RequestOutput
 from executor.engine.request import Request
 from executor.model_loader import load_model
+from meshserve.block_hash import ModelFingerprint
 from meshserve.errors import InvalidArgument
 from meshserve.model_files import resolve_model
 from meshserve.sampling import SamplingParams, validate
@@ -52,7 +55,8 @@ class LLMEngine:
         files = resolve_model(config.model)
         self.model_id, self.revision = files.model_id, files.revision
         loaded = load_model(files.path, dtype=config.dtype, max_model_len=config.max_model_len,
-                            attention_backend=config.attention_backend, device=config.device)
+                            attention_backend=resolve_backend_name(config.attention_backend, config.device),
+                            device=config.device)
         self.dtype = loaded.dtype
         self.max_model_len = loaded.max_model_len
         self.vocab_size = loaded.vocab_size
@@ -63,10 +67,13 @@ class LLMEngine:
                                       layer.head_dim, loaded.dtype)
         self.num_blocks = config.cache.num_blocks or num_blocks_for_budget(config.cache.kv_cache_memory_bytes,
                                                                            block_bytes)
-        self.kv_cache_manager = KVCacheManager(self.num_blocks, self.block_size)
+        self.fingerprint = ModelFingerprint(self.model_id, self.revision, str(loaded.dtype).removeprefix("torch."))
+        self.kv_cache_manager = KVCacheManager(self.num_blocks, self.block_size, config.cache.enable_prefix_caching,
+                                               self.fingerprint, config.cache.enable_kv_events)
         self.batch_scheduler = BatchScheduler(config.batch, self.kv_cache_manager, self.eos_token_ids)
         self.model_runner = ModelRunner(loaded, self.num_blocks, self.block_size, config.seed, config.device)
         self.num_steps = 0
+        self.last_step_was_empty = False
         self._arrivals = itertools.count()
         self._generate_ids = itertools.count()
         log.info("engine ready: %s, %d blocks of %d tokens (%.1f MiB), max_model_len %d", self.model_id,
@@ -138,6 +145,7 @@ class LLMEngine:
             when nothing is runnable.
         """
         scheduler_output = self.batch_scheduler.schedule()
+        self.last_step_was_empty = scheduler_output.is_empty
         if scheduler_output.is_empty:
             self.model_runner.release(scheduler_output.finished_request_ids)
             return []
@@ -162,11 +170,28 @@ class LLMEngine:
             num_preemptions=s.num_preemptions,
             block_size=self.block_size,
             max_model_len=self.max_model_len,
+            prefix_cache_queried_tokens=s.prefix_cache_queried_tokens,
+            prefix_cache_hit_tokens=s.prefix_cache_hit_tokens,
+            kv_cache_utilization=self.kv_cache_manager.utilization(
+                {r.request_id: r.num_computed_tokens for r in s.running}),
+            num_cached_free_blocks=self.kv_cache_manager.block_pool.num_evictable_blocks,
+            num_prompt_tokens=s.num_prompt_tokens,
+            num_generation_tokens=s.num_generation_tokens,
         )
 
+    def reset_prefix_cache(self) -> bool:
+        """Drops every evictable cached block; False while cached blocks are in use."""
+        return self.kv_cache_manager.block_pool.reset_prefix_cache()
+
+    def take_kv_events(self) -> list:
+        """Prefix-cache stored/removed events since the last call (needs
+        ``CacheConfig.enable_kv_events``)."""
+        return self.kv_cache_manager.block_pool.take_events()
+
     def check_integrity(self) -> None:
-        """Asserts the KV cache invariants (free + referenced == num_blocks; blocks held by
-        requests == referenced blocks). Cheap; run it when idle and in tests.
+        """Asserts the KV cache invariants (free + evictable + referenced == num_blocks;
+        each block's reference count == requests holding it). Cheap; run it when idle
+        and in tests.
 
         Raises:
             AssertionError: inconsistent state (a bug).
@@ -194,6 +219,8 @@ class LLMEngine:
                 self.add_request(request_id, prompt, p)
             pending = set(ids)
             while pending:
+                if self.last_step_was_empty and self.batch_scheduler.hold_deadline is not None:
+                    time.sleep(max(0.0, self.batch_scheduler.hold_deadline - time.monotonic()))
                 for out in self.step():
                     if out.request_id in results:
                         results[out.request_id].extend(out.new_token_ids)

@@ -66,7 +66,8 @@ class Request:
         num_computed_tokens: tokens whose K/V are in the cache.
         status: see ``RequestStatus``.
         num_preemptions: times this request was preempted.
-        num_cached_tokens: prompt tokens reused from the prefix cache (0 for now).
+        num_cached_tokens: tokens reused from the prefix cache when first scheduled.
+        arrival_time: ``time.monotonic()`` seconds when the batch scheduler got it.
     """
 
     request_id: str
@@ -81,6 +82,7 @@ class Request:
     status: RequestStatus = RequestStatus.WAITING
     num_preemptions: int = 0
     num_cached_tokens: int = 0
+    arrival_time: float = 0.0
 
     def __post_init__(self) -> None:
         self.all_token_ids = list(self.prompt_token_ids) + list(self.output_token_ids)

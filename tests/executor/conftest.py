@@ -44,3 +44,23 @@ def golden_reference(default_model, golden_prompts):
            "max_new_tokens": GOLDEN_MAX_TOKENS, "ignore_eos": True}
     return cached_reference(key, lambda: HFReference(default_model.path).greedy_many(golden_prompts,
                                                                                       GOLDEN_MAX_TOKENS))
+
+
+@pytest.fixture(autouse=True)
+def kv_invariants_after_each_test(monkeypatch):
+    """After every executor test, every engine made during it (and the shared one) must
+    hold the KV invariants: free + evictable cached + referenced == num_blocks, and each
+    block's reference count == the requests holding it."""
+    from executor.engine.llm_engine import LLMEngine
+
+    made: list[LLMEngine] = []
+    original = LLMEngine.__init__
+
+    def record(self, *args, **kwargs):
+        original(self, *args, **kwargs)
+        made.append(self)
+
+    monkeypatch.setattr(LLMEngine, "__init__", record)
+    yield
+    for engine in made:
+        engine.check_integrity()

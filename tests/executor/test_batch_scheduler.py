@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import random
 
+import pytest
+
 from executor.engine.batch_scheduler import BatchScheduler
 from executor.engine.config import BatchSchedulerConfig
 from executor.engine.kv_cache_manager import KVCacheManager
@@ -11,10 +13,11 @@ from executor.engine.request import RequestStatus
 from tests.executor.helpers import make_request, run_step, shares
 
 
-def make_scheduler(num_blocks=100, block_size=4, budget=10, max_num_seqs=4, chunked=True, eos=frozenset()):
+def make_scheduler(num_blocks=100, block_size=4, budget=10, max_num_seqs=4, chunked=True, eos=frozenset(),
+                   caching=False, max_batch_wait_ms=0.0):
     config = BatchSchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=budget,
-                                  enable_chunked_prefill=chunked)
-    return BatchScheduler(config, KVCacheManager(num_blocks, block_size), eos)
+                                  enable_chunked_prefill=chunked, max_batch_wait_ms=max_batch_wait_ms)
+    return BatchScheduler(config, KVCacheManager(num_blocks, block_size, enable_caching=caching), eos)
 
 
 def test_chunked_prefill_shares_and_block_ids():
@@ -180,22 +183,107 @@ def test_abort_frees_blocks_at_once():
     assert out.is_empty and out.finished_request_ids == {"a", "w"}
 
 
-def test_random_workloads_never_deadlock_and_return_every_block():
+@pytest.mark.parametrize("caching", [False, True])
+def test_random_workloads_never_deadlock_and_return_every_block(caching):
     rng = random.Random(1234)
     for trial in range(20):
         num_blocks = rng.randint(8, 24)
         s = make_scheduler(num_blocks=num_blocks, block_size=4, budget=rng.choice([4, 8, 32]),
-                           max_num_seqs=rng.randint(1, 6), chunked=True)
+                           max_num_seqs=rng.randint(1, 6), chunked=True, caching=caching)
         capacity = num_blocks * 4
-        reqs = [make_request(f"{trial}-{i}", rng.randint(1, capacity - 1), max_tokens=rng.randint(1, 12),
-                             priority=rng.randint(0, 2), max_len=capacity) for i in range(rng.randint(1, 10))]
-        for r in reqs:
-            s.add_request(r)
+        reqs = []
+        for i in range(rng.randint(1, 10)):  # prompts 0, 1, 2, ... share their beginnings
+            reqs.append(make_request(f"{trial}-{i}", rng.randint(1, capacity - 1), max_tokens=rng.randint(1, 12),
+                                     priority=rng.randint(0, 2), max_len=capacity))
+            s.add_request(reqs[-1])
+            if rng.random() < 0.3:
+                run_step(s)  # later arrivals meet running and cached requests
         _drain(s, limit=5000)
         for r in reqs:
             assert r.status.finished
             assert len(r.output_token_ids) == min(r.sampling_params.max_tokens, capacity - r.num_prompt_tokens)
         assert s.kv.num_free_blocks == num_blocks
+        assert s.kv.req_to_blocks == {} and s.kv.req_to_block_hashes == {}
+        if not caching:
+            assert s.prefix_cache_hit_tokens == 0 and s.kv.block_pool.num_evictable_blocks == 0
+
+
+def test_prefix_hit_starts_after_cached_blocks_and_preempted_request_finds_its_own_blocks():
+    s = make_scheduler(num_blocks=6, block_size=4, budget=100, caching=True)
+    a = make_request("a", 10, max_tokens=2)
+    s.add_request(a)
+    _drain(s)
+    assert s.kv.block_pool.num_evictable_blocks == 2  # a's blocks 0-3 and 4-7 (8-11 never filled)
+    b = make_request("b", 10, max_tokens=3)
+    s.add_request(b)
+    out, _ = run_step(s)
+    assert shares(out) == {"b": 2} and out.scheduled[0].num_computed_tokens == 8
+    assert out.scheduled[0].token_ids == [8, 9] and out.scheduled[0].block_ids[:2] == [0, 1]
+    assert b.num_cached_tokens == 8
+    assert (s.prefix_cache_queried_tokens, s.prefix_cache_hit_tokens) == (20, 8)
+    assert s.num_prompt_tokens == 10 + 2
+    # a higher-priority request takes b's blocks; b recomputes from its own cached blocks
+    h = make_request("h", 17, max_tokens=1, priority=1)
+    h.prompt_token_ids[:] = h.all_token_ids[:] = [50 + i for i in range(17)]
+    s.add_request(h)
+    out, _ = run_step(s)
+    assert out.preempted_request_ids == ["b"] and shares(out) == {"h": 17}
+    # b was freed last block first (3, 1, 0), so h's 5 blocks took the plain ones and then
+    # evicted block 1; b's first block (tokens 0-3) survived and b recomputes 11 - 4 tokens
+    assert out.scheduled[0].block_ids == [4, 5, 2, 3, 1]
+    out, _ = run_step(s)
+    assert shares(out) == {"b": 7} and out.scheduled[0].num_computed_tokens == 4
+    assert out.scheduled[0].block_ids[0] == 0
+    assert b.num_cached_tokens == 8  # reported at first scheduling only
+    _drain(s)
+    assert b.output_token_ids == [7, 7, 7] and s.kv.num_free_blocks == 6
+
+
+def test_higher_priority_waiting_request_preempts_lower_and_equal_never_does():
+    s = make_scheduler(budget=100, max_num_seqs=2)
+    low1, low2 = make_request("l1", 4, max_tokens=50), make_request("l2", 4, max_tokens=50)
+    s.add_request(low1)
+    s.add_request(low2)
+    run_step(s)
+    s.add_request(make_request("eq", 4, max_tokens=2))
+    out, _ = run_step(s)
+    assert shares(out) == {"l1": 1, "l2": 1} and not out.preempted_request_ids  # equal priority waits
+    high = make_request("h", 5, max_tokens=2, priority=2)
+    s.add_request(high)
+    out, results = run_step(s)  # l2 (latest) was decoding this step: unscheduled, preempted
+    assert out.preempted_request_ids == ["l2"] and shares(out) == {"l1": 1, "h": 5}
+    assert [r.request_id for r in results] == ["l1", "h"]  # h's first token in the same step
+    assert [r.request_id for r in s.waiting] == ["l2", "eq"]  # l2 arrived before eq
+    _drain(s)
+    assert high.output_token_ids == [7, 7] and low2.output_token_ids == [7] * 50
+    assert s.num_preemptions == 1 and s.kv.num_free_blocks == 100
+
+
+def test_max_batch_wait_holds_new_prefills_until_full_or_deadline():
+    s = make_scheduler(budget=20, max_num_seqs=3, max_batch_wait_ms=50.0)
+    now = [100.0]
+    s.clock = lambda: now[0]
+    s.add_request(make_request("a", 4))
+    out, _ = run_step(s)
+    assert out.is_empty and s.hold_deadline == pytest.approx(100.05)
+    now[0] += 0.049
+    assert run_step(s)[0].is_empty
+    now[0] += 0.001  # the oldest has waited 50 ms: released, never later
+    out, _ = run_step(s)
+    assert shares(out) == {"a": 4} and s.hold_deadline is None
+    # with a batch running, new prefills are held while there is room, decodes go on
+    s.add_request(make_request("b", 4))
+    out, _ = run_step(s)
+    assert shares(out) == {"a": 1} and s.hold_deadline == pytest.approx(100.1)
+    s.add_request(make_request("c", 4))  # running + waiting == max_num_seqs: no reason to wait
+    out, _ = run_step(s)
+    assert shares(out) == {"a": 1, "b": 4, "c": 4}
+    # waiting prompt tokens that fill the budget are released at once
+    s2 = make_scheduler(budget=8, max_num_seqs=8, max_batch_wait_ms=1000.0)
+    s2.add_request(make_request("x", 4))
+    assert run_step(s2)[0].is_empty
+    s2.add_request(make_request("y", 4))
+    assert shares(run_step(s2)[0]) == {"x": 4, "y": 4}
 
 
 def _drain(s, limit=1000):

@@ -1,8 +1,11 @@
 """Golden: our engine's greedy tokens equal transformers' generate(), token for token.
 
 16 prompts of 5..600 tokens (raw and chat-templated) go in at once; the token budget
-is small, so they batch together and long prompts are chunked; a second run uses a
-pool so small that requests are preempted and recomputed.
+is small, so they batch together and long prompts are chunked. Variants: prefix
+caching off; prefix caching on with chunks of 64 and of 16 tokens, run twice on one
+engine so the second run is served from the warm cache; a pool so small that
+requests are preempted and recomputed (from their own cached blocks when they
+survived). Every variant equals the cold single-request reference.
 """
 
 from __future__ import annotations
@@ -21,9 +24,14 @@ GREEDY = SamplingParams(max_tokens=GOLDEN_MAX_TOKENS, temperature=0.0, ignore_eo
 BUDGET = 256
 
 
-def run_engine(num_blocks: int, prompts: list[list[int]], reverse: bool = False) -> tuple[list[list[int]], LLMEngine]:
-    engine = LLMEngine(EngineConfig(cache=CacheConfig(num_blocks=num_blocks),
-                                    batch=BatchSchedulerConfig(max_num_seqs=16, max_num_batched_tokens=BUDGET)))
+def make_engine(num_blocks: int, budget: int = BUDGET, caching: bool = True) -> LLMEngine:
+    return LLMEngine(EngineConfig(cache=CacheConfig(num_blocks=num_blocks, enable_prefix_caching=caching),
+                                  batch=BatchSchedulerConfig(max_num_seqs=16, max_num_batched_tokens=budget)))
+
+
+def run_engine(num_blocks: int, prompts: list[list[int]], reverse: bool = False, budget: int = BUDGET,
+               caching: bool = True, engine: LLMEngine | None = None) -> tuple[list[list[int]], LLMEngine]:
+    engine = engine or make_engine(num_blocks, budget, caching)
     if reverse:  # longest first: the victims (latest arrivals) are then the short, cheap to recompute
         outputs = engine.generate(prompts[::-1], GREEDY)[::-1]
     else:
@@ -33,15 +41,32 @@ def run_engine(num_blocks: int, prompts: list[list[int]], reverse: bool = False)
     return outputs, engine
 
 
-def test_golden_batched_and_chunked(golden_prompts, golden_reference):
+def test_golden_batched_and_chunked_prefix_caching_off(golden_prompts, golden_reference):
     assert len(golden_prompts) == 16
     assert min(map(len, golden_prompts)) == 5 and max(map(len, golden_prompts)) > BUDGET  # chunked
-    outputs, engine = run_engine(400, golden_prompts)
+    outputs, engine = run_engine(400, golden_prompts, caching=False)
     stats = engine.stats()
     assert stats.num_preemptions == 0 and stats.num_finished == 16
     assert stats.num_joined_running_batch > 0
     assert stats.num_steps < 16 * GOLDEN_MAX_TOKENS // 4  # they ran batched
+    assert stats.prefix_cache_hit_tokens == 0 and stats.num_cached_free_blocks == 0
     assert_greedy_matches(outputs, golden_reference)
+
+
+@pytest.mark.parametrize("budget, num_prompts", [(64, 16), (16, 6)])
+def test_golden_prefix_caching_cold_then_warm(golden_prompts, golden_reference, budget, num_prompts):
+    prompts, reference = golden_prompts[:num_prompts], golden_reference[:num_prompts]
+    engine = make_engine(400, budget)
+    cold, _ = run_engine(400, prompts, engine=engine)
+    assert_greedy_matches(cold, reference)
+    first = engine.stats()
+    warm, _ = run_engine(400, prompts, engine=engine)
+    assert_greedy_matches(warm, reference)
+    stats = engine.stats()
+    # the warm run finds every full block of every prompt (~all but < 16 tokens each)
+    hits = stats.prefix_cache_hit_tokens - first.prefix_cache_hit_tokens
+    assert hits == sum((len(p) - 1) // 16 * 16 for p in prompts)
+    assert stats.num_prompt_tokens - first.num_prompt_tokens == sum(len(p) for p in prompts) - hits
 
 
 def test_golden_with_preemption(golden_prompts, golden_reference):

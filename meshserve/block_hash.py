@@ -1,0 +1,95 @@
+"""Chain hashes of full KV blocks: the one identity of cached prefix KV.
+
+Shared by the executor's prefix cache, the kvstore's keys and the scheduler's
+prefix-aware routing, so all three name the same block the same way.
+
+A block holds ``block_size`` consecutive tokens of a sequence. Its hash covers
+its own token ids *and* its parent's hash, so equal hashes mean equal whole
+prefixes, not just equal blocks (vLLM's prefix caching, Kwon et al. SOSP '23;
+SGLang's RadixAttention keys the same information as a tree)::
+
+    h0 = H(root,  tokens[0:16])          root = H(fingerprint)
+    h1 = H(h0,    tokens[16:32])
+    h2 = H(h1,    tokens[32:48])   ...   only *full* blocks are hashed
+
+The root is derived from a ``ModelFingerprint`` (model id, revision, dtype,
+adapter), so KV computed by different weights or in another dtype never matches
+(case C06). Block size is implied by the token count of each block, so two block
+sizes give different hashes as well.
+
+H is SHA-256 over a fixed little-endian encoding, truncated to 128 bits: stable
+across processes and Python versions (unlike ``hash()``), so hashes can cross the
+network. Cost: about 1 µs per block of 16 tokens.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import struct
+from dataclasses import dataclass
+from typing import Sequence
+
+BlockHash = int
+"""A 128-bit chain hash (non-negative int)."""
+
+_HASH_BYTES = 16
+
+
+@dataclass(frozen=True)
+class ModelFingerprint:
+    """What makes KV computed by one model differ from another's.
+
+    Attributes:
+        model_id: model name or path as served.
+        revision: weights revision (e.g. a content hash of the checkpoint).
+        dtype: activation / KV dtype name (``"float32"``, ``"bfloat16"``).
+        adapter: LoRA adapter id, or "" for the base model.
+    """
+
+    model_id: str
+    revision: str
+    dtype: str
+    adapter: str = ""
+
+    @property
+    def root_hash(self) -> BlockHash:
+        """The parent hash of every sequence's first block."""
+        text = "\x00".join(("meshserve-kv-v1", self.model_id, self.revision, self.dtype, self.adapter))
+        return int.from_bytes(hashlib.sha256(text.encode()).digest()[:_HASH_BYTES], "little")
+
+
+def hash_block_tokens(parent_hash: BlockHash, token_ids: Sequence[int]) -> BlockHash:
+    """The chain hash of one block.
+
+    Args:
+        parent_hash: the previous block's hash, or ``ModelFingerprint.root_hash``
+            for a sequence's first block.
+        token_ids: the block's token ids (each in [0, 2**32)).
+
+    Returns:
+        A 128-bit non-negative int.
+    """
+    h = hashlib.sha256(parent_hash.to_bytes(_HASH_BYTES, "little"))
+    h.update(struct.pack(f"<{len(token_ids)}I", *token_ids))
+    return int.from_bytes(h.digest()[:_HASH_BYTES], "little")
+
+
+def hash_full_blocks(token_ids: Sequence[int], block_size: int, parent_hash: BlockHash,
+                     start_block: int = 0) -> list[BlockHash]:
+    """Hashes of the full blocks of ``token_ids`` from block ``start_block`` on.
+
+    Args:
+        token_ids: the whole sequence so far.
+        block_size: tokens per block (>= 1).
+        parent_hash: hash of block ``start_block - 1`` (the root hash when 0).
+        start_block: first block to hash (blocks before it are already known).
+
+    Returns:
+        One hash per full block ``start_block .. len(token_ids) // block_size - 1``;
+        a trailing partial block is not hashed.
+    """
+    hashes = []
+    for b in range(start_block, len(token_ids) // block_size):
+        parent_hash = hash_block_tokens(parent_hash, token_ids[b * block_size:(b + 1) * block_size])
+        hashes.append(parent_hash)
+    return hashes

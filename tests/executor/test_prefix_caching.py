@@ -1,0 +1,108 @@
+"""Prefix caching on the default model: reported cached tokens, computed tokens, and
+outputs identical warm and cold (case C08), plus priority preemption (case C22)."""
+
+from __future__ import annotations
+
+import pytest
+
+from executor.engine.config import BatchSchedulerConfig, CacheConfig, EngineConfig
+from executor.engine.llm_engine import LLMEngine
+from meshserve.sampling import SamplingParams
+
+pytestmark = pytest.mark.model
+
+
+def make_engine(budget: int, num_blocks: int = 64, max_num_seqs: int = 8, caching: bool = True) -> LLMEngine:
+    return LLMEngine(EngineConfig(cache=CacheConfig(block_size=16, num_blocks=num_blocks,
+                                                    enable_prefix_caching=caching),
+                                  batch=BatchSchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=budget)))
+
+
+def run_one(engine: LLMEngine, request_id: str, prompt: list[int], max_tokens: int) -> tuple[list[int], int, int]:
+    """Runs one request alone; returns (tokens, reported cached tokens, prompt tokens computed)."""
+    before = engine.stats().num_prompt_tokens
+    engine.add_request(request_id, prompt, SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True))
+    tokens, cached = [], None
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            tokens += out.new_token_ids
+            cached = out.num_cached_tokens if cached is None else cached
+    engine.check_integrity()
+    return tokens, cached, engine.stats().num_prompt_tokens - before
+
+
+def prompt_of(tokenizer, n: int, salt: str) -> list[int]:
+    text = " ".join(f"{salt} item {i} is a small green stone." for i in range(200))
+    ids = tokenizer(text, add_special_tokens=False)["input_ids"][:n]
+    assert len(ids) == n
+    return ids
+
+
+def test_C08_chunked_prefill_with_the_prefix_cache(tokenizer):
+    engine = make_engine(budget=16)
+    p40 = prompt_of(tokenizer, 40, "alpha")
+    cold, cached, computed = run_one(engine, "a1", p40, 8)
+    assert (cached, computed) == (0, 40)
+    warm, cached, computed = run_one(engine, "a2", p40, 8)
+    assert cached == 32 and computed == 8 <= 16
+    assert warm == cold
+
+    engine = make_engine(budget=64)
+    p200 = prompt_of(tokenizer, 200, "beta")
+    cold, cached, computed = run_one(engine, "b1", p200, 8)
+    assert (cached, computed) == (0, 200)
+    warm, cached, computed = run_one(engine, "b2", p200, 8)
+    assert (cached, computed) == (192, 8)
+    assert warm == cold
+    # a block-aligned full-prompt hit still recomputes its last block's tokens (one position to sample)
+    p192 = p200[:192]
+    _, cached, computed = run_one(engine, "b3", p192, 2)
+    assert (cached, computed) == (176, 16)
+    stats = engine.stats()
+    assert stats.num_free_blocks == stats.num_blocks and stats.num_cached_free_blocks > 0
+
+
+def test_prefix_caching_off_never_reuses(tokenizer):
+    engine = make_engine(budget=64, caching=False)
+    p = prompt_of(tokenizer, 100, "gamma")
+    first, cached1, computed1 = run_one(engine, "c1", p, 4)
+    second, cached2, computed2 = run_one(engine, "c2", p, 4)
+    assert (cached1, computed1, cached2, computed2) == (0, 100, 0, 100) and first == second
+    assert engine.stats().prefix_cache_queried_tokens == 200 and engine.stats().prefix_cache_hit_tokens == 0
+
+
+def test_C22_priority_preempts_lower_priority(tokenizer):
+    """max_num_seqs 2: two low-priority streams run; a high-priority request gets its
+    first token in the step after it arrives, the latest low one is preempted and later
+    finishes with exactly its unpreempted tokens; an equal-priority arrival never preempts."""
+    greedy = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
+    lows = [prompt_of(tokenizer, 30, "low-a"), prompt_of(tokenizer, 50, "low-b")]
+    ref = make_engine(budget=256, max_num_seqs=4, caching=False).generate(lows, greedy)
+
+    engine = make_engine(budget=256, max_num_seqs=2, caching=False)
+    outputs: dict[str, list[int]] = {"l0": [], "l1": [], "eq": [], "hi": []}
+
+    def step() -> list[str]:
+        results = engine.step()
+        for out in results:
+            outputs[out.request_id] += out.new_token_ids
+        return [out.request_id for out in results]
+
+    engine.add_request("l0", lows[0], greedy, priority=0)
+    engine.add_request("l1", lows[1], greedy, priority=0)
+    for _ in range(5):
+        step()
+    engine.add_request("eq", prompt_of(tokenizer, 20, "eq"), SamplingParams(max_tokens=4, temperature=0.0), priority=0)
+    assert sorted(step()) == ["l0", "l1"] and engine.stats().num_preemptions == 0  # equal: waits
+    hi_prompt = list(tokenizer.apply_chat_template([{"role": "user", "content": "Hi"}], add_generation_prompt=True,
+                                                   tokenize=True, return_dict=True)["input_ids"])
+    engine.add_request("hi", hi_prompt, SamplingParams(max_tokens=8, temperature=0.0), priority=5)
+    assert "hi" in step()  # first token in the very next step
+    assert engine.stats().num_preemptions == 1
+    assert engine.batch_scheduler.requests["l1"].num_preemptions == 1  # the latest low arrival
+    while engine.has_unfinished_requests():
+        step()
+    assert outputs["l0"] == ref[0] and outputs["l1"] == ref[1]
+    assert 1 <= len(outputs["hi"]) <= 8 and len(outputs["eq"]) >= 1
+    engine.check_integrity()
+    assert engine.stats().num_free_blocks == engine.num_blocks
