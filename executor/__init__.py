@@ -14,7 +14,8 @@ Map of the package (one concept per module)::
       scheduler_output.py     SchedulerOutput / ModelRunnerOutput (between the three calls)
       model_runner.py         flattened batch -> forward -> logits -> sampler
       kv_cache.py             sizing and allocating the paged K/V tensors
-      sampler.py              greedy, temperature, top-k, top-p, seeded generators
+      sampler.py              penalties, min_tokens, greedy, temperature, min-p, top-k, top-p, seeded generators
+      logprobs.py             sampled and prompt logprobs (raw log_softmax, top-k)
       outputs.py              RequestOutput, EngineStats
     attention/                AttentionMetadata, backend ABC + registry, torch backend, layer
     models/                   our Llama-family model and its tensor-parallel layers

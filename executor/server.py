@@ -1,8 +1,11 @@
 """The Executor gRPC servicer and its link to the scheduler.
 
 A thin layer over ``executor.engine.AsyncEngine``: ``Execute`` validates the
-request, feeds it to the engine and streams token ids back; cancelling the call
-aborts the request in the engine, which frees its blocks at its next step.
+request, feeds it to the engine and streams token ids (and logprobs) back;
+cancelling the call aborts the request in the engine, which frees its blocks at
+its next step. With ``n`` > 1 choices it adds one engine request per choice
+(``"<request_id>#<i>"``, ``SamplingParams.for_choice``) and merges their outputs
+into one stream, each message naming its choice; cancelling aborts them all.
 ``SchedulerLink`` keeps one ``Connect`` stream to the scheduler open: Register,
 then a capacity report whenever the engine's state changes, reconnecting with
 back-off if the scheduler goes away.
@@ -11,6 +14,7 @@ back-off if the scheduler goes away.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from dataclasses import dataclass
@@ -20,10 +24,10 @@ from opentelemetry import trace
 
 from executor.engine.async_engine import AsyncEngine
 from executor.engine.llm_engine import LLMEngine
-from executor.engine.outputs import EngineStats
+from executor.engine.outputs import EngineStats, RequestOutput, TokenLogprob
 from meshserve.errors import InvalidArgument
 from meshserve.grpc_server import CHANNEL_OPTIONS, Service
-from meshserve.sampling import from_proto
+from meshserve.sampling import SamplingParams, from_proto
 from meshserve.telemetry import context_from_grpc, tracer
 from meshserve.v1 import common_pb2, executor_pb2, executor_pb2_grpc, scheduler_pb2, scheduler_pb2_grpc
 
@@ -51,6 +55,7 @@ class ExecutorServicer(executor_pb2_grpc.ExecutorServicer):
             raise InvalidArgument("request_id must not be empty")
         params = from_proto(request.sampling, max_model_len=eng.max_model_len, vocab_size=eng.vocab_size)
         prompt = list(request.prompt_token_ids)
+        params = eng.check_request(prompt, params)  # INVALID_ARGUMENT before any choice starts
         span = _tracer.start_span("executor.execute", context=context_from_grpc(context))
         span.set_attributes(
             {
@@ -64,18 +69,16 @@ class ExecutorServicer(executor_pb2_grpc.ExecutorServicer):
         num_output = 0
         phase = _tracer.start_span("executor.prefill", context=in_span)
         try:
-            async for out in self.engine.generate(request.request_id, prompt, params, request.priority):
-                if num_output == 0 and out.new_token_ids:
-                    phase.add_event("first_token")
-                    phase.set_attribute("meshserve.cached_tokens", out.num_cached_tokens)
-                    phase.end()
-                    phase = _tracer.start_span("executor.decode", context=in_span)
-                num_output += len(out.new_token_ids)
-                yield executor_pb2.ExecuteResponse(
-                    token_ids=out.new_token_ids,
-                    finish_reason=FINISH_REASONS.get(out.finish_reason or "", 0) if out.finished else 0,
-                    num_cached_tokens=out.num_cached_tokens,
-                )
+            async with contextlib.aclosing(self._choices(request.request_id, prompt, params,
+                                                         request.priority)) as choices:
+                async for index, out in choices:
+                    if num_output == 0 and out.new_token_ids:
+                        phase.add_event("first_token")
+                        phase.set_attribute("meshserve.cached_tokens", out.num_cached_tokens)
+                        phase.end()
+                        phase = _tracer.start_span("executor.decode", context=in_span)
+                    num_output += len(out.new_token_ids)
+                    yield response_to_proto(index, out)
         finally:
             phase.end()
             span.set_attribute("gen_ai.usage.output_tokens", num_output)
@@ -84,6 +87,59 @@ class ExecutorServicer(executor_pb2_grpc.ExecutorServicer):
 
     async def Stats(self, request, context) -> executor_pb2.StatsResponse:
         return stats_to_proto(self.engine.stats(), self.model_id)
+
+    async def _choices(self, request_id: str, prompt: list[int], params: SamplingParams, priority: int):
+        """Yields ``(choice index, RequestOutput)`` of every choice as they come, until
+        all finished. Closing it (the call was cancelled) aborts every choice."""
+        if params.n == 1:
+            async with contextlib.aclosing(self.engine.generate(request_id, prompt, params, priority)) as outs:
+                async for out in outs:
+                    yield 0, out
+            return
+        merged: asyncio.Queue = asyncio.Queue()
+
+        async def pump(index: int) -> None:
+            try:
+                async for out in self.engine.generate(f"{request_id}#{index}", prompt, params.for_choice(index),
+                                                      priority):
+                    merged.put_nowait((index, out))
+            except Exception as exc:  # noqa: BLE001 - re-raised by the consumer below
+                merged.put_nowait((index, exc))
+
+        tasks = [asyncio.create_task(pump(i)) for i in range(params.n)]
+        try:
+            unfinished = params.n
+            while unfinished:
+                index, item = await merged.get()
+                if isinstance(item, Exception):
+                    raise item
+                unfinished -= item.finished
+                yield index, item
+        finally:
+            for task in tasks:  # a cancelled pump closes its engine stream, which aborts the choice
+                task.cancel()
+
+
+def response_to_proto(index: int, out: RequestOutput) -> executor_pb2.ExecuteResponse:
+    """One engine output of choice ``index`` as an ``ExecuteResponse``."""
+    msg = executor_pb2.ExecuteResponse(
+        token_ids=out.new_token_ids,
+        finish_reason=FINISH_REASONS.get(out.finish_reason or "", 0) if out.finished else 0,
+        num_cached_tokens=out.num_cached_tokens,
+        index=index,
+    )
+    if out.logprobs:
+        msg.logprobs.extend(logprob_to_proto(lp) for lp in out.logprobs)
+    if out.prompt_logprobs:
+        msg.prompt_logprobs.extend(logprob_to_proto(lp) for lp in out.prompt_logprobs)
+    return msg
+
+
+def logprob_to_proto(lp: TokenLogprob) -> common_pb2.TokenLogprob:
+    """A ``TokenLogprob`` as its proto message."""
+    return common_pb2.TokenLogprob(
+        token_id=lp.token_id, logprob=lp.logprob,
+        top=[common_pb2.TopLogprob(token_id=t, logprob=v) for t, v in zip(lp.top_token_ids, lp.top_logprobs)])
 
 
 def stats_to_proto(s: EngineStats, model_id: str) -> executor_pb2.StatsResponse:

@@ -9,6 +9,8 @@ Pure core (no gRPC, unit-tested directly):
   (``IncrementalDetokenizer``).
 * ``gateway.stop_strings``: cuts streamed text at stop strings
   (``StopStringMatcher``).
+* ``gateway.choices``: one detokenizer + stop-string matcher + counts per choice
+  of an ``n`` > 1 request (``Choice``).
 
 Per request, the servicer chains the last two::
 

@@ -6,6 +6,12 @@ updates to the caller), stream tokens from the executor through the incremental
 detokenizer and the stop-string matcher, then send usage and timings. When a stop
 string matches, the caller goes away or anything fails, the executor call is
 cancelled (the engine frees the request's blocks) and the lease is released.
+
+With ``n`` choices the executor stream interleaves them; each choice has its own
+detokenizer and stop-string matcher (``gateway.choices``), its deltas carry its
+index, and it ends with its own ``GenerateResult`` as soon as it is done. The
+stream ends after the last choice's result; only then is the executor call
+cancelled (a choice cut by a stop string meanwhile runs on, its tokens dropped).
 """
 
 from __future__ import annotations
@@ -18,15 +24,14 @@ from dataclasses import dataclass
 
 import grpc
 
-from gateway.detokenizer import IncrementalDetokenizer
+from gateway.choices import Choice, RequestTimer
 from gateway.prompt import PromptBuilder
-from gateway.stop_strings import StopStringMatcher
 from gateway.tenants import TenantRegistry
 from meshserve.errors import InvalidArgument, Unavailable, from_rpc_error
 from meshserve.grpc_server import CHANNEL_OPTIONS, Service
 from meshserve.sampling import from_proto, to_proto
 from meshserve.telemetry import context_from_grpc, outgoing_metadata, tracer
-from meshserve.v1 import common_pb2, executor_pb2, executor_pb2_grpc, gateway_pb2, gateway_pb2_grpc
+from meshserve.v1 import executor_pb2, executor_pb2_grpc, gateway_pb2, gateway_pb2_grpc
 from meshserve.v1 import scheduler_pb2, scheduler_pb2_grpc
 
 log = logging.getLogger(__name__)
@@ -51,22 +56,6 @@ def _prompt_ids(builder: PromptBuilder, request: gateway_pb2.GenerateRequest) ->
     if kind == "prompt_token_ids":
         return builder.from_token_ids(list(request.prompt_token_ids.ids))
     raise InvalidArgument("one of prompt, chat or prompt_token_ids must be set")
-
-
-class _Timer:
-    def __init__(self) -> None:
-        self.start = time.monotonic()
-        self.assigned = self.first_token = self.last_token = 0.0
-
-    def timings(self, num_tokens: int) -> common_pb2.Timings:
-        now = time.monotonic()
-        first = self.first_token or now
-        return common_pb2.Timings(
-            queue_s=(self.assigned or now) - self.start,
-            ttft_s=first - self.start if self.first_token else 0.0,
-            tpot_s=(self.last_token - first) / (num_tokens - 1) if num_tokens > 1 else 0.0,
-            e2e_s=now - self.start,
-        )
 
 
 class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
@@ -95,7 +84,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
             await channel.close()
 
     async def Generate(self, request: gateway_pb2.GenerateRequest, context: grpc.aio.ServicerContext):
-        timer = _Timer()
+        timer = RequestTimer()
         tenant = self.tenants.authenticate(context.invocation_metadata())
         span = _tracer.start_span("gateway.generate", context=context_from_grpc(context))
         try:
@@ -115,6 +104,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
                     "meshserve.priority": priority,
                     "gen_ai.request.model": self.model.model_id,
                     "gen_ai.request.max_tokens": params.max_tokens,
+                    "gen_ai.request.choice.count": params.n,
                     "gen_ai.usage.input_tokens": len(prompt_ids),
                 }
             )
@@ -125,6 +115,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
                 num_prompt_tokens=len(prompt_ids),
                 max_tokens=params.max_tokens,
                 model=self.model.model_id,
+                n=params.n,
             )
             assignment = None
             try:
@@ -158,52 +149,33 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
             request_id=request_id, lease_id=assignment.lease_id, prompt_token_ids=prompt_ids, priority=priority
         )
         to_proto(params, exe.sampling)
-        detok = IncrementalDetokenizer(self.tokenizer, prompt_token_ids=prompt_ids)
-        stops = StopStringMatcher(params.stop)
+        choices = [Choice(i, self.tokenizer, prompt_ids, params.stop) for i in range(params.n)]
         call = self._executor(assignment.address).Execute(exe, metadata=outgoing_metadata(span))
-        finish, stop_reason, num_tokens, cached = common_pb2.FINISH_REASON_UNSPECIFIED, "", 0, 0
         try:
             async for out in call:
+                if not 0 <= out.index < len(choices):
+                    raise Unavailable(f"executor {assignment.executor_id} sent choice {out.index} of {params.n}")
+                choice = choices[out.index]
+                if choice.done:
+                    continue  # cut by a stop string; the executor runs it until all choices end
                 now = time.monotonic()
                 if out.token_ids and not timer.first_token:
                     timer.first_token = now
                     span.add_event("first_token")
-                    cached = out.num_cached_tokens
-                if out.token_ids:
-                    timer.last_token = now
-                num_tokens += len(out.token_ids)
-                text, matched = stops.feed(detok.add(list(out.token_ids)))
-                if out.finish_reason and not matched:
-                    more, matched = stops.feed(detok.finish())
-                    text += more
-                    if not matched:
-                        text += stops.flush()
-                    finish = out.finish_reason
-                if matched is not None:
-                    finish, stop_reason = common_pb2.FINISH_REASON_STOP, matched
-                yield gateway_pb2.GenerateResponse(delta=gateway_pb2.TokenDelta(text=text, token_ids=out.token_ids))
-                if finish:
+                yield gateway_pb2.GenerateResponse(delta=choice.feed(out, now))
+                if choice.done:
+                    yield gateway_pb2.GenerateResponse(
+                        result=choice.result(request_id, prompt_ids, assignment.executor_id, timer))
+                if all(c.done for c in choices):
                     break
         except grpc.aio.AioRpcError as exc:
             raise from_rpc_error(exc, f"executor {assignment.executor_id}") from None
         finally:
-            call.cancel()  # no-op when finished; aborts the engine request otherwise
-        if not finish:
+            call.cancel()  # no-op when finished; aborts the engine requests otherwise
+        if not all(c.done for c in choices):
             raise Unavailable(f"executor {assignment.executor_id} ended the stream without finishing")
-        span.set_attributes({"gen_ai.usage.output_tokens": num_tokens, "meshserve.cached_tokens": cached})
-        yield gateway_pb2.GenerateResponse(
-            result=gateway_pb2.GenerateResult(
-                request_id=request_id,
-                finish_reason=finish,
-                usage=common_pb2.Usage(
-                    prompt_tokens=len(prompt_ids), completion_tokens=num_tokens, cached_tokens=cached
-                ),
-                timings=timer.timings(num_tokens),
-                prompt_token_ids=prompt_ids,
-                executor_id=assignment.executor_id,
-                stop_reason=stop_reason,
-            )
-        )
+        span.set_attributes({"gen_ai.usage.output_tokens": sum(c.num_tokens for c in choices),
+                             "meshserve.cached_tokens": choices[0].num_cached_tokens})
 
     async def _release(self, lease_id: str) -> None:
         try:

@@ -34,8 +34,19 @@ def build_request(
     ignore_eos: bool = False,
     priority: int | None = None,
     request_id: str = "",
+    min_p: float | None = None,
+    repetition_penalty: float | None = None,
+    presence_penalty: float | None = None,
+    frequency_penalty: float | None = None,
+    min_tokens: int | None = None,
+    n: int | None = None,
+    logprobs: int | None = None,
+    prompt_logprobs: int | None = None,
 ) -> gateway_pb2.GenerateRequest:
-    """A ``GenerateRequest`` from text, token ids or chat messages ((role, content) pairs)."""
+    """A ``GenerateRequest`` from text, token ids or chat messages ((role, content) pairs).
+
+    Sampling arguments left None are not set (the gateway's defaults apply).
+    """
     req = gateway_pb2.GenerateRequest(request_id=request_id)
     if chat is not None:
         req.chat.messages.extend(gateway_pb2.ChatMessage(role=r, content=c) for r, c in chat)
@@ -46,7 +57,10 @@ def build_request(
         req.prompt_token_ids.ids.extend(prompt)
     s = req.sampling
     for name, value in (("max_tokens", max_tokens), ("temperature", temperature), ("top_p", top_p),
-                        ("top_k", top_k), ("seed", seed)):
+                        ("top_k", top_k), ("seed", seed), ("min_p", min_p),
+                        ("repetition_penalty", repetition_penalty), ("presence_penalty", presence_penalty),
+                        ("frequency_penalty", frequency_penalty), ("min_tokens", min_tokens), ("n", n),
+                        ("logprobs", logprobs), ("prompt_logprobs", prompt_logprobs)):
         if value is not None:
             setattr(s, name, value)
     s.stop.extend(stop)
@@ -57,11 +71,34 @@ def build_request(
     return req
 
 
-@dataclass
-class Completion:
-    """One finished Generate call, as the client saw it.
+@dataclass(frozen=True)
+class Logprob:
+    """Logprobs at one position (see ``meshserve.v1.TokenLogprob``).
 
     Attributes:
+        token_id: the position's token (sampled, or the prompt's).
+        logprob: its log-probability.
+        top: the k most likely ``(token_id, logprob)``, highest first.
+    """
+
+    token_id: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
+
+    @classmethod
+    def from_proto(cls, msg) -> "Logprob":
+        return cls(msg.token_id, msg.logprob, tuple((t.token_id, t.logprob) for t in msg.top))
+
+    def as_json(self) -> dict:
+        return {"token_id": self.token_id, "logprob": self.logprob, "top": [list(t) for t in self.top]}
+
+
+@dataclass
+class Completion:
+    """One finished choice of a Generate call, as the client saw it.
+
+    Attributes:
+        index: the choice, in [0, n).
         text: the concatenated text deltas.
         pieces: each text delta in order.
         token_ids: generated token ids.
@@ -70,8 +107,12 @@ class Completion:
         usage / timings: from the final message (timings in seconds).
         client_ttft_s: time to the first token-carrying message, measured here.
         token_times: arrival times (time.monotonic) of each token, measured here.
+        logprobs: with ``logprobs`` asked, one entry per generated token.
+        prompt_logprobs: with ``prompt_logprobs`` asked (choice 0): one entry per
+            prompt position 1 .. len(prompt_token_ids) - 1.
     """
 
+    index: int = 0
     text: str = ""
     pieces: list[str] = field(default_factory=list)
     token_ids: list[int] = field(default_factory=list)
@@ -84,10 +125,13 @@ class Completion:
     queue_updates: int = 0
     client_ttft_s: float = 0.0
     token_times: list[float] = field(default_factory=list)
+    logprobs: list[Logprob] = field(default_factory=list)
+    prompt_logprobs: list[Logprob] = field(default_factory=list)
 
     def as_json(self) -> dict:
-        """The ``--json`` form printed by ``meshserve generate``."""
-        return {
+        """The ``--json`` form printed by ``meshserve generate`` (logprobs only when asked)."""
+        out = {
+            "index": self.index,
             "prompt_token_ids": self.prompt_token_ids,
             "token_ids": self.token_ids,
             "text": self.text,
@@ -97,6 +141,11 @@ class Completion:
             "usage": self.usage,
             "timings": self.timings,
         }
+        if self.logprobs:
+            out["logprobs"] = [lp.as_json() for lp in self.logprobs]
+        if self.prompt_logprobs:
+            out["prompt_logprobs"] = [lp.as_json() for lp in self.prompt_logprobs]
+        return out
 
 
 async def stream(
@@ -107,34 +156,41 @@ async def stream(
         yield msg
 
 
-async def generate(
+async def generate_choices(
     stub: gateway_pb2_grpc.GatewayStub, request: gateway_pb2.GenerateRequest, metadata=(), timeout: float | None = None,
     on_delta=None,
-) -> Completion:
-    """Runs one Generate call to the end; ``on_delta(text, token_ids)`` sees each delta.
+) -> list[Completion]:
+    """Runs one Generate call to the end; returns its ``n`` choices by index.
+    ``on_delta(text, token_ids, index)`` sees each delta.
 
     Raises:
         grpc.aio.AioRpcError: the call failed (status code and message as sent).
     """
-    out = Completion()
+    choices: dict[int, Completion] = {}
+    queue_updates = 0
     start = time.monotonic()
     async for msg in stub.Generate(request, metadata=metadata, timeout=timeout):
         kind = msg.WhichOneof("kind")
         if kind == "queue":
-            out.queue_updates += 1
+            queue_updates += 1
         elif kind == "delta":
+            d = msg.delta
+            out = choices.setdefault(d.index, Completion(index=d.index))
             now = time.monotonic()
-            if msg.delta.token_ids and not out.token_ids:
+            if d.token_ids and not out.token_ids:
                 out.client_ttft_s = now - start
-            out.token_times.extend([now] * len(msg.delta.token_ids))
-            out.token_ids.extend(msg.delta.token_ids)
-            out.pieces.append(msg.delta.text)
-            out.text += msg.delta.text
+            out.token_times.extend([now] * len(d.token_ids))
+            out.token_ids.extend(d.token_ids)
+            out.logprobs.extend(Logprob.from_proto(lp) for lp in d.logprobs)
+            out.pieces.append(d.text)
+            out.text += d.text
             if on_delta is not None:
-                on_delta(msg.delta.text, list(msg.delta.token_ids))
+                on_delta(d.text, list(d.token_ids), d.index)
         else:
             r = msg.result
+            out = choices.setdefault(r.index, Completion(index=r.index))
             out.prompt_token_ids = list(r.prompt_token_ids)
+            out.prompt_logprobs = [Logprob.from_proto(lp) for lp in r.prompt_logprobs]
             out.finish_reason = FINISH_NAMES[r.finish_reason]
             out.stop_reason = r.stop_reason
             out.executor_id = r.executor_id
@@ -142,7 +198,27 @@ async def generate(
                          "cached_tokens": r.usage.cached_tokens}
             out.timings = {"queue_s": r.timings.queue_s, "ttft_s": r.timings.ttft_s, "tpot_s": r.timings.tpot_s,
                            "e2e_s": r.timings.e2e_s}
-    return out
+    for out in choices.values():
+        out.queue_updates = queue_updates
+    return [choices[i] for i in sorted(choices)]
+
+
+async def generate(
+    stub: gateway_pb2_grpc.GatewayStub, request: gateway_pb2.GenerateRequest, metadata=(), timeout: float | None = None,
+    on_delta=None,
+) -> Completion:
+    """Runs a one-choice Generate call to the end; ``on_delta(text, token_ids)`` sees
+    each delta. Use ``generate_choices`` for ``n`` > 1.
+
+    Raises:
+        grpc.aio.AioRpcError: the call failed (status code and message as sent).
+        ValueError: the call returned more than one choice.
+    """
+    hook = None if on_delta is None else (lambda text, ids, _index: on_delta(text, ids))
+    choices = await generate_choices(stub, request, metadata, timeout, hook)
+    if len(choices) > 1:
+        raise ValueError(f"generate() returns one choice, the call returned {len(choices)}: use generate_choices()")
+    return choices[0] if choices else Completion()
 
 
 def channel(address: str) -> grpc.aio.Channel:

@@ -12,6 +12,24 @@ Policies (documented in the README):
 * ``temperature`` >= 0 and finite; below ``GREEDY_TEMPERATURE`` (1e-3) it is greedy.
 * ``top_p`` in (0, 1]; 0 is rejected (not "greedy"): set temperature 0 for that.
 * ``top_k`` >= -1; 0 and -1 both mean "off" (vLLM's convention); 1 is greedy.
+* ``min_p`` in [0, 1]; 0 is off. Tokens whose probability (after temperature) is
+  below ``min_p`` times the most likely token's are masked.
+* ``repetition_penalty`` > 0 and finite; 1 is off. CTRL-style (Keskar et al. 2019,
+  as transformers and vLLM apply it): the logit of every token seen in the prompt
+  or the output is divided by it when positive, multiplied by it when negative.
+* ``presence_penalty`` / ``frequency_penalty`` in [-2, 2]; 0 is off. OpenAI-style,
+  output tokens only: ``logit -= presence * (count > 0) + frequency * count``.
+* ``min_tokens`` in [0, max_tokens]: until that many tokens are generated, EOS
+  (unless ``ignore_eos``) and ``stop_token_ids`` cannot be sampled or stop.
+* ``n`` in [1, MAX_N]: choices generated from one prompt; with a seed, choice
+  ``i`` uses ``seed + i`` (vLLM's rule).
+* ``logprobs`` / ``prompt_logprobs`` in [0, MAX_LOGPROBS] or None (off): the top-k
+  entries per generated / prompt position, besides the chosen token's own
+  logprob, from the model's raw distribution (``log_softmax`` of the logits
+  before penalties, masks and temperature; vLLM v1's default "raw logprobs").
+
+Penalties run before temperature and also change greedy rows (greedy is the
+argmax of the penalised logits).
 """
 
 from __future__ import annotations
@@ -26,6 +44,9 @@ GREEDY_TEMPERATURE = 1e-3
 MAX_STOP_STRINGS = 16
 MAX_STOP_STRING_CHARS = 256
 MAX_STOP_TOKEN_IDS = 64
+MAX_N = 16
+MAX_LOGPROBS = 20
+MAX_PENALTY = 2.0  # |presence_penalty| and |frequency_penalty| (OpenAI's range)
 
 
 @dataclass(frozen=True)
@@ -40,7 +61,19 @@ class SamplingParams:
         seed: seed of the request's own torch generator, or None.
         stop: stop strings (handled by the gateway's detokenizer).
         stop_token_ids: token ids that end generation (the token is returned).
-        ignore_eos: keep generating past the model's EOS tokens.
+        ignore_eos: keep generating past the model's EOS tokens (never past
+            ``stop_token_ids``).
+        min_p: minimum probability relative to the most likely token; 0 is off.
+        repetition_penalty: CTRL-style penalty on prompt and output tokens; 1 is off.
+        presence_penalty: subtracted once from each token present in the output.
+        frequency_penalty: subtracted per occurrence of a token in the output.
+        min_tokens: EOS and stop token ids are masked before this many outputs.
+        n: number of choices (the executor runs one engine request per choice).
+        logprobs: top-k logprobs per generated token (0: the token's own only);
+            None: none.
+        prompt_logprobs: the same for every prompt position after the first;
+            None: none. A request with it must not use the prefix cache (the
+            positions it skips would have no logits).
     """
 
     max_tokens: int = DEFAULT_MAX_TOKENS
@@ -51,11 +84,30 @@ class SamplingParams:
     stop: tuple[str, ...] = field(default_factory=tuple)
     stop_token_ids: tuple[int, ...] = field(default_factory=tuple)
     ignore_eos: bool = False
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    min_tokens: int = 0
+    n: int = 1
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
 
     @property
     def greedy(self) -> bool:
         """True when sampling reduces to argmax (temperature ~0 or top_k == 1)."""
         return self.temperature < GREEDY_TEMPERATURE or self.top_k == 1
+
+    @property
+    def has_penalties(self) -> bool:
+        """True when any of the repetition, presence or frequency penalties is on."""
+        return self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+
+    def for_choice(self, index: int) -> "SamplingParams":
+        """The parameters of choice ``index`` of ``n``: seed + index when seeded
+        (vLLM's rule), prompt logprobs on choice 0 only (they are the same for all)."""
+        seed = None if self.seed is None else self.seed + index
+        return replace(self, seed=seed, prompt_logprobs=self.prompt_logprobs if index == 0 else None)
 
 
 def _check(ok: bool, message: str) -> None:
@@ -91,7 +143,27 @@ def validate(params: SamplingParams, *, max_model_len: int, vocab_size: int) -> 
     )
     for tid in params.stop_token_ids:
         _check(0 <= tid < vocab_size, f"stop_token_ids entry {tid} is outside the vocabulary [0, {vocab_size})")
+    _validate_extras(params)
     return replace(params, top_k=0) if params.top_k == -1 else params
+
+
+def _validate_extras(params: SamplingParams) -> None:
+    """min_p, penalties, min_tokens, n and logprobs (see the module docstring)."""
+    m = params.min_p
+    _check(math.isfinite(m) and 0.0 <= m <= 1.0, f"min_p must be in [0, 1], got {m}")
+    r = params.repetition_penalty
+    _check(math.isfinite(r) and r > 0.0, f"repetition_penalty must be a finite number > 0 (1 is off), got {r}")
+    for name in ("presence_penalty", "frequency_penalty"):
+        v = getattr(params, name)
+        _check(math.isfinite(v) and -MAX_PENALTY <= v <= MAX_PENALTY,
+               f"{name} must be in [-{MAX_PENALTY:g}, {MAX_PENALTY:g}], got {v}")
+    _check(0 <= params.min_tokens <= params.max_tokens,
+           f"min_tokens must be in [0, max_tokens={params.max_tokens}], got {params.min_tokens}")
+    _check(1 <= params.n <= MAX_N, f"n must be in [1, {MAX_N}] (MAX_N), got {params.n}")
+    for name in ("logprobs", "prompt_logprobs"):
+        k = getattr(params, name)
+        _check(k is None or 0 <= k <= MAX_LOGPROBS,
+               f"{name} must be in [0, {MAX_LOGPROBS}] (MAX_LOGPROBS), got {k}")
 
 
 def from_proto(msg, *, max_model_len: int, vocab_size: int) -> SamplingParams:
@@ -111,6 +183,14 @@ def from_proto(msg, *, max_model_len: int, vocab_size: int) -> SamplingParams:
         stop=tuple(msg.stop),
         stop_token_ids=tuple(msg.stop_token_ids),
         ignore_eos=msg.ignore_eos,
+        min_p=msg.min_p,
+        repetition_penalty=msg.repetition_penalty if msg.HasField("repetition_penalty") else 1.0,
+        presence_penalty=msg.presence_penalty,
+        frequency_penalty=msg.frequency_penalty,
+        min_tokens=msg.min_tokens,
+        n=msg.n if msg.HasField("n") else 1,
+        logprobs=msg.logprobs if msg.HasField("logprobs") else None,
+        prompt_logprobs=msg.prompt_logprobs if msg.HasField("prompt_logprobs") else None,
     )
     return validate(params, max_model_len=max_model_len, vocab_size=vocab_size)
 
@@ -126,3 +206,13 @@ def to_proto(params: SamplingParams, msg) -> None:
     msg.stop.extend(params.stop)
     msg.stop_token_ids.extend(params.stop_token_ids)
     msg.ignore_eos = params.ignore_eos
+    msg.min_p = params.min_p
+    msg.repetition_penalty = params.repetition_penalty
+    msg.presence_penalty = params.presence_penalty
+    msg.frequency_penalty = params.frequency_penalty
+    msg.min_tokens = params.min_tokens
+    msg.n = params.n
+    if params.logprobs is not None:
+        msg.logprobs = params.logprobs
+    if params.prompt_logprobs is not None:
+        msg.prompt_logprobs = params.prompt_logprobs

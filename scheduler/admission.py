@@ -6,6 +6,12 @@ FCFS: the head of the queue goes to the executor serving its model with the most
 available KV blocks (reported free blocks minus blocks promised to leases the
 executor has not reported yet), if one can hold its prompt; otherwise the whole
 queue waits, so a large request is never starved by smaller ones behind it.
+
+Blocks of a request: ``ceil((num_prompt_tokens + 1) / block_size)`` per choice,
+times ``n`` choices (each choice is its own engine request with its own copy of
+the prompt: sharing happens only through the prefix cache, so it is not
+assumed), capped at the executor's whole cache (the engine runs the choices in
+turn when they do not fit at once).
 """
 
 from __future__ import annotations
@@ -48,6 +54,7 @@ class AdmissionRequest:
     max_tokens: int
     model: str = ""
     arrival: float = 0.0
+    n: int = 1  # choices (sampling.n)
 
 
 class AdmissionCore:
@@ -92,11 +99,15 @@ class AdmissionCore:
         self._queue[req.request_id] = req
 
     @staticmethod
-    def _blocks_needed(e: ExecutorState, req: AdmissionRequest) -> int:
+    def _blocks_per_choice(e: ExecutorState, req: AdmissionRequest) -> int:
         return math.ceil((req.num_prompt_tokens + 1) / e.block_size)
 
+    def _blocks_needed(self, e: ExecutorState, req: AdmissionRequest) -> int:
+        """n choices' blocks (see the module doc), at most the executor's whole cache."""
+        return min(max(1, req.n) * self._blocks_per_choice(e, req), e.num_blocks)
+
     def _fits_ever(self, e: ExecutorState, req: AdmissionRequest) -> bool:
-        return req.num_prompt_tokens + 1 <= e.max_model_len and self._blocks_needed(e, req) <= e.num_blocks
+        return req.num_prompt_tokens + 1 <= e.max_model_len and self._blocks_per_choice(e, req) <= e.num_blocks
 
     def cancel(self, request_id: str) -> bool:
         """Removes a queued request (its caller went away)."""

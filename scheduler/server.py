@@ -63,6 +63,7 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
                 num_prompt_tokens=request.num_prompt_tokens,
                 max_tokens=request.max_tokens,
                 model=request.model,
+                n=max(1, request.n),
             )
             self.core.submit(req)
             fut: asyncio.Future[Lease] = asyncio.get_running_loop().create_future()

@@ -9,10 +9,13 @@ Per step:
    ``block_table``, ``query_start_loc``, ``seq_lens``);
 3. run the model under ``torch.inference_mode``;
 4. compute logits only at the last scheduled token of each request whose
-   prefill is complete (``ScheduledRequest.sample``) and sample them.
+   prefill is complete (``ScheduledRequest.sample``) and sample them (with the
+   sampled tokens' logprobs when asked);
+5. for requests with ``prompt_logprobs``, compute logits at their prompt
+   positions too, a bounded slice at a time (``executor.engine.logprobs``).
 
-The runner owns the KV cache tensors and the per-request seeded generators, and
-nothing of the scheduler's state.
+The runner owns the KV cache tensors, the per-request seeded generators and the
+partial prompt logprobs, and nothing of the scheduler's state.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ import torch
 
 from executor.attention import build_attention_metadata
 from executor.engine.kv_cache import allocate_kv_caches
+from executor.engine.logprobs import PromptLogprobs
 from executor.engine.sampler import Sampler, SamplingBatch
 from executor.engine.scheduler_output import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
 from executor.model_loader import LoadedModel
@@ -42,6 +46,7 @@ class ModelRunner:
                  device: torch.device | str = "cpu"):
         self.model = loaded.model
         self.vocab_size = loaded.vocab_size
+        self.eos_token_ids = loaded.eos_token_ids
         self.device = torch.device(device)
         self.block_size = block_size
         layers = self.model.attention_layers()
@@ -53,12 +58,14 @@ class ModelRunner:
         self.attention_backend = first.backend
         self.sampler = Sampler(seed, self.device)
         self.generators: dict[str, torch.Generator] = {}
+        self.prompt_logprobs = PromptLogprobs()
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         """One forward pass over the step's batch.
 
         Returns:
-            The token sampled for each scheduled request with ``sample`` set.
+            The token sampled for each scheduled request with ``sample`` set, its
+            logprobs when asked, and complete prompt logprobs when asked.
         """
         self.release(scheduler_output.finished_request_ids)
         scheduled = sorted(scheduler_output.scheduled, key=_batch_order)
@@ -69,19 +76,28 @@ class ModelRunner:
         sampling = [(i, s) for i, s in enumerate(scheduled) if s.sample]
         with torch.inference_mode():
             hidden = self.model(input_ids, positions, md)
+            prompt_logprobs = self.prompt_logprobs.collect(scheduled, md.query_start_loc_cpu, hidden,
+                                                           self.model.compute_logits)
             if not sampling:
                 return ModelRunnerOutput({})
             last = torch.tensor([md.query_start_loc_cpu[i + 1] - 1 for i, _ in sampling], device=self.device)
             logits = self.model.compute_logits(hidden[last])
             batch = SamplingBatch.build([s.sampling_params for _, s in sampling],
-                                        [self._generator(s) for _, s in sampling], self.vocab_size, self.device)
-            tokens = self.sampler(logits, batch).tolist()
-        return ModelRunnerOutput({s.request_id: t for (_, s), t in zip(sampling, tokens)})
+                                        [self._generator(s) for _, s in sampling], self.vocab_size, self.device,
+                                        token_ids=[s.all_token_ids for _, s in sampling],
+                                        num_prompt_tokens=[s.num_prompt_tokens for _, s in sampling],
+                                        eos_token_ids=self.eos_token_ids)
+            sampled = self.sampler(logits, batch)
+        ids = [s.request_id for _, s in sampling]
+        logprobs = {} if sampled.logprobs is None else {
+            rid: lp for rid, lp in zip(ids, sampled.logprobs) if lp is not None}
+        return ModelRunnerOutput(dict(zip(ids, sampled.token_ids.tolist())), logprobs, prompt_logprobs)
 
     def release(self, request_ids: set[str]) -> None:
-        """Drops per-request state (seeded generators) of finished requests."""
+        """Drops per-request state (seeded generators, prompt logprobs) of finished requests."""
         for request_id in request_ids:
             self.generators.pop(request_id, None)
+        self.prompt_logprobs.release(request_ids)
 
     def _generator(self, scheduled: ScheduledRequest) -> torch.Generator | None:
         """The request's own generator when it has a seed (made at its first sample)."""

@@ -5,6 +5,24 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 
+@dataclass(frozen=True)
+class TokenLogprob:
+    """Log-probabilities at one position, from the model's raw distribution
+    (``log_softmax`` of the float32 logits before penalties, masks and temperature).
+
+    Attributes:
+        token_id: the token at this position (sampled, or the prompt's own).
+        logprob: its natural-log probability (<= 0).
+        top_token_ids: the k most likely token ids, highest first.
+        top_logprobs: their logprobs, same order (non-increasing, <= 0).
+    """
+
+    token_id: int
+    logprob: float
+    top_token_ids: tuple[int, ...] = ()
+    top_logprobs: tuple[float, ...] = ()
+
+
 @dataclass
 class RequestOutput:
     """One request's result of one engine step.
@@ -16,6 +34,9 @@ class RequestOutput:
         finish_reason: ``"stop"`` (EOS or a stop token id), ``"length"`` (max_tokens or
             max_model_len) or ``"abort"``; None while unfinished.
         num_cached_tokens: prompt tokens whose KV was reused from the prefix cache.
+        logprobs: with ``SamplingParams.logprobs``, one entry per new token; else None.
+        prompt_logprobs: with ``SamplingParams.prompt_logprobs``, on the request's
+            first output only: one entry per prompt position 1 .. num_prompt - 1.
     """
 
     request_id: str
@@ -23,6 +44,8 @@ class RequestOutput:
     finished: bool
     finish_reason: str | None
     num_cached_tokens: int = 0
+    logprobs: list[TokenLogprob] | None = None
+    prompt_logprobs: list[TokenLogprob] | None = None
 
 
 @dataclass(frozen=True)

@@ -1,21 +1,113 @@
-"""Sampler: greedy, temperature, top-k and top-p over a batch of float32 logits.
+"""Sampler: penalties, min_tokens, greedy, temperature, min-p, top-k and top-p over
+a batch of float32 logits, plus the sampled tokens' logprobs.
+
+Per step, in this order (vLLM v1's)::
+
+    raw = nan_to_num(logits)                        # logprobs come from here ("raw logprobs")
+    x = penalties(raw)                              # repetition (prompt + output), presence, frequency (output)
+    x[min_tokens rows, EOS + stop ids] = -inf       # before min_tokens outputs
+    greedy rows: argmax(x)                          # penalties and masks do change greedy
+    other rows:  x / temperature → min_p → top-k → top-p → exponential race
 
 Rows are sampled with the exponential race (``argmax(p / q)``, ``q ~ Exp(1)``),
 which draws from ``p`` exactly and needs one random number per vocabulary entry
 (as vLLM's sampler does). Unseeded rows draw their noise in one batched call
 from the engine's generator; a seeded row draws from its own generator, which
 only its own samples advance, so a seeded request gives the same tokens whatever
-else is in the batch. Greedy rows (``SamplingParams.greedy``) are the exact
-``argmax`` of the raw logits, first index on ties.
+else is in the batch (every processor above is row-wise, so batch-invariant too).
+Greedy rows (``SamplingParams.greedy``) are the exact ``argmax`` of the processed
+logits, first index on ties.
+
+Penalties are vectorised: one ``(P, vocab_size)`` count tensor built with a single
+``scatter_add_`` over the ``P`` rows that have a penalty (other rows cost nothing).
 """
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
+from typing import Sequence
 
 import torch
 
+from executor.engine.logprobs import token_logprobs
+from executor.engine.outputs import TokenLogprob
 from meshserve.sampling import SamplingParams
+
+
+@dataclass
+class Penalties:
+    """Penalty inputs of the ``P`` rows that have one.
+
+    Attributes:
+        rows: ``(P,)`` int64, the rows of the batch they apply to.
+        repetition: ``(P,)`` float32, 1.0 where off.
+        presence / frequency: ``(P,)`` float32, 0.0 where off.
+        output_counts: ``(P, vocab_size)`` float32, occurrences of each token in the
+            row's output so far.
+        prompt_mask: ``(P, vocab_size)`` bool, tokens of the row's prompt; None when
+            no row has a repetition penalty.
+    """
+
+    rows: torch.Tensor
+    repetition: torch.Tensor
+    presence: torch.Tensor
+    frequency: torch.Tensor
+    output_counts: torch.Tensor
+    prompt_mask: torch.Tensor | None
+
+    @classmethod
+    def build(cls, params: list[SamplingParams], token_ids: list[Sequence[int]], num_prompt_tokens: list[int],
+              vocab_size: int, device: torch.device | str = "cpu") -> "Penalties | None":
+        """From each row's params and history (prompt + outputs); None when no row
+        has a penalty."""
+        rows = [i for i, p in enumerate(params) if p.has_penalties]
+        if not rows:
+            return None
+        outputs = [token_ids[i][num_prompt_tokens[i]:] for i in rows]
+        counts = _scatter_counts(outputs, vocab_size, device)
+        prompt_mask = None
+        if any(params[i].repetition_penalty != 1.0 for i in rows):
+            prompts = [token_ids[i][:num_prompt_tokens[i]] if params[i].repetition_penalty != 1.0 else ()
+                       for i in rows]
+            prompt_mask = _scatter_counts(prompts, vocab_size, device) > 0
+
+        def column(name: str) -> torch.Tensor:
+            return torch.tensor([getattr(params[i], name) for i in rows], dtype=torch.float32, device=device)
+
+        return cls(torch.tensor(rows, dtype=torch.int64, device=device), column("repetition_penalty"),
+                   column("presence_penalty"), column("frequency_penalty"), counts, prompt_mask)
+
+    def apply(self, logits: torch.Tensor) -> None:
+        """Applies the penalties to ``logits`` ``(num_reqs, vocab_size)`` in place."""
+        x = logits[self.rows]  # a copy: (P, vocab_size)
+        present = self.output_counts > 0
+        if self.prompt_mask is not None:  # CTRL: divide positive logits, multiply negative ones
+            r = self.repetition.unsqueeze(1)
+            x = torch.where(self.prompt_mask | present, torch.where(x > 0, x / r, x * r), x)
+        x.addcmul_(self.output_counts, self.frequency.unsqueeze(1), value=-1.0)
+        x.addcmul_(present.to(x.dtype), self.presence.unsqueeze(1), value=-1.0)
+        logits[self.rows] = x
+
+
+def _scatter_counts(rows: list[Sequence[int]], vocab_size: int, device) -> torch.Tensor:
+    """``(len(rows), vocab_size)`` float32 counts of each row's token ids (one scatter_add_)."""
+    counts = torch.zeros(len(rows) * vocab_size, dtype=torch.float32, device=device)
+    lengths = torch.tensor([len(r) for r in rows], dtype=torch.int64, device=device)
+    if int(lengths.sum()):
+        ids = torch.tensor(list(itertools.chain.from_iterable(rows)), dtype=torch.int64, device=device)
+        row_of = torch.repeat_interleave(torch.arange(len(rows), device=device), lengths)
+        counts.scatter_add_(0, row_of * vocab_size + ids, torch.ones_like(ids, dtype=torch.float32))
+    return counts.view(len(rows), vocab_size)
+
+
+def banned_tokens(params: SamplingParams, num_output_tokens: int, eos_token_ids: frozenset[int]) -> list[int]:
+    """The ids masked for a row by ``min_tokens``: stop_token_ids, plus the model's
+    EOS ids unless ``ignore_eos``, while fewer than ``min_tokens`` outputs exist."""
+    if num_output_tokens >= params.min_tokens:
+        return []
+    eos = () if params.ignore_eos else sorted(eos_token_ids)
+    return sorted(set(params.stop_token_ids).union(eos))
 
 
 @dataclass
@@ -26,37 +118,89 @@ class SamplingBatch:
         temperature: ``(num_reqs,)`` float32; 1.0 on greedy rows.
         top_k: ``(num_reqs,)`` int64 in [1, vocab_size]; vocab_size when off.
         top_p: ``(num_reqs,)`` float32 in (0, 1].
+        min_p: ``(num_reqs,)`` float32 in [0, 1].
         greedy: ``(num_reqs,)`` bool, rows sampled by argmax.
         generators: per row, the request's own generator, or None (engine's).
-        all_greedy / use_top_k / use_top_p: batch-level shortcuts.
+        penalties: see ``Penalties``; None when no row has one.
+        banned: ``(rows, token_ids)`` int64 pairs masked to -inf (min_tokens), or None.
+        logprobs: per row, the number of top logprobs to return, or None for none.
+        all_greedy / use_top_k / use_top_p / use_min_p: batch-level shortcuts.
     """
 
     temperature: torch.Tensor
     top_k: torch.Tensor
     top_p: torch.Tensor
+    min_p: torch.Tensor
     greedy: torch.Tensor
     generators: list[torch.Generator | None]
     all_greedy: bool
     use_top_k: bool
     use_top_p: bool
+    use_min_p: bool
+    penalties: Penalties | None = None
+    banned: tuple[torch.Tensor, torch.Tensor] | None = None
+    logprobs: list[int | None] | None = None
 
     @classmethod
     def build(cls, params: list[SamplingParams], generators: list[torch.Generator | None], vocab_size: int,
-              device: torch.device | str = "cpu") -> "SamplingBatch":
-        """From each row's (validated) params and generator."""
+              device: torch.device | str = "cpu", *, token_ids: list[Sequence[int]] | None = None,
+              num_prompt_tokens: list[int] | None = None,
+              eos_token_ids: frozenset[int] = frozenset()) -> "SamplingBatch":
+        """From each row's (validated) params and generator.
+
+        Args:
+            token_ids: per row, the request's prompt + output tokens so far (for
+                penalties and ``min_tokens``); None: no history.
+            num_prompt_tokens: per row, the prompt's length within ``token_ids``.
+            eos_token_ids: the model's EOS ids (masked by ``min_tokens``).
+        """
+        token_ids = token_ids if token_ids is not None else [()] * len(params)
+        num_prompt_tokens = num_prompt_tokens if num_prompt_tokens is not None else [len(t) for t in token_ids]
         greedy = [p.greedy for p in params]
         top_k = [p.top_k if 0 < p.top_k < vocab_size else vocab_size for p in params]
+
+        def column(values, dtype):
+            return torch.tensor(values, dtype=dtype, device=device)
+
         return cls(
-            temperature=torch.tensor([1.0 if g else p.temperature for p, g in zip(params, greedy)],
-                                     dtype=torch.float32, device=device),
-            top_k=torch.tensor(top_k, dtype=torch.int64, device=device),
-            top_p=torch.tensor([p.top_p for p in params], dtype=torch.float32, device=device),
-            greedy=torch.tensor(greedy, dtype=torch.bool, device=device),
+            temperature=column([1.0 if g else p.temperature for p, g in zip(params, greedy)], torch.float32),
+            top_k=column(top_k, torch.int64),
+            top_p=column([p.top_p for p in params], torch.float32),
+            min_p=column([p.min_p for p in params], torch.float32),
+            greedy=column(greedy, torch.bool),
             generators=generators,
             all_greedy=all(greedy),
             use_top_k=any(k < vocab_size and not g for k, g in zip(top_k, greedy)),
             use_top_p=any(p.top_p < 1.0 and not g for p, g in zip(params, greedy)),
+            use_min_p=any(p.min_p > 0.0 and not g for p, g in zip(params, greedy)),
+            penalties=Penalties.build(params, token_ids, num_prompt_tokens, vocab_size, device),
+            banned=_banned(params, token_ids, num_prompt_tokens, eos_token_ids, device),
+            logprobs=[p.logprobs for p in params] if any(p.logprobs is not None for p in params) else None,
         )
+
+
+def _banned(params, token_ids, num_prompt_tokens, eos_token_ids, device) -> tuple[torch.Tensor, torch.Tensor] | None:
+    rows, cols = [], []
+    for i, p in enumerate(params):
+        if p.min_tokens:
+            ids = banned_tokens(p, len(token_ids[i]) - num_prompt_tokens[i], eos_token_ids)
+            rows += [i] * len(ids)
+            cols += ids
+    if not rows:
+        return None
+    return (torch.tensor(rows, dtype=torch.int64, device=device), torch.tensor(cols, dtype=torch.int64, device=device))
+
+
+@dataclass
+class SamplerOutput:
+    """Attributes:
+        token_ids: ``(num_reqs,)`` int64 sampled tokens.
+        logprobs: per row, the sampled token's logprobs (None for rows that did
+            not ask); None when no row asked.
+    """
+
+    token_ids: torch.Tensor
+    logprobs: list[TokenLogprob | None] | None = None
 
 
 class Sampler:
@@ -71,24 +215,44 @@ class Sampler:
         self.generator = torch.Generator(device=device)
         self.generator.manual_seed(seed)
 
-    def __call__(self, logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
-        """``logits`` ``(num_reqs, vocab_size)`` → tokens ``(num_reqs,)`` int64.
+    def __call__(self, logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
+        """``logits`` ``(num_reqs, vocab_size)`` → tokens ``(num_reqs,)`` int64 (and logprobs).
 
         Logits are cast to float32 and NaN/inf are replaced by finite values first,
         so the result is always a valid token id (never from a NaN).
         """
         finfo = torch.finfo(torch.float32)
-        logits = torch.nan_to_num(logits.float(), nan=finfo.min, posinf=finfo.max, neginf=finfo.min)
-        greedy_tokens = logits.argmax(dim=-1)
-        if batch.all_greedy:
-            return greedy_tokens
+        raw = torch.nan_to_num(logits.float(), nan=finfo.min, posinf=finfo.max, neginf=finfo.min)
+        logits = raw
+        if batch.penalties is not None or batch.banned is not None:
+            logits = raw.clone()
+            if batch.penalties is not None:
+                batch.penalties.apply(logits)
+            if batch.banned is not None:
+                logits[batch.banned] = float("-inf")
+        tokens = logits.argmax(dim=-1)
+        if not batch.all_greedy:
+            tokens = torch.where(batch.greedy, tokens, self._sample(logits, batch))
+        return SamplerOutput(tokens, self._logprobs(raw, tokens, batch.logprobs))
+
+    def _sample(self, logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
         logits = logits / batch.temperature.unsqueeze(1)
+        if batch.use_min_p:
+            logits = _apply_min_p(logits, batch.min_p)
         if batch.use_top_k or batch.use_top_p:
             logits = _apply_top_k_top_p(logits, batch.top_k if batch.use_top_k else None,
                                         batch.top_p if batch.use_top_p else None)
         probs = torch.softmax(logits, dim=-1)
-        sampled = (probs / self._exponential_noise(probs, batch.generators)).argmax(dim=-1)
-        return torch.where(batch.greedy, greedy_tokens, sampled)
+        return (probs / self._exponential_noise(probs, batch.generators)).argmax(dim=-1)
+
+    @staticmethod
+    def _logprobs(raw: torch.Tensor, tokens: torch.Tensor, ks: list[int | None] | None) -> list | None:
+        if ks is None:
+            return None
+        rows = [i for i, k in enumerate(ks) if k is not None]
+        index = torch.tensor(rows, dtype=torch.int64, device=raw.device)
+        entries = iter(token_logprobs(raw[index], tokens[index], [ks[i] for i in rows]))
+        return [next(entries) if k is not None else None for k in ks]
 
     def _exponential_noise(self, probs: torch.Tensor, generators: list[torch.Generator | None]) -> torch.Tensor:
         q = torch.empty_like(probs)
@@ -103,6 +267,18 @@ class Sampler:
             if g is not None:
                 q[i].exponential_(generator=g)
         return q.clamp_min_(torch.finfo(torch.float32).tiny)
+
+
+def _apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
+    """Masks (to -inf) tokens whose probability is below ``min_p`` times the row's
+    largest; the most likely token always stays (vLLM's min-p, after temperature).
+
+    Shapes: ``logits`` ``(num_reqs, vocab_size)`` float32; ``min_p`` ``(num_reqs,)``
+    float32 (0 leaves a row as it is). Returns a new tensor.
+    """
+    probs = torch.softmax(logits, dim=-1)
+    threshold = min_p.unsqueeze(1) * probs.amax(dim=-1, keepdim=True)
+    return logits.masked_fill(probs < threshold, float("-inf"))
 
 
 def _apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor | None) -> torch.Tensor:

@@ -8,7 +8,9 @@ scheduler state.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Sequence
 
+from executor.engine.outputs import TokenLogprob
 from meshserve.sampling import SamplingParams
 
 
@@ -26,6 +28,11 @@ class ScheduledRequest:
         sampling_params: the request's parameters.
         sample: after this step every known token is computed, so the runner
             samples the next one (False for a prefill chunk that is not the last).
+        all_token_ids: the request's prompt + output tokens: a read-only view of
+            the scheduler's list (not a copy), valid until ``update_from_output``;
+            the sampler reads it for penalties and ``min_tokens``.
+        num_prompt_tokens: the prompt's length; ``all_token_ids[num_prompt_tokens:]``
+            are the outputs so far.
     """
 
     request_id: str
@@ -34,6 +41,13 @@ class ScheduledRequest:
     block_ids: list[int]
     sampling_params: SamplingParams
     sample: bool
+    all_token_ids: Sequence[int] = ()
+    num_prompt_tokens: int = 0
+
+    @property
+    def num_output_tokens(self) -> int:
+        """Tokens generated so far (0 during the prompt's prefill)."""
+        return max(0, len(self.all_token_ids) - self.num_prompt_tokens)
 
     @property
     def num_scheduled_tokens(self) -> int:
@@ -69,6 +83,12 @@ class ModelRunnerOutput:
     Attributes:
         sampled_token_ids: request id → the token sampled for it, for every
             scheduled request whose ``sample`` was True.
+        logprobs: request id → the sampled token's logprobs, for requests with
+            ``SamplingParams.logprobs`` that sampled.
+        prompt_logprobs: request id → its whole prompt's logprobs (positions
+            1 .. num_prompt - 1), in the step that samples its first token.
     """
 
     sampled_token_ids: dict[str, int]
+    logprobs: dict[str, TokenLogprob] = field(default_factory=dict)
+    prompt_logprobs: dict[str, list[TokenLogprob]] = field(default_factory=dict)

@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from meshserve.v1 import common_pb2 as meshserve_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1bmeshserve/v1/executor.proto\x12\x0cmeshserve.v1\x1a\x19meshserve/v1/common.proto\"\x92\x01\n\x0e\x45xecuteRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x10\n\x08lease_id\x18\x02 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x03 \x03(\x05\x12.\n\x08sampling\x18\x04 \x01(\x0b\x32\x1c.meshserve.v1.SamplingParams\x12\x10\n\x08priority\x18\x05 \x01(\x05\"r\n\x0f\x45xecuteResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x31\n\rfinish_reason\x18\x02 \x01(\x0e\x32\x1a.meshserve.v1.FinishReason\x12\x19\n\x11num_cached_tokens\x18\x03 \x01(\x05\"\x0e\n\x0cStatsRequest\"\xd7\x03\n\rStatsResponse\x12\x12\n\nnum_blocks\x18\x01 \x01(\x05\x12\x17\n\x0fnum_free_blocks\x18\x02 \x01(\x05\x12\x13\n\x0bnum_running\x18\x03 \x01(\x05\x12\x13\n\x0bnum_waiting\x18\x04 \x01(\x05\x12\x11\n\tnum_steps\x18\x05 \x01(\x03\x12 \n\x18num_joined_running_batch\x18\x06 \x01(\x03\x12\x14\n\x0cnum_finished\x18\x07 \x01(\x03\x12\x13\n\x0bnum_aborted\x18\x08 \x01(\x03\x12\x12\n\nblock_size\x18\t \x01(\x05\x12\x15\n\rmax_model_len\x18\n \x01(\x05\x12\r\n\x05model\x18\x0b \x01(\t\x12\x17\n\x0fnum_preemptions\x18\x0c \x01(\x03\x12#\n\x1bprefix_cache_queried_tokens\x18\r \x01(\x03\x12\x1f\n\x17prefix_cache_hit_tokens\x18\x0e \x01(\x03\x12\x1c\n\x14kv_cache_utilization\x18\x0f \x01(\x01\x12\x1e\n\x16num_cached_free_blocks\x18\x10 \x01(\x05\x12\x19\n\x11num_prompt_tokens\x18\x11 \x01(\x03\x12\x1d\n\x15num_generation_tokens\x18\x12 \x01(\x03\x32\x96\x01\n\x08\x45xecutor\x12H\n\x07\x45xecute\x12\x1c.meshserve.v1.ExecuteRequest\x1a\x1d.meshserve.v1.ExecuteResponse0\x01\x12@\n\x05Stats\x12\x1a.meshserve.v1.StatsRequest\x1a\x1b.meshserve.v1.StatsResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1bmeshserve/v1/executor.proto\x12\x0cmeshserve.v1\x1a\x19meshserve/v1/common.proto\"\x92\x01\n\x0e\x45xecuteRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x10\n\x08lease_id\x18\x02 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x03 \x03(\x05\x12.\n\x08sampling\x18\x04 \x01(\x0b\x32\x1c.meshserve.v1.SamplingParams\x12\x10\n\x08priority\x18\x05 \x01(\x05\"\xe4\x01\n\x0f\x45xecuteResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x31\n\rfinish_reason\x18\x02 \x01(\x0e\x32\x1a.meshserve.v1.FinishReason\x12\x19\n\x11num_cached_tokens\x18\x03 \x01(\x05\x12\r\n\x05index\x18\x04 \x01(\x05\x12,\n\x08logprobs\x18\x05 \x03(\x0b\x32\x1a.meshserve.v1.TokenLogprob\x12\x33\n\x0fprompt_logprobs\x18\x06 \x03(\x0b\x32\x1a.meshserve.v1.TokenLogprob\"\x0e\n\x0cStatsRequest\"\xd7\x03\n\rStatsResponse\x12\x12\n\nnum_blocks\x18\x01 \x01(\x05\x12\x17\n\x0fnum_free_blocks\x18\x02 \x01(\x05\x12\x13\n\x0bnum_running\x18\x03 \x01(\x05\x12\x13\n\x0bnum_waiting\x18\x04 \x01(\x05\x12\x11\n\tnum_steps\x18\x05 \x01(\x03\x12 \n\x18num_joined_running_batch\x18\x06 \x01(\x03\x12\x14\n\x0cnum_finished\x18\x07 \x01(\x03\x12\x13\n\x0bnum_aborted\x18\x08 \x01(\x03\x12\x12\n\nblock_size\x18\t \x01(\x05\x12\x15\n\rmax_model_len\x18\n \x01(\x05\x12\r\n\x05model\x18\x0b \x01(\t\x12\x17\n\x0fnum_preemptions\x18\x0c \x01(\x03\x12#\n\x1bprefix_cache_queried_tokens\x18\r \x01(\x03\x12\x1f\n\x17prefix_cache_hit_tokens\x18\x0e \x01(\x03\x12\x1c\n\x14kv_cache_utilization\x18\x0f \x01(\x01\x12\x1e\n\x16num_cached_free_blocks\x18\x10 \x01(\x05\x12\x19\n\x11num_prompt_tokens\x18\x11 \x01(\x03\x12\x1d\n\x15num_generation_tokens\x18\x12 \x01(\x03\x32\x96\x01\n\x08\x45xecutor\x12H\n\x07\x45xecute\x12\x1c.meshserve.v1.ExecuteRequest\x1a\x1d.meshserve.v1.ExecuteResponse0\x01\x12@\n\x05Stats\x12\x1a.meshserve.v1.StatsRequest\x1a\x1b.meshserve.v1.StatsResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -34,12 +34,12 @@ if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_EXECUTEREQUEST']._serialized_start=73
   _globals['_EXECUTEREQUEST']._serialized_end=219
-  _globals['_EXECUTERESPONSE']._serialized_start=221
-  _globals['_EXECUTERESPONSE']._serialized_end=335
-  _globals['_STATSREQUEST']._serialized_start=337
-  _globals['_STATSREQUEST']._serialized_end=351
-  _globals['_STATSRESPONSE']._serialized_start=354
-  _globals['_STATSRESPONSE']._serialized_end=825
-  _globals['_EXECUTOR']._serialized_start=828
-  _globals['_EXECUTOR']._serialized_end=978
+  _globals['_EXECUTERESPONSE']._serialized_start=222
+  _globals['_EXECUTERESPONSE']._serialized_end=450
+  _globals['_STATSREQUEST']._serialized_start=452
+  _globals['_STATSREQUEST']._serialized_end=466
+  _globals['_STATSRESPONSE']._serialized_start=469
+  _globals['_STATSRESPONSE']._serialized_end=940
+  _globals['_EXECUTOR']._serialized_start=943
+  _globals['_EXECUTOR']._serialized_end=1093
 # @@protoc_insertion_point(module_scope)

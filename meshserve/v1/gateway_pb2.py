@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from meshserve.v1 import common_pb2 as meshserve_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1ameshserve/v1/gateway.proto\x12\x0cmeshserve.v1\x1a\x19meshserve/v1/common.proto\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\";\n\x0c\x43hatMessages\x12+\n\x08messages\x18\x01 \x03(\x0b\x32\x19.meshserve.v1.ChatMessage\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\x05\"\xf4\x01\n\x0fGenerateRequest\x12\x10\n\x06prompt\x18\x01 \x01(\tH\x00\x12*\n\x04\x63hat\x18\x02 \x01(\x0b\x32\x1a.meshserve.v1.ChatMessagesH\x00\x12\x32\n\x10prompt_token_ids\x18\x03 \x01(\x0b\x32\x16.meshserve.v1.TokenIdsH\x00\x12.\n\x08sampling\x18\x04 \x01(\x0b\x32\x1c.meshserve.v1.SamplingParams\x12\x15\n\x08priority\x18\x05 \x01(\x05H\x01\x88\x01\x01\x12\x12\n\nrequest_id\x18\x06 \x01(\tB\x07\n\x05inputB\x0b\n\t_priority\"9\n\x0bQueueUpdate\x12\x10\n\x08position\x18\x01 \x01(\x05\x12\x18\n\x10\x65stimated_wait_s\x18\x02 \x01(\x01\"-\n\nTokenDelta\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\"\xe7\x01\n\x0eGenerateResult\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x31\n\rfinish_reason\x18\x02 \x01(\x0e\x32\x1a.meshserve.v1.FinishReason\x12\"\n\x05usage\x18\x03 \x01(\x0b\x32\x13.meshserve.v1.Usage\x12&\n\x07timings\x18\x04 \x01(\x0b\x32\x15.meshserve.v1.Timings\x12\x18\n\x10prompt_token_ids\x18\x05 \x03(\x05\x12\x13\n\x0b\x65xecutor_id\x18\x06 \x01(\t\x12\x13\n\x0bstop_reason\x18\x07 \x01(\t\"\xa1\x01\n\x10GenerateResponse\x12*\n\x05queue\x18\x01 \x01(\x0b\x32\x19.meshserve.v1.QueueUpdateH\x00\x12)\n\x05\x64\x65lta\x18\x02 \x01(\x0b\x32\x18.meshserve.v1.TokenDeltaH\x00\x12.\n\x06result\x18\x03 \x01(\x0b\x32\x1c.meshserve.v1.GenerateResultH\x00\x42\x06\n\x04kind2V\n\x07Gateway\x12K\n\x08Generate\x12\x1d.meshserve.v1.GenerateRequest\x1a\x1e.meshserve.v1.GenerateResponse0\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1ameshserve/v1/gateway.proto\x12\x0cmeshserve.v1\x1a\x19meshserve/v1/common.proto\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\";\n\x0c\x43hatMessages\x12+\n\x08messages\x18\x01 \x03(\x0b\x32\x19.meshserve.v1.ChatMessage\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\x05\"\xf4\x01\n\x0fGenerateRequest\x12\x10\n\x06prompt\x18\x01 \x01(\tH\x00\x12*\n\x04\x63hat\x18\x02 \x01(\x0b\x32\x1a.meshserve.v1.ChatMessagesH\x00\x12\x32\n\x10prompt_token_ids\x18\x03 \x01(\x0b\x32\x16.meshserve.v1.TokenIdsH\x00\x12.\n\x08sampling\x18\x04 \x01(\x0b\x32\x1c.meshserve.v1.SamplingParams\x12\x15\n\x08priority\x18\x05 \x01(\x05H\x01\x88\x01\x01\x12\x12\n\nrequest_id\x18\x06 \x01(\tB\x07\n\x05inputB\x0b\n\t_priority\"9\n\x0bQueueUpdate\x12\x10\n\x08position\x18\x01 \x01(\x05\x12\x18\n\x10\x65stimated_wait_s\x18\x02 \x01(\x01\"j\n\nTokenDelta\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\r\n\x05index\x18\x03 \x01(\x05\x12,\n\x08logprobs\x18\x04 \x03(\x0b\x32\x1a.meshserve.v1.TokenLogprob\"\xab\x02\n\x0eGenerateResult\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x31\n\rfinish_reason\x18\x02 \x01(\x0e\x32\x1a.meshserve.v1.FinishReason\x12\"\n\x05usage\x18\x03 \x01(\x0b\x32\x13.meshserve.v1.Usage\x12&\n\x07timings\x18\x04 \x01(\x0b\x32\x15.meshserve.v1.Timings\x12\x18\n\x10prompt_token_ids\x18\x05 \x03(\x05\x12\x13\n\x0b\x65xecutor_id\x18\x06 \x01(\t\x12\x13\n\x0bstop_reason\x18\x07 \x01(\t\x12\r\n\x05index\x18\x08 \x01(\x05\x12\x33\n\x0fprompt_logprobs\x18\t \x03(\x0b\x32\x1a.meshserve.v1.TokenLogprob\"\xa1\x01\n\x10GenerateResponse\x12*\n\x05queue\x18\x01 \x01(\x0b\x32\x19.meshserve.v1.QueueUpdateH\x00\x12)\n\x05\x64\x65lta\x18\x02 \x01(\x0b\x32\x18.meshserve.v1.TokenDeltaH\x00\x12.\n\x06result\x18\x03 \x01(\x0b\x32\x1c.meshserve.v1.GenerateResultH\x00\x42\x06\n\x04kind2V\n\x07Gateway\x12K\n\x08Generate\x12\x1d.meshserve.v1.GenerateRequest\x1a\x1e.meshserve.v1.GenerateResponse0\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -43,11 +43,11 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_QUEUEUPDATE']._serialized_start=450
   _globals['_QUEUEUPDATE']._serialized_end=507
   _globals['_TOKENDELTA']._serialized_start=509
-  _globals['_TOKENDELTA']._serialized_end=554
-  _globals['_GENERATERESULT']._serialized_start=557
-  _globals['_GENERATERESULT']._serialized_end=788
-  _globals['_GENERATERESPONSE']._serialized_start=791
-  _globals['_GENERATERESPONSE']._serialized_end=952
-  _globals['_GATEWAY']._serialized_start=954
-  _globals['_GATEWAY']._serialized_end=1040
+  _globals['_TOKENDELTA']._serialized_end=615
+  _globals['_GENERATERESULT']._serialized_start=618
+  _globals['_GENERATERESULT']._serialized_end=917
+  _globals['_GENERATERESPONSE']._serialized_start=920
+  _globals['_GENERATERESPONSE']._serialized_end=1081
+  _globals['_GATEWAY']._serialized_start=1083
+  _globals['_GATEWAY']._serialized_end=1169
 # @@protoc_insertion_point(module_scope)

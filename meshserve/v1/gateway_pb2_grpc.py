@@ -52,7 +52,9 @@ class GatewayServicer:
 
     def Generate(self, request, context):
         """Generates a completion and streams it: queue updates while waiting, text
-        deltas with their token ids, then one final message.
+        deltas with their token ids, then one final result per choice (n results;
+        the stream ends after the last one). Choices interleave; every delta and
+        result names its choice's index.
         Errors: INVALID_ARGUMENT (bad parameters, empty prompt, prompt longer than
         the context), UNAUTHENTICATED, RESOURCE_EXHAUSTED, UNAVAILABLE (no executor).
         """

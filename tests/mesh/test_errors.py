@@ -39,6 +39,15 @@ INVALID = [
     (dict(prompt="hello", top_p=0.0), "top_p"),
     (dict(prompt="hello", top_p=1.5), "top_p"),
     (dict(prompt="hello", top_k=-5), "top_k"),
+    (dict(prompt="hello", min_p=1.5), "min_p"),
+    (dict(prompt="hello", repetition_penalty=0.0), "repetition_penalty"),
+    (dict(prompt="hello", presence_penalty=2.5), "presence_penalty"),
+    (dict(prompt="hello", frequency_penalty=-3.0), "frequency_penalty"),
+    (dict(prompt="hello", max_tokens=4, min_tokens=5), "min_tokens"),
+    (dict(prompt="hello", n=0), "n must be in [1, 16]"),
+    (dict(prompt="hello", n=17), "n must be in [1, 16]"),
+    (dict(prompt="hello", logprobs=21), "logprobs must be in [0, 20]"),
+    (dict(prompt="hello", prompt_logprobs=-1), "prompt_logprobs must be in [0, 20]"),
     (dict(prompt=""), "prompt"),
     (dict(prompt=[]), "prompt_token_ids"),
     (dict(prompt=[10**6]), "prompt_token_ids"),
@@ -93,11 +102,14 @@ async def test_C11_prompt_longer_than_the_limits(mesh, default_engine):
 async def test_C12_tiny_zero_and_invalid_sampling(mesh):
     base = dict(chat=[("user", "Name three colors.")], max_tokens=32)
     greedy_variants = [dict(temperature=1e-4), dict(temperature=1e-6), dict(temperature=0),
-                       dict(top_p=1e-4, temperature=1.0, seed=1), dict(top_k=1, temperature=1.0, seed=2)]
+                       dict(top_p=1e-4, temperature=1.0, seed=1), dict(top_k=1, temperature=1.0, seed=2),
+                       dict(min_p=1.0, temperature=1.0, seed=3)]  # min_p 1 keeps only the most likely token
     normal = [build_request(chat=[("user", f"Say hello {i}")], max_tokens=16, temperature=0.8, seed=i)
               for i in range(4)]
     invalid = [dict(temperature=-1.0), dict(temperature=math.nan), dict(temperature=math.inf), dict(top_p=1.5),
-               dict(top_k=-5), dict(max_tokens=2**31), dict(top_p=0.0)]
+               dict(top_k=-5), dict(max_tokens=2**31), dict(top_p=0.0), dict(min_p=-0.1), dict(min_p=math.nan),
+               dict(repetition_penalty=-1.0), dict(presence_penalty=math.inf), dict(frequency_penalty=2.01),
+               dict(n=0), dict(n=64), dict(logprobs=49152), dict(prompt_logprobs=21)]
     reqs = [build_request(**base, **v) for v in greedy_variants]
     reqs += [build_request(**{**base, **v}) for v in invalid]
     results = await asyncio.gather(*(generate(mesh.stub, r) for r in reqs + normal), return_exceptions=True)
@@ -106,7 +118,9 @@ async def test_C12_tiny_zero_and_invalid_sampling(mesh):
     assert len(ref) > 0
     for variant, out in zip(greedy_variants, greedy):
         assert out.token_ids == ref, variant
-    fields = ["temperature", "temperature", "temperature", "top_p", "top_k", "max_tokens", "top_p"]
+    fields = ["temperature", "temperature", "temperature", "top_p", "top_k", "max_tokens", "top_p", "min_p", "min_p",
+              "repetition_penalty", "presence_penalty", "frequency_penalty", "n must", "n must",
+              "logprobs must be in [0, 20]", "prompt_logprobs must be in [0, 20]"]
     for fieldname, err in zip(fields, results[len(greedy_variants) : len(greedy_variants) + len(invalid)]):
         assert isinstance(err, grpc.aio.AioRpcError)
         assert err.code() == grpc.StatusCode.INVALID_ARGUMENT

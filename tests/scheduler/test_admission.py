@@ -110,3 +110,16 @@ def test_removed_executor_voids_its_leases():
     assert [x.lease_id for x in core.remove_executor("e0")] == [lease.lease_id]
     assert core.num_leases() == 0
     assert core.release(lease.lease_id) is False
+
+
+def test_n_choices_count_n_times_the_blocks_capped_at_the_cache():
+    core = AdmissionCore()
+    core.registry.add(executor("e0", num_blocks=10))
+    core.submit(AdmissionRequest("a", "t", 0, 31, 16, "m", n=3))  # 2 blocks per choice
+    core.submit(AdmissionRequest("b", "t", 0, 31, 16, "m", n=4))  # 8 > the 4 left: waits
+    assert [(r.request_id, lease.num_blocks) for r, lease in core.dispatch()] == [("a", 6)]
+    core.release(next(iter(core.registry.get("e0").leases)))
+    assert [(r.request_id, lease.num_blocks) for r, lease in core.dispatch()] == [("b", 8)]
+    core.submit(AdmissionRequest("c", "t", 0, 31, 16, "m", n=16))  # 32 blocks: capped at the 10 of the cache
+    core.release(next(iter(core.registry.get("e0").leases)))
+    assert [(r.request_id, lease.num_blocks) for r, lease in core.dispatch()] == [("c", 10)]

@@ -1,0 +1,116 @@
+"""Per-choice output state of one Generate call (pure core, no gRPC calls).
+
+A request with ``n`` choices gets one executor stream whose messages interleave
+the choices (``ExecuteResponse.index``). Each choice has its own incremental
+detokenizer and stop-string matcher, token counts and token times, so it is cut,
+timed and counted exactly as a request of its own::
+
+    choices = [Choice(i, tokenizer, prompt_ids, params.stop) for i in range(n)]
+    for out in executor_stream:
+        choice = choices[out.index]
+        if choice.done: continue          # stopped by a stop string: later tokens are dropped
+        send(choice.feed(out, now))       # a TokenDelta
+        if choice.done: send(choice.result(...))
+        if all done: cancel the executor call
+
+A choice cut by a stop string keeps running in the executor until every choice
+is done (one call cannot abort one choice); its later tokens are dropped here.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Sequence
+
+from gateway.detokenizer import IncrementalDetokenizer
+from gateway.stop_strings import StopStringMatcher
+from meshserve.v1 import common_pb2, executor_pb2, gateway_pb2
+
+
+class RequestTimer:
+    """When the gateway got the request and when the scheduler assigned it
+    (``time.monotonic()`` seconds)."""
+
+    def __init__(self) -> None:
+        self.start = time.monotonic()
+        self.assigned = 0.0
+        self.first_token = 0.0  # the first token of any choice
+
+
+class Choice:
+    """One choice's detokenizer, stop-string matcher, counts and token times.
+
+    Args:
+        index: the choice, in [0, n).
+        tokenizer: the model's tokenizer (for the detokenizer).
+        prompt_token_ids: the prompt (decoding context of the detokenizer).
+        stop: the request's stop strings.
+    """
+
+    def __init__(self, index: int, tokenizer, prompt_token_ids: Sequence[int], stop: Sequence[str]):
+        self.index = index
+        self.detok = IncrementalDetokenizer(tokenizer, prompt_token_ids=prompt_token_ids)
+        self.stops = StopStringMatcher(stop)
+        self.num_tokens = 0
+        self.num_cached_tokens = 0
+        self.first_token = self.last_token = 0.0
+        self.finish_reason = common_pb2.FINISH_REASON_UNSPECIFIED
+        self.stop_reason = ""
+        self.prompt_logprobs: list[common_pb2.TokenLogprob] = []
+
+    @property
+    def done(self) -> bool:
+        """The choice finished (in the executor, or by a stop string here)."""
+        return self.finish_reason != common_pb2.FINISH_REASON_UNSPECIFIED
+
+    def feed(self, out: executor_pb2.ExecuteResponse, now: float) -> gateway_pb2.TokenDelta:
+        """Takes one executor message of this choice; returns the delta to send.
+
+        The delta's text is what became final (cut before a stop string); its
+        token ids and logprobs are all the message's.
+        """
+        if out.token_ids:
+            if not self.first_token:
+                self.first_token = now
+                self.num_cached_tokens = out.num_cached_tokens
+            self.last_token = now
+        self.prompt_logprobs.extend(out.prompt_logprobs)
+        self.num_tokens += len(out.token_ids)
+        text, matched = self.stops.feed(self.detok.add(list(out.token_ids)))
+        if out.finish_reason and matched is None:
+            more, matched = self.stops.feed(self.detok.finish())
+            text += more
+            if matched is None:
+                text += self.stops.flush()
+            self.finish_reason = out.finish_reason
+        if matched is not None:
+            self.finish_reason, self.stop_reason = common_pb2.FINISH_REASON_STOP, matched
+        return gateway_pb2.TokenDelta(text=text, token_ids=out.token_ids, index=self.index, logprobs=out.logprobs)
+
+    def result(self, request_id: str, prompt_token_ids: Sequence[int], executor_id: str,
+               timer: RequestTimer) -> gateway_pb2.GenerateResult:
+        """This choice's final message: usage and timings are the choice's own."""
+        return gateway_pb2.GenerateResult(
+            request_id=request_id,
+            finish_reason=self.finish_reason,
+            usage=common_pb2.Usage(prompt_tokens=len(prompt_token_ids), completion_tokens=self.num_tokens,
+                                   cached_tokens=self.num_cached_tokens),
+            timings=self.timings(timer),
+            prompt_token_ids=prompt_token_ids,
+            executor_id=executor_id,
+            stop_reason=self.stop_reason,
+            index=self.index,
+            prompt_logprobs=self.prompt_logprobs,
+        )
+
+    def timings(self, timer: RequestTimer) -> common_pb2.Timings:
+        """Queue time, TTFT, TPOT and e2e of this choice, in seconds."""
+        now = time.monotonic()
+        first = self.first_token or now
+        n = self.num_tokens
+        return common_pb2.Timings(
+            queue_s=(timer.assigned or now) - timer.start,
+            ttft_s=first - timer.start if self.first_token else 0.0,
+            tpot_s=(self.last_token - first) / (n - 1) if n > 1 else 0.0,
+            e2e_s=now - timer.start,
+        )

@@ -1,0 +1,51 @@
+"""gateway.choices.Choice: one choice's stream state, fed executor messages by hand."""
+
+from __future__ import annotations
+
+import pytest
+
+from gateway.choices import Choice, RequestTimer
+from meshserve.v1 import common_pb2, executor_pb2
+
+
+def message(ids, index=0, finish=0, cached=0, logprobs=(), prompt_logprobs=()):
+    return executor_pb2.ExecuteResponse(token_ids=ids, index=index, finish_reason=finish, num_cached_tokens=cached,
+                                        logprobs=list(logprobs), prompt_logprobs=list(prompt_logprobs))
+
+
+def lp(token_id, value, top=()):
+    return common_pb2.TokenLogprob(token_id=token_id, logprob=value,
+                                   top=[common_pb2.TopLogprob(token_id=t, logprob=v) for t, v in top])
+
+
+def test_two_choices_are_cut_counted_and_reported_independently(tokenizer):
+    prompt = tokenizer("Say something:").input_ids
+    a_ids = tokenizer(" red, green and blue", add_special_tokens=False).input_ids
+    b_ids = tokenizer(" one two three", add_special_tokens=False).input_ids
+    choices = [Choice(i, tokenizer, prompt, stop=[" and"]) for i in range(2)]
+    timer = RequestTimer()
+    texts = {0: "", 1: ""}
+    pl = [lp(t, -1.0) for t in prompt[1:]]
+    for k in range(max(len(a_ids), len(b_ids))):
+        for index, ids in ((0, a_ids), (1, b_ids)):
+            if k >= len(ids) or choices[index].done:
+                continue
+            last = k == len(ids) - 1
+            out = message([ids[k]], index, common_pb2.FINISH_REASON_LENGTH if last else 0, cached=16 * index,
+                          logprobs=[lp(ids[k], -0.5, [(ids[k], -0.5), (7, -2.0)])],
+                          prompt_logprobs=pl if (k == 0 and index == 0) else ())
+            delta = choices[index].feed(out, now=timer.start + k + 1)
+            assert delta.index == index and list(delta.token_ids) == [ids[k]]
+            assert [e.token_id for e in delta.logprobs] == [ids[k]]
+            texts[index] += delta.text
+    a, b = choices
+    assert (a.done, a.finish_reason, a.stop_reason) == (True, common_pb2.FINISH_REASON_STOP, " and")
+    assert texts[0] == " red, green"
+    assert (b.finish_reason, b.stop_reason, texts[1]) == (common_pb2.FINISH_REASON_LENGTH, "", " one two three")
+    ra = a.result("req", prompt, "executor-0", timer)
+    rb = b.result("req", prompt, "executor-0", timer)
+    assert (ra.index, rb.index) == (0, 1)
+    assert rb.usage.completion_tokens == len(b_ids) and rb.usage.cached_tokens == 16
+    assert ra.usage.completion_tokens < len(a_ids)  # cut at the stop string: later tokens never came
+    assert [e.token_id for e in ra.prompt_logprobs] == prompt[1:] and not rb.prompt_logprobs
+    assert rb.timings.ttft_s == pytest.approx(1.0) and rb.timings.tpot_s == pytest.approx(1.0)
