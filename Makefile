@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: setup demo up test protos bench bench-compare clean
+.PHONY: setup demo up test protos bench bench-compare bench-issue3 clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -50,3 +50,45 @@ bench-compare: $(STAMP)
 	done; done; done
 	$(BIN)/meshserve bench --target hf-generate --num-requests 4 --seed 1 --report-json reports/bench-hf-generate.json
 	$(BIN)/python -m meshserve.bench.summary reports
+
+# Issue-3 figures in one run, rounds interleaved, reports in BENCH3_DIR and its summary.md:
+# (a) engine vs transformers' continuous batching vs static batches of generate, synthetic workload;
+# (b) shared-prefix workload on the engine, prefix caching on vs off;
+# (c) the engine's --max-batch-wait-ms sweep at a modest concurrency.
+# Same dtype and torch threads for every run; seed = round. ~20 min on 2 cores with the defaults; shrink
+# with e.g. BENCH_ROUNDS=1 BENCH3_REQUESTS=8 BENCH3_OUTPUT=16. Reports accumulate: remove BENCH3_DIR to start over.
+BENCH3_DIR ?= reports/issue3
+BENCH3_DTYPE ?= float32
+BENCH3_CONCURRENCY ?= 32
+BENCH3_REQUESTS ?= 32
+BENCH3_OUTPUT ?= 48
+BENCH3_PREFIX_CONCURRENCY ?= 8
+BENCH3_PREFIX_REQUESTS ?= 16
+BENCH3_PREFIX_USER ?= 32
+BENCH3_PREFIX_OUTPUT ?= 16
+BENCH3_WAITS ?= 0 5 20 50
+BENCH3_WAIT_CONCURRENCY ?= 4
+BENCH3_WAIT_REQUESTS ?= 12
+BENCH3_WAIT_OUTPUT ?= 32
+bench-issue3: $(STAMP)
+	mkdir -p $(BENCH3_DIR)
+	set -e; b="$(BIN)/meshserve bench --dtype $(BENCH3_DTYPE) --warmup 2"; \
+	for round in $(BENCH_ROUNDS); do \
+	  for t in engine hf-continuous hf-static; do \
+	    $$b --target $$t --concurrency $(BENCH3_CONCURRENCY) --num-requests $(BENCH3_REQUESTS) \
+	      --output-len-median $(BENCH3_OUTPUT) --seed $$round \
+	      --report-json $(BENCH3_DIR)/a-$$t-c$(BENCH3_CONCURRENCY)-r$$round.json; \
+	  done; \
+	  for pc in on off; do \
+	    $$b --target engine --workload shared-prefix --concurrency $(BENCH3_PREFIX_CONCURRENCY) \
+	      --num-requests $(BENCH3_PREFIX_REQUESTS) --prompt-len-median $(BENCH3_PREFIX_USER) \
+	      --output-len-median $(BENCH3_PREFIX_OUTPUT) --seed $$round $$([ $$pc = off ] && echo --no-prefix-caching) \
+	      --report-json $(BENCH3_DIR)/b-prefix-$$pc-c$(BENCH3_PREFIX_CONCURRENCY)-r$$round.json; \
+	  done; \
+	  for w in $(BENCH3_WAITS); do \
+	    $$b --target engine --concurrency $(BENCH3_WAIT_CONCURRENCY) --num-requests $(BENCH3_WAIT_REQUESTS) \
+	      --output-len-median $(BENCH3_WAIT_OUTPUT) --max-batch-wait-ms $$w --seed $$round \
+	      --report-json $(BENCH3_DIR)/c-wait$$w-c$(BENCH3_WAIT_CONCURRENCY)-r$$round.json; \
+	  done; \
+	done
+	$(BIN)/python -m meshserve.bench.summary $(BENCH3_DIR)

@@ -36,7 +36,8 @@ def _traces(exporter: Optional[str], endpoint: Optional[str]) -> None:
 
 
 def _engine_config(model, dtype, kv_cache_memory, block_size, max_num_seqs, max_num_batched_tokens,
-                   no_chunked_prefill, max_model_len, num_threads, no_prefix_caching=False, max_batch_wait_ms=0.0):
+                   no_chunked_prefill, max_model_len, num_threads, no_prefix_caching=False, max_batch_wait_ms=0.0,
+                   attention_backend="auto", device="cpu"):
     from executor.engine.config import BatchSchedulerConfig, CacheConfig, EngineConfig
     from meshserve.services import parse_bytes
 
@@ -45,6 +46,8 @@ def _engine_config(model, dtype, kv_cache_memory, block_size, max_num_seqs, max_
         dtype=dtype,
         max_model_len=max_model_len,
         num_threads=num_threads,
+        attention_backend=attention_backend,
+        device=device,
         cache=CacheConfig(block_size=block_size, kv_cache_memory_bytes=parse_bytes(kv_cache_memory),
                           enable_prefix_caching=not no_prefix_caching),
         batch=BatchSchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
@@ -85,6 +88,8 @@ def executor(
                                             help="Hold a new prefill up to this long to batch it with others."),
     max_model_len: Optional[int] = typer.Option(None, help="Longest prompt + output (default: the model's)."),
     num_threads: Optional[int] = typer.Option(None, help="torch CPU threads."),
+    attention_backend: str = typer.Option("auto", help="auto (triton on CUDA, else torch), torch or triton."),
+    device: str = typer.Option("cpu", help="torch device of the model and KV cache: cpu, cuda, cuda:1…"),
     executor_id: Optional[str] = typer.Option(None, help="Id in the registry (default executor-PORT)."),
     pool: str = typer.Option("default", help="Instance pool name."),
     advertise: Optional[str] = typer.Option(None, "--advertise", help="host:port the gateway dials (default host:port; "
@@ -98,7 +103,8 @@ def executor(
     _logging(log_level)
     _traces(traces, otlp_endpoint)
     cfg = _engine_config(model, dtype, kv_cache_memory, block_size, max_num_seqs, max_num_batched_tokens,
-                         no_chunked_prefill, max_model_len, num_threads, no_prefix_caching, max_batch_wait_ms)
+                         no_chunked_prefill, max_model_len, num_threads, no_prefix_caching, max_batch_wait_ms,
+                         attention_backend, device)
     asyncio.run(run_executor(cfg, port, host, scheduler, executor_id, pool, advertise))
 
 
@@ -192,14 +198,23 @@ def generate(
     seed: Optional[int] = typer.Option(None, "--seed"),
     ignore_eos: bool = typer.Option(False, "--ignore-eos"),
     stop: list[str] = typer.Option([], "--stop", help="Stop string; may repeat."),
+    min_p: Optional[float] = typer.Option(None, "--min-p", help="Min-p in [0, 1] (0: off)."),
+    min_tokens: Optional[int] = typer.Option(None, "--min-tokens", help="No EOS / stop token before this many."),
+    repetition_penalty: Optional[float] = typer.Option(None, "--repetition-penalty", help="> 0 (1: off)."),
+    presence_penalty: Optional[float] = typer.Option(None, "--presence-penalty", help="In [-2, 2] (0: off)."),
+    frequency_penalty: Optional[float] = typer.Option(None, "--frequency-penalty", help="In [-2, 2] (0: off)."),
+    n: Optional[int] = typer.Option(None, "--n", help="Choices per prompt, in [1, 16]."),
+    logprobs: Optional[int] = typer.Option(None, "--logprobs", help="Top-k logprobs per token, in [0, 20] (--json)."),
+    prompt_logprobs: Optional[int] = typer.Option(None, "--prompt-logprobs",
+                                                  help="Top-k logprobs per prompt token, in [0, 20] (--json)."),
     priority: Optional[int] = typer.Option(None, "--priority"),
     api_key: Optional[str] = typer.Option(None, "--api-key", envvar="MESHSERVE_API_KEY"),
-    as_json: bool = typer.Option(False, "--json", help="One JSON object per prompt, one per line."),
+    as_json: bool = typer.Option(False, "--json", help="One JSON object per prompt and choice, one per line."),
 ) -> None:
-    """Send prompts to a gateway and print the answers (streamed for one prompt)."""
+    """Send prompts to a gateway and print the answers (streamed for one prompt and one choice)."""
     import grpc
 
-    from meshserve.client import build_request, channel, generate as run
+    from meshserve.client import build_request, channel, generate_choices as run
     from meshserve.v1 import gateway_pb2_grpc
 
     async def main() -> int:
@@ -209,28 +224,36 @@ def generate(
             try:
                 reqs = [build_request(None if chat else p, chat=[("user", p)] if chat else None,
                                       max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
-                                      seed=seed, stop=stop, ignore_eos=ignore_eos, priority=priority) for p in prompt]
+                                      seed=seed, stop=stop, ignore_eos=ignore_eos, priority=priority, min_p=min_p,
+                                      min_tokens=min_tokens, repetition_penalty=repetition_penalty,
+                                      presence_penalty=presence_penalty, frequency_penalty=frequency_penalty, n=n,
+                                      logprobs=logprobs, prompt_logprobs=prompt_logprobs) for p in prompt]
             except ValueError as exc:  # an integer the wire type cannot hold
                 print(f"error: bad option value: {exc}", file=sys.stderr)
                 return 2
-            live = len(reqs) == 1 and not as_json
-            on_delta = (lambda text, _ids: (sys.stdout.write(text), sys.stdout.flush())) if live else None
+            live = len(reqs) == 1 and not as_json and (n or 1) == 1
+            on_delta = (lambda text, _ids, _i: (sys.stdout.write(text), sys.stdout.flush())) if live else None
             results = await asyncio.gather(*(run(stub, r, metadata, on_delta=on_delta) for r in reqs),
                                            return_exceptions=True)
         code = 0
-        for p, r in zip(prompt, results):
-            if isinstance(r, grpc.aio.AioRpcError):
+        for p, choices in zip(prompt, results):
+            if isinstance(choices, grpc.aio.AioRpcError):
                 code = 1
-                err = {"error": {"code": r.code().name, "message": r.details()}}
-                print(json.dumps(err) if as_json else f"error: {r.code().name}: {r.details()}", file=sys.stdout if as_json else sys.stderr)
-            elif isinstance(r, BaseException):
-                raise r
-            elif as_json:
-                print(json.dumps(r.as_json()))
-            elif live:
-                print(f"\n[{r.finish_reason}; {r.usage['completion_tokens']} tokens; TTFT {r.timings['ttft_s']:.3f} s]")
-            else:
-                print(f"### {p}\n{r.text}\n[{r.finish_reason}; {r.usage['completion_tokens']} tokens]\n")
+                err = {"error": {"code": choices.code().name, "message": choices.details()}}
+                print(json.dumps(err) if as_json else f"error: {choices.code().name}: {choices.details()}",
+                      file=sys.stdout if as_json else sys.stderr)
+                continue
+            if isinstance(choices, BaseException):
+                raise choices
+            for r in choices:
+                if as_json:
+                    print(json.dumps(r.as_json()))
+                elif live:
+                    print(f"\n[{r.finish_reason}; {r.usage['completion_tokens']} tokens; "
+                          f"TTFT {r.timings['ttft_s']:.3f} s]")
+                else:
+                    title = f"{p} [choice {r.index}]" if len(choices) > 1 else p
+                    print(f"### {title}\n{r.text}\n[{r.finish_reason}; {r.usage['completion_tokens']} tokens]\n")
         return code
 
     sys.exit(asyncio.run(main()))
@@ -238,8 +261,12 @@ def generate(
 
 @app.command()
 def bench(
-    target: str = typer.Option("engine", "--target", help="engine, mesh or hf-generate."),
-    concurrency: int = typer.Option(8, "--concurrency", help="Requests in flight (closed loop); hf-generate runs 1."),
+    target: str = typer.Option("engine", "--target", help="engine, mesh, hf-generate, hf-continuous or hf-static."),
+    concurrency: int = typer.Option(8, "--concurrency", help="Requests in flight (closed loop); hf-generate runs 1; "
+                                    "hf-static: the batch size."),
+    workload: str = typer.Option("synthetic", "--workload", help="synthetic or shared-prefix."),
+    shared_prefix_len: int = typer.Option(400, help="shared-prefix: tokens of the shared system prompt."),
+    shared_fraction: float = typer.Option(0.7, help="shared-prefix: fraction of requests that start with it."),
     num_requests: int = typer.Option(32, "--num-requests", help="Measured requests."),
     seed: int = typer.Option(0, "--seed", help="Workload seed (same seed, same requests for every target)."),
     report_json: Optional[str] = typer.Option(None, "--report-json", help="Write the JSON report here."),
@@ -248,7 +275,14 @@ def bench(
     kv_cache_memory: str = typer.Option("1GiB", "--kv-cache-memory", help="KV cache budget of the engine."),
     max_num_batched_tokens: int = typer.Option(2048, help="Token budget of one engine step."),
     max_num_seqs: int = typer.Option(64, help="Most requests in the running batch."),
+    block_size: int = typer.Option(16, help="engine/mesh: tokens per KV block."),
+    no_prefix_caching: bool = typer.Option(False, "--no-prefix-caching", help="engine/mesh: prefix caching off "
+                                           "(hf-continuous: no block sharing)."),
+    max_batch_wait_ms: float = typer.Option(0.0, "--max-batch-wait-ms", min=0.0,
+                                            help="engine/mesh: hold a new prefill up to this long to batch it."),
     addr: Optional[str] = typer.Option(None, "--addr", help="mesh target: a running gateway's host:port."),
+    executor_addr: list[str] = typer.Option([], "--executor-addr", help="mesh target with --addr: an executor "
+                                            "whose Stats to sample; may repeat."),
     executors: int = typer.Option(1, help="mesh target: executor processes to launch."),
     prompt_len_median: int = typer.Option(150, help="Median prompt length (tokens)."),
     output_len_median: int = typer.Option(128, help="Median output length (tokens)."),
@@ -257,17 +291,20 @@ def bench(
                                               "one core left for the other services and the client)."),
     log_level: str = typer.Option("warning"),
 ) -> None:
-    """Measure output tokens/s, TTFT, TPOT and e2e latency of a target on a seeded workload."""
+    """Measure output tokens/s, TTFT, TPOT, e2e latency and KV/prefix-cache use of a target on a seeded workload."""
     from meshserve.bench import BenchConfig, WorkloadSpec, main as run
 
     _logging(log_level)
     try:
         spec = WorkloadSpec(num_requests=num_requests, seed=seed, prompt_len_median=prompt_len_median,
-                            output_len_median=output_len_median)
+                            output_len_median=output_len_median, kind=workload, shared_prefix_len=shared_prefix_len,
+                            shared_fraction=shared_fraction)
         cfg = BenchConfig(target=target, concurrency=concurrency, workload=spec, warmup=warmup, model=model,
                           dtype=dtype, kv_cache_memory=kv_cache_memory, max_num_seqs=max_num_seqs,
                           max_num_batched_tokens=max_num_batched_tokens, executors=executors, addr=addr,
-                          num_threads=num_threads)
+                          num_threads=num_threads, block_size=block_size,
+                          enable_prefix_caching=not no_prefix_caching, max_batch_wait_ms=max_batch_wait_ms,
+                          executor_addrs=tuple(executor_addr))
     except ValueError as exc:
         raise typer.BadParameter(str(exc)) from None
     sys.exit(run(cfg, report_json))

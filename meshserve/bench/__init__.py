@@ -1,15 +1,22 @@
-"""``meshserve bench``: throughput and latency of the engine, the mesh and a reference.
+"""``meshserve bench``: throughput and latency of the engine, the mesh and transformers.
 
 Modules, in the order data flows through them:
 
-* ``workload``: the seeded requests (log-normal prompt and output lengths,
-  uniform ordinary token ids, greedy, ``ignore_eos``), identical for every target;
+* ``workload``: the seeded requests, identical for every target: ``synthetic``
+  (log-normal prompt and output lengths, uniform ordinary token ids) or
+  ``shared-prefix`` (``shared_prefix``: one system prompt in front of most
+  prompts); greedy, ``ignore_eos``;
 * ``config``: ``BenchConfig``, what one run measures;
-* ``targets``: ``engine`` (in-process ``AsyncEngine``), ``mesh`` (launched
-  processes or ``--addr``), ``hf-generate`` (``transformers`` ``generate``);
+* ``target``: the ``Target`` interface; ``targets``: ``engine`` (in-process
+  ``AsyncEngine``), ``mesh`` (launched processes or ``--addr``) and the registry;
+  ``hf_targets``: ``hf-generate``, ``hf-static`` and ``hf-continuous``
+  (``transformers``);
 * ``loop``: the closed loop at concurrency C and each request's TTFT/TPOT/e2e,
   with the exact-token-count check;
-* ``report``: the JSON report and the terminal table;
+* ``engine_stats``: the engine counters sampled during the run (KV use, prefix
+  hits, preemptions);
+* ``report``: the JSON report and the terminal table; ``summary``: Markdown
+  tables of medians and ratios over a folder of reports;
 * ``runner``: one run from start to finish.
 
 A benchmark prints numbers and writes reports; tests assert behaviour, never times.

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 from meshserve.bench.workload import WorkloadSpec
 
-TARGETS = ("engine", "mesh", "hf-generate")
+TARGETS = ("engine", "mesh", "hf-generate", "hf-continuous", "hf-static")
 DTYPES = ("auto", "float32", "bfloat16")
 
 
@@ -16,19 +16,29 @@ class BenchConfig:
 
     Attributes:
         target: "engine" (in-process AsyncEngine), "mesh" (the launched mesh, or
-            the gateway at ``addr``) or "hf-generate" (transformers ``generate``).
-        concurrency: requests in flight (closed loop); hf-generate always runs 1.
+            the gateway at ``addr``), "hf-generate" (transformers ``generate``, one
+            request at a time), "hf-continuous" (transformers' continuous batching)
+            or "hf-static" (``generate`` on static left-padded batches).
+        concurrency: requests in flight (closed loop); hf-generate always runs 1;
+            hf-static runs batches of ``concurrency`` requests.
         workload: the measured requests' spec (count, seed, length distributions).
         warmup: unmeasured warm-up requests run first.
         model: model alias or path (``meshserve.model_files.resolve_model``).
         dtype: "auto", "float32" or "bfloat16".
-        kv_cache_memory: KV cache budget of the engine / each executor ("1GiB").
-        max_num_seqs / max_num_batched_tokens: the engine's batch limits.
+        kv_cache_memory: KV cache budget of the engine / each executor / hf-continuous ("1GiB").
+        max_num_seqs / max_num_batched_tokens: the engine's batch limits (hf-continuous:
+            ``max_requests_per_batch`` / ``max_batch_tokens``).
+        block_size: tokens per KV block of the engine (engine and mesh).
+        enable_prefix_caching: the engine's prefix cache (hf-continuous: block sharing).
+        max_batch_wait_ms: the engine's dynamic batching wait (engine and mesh).
         executors: executor processes of a launched mesh.
         addr: host:port of a running gateway (mesh target only; None: launch one).
         num_threads: torch CPU threads of the engine, of each launched executor and of
             hf-generate (None: ``meshserve.launcher.default_threads_per_executor``), so
             every target computes on the same cores.
+        executor_addrs: mesh target with ``addr``: executors whose Stats RPC to sample
+            (a launched mesh samples its own executors).
+        stats_interval_s: seconds between two samples of the engine counters.
     """
 
     target: str
@@ -43,6 +53,11 @@ class BenchConfig:
     executors: int = 1
     addr: str | None = None
     num_threads: int | None = None
+    block_size: int = 16
+    enable_prefix_caching: bool = True
+    max_batch_wait_ms: float = 0.0
+    executor_addrs: tuple[str, ...] = ()
+    stats_interval_s: float = 0.5
 
     def __post_init__(self) -> None:
         if self.target not in TARGETS:
@@ -56,6 +71,11 @@ class BenchConfig:
         parse_bytes(self.kv_cache_memory)  # ValueError names the bad size
         if self.addr is not None and self.target != "mesh":
             raise ValueError("--addr applies to the mesh target only")
+        if self.executor_addrs and self.addr is None:
+            raise ValueError("--executor-addr applies to the mesh target with --addr only")
+        if self.block_size < 1 or not 0 <= self.max_batch_wait_ms < float("inf") or self.stats_interval_s <= 0:
+            raise ValueError("block_size must be >= 1, max_batch_wait_ms a finite number >= 0, "
+                             "stats_interval_s > 0")
 
     @property
     def threads(self) -> int:

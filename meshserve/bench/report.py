@@ -10,6 +10,9 @@ Definitions (the ones vLLM's ``benchmark_serving`` uses):
   ``(t_last - t_first) / (n - 1)``; requests with one token have none and are left
   out of the TPOT percentiles.
 * e2e: submit → last token / end of the call.
+* Engine figures (``kv_cache_utilization``, ``prefix_cache_hit_rate``,
+  ``num_preemptions``, ``max_num_running``, ``kv_capacity``): see
+  ``meshserve.bench.engine_stats``; None for targets without engine counters.
 """
 
 from __future__ import annotations
@@ -22,8 +25,19 @@ from typing import Sequence
 import numpy as np
 
 from meshserve.bench.config import BenchConfig
+from meshserve.bench.engine_stats import NULL_METRICS
 from meshserve.bench.loop import RequestResult
 from meshserve.bench.workload import Workload
+
+# How each transformers target's TTFT is taken (the engine targets time token arrival).
+TTFT_METHODS = {
+    "hf-generate": "streamer: time the first generated token reaches a transformers streamer",
+    "hf-static": "batch: every request of a static batch is submitted when the batch starts and gets the "
+                 "batch's first-token time (streamer); e2e ends when the whole batch returns",
+    "hf-continuous": "streaming: arrival of each token through ContinuousBatchingManager.register_result_handler "
+                     "(add_request(streaming=True))",
+}
+
 
 def percentile(values: Sequence[float], q: float) -> float:
     """The q-th percentile (0..100) by linear interpolation (numpy's default); 0.0 for no values."""
@@ -40,7 +54,8 @@ def _latency(name: str, values: Sequence[float]) -> dict[str, float]:
 
 
 def build_report(
-    config: BenchConfig, workload: Workload, results: Sequence[RequestResult], wall_s: float, target_facts: dict
+    config: BenchConfig, workload: Workload, results: Sequence[RequestResult], wall_s: float, target_facts: dict,
+    engine_metrics: dict | None = None,
 ) -> dict:
     """The report of one measured run.
 
@@ -50,6 +65,7 @@ def build_report(
         results: one per measured request, in any order.
         wall_s: seconds of the measured run.
         target_facts: ``Target.describe()`` (its ``dtype`` overrides the asked one).
+        engine_metrics: ``StatsSampler.metrics()``; None: every engine figure is None.
 
     Raises:
         ValueError: ``results`` and ``workload`` differ in size.
@@ -60,6 +76,7 @@ def build_report(
     total_out = sum(r.output_len for r in results)
     report = {
         "target": config.target,
+        "workload": spec.kind,
         "model": config.model,
         "dtype": config.dtype,
         "concurrency": config.effective_concurrency,
@@ -78,10 +95,13 @@ def build_report(
         "output_len_median": statistics.median(workload.output_lens),
         "prompt_len_median_target": spec.prompt_len_median,
         "output_len_median_target": spec.output_len_median,
+        **(engine_metrics if engine_metrics is not None else NULL_METRICS),
         **target_facts,
     }
-    if config.target == "hf-generate":
-        report["ttft_method"] = "streamer: time the first generated token reaches a transformers streamer"
+    if spec.kind == "shared-prefix":
+        report.update(shared_prefix_len=spec.shared_prefix_len, shared_fraction=spec.shared_fraction)
+    if config.target in TTFT_METHODS:
+        report["ttft_method"] = TTFT_METHODS[config.target]
     report["requests"] = [{"request_id": r.request_id, "prompt_len": r.prompt_len, "output_len": r.output_len,
                            "ttft_s": r.ttft_s, "tpot_s": r.tpot_s, "e2e_s": r.e2e_s} for r in results]
     return report
@@ -91,7 +111,8 @@ def format_table(report: dict) -> str:
     """A few lines summarising ``report`` for the terminal."""
     ms = 1000.0
     rows = [
-        ("target", f"{report['target']} ({report['dtype']}, concurrency {report['concurrency']})"),
+        ("target", f"{report['target']} ({report['dtype']}, concurrency {report['concurrency']}, "
+                   f"{report.get('workload', 'synthetic')} workload)"),
         ("requests", f"{report['num_requests']} (seed {report['seed']}, warm-up {report['warmup']})"),
         ("prompt / output median", f"{report['prompt_len_median']:g} / {report['output_len_median']:g} tokens"),
         ("wall", f"{report['wall_s']:.2f} s"),
@@ -100,8 +121,27 @@ def format_table(report: dict) -> str:
         ("TPOT p50 / p99", f"{report['tpot_p50_s'] * ms:.1f} / {report['tpot_p99_s'] * ms:.1f} ms"),
         ("e2e p50 / p99", f"{report['e2e_p50_s']:.2f} / {report['e2e_p99_s']:.2f} s"),
     ]
+    rows += _engine_rows(report)
     width = max(len(name) for name, _ in rows)
     return "\n".join(f"{name:<{width}}  {value}" for name, value in rows)
+
+
+def _engine_rows(report: dict) -> list[tuple[str, str]]:
+    """Table rows of the engine figures that are known."""
+    rows = []
+    kv, cap = report.get("kv_cache_utilization"), report.get("kv_capacity")
+    if kv and kv["mean"] is not None:
+        rows.append(("KV utilization mean / max", f"{kv['mean']:.1%} / {kv['max']:.1%} ({kv['num_samples']} samples)"))
+    if cap:
+        rows.append(("requests running (max)", f"{report['max_num_running']} (reserving max_model_len "
+                                                f"{cap['max_model_len']}: {cap['requests_fit_reserved']} fit)"))
+    if report.get("prefix_cache_hit_rate") is not None:
+        rows.append(("prefix cache hit rate", f"{report['prefix_cache_hit_rate']:.1%} "
+                                              f"({report['prefix_cache_hit_tokens']} / "
+                                              f"{report['prefix_cache_queried_tokens']} tokens)"))
+    if report.get("num_preemptions") is not None:
+        rows.append(("preemptions", str(report["num_preemptions"])))
+    return rows
 
 
 def write_report(report: dict, path: str | Path) -> None:

@@ -6,10 +6,10 @@ import logging
 import sys
 
 from meshserve.bench.config import BenchConfig
-from meshserve.bench.loop import run_closed_loop
+from meshserve.bench.engine_stats import StatsSampler
 from meshserve.bench.report import build_report, format_table, write_report
 from meshserve.bench.targets import make_target
-from meshserve.bench.workload import make_warmup, make_workload, model_vocabulary
+from meshserve.bench.workload import load_workloads
 
 log = logging.getLogger(__name__)
 
@@ -17,7 +17,9 @@ log = logging.getLogger(__name__)
 async def run_bench(config: BenchConfig) -> dict:
     """Runs ``config`` and returns its report (see ``meshserve.bench.report``).
 
-    The target is always stopped, also when a request fails.
+    The engine counters are read before and after the measured requests and
+    sampled every ``config.stats_interval_s`` while they run. The target is always
+    stopped, also when a request fails.
 
     Raises:
         BenchError: a request produced a different number of tokens than asked.
@@ -26,9 +28,7 @@ async def run_bench(config: BenchConfig) -> dict:
     from meshserve.model_files import resolve_model
 
     files = resolve_model(config.model)
-    vocab_size, specials = model_vocabulary(files.path)
-    workload = make_workload(config.workload, vocab_size, specials)
-    warmup = make_warmup(config.workload, config.warmup, vocab_size, specials)
+    workload, warmup = load_workloads(config.workload, config.warmup, files.path)
     target = make_target(config, files.path)
     concurrency = config.effective_concurrency
     try:
@@ -36,12 +36,13 @@ async def run_bench(config: BenchConfig) -> dict:
         await target.start()
         if warmup is not None:
             log.info("warm-up: %d request(s)", len(warmup.requests))
-            await run_closed_loop(warmup.requests, concurrency, target.send)
+            await target.run(warmup.requests, concurrency)
         log.info("measuring %d requests at concurrency %d", len(workload.requests), concurrency)
-        results, wall_s = await run_closed_loop(workload.requests, concurrency, target.send)
+        async with StatsSampler(target.read_stats, config.stats_interval_s) as sampler:
+            results, wall_s = await target.run(workload.requests, concurrency)
     finally:
         await target.stop()
-    return build_report(config, workload, results, wall_s, target.describe())
+    return build_report(config, workload, results, wall_s, target.describe(), sampler.metrics())
 
 
 def main(config: BenchConfig, report_json: str | None) -> int:

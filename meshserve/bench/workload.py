@@ -1,4 +1,7 @@
-"""The benchmark's synthetic workload: seeded prompt and output lengths and token ids.
+"""The benchmark's workloads: seeded prompt and output lengths and token ids.
+
+Two kinds (``WorkloadSpec.kind``): ``synthetic`` (below) and ``shared-prefix``
+(``meshserve.bench.shared_prefix``: most prompts start with one system prompt).
 
 Lengths are log-normal, as request lengths of served chat traffic are (long right
 tail; see the ShareGPT length histograms used by vLLM's ``benchmark_serving``):
@@ -25,6 +28,7 @@ import numpy as np
 WARMUP_STREAM = 1
 # A warm-up request only needs to run every code path once; long outputs waste time.
 WARMUP_MAX_OUTPUT_LEN = 16
+WORKLOADS = ("synthetic", "shared-prefix")
 
 
 @dataclass(frozen=True)
@@ -37,9 +41,16 @@ class WorkloadSpec:
         prompt_len_median / output_len_median: medians in tokens.
         sigma: standard deviation of the lengths' natural logarithm.
         prompt_len_range / output_len_range: inclusive clip bounds in tokens.
+        kind: "synthetic" or "shared-prefix"; for shared-prefix the prompt length
+            distribution is that of the part after the first ``shared_prefix_len``
+            tokens (the user part).
+        shared_prefix_len: shared-prefix: tokens of the shared system prompt.
+        shared_fraction: shared-prefix: fraction of the requests that start with it
+            (``round(shared_fraction * num_requests)`` requests).
 
     Raises:
-        ValueError: ``num_requests`` < 1, or a median outside its clip range.
+        ValueError: ``num_requests`` < 1, a median outside its clip range, an unknown
+            kind, ``shared_prefix_len`` < 1 or ``shared_fraction`` outside [0, 1].
     """
 
     num_requests: int
@@ -49,10 +60,18 @@ class WorkloadSpec:
     sigma: float = 0.5
     prompt_len_range: tuple[int, int] = (16, 1024)
     output_len_range: tuple[int, int] = (8, 512)
+    kind: str = "synthetic"
+    shared_prefix_len: int = 400
+    shared_fraction: float = 0.7
 
     def __post_init__(self) -> None:
         if self.num_requests < 1:
             raise ValueError(f"num_requests must be >= 1, got {self.num_requests}")
+        if self.kind not in WORKLOADS:
+            raise ValueError(f"workload must be one of {', '.join(WORKLOADS)}, got {self.kind!r}")
+        if self.shared_prefix_len < 1 or not 0.0 <= self.shared_fraction <= 1.0:
+            raise ValueError(f"shared_prefix_len must be >= 1 and shared_fraction in [0, 1], got "
+                             f"{self.shared_prefix_len} and {self.shared_fraction}")
         for name, median, (lo, hi) in (("prompt", self.prompt_len_median, self.prompt_len_range),
                                        ("output", self.output_len_median, self.output_len_range)):
             if not 1 <= lo <= median <= hi:
@@ -102,7 +121,8 @@ def make_workload(
     spec: WorkloadSpec, vocab_size: int, special_token_ids: frozenset[int] | set[int], *, stream: int | None = None,
     prefix: str = "bench",
 ) -> Workload:
-    """Draws the workload of ``spec`` over the ordinary ids of ``[0, vocab_size)``.
+    """Draws the synthetic workload of ``spec`` over the ordinary ids of ``[0, vocab_size)``
+    (whatever ``spec.kind``: warm-up requests are always synthetic).
 
     Args:
         spec: sizes, seed and length distributions.
@@ -160,3 +180,21 @@ def model_vocabulary(model_path: str | Path) -> tuple[int, frozenset[int]]:
     tokenizer = AutoTokenizer.from_pretrained(model_path)
     config = AutoConfig.from_pretrained(model_path)
     return min(len(tokenizer), config.vocab_size), special_token_ids(tokenizer)
+
+
+def load_workloads(spec: WorkloadSpec, num_warmup: int, model_path: str | Path) -> tuple[Workload, Workload | None]:
+    """The measured workload of ``spec`` (its kind) and the synthetic warm-up for a model folder.
+
+    Warm-up prompts are uniform ids of their own stream, so they never share a
+    prefix with the measured requests: the prefix cache starts cold.
+    """
+    vocab_size, specials = model_vocabulary(model_path)
+    if spec.kind == "shared-prefix":
+        from transformers import AutoTokenizer
+
+        from meshserve.bench.shared_prefix import make_shared_prefix_workload
+
+        workload = make_shared_prefix_workload(spec, AutoTokenizer.from_pretrained(model_path), vocab_size)
+    else:
+        workload = make_workload(spec, vocab_size, specials)
+    return workload, make_warmup(spec, num_warmup, vocab_size, specials)
