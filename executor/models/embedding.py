@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from executor.models import cpu_gemm
 from executor.models.parallel import SINGLE, TensorParallel
 
 
@@ -60,8 +61,15 @@ class ParallelLMHead(VocabParallelEmbedding):
     Shapes: ``hidden`` ``(num_reqs, hidden)`` → logits ``(num_reqs, vocab_size)``.
     """
 
+    packed_weight: torch.Tensor | None = None  # cpu_gemm.pack(weight), once loaded
+
+    def process_weights_after_loading(self) -> None:
+        """Packs the loaded (possibly tied) weight for the CPU GEMM; the embedding
+        lookup keeps reading the plain weight."""
+        self.packed_weight = cpu_gemm.pack(self.weight)
+
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        logits = self.tp.all_gather_last_dim(F.linear(hidden, self.weight))
+        logits = self.tp.all_gather_last_dim(cpu_gemm.linear(hidden, self.weight, None, self.packed_weight))
         return logits[..., : self.num_embeddings]
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:  # pragma: no cover - not an embedding

@@ -13,15 +13,17 @@ Megatron-LM's split of a transformer block over ``world_size`` ranks
 
 Each parameter carries a ``weight_loader(param, loaded, shard_id=None)`` that
 copies this rank's part of a checkpoint tensor into its place, so the model
-loader never needs to know how a layer is sharded.
+loader never needs to know how a layer is sharded. Once all weights are in,
+``process_weights_after_loading()`` packs each weight for the CPU GEMM
+(``cpu_gemm.py``); a layer whose weight cannot be packed keeps using ``F.linear``.
 """
 
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
+from executor.models import cpu_gemm
 from executor.models.parallel import SINGLE, TensorParallel
 
 
@@ -57,14 +59,19 @@ class ColumnParallelLinear(nn.Module):
         if bias:
             self.bias = nn.Parameter(torch.empty(self.output_size_per_rank, dtype=dtype), requires_grad=False)
             self.bias.weight_loader = self.weight_loader
+        self.packed_weight: torch.Tensor | None = None  # cpu_gemm.pack(weight), once loaded
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: object = None) -> None:
         """Copies this rank's rows of the full ``(out, in)`` weight (or ``(out,)`` bias)."""
         n = param.shape[0]
         _copy(param, loaded.narrow(0, self.tp.rank * n, n))
 
+    def process_weights_after_loading(self) -> None:
+        """Packs the loaded weight for the CPU GEMM (nothing on other devices)."""
+        self.packed_weight = cpu_gemm.pack(self.weight)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        return cpu_gemm.linear(x, self.weight, self.bias, self.packed_weight)
 
 
 class MergedColumnParallelLinear(ColumnParallelLinear):
@@ -137,6 +144,7 @@ class RowParallelLinear(nn.Module):
         if bias:
             self.bias = nn.Parameter(torch.empty(output_size, dtype=dtype), requires_grad=False)
             self.bias.weight_loader = self.weight_loader
+        self.packed_weight: torch.Tensor | None = None  # cpu_gemm.pack(weight), once loaded
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: object = None) -> None:
         """Copies this rank's columns of the full ``(out, in)`` weight; the bias whole."""
@@ -146,10 +154,14 @@ class RowParallelLinear(nn.Module):
         n = param.shape[1]
         _copy(param, loaded.narrow(1, self.tp.rank * n, n))
 
+    def process_weights_after_loading(self) -> None:
+        """Packs the loaded weight for the CPU GEMM (nothing on other devices)."""
+        self.packed_weight = cpu_gemm.pack(self.weight)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.tp.world_size == 1:
-            return F.linear(x, self.weight, self.bias)
-        y = self.tp.all_reduce(F.linear(x, self.weight))
+            return cpu_gemm.linear(x, self.weight, self.bias, self.packed_weight)
+        y = self.tp.all_reduce(cpu_gemm.linear(x, self.weight, None, self.packed_weight))
         return y if self.bias is None else y + self.bias
 
 

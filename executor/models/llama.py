@@ -12,6 +12,14 @@ always full causal). ``lm_head`` is the embedding when ``tie_word_embeddings``.
 
 Layers are the tensor-parallel ones of ``linear.py``: ``qkv_proj`` and
 ``gate_up_proj`` column-parallel (fused), ``o_proj`` and ``down_proj`` row-parallel.
+
+The hot path is written for CPU decode, where each op's fixed cost matters: the
+rotary cos/sin are looked up once per step, not per layer; rotary rotates the
+query and key heads of the QKV output in place; the residual adds are folded
+into the norms (in place); SiLU-and-multiply makes one new tensor. These keep
+the reference's roundings (float32 norms and rotary are bitwise those of
+``transformers``); the matmuls, packed for oneDNN on CPU (``cpu_gemm.py``), round
+differently from MKL's, within float32 noise.
 """
 
 from __future__ import annotations
@@ -57,16 +65,14 @@ class LlamaAttention(nn.Module):
         self.rotary = rotary
         self.attn = Attention(self.num_heads, self.num_kv_heads, head_dim, head_dim**-0.5, backend)
 
-    def forward(self, positions: torch.Tensor, x: torch.Tensor, md: AttentionMetadata) -> torch.Tensor:
+    def forward(self, rope: tuple[torch.Tensor, torch.Tensor], x: torch.Tensor, md: AttentionMetadata) -> torch.Tensor:
+        """``rope``: the step's ``RotaryEmbedding.lookup``; ``x`` ``(num_tokens, hidden)``."""
         qkv = self.qkv_proj(x)
-        q_size, kv_size = self.qkv_proj.q_size, self.qkv_proj.kv_size
-        q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
-        n = x.shape[0]
-        q = q.view(n, self.num_heads, self.head_dim)
-        k = k.view(n, self.num_kv_heads, self.head_dim)
-        q, k = self.rotary(positions, q, k)
-        o = self.attn(q, k, v.view(n, self.num_kv_heads, self.head_dim), md)
-        return self.o_proj(o)
+        n, q_heads, kv_heads = x.shape[0], self.num_heads, self.num_kv_heads
+        heads = qkv.view(n, q_heads + 2 * kv_heads, self.head_dim)
+        self.rotary.rotate_(heads[:, : q_heads + kv_heads], *rope)  # q and k heads together, in place
+        q, k, v = heads.split([q_heads, kv_heads, kv_heads], dim=1)
+        return self.o_proj(self.attn(q, k, v, md))
 
 
 class LlamaMLP(nn.Module):
@@ -83,11 +89,20 @@ class LlamaMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(F.silu(gate).mul_(up))
 
 
 class LlamaDecoderLayer(nn.Module):
-    """Pre-norm attention block then pre-norm MLP block, each with a residual."""
+    """Pre-norm attention block then pre-norm MLP block, each with a residual.
+
+    The residual stream is carried separately (vLLM's layout): a layer takes the
+    previous layer's MLP output ``x`` and the ``residual`` before it, adds them in
+    its first norm, and returns its own MLP output and residual::
+
+        residual += x;  h = attn(norm1(residual));  residual += h;  x = mlp(norm2(residual))
+
+    which is ``x + attn(norm1(x))`` then ``+ mlp(norm2(...))`` of the reference.
+    """
 
     def __init__(self, config, rotary: RotaryEmbedding, backend: AttentionBackend, tp: TensorParallel,
                  dtype: torch.dtype):
@@ -97,9 +112,18 @@ class LlamaDecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
         self.mlp = LlamaMLP(config, tp, dtype)
 
-    def forward(self, positions: torch.Tensor, x: torch.Tensor, md: AttentionMetadata) -> torch.Tensor:
-        x = x + self.self_attn(positions, self.input_layernorm(x), md)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(self, rope: tuple[torch.Tensor, torch.Tensor], x: torch.Tensor, residual: torch.Tensor | None,
+                md: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+        """``x``, ``residual`` ``(num_tokens, hidden)`` (``residual`` ``None`` at the first
+        layer, whose ``x`` is the embedding) → this layer's ``(x, residual)``."""
+        if residual is None:
+            residual = x
+            h = self.input_layernorm(x)
+        else:
+            h, residual = self.input_layernorm(x, residual)
+        h = self.self_attn(rope, h, md)
+        h, residual = self.post_attention_layernorm(h, residual)
+        return self.mlp(h), residual
 
 
 class LlamaForCausalLM(nn.Module):
@@ -118,7 +142,7 @@ class LlamaForCausalLM(nn.Module):
         super().__init__()
         self.config = config
         inv_freq, scaling = rope_inv_freq(config)
-        rotary = RotaryEmbedding(inv_freq, max_positions, scaling, dtype)
+        self.rotary = rotary = RotaryEmbedding(inv_freq, max_positions, scaling, dtype)
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, tp, dtype)
         self.layers = nn.ModuleList(LlamaDecoderLayer(config, rotary, backend, tp, dtype)
                                     for _ in range(config.num_hidden_layers))
@@ -143,15 +167,25 @@ class LlamaForCausalLM(nn.Module):
         Returns:
             ``(num_tokens, hidden_size)`` final-normed hidden states, model dtype.
         """
-        x = self.embed_tokens(input_ids)
+        x, residual = self.embed_tokens(input_ids), None
+        rope = self.rotary.lookup(positions)
         for layer in self.layers:
-            x = layer(positions, x, md)
-        return self.norm(x)
+            x, residual = layer(rope, x, residual, md)
+        return self.norm(x, residual)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """``(num_reqs, hidden_size)`` hidden states (one row per request that samples)
         → ``(num_reqs, vocab_size)`` float32 logits."""
         return self.lm_head.compute_logits(hidden).float()
+
+    def process_weights_after_loading(self) -> None:
+        """Lets every layer prepare its loaded weights for its device (packs the CPU
+        GEMM weights: ``linear.py``, ``cpu_gemm.py``). Call it last, after
+        ``load_weights`` and after moving the model; ``load_weights`` drops the packed
+        copies, so layers use ``F.linear`` until it is called again."""
+        for module in self.modules():
+            if module is not self and hasattr(module, "process_weights_after_loading"):
+                module.process_weights_after_loading()
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         """Loads checkpoint tensors named as in ``transformers`` (``model.layers.0.self_attn.q_proj.weight``…).
@@ -162,6 +196,9 @@ class LlamaForCausalLM(nn.Module):
         Raises:
             KeyError: a checkpoint tensor has no parameter to go to.
         """
+        for module in self.modules():  # packed copies go stale: process_weights_after_loading() again
+            if getattr(module, "packed_weight", None) is not None:
+                module.packed_weight = None
         params = dict(self.named_parameters(remove_duplicate=False))
         loaded: set[str] = set()
         for name, tensor in weights:

@@ -1,4 +1,5 @@
-"""RMSNorm (Zhang & Sennrich, 2019), computed in float32 as Llama does."""
+"""RMSNorm (Zhang & Sennrich, 2019), computed in float32 as Llama does, with the
+residual add of the decoder layer folded in (as vLLM's ``fused_add_rms_norm``)."""
 
 from __future__ import annotations
 
@@ -9,8 +10,9 @@ from torch import nn
 class RMSNorm(nn.Module):
     """``weight * x / sqrt(mean(x^2) + eps)``, the statistics in float32.
 
-    Matches ``transformers``' ``LlamaRMSNorm`` operation for operation, so float32
-    outputs are bitwise equal to the reference.
+    Matches ``transformers``' ``LlamaRMSNorm`` operation for operation (the adds
+    and multiplies in place, which rounds the same), so float32 outputs are
+    bitwise equal to the reference.
 
     Shapes: ``(num_tokens, hidden_size)`` → same shape and dtype.
     """
@@ -20,8 +22,19 @@ class RMSNorm(nn.Module):
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(hidden_size, dtype=dtype), requires_grad=False)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        """``norm(x)``; with ``residual``: ``residual += x`` in place (the decoder's skip
+        connection, ``residual + x`` in the reference) and returns ``(norm(residual), residual)``."""
+        if residual is None:
+            return self._norm(x)
+        residual += x
+        return self._norm(residual), residual
+
+    def _norm(self, x: torch.Tensor) -> torch.Tensor:
         dtype = x.dtype
         x32 = x.to(torch.float32)
         variance = x32.pow(2).mean(-1, keepdim=True)
-        return self.weight * (x32 * torch.rsqrt(variance + self.eps)).to(dtype)
+        out = x32 * variance.add_(self.eps).rsqrt_()
+        if dtype != torch.float32:
+            out = out.to(dtype)
+        return out.mul_(self.weight)

@@ -1,9 +1,18 @@
 """Rotary position embedding (Su et al., 2021, "RoFormer"), GPT-NeoX layout.
 
 The cosine and sine of every position up to ``max_positions`` are computed once
-in float32, exactly as ``transformers`` computes them per call
-(``cat(freqs, freqs)`` then ``cos``/``sin``), then looked up by position: rows of
-the flattened batch may belong to different requests at different positions.
+in float32, exactly as ``transformers`` computes them per call, then looked up by
+position once per step (``lookup``) and shared by every layer: rows of the
+flattened batch may belong to different requests at different positions.
+``transformers`` builds ``cos = cat(freqs, freqs).cos()``, whose two halves are
+equal, so only one half is kept, and ``q * cos + rotate_half(q) * sin`` is
+computed half by half, in place::
+
+    q1, q2 = q[..., :d/2], q[..., d/2:]
+    q1' = q1 * cos - q2 * sin        (= q1 * cos + (-q2) * sin, bit for bit)
+    q2' = q2 * cos + q1 * sin
+
+with the same roundings as the reference (one multiply, then one add, per term).
 
 Frequency schedules: ``default``; ``linear``, ``llama3`` and ``yarn`` scaling take
 their inverse frequencies from ``transformers``' own ``ROPE_INIT_FUNCTIONS`` so the
@@ -48,7 +57,7 @@ def head_dim_of(config) -> int:
 
 
 class RotaryEmbedding(nn.Module):
-    """Applies rotary embeddings to flattened queries and keys.
+    """Rotary embeddings for flattened queries and keys.
 
     Args:
         inv_freq: ``(head_dim / 2,)`` float32 inverse frequencies.
@@ -61,9 +70,30 @@ class RotaryEmbedding(nn.Module):
                  dtype: torch.dtype = torch.float32):
         super().__init__()
         freqs = torch.arange(max_positions, dtype=torch.float32)[:, None] * inv_freq.float()[None, :]
-        emb = torch.cat((freqs, freqs), dim=-1)
-        self.register_buffer("cos", (emb.cos() * attention_scaling).to(dtype), persistent=False)
-        self.register_buffer("sin", (emb.sin() * attention_scaling).to(dtype), persistent=False)
+        self.register_buffer("cos", (freqs.cos() * attention_scaling).to(dtype), persistent=False)
+        self.register_buffer("sin", (freqs.sin() * attention_scaling).to(dtype), persistent=False)
+
+    def lookup(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``cos`` and ``sin`` of ``positions`` ``(num_tokens,)`` int64, each
+        ``(num_tokens, 1, head_dim / 2)`` in the model's dtype (once per step).
+
+        Raises:
+            IndexError: a position is ``>= max_positions``.
+        """
+        return self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)
+
+    @staticmethod
+    def rotate_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
+        """Rotates ``x`` ``(num_tokens, num_heads, head_dim)`` in place (it may be a view,
+        e.g. the query and key heads of a fused QKV output) by ``lookup``'s ``cos``/``sin``."""
+        half = x.shape[-1] // 2
+        x1, x2 = x[..., :half], x[..., half:]
+        rotated1 = x1 * cos
+        rotated1 -= x2 * sin
+        x2_cos = x2 * cos
+        x2_cos += x1 * sin
+        x1.copy_(rotated1)
+        x2.copy_(x2_cos)
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Rotates ``q`` ``(num_tokens, num_heads, head_dim)`` and ``k``
@@ -73,11 +103,8 @@ class RotaryEmbedding(nn.Module):
         Raises:
             IndexError: a position is ``>= max_positions``.
         """
-        cos = self.cos[positions].unsqueeze(1)
-        sin = self.sin[positions].unsqueeze(1)
-        return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
-
-
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+        cos, sin = self.lookup(positions)
+        q, k = q.clone(), k.clone()
+        self.rotate_(q, cos, sin)
+        self.rotate_(k, cos, sin)
+        return q, k

@@ -53,7 +53,8 @@ def test_tiny_model_matches_transformers(kind, tmp_path):
     prompts = [torch.randint(3, 512, (n,), generator=gen).tolist() for n in (1, 15, 17, 40, 70)]
     max_new = 20
     refs = HFReference(tmp_path).greedy_many(prompts, max_new)
-    engine = LLMEngine(EngineConfig(model=str(tmp_path), cache=CacheConfig(block_size=16, num_blocks=64),
+    engine = LLMEngine(EngineConfig(model=str(tmp_path), dtype="float32",  # "auto" may be bfloat16 on some CPUs
+                                    cache=CacheConfig(block_size=16, num_blocks=64),
                                     batch=BatchSchedulerConfig(max_num_seqs=4, max_num_batched_tokens=32)))
     if kind == "mistral-sliding-window":
         assert engine.max_model_len == 96  # capped at the window: attention is never windowed
@@ -68,3 +69,65 @@ def test_bfloat16_runs(tmp_path):
     assert engine.model_runner.kv_caches[0][0].dtype == torch.bfloat16
     outputs = engine.generate([[5, 6, 7], [8] * 20], SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True))
     assert [len(o) for o in outputs] == [5, 5]
+
+
+def test_norm_and_rotary_are_bitwise_the_reference():
+    """The in-place RMSNorm (with the residual add folded in) and the half-table rotary
+    round exactly as transformers' LlamaRMSNorm and apply_rotary_pos_emb."""
+    from transformers.models.llama import modeling_llama as hf
+
+    from executor.models.norm import RMSNorm
+    from executor.models.rotary import RotaryEmbedding, rope_inv_freq
+
+    config = _config("llama-tied-llama3-rope")
+    gen = torch.Generator().manual_seed(0)
+    for dtype in (torch.float32, torch.bfloat16):
+        x, residual = (torch.randn(2, 7, 96, generator=gen) * 3).to(dtype)
+        ours, theirs = RMSNorm(96, 1e-5, dtype), hf.LlamaRMSNorm(96, eps=1e-5).to(dtype)
+        weight = torch.randn(96, generator=gen).to(dtype)
+        ours.weight.data.copy_(weight)
+        theirs.weight.data.copy_(weight)
+        assert torch.equal(ours(x.clone()), theirs(x))
+        normed, summed = ours(x.clone(), residual.clone())
+        assert torch.equal(summed, residual + x) and torch.equal(normed, theirs(residual + x))
+
+        positions = torch.randint(0, 256, (7,), generator=gen)
+        q = torch.randn(7, 6, 16, generator=gen).to(dtype)
+        k = torch.randn(7, 2, 16, generator=gen).to(dtype)
+        cos, sin = hf.LlamaRotaryEmbedding(config)(q, positions[None])
+        want_q, want_k = hf.apply_rotary_pos_emb(q.transpose(0, 1)[None], k.transpose(0, 1)[None], cos, sin)
+        inv_freq, scaling = rope_inv_freq(config)
+        got_q, got_k = RotaryEmbedding(inv_freq, 256, scaling, dtype)(positions, q, k)
+        assert torch.equal(got_q, want_q[0].transpose(0, 1)) and torch.equal(got_k, want_k[0].transpose(0, 1))
+
+
+def test_packed_cpu_gemm_matches_f_linear_and_is_batch_invariant():
+    """cpu_gemm: the packed product is F.linear up to rounding, and a row's result does
+    not depend on how many rows are in the batch (or falls back to F.linear)."""
+    import torch.nn.functional as F
+
+    from executor.models import cpu_gemm
+
+    gen = torch.Generator().manual_seed(0)
+    weight, bias = torch.randn(200, 96, generator=gen), torch.randn(200, generator=gen)
+    x = torch.randn(70, 96, generator=gen)
+    packed = cpu_gemm.pack(weight)
+    if packed is None:
+        pytest.skip("no oneDNN packing on this host: layers use F.linear")
+    full = cpu_gemm.linear(x, weight, bias, packed)
+    torch.testing.assert_close(full, F.linear(x, weight, bias), rtol=1e-5, atol=1e-4)
+    for rows in (1, 2, 3, 17, 32):
+        assert torch.equal(cpu_gemm.linear(x[:rows], weight, bias, packed), full[:rows])
+    assert cpu_gemm.pack(weight.to(torch.float16)) is None  # not a dtype it packs: F.linear
+    assert cpu_gemm.linear(x, weight, None, None).equal(F.linear(x, weight))
+
+
+def test_auto_dtype_on_cpu_follows_native_bf16(monkeypatch):
+    from executor import model_loader
+
+    cpu = torch.device("cpu")
+    monkeypatch.setattr(model_loader, "cpu_has_native_bf16", lambda: False)
+    assert model_loader.resolve_dtype("auto", None, cpu) == torch.float32
+    monkeypatch.setattr(model_loader, "cpu_has_native_bf16", lambda: True)
+    assert model_loader.resolve_dtype("auto", None, cpu) == torch.bfloat16
+    assert model_loader.resolve_dtype("float32", None, cpu) == torch.float32

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from executor.attention import available_backends, build_attention_metadata, get_backend
+from executor.attention.torch_backend import decode_groups
 
 HEAD_DIM = 32
 
@@ -79,6 +80,52 @@ def test_decodes_and_chunks_after_context(block_size, group):
     contexts = [1, b - 1, b, b + 1, 3 * b - 1, 7, b, b - 1, 2 * b + 1]
     query_lens = [1, 1, 1, 1, 1, 5, b, 2, b + 1]  # decodes crossing block boundaries, then chunks
     run_case(block_size, 1 if group == 3 else 2, group, contexts, query_lens)
+
+
+@pytest.mark.parametrize("contexts,query_lens", [
+    ([40, 41, 42, 43], [1, 1, 1, 1]),  # decodes only, one group: the output is SDPA's own
+    ([0], [37]),                       # one prefill from scratch
+    ([45], [20]),                      # one chunk after context
+])
+def test_batches_of_one_attention_call(contexts, query_lens):
+    run_case(16, 2, 3, contexts, query_lens)
+
+
+def test_decode_groups_trade_padding_for_calls():
+    assert decode_groups([], 16) == [0]
+    assert decode_groups([5], 16) == [0, 1]
+    assert decode_groups([10, 10, 9, 9], 16) == [0, 4]  # padding (2 blocks) is cheaper than a call
+    assert decode_groups([40, 40, 2, 2, 2], 16) == [0, 2, 5]  # 76 padded blocks is not
+    assert decode_groups([40, 40, 2, 2, 2], 16, group_cost_keys=10**9) == [0, 5]
+    assert decode_groups([3, 2, 1], 16, group_cost_keys=0) == [0, 1, 2, 3]
+
+
+def test_decode_output_does_not_depend_on_its_group():
+    """A decode's output is the same alone and padded in a group with longer requests:
+    the padded keys (garbage here) get weight exactly 0; only SDPA's rounding may differ."""
+    torch.manual_seed(0)
+    block_size, num_kv_heads, num_heads = 16, 2, 6
+    seqs = [120, 100, 77]  # the request under test is the last, 5 blocks; the first pads it to 8
+    blocks, start = [], 0
+    for s in seqs:
+        blocks.append(list(range(start, start + -(-s // block_size))))
+        start += len(blocks[-1])
+    shape = (start, block_size, num_kv_heads, HEAD_DIM)
+    cache = (torch.randn(shape), torch.randn(shape))
+    q = torch.randn(len(seqs), num_heads, HEAD_DIM)
+    k, v = torch.randn(2, len(seqs), num_kv_heads, HEAD_DIM)
+    backend = get_backend("torch")
+
+    def attend(rows):
+        md = build_attention_metadata([1] * len(rows), [seqs[r] - 1 for r in rows], [blocks[r] for r in rows],
+                                      block_size)
+        backend.plan(md)
+        return backend.forward(q[rows], k[rows], v[rows], cache, md, HEAD_DIM**-0.5), md
+
+    together, md = attend([0, 1, 2])
+    assert len(md.plan.decodes) == 1  # one group, padded to the longest
+    alone, _ = attend([2])
+    torch.testing.assert_close(together[2], alone[0], rtol=0, atol=1e-6)
 
 
 def test_registry():
