@@ -22,7 +22,7 @@ def engine():
     from executor.engine.config import BatchSchedulerConfig, CacheConfig, EngineConfig
     from executor.engine.llm_engine import LLMEngine
 
-    eng = LLMEngine(EngineConfig(cache=CacheConfig(num_blocks=256),
+    eng = LLMEngine(EngineConfig(dtype="float32", cache=CacheConfig(num_blocks=256),
                                  batch=BatchSchedulerConfig(max_num_seqs=32, max_num_batched_tokens=512)))
     yield eng
     assert not eng.has_unfinished_requests()

@@ -25,7 +25,7 @@ BUDGET = 256
 
 
 def make_engine(num_blocks: int, budget: int = BUDGET, caching: bool = True) -> LLMEngine:
-    return LLMEngine(EngineConfig(cache=CacheConfig(num_blocks=num_blocks, enable_prefix_caching=caching),
+    return LLMEngine(EngineConfig(dtype="float32", cache=CacheConfig(num_blocks=num_blocks, enable_prefix_caching=caching),
                                   batch=BatchSchedulerConfig(max_num_seqs=16, max_num_batched_tokens=budget)))
 
 
