@@ -98,6 +98,7 @@ class BlockPool:
         self.enable_events = enable_events
         self._events: list[KVCacheEvent] = []
         self.num_evictions = 0
+        self._num_evictable = 0  # free blocks with a hash, kept as a count: stats read it every step
 
     # -- counts ---------------------------------------------------------------
 
@@ -109,7 +110,7 @@ class BlockPool:
     @property
     def num_evictable_blocks(self) -> int:
         """Free blocks that still hold cached content."""
-        return sum(1 for block in self.cached_block_hash_to_block.values() if block.ref_cnt == 0)
+        return self._num_evictable
 
     @property
     def num_referenced_blocks(self) -> int:
@@ -131,6 +132,7 @@ class BlockPool:
         for block_id in ids:
             block = self.blocks[block_id]
             if block.block_hash is not None:
+                self._num_evictable -= 1
                 evicted.append(block.block_hash)
                 del self.cached_block_hash_to_block[block.block_hash]
                 block.block_hash = None
@@ -148,6 +150,7 @@ class BlockPool:
             block = self.blocks[block_id]
             if block.ref_cnt == 0:
                 del self._free[block_id]
+                self._num_evictable -= block.block_hash is not None
             block.ref_cnt += 1
 
     def free(self, block_ids: Iterable[int]) -> None:
@@ -164,6 +167,7 @@ class BlockPool:
             block.ref_cnt -= 1
             if block.ref_cnt == 0:
                 self._free[block_id] = None
+                self._num_evictable += block.block_hash is not None
 
     # -- prefix cache ---------------------------------------------------------
 
@@ -208,6 +212,7 @@ class BlockPool:
         for block in self.cached_block_hash_to_block.values():
             block.block_hash = None
         self.cached_block_hash_to_block.clear()
+        self._num_evictable = 0
         if removed and self.enable_events:
             self._events.append(BlockRemoved(removed))
         return True
@@ -239,6 +244,7 @@ class BlockPool:
                     f"block {block.block_id} has a hash the map does not point back from"
         for block_hash, block in self.cached_block_hash_to_block.items():
             assert block.block_hash == block_hash
-        evictable = self.num_evictable_blocks
+        evictable = sum(1 for block in self.cached_block_hash_to_block.values() if block.ref_cnt == 0)
+        assert evictable == self._num_evictable, f"evictable count {self._num_evictable}, actual {evictable}"
         free = len(self._free) - evictable
         assert free + evictable + self.num_referenced_blocks == self.num_blocks
