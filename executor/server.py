@@ -25,7 +25,7 @@ from opentelemetry import trace
 from executor.engine.async_engine import AsyncEngine
 from executor.engine.llm_engine import LLMEngine
 from executor.engine.outputs import EngineStats, RequestOutput, TokenLogprob
-from meshserve.errors import InvalidArgument
+from meshserve.errors import AlreadyExists, InvalidArgument
 from meshserve.grpc_server import CHANNEL_OPTIONS, Service
 from meshserve.sampling import SamplingParams, from_proto
 from meshserve.telemetry import context_from_grpc, tracer
@@ -53,6 +53,8 @@ class ExecutorServicer(executor_pb2_grpc.ExecutorServicer):
         eng = self.engine.engine
         if not request.request_id:
             raise InvalidArgument("request_id must not be empty")
+        if request.request_id in self.active_leases:
+            raise AlreadyExists(f"request_id {request.request_id!r} is already in use by an unfinished request")
         params = from_proto(request.sampling, max_model_len=eng.max_model_len, vocab_size=eng.vocab_size)
         prompt = list(request.prompt_token_ids)
         params = eng.check_request(prompt, params)  # INVALID_ARGUMENT before any choice starts
@@ -91,8 +93,10 @@ class ExecutorServicer(executor_pb2_grpc.ExecutorServicer):
     async def _choices(self, request_id: str, prompt: list[int], params: SamplingParams, priority: int):
         """Yields ``(choice index, RequestOutput)`` of every choice as they come, until
         all finished. Closing it (the call was cancelled) aborts every choice."""
+        # Engine ids are always "<request_id>#<choice>": injective, so a caller id
+        # that itself ends in "#<k>" cannot collide with another request's choice.
         if params.n == 1:
-            async with contextlib.aclosing(self.engine.generate(request_id, prompt, params, priority)) as outs:
+            async with contextlib.aclosing(self.engine.generate(f"{request_id}#0", prompt, params, priority)) as outs:
                 async for out in outs:
                     yield 0, out
             return
@@ -267,6 +271,8 @@ async def start_executor(
     """Starts the engine thread, the Executor service and its scheduler link.
 
     Health is SERVING once the engine runs (and, with a scheduler, once registered).
+    If the engine thread dies, health turns NOT_SERVING and the scheduler link
+    closes, so no request is routed here any more.
 
     Raises:
         TimeoutError: the scheduler did not accept the registration within 60 s.
@@ -290,4 +296,12 @@ async def start_executor(
         await asyncio.wait_for(link.connected.wait(), timeout=60)
     await service.set_serving(True)
     service.servicer = servicer  # type: ignore[attr-defined]
+
+    async def leave(exc: BaseException) -> None:
+        log.error("engine thread died (%s: %s): NOT_SERVING, leaving the scheduler", type(exc).__name__, exc)
+        await service.set_serving(False)
+        if link is not None:
+            await link.stop()  # the scheduler drops this executor at once: nothing more is routed here
+
+    async_engine.on_failure(lambda exc: asyncio.ensure_future(leave(exc)))
     return service, async_engine, link

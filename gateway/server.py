@@ -27,7 +27,7 @@ import grpc
 from gateway.choices import Choice, RequestTimer
 from gateway.prompt import PromptBuilder
 from gateway.tenants import TenantRegistry
-from meshserve.errors import InvalidArgument, Unavailable, from_rpc_error
+from meshserve.errors import AlreadyExists, InvalidArgument, Unavailable, from_rpc_error
 from meshserve.grpc_server import CHANNEL_OPTIONS, Service
 from meshserve.sampling import from_proto, to_proto
 from meshserve.telemetry import context_from_grpc, outgoing_metadata, tracer
@@ -70,6 +70,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         self.scheduler = scheduler_pb2_grpc.SchedulerStub(self._scheduler_channel)
         self._executors: dict[str, executor_pb2_grpc.ExecutorStub] = {}
         self._channels: list[grpc.aio.Channel] = [self._scheduler_channel]
+        self._in_flight: set[str] = set()  # request ids of unfinished Generate calls
 
     def _executor(self, address: str) -> executor_pb2_grpc.ExecutorStub:
         stub = self._executors.get(address)
@@ -87,8 +88,13 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         timer = RequestTimer()
         tenant = self.tenants.authenticate(context.invocation_metadata())
         span = _tracer.start_span("gateway.generate", context=context_from_grpc(context))
+        request_id = request.request_id or uuid.uuid4().hex
+        owns_id = False
         try:
-            request_id = request.request_id or uuid.uuid4().hex
+            if request_id in self._in_flight:
+                raise AlreadyExists(f"request_id {request_id!r} is already in use by an unfinished request")
+            self._in_flight.add(request_id)
+            owns_id = True
             prompt_ids = _prompt_ids(self.prompts, request)
             params = from_proto(request.sampling, max_model_len=self.model.max_model_len, vocab_size=self.model.vocab_size)
             if len(prompt_ids) + 1 > self.model.max_model_len:
@@ -142,6 +148,8 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
             span.record_exception(exc)
             raise
         finally:
+            if owns_id:
+                self._in_flight.discard(request_id)
             span.end()
 
     async def _execute(self, request_id, prompt_ids, params, priority, assignment, timer, span):

@@ -16,7 +16,8 @@ from typing import Optional
 
 import typer
 
-app = typer.Typer(add_completion=False, no_args_is_help=True, help="meshserve: LLM serving as a mesh of gRPC services.")
+app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
+                  help="meshserve: LLM serving as a mesh of gRPC services.")
 
 TracesOpt = typer.Option(None, "--traces", help="Trace exporter: none, console, otlp (default: $MESHSERVE_TRACES or none).")
 OtlpOpt = typer.Option(None, "--otlp-endpoint", help="OTLP/gRPC collector host:port (default localhost:4317).")
@@ -24,6 +25,18 @@ OtlpOpt = typer.Option(None, "--otlp-endpoint", help="OTLP/gRPC collector host:p
 
 def _logging(level: str) -> None:
     logging.basicConfig(level=level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s", stream=sys.stderr)
+
+
+def _serve(coro) -> None:
+    """Runs a service's coroutine; a start-up failure the operator can fix (bad
+    model path or flag value, busy port, unreachable scheduler) is one line on
+    stderr and exit code 1, not a traceback. Anything else is our bug and keeps
+    its traceback."""
+    try:
+        asyncio.run(coro)
+    except (ValueError, OSError, TimeoutError) as exc:
+        typer.echo(f"error: {exc}", err=True)
+        raise typer.Exit(1) from None
 
 
 def _traces(exporter: Optional[str], endpoint: Optional[str]) -> None:
@@ -41,19 +54,22 @@ def _engine_config(model, dtype, kv_cache_memory, block_size, max_num_seqs, max_
     from executor.engine.config import BatchSchedulerConfig, CacheConfig, EngineConfig
     from meshserve.services import parse_bytes
 
-    return EngineConfig(
-        model=model,
-        dtype=dtype,
-        max_model_len=max_model_len,
-        num_threads=num_threads,
-        attention_backend=attention_backend,
-        device=device,
-        cache=CacheConfig(block_size=block_size, kv_cache_memory_bytes=parse_bytes(kv_cache_memory),
-                          enable_prefix_caching=not no_prefix_caching),
-        batch=BatchSchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
-                                   enable_chunked_prefill=not no_chunked_prefill,
-                                   max_batch_wait_ms=max_batch_wait_ms),
-    )
+    try:
+        return EngineConfig(
+            model=model,
+            dtype=dtype,
+            max_model_len=max_model_len,
+            num_threads=num_threads,
+            attention_backend=attention_backend,
+            device=device,
+            cache=CacheConfig(block_size=block_size, kv_cache_memory_bytes=parse_bytes(kv_cache_memory),
+                              enable_prefix_caching=not no_prefix_caching),
+            batch=BatchSchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
+                                       enable_chunked_prefill=not no_chunked_prefill,
+                                       max_batch_wait_ms=max_batch_wait_ms),
+        )
+    except ValueError as exc:  # a bad flag value: typer prints usage and the message, exit code 2
+        raise typer.BadParameter(str(exc)) from None
 
 
 @app.command()
@@ -68,7 +84,7 @@ def scheduler(
 
     _logging(log_level)
     _traces(traces, otlp_endpoint)
-    asyncio.run(run_scheduler(port, host))
+    _serve(run_scheduler(port, host))
 
 
 @app.command()
@@ -105,7 +121,7 @@ def executor(
     cfg = _engine_config(model, dtype, kv_cache_memory, block_size, max_num_seqs, max_num_batched_tokens,
                          no_chunked_prefill, max_model_len, num_threads, no_prefix_caching, max_batch_wait_ms,
                          attention_backend, device)
-    asyncio.run(run_executor(cfg, port, host, scheduler, executor_id, pool, advertise))
+    _serve(run_executor(cfg, port, host, scheduler, executor_id, pool, advertise))
 
 
 @app.command()
@@ -123,7 +139,7 @@ def gateway(
 
     _logging(log_level)
     _traces(traces, otlp_endpoint)
-    asyncio.run(run_gateway(model, port, host, scheduler, tenants))
+    _serve(run_gateway(model, port, host, scheduler, tenants))
 
 
 def _mesh_config(port, executors, model, dtype, kv_cache_memory, extra, tenants, log_dir):
@@ -156,8 +172,15 @@ def up(
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     failed = False
-    try:
+    try:  # start() stops whatever it started when it fails
         asyncio.run(mesh.start())
+    except KeyboardInterrupt:
+        typer.echo("meshserve stopped.")
+        return
+    except (OSError, RuntimeError, TimeoutError) as exc:
+        typer.echo(f"error: {exc}", err=True)
+        raise typer.Exit(1) from None
+    try:
         typer.echo(f"meshserve is up: gateway {mesh.gateway_address}, scheduler {mesh.scheduler_address}, "
                    f"executors {', '.join(mesh.executor_addresses)}. Ctrl-C stops it.")
         while not stop.wait(0.5):

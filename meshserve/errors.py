@@ -37,6 +37,12 @@ class ResourceExhausted(MeshError):
         self.retry_after_s = retry_after_s
 
 
+class AlreadyExists(MeshError):
+    """The caller reused the id of a request that is still in flight."""
+
+    code = grpc.StatusCode.ALREADY_EXISTS
+
+
 class Unavailable(MeshError):
     """No executor (or another service) can take the request now."""
 
@@ -125,7 +131,9 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
 
 _BY_CODE = {
     cls.code: cls
-    for cls in (InvalidArgument, ResourceExhausted, Unavailable, Unauthenticated, PermissionDenied, NotFound)
+    for cls in (
+        InvalidArgument, ResourceExhausted, AlreadyExists, Unavailable, Unauthenticated, PermissionDenied, NotFound
+    )
 }
 
 

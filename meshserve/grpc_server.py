@@ -75,9 +75,11 @@ class Service:
         await self.server.stop(grace_s)
 
 
-async def run_until_signal(start: Callable[[], Awaitable[None]], stop: Callable[[], Awaitable[None]]) -> None:
-    """Runs ``start``, waits for SIGINT/SIGTERM, then runs ``stop``."""
-    done = asyncio.Event()
+async def run_until_signal(start: Callable[[], Awaitable[None]], stop: Callable[[], Awaitable[None]],
+                           done: asyncio.Event | None = None) -> None:
+    """Runs ``start``, waits for SIGINT/SIGTERM (or ``done`` set by the service
+    itself, e.g. on a fatal error), then runs ``stop``."""
+    done = done or asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, done.set)

@@ -33,6 +33,16 @@ def default_threads_per_executor(executors: int) -> int:
     return max(1, ((os.cpu_count() or 1) - 1) // max(1, executors))
 
 
+def port_is_free(port: int) -> bool:
+    """True when a TCP listener could bind 127.0.0.1:``port`` now."""
+    with socket.socket() as s:
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+        return True
+
+
 def free_port() -> int:
     """A TCP port free on 127.0.0.1 right now."""
     with socket.socket() as s:
@@ -97,10 +107,13 @@ class Mesh:
         """Starts every service and waits until all are SERVING.
 
         Raises:
+            OSError: the gateway's port is taken (checked before anything starts).
             RuntimeError: a service exited during start-up.
             TimeoutError: a service was not SERVING in time.
         """
         c = self.config
+        if c.port and not port_is_free(c.port):
+            raise OSError(f"port {c.port} on 127.0.0.1 is in use (another meshserve up?); choose one with --port")
         try:
             sport = free_port()
             self.scheduler_address = f"127.0.0.1:{sport}"

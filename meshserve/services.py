@@ -77,11 +77,13 @@ async def run_executor(engine_config, port: int, host: str, scheduler: str, exec
 
     setup_tracing("executor")
     holder = {}
+    done = asyncio.Event()
 
     async def start():
         engine = await asyncio.to_thread(LLMEngine, engine_config)
         svc, async_engine, link = await start_executor(engine, port, host, scheduler, executor_id, pool,
                                                     advertise_address)
+        async_engine.on_failure(lambda _exc: done.set())  # exit non-zero: the orchestrator restarts us
         holder.update(svc=svc, engine=async_engine, link=link)
         log.info("executor serving on %s (%d KV blocks of %d tokens)", svc.address, engine.num_blocks,
                  engine.block_size)
@@ -94,7 +96,10 @@ async def run_executor(engine_config, port: int, host: str, scheduler: str, exec
         await holder["engine"].stop()
         shutdown_tracing()
 
-    await run_until_signal(start, stop)
+    await run_until_signal(start, stop, done)
+    failure = holder["engine"].failure
+    if failure is not None:
+        raise SystemExit(f"executor stopped: engine thread failed: {type(failure).__name__}: {failure}")
 
 
 async def run_gateway(model: str, port: int, host: str, scheduler: str, tenants_file: str | None = None) -> None:

@@ -23,7 +23,7 @@ from collections import OrderedDict, deque
 from dataclasses import dataclass
 from typing import Callable
 
-from meshserve.errors import InvalidArgument, ResourceExhausted, Unavailable
+from meshserve.errors import AlreadyExists, InvalidArgument, ResourceExhausted, Unavailable
 from scheduler.registry import ExecutorRegistry, ExecutorState, Lease
 
 
@@ -80,7 +80,10 @@ class AdmissionCore:
             InvalidArgument: no executor could ever hold it (prompt longer than
                 max_model_len or than a whole KV cache).
             ResourceExhausted: the queue is full.
+            AlreadyExists: a request with the same id is queued or holds a lease.
         """
+        if req.request_id in self._queue or any(lease.request_id == req.request_id for lease in self._leases.values()):
+            raise AlreadyExists(f"request_id {req.request_id!r} is already queued or running")
         executors = self._executors_for(req.model)
         if not executors:
             what = f"model {req.model!r}" if req.model else "any model"

@@ -11,6 +11,7 @@ installed); ``resolve_backend_name("auto", device)`` picks between them.
 from __future__ import annotations
 
 import importlib.util
+import os
 from abc import ABC, abstractmethod
 from typing import Callable, ClassVar
 
@@ -106,10 +107,17 @@ def resolve_backend_name(name: str, device: torch.device | str) -> str:
     any other name is returned unchanged once checked.
 
     Raises:
-        ValueError: ``name`` is neither ``"auto"`` nor a registered backend.
+        ValueError: ``name`` is neither ``"auto"`` nor a registered backend, or it is
+            ``"triton"`` on a non-CUDA device outside Triton's interpreter
+            (``TRITON_INTERPRET=1``), where its kernels cannot run.
     """
     if name == "auto":
         return "triton" if torch.device(device).type == "cuda" and _triton_importable() else "torch"
     if name not in available_backends():
         raise ValueError(f"unknown attention backend {name!r}; available: auto, {', '.join(available_backends())}")
+    if name == "triton" and torch.device(device).type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+        raise ValueError(
+            f"attention backend 'triton' needs a CUDA device, not {torch.device(device).type!r} "
+            "(set TRITON_INTERPRET=1 to run its kernels in Triton's interpreter, for tests); use 'torch' or 'auto'"
+        )
     return name

@@ -59,6 +59,17 @@ class AsyncEngine:
         self._streams: dict[str, asyncio.Queue] = {}
         self._stats = engine.stats()
         self._failure: BaseException | None = None
+        self._failure_callbacks: list[Callable[[BaseException], None]] = []
+
+    def on_failure(self, callback: Callable[[BaseException], None]) -> None:
+        """Calls ``callback(exc)`` in the event loop if the engine thread dies (a bug
+        or a broken device): the owner stops serving and leaves the scheduler."""
+        self._failure_callbacks.append(callback)
+
+    @property
+    def failure(self) -> BaseException | None:
+        """What killed the engine thread, or None while it runs."""
+        return self._failure
 
     async def start(self) -> None:
         """Starts the engine thread (idempotent)."""
@@ -89,8 +100,8 @@ class AsyncEngine:
 
         Raises:
             InvalidArgument: the request is invalid or its id is in use (before any output).
-            Unavailable: the engine is not running.
-            BaseException: what the engine thread raised, if it failed.
+            Unavailable: the engine is not running, or its thread failed (the cause is
+                logged and kept in ``failure``).
 
         Cancelling the consumer (``CancelledError``, ``aclose()``) aborts the request;
         its blocks are freed at the start of the engine's next step.
@@ -135,9 +146,16 @@ class AsyncEngine:
             except Exception:  # noqa: BLE001 - a callback bug must not kill dispatch
                 log.exception("on_stats callback failed")
 
-    def _fail_streams(self, exc: BaseException) -> None:
+    def _fail(self, exc: BaseException) -> None:
+        # callers see UNAVAILABLE (retry elsewhere); the cause is logged with its traceback
+        error = Unavailable(f"engine failed: {type(exc).__name__}: {exc}")
         for stream in self._streams.values():
-            stream.put_nowait(exc)
+            stream.put_nowait(error)
+        for callback in self._failure_callbacks:
+            try:
+                callback(exc)
+            except Exception:  # noqa: BLE001 - one bad callback must not stop the others
+                log.exception("engine failure callback failed")
 
     def _send(self, outputs: list, stats: EngineStats | None) -> None:
         if self._loop is not None and not self._loop.is_closed():
@@ -172,7 +190,7 @@ class AsyncEngine:
             log.exception("engine thread failed")
             self._failure = exc
             if self._loop is not None and not self._loop.is_closed():
-                self._loop.call_soon_threadsafe(self._fail_streams, exc)
+                self._loop.call_soon_threadsafe(self._fail, exc)
 
     def _check_integrity(self) -> None:
         """The KV conservation invariant, checked whenever the engine goes idle; a

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import torch
+
 
 @dataclass(frozen=True)
 class CacheConfig:
@@ -91,5 +93,21 @@ class EngineConfig:
     device: str = "cpu"
 
     def __post_init__(self) -> None:
+        """Checks what can be checked before the model loads.
+
+        Raises:
+            ValueError: bad num_threads, dtype, device or attention backend.
+        """
         if self.num_threads is not None and self.num_threads < 1:
             raise ValueError(f"num_threads must be >= 1, got {self.num_threads}")
+        if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
+            raise ValueError(f"dtype must be auto, float32, bfloat16 or float16, got {self.dtype!r}")
+        try:
+            device = torch.device(self.device)
+        except (RuntimeError, ValueError) as exc:
+            raise ValueError(f"device must be a torch device such as cpu, cuda or cuda:1, got {self.device!r}") from exc
+        if device.type == "cuda" and not torch.cuda.is_available():
+            raise ValueError(f"device {self.device!r}: CUDA is not available on this machine")
+        from executor.attention.backend import resolve_backend_name
+
+        resolve_backend_name(self.attention_backend, device)

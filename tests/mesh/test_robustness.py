@@ -1,0 +1,98 @@
+"""Request ids that clash, and an executor whose engine dies: clear status codes,
+nothing leaked, nothing routed to a dead executor."""
+
+import asyncio
+
+import grpc
+import pytest
+
+from meshserve.client import build_request, channel, generate, generate_choices
+from meshserve.grpc_server import wait_serving
+from meshserve.v1 import scheduler_pb2, scheduler_pb2_grpc
+
+pytestmark = pytest.mark.model
+
+
+async def test_duplicate_request_id_in_flight_is_already_exists(mesh):
+    ref = await generate(mesh.stub, build_request("The capital of France is", max_tokens=24, temperature=0))
+    first = asyncio.create_task(generate(mesh.stub, build_request(
+        "The capital of France is", max_tokens=24, temperature=0, request_id="dup")))
+    await asyncio.sleep(0.3)  # the first call is admitted and running
+    with pytest.raises(grpc.aio.AioRpcError) as info:
+        await generate(mesh.stub, build_request("hello", max_tokens=4, request_id="dup"), timeout=30)
+    assert info.value.code() == grpc.StatusCode.ALREADY_EXISTS
+    assert "'dup'" in info.value.details()
+    out = await asyncio.wait_for(first, 60)
+    assert out.token_ids == ref.token_ids  # the first caller is untouched
+    # the id is free again once the first request finished
+    again = await generate(mesh.stub, build_request("The capital of France is", max_tokens=24, temperature=0,
+                                                    request_id="dup"))
+    assert again.token_ids == ref.token_ids
+    await mesh.wait_idle()
+    assert mesh.scheduler.servicer.core.num_leases() == 0
+
+
+async def test_scheduler_rejects_a_queued_duplicate(mesh):
+    """A direct Admit caller (a second gateway) reusing a leased id gets ALREADY_EXISTS."""
+    async with channel(mesh.scheduler.address) as ch:
+        stub = scheduler_pb2_grpc.SchedulerStub(ch)
+        admit = scheduler_pb2.AdmitRequest(request_id="twice", tenant="default", num_prompt_tokens=5, max_tokens=4)
+        events = [e async for e in stub.Admit(admit)]
+        lease_id = events[-1].assignment.lease_id
+        with pytest.raises(grpc.aio.AioRpcError) as info:
+            _ = [e async for e in stub.Admit(admit)]
+        assert info.value.code() == grpc.StatusCode.ALREADY_EXISTS
+        await stub.Release(scheduler_pb2.ReleaseRequest(lease_id=lease_id))
+        assert mesh.scheduler.servicer.core.num_leases() == 0
+
+
+async def test_caller_ids_never_collide_with_choice_ids(mesh):
+    """Caller id "a#1" (n=1) runs alongside caller id "a" with n=2: each gets its own answers."""
+    solo_hash = await generate(mesh.stub, build_request("Once upon a time", max_tokens=16, temperature=0))
+    solo_two = await generate_choices(mesh.stub, build_request("Roses are red,", max_tokens=16, temperature=0.8,
+                                                               seed=5, n=2))
+    both = await asyncio.gather(
+        generate(mesh.stub, build_request("Once upon a time", max_tokens=16, temperature=0, request_id="a#1")),
+        generate_choices(mesh.stub, build_request("Roses are red,", max_tokens=16, temperature=0.8, seed=5, n=2,
+                                                  request_id="a")),
+    )
+    assert both[0].token_ids == solo_hash.token_ids
+    assert [c.token_ids for c in both[1]] == [c.token_ids for c in solo_two]
+    await mesh.wait_idle()
+
+
+async def test_dead_engine_leaves_the_mesh(tokenizer):
+    """The engine thread raises: the caller gets UNAVAILABLE, the executor turns
+    NOT_SERVING and leaves the registry, and later requests are not routed to it."""
+    from tests.mesh.conftest import make_engine
+    from tests.mesh_harness import start_local_mesh
+
+    engine = make_engine(num_blocks=64)
+    m = await start_local_mesh([engine], tokenizer)
+    try:
+        await generate(m.stub, build_request("Hi", max_tokens=2, temperature=0))
+
+        def broken_step():
+            raise RuntimeError("device lost")
+
+        engine.step = broken_step
+        with pytest.raises(grpc.aio.AioRpcError) as info:
+            await generate(m.stub, build_request("Hello there", max_tokens=4), timeout=30)
+        assert info.value.code() == grpc.StatusCode.UNAVAILABLE
+        assert "engine failed: RuntimeError: device lost" in info.value.details()
+        svc, async_engine, _ = m.executors[0]
+        assert isinstance(async_engine.failure, RuntimeError)
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + 10
+        while len(list(m.scheduler.servicer.core.registry)) and loop.time() < deadline:
+            await asyncio.sleep(0.05)
+        assert list(m.scheduler.servicer.core.registry) == []
+        with pytest.raises(TimeoutError):
+            await wait_serving(svc.address, timeout_s=0.5)
+        with pytest.raises(grpc.aio.AioRpcError) as info:
+            await generate(m.stub, build_request("Hello", max_tokens=2), timeout=30)
+        assert info.value.code() == grpc.StatusCode.UNAVAILABLE
+        assert "no executor" in info.value.details()
+        assert m.scheduler.servicer.core.num_leases() == 0
+    finally:
+        await m.stop()

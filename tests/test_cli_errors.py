@@ -1,0 +1,61 @@
+"""Start-up mistakes an operator can fix are one clear line, not a traceback."""
+
+import socket
+
+import pytest
+from typer.testing import CliRunner
+
+from executor.engine.config import EngineConfig
+from meshserve.cli import app
+
+runner = CliRunner()
+
+
+@pytest.mark.parametrize(
+    "kwargs,message",
+    [
+        (dict(dtype="fp8"), "dtype must be auto, float32, bfloat16 or float16, got 'fp8'"),
+        (dict(device="gpu0"), "device must be a torch device such as cpu, cuda or cuda:1, got 'gpu0'"),
+        (dict(attention_backend="flash"), "unknown attention backend 'flash'"),
+        (dict(num_threads=0), "num_threads must be >= 1, got 0"),
+    ],
+)
+def test_engine_config_rejects(kwargs, message):
+    with pytest.raises(ValueError) as info:
+        EngineConfig(**kwargs)
+    assert message in str(info.value)
+
+
+def test_triton_backend_needs_cuda_outside_the_interpreter(monkeypatch):
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    pytest.importorskip("triton")
+    with pytest.raises(ValueError) as info:
+        EngineConfig(attention_backend="triton", device="cpu")
+    assert "attention backend 'triton' needs a CUDA device, not 'cpu'" in str(info.value)
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    assert EngineConfig(attention_backend="triton", device="cpu").attention_backend == "triton"
+
+
+@pytest.mark.parametrize(
+    "args,message",
+    [
+        (["--dtype", "fp8"], "dtype must be auto, float32, bfloat16 or float16"),
+        (["--block-size", "0"], "block_size must be >= 1, got 0"),
+        (["--kv-cache-memory", "lots"], "lots"),
+    ],
+)
+def test_executor_bad_flag_is_a_usage_error(args, message):
+    result = runner.invoke(app, ["executor", "--scheduler", "127.0.0.1:1", *args])
+    assert result.exit_code == 2
+    assert "Traceback" not in result.output
+    assert message in " ".join(result.output.replace("│", " ").split())  # unwrap typer's error box
+
+
+def test_up_on_a_busy_port_is_one_line(tmp_path):
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        result = runner.invoke(app, ["up", "--port", str(port)])
+    assert result.exit_code == 1
+    assert result.output.strip() == f"error: port {port} on 127.0.0.1 is in use (another meshserve up?); choose one with --port"
