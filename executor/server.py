@@ -25,6 +25,7 @@ from opentelemetry import trace
 from executor.engine.async_engine import AsyncEngine
 from executor.engine.llm_engine import LLMEngine
 from executor.engine.outputs import EngineStats, RequestOutput, TokenLogprob
+from executor.health import StepWatchdog
 from meshserve.errors import AlreadyExists, InvalidArgument
 from meshserve.grpc_server import CHANNEL_OPTIONS, Service
 from meshserve.sampling import SamplingParams, from_proto
@@ -267,12 +268,15 @@ async def start_executor(
     executor_id: str | None = None,
     pool: str = "default",
     advertise_address: str | None = None,
+    step_timeout_s: float = 60.0,
 ) -> tuple[Service, AsyncEngine, SchedulerLink | None]:
     """Starts the engine thread, the Executor service and its scheduler link.
 
     Health is SERVING once the engine runs (and, with a scheduler, once registered).
     If the engine thread dies, health turns NOT_SERVING and the scheduler link
-    closes, so no request is routed here any more.
+    closes, so no request is routed here any more; a step running longer than
+    ``step_timeout_s`` seconds does the same until it returns (``StepWatchdog``,
+    kept as ``service.watchdog``).
 
     Raises:
         TimeoutError: the scheduler did not accept the registration within 60 s.
@@ -304,4 +308,7 @@ async def start_executor(
             await link.stop()  # the scheduler drops this executor at once: nothing more is routed here
 
     async_engine.on_failure(lambda exc: asyncio.ensure_future(leave(exc)))
+    watchdog = StepWatchdog(async_engine, service, link, step_timeout_s)
+    watchdog.start()
+    service.watchdog = watchdog  # type: ignore[attr-defined]
     return service, async_engine, link

@@ -108,6 +108,8 @@ def executor(
     device: str = typer.Option("cpu", help="torch device of the model and KV cache: cpu, cuda, cuda:1…"),
     executor_id: Optional[str] = typer.Option(None, help="Id in the registry (default executor-PORT)."),
     pool: str = typer.Option("default", help="Instance pool name."),
+    step_timeout_s: float = typer.Option(60.0, "--step-timeout-s", min=0.001,
+                                         help="An engine step running longer is wedged: NOT_SERVING until it returns."),
     advertise: Optional[str] = typer.Option(None, "--advertise", help="host:port the gateway dials (default host:port; "
                                             "set it when listening on 0.0.0.0)."),
     traces: Optional[str] = TracesOpt, otlp_endpoint: Optional[str] = OtlpOpt,
@@ -121,7 +123,7 @@ def executor(
     cfg = _engine_config(model, dtype, kv_cache_memory, block_size, max_num_seqs, max_num_batched_tokens,
                          no_chunked_prefill, max_model_len, num_threads, no_prefix_caching, max_batch_wait_ms,
                          attention_backend, device)
-    _serve(run_executor(cfg, port, host, scheduler, executor_id, pool, advertise))
+    _serve(run_executor(cfg, port, host, scheduler, executor_id, pool, advertise, step_timeout_s))
 
 
 @app.command()

@@ -70,7 +70,8 @@ async def run_scheduler(port: int, host: str = "127.0.0.1") -> None:
 
 
 async def run_executor(engine_config, port: int, host: str, scheduler: str, executor_id: str | None,
-                       pool: str = "default", advertise_address: str | None = None) -> None:
+                       pool: str = "default", advertise_address: str | None = None,
+                       step_timeout_s: float = 60.0) -> None:
     """Loads the model, serves the executor and stays registered until a signal."""
     from executor.engine.llm_engine import LLMEngine
     from executor.server import start_executor
@@ -82,13 +83,14 @@ async def run_executor(engine_config, port: int, host: str, scheduler: str, exec
     async def start():
         engine = await asyncio.to_thread(LLMEngine, engine_config)
         svc, async_engine, link = await start_executor(engine, port, host, scheduler, executor_id, pool,
-                                                    advertise_address)
+                                                    advertise_address, step_timeout_s)
         async_engine.on_failure(lambda _exc: done.set())  # exit non-zero: the orchestrator restarts us
         holder.update(svc=svc, engine=async_engine, link=link)
         log.info("executor serving on %s (%d KV blocks of %d tokens)", svc.address, engine.num_blocks,
                  engine.block_size)
 
     async def stop():
+        await holder["svc"].watchdog.stop()
         await holder["svc"].set_serving(False)
         if holder.get("link"):
             await holder["link"].stop()  # leave the registry first: no new assignments

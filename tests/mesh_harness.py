@@ -56,6 +56,7 @@ class LocalMesh:
         await self.gateway.stop(0.5)
         await self.gateway.servicer.close()
         for svc, eng, link in self.executors:
+            await svc.watchdog.stop()
             await svc.stop(0.5)
             if link is not None:
                 await link.stop()
@@ -63,13 +64,13 @@ class LocalMesh:
         await self.scheduler.stop(0.5)
 
 
-async def start_local_mesh(engines: list[LLMEngine], tokenizer, tenants=None) -> LocalMesh:
+async def start_local_mesh(engines: list[LLMEngine], tokenizer, tenants=None, step_timeout_s: float = 60.0) -> LocalMesh:
     """Starts scheduler, one executor per engine, and a gateway, on free ports."""
     scheduler = await start_scheduler(0)
     executors = []
     for i, engine in enumerate(engines):
         svc, async_engine, link = await start_executor(engine, 0, scheduler_address=scheduler.address,
-                                                       executor_id=f"executor-{i}")
+                                                       executor_id=f"executor-{i}", step_timeout_s=step_timeout_s)
         executors.append((svc, async_engine, link))
     e0 = engines[0]
     info = ModelInfo(e0.model_id, e0.max_model_len, e0.vocab_size)

@@ -60,11 +60,27 @@ class AsyncEngine:
         self._stats = engine.stats()
         self._failure: BaseException | None = None
         self._failure_callbacks: list[Callable[[BaseException], None]] = []
+        self._step_started_at: float | None = None  # monotonic time the running step began
 
     def on_failure(self, callback: Callable[[BaseException], None]) -> None:
         """Calls ``callback(exc)`` in the event loop if the engine thread dies (a bug
         or a broken device): the owner stops serving and leaves the scheduler."""
         self._failure_callbacks.append(callback)
+
+    def step_running_s(self) -> float:
+        """Seconds the engine's current step has been running (0 between steps);
+        a watchdog reads it from the event loop to detect a wedged step."""
+        started = self._step_started_at
+        return 0.0 if started is None else time.monotonic() - started
+
+    def fail_requests(self, message: str) -> int:
+        """Ends every open stream with ``Unavailable(message)`` (a wedged engine:
+        callers retry elsewhere instead of hanging); their requests are aborted
+        when the engine runs again. Returns the number of streams ended."""
+        error = Unavailable(message)
+        for stream in self._streams.values():
+            stream.put_nowait(error)
+        return len(self._streams)
 
     @property
     def failure(self) -> BaseException | None:
@@ -122,8 +138,7 @@ class AsyncEngine:
             while not finished:
                 item = await stream.get()
                 if isinstance(item, BaseException):
-                    finished = True
-                    raise item
+                    raise item  # the finally aborts it (a no-op for a request the engine refused)
                 finished = item.finished
                 yield item
         finally:
@@ -169,7 +184,12 @@ class AsyncEngine:
             while not self._stopping:
                 self._wake.clear()
                 errors = self._apply_queues()
-                outputs = errors + [(o.request_id, o) for o in self.engine.step()]
+                self._step_started_at = time.monotonic()
+                try:
+                    step_outputs = self.engine.step()
+                finally:
+                    self._step_started_at = None
+                outputs = errors + [(o.request_id, o) for o in step_outputs]
                 self._stats = self.engine.stats()
                 now = time.monotonic()
                 stats = None

@@ -61,7 +61,7 @@ async def test_caller_ids_never_collide_with_choice_ids(mesh):
     await mesh.wait_idle()
 
 
-async def test_dead_engine_leaves_the_mesh(tokenizer):
+async def test_C24_dead_engine_leaves_the_mesh(tokenizer):
     """The engine thread raises: the caller gets UNAVAILABLE, the executor turns
     NOT_SERVING and leaves the registry, and later requests are not routed to it."""
     from tests.mesh.conftest import make_engine
@@ -96,3 +96,90 @@ async def test_dead_engine_leaves_the_mesh(tokenizer):
         assert m.scheduler.servicer.core.num_leases() == 0
     finally:
         await m.stop()
+
+
+async def _wait_until(predicate, timeout_s: float) -> float:
+    """Polls ``predicate`` every 50 ms; returns the seconds it took.
+
+    Raises:
+        AssertionError: still false after ``timeout_s``.
+    """
+    loop = asyncio.get_running_loop()
+    t0 = loop.time()
+    while not await predicate():
+        assert loop.time() - t0 < timeout_s, f"not true within {timeout_s} s"
+        await asyncio.sleep(0.05)
+    return loop.time() - t0
+
+
+async def _health(address: str) -> int:
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    async with channel(address) as ch:
+        resp = await health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(), timeout=2)
+        return resp.status
+
+
+async def test_C24_wedged_step_turns_not_serving_then_recovers(tokenizer):
+    """A step wedged past --step-timeout-s: in-flight requests end UNAVAILABLE (no
+    hang), the executor is NOT_SERVING and unrouted within 5 s; once the step
+    returns it is SERVING and registered again, and nothing leaked."""
+    import threading
+
+    from grpc_health.v1 import health_pb2
+
+    from tests.mesh.conftest import make_engine
+    from tests.mesh_harness import start_local_mesh
+
+    engine = make_engine(num_blocks=64)
+    m = await start_local_mesh([engine], tokenizer, step_timeout_s=1.0)
+    svc = m.executors[0][0]
+    core = m.scheduler.servicer.core
+    release = threading.Event()
+    wedge = threading.Event()
+    real_step = engine.step
+
+    def step_hook():  # the test hook: a step that blocks while wedged
+        if wedge.is_set():
+            release.wait(60)
+        return real_step()
+
+    engine.step = step_hook
+    try:
+        ref = await generate(m.stub, build_request("The capital of France is", max_tokens=8, temperature=0))
+        call = asyncio.create_task(generate(m.stub, build_request("Count: one, two,", max_tokens=200,
+                                                                  ignore_eos=True), timeout=30))
+        await asyncio.sleep(0.5)
+        wedge.set()
+        loop = asyncio.get_running_loop()
+        t0 = loop.time()
+        with pytest.raises(grpc.aio.AioRpcError) as info:
+            await call
+        assert info.value.code() == grpc.StatusCode.UNAVAILABLE
+        assert "step timeout 1 s" in info.value.details()
+        assert loop.time() - t0 < 5
+        await _wait_until(lambda: _is(svc.address, health_pb2.HealthCheckResponse.NOT_SERVING), 5)
+        await _wait_until(lambda: _empty(core), 5)
+        with pytest.raises(grpc.aio.AioRpcError) as info:
+            await generate(m.stub, build_request("Hello", max_tokens=2), timeout=30)
+        assert info.value.code() == grpc.StatusCode.UNAVAILABLE
+
+        release.set()  # the step returns: recovery
+        await _wait_until(lambda: _is(svc.address, health_pb2.HealthCheckResponse.SERVING), 5)
+        assert [e.executor_id for e in core.registry] == ["executor-0"]
+        again = await generate(m.stub, build_request("The capital of France is", max_tokens=8, temperature=0))
+        assert again.token_ids == ref.token_ids
+        await m.wait_idle()
+        assert core.num_leases() == 0
+        assert svc.watchdog.num_wedged == 1
+    finally:
+        release.set()
+        await m.stop()
+
+
+async def _is(address: str, status: int) -> bool:
+    return await _health(address) == status
+
+
+async def _empty(core) -> bool:
+    return list(core.registry) == []

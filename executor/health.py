@@ -1,0 +1,97 @@
+"""The executor's health watchdog: grpc.health.v1 tells the truth about the engine.
+
+A dead engine thread is handled by ``AsyncEngine.on_failure`` (see
+``executor.server.start_executor``). This watchdog covers a *wedged* engine: a
+step that has run longer than ``step_timeout_s`` (a hung kernel, a deadlock, a
+stalled device). Then the executor turns NOT_SERVING, leaves the scheduler (its
+link closes, so nothing more is routed here), and ends its in-flight requests with
+UNAVAILABLE instead of letting callers hang. When the step finally returns, the
+executor is SERVING again and re-registers. Like vLLM's
+``VLLM_ENGINE_ITERATION_TIMEOUT_S``, the bound is per engine step, in seconds.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from executor.engine.async_engine import AsyncEngine
+    from executor.server import SchedulerLink
+    from meshserve.grpc_server import Service
+
+log = logging.getLogger(__name__)
+
+
+class StepWatchdog:
+    """Polls the engine's current step time every ``poll_s`` seconds.
+
+    Args:
+        engine: the engine to watch.
+        service: the Executor service whose health it sets.
+        link: the scheduler link to close while wedged and reopen after (or None).
+        step_timeout_s: a step running longer than this is wedged (seconds, > 0).
+        poll_s: polling period (seconds).
+
+    Raises:
+        ValueError: ``step_timeout_s`` or ``poll_s`` is not positive.
+    """
+
+    def __init__(self, engine: AsyncEngine, service: Service, link: SchedulerLink | None,
+                 step_timeout_s: float, poll_s: float = 0.25):
+        if not step_timeout_s > 0 or not poll_s > 0:
+            raise ValueError(f"step_timeout_s and poll_s must be > 0, got {step_timeout_s}, {poll_s}")
+        self.engine = engine
+        self.service = service
+        self.link = link
+        self.step_timeout_s = step_timeout_s
+        self.poll_s = poll_s
+        self.wedged = False
+        self.num_wedged = 0  # times the engine was found wedged
+        self._task: asyncio.Task | None = None
+
+    def start(self) -> None:
+        self._task = asyncio.create_task(self._run())
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            try:
+                await self._task
+            except asyncio.CancelledError:
+                pass
+            self._task = None
+
+    async def _run(self) -> None:
+        while True:
+            await asyncio.sleep(self.poll_s)
+            if self.engine.failure is not None:
+                return  # dead, not wedged: on_failure already took the executor out
+            running_s = self.engine.step_running_s()
+            if not self.wedged and running_s > self.step_timeout_s:
+                self.wedged = True
+                self.num_wedged += 1
+                await self._leave(running_s)
+            elif self.wedged and running_s <= self.step_timeout_s:
+                self.wedged = False
+                await self._rejoin()
+
+    async def _leave(self, running_s: float) -> None:
+        log.error("engine step running for %.1f s (> %.1f s): NOT_SERVING, leaving the scheduler",
+                  running_s, self.step_timeout_s)
+        await self.service.set_serving(False)
+        if self.link is not None:
+            await self.link.stop()
+        self.engine.fail_requests(f"engine step has run for {running_s:.1f} s (step timeout "
+                                  f"{self.step_timeout_s:g} s); retry")
+
+    async def _rejoin(self) -> None:
+        log.warning("engine steps again: SERVING, registering with the scheduler")
+        if self.link is not None:
+            self.link.start()
+            try:
+                await asyncio.wait_for(self.link.connected.wait(), timeout=30)
+            except asyncio.TimeoutError:  # the link keeps retrying on its own
+                log.error("scheduler did not accept the re-registration within 30 s")
+        await self.service.set_serving(True)
