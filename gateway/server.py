@@ -133,18 +133,20 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
                 raise Unavailable("scheduler ended admission without an assignment")
             timer.assigned = time.monotonic()
             span.set_attribute("meshserve.executor_id", assignment.executor_id)
+            finished: dict[str, int] = {}  # completion tokens, once every choice is done
             try:
-                async for msg in self._execute(request_id, prompt_ids, params, priority, assignment, timer, span):
+                async for msg in self._execute(request_id, prompt_ids, params, priority, assignment, timer, span,
+                                               finished):
                     yield msg
             finally:
-                await self._release(assignment.lease_id)
+                await self._release(assignment.lease_id, finished.get("completion_tokens"))
         except Exception as exc:
             span.record_exception(exc)
             raise
         finally:
             span.end()
 
-    async def _execute(self, request_id, prompt_ids, params, priority, assignment, timer, span):
+    async def _execute(self, request_id, prompt_ids, params, priority, assignment, timer, span, finished):
         exe = executor_pb2.ExecuteRequest(
             request_id=request_id, lease_id=assignment.lease_id, prompt_token_ids=prompt_ids, priority=priority
         )
@@ -174,12 +176,17 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
             call.cancel()  # no-op when finished; aborts the engine requests otherwise
         if not all(c.done for c in choices):
             raise Unavailable(f"executor {assignment.executor_id} ended the stream without finishing")
+        finished["completion_tokens"] = sum(c.num_tokens for c in choices)
         span.set_attributes({"gen_ai.usage.output_tokens": sum(c.num_tokens for c in choices),
                              "meshserve.cached_tokens": choices[0].num_cached_tokens})
 
-    async def _release(self, lease_id: str) -> None:
+    async def _release(self, lease_id: str, num_completion_tokens: int | None = None) -> None:
+        """Ends the lease; the completion tokens (when every choice finished) teach the scheduler's predictor."""
+        release = scheduler_pb2.ReleaseRequest(lease_id=lease_id)
+        if num_completion_tokens is not None:
+            release.num_completion_tokens = num_completion_tokens
         try:
-            await asyncio.shield(self.scheduler.Release(scheduler_pb2.ReleaseRequest(lease_id=lease_id), timeout=5))
+            await asyncio.shield(self.scheduler.Release(release, timeout=5))
         except (Exception, asyncio.CancelledError) as exc:  # noqa: BLE001 - shutting down or scheduler gone
             log.warning("release of lease %s failed: %s", lease_id, exc)
 

@@ -60,15 +60,26 @@ def _engine_config(model, dtype, kv_cache_memory, block_size, max_num_seqs, max_
 def scheduler(
     port: int = typer.Option(50052, help="Port of the Scheduler service."),
     host: str = typer.Option("127.0.0.1", help="Interface to listen on."),
+    queue_policy: str = typer.Option("fcfs", "--queue-policy", help="fcfs, priority or sjf (shortest-job-first "
+                                     "on predicted cost, with aging)."),
+    max_queue_wait_s: float = typer.Option(30.0, "--max-queue-wait-s", help="sjf aging bound (seconds)."),
+    max_queue_len: int = typer.Option(4096, "--max-queue-len", help="Most queued requests."),
+    max_queue_tokens: Optional[int] = typer.Option(None, "--max-queue-tokens", help="Most queued prompt tokens "
+                                                   "(default: no bound)."),
+    tenants: Optional[str] = typer.Option(None, help="Tenants TOML file (KV quotas; default: none)."),
     traces: Optional[str] = TracesOpt, otlp_endpoint: Optional[str] = OtlpOpt,
     log_level: str = typer.Option("info"),
 ) -> None:
     """Run the global scheduler (executor registry and admission queue)."""
-    from meshserve.services import run_scheduler
+    from meshserve.services import run_scheduler, scheduler_config
 
     _logging(log_level)
     _traces(traces, otlp_endpoint)
-    asyncio.run(run_scheduler(port, host))
+    try:
+        config = scheduler_config(queue_policy, max_queue_wait_s, max_queue_len, max_queue_tokens, tenants)
+    except (ValueError, FileNotFoundError) as exc:
+        raise typer.BadParameter(str(exc)) from None
+    asyncio.run(run_scheduler(port, host, config))
 
 
 @app.command()
@@ -308,6 +319,36 @@ def bench(
     except ValueError as exc:
         raise typer.BadParameter(str(exc)) from None
     sys.exit(run(cfg, report_json))
+
+
+@app.command()
+def sim(
+    policy: str = typer.Option("sjf", "--policy", help="Queue policy: sjf, fcfs or priority."),
+    workload: str = typer.Option("heavy-tail", "--workload", help="Workload (heavy-tail)."),
+    seed: int = typer.Option(0, "--seed", help="Workload seed."),
+    num_requests: int = typer.Option(2000, "--num-requests", min=10, help="Requests simulated."),
+    load: float = typer.Option(0.9, "--load", min=0.01, help="Arrival rate / saturated throughput."),
+    max_queue_wait_s: float = typer.Option(60.0, "--max-queue-wait-s", help="sjf aging bound (seconds)."),
+    executors: int = typer.Option(2, "--executors", min=1, help="Modelled executors."),
+    report_json: Optional[str] = typer.Option(None, "--report-json", help="Write the JSON report here."),
+) -> None:
+    """Discrete-event simulation of admission on the scheduler's own core (no model, no gRPC)."""
+    from scheduler.queue_policy import QueuePolicy
+    from scheduler.sim import SimConfig, run
+
+    if workload != "heavy-tail":
+        raise typer.BadParameter(f"unknown workload {workload!r} (heavy-tail)")
+    try:
+        QueuePolicy(policy, max_queue_wait_s)
+    except ValueError as exc:
+        raise typer.BadParameter(str(exc)) from None
+    report = run(SimConfig(policy=policy, seed=seed, num_requests=num_requests, load=load,
+                           max_queue_wait_s=max_queue_wait_s, num_executors=executors))
+    for key in ("short_half_mean_latency_s", "short_half_p99_latency_s", "long_half_mean_latency_s",
+                "long_half_p99_latency_s", "max_wait_s", "aging_bound_s", "output_len_log_sigma"):
+        typer.echo(f"{key:28s} {report[key]:.3f}")
+    if report_json:
+        Path(report_json).write_text(json.dumps(report, indent=2) + "\n")
 
 
 def main() -> None:

@@ -52,6 +52,9 @@ class MeshConfig:
         threads_per_executor: torch threads of each executor (default:
             ``default_threads_per_executor``).
         log_dir: where each service's log goes (None: inherit the terminal).
+        tenants_file: tenants TOML, passed to the gateway (keys, priorities)
+            and to the scheduler (KV quotas).
+        scheduler_args: extra ``meshserve scheduler`` flags (queue policy…).
     """
 
     port: int = 50051
@@ -61,6 +64,7 @@ class MeshConfig:
     threads_per_executor: int | None = None
     log_dir: Path | None = None
     tenants_file: str | None = None
+    scheduler_args: list[str] = field(default_factory=list)
     startup_timeout_s: float = 300.0
 
 
@@ -104,7 +108,10 @@ class Mesh:
         try:
             sport = free_port()
             self.scheduler_address = f"127.0.0.1:{sport}"
-            self._spawn("scheduler", ["scheduler", "--port", str(sport)])
+            sched = ["scheduler", "--port", str(sport), *c.scheduler_args]
+            if c.tenants_file:
+                sched += ["--tenants", c.tenants_file]  # the scheduler enforces the tenants' KV quotas
+            self._spawn("scheduler", sched)
             await self._wait("scheduler", self.scheduler_address)
             threads = c.threads_per_executor or default_threads_per_executor(c.executors)
             for i in range(c.executors):

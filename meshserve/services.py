@@ -51,15 +51,37 @@ def model_info(model: str):
     return tokenizer, ModelInfo(files.model_id, max_len, config.vocab_size)
 
 
-async def run_scheduler(port: int, host: str = "127.0.0.1") -> None:
-    """Serves the scheduler until SIGINT/SIGTERM."""
+def scheduler_config(queue_policy: str = "fcfs", max_queue_wait_s: float = 30.0, max_queue_len: int = 4096,
+                     max_queue_tokens: int | None = None, tenants_file: str | None = None):
+    """The scheduler's ``SchedulerConfig``; tenant KV quotas come from the tenants file.
+
+    Raises:
+        ValueError: a bad policy name, bound, or tenants file.
+        FileNotFoundError: no such tenants file.
+    """
+    from gateway.tenants import TenantRegistry
+    from scheduler.admission import SchedulerConfig
+    from scheduler.queue_policy import QueuePolicy
+
+    QueuePolicy(queue_policy, max_queue_wait_s)  # validates
+    if max_queue_len < 1 or (max_queue_tokens is not None and max_queue_tokens < 1):
+        raise ValueError("max_queue_len and max_queue_tokens must be >= 1")
+    quotas = {}
+    if tenants_file:
+        quotas = {t.name: t.kv_quota_blocks for t in TenantRegistry.from_file(tenants_file).tenants}
+    return SchedulerConfig(max_queue_len=max_queue_len, max_queue_tokens=max_queue_tokens, queue_policy=queue_policy,
+                           max_queue_wait_s=max_queue_wait_s, tenant_quotas=quotas)
+
+
+async def run_scheduler(port: int, host: str = "127.0.0.1", config=None) -> None:
+    """Serves the scheduler (``config``: a ``SchedulerConfig``, default settings if None) until SIGINT/SIGTERM."""
     from scheduler.server import start_scheduler
 
     setup_tracing("scheduler")
     holder = {}
 
     async def start():
-        holder["svc"] = await start_scheduler(port, host)
+        holder["svc"] = await start_scheduler(port, host, config)
         log.info("scheduler serving on %s", holder["svc"].address)
 
     async def stop():

@@ -25,6 +25,10 @@ class Lease:
         tenant: tenant name.
         assigned_at: clock time of the assignment (seconds).
         acked: True once the executor has listed the lease in a report.
+        num_prompt_tokens: the request's prompt tokens (predictor feature).
+        n: the request's choices.
+        predicted_output_tokens: the predictor's answer per choice when queued
+            (scored against the real length at release).
     """
 
     lease_id: str
@@ -34,6 +38,9 @@ class Lease:
     tenant: str
     assigned_at: float
     acked: bool = False
+    num_prompt_tokens: int = 0
+    n: int = 1
+    predicted_output_tokens: int | None = None
 
 
 @dataclass

@@ -13,7 +13,7 @@ import logging
 
 import grpc
 
-from meshserve.errors import InvalidArgument, Unavailable
+from meshserve.errors import InvalidArgument, ResourceExhausted, Unavailable
 from meshserve.grpc_server import Service
 from meshserve.telemetry import context_from_grpc, tracer
 from meshserve.v1 import scheduler_pb2 as pb
@@ -46,13 +46,19 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
         for req in self.core.queued():
             if not any(not req.model or e.model == req.model for e in self.core.registry):
                 self.core.cancel(req.request_id)
-                fut = self._waiters.pop(req.request_id, None)
-                if fut is not None and not fut.done():
-                    fut.set_exception(Unavailable("no executor is serving the model any more"))
+                self._fail(req.request_id, Unavailable("no executor is serving the model any more"))
+
+    def _fail(self, request_id: str, exc: Exception) -> None:
+        """Ends a waiting Admit call with ``exc``."""
+        fut = self._waiters.pop(request_id, None)
+        if fut is not None and not fut.done():
+            fut.set_exception(exc)
 
     async def Admit(self, request: pb.AdmitRequest, context: grpc.aio.ServicerContext):
         if not request.request_id:
             raise InvalidArgument("request_id must not be empty")
+        if request.num_prompt_tokens < 0 or request.max_tokens < 0 or request.n < 0:
+            raise InvalidArgument("num_prompt_tokens, max_tokens and n must be >= 0")
         span = _tracer.start_span("scheduler.admit", context=context_from_grpc(context))
         try:
             span.set_attributes({"meshserve.request_id": request.request_id, "meshserve.tenant": request.tenant})
@@ -65,7 +71,10 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
                 model=request.model,
                 n=max(1, request.n),
             )
-            self.core.submit(req)
+            for victim in self.core.submit(req):
+                self._fail(victim.request_id, ResourceExhausted(
+                    "displaced from the full admission queue by a higher-priority request",
+                    self.core.retry_delay_s()))
             fut: asyncio.Future[Lease] = asyncio.get_running_loop().create_future()
             self._waiters[request.request_id] = fut
             self._dispatch()
@@ -110,7 +119,10 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
             span.end()
 
     async def Release(self, request: pb.ReleaseRequest, context: grpc.aio.ServicerContext) -> pb.ReleaseResponse:
-        if self.core.release(request.lease_id):
+        tokens = request.num_completion_tokens if request.HasField("num_completion_tokens") else None
+        if tokens is not None and tokens < 0:
+            raise InvalidArgument(f"num_completion_tokens must be >= 0, got {tokens}")
+        if self.core.release(request.lease_id, tokens):
             self._dispatch()
         return pb.ReleaseResponse()
 

@@ -53,10 +53,12 @@ class AdmitEvent(_message.Message):
     def __init__(self, queued: _Optional[_Union[AdmitQueued, _Mapping]] = ..., assignment: _Optional[_Union[Assignment, _Mapping]] = ...) -> None: ...
 
 class ReleaseRequest(_message.Message):
-    __slots__ = ("lease_id",)
+    __slots__ = ("lease_id", "num_completion_tokens")
     LEASE_ID_FIELD_NUMBER: _ClassVar[int]
+    NUM_COMPLETION_TOKENS_FIELD_NUMBER: _ClassVar[int]
     lease_id: str
-    def __init__(self, lease_id: _Optional[str] = ...) -> None: ...
+    num_completion_tokens: int
+    def __init__(self, lease_id: _Optional[str] = ..., num_completion_tokens: _Optional[int] = ...) -> None: ...
 
 class ReleaseResponse(_message.Message):
     __slots__ = ()
