@@ -5,17 +5,23 @@ registry methods, and turns the results into stream events.
 
 **Order.** ``dispatch`` walks the queue in the order of its ``QueuePolicy``
 (``scheduler.queue_policy``: fcfs, priority classes, or shortest-job-first on
-predicted cost with aging). Each request goes to the executor serving its model
-with the most available KV blocks (reported free blocks minus blocks promised to
-leases the executor has not reported yet), if one can hold its prompt; if none
-can, the walk stops and everything behind it waits, so a large request at the
-head is never starved by smaller ones behind it.
+predicted cost with aging). Each request goes where ``scheduler.placement``
+says (its pool or an idle spill target, an executor with room, the cheapest by
+the routing cost of ``scheduler.routing``); if none can take it, the walk skips
+every later request of the same pool (all requests without a pools file), so
+a large request at the head is never starved by smaller ones behind it, and a
+saturated pool does not hold up another pool.
 
 **Tenant quotas** (``scheduler.quotas``). A request whose tenant would exceed its
 ``kv_quota_blocks`` with it is *skipped*, not stopped at: it waits until its own
 tenant's leases end, and requests of other tenants behind it go on. A request
 that alone needs more blocks than its tenant's quota is refused at once
-(RESOURCE_EXHAUSTED).
+(RESOURCE_EXHAUSTED). A lease is charged the blocks admission reserved for it
+until its executor reports how many blocks the lease's requests hold
+(``CapacityReport.lease_num_blocks``); from then on it is charged the reported
+count (decode growth and prefix sharing included), except that a report of 0
+(the request waits in the engine, or was preempted) keeps the reservation:
+those blocks will be needed again.
 
 **Overload.** The queue holds at most ``max_queue_len`` requests and
 ``max_queue_tokens`` queued prompt tokens (``n * num_prompt_tokens`` each; an
@@ -25,29 +31,25 @@ arrival first within it) if that makes room; otherwise the arrival is refused.
 Displaced and refused requests get RESOURCE_EXHAUSTED with a retry delay: the
 estimated wait of the queue's tail (at least ``retry_after_s`` when nothing is
 measured yet).
-
-Blocks of a request: ``ceil((num_prompt_tokens + 1) / block_size)`` per choice,
-times ``n`` choices (each choice is its own engine request with its own copy of
-the prompt: sharing happens only through the prefix cache, so it is not
-assumed), capped at the executor's whole cache (the engine runs the choices in
-turn when they do not fit at once).
 """
 
 from __future__ import annotations
 
 import itertools
-import math
 import time
 import uuid
-from collections import deque
 from dataclasses import dataclass, field
-from typing import Callable, Mapping
+from typing import Callable, Iterable, Mapping
 
 from meshserve.errors import InvalidArgument, ResourceExhausted, Unavailable
+from scheduler.placement import Placer, blocks_needed, fits_ever
+from scheduler.pools import PoolsConfig
 from scheduler.predictor import OutputLengthPredictor
+from scheduler.prefix_index import PrefixIndex
 from scheduler.queue_policy import QueuePolicy
 from scheduler.quotas import TenantQuotas
 from scheduler.registry import ExecutorRegistry, ExecutorState, Lease
+from scheduler.routing import RoutingConfig
 from scheduler.wait_estimate import WaitEstimator
 
 
@@ -67,6 +69,9 @@ class SchedulerConfig:
         max_queue_wait_s: the aging bound of ``sjf`` (seconds).
         tenant_quotas: tenant → ``kv_quota_blocks`` (absent or None: no quota).
         predictor_min_samples: observations a predictor level needs.
+        pools: priority classes → pools and spill rules (``scheduler.pools``);
+            None: every executor of the model is a candidate.
+        routing: the routing cost function's settings (``scheduler.routing``).
     """
 
     max_queue_len: int = 4096
@@ -77,6 +82,8 @@ class SchedulerConfig:
     max_queue_wait_s: float = 30.0
     tenant_quotas: Mapping[str, int | None] = field(default_factory=dict)
     predictor_min_samples: int = 3
+    pools: PoolsConfig | None = None
+    routing: RoutingConfig = field(default_factory=RoutingConfig)
 
 
 @dataclass
@@ -94,6 +101,8 @@ class AdmissionRequest:
     model: str = ""
     arrival: float = 0.0
     n: int = 1  # choices (sampling.n)
+    block_hashes: tuple[bytes, ...] = ()  # the prompt's chain hashes (16 bytes each), for routing
+    hash_block_size: int = 0  # tokens per block of those hashes
     seq: int = 0
     cost: float = 0.0  # num_prompt_tokens + n * predicted_output_tokens (tokens)
     predicted_output_tokens: int = 0
@@ -111,6 +120,9 @@ class AdmissionCore:
         self.config = config or SchedulerConfig()
         self.policy = QueuePolicy(self.config.queue_policy, self.config.max_queue_wait_s)
         self.registry = ExecutorRegistry()
+        self.prefix_index = PrefixIndex()
+        self.placer = Placer(self.registry, self.prefix_index, self.config.pools, self.config.routing,
+                             self.config.pending_timeout_s)
         self.predictor = OutputLengthPredictor(self.config.predictor_min_samples)
         self.quotas = TenantQuotas(self.config.tenant_quotas)
         self.waits = WaitEstimator()
@@ -121,8 +133,9 @@ class AdmissionCore:
         self._seq = itertools.count()
 
     # -- queue -----------------------------------------------------------------
-    def _executors_for(self, model: str) -> list[ExecutorState]:
-        return [e for e in self.registry if not model or e.model == model]
+    def servable(self, req: AdmissionRequest) -> bool:
+        """Whether any executor of its model is in a pool it may use."""
+        return bool(self.placer.executors_for(req))
 
     def submit(self, req: AdmissionRequest) -> list[AdmissionRequest]:
         """Queues a request; returns the lower-priority requests it displaced.
@@ -135,11 +148,14 @@ class AdmissionCore:
                 lower priority can make room, or the request alone needs more
                 blocks than its tenant's quota.
         """
-        executors = self._executors_for(req.model)
+        executors = self.placer.executors_for(req)
         if not executors:
             what = f"model {req.model!r}" if req.model else "any model"
-            raise Unavailable(f"no executor is serving {what}")
-        fitting = [e for e in executors if self._fits_ever(e, req)]
+            pools = ""
+            if self.config.pools is not None:
+                pools = f" in pool {self.config.pools.pool_of(req.priority)!r} or its spill targets"
+            raise Unavailable(f"no executor is serving {what}{pools}")
+        fitting = [e for e in executors if fits_ever(e, req)]
         if not fitting:
             limit = max(min(e.max_model_len, e.num_blocks * e.block_size) for e in executors)
             raise InvalidArgument(
@@ -159,7 +175,7 @@ class AdmissionCore:
 
     def _check_quota_alone(self, req: AdmissionRequest, fitting: list[ExecutorState]) -> None:
         cap = self.quotas.limit(req.tenant)
-        need = min(self._blocks_needed(e, req) for e in fitting)
+        need = min(blocks_needed(e, req) for e in fitting)
         if cap is not None and need > cap:
             raise ResourceExhausted(
                 f"request needs {need} KV blocks; tenant {req.tenant!r} has a quota of {cap} blocks",
@@ -195,17 +211,6 @@ class AdmissionCore:
         """Suggested retry delay: the estimated wait of the queue's tail, at least ``retry_after_s``."""
         return max(self.config.retry_after_s, self.estimated_wait_s(len(self._queue) - 1))
 
-    @staticmethod
-    def _blocks_per_choice(e: ExecutorState, req: AdmissionRequest) -> int:
-        return math.ceil((req.num_prompt_tokens + 1) / e.block_size)
-
-    def _blocks_needed(self, e: ExecutorState, req: AdmissionRequest) -> int:
-        """n choices' blocks (see the module doc), at most the executor's whole cache."""
-        return min(max(1, req.n) * self._blocks_per_choice(e, req), e.num_blocks)
-
-    def _fits_ever(self, e: ExecutorState, req: AdmissionRequest) -> bool:
-        return req.num_prompt_tokens + 1 <= e.max_model_len and self._blocks_per_choice(e, req) <= e.num_blocks
-
     def _remove(self, request_id: str) -> AdmissionRequest | None:
         req = self._queue.pop(request_id, None)
         if req is not None:
@@ -235,43 +240,80 @@ class AdmissionCore:
         return len(self._queue)
 
     # -- dispatch --------------------------------------------------------------
-    def _pick(self, req: AdmissionRequest, now: float) -> ExecutorState | None:
-        best, best_free = None, -1
-        for e in self._executors_for(req.model):
-            free = e.available_blocks(now, self.config.pending_timeout_s)
-            if self._fits_ever(e, req) and free >= self._blocks_needed(e, req) and free > best_free:
-                best, best_free = e, free
-        return best
-
     def _quota_blocked(self, req: AdmissionRequest) -> bool:
-        fitting = [e for e in self._executors_for(req.model) if self._fits_ever(e, req)]
-        return bool(fitting) and not self.quotas.allows(req.tenant, min(self._blocks_needed(e, req) for e in fitting))
+        fitting = [e for e in self.placer.executors_for(req) if fits_ever(e, req)]
+        return bool(fitting) and not self.quotas.allows(req.tenant, min(blocks_needed(e, req) for e in fitting))
 
     def dispatch(self) -> list[tuple[AdmissionRequest, Lease]]:
         """Assigns queued requests in policy order (see the module docstring)."""
         now = self._clock()
         assigned: list[tuple[AdmissionRequest, Lease]] = []
+        blocked: set[str | None] = set()  # pools whose head request found no executor
         for req in self.policy.order(list(self._queue.values()), now):
-            if self._quota_blocked(req):
-                continue  # waits for its own tenant's blocks; others go on
-            executor = self._pick(req, now)
-            if executor is None:
-                break
-            num_blocks = self._blocks_needed(executor, req)
-            if not self.quotas.allows(req.tenant, num_blocks):
+            own = self.config.pools.pool_of(req.priority) if self.config.pools is not None else None
+            if own in blocked or self._quota_blocked(req):
+                continue  # behind a blocked head of its pool, or waits for its own tenant's blocks
+            placement, _ = self.placer.choose(req, now)
+            if placement is None:
+                blocked.add(own)
+                continue
+            if not self.quotas.allows(req.tenant, placement.num_blocks):
                 continue
             self._remove(req.request_id)
             lease = Lease(
-                lease_id=uuid.uuid4().hex, request_id=req.request_id, executor_id=executor.executor_id,
-                num_blocks=num_blocks, tenant=req.tenant, assigned_at=now, num_prompt_tokens=req.num_prompt_tokens,
-                n=max(1, req.n), predicted_output_tokens=req.predicted_output_tokens,
+                lease_id=uuid.uuid4().hex, request_id=req.request_id, executor_id=placement.executor.executor_id,
+                num_blocks=placement.num_blocks, tenant=req.tenant, assigned_at=now,
+                num_prompt_tokens=req.num_prompt_tokens, n=max(1, req.n),
+                predicted_output_tokens=req.predicted_output_tokens,
+                num_hit_tokens=placement.hit_tokens, reserved_blocks=placement.num_blocks,
             )
-            executor.leases[lease.lease_id] = lease
+            placement.executor.leases[lease.lease_id] = lease
             self._leases[lease.lease_id] = lease
             self.quotas.reserve(lease.tenant, lease.num_blocks)
             self.waits.on_dispatch(now)
             assigned.append((req, lease))
         return assigned
+
+    # -- executor reports --------------------------------------------------------
+    def on_capacity(self, executor_id: str, num_free_blocks: int, num_running: int, num_waiting: int,
+                    lease_ids: Iterable[str], lease_num_blocks: Mapping[str, int] | None = None) -> None:
+        """Applies an executor's capacity report.
+
+        Args:
+            executor_id: the reporting executor (unknown ids are ignored).
+            num_free_blocks, num_running, num_waiting: its engine's counters.
+            lease_ids: leases it holds (they become acknowledged).
+            lease_num_blocks: lease id → KV blocks its requests hold now (all
+                choices). A positive count replaces the lease's charge to its
+                tenant's quota; 0 keeps the admission reservation (module doc).
+                Leases of other executors or unknown leases are ignored.
+
+        Raises:
+            InvalidArgument: a negative block count.
+        """
+        counts = dict(lease_num_blocks or {})
+        bad = {k: v for k, v in counts.items() if v < 0}
+        if bad:
+            raise InvalidArgument(f"lease_num_blocks must be >= 0, got {bad}")
+        self.registry.report(executor_id, num_free_blocks, num_running, num_waiting, set(lease_ids) | set(counts))
+        for lease_id, reported in counts.items():
+            lease = self._leases.get(lease_id)
+            if lease is None or lease.executor_id != executor_id:
+                continue
+            charge = reported if reported > 0 else lease.reserved_blocks
+            self.quotas.recharge(lease.tenant, lease.num_blocks, charge)
+            lease.num_blocks = charge
+
+    def on_kv_events(self, executor_id: str, stored: Iterable[bytes], removed: Iterable[bytes],
+                     reset: bool = False) -> None:
+        """Applies an executor's prefix-cache events (``reset``: a full snapshot follows,
+        forget what it held before). Events of an unknown executor are ignored."""
+        if self.registry.get(executor_id) is None:
+            return
+        if reset:
+            self.prefix_index.drop(executor_id)
+        self.prefix_index.removed(executor_id, removed)
+        self.prefix_index.stored(executor_id, stored)
 
     def release(self, lease_id: str, num_completion_tokens: int | None = None) -> bool:
         """Ends a lease (idempotent): the request finished or was cancelled.
@@ -295,6 +337,7 @@ class AdmissionCore:
     def remove_executor(self, executor_id: str) -> list[Lease]:
         """Drops an executor and voids its leases."""
         leases = self.registry.remove(executor_id)
+        self.prefix_index.drop(executor_id)
         for lease in leases:
             if self._leases.pop(lease.lease_id, None) is not None:
                 self.quotas.free(lease.tenant, lease.num_blocks)

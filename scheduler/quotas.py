@@ -1,11 +1,12 @@
 """Tenant KV quotas: the blocks each tenant's leases hold across all executors.
 
 The admission core is the only writer: it ``reserve``s a lease's blocks when it
-assigns the lease and ``free``s them when the lease is released or its executor
-goes away. A lease holds the blocks admission counted for it
-(``n * ceil((num_prompt_tokens + 1) / block_size)``, see ``scheduler.admission``);
-executors report free blocks per executor, not per lease, so decode growth is
-not charged to the tenant (the executor's engine preempts when it runs out).
+assigns the lease, ``recharge``s the lease when its executor reports the blocks
+the lease's requests really hold (decode growth, prefix sharing; see
+``scheduler.admission``), and ``free``s the lease's current charge when the
+lease is released or its executor goes away. Until the first report a lease
+holds the blocks admission counted for it
+(``n * ceil((num_prompt_tokens + 1) / block_size)``, ``scheduler.placement``).
 
 Invariant: ``held(t)`` == the sum of the blocks of tenant ``t``'s live leases.
 """
@@ -43,6 +44,12 @@ class TenantQuotas:
     def reserve(self, tenant: str, num_blocks: int) -> None:
         """Charges a new lease's blocks to the tenant."""
         self._held[tenant] = self.held(tenant) + num_blocks
+
+    def recharge(self, tenant: str, old_blocks: int, new_blocks: int) -> None:
+        """Replaces a live lease's charge of ``old_blocks`` by ``new_blocks`` (blocks)."""
+        self.free(tenant, old_blocks)
+        if new_blocks:
+            self.reserve(tenant, new_blocks)
 
     def free(self, tenant: str, num_blocks: int) -> None:
         """Returns an ended lease's blocks."""

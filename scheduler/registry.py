@@ -29,6 +29,11 @@ class Lease:
         n: the request's choices.
         predicted_output_tokens: the predictor's answer per choice when queued
             (scored against the real length at release).
+        num_hit_tokens: prompt tokens expected from the executor's prefix
+            cache when it was routed (``scheduler.placement``).
+        reserved_blocks: blocks admission reserved (``num_blocks`` starts
+            there and follows the executor's per-lease reports, see
+            ``scheduler.admission``).
     """
 
     lease_id: str
@@ -41,6 +46,8 @@ class Lease:
     num_prompt_tokens: int = 0
     n: int = 1
     predicted_output_tokens: int | None = None
+    num_hit_tokens: int = 0
+    reserved_blocks: int = 0
 
 
 @dataclass
