@@ -27,6 +27,7 @@ import grpc
 from gateway.choices import Choice, RequestTimer
 from gateway.prompt import PromptBuilder
 from gateway.tenants import TenantRegistry
+from meshserve.block_hash import routing_block_hashes
 from meshserve.errors import InvalidArgument, Unavailable, from_rpc_error
 from meshserve.grpc_server import CHANNEL_OPTIONS, Service
 from meshserve.sampling import from_proto, to_proto
@@ -40,11 +41,21 @@ _tracer = tracer(__name__)
 
 @dataclass(frozen=True)
 class ModelInfo:
-    """What the gateway knows of the model it fronts."""
+    """What the gateway knows of the model it fronts.
+
+    Attributes:
+        model_id: the model id executors register with.
+        max_model_len: longest prompt + output (tokens).
+        vocab_size: token ids are in [0, vocab_size).
+        revision: the weights' revision (``meshserve.model_files``); with the
+            model id it roots the prompt's routing chain hashes, so it must be
+            the executors' (both resolve the same model files).
+    """
 
     model_id: str
     max_model_len: int
     vocab_size: int
+    revision: str = ""
 
 
 def _prompt_ids(builder: PromptBuilder, request: gateway_pb2.GenerateRequest) -> list[int]:
@@ -61,8 +72,10 @@ def _prompt_ids(builder: PromptBuilder, request: gateway_pb2.GenerateRequest) ->
 class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
     """Serves Generate for one model through the scheduler and its executors."""
 
-    def __init__(self, tokenizer, model: ModelInfo, tenants: TenantRegistry, scheduler_address: str):
+    def __init__(self, tokenizer, model: ModelInfo, tenants: TenantRegistry, scheduler_address: str,
+                 hash_block_size: int = 16):
         self.tokenizer = tokenizer
+        self.hash_block_size = hash_block_size  # 0: send no block hashes (no prefix-aware routing)
         self.prompts = PromptBuilder(tokenizer)
         self.model = model
         self.tenants = tenants
@@ -117,6 +130,10 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
                 model=self.model.model_id,
                 n=params.n,
             )
+            if self.hash_block_size > 0:
+                admit.block_hashes.extend(routing_block_hashes(prompt_ids, self.hash_block_size, self.model.model_id,
+                                                               self.model.revision))
+                admit.hash_block_size = self.hash_block_size
             assignment = None
             try:
                 async for event in self.scheduler.Admit(admit, metadata=outgoing_metadata(span)):
@@ -193,11 +210,16 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
 
 async def start_gateway(
     tokenizer, model: ModelInfo, scheduler_address: str, port: int, host: str = "127.0.0.1",
-    tenants: TenantRegistry | None = None,
+    tenants: TenantRegistry | None = None, hash_block_size: int = 16,
 ) -> Service:
-    """Starts the Gateway service; SERVING at once (the tokenizer is already loaded)."""
+    """Starts the Gateway service; SERVING at once (the tokenizer is already loaded).
+
+    ``hash_block_size``: tokens per block of the prompt chain hashes sent for
+    prefix-aware routing (the executors' ``block_size``; 0: none sent).
+    """
     service = Service("meshserve.v1.Gateway", port, host)
-    servicer = GatewayServicer(tokenizer, model, tenants or TenantRegistry.open(), scheduler_address)
+    servicer = GatewayServicer(tokenizer, model, tenants or TenantRegistry.open(), scheduler_address,
+                               hash_block_size)
     gateway_pb2_grpc.add_GatewayServicer_to_server(servicer, service.server)
     service.servicer = servicer  # type: ignore[attr-defined]
     await service.start()

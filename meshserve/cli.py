@@ -37,7 +37,7 @@ def _traces(exporter: Optional[str], endpoint: Optional[str]) -> None:
 
 def _engine_config(model, dtype, kv_cache_memory, block_size, max_num_seqs, max_num_batched_tokens,
                    no_chunked_prefill, max_model_len, num_threads, no_prefix_caching=False, max_batch_wait_ms=0.0,
-                   attention_backend="auto", device="cpu"):
+                   attention_backend="auto", device="cpu", enable_kv_events=False):
     from executor.engine.config import BatchSchedulerConfig, CacheConfig, EngineConfig
     from meshserve.services import parse_bytes
 
@@ -49,7 +49,8 @@ def _engine_config(model, dtype, kv_cache_memory, block_size, max_num_seqs, max_
         attention_backend=attention_backend,
         device=device,
         cache=CacheConfig(block_size=block_size, kv_cache_memory_bytes=parse_bytes(kv_cache_memory),
-                          enable_prefix_caching=not no_prefix_caching),
+                          enable_prefix_caching=not no_prefix_caching,
+                          enable_kv_events=enable_kv_events and not no_prefix_caching),
         batch=BatchSchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
                                    enable_chunked_prefill=not no_chunked_prefill,
                                    max_batch_wait_ms=max_batch_wait_ms),
@@ -67,16 +68,29 @@ def scheduler(
     max_queue_tokens: Optional[int] = typer.Option(None, "--max-queue-tokens", help="Most queued prompt tokens "
                                                    "(default: no bound)."),
     tenants: Optional[str] = typer.Option(None, help="Tenants TOML file (KV quotas; default: none)."),
+    pools: Optional[str] = typer.Option(None, "--pools", help="Pools TOML file: priority classes → executor pools "
+                                        "and spill rules (default: any pool)."),
+    routing: str = typer.Option("prefix", "--routing", help="prefix (prefix-cache hits and load) or least-loaded."),
+    routing_load_weight: float = typer.Option(1.0, "--routing-load-weight", min=0.0,
+                                              help="Cost of a token of executor load vs. an uncached prompt token."),
+    routing_balance_factor: float = typer.Option(1.5, "--routing-balance-factor", min=1.0,
+                                                 help="Prefix bonus dropped above this x the mean load..."),
+    routing_balance_abs_tokens: float = typer.Option(2048.0, "--routing-balance-abs-tokens", min=0.0,
+                                                     help="...and this many tokens above it."),
     traces: Optional[str] = TracesOpt, otlp_endpoint: Optional[str] = OtlpOpt,
     log_level: str = typer.Option("info"),
 ) -> None:
-    """Run the global scheduler (executor registry and admission queue)."""
+    """Run the global scheduler (executor registry, admission queue, pools and routing)."""
     from meshserve.services import run_scheduler, scheduler_config
+    from scheduler.routing import RoutingConfig
 
     _logging(log_level)
     _traces(traces, otlp_endpoint)
     try:
-        config = scheduler_config(queue_policy, max_queue_wait_s, max_queue_len, max_queue_tokens, tenants)
+        route_cfg = RoutingConfig(routing, load_weight=routing_load_weight, balance_factor=routing_balance_factor,
+                                  balance_abs_tokens=routing_balance_abs_tokens)
+        config = scheduler_config(queue_policy, max_queue_wait_s, max_queue_len, max_queue_tokens, tenants, pools,
+                                  route_cfg)
     except (ValueError, FileNotFoundError) as exc:
         raise typer.BadParameter(str(exc)) from None
     asyncio.run(run_scheduler(port, host, config))
@@ -102,7 +116,7 @@ def executor(
     attention_backend: str = typer.Option("auto", help="auto (triton on CUDA, else torch), torch or triton."),
     device: str = typer.Option("cpu", help="torch device of the model and KV cache: cpu, cuda, cuda:1…"),
     executor_id: Optional[str] = typer.Option(None, help="Id in the registry (default executor-PORT)."),
-    pool: str = typer.Option("default", help="Instance pool name."),
+    pool: str = typer.Option("default", help="Instance pool it registers in (see the scheduler's --pools file)."),
     advertise: Optional[str] = typer.Option(None, "--advertise", help="host:port the gateway dials (default host:port; "
                                             "set it when listening on 0.0.0.0)."),
     traces: Optional[str] = TracesOpt, otlp_endpoint: Optional[str] = OtlpOpt,
@@ -115,7 +129,7 @@ def executor(
     _traces(traces, otlp_endpoint)
     cfg = _engine_config(model, dtype, kv_cache_memory, block_size, max_num_seqs, max_num_batched_tokens,
                          no_chunked_prefill, max_model_len, num_threads, no_prefix_caching, max_batch_wait_ms,
-                         attention_backend, device)
+                         attention_backend, device, enable_kv_events=True)  # forwarded for prefix-aware routing
     asyncio.run(run_executor(cfg, port, host, scheduler, executor_id, pool, advertise))
 
 
@@ -126,6 +140,8 @@ def gateway(
     host: str = typer.Option("127.0.0.1", help="Interface to listen on."),
     model: str = typer.Option("default", help="Model alias or path (for the tokenizer and limits)."),
     tenants: Optional[str] = typer.Option(None, help="Tenants TOML file (default: open, tenant 'default')."),
+    block_size: int = typer.Option(16, "--block-size", min=0, help="Tokens per block of the prompt hashes sent "
+                                   "for prefix-aware routing: the executors' --block-size (0: send none)."),
     traces: Optional[str] = TracesOpt, otlp_endpoint: Optional[str] = OtlpOpt,
     log_level: str = typer.Option("info"),
 ) -> None:
@@ -134,7 +150,7 @@ def gateway(
 
     _logging(log_level)
     _traces(traces, otlp_endpoint)
-    asyncio.run(run_gateway(model, port, host, scheduler, tenants))
+    asyncio.run(run_gateway(model, port, host, scheduler, tenants, block_size))
 
 
 def _mesh_config(port, executors, model, dtype, kv_cache_memory, extra, tenants, log_dir):

@@ -125,6 +125,8 @@ class Mesh:
             gw = ["gateway", "--port", str(c.port), "--scheduler", self.scheduler_address, "--model", c.model]
             if c.tenants_file:
                 gw += ["--tenants", c.tenants_file]
+            if "--block-size" in c.executor_args:  # the gateway hashes prompts in the executors' blocks
+                gw += ["--block-size", c.executor_args[c.executor_args.index("--block-size") + 1]]
             self._spawn("gateway", gw)
             await self._wait("gateway", self.gateway_address)
         except BaseException:

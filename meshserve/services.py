@@ -48,20 +48,24 @@ def model_info(model: str):
     if getattr(config, "sliding_window", None) and getattr(config, "use_sliding_window", True):
         max_len = min(max_len, config.sliding_window)
     tokenizer = AutoTokenizer.from_pretrained(files.path)
-    return tokenizer, ModelInfo(files.model_id, max_len, config.vocab_size)
+    return tokenizer, ModelInfo(files.model_id, max_len, config.vocab_size, files.revision)
 
 
 def scheduler_config(queue_policy: str = "fcfs", max_queue_wait_s: float = 30.0, max_queue_len: int = 4096,
-                     max_queue_tokens: int | None = None, tenants_file: str | None = None):
-    """The scheduler's ``SchedulerConfig``; tenant KV quotas come from the tenants file.
+                     max_queue_tokens: int | None = None, tenants_file: str | None = None,
+                     pools_file: str | None = None, routing=None):
+    """The scheduler's ``SchedulerConfig``; tenant KV quotas come from the tenants file,
+    pools from the pools file (``scheduler.pools``); ``routing`` is a ``RoutingConfig``.
 
     Raises:
-        ValueError: a bad policy name, bound, or tenants file.
-        FileNotFoundError: no such tenants file.
+        ValueError: a bad policy name, bound, tenants or pools file.
+        FileNotFoundError: no such tenants or pools file.
     """
     from gateway.tenants import TenantRegistry
     from scheduler.admission import SchedulerConfig
+    from scheduler.pools import PoolsConfig
     from scheduler.queue_policy import QueuePolicy
+    from scheduler.routing import RoutingConfig
 
     QueuePolicy(queue_policy, max_queue_wait_s)  # validates
     if max_queue_len < 1 or (max_queue_tokens is not None and max_queue_tokens < 1):
@@ -69,8 +73,10 @@ def scheduler_config(queue_policy: str = "fcfs", max_queue_wait_s: float = 30.0,
     quotas = {}
     if tenants_file:
         quotas = {t.name: t.kv_quota_blocks for t in TenantRegistry.from_file(tenants_file).tenants}
+    pools = PoolsConfig.from_file(pools_file) if pools_file else None
     return SchedulerConfig(max_queue_len=max_queue_len, max_queue_tokens=max_queue_tokens, queue_policy=queue_policy,
-                           max_queue_wait_s=max_queue_wait_s, tenant_quotas=quotas)
+                           max_queue_wait_s=max_queue_wait_s, tenant_quotas=quotas, pools=pools,
+                           routing=routing or RoutingConfig())
 
 
 async def run_scheduler(port: int, host: str = "127.0.0.1", config=None) -> None:
@@ -119,7 +125,8 @@ async def run_executor(engine_config, port: int, host: str, scheduler: str, exec
     await run_until_signal(start, stop)
 
 
-async def run_gateway(model: str, port: int, host: str, scheduler: str, tenants_file: str | None = None) -> None:
+async def run_gateway(model: str, port: int, host: str, scheduler: str, tenants_file: str | None = None,
+                      hash_block_size: int = 16) -> None:
     """Loads the tokenizer, serves the public Gateway until a signal."""
     from gateway.server import start_gateway
     from gateway.tenants import TenantRegistry
@@ -130,7 +137,7 @@ async def run_gateway(model: str, port: int, host: str, scheduler: str, tenants_
     async def start():
         tokenizer, info = await asyncio.to_thread(model_info, model)
         tenants = TenantRegistry.from_file(tenants_file) if tenants_file else TenantRegistry.open()
-        holder["svc"] = await start_gateway(tokenizer, info, scheduler, port, host, tenants)
+        holder["svc"] = await start_gateway(tokenizer, info, scheduler, port, host, tenants, hash_block_size)
         log.info("gateway serving on %s", holder["svc"].address)
 
     async def stop():

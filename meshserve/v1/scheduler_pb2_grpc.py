@@ -78,8 +78,9 @@ class SchedulerServicer:
 
     def Connect(self, request_iterator, context):
         """One long-lived stream per executor: a Register first, then capacity
-        reports; the scheduler answers with commands. Closing the stream removes
-        the executor from the registry at once.
+        reports and prefix-cache events; the scheduler answers with commands.
+        Closing the stream removes the executor from the registry (and its
+        blocks from the prefix index) at once.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

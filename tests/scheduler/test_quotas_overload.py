@@ -2,7 +2,7 @@
 
 import pytest
 
-from meshserve.errors import ResourceExhausted
+from meshserve.errors import InvalidArgument, ResourceExhausted
 from scheduler.admission import AdmissionCore, AdmissionRequest, SchedulerConfig
 from scheduler.registry import ExecutorState
 from scheduler.wait_estimate import WaitEstimator
@@ -139,3 +139,28 @@ def test_release_teaches_predictor_and_wait_estimate_uses_it():
     core.submit(req("q1", tokens=42))  # cost 50
     assert core.estimated_wait_s(1) == pytest.approx(81 / 19)
     assert core.retry_delay_s() == pytest.approx(81 / 19)
+
+
+def test_executor_reports_correct_the_tenant_charge():
+    core = core_with(num_blocks=64, tenant_quotas={"a": 10})
+    for i in range(3):
+        core.submit(req(f"a{i}", "a"))           # 1 block each (admission reservation)
+    leases = [lease for _, lease in core.dispatch()]
+    assert core.quotas.snapshot() == {"a": 3}
+    l0, l1, l2 = (lease.lease_id for lease in leases)
+    # decode growth: a0 now holds 6 blocks, a1 2; a2 waits in the engine (0: keeps its reservation)
+    core.on_capacity("e0", 55, 2, 1, [l0, l1, l2], {l0: 6, l1: 2, l2: 0})
+    assert core.quotas.snapshot() == {"a": 9}
+    assert [lease.num_blocks for lease in leases] == [6, 2, 1]
+    core.submit(req("a3", "a", tokens=31))       # 2 blocks: 9 + 2 > 10, waits for a's own blocks
+    assert core.dispatch() == []
+    core.on_capacity("e0", 57, 2, 0, [l0, l1, l2], {l0: 4, l1: 2, l2: 1})
+    assert core.quotas.snapshot() == {"a": 7}
+    assert ids(core.dispatch()) == ["a3"]
+    assert core.quotas.snapshot() == {"a": 9}
+    core.release(l0)                              # frees the corrected 4, not the reserved 1
+    assert core.quotas.snapshot() == {"a": 5}
+    core.on_capacity("e0", 57, 2, 0, [], {"unknown": 3, l1: 2})
+    assert core.quotas.snapshot() == {"a": 5}
+    with pytest.raises(InvalidArgument, match="lease_num_blocks must be >= 0"):
+        core.on_capacity("e0", 57, 2, 0, [], {l1: -1})
