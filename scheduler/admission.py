@@ -300,6 +300,8 @@ class AdmissionCore:
             lease = self._leases.get(lease_id)
             if lease is None or lease.executor_id != executor_id:
                 continue
+            executor = self.registry.get(executor_id)
+            lease.reported_tokens = reported * executor.block_size if executor is not None else None
             charge = reported if reported > 0 else lease.reserved_blocks
             self.quotas.recharge(lease.tenant, lease.num_blocks, charge)
             lease.num_blocks = charge

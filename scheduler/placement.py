@@ -11,8 +11,8 @@ Pure, no gRPC. For one request the admission core asks ``choose``:
 4. **routing**: the cheapest of those by the cost function of
    ``scheduler.routing``, fed with each executor's prefix-cache hit
    (``scheduler.prefix_index``; counted only when the gateway hashed the prompt
-   with the executor's ``block_size``) and its load (tokens of the KV blocks
-   its requests hold).
+   with the executor's ``block_size``) and its outstanding work in tokens
+   (``load_tokens``).
 
 Blocks of a request: ``ceil((num_prompt_tokens + 1) / block_size)`` per choice,
 times ``n`` choices (each choice is its own engine request with its own copy of
@@ -81,11 +81,17 @@ def fits_ever(e: ExecutorState, req: Placeable) -> bool:
     return req.num_prompt_tokens + 1 <= e.max_model_len and blocks_per_choice(e, req.num_prompt_tokens) <= e.num_blocks
 
 
-def load_tokens(e: ExecutorState, now: float, pending_timeout_s: float) -> float:
-    """The executor's load: tokens of the KV blocks its requests hold, as last reported,
-    plus blocks promised to leases it has not reported yet (``(num_blocks - available
-    blocks) × block_size``; evictable prefix-cache blocks count as free)."""
-    return float(max(0, e.num_blocks - e.available_blocks(now, pending_timeout_s)) * e.block_size)
+def outstanding_tokens(lease) -> int:
+    """Tokens a lease still has to process: uncached prompt + n × predicted output, less the
+    tokens its requests hold in KV beyond the hit (from the executor's last per-lease report)."""
+    total = lease.num_prompt_tokens + lease.n * (lease.predicted_output_tokens or 0)
+    done = max(lease.num_hit_tokens, lease.reported_tokens or 0)
+    return max(0, total - done)
+
+
+def load_tokens(e: ExecutorState) -> float:
+    """The executor's outstanding work: Σ ``outstanding_tokens`` over its live leases."""
+    return float(sum(outstanding_tokens(lease) for lease in e.leases.values()))
 
 
 class Placer:
@@ -126,7 +132,7 @@ class Placer:
             return None, choice
         hits = self.prefix_index.hit_blocks(req.block_hashes) if req.block_hashes else {}
         candidates = [Candidate(e.executor_id, self.hit_tokens(e, req, hits),
-                                load_tokens(e, now, self.pending_timeout_s),
+                                load_tokens(e),
                                 e.available_blocks(now, self.pending_timeout_s)) for e in choice.executors]
         best = route(candidates, req.num_prompt_tokens, self.routing)
         executor = self.registry.get(best.executor_id)

@@ -31,6 +31,8 @@ class Lease:
             (scored against the real length at release).
         num_hit_tokens: prompt tokens expected from the executor's prefix
             cache when it was routed (``scheduler.placement``).
+        reported_tokens: tokens of the KV blocks its requests held at the
+            executor's last per-lease report (blocks × block_size), or None.
         reserved_blocks: blocks admission reserved (``num_blocks`` starts
             there and follows the executor's per-lease reports, see
             ``scheduler.admission``).
@@ -47,6 +49,7 @@ class Lease:
     n: int = 1
     predicted_output_tokens: int | None = None
     num_hit_tokens: int = 0
+    reported_tokens: int | None = None
     reserved_blocks: int = 0
 
 

@@ -8,11 +8,12 @@ take the request now (right model and pool, enough KV blocks, see
   (``scheduler.prefix_index``: leading blocks held × ``block_size``, at most
   ``num_prompt_tokens - 1``: on a full hit the engine still computes the last
   prompt token to sample the first output token);
-* ``load_tokens``: the tokens of the KV blocks its requests hold (reported
-  ``num_blocks - num_free_blocks``, plus blocks promised to leases it has not
-  reported yet, times ``block_size``): the sequences it is working on. As in
-  Dynamo's KV router, the load is measured in KV, which the executor reports
-  exactly, rather than in predicted work.
+* ``load_tokens``: the executor's outstanding work, Σ over its live leases of
+  ``num_prompt_tokens + n × predicted_output_tokens`` less what is done: the
+  prefix hit it was routed for, or the tokens of the KV blocks the lease's
+  requests held at the executor's last per-lease report, whichever is larger
+  (``scheduler.placement.outstanding_tokens``). "Least outstanding tokens",
+  corrected by the executors' reports so that finished work stops counting.
 
 **The cost function** (one for every policy; smaller is better)::
 
@@ -26,8 +27,8 @@ take the request now (right model and pool, enough KV blocks, see
                       and load_tokens(e) − mean_load > balance_abs_tokens
 
 with ``mean_load`` the mean ``load_tokens`` of the candidates. With both weights
-1, the cost is the request's own uncached prefill plus the tokens the executor
-is already carrying in its batch (a TTFT proxy: both slow the request's steps).
+1, the cost is the tokens the executor must still process, this request's own
+uncached prefill included (a TTFT and latency proxy).
 The load term alone already moves traffic off an executor holding a popular
 prefix once its load exceeds the others' by about the prefix length; the
 overload rule (two thresholds, relative and absolute, as SGLang's cache-aware
@@ -83,7 +84,7 @@ class Candidate:
     Attributes:
         executor_id: its id.
         hit_tokens: leading prompt tokens in its prefix cache (tokens).
-        load_tokens: its load (tokens of KV held, see the module docstring).
+        load_tokens: its outstanding work (tokens, see the module docstring).
         available_blocks: KV blocks it can still give (tie-break).
     """
 

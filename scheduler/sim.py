@@ -194,8 +194,9 @@ def simulate(cfg: SimConfig, arrivals: list[float] | None = None,
     seq = len(reqs)
 
     def report(e: SimExecutor) -> None:
-        leases = {r.lease_id for r in e.running + e.waiting}
-        core.registry.report(e.eid, e.free_blocks(), len(e.running), len(e.waiting), leases)
+        leases = [r.lease_id for r in e.running + e.waiting]
+        core.on_capacity(e.eid, e.free_blocks(), len(e.running), len(e.waiting), leases,
+                         {r.lease_id: e.blocks(r) for r in e.running})
 
     def dispatch_and_start() -> None:
         nonlocal seq

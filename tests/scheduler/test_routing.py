@@ -96,10 +96,15 @@ def test_admission_routes_to_the_executor_holding_the_prefix():
     ((_, lease),) = core.dispatch()
     # costs: e0 100, e1 100 - 16 = 84, e2 100 - 64 = 36 (all loads 0)
     assert (lease.executor_id, lease.num_hit_tokens, lease.num_blocks) == ("e2", 64, 7)
-    # the pending lease is e2's load now: 7 blocks * 16 = 112 tokens → e2 costs 36 + 112 = 148 > e1's 84
+    # e2's load is now that lease's outstanding work: 100 prompt + 8 predicted (prior: max_tokens 16 // 2)
+    # - 64 hit = 44 → r2 on e2 costs 36 + 44 = 80 < e1's 84: e2 again; r3 then costs 36 + 88 = 124 > 84: e1
     core.submit(req("r2", 100, H[:6]))
-    ((_, lease2),) = core.dispatch()
-    assert (lease2.executor_id, lease2.num_hit_tokens) == ("e1", 16)
+    core.submit(req("r3", 100, H[:6]))
+    assert [(lease.executor_id, lease.num_hit_tokens) for _, lease in core.dispatch()] == [("e2", 64), ("e1", 16)]
+    # the executor reports r's requests hold 7 blocks (112 tokens >= 108): r's work no longer counts
+    core.on_capacity("e2", 50, 2, 0, [lease.lease_id], {lease.lease_id: 7})
+    core.submit(req("r4", 100, H[:6]))  # e2: 36 + 44 (r2) = 80; e0: 100; e1: 84 + 92 (r3) = 176
+    assert [(lease.executor_id, lease.num_hit_tokens) for _, lease in core.dispatch()] == [("e2", 64)]
 
 
 def test_hits_count_only_for_the_block_size_they_were_hashed_with():
