@@ -337,32 +337,68 @@ def bench(
     sys.exit(run(cfg, report_json))
 
 
+SIM_WORKLOADS = ("heavy-tail", "prefix-routing", "quota-isolation")
+
+
 @app.command()
 def sim(
-    policy: str = typer.Option("sjf", "--policy", help="Queue policy: sjf, fcfs or priority."),
-    workload: str = typer.Option("heavy-tail", "--workload", help="Workload (heavy-tail)."),
+    policy: str = typer.Option("sjf", "--policy", help="Queue policy: sjf, fcfs or priority (heavy-tail)."),
+    workload: str = typer.Option("heavy-tail", "--workload", help="heavy-tail (queue policies), prefix-routing "
+                                 "(shared system prompts over prefix caches) or quota-isolation (a tenant at 10x "
+                                 "its KV quota beside another)."),
     seed: int = typer.Option(0, "--seed", help="Workload seed."),
-    num_requests: int = typer.Option(2000, "--num-requests", min=10, help="Requests simulated."),
-    load: float = typer.Option(0.9, "--load", min=0.01, help="Arrival rate / saturated throughput."),
+    num_requests: Optional[int] = typer.Option(None, "--num-requests", min=10, help="Requests simulated (tenant B's "
+                                               "for quota-isolation; default 2000, 2000, 400)."),
+    load: float = typer.Option(0.9, "--load", min=0.01, help="Arrival rate / saturated throughput (heavy-tail)."),
+    rate: Optional[float] = typer.Option(None, "--rate", min=0.01, help="Arrival rate in requests/s (prefix-routing "
+                                         "default 40, quota-isolation tenant B default 8)."),
     max_queue_wait_s: float = typer.Option(60.0, "--max-queue-wait-s", help="sjf aging bound (seconds)."),
-    executors: int = typer.Option(2, "--executors", min=1, help="Modelled executors."),
+    executors: Optional[int] = typer.Option(None, "--executors", min=1, help="Modelled executors (default 2, 4, 2)."),
+    routing: str = typer.Option("prefix", "--routing", help="prefix or least-loaded (prefix-routing)."),
     report_json: Optional[str] = typer.Option(None, "--report-json", help="Write the JSON report here."),
 ) -> None:
-    """Discrete-event simulation of admission on the scheduler's own core (no model, no gRPC)."""
-    from scheduler.queue_policy import QueuePolicy
-    from scheduler.sim import SimConfig, run
+    """Discrete-event simulations on the scheduler's own core (no model, no gRPC)."""
+    from dataclasses import replace
 
-    if workload != "heavy-tail":
-        raise typer.BadParameter(f"unknown workload {workload!r} (heavy-tail)")
+    from scheduler.queue_policy import QueuePolicy
+    from scheduler.routing import RoutingConfig
+
+    if workload not in SIM_WORKLOADS:
+        raise typer.BadParameter(f"unknown workload {workload!r} ({', '.join(SIM_WORKLOADS)})")
     try:
         QueuePolicy(policy, max_queue_wait_s)
+        RoutingConfig(routing)
     except ValueError as exc:
         raise typer.BadParameter(str(exc)) from None
-    report = run(SimConfig(policy=policy, seed=seed, num_requests=num_requests, load=load,
-                           max_queue_wait_s=max_queue_wait_s, num_executors=executors))
-    for key in ("short_half_mean_latency_s", "short_half_p99_latency_s", "long_half_mean_latency_s",
-                "long_half_p99_latency_s", "max_wait_s", "aging_bound_s", "output_len_log_sigma"):
+    if workload == "heavy-tail":
+        from scheduler.sim import SimConfig, run
+
+        report = run(SimConfig(policy=policy, seed=seed, num_requests=num_requests or 2000, load=load,
+                               max_queue_wait_s=max_queue_wait_s, num_executors=executors or 2))
+        keys = ("short_half_mean_latency_s", "short_half_p99_latency_s", "long_half_mean_latency_s",
+                "long_half_p99_latency_s", "max_wait_s", "aging_bound_s", "output_len_log_sigma")
+    elif workload == "prefix-routing":
+        from scheduler.routing_sim import RoutingSimConfig, compare
+
+        cfg = RoutingSimConfig(seed=seed, num_requests=num_requests or 2000)
+        cfg = replace(cfg, rate=rate or cfg.rate,
+                      mesh=replace(cfg.mesh, routing=routing, num_executors=executors or cfg.mesh.num_executors))
+        report = compare(cfg)
+        keys = ("hit_rate", "ideal_hit_rate", "hit_rate_vs_ideal", "busiest_over_mean", "ttft_p50_s", "ttft_p99_s")
+    else:
+        from scheduler.isolation_sim import IsolationSimConfig, run as run_isolation
+
+        cfg = IsolationSimConfig(seed=seed, num_b_requests=num_requests or 400)
+        cfg = replace(cfg, b_rate=rate or cfg.b_rate,
+                      mesh=replace(cfg.mesh, num_executors=executors or cfg.mesh.num_executors))
+        report = run_isolation(cfg)
+        keys = ("b_ttft_p50_s", "b_ttft_p99_s", "b_alone_ttft_p99_s", "b_p99_ratio", "b_without_quota_ttft_p99_s",
+                "b_p99_ratio_without_quota")
+    for key in keys:
         typer.echo(f"{key:28s} {report[key]:.3f}")
+    if "baseline" in report:
+        for key, value in report["baseline"].items():
+            typer.echo(f"{'baseline ' + key:28s} {value if isinstance(value, str) else f'{value:.3f}'}")
     if report_json:
         Path(report_json).write_text(json.dumps(report, indent=2) + "\n")
 

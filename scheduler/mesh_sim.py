@@ -157,9 +157,11 @@ def _request(rid: int, job: Job, arrival: float) -> MeshRequest:
     return MeshRequest(rid, job.tenant, arrival, job.prompt_len, job.output, job=job)
 
 
-def simulate(cfg: MeshSimConfig, jobs: list[Job]) -> tuple[list[MeshRequest], dict[str, CachedExecutor], AdmissionCore]:
-    """Runs ``jobs`` to completion; returns the finished requests (in job order), the
-    executors and the core."""
+def simulate(cfg: MeshSimConfig, jobs: list[Job], until_open_loop_done: bool = False
+             ) -> tuple[list[MeshRequest | None], dict[str, CachedExecutor], AdmissionCore]:
+    """Runs ``jobs``; returns the requests (in job order; None: never sent), the executors
+    and the core. It runs to completion, or with ``until_open_loop_done`` until every
+    open-loop job has finished (closed-loop clients are then background load)."""
     clock = [0.0]
     core = AdmissionCore(SchedulerConfig(queue_policy=cfg.queue_policy, max_queue_len=10 ** 9,
                                          tenant_quotas=dict(cfg.tenant_quotas), routing=RoutingConfig(cfg.routing)),
@@ -179,7 +181,7 @@ def simulate(cfg: MeshSimConfig, jobs: list[Job]) -> tuple[list[MeshRequest], di
         events.append((0.0, 1, queue.pop(0), ""))
     heapq.heapify(events)
     seq = len(jobs)
-    by_lease: dict[str, MeshRequest] = {}
+    open_left = sum(job.client is None for job in jobs)
 
     def report(e: CachedExecutor) -> None:
         held = {r.lease_id: e.blocks(r) for r in e.running}
@@ -191,7 +193,6 @@ def simulate(cfg: MeshSimConfig, jobs: list[Job]) -> tuple[list[MeshRequest], di
         for areq, lease in core.dispatch():
             r = reqs[int(areq.request_id)]
             r.assigned, r.lease_id, r.executor_id = clock[0], lease.lease_id, lease.executor_id
-            by_lease[lease.lease_id] = r
             e = executors[lease.executor_id]
             e.waiting.append(r)
             e.admit_waiting()
@@ -215,20 +216,23 @@ def simulate(cfg: MeshSimConfig, jobs: list[Job]) -> tuple[list[MeshRequest], di
         else:
             e = executors[eid]
             e.busy = False
-            before = {id(r) for r in e.running if r.generated == 0}
+            prefilling = [r for r in e.running if r.generated == 0]
             done = e.finish_step()
-            for r in e.running + done:
-                if id(r) in before and r.generated > 0 and r.first_token is None:
+            for r in prefilling:  # (one may have been preempted right after its first token)
+                if r.generated > 0 and r.first_token is None:
                     r.first_token = clock[0]
                     e.on_prefilled(r)
             for r in done:
                 r.finished = clock[0]
+                open_left -= r.job.client is None
                 core.release(r.lease_id, r.generated)
                 client = r.job.client
                 if client is not None and backlog.get(client):
                     heapq.heappush(events, (clock[0], 1, backlog[client].pop(0), ""))
             e.admit_waiting()
             report(e)
+            if until_open_loop_done and open_left == 0:
+                break
         dispatch_and_start()
     return reqs, executors, core
 
