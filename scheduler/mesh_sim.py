@@ -54,6 +54,7 @@ class MeshSimConfig:
         step_per_token_s: time per token in a step.
         prefix_cache_blocks: LRU capacity of each executor's prefix cache (blocks).
         queue_policy: the admission queue's policy.
+        max_queue_wait_s: its aging bound (sjf).
         routing: ``prefix`` or ``least-loaded``.
         tenant_quotas: tenant → KV quota (blocks).
     """
@@ -67,6 +68,7 @@ class MeshSimConfig:
     step_per_token_s: float = 0.0001
     prefix_cache_blocks: int = 160
     queue_policy: str = "fcfs"
+    max_queue_wait_s: float = 30.0
     routing: str = "prefix"
     tenant_quotas: Mapping[str, int] = field(default_factory=dict)
 
@@ -163,7 +165,8 @@ def simulate(cfg: MeshSimConfig, jobs: list[Job], until_open_loop_done: bool = F
     and the core. It runs to completion, or with ``until_open_loop_done`` until every
     open-loop job has finished (closed-loop clients are then background load)."""
     clock = [0.0]
-    core = AdmissionCore(SchedulerConfig(queue_policy=cfg.queue_policy, max_queue_len=10 ** 9,
+    core = AdmissionCore(SchedulerConfig(queue_policy=cfg.queue_policy, max_queue_wait_s=cfg.max_queue_wait_s,
+                                         max_queue_len=10 ** 9,
                                          tenant_quotas=dict(cfg.tenant_quotas), routing=RoutingConfig(cfg.routing)),
                          clock=lambda: clock[0])
     executors = {f"e{i}": CachedExecutor(f"e{i}", cfg, core) for i in range(cfg.num_executors)}

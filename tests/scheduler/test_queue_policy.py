@@ -61,7 +61,7 @@ class Clock:
         return self.t
 
 
-def test_c23_long_request_among_a_stream_of_short_ones_is_served_within_the_bound():
+def test_C23_long_request_among_a_stream_of_short_ones_is_served_within_the_bound():
     """One executor with room for one request at a time; a short request arrives every second."""
     clock = Clock()
     core = AdmissionCore(SchedulerConfig(queue_policy="sjf", max_queue_wait_s=10.0), clock=clock)
