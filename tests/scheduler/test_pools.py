@@ -130,3 +130,20 @@ def test_no_executor_in_reachable_pools_is_unavailable():
         core.submit(req("x", 9))
     with pytest.raises(Unavailable, match="pool 'default'"):
         core.submit(req("y", 0))  # priority 0 → the default pool "default": none either
+
+
+def test_scheduler_config_reads_the_pools_file_and_cli_rejects_a_bad_one(tmp_path):
+    from typer.testing import CliRunner
+
+    from meshserve.cli import app
+    from meshserve.services import scheduler_config
+
+    path = tmp_path / "pools.toml"
+    path.write_text('[pools.gold]\npriorities = [5]\n')
+    config = scheduler_config(pools_file=str(path))
+    assert config.pools.pool_of(5) == "gold" and config.routing.policy == "prefix"
+    path.write_text('[pools.gold]\nspill_to = ["silver"]\n')
+    result = CliRunner().invoke(app, ["scheduler", "--pools", str(path)])
+    assert result.exit_code == 2 and "spill_to names 'silver'" in result.output
+    result = CliRunner().invoke(app, ["scheduler", "--routing", "random"])
+    assert result.exit_code == 2 and "unknown routing policy" in result.output
