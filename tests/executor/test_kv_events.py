@@ -78,3 +78,20 @@ def test_lease_block_counts_sum_the_choices():
     active = {"r1": "L1", "r2": "L2", "x#y": "L3"}
     counts = lease_num_blocks((("r1", 3), ("r2#0", 2), ("r2#1", 4), ("x#y", 1), ("orphan", 9)), active)
     assert counts == {"L1": 3, "L2": 6, "L3": 1}
+
+
+def test_link_sends_a_reset_snapshot_then_net_batches_in_bounded_messages():
+    from types import SimpleNamespace
+
+    from executor.server import LinkConfig, SchedulerLink
+
+    servicer = SimpleNamespace(engine=SimpleNamespace(engine=SimpleNamespace(fingerprint=FP32)))
+    link = SchedulerLink(LinkConfig("sched:1", "e0", "addr:2", max_hashes_per_message=2), servicer)
+    h = [bytes([i]) * 16 for i in range(5)]
+    msgs = [m.kv_events for m in link._kv_messages(h[:3], [], reset=True)]
+    assert [(m.reset, list(m.stored), list(m.removed)) for m in msgs] == [
+        (True, [], []), (False, h[:2], []), (False, h[2:3], [])]
+    msgs = [m.kv_events for m in link._kv_messages([h[4]], h[:3])]
+    assert [(m.reset, list(m.stored), list(m.removed)) for m in msgs] == [
+        (False, [], h[:2]), (False, [], h[2:3]), (False, [h[4]], [])]
+    assert list(link._kv_messages([], [])) == []
