@@ -7,8 +7,11 @@ its next step. With ``n`` > 1 choices it adds one engine request per choice
 (``"<request_id>#<i>"``, ``SamplingParams.for_choice``) and merges their outputs
 into one stream, each message naming its choice; cancelling aborts them all.
 ``SchedulerLink`` keeps one ``Connect`` stream to the scheduler open: Register,
-then a capacity report whenever the engine's state changes, reconnecting with
-back-off if the scheduler goes away.
+a snapshot of the prefix cache (``KvEvents`` with ``reset``), then a capacity
+report (with the blocks each lease's requests hold) whenever the engine's state
+changes and the prefix cache's net changes (``executor.kv_events``), batched
+at most every ``report_interval_s``; it reconnects with back-off if the
+scheduler goes away.
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ from executor.engine.async_engine import AsyncEngine
 from executor.engine.llm_engine import LLMEngine
 from executor.engine.outputs import EngineStats, RequestOutput, TokenLogprob
 from executor.health import StepWatchdog
+from executor.kv_events import KvEventBatcher
 from meshserve.errors import AlreadyExists, InvalidArgument
 from meshserve.grpc_server import CHANNEL_OPTIONS, Service
 from meshserve.sampling import SamplingParams, from_proto
@@ -180,6 +184,26 @@ class LinkConfig:
     advertise_address: str
     pool: str = "default"
     report_interval_s: float = 0.05
+    max_hashes_per_message: int = 8192  # 16 bytes each: 128 KiB messages
+
+
+def lease_num_blocks(num_blocks_by_request, active_leases: dict[str, str]) -> dict[str, int]:
+    """Blocks held per lease: the engine's requests mapped to their leases.
+
+    Args:
+        num_blocks_by_request: ``(engine request id, blocks)`` pairs; a choice of an
+            n > 1 request is ``"<request_id>#<i>"``.
+        active_leases: request id → lease id of the Execute calls in flight.
+
+    Returns:
+        lease id → blocks of all its requests; leases holding none are absent.
+    """
+    out: dict[str, int] = {}
+    for rid, blocks in num_blocks_by_request:
+        lease = active_leases.get(rid) or active_leases.get(rid.rpartition("#")[0])
+        if lease:
+            out[lease] = out.get(lease, 0) + blocks
+    return out
 
 
 class SchedulerLink:
@@ -189,11 +213,17 @@ class SchedulerLink:
         self.config = config
         self.servicer = servicer
         self.connected = asyncio.Event()
+        self.kv_events = KvEventBatcher(servicer.engine.engine.fingerprint)
         self._wake = asyncio.Event()
         self._task: asyncio.Task | None = None
 
     def notify(self) -> None:
         """Asks for a capacity report soon (called when the engine state changes)."""
+        self._wake.set()
+
+    def on_kv_events(self, events: list) -> None:
+        """Takes the engine's prefix-cache events (in the event loop) for the next batch."""
+        self.kv_events.add(events)
         self._wake.set()
 
     def start(self) -> None:
@@ -206,6 +236,8 @@ class SchedulerLink:
                 await self._task
             except (asyncio.CancelledError, Exception):  # noqa: BLE001 - shutting down
                 pass
+            self._task = None
+        self.connected.clear()  # a later start() waits for a fresh registration
 
     def _register(self) -> scheduler_pb2.ExecutorMessage:
         eng = self.servicer.engine.engine
@@ -229,12 +261,29 @@ class SchedulerLink:
                 num_running=s.num_running,
                 num_waiting=s.num_waiting,
                 lease_ids=[lease for lease in self.servicer.active_leases.values() if lease],
+                lease_num_blocks=lease_num_blocks(s.num_blocks_by_request, self.servicer.active_leases),
             )
         )
 
+    def _kv_messages(self, stored: list[bytes], removed: list[bytes], reset: bool = False):
+        """``KvEvents`` messages of at most ``max_hashes_per_message`` hashes; ``reset`` on the first."""
+        step = self.config.max_hashes_per_message
+        for i in range(0, max(1, len(removed)), step):
+            if removed[i:i + step] or reset:
+                yield scheduler_pb2.ExecutorMessage(kv_events=scheduler_pb2.KvEvents(reset=reset,
+                                                                                     removed=removed[i:i + step]))
+                reset = False
+        for i in range(0, len(stored), step):
+            yield scheduler_pb2.ExecutorMessage(kv_events=scheduler_pb2.KvEvents(stored=stored[i:i + step]))
+
     async def _messages(self):
         yield self._register()
+        for msg in self._kv_messages(self.kv_events.snapshot(), [], reset=True):
+            yield msg
         while True:
+            if self.kv_events.pending():
+                for msg in self._kv_messages(*self.kv_events.take()):
+                    yield msg
             yield self._report()
             await self._wake.wait()
             self._wake.clear()
@@ -283,7 +332,8 @@ async def start_executor(
     """
     service = Service("meshserve.v1.Executor", port, host)
     links: list[SchedulerLink] = []
-    async_engine = AsyncEngine(engine, on_stats=lambda _stats: [link.notify() for link in links])
+    async_engine = AsyncEngine(engine, on_stats=lambda _stats: [link.notify() for link in links],
+                               on_kv_events=lambda events: [link.on_kv_events(events) for link in links])
     await async_engine.start()
     servicer = ExecutorServicer(async_engine, engine.model_id)
     executor_pb2_grpc.add_ExecutorServicer_to_server(servicer, service.server)

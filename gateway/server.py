@@ -27,6 +27,7 @@ import grpc
 from gateway.choices import Choice, RequestTimer
 from gateway.prompt import PromptBuilder
 from gateway.tenants import TenantRegistry
+from meshserve.block_hash import routing_block_hashes
 from meshserve.errors import AlreadyExists, InvalidArgument, Unavailable, from_rpc_error
 from meshserve.grpc_server import CHANNEL_OPTIONS, Service
 from meshserve.sampling import from_proto, to_proto
@@ -40,11 +41,21 @@ _tracer = tracer(__name__)
 
 @dataclass(frozen=True)
 class ModelInfo:
-    """What the gateway knows of the model it fronts."""
+    """What the gateway knows of the model it fronts.
+
+    Attributes:
+        model_id: the model id executors register with.
+        max_model_len: longest prompt + output (tokens).
+        vocab_size: token ids are in [0, vocab_size).
+        revision: the weights' revision (``meshserve.model_files``); with the
+            model id it roots the prompt's routing chain hashes, so it must be
+            the executors' (both resolve the same model files).
+    """
 
     model_id: str
     max_model_len: int
     vocab_size: int
+    revision: str = ""
 
 
 def _prompt_ids(builder: PromptBuilder, request: gateway_pb2.GenerateRequest) -> list[int]:
@@ -61,8 +72,10 @@ def _prompt_ids(builder: PromptBuilder, request: gateway_pb2.GenerateRequest) ->
 class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
     """Serves Generate for one model through the scheduler and its executors."""
 
-    def __init__(self, tokenizer, model: ModelInfo, tenants: TenantRegistry, scheduler_address: str):
+    def __init__(self, tokenizer, model: ModelInfo, tenants: TenantRegistry, scheduler_address: str,
+                 hash_block_size: int = 16):
         self.tokenizer = tokenizer
+        self.hash_block_size = hash_block_size  # 0: send no block hashes (no prefix-aware routing)
         self.prompts = PromptBuilder(tokenizer)
         self.model = model
         self.tenants = tenants
@@ -123,6 +136,10 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
                 model=self.model.model_id,
                 n=params.n,
             )
+            if self.hash_block_size > 0:
+                admit.block_hashes.extend(routing_block_hashes(prompt_ids, self.hash_block_size, self.model.model_id,
+                                                               self.model.revision))
+                admit.hash_block_size = self.hash_block_size
             assignment = None
             try:
                 async for event in self.scheduler.Admit(admit, metadata=outgoing_metadata(span)):
@@ -139,11 +156,13 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
                 raise Unavailable("scheduler ended admission without an assignment")
             timer.assigned = time.monotonic()
             span.set_attribute("meshserve.executor_id", assignment.executor_id)
+            finished: dict[str, int] = {}  # completion tokens, once every choice is done
             try:
-                async for msg in self._execute(request_id, prompt_ids, params, priority, assignment, timer, span):
+                async for msg in self._execute(request_id, prompt_ids, params, priority, assignment, timer, span,
+                                               finished):
                     yield msg
             finally:
-                await self._release(assignment.lease_id)
+                await self._release(assignment.lease_id, finished.get("completion_tokens"))
         except Exception as exc:
             span.record_exception(exc)
             raise
@@ -152,7 +171,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
                 self._in_flight.discard(request_id)
             span.end()
 
-    async def _execute(self, request_id, prompt_ids, params, priority, assignment, timer, span):
+    async def _execute(self, request_id, prompt_ids, params, priority, assignment, timer, span, finished):
         exe = executor_pb2.ExecuteRequest(
             request_id=request_id, lease_id=assignment.lease_id, prompt_token_ids=prompt_ids, priority=priority
         )
@@ -182,23 +201,33 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
             call.cancel()  # no-op when finished; aborts the engine requests otherwise
         if not all(c.done for c in choices):
             raise Unavailable(f"executor {assignment.executor_id} ended the stream without finishing")
+        finished["completion_tokens"] = sum(c.num_tokens for c in choices)
         span.set_attributes({"gen_ai.usage.output_tokens": sum(c.num_tokens for c in choices),
                              "meshserve.cached_tokens": choices[0].num_cached_tokens})
 
-    async def _release(self, lease_id: str) -> None:
+    async def _release(self, lease_id: str, num_completion_tokens: int | None = None) -> None:
+        """Ends the lease; the completion tokens (when every choice finished) teach the scheduler's predictor."""
+        release = scheduler_pb2.ReleaseRequest(lease_id=lease_id)
+        if num_completion_tokens is not None:
+            release.num_completion_tokens = num_completion_tokens
         try:
-            await asyncio.shield(self.scheduler.Release(scheduler_pb2.ReleaseRequest(lease_id=lease_id), timeout=5))
+            await asyncio.shield(self.scheduler.Release(release, timeout=5))
         except (Exception, asyncio.CancelledError) as exc:  # noqa: BLE001 - shutting down or scheduler gone
             log.warning("release of lease %s failed: %s", lease_id, exc)
 
 
 async def start_gateway(
     tokenizer, model: ModelInfo, scheduler_address: str, port: int, host: str = "127.0.0.1",
-    tenants: TenantRegistry | None = None,
+    tenants: TenantRegistry | None = None, hash_block_size: int = 16,
 ) -> Service:
-    """Starts the Gateway service; SERVING at once (the tokenizer is already loaded)."""
+    """Starts the Gateway service; SERVING at once (the tokenizer is already loaded).
+
+    ``hash_block_size``: tokens per block of the prompt chain hashes sent for
+    prefix-aware routing (the executors' ``block_size``; 0: none sent).
+    """
     service = Service("meshserve.v1.Gateway", port, host)
-    servicer = GatewayServicer(tokenizer, model, tenants or TenantRegistry.open(), scheduler_address)
+    servicer = GatewayServicer(tokenizer, model, tenants or TenantRegistry.open(), scheduler_address,
+                               hash_block_size)
     gateway_pb2_grpc.add_GatewayServicer_to_server(servicer, service.server)
     service.servicer = servicer  # type: ignore[attr-defined]
     await service.start()

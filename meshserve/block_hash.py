@@ -17,6 +17,16 @@ adapter), so KV computed by different weights or in another dtype never matches
 (case C06). Block size is implied by the token count of each block, so two block
 sizes give different hashes as well.
 
+**Routing chain.** The scheduler's prefix-aware router matches the gateway's
+hashes of a prompt against the blocks executors report. The gateway knows the
+model id and revision (it resolves the same model files) but not the dtype an
+executor picked (``--dtype auto`` depends on the executor's hardware), so
+routing uses the chain rooted at ``routing_fingerprint(fp)``: the same
+fingerprint without the dtype. The executor translates its cache's events into
+that chain (``executor.kv_events``); the KV identity used for reuse (engine,
+kvstore) keeps the dtype. On the wire a hash is 16 bytes, little-endian
+(``hash_to_bytes``).
+
 H is SHA-256 over a fixed little-endian encoding, truncated to 128 bits: stable
 across processes and Python versions (unlike ``hash()``), so hashes can cross the
 network. Cost: about 1 µs per block of 16 tokens.
@@ -58,6 +68,16 @@ class ModelFingerprint:
         return int.from_bytes(hashlib.sha256(text.encode()).digest()[:_HASH_BYTES], "little")
 
 
+def routing_fingerprint(fp: ModelFingerprint) -> ModelFingerprint:
+    """The fingerprint of the routing chain: ``fp`` without its dtype (see the module docstring)."""
+    return ModelFingerprint(fp.model_id, fp.revision, "", fp.adapter)
+
+
+def hash_to_bytes(block_hash: BlockHash) -> bytes:
+    """The 16-byte little-endian wire form of a chain hash."""
+    return block_hash.to_bytes(_HASH_BYTES, "little")
+
+
 def hash_block_tokens(parent_hash: BlockHash, token_ids: Sequence[int]) -> BlockHash:
     """The chain hash of one block.
 
@@ -93,3 +113,20 @@ def hash_full_blocks(token_ids: Sequence[int], block_size: int, parent_hash: Blo
         parent_hash = hash_block_tokens(parent_hash, token_ids[b * block_size:(b + 1) * block_size])
         hashes.append(parent_hash)
     return hashes
+
+
+def routing_block_hashes(token_ids: Sequence[int], block_size: int, model_id: str, revision: str,
+                         adapter: str = "") -> list[bytes]:
+    """The routing chain of a prompt's full blocks, in wire form (what the gateway sends).
+
+    Args:
+        token_ids: the prompt's token ids.
+        block_size: tokens per block (>= 1); the executors' ``block_size``.
+        model_id, revision, adapter: the model identity (as ``ModelFingerprint``).
+
+    Returns:
+        One 16-byte hash per full block; equal to what ``executor.kv_events`` reports
+        for the same tokens cached by an engine serving that model, in any dtype.
+    """
+    root = routing_fingerprint(ModelFingerprint(model_id, revision, "", adapter)).root_hash
+    return [hash_to_bytes(h) for h in hash_full_blocks(token_ids, block_size, root)]

@@ -50,7 +50,7 @@ def _traces(exporter: Optional[str], endpoint: Optional[str]) -> None:
 
 def _engine_config(model, dtype, kv_cache_memory, block_size, max_num_seqs, max_num_batched_tokens,
                    no_chunked_prefill, max_model_len, num_threads, no_prefix_caching=False, max_batch_wait_ms=0.0,
-                   attention_backend="auto", device="cpu"):
+                   attention_backend="auto", device="cpu", enable_kv_events=False):
     from executor.engine.config import BatchSchedulerConfig, CacheConfig, EngineConfig
     from meshserve.services import parse_bytes
 
@@ -63,7 +63,8 @@ def _engine_config(model, dtype, kv_cache_memory, block_size, max_num_seqs, max_
             attention_backend=attention_backend,
             device=device,
             cache=CacheConfig(block_size=block_size, kv_cache_memory_bytes=parse_bytes(kv_cache_memory),
-                              enable_prefix_caching=not no_prefix_caching),
+                              enable_prefix_caching=not no_prefix_caching,
+                              enable_kv_events=enable_kv_events and not no_prefix_caching),
             batch=BatchSchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
                                        enable_chunked_prefill=not no_chunked_prefill,
                                        max_batch_wait_ms=max_batch_wait_ms),
@@ -76,15 +77,39 @@ def _engine_config(model, dtype, kv_cache_memory, block_size, max_num_seqs, max_
 def scheduler(
     port: int = typer.Option(50052, help="Port of the Scheduler service."),
     host: str = typer.Option("127.0.0.1", help="Interface to listen on."),
+    queue_policy: str = typer.Option("fcfs", "--queue-policy", help="fcfs, priority or sjf (shortest-job-first "
+                                     "on predicted cost, with aging)."),
+    max_queue_wait_s: float = typer.Option(30.0, "--max-queue-wait-s", help="sjf aging bound (seconds)."),
+    max_queue_len: int = typer.Option(4096, "--max-queue-len", help="Most queued requests."),
+    max_queue_tokens: Optional[int] = typer.Option(None, "--max-queue-tokens", help="Most queued prompt tokens "
+                                                   "(default: no bound)."),
+    tenants: Optional[str] = typer.Option(None, help="Tenants TOML file (KV quotas; default: none)."),
+    pools: Optional[str] = typer.Option(None, "--pools", help="Pools TOML file: priority classes → executor pools "
+                                        "and spill rules (default: any pool)."),
+    routing: str = typer.Option("prefix", "--routing", help="prefix (prefix-cache hits and load) or least-loaded."),
+    routing_load_weight: float = typer.Option(1.0, "--routing-load-weight", min=0.0,
+                                              help="Cost of a token of executor load vs. an uncached prompt token."),
+    routing_balance_factor: float = typer.Option(1.5, "--routing-balance-factor", min=1.0,
+                                                 help="Prefix bonus dropped above this x the mean load..."),
+    routing_balance_abs_tokens: float = typer.Option(2048.0, "--routing-balance-abs-tokens", min=0.0,
+                                                     help="...and this many tokens above it."),
     traces: Optional[str] = TracesOpt, otlp_endpoint: Optional[str] = OtlpOpt,
     log_level: str = typer.Option("info"),
 ) -> None:
-    """Run the global scheduler (executor registry and admission queue)."""
-    from meshserve.services import run_scheduler
+    """Run the global scheduler (executor registry, admission queue, pools and routing)."""
+    from meshserve.services import run_scheduler, scheduler_config
+    from scheduler.routing import RoutingConfig
 
     _logging(log_level)
     _traces(traces, otlp_endpoint)
-    _serve(run_scheduler(port, host))
+    try:
+        route_cfg = RoutingConfig(routing, load_weight=routing_load_weight, balance_factor=routing_balance_factor,
+                                  balance_abs_tokens=routing_balance_abs_tokens)
+        config = scheduler_config(queue_policy, max_queue_wait_s, max_queue_len, max_queue_tokens, tenants, pools,
+                                  route_cfg)
+    except (ValueError, FileNotFoundError) as exc:
+        raise typer.BadParameter(str(exc)) from None
+    _serve(run_scheduler(port, host, config))
 
 
 @app.command()
@@ -107,7 +132,7 @@ def executor(
     attention_backend: str = typer.Option("auto", help="auto (triton on CUDA, else torch), torch or triton."),
     device: str = typer.Option("cpu", help="torch device of the model and KV cache: cpu, cuda, cuda:1…"),
     executor_id: Optional[str] = typer.Option(None, help="Id in the registry (default executor-PORT)."),
-    pool: str = typer.Option("default", help="Instance pool name."),
+    pool: str = typer.Option("default", help="Instance pool it registers in (see the scheduler's --pools file)."),
     step_timeout_s: float = typer.Option(60.0, "--step-timeout-s", min=0.001,
                                          help="An engine step running longer is wedged: NOT_SERVING until it returns."),
     advertise: Optional[str] = typer.Option(None, "--advertise", help="host:port the gateway dials (default host:port; "
@@ -122,7 +147,7 @@ def executor(
     _traces(traces, otlp_endpoint)
     cfg = _engine_config(model, dtype, kv_cache_memory, block_size, max_num_seqs, max_num_batched_tokens,
                          no_chunked_prefill, max_model_len, num_threads, no_prefix_caching, max_batch_wait_ms,
-                         attention_backend, device)
+                         attention_backend, device, enable_kv_events=True)  # forwarded for prefix-aware routing
     _serve(run_executor(cfg, port, host, scheduler, executor_id, pool, advertise, step_timeout_s))
 
 
@@ -133,6 +158,8 @@ def gateway(
     host: str = typer.Option("127.0.0.1", help="Interface to listen on."),
     model: str = typer.Option("default", help="Model alias or path (for the tokenizer and limits)."),
     tenants: Optional[str] = typer.Option(None, help="Tenants TOML file (default: open, tenant 'default')."),
+    block_size: int = typer.Option(16, "--block-size", min=0, help="Tokens per block of the prompt hashes sent "
+                                   "for prefix-aware routing: the executors' --block-size (0: send none)."),
     traces: Optional[str] = TracesOpt, otlp_endpoint: Optional[str] = OtlpOpt,
     log_level: str = typer.Option("info"),
 ) -> None:
@@ -141,7 +168,7 @@ def gateway(
 
     _logging(log_level)
     _traces(traces, otlp_endpoint)
-    _serve(run_gateway(model, port, host, scheduler, tenants))
+    _serve(run_gateway(model, port, host, scheduler, tenants, block_size))
 
 
 def _mesh_config(port, executors, model, dtype, kv_cache_memory, extra, tenants, log_dir):
@@ -333,6 +360,72 @@ def bench(
     except ValueError as exc:
         raise typer.BadParameter(str(exc)) from None
     sys.exit(run(cfg, report_json))
+
+
+SIM_WORKLOADS = ("heavy-tail", "prefix-routing", "quota-isolation")
+
+
+@app.command()
+def sim(
+    policy: str = typer.Option("sjf", "--policy", help="Queue policy: sjf, fcfs or priority (heavy-tail)."),
+    workload: str = typer.Option("heavy-tail", "--workload", help="heavy-tail (queue policies), prefix-routing "
+                                 "(shared system prompts over prefix caches) or quota-isolation (a tenant at 10x "
+                                 "its KV quota beside another)."),
+    seed: int = typer.Option(0, "--seed", help="Workload seed."),
+    num_requests: Optional[int] = typer.Option(None, "--num-requests", min=10, help="Requests simulated (tenant B's "
+                                               "for quota-isolation; default 2000, 2000, 400)."),
+    load: float = typer.Option(0.9, "--load", min=0.01, help="Arrival rate / saturated throughput (heavy-tail)."),
+    rate: Optional[float] = typer.Option(None, "--rate", min=0.01, help="Arrival rate in requests/s (prefix-routing "
+                                         "default 40, quota-isolation tenant B default 8)."),
+    max_queue_wait_s: float = typer.Option(60.0, "--max-queue-wait-s", help="sjf aging bound (seconds)."),
+    executors: Optional[int] = typer.Option(None, "--executors", min=1, help="Modelled executors (default 2, 4, 2)."),
+    routing: str = typer.Option("prefix", "--routing", help="prefix or least-loaded (prefix-routing)."),
+    report_json: Optional[str] = typer.Option(None, "--report-json", help="Write the JSON report here."),
+) -> None:
+    """Discrete-event simulations on the scheduler's own core (no model, no gRPC)."""
+    from dataclasses import replace
+
+    from scheduler.queue_policy import QueuePolicy
+    from scheduler.routing import RoutingConfig
+
+    if workload not in SIM_WORKLOADS:
+        raise typer.BadParameter(f"unknown workload {workload!r} ({', '.join(SIM_WORKLOADS)})")
+    try:
+        QueuePolicy(policy, max_queue_wait_s)
+        RoutingConfig(routing)
+    except ValueError as exc:
+        raise typer.BadParameter(str(exc)) from None
+    if workload == "heavy-tail":
+        from scheduler.sim import SimConfig, run
+
+        report = run(SimConfig(policy=policy, seed=seed, num_requests=num_requests or 2000, load=load,
+                               max_queue_wait_s=max_queue_wait_s, num_executors=executors or 2))
+        keys = ("short_half_mean_latency_s", "short_half_p99_latency_s", "long_half_mean_latency_s",
+                "long_half_p99_latency_s", "max_wait_s", "aging_bound_s", "output_len_log_sigma")
+    elif workload == "prefix-routing":
+        from scheduler.routing_sim import RoutingSimConfig, compare
+
+        cfg = RoutingSimConfig(seed=seed, num_requests=num_requests or 2000)
+        cfg = replace(cfg, rate=rate or cfg.rate,
+                      mesh=replace(cfg.mesh, routing=routing, num_executors=executors or cfg.mesh.num_executors))
+        report = compare(cfg)
+        keys = ("hit_rate", "ideal_hit_rate", "hit_rate_vs_ideal", "busiest_over_mean", "ttft_p50_s", "ttft_p99_s")
+    else:
+        from scheduler.isolation_sim import IsolationSimConfig, run as run_isolation
+
+        cfg = IsolationSimConfig(seed=seed, num_b_requests=num_requests or 400)
+        cfg = replace(cfg, b_rate=rate or cfg.b_rate,
+                      mesh=replace(cfg.mesh, num_executors=executors or cfg.mesh.num_executors))
+        report = run_isolation(cfg)
+        keys = ("b_ttft_p50_s", "b_ttft_p99_s", "b_alone_ttft_p99_s", "b_p99_ratio", "b_without_quota_ttft_p99_s",
+                "b_p99_ratio_without_quota")
+    for key in keys:
+        typer.echo(f"{key:28s} {report[key]:.3f}")
+    if "baseline" in report:
+        for key, value in report["baseline"].items():
+            typer.echo(f"{'baseline ' + key:28s} {value if isinstance(value, str) else f'{value:.3f}'}")
+    if report_json:
+        Path(report_json).write_text(json.dumps(report, indent=2) + "\n")
 
 
 def main() -> None:

@@ -62,6 +62,9 @@ class MeshConfig:
         threads_per_executor: torch threads of each executor (default:
             ``default_threads_per_executor``).
         log_dir: where each service's log goes (None: inherit the terminal).
+        tenants_file: tenants TOML, passed to the gateway (keys, priorities)
+            and to the scheduler (KV quotas).
+        scheduler_args: extra ``meshserve scheduler`` flags (queue policy…).
     """
 
     port: int = 50051
@@ -71,6 +74,7 @@ class MeshConfig:
     threads_per_executor: int | None = None
     log_dir: Path | None = None
     tenants_file: str | None = None
+    scheduler_args: list[str] = field(default_factory=list)
     startup_timeout_s: float = 300.0
 
 
@@ -117,7 +121,10 @@ class Mesh:
         try:
             sport = free_port()
             self.scheduler_address = f"127.0.0.1:{sport}"
-            self._spawn("scheduler", ["scheduler", "--port", str(sport)])
+            sched = ["scheduler", "--port", str(sport), *c.scheduler_args]
+            if c.tenants_file:
+                sched += ["--tenants", c.tenants_file]  # the scheduler enforces the tenants' KV quotas
+            self._spawn("scheduler", sched)
             await self._wait("scheduler", self.scheduler_address)
             threads = c.threads_per_executor or default_threads_per_executor(c.executors)
             for i in range(c.executors):
@@ -131,6 +138,8 @@ class Mesh:
             gw = ["gateway", "--port", str(c.port), "--scheduler", self.scheduler_address, "--model", c.model]
             if c.tenants_file:
                 gw += ["--tenants", c.tenants_file]
+            if "--block-size" in c.executor_args:  # the gateway hashes prompts in the executors' blocks
+                gw += ["--block-size", c.executor_args[c.executor_args.index("--block-size") + 1]]
             self._spawn("gateway", gw)
             await self._wait("gateway", self.gateway_address)
         except BaseException:

@@ -48,18 +48,46 @@ def model_info(model: str):
     if getattr(config, "sliding_window", None) and getattr(config, "use_sliding_window", True):
         max_len = min(max_len, config.sliding_window)
     tokenizer = AutoTokenizer.from_pretrained(files.path)
-    return tokenizer, ModelInfo(files.model_id, max_len, config.vocab_size)
+    return tokenizer, ModelInfo(files.model_id, max_len, config.vocab_size, files.revision)
 
 
-async def run_scheduler(port: int, host: str = "127.0.0.1") -> None:
-    """Serves the scheduler until SIGINT/SIGTERM."""
+def scheduler_config(queue_policy: str = "fcfs", max_queue_wait_s: float = 30.0, max_queue_len: int = 4096,
+                     max_queue_tokens: int | None = None, tenants_file: str | None = None,
+                     pools_file: str | None = None, routing=None):
+    """The scheduler's ``SchedulerConfig``; tenant KV quotas come from the tenants file,
+    pools from the pools file (``scheduler.pools``); ``routing`` is a ``RoutingConfig``.
+
+    Raises:
+        ValueError: a bad policy name, bound, tenants or pools file.
+        FileNotFoundError: no such tenants or pools file.
+    """
+    from gateway.tenants import TenantRegistry
+    from scheduler.admission import SchedulerConfig
+    from scheduler.pools import PoolsConfig
+    from scheduler.queue_policy import QueuePolicy
+    from scheduler.routing import RoutingConfig
+
+    QueuePolicy(queue_policy, max_queue_wait_s)  # validates
+    if max_queue_len < 1 or (max_queue_tokens is not None and max_queue_tokens < 1):
+        raise ValueError("max_queue_len and max_queue_tokens must be >= 1")
+    quotas = {}
+    if tenants_file:
+        quotas = {t.name: t.kv_quota_blocks for t in TenantRegistry.from_file(tenants_file).tenants}
+    pools = PoolsConfig.from_file(pools_file) if pools_file else None
+    return SchedulerConfig(max_queue_len=max_queue_len, max_queue_tokens=max_queue_tokens, queue_policy=queue_policy,
+                           max_queue_wait_s=max_queue_wait_s, tenant_quotas=quotas, pools=pools,
+                           routing=routing or RoutingConfig())
+
+
+async def run_scheduler(port: int, host: str = "127.0.0.1", config=None) -> None:
+    """Serves the scheduler (``config``: a ``SchedulerConfig``, default settings if None) until SIGINT/SIGTERM."""
     from scheduler.server import start_scheduler
 
     setup_tracing("scheduler")
     holder = {}
 
     async def start():
-        holder["svc"] = await start_scheduler(port, host)
+        holder["svc"] = await start_scheduler(port, host, config)
         log.info("scheduler serving on %s", holder["svc"].address)
 
     async def stop():
@@ -104,7 +132,8 @@ async def run_executor(engine_config, port: int, host: str, scheduler: str, exec
         raise SystemExit(f"executor stopped: engine thread failed: {type(failure).__name__}: {failure}")
 
 
-async def run_gateway(model: str, port: int, host: str, scheduler: str, tenants_file: str | None = None) -> None:
+async def run_gateway(model: str, port: int, host: str, scheduler: str, tenants_file: str | None = None,
+                      hash_block_size: int = 16) -> None:
     """Loads the tokenizer, serves the public Gateway until a signal."""
     from gateway.server import start_gateway
     from gateway.tenants import TenantRegistry
@@ -115,7 +144,7 @@ async def run_gateway(model: str, port: int, host: str, scheduler: str, tenants_
     async def start():
         tokenizer, info = await asyncio.to_thread(model_info, model)
         tenants = TenantRegistry.from_file(tenants_file) if tenants_file else TenantRegistry.open()
-        holder["svc"] = await start_gateway(tokenizer, info, scheduler, port, host, tenants)
+        holder["svc"] = await start_gateway(tokenizer, info, scheduler, port, host, tenants, hash_block_size)
         log.info("gateway serving on %s", holder["svc"].address)
 
     async def stop():

@@ -1,30 +1,56 @@
-"""The scheduler's pure core: the FCFS admission queue and dispatch to executors.
+"""The scheduler's pure core: the admission queue and dispatch to executors.
 
 No gRPC here: the servicer calls ``submit``, ``dispatch``, ``release`` and the
-registry methods, and turns the results into stream events. Dispatch is strict
-FCFS: the head of the queue goes to the executor serving its model with the most
-available KV blocks (reported free blocks minus blocks promised to leases the
-executor has not reported yet), if one can hold its prompt; otherwise the whole
-queue waits, so a large request is never starved by smaller ones behind it.
+registry methods, and turns the results into stream events.
 
-Blocks of a request: ``ceil((num_prompt_tokens + 1) / block_size)`` per choice,
-times ``n`` choices (each choice is its own engine request with its own copy of
-the prompt: sharing happens only through the prefix cache, so it is not
-assumed), capped at the executor's whole cache (the engine runs the choices in
-turn when they do not fit at once).
+**Order.** ``dispatch`` walks the queue in the order of its ``QueuePolicy``
+(``scheduler.queue_policy``: fcfs, priority classes, or shortest-job-first on
+predicted cost with aging). Each request goes where ``scheduler.placement``
+says (its pool or an idle spill target, an executor with room, the cheapest by
+the routing cost of ``scheduler.routing``); if none can take it, the walk skips
+every later request of the same pool (all requests without a pools file), so
+a large request at the head is never starved by smaller ones behind it, and a
+saturated pool does not hold up another pool.
+
+**Tenant quotas** (``scheduler.quotas``). A request whose tenant would exceed its
+``kv_quota_blocks`` with it is *skipped*, not stopped at: it waits until its own
+tenant's leases end, and requests of other tenants behind it go on. A request
+that alone needs more blocks than its tenant's quota is refused at once
+(RESOURCE_EXHAUSTED). A lease is charged the blocks admission reserved for it
+until its executor reports how many blocks the lease's requests hold
+(``CapacityReport.lease_num_blocks``); from then on it is charged the reported
+count (decode growth and prefix sharing included), except that a report of 0
+(the request waits in the engine, or was preempted) keeps the reservation:
+those blocks will be needed again.
+
+**Overload.** The queue holds at most ``max_queue_len`` requests and
+``max_queue_tokens`` queued prompt tokens (``n * num_prompt_tokens`` each; an
+empty queue always takes one request). An arrival that does not fit displaces
+queued requests of strictly lower priority (lowest priority first, latest
+arrival first within it) if that makes room; otherwise the arrival is refused.
+Displaced and refused requests get RESOURCE_EXHAUSTED with a retry delay: the
+estimated wait of the queue's tail (at least ``retry_after_s`` when nothing is
+measured yet).
 """
 
 from __future__ import annotations
 
-import math
+import itertools
 import time
 import uuid
-from collections import OrderedDict, deque
-from dataclasses import dataclass
-from typing import Callable
+from dataclasses import dataclass, field
+from typing import Callable, Iterable, Mapping
 
 from meshserve.errors import AlreadyExists, InvalidArgument, ResourceExhausted, Unavailable
+from scheduler.placement import Placer, blocks_needed, fits_ever
+from scheduler.pools import PoolsConfig
+from scheduler.predictor import OutputLengthPredictor
+from scheduler.prefix_index import PrefixIndex
+from scheduler.queue_policy import QueuePolicy
+from scheduler.quotas import TenantQuotas
 from scheduler.registry import ExecutorRegistry, ExecutorState, Lease
+from scheduler.routing import RoutingConfig
+from scheduler.wait_estimate import WaitEstimator
 
 
 @dataclass(frozen=True)
@@ -33,19 +59,39 @@ class SchedulerConfig:
 
     Attributes:
         max_queue_len: requests the queue holds before RESOURCE_EXHAUSTED.
+        max_queue_tokens: queued prompt tokens (``n * num_prompt_tokens``
+            summed) before RESOURCE_EXHAUSTED; None: no bound.
         pending_timeout_s: seconds a lease counts as pending before the executor
             reports it (see ``scheduler.registry``).
-        retry_after_s: retry delay suggested with RESOURCE_EXHAUSTED (seconds).
+        retry_after_s: smallest retry delay suggested with RESOURCE_EXHAUSTED
+            (seconds).
+        queue_policy: ``fcfs``, ``priority`` or ``sjf`` (``scheduler.queue_policy``).
+        max_queue_wait_s: the aging bound of ``sjf`` (seconds).
+        tenant_quotas: tenant → ``kv_quota_blocks`` (absent or None: no quota).
+        predictor_min_samples: observations a predictor level needs.
+        pools: priority classes → pools and spill rules (``scheduler.pools``);
+            None: every executor of the model is a candidate.
+        routing: the routing cost function's settings (``scheduler.routing``).
     """
 
     max_queue_len: int = 4096
+    max_queue_tokens: int | None = None
     pending_timeout_s: float = 10.0
     retry_after_s: float = 1.0
+    queue_policy: str = "fcfs"
+    max_queue_wait_s: float = 30.0
+    tenant_quotas: Mapping[str, int | None] = field(default_factory=dict)
+    predictor_min_samples: int = 3
+    pools: PoolsConfig | None = None
+    routing: RoutingConfig = field(default_factory=RoutingConfig)
 
 
 @dataclass
 class AdmissionRequest:
-    """A request waiting for an executor (from ``AdmitRequest``)."""
+    """A request waiting for an executor (from ``AdmitRequest``).
+
+    ``seq``, ``cost`` and ``predicted_output_tokens`` are set by ``submit``.
+    """
 
     request_id: str
     tenant: str
@@ -55,137 +101,252 @@ class AdmissionRequest:
     model: str = ""
     arrival: float = 0.0
     n: int = 1  # choices (sampling.n)
+    block_hashes: tuple[bytes, ...] = ()  # the prompt's chain hashes (16 bytes each), for routing
+    hash_block_size: int = 0  # tokens per block of those hashes
+    seq: int = 0
+    cost: float = 0.0  # num_prompt_tokens + n * predicted_output_tokens (tokens)
+    predicted_output_tokens: int = 0
+
+    @property
+    def queued_tokens(self) -> int:
+        """Prompt tokens it adds to the queue's token bound."""
+        return max(1, self.n) * self.num_prompt_tokens
 
 
 class AdmissionCore:
-    """FCFS admission queue over an ``ExecutorRegistry``."""
+    """Admission queue, quotas and dispatch over an ``ExecutorRegistry``."""
 
     def __init__(self, config: SchedulerConfig | None = None, clock: Callable[[], float] = time.monotonic):
         self.config = config or SchedulerConfig()
+        self.policy = QueuePolicy(self.config.queue_policy, self.config.max_queue_wait_s)
         self.registry = ExecutorRegistry()
+        self.prefix_index = PrefixIndex()
+        self.placer = Placer(self.registry, self.prefix_index, self.config.pools, self.config.routing,
+                             self.config.pending_timeout_s)
+        self.predictor = OutputLengthPredictor(self.config.predictor_min_samples)
+        self.quotas = TenantQuotas(self.config.tenant_quotas)
+        self.waits = WaitEstimator()
         self._clock = clock
-        self._queue: OrderedDict[str, AdmissionRequest] = OrderedDict()
+        self._queue: dict[str, AdmissionRequest] = {}
+        self._queued_tokens = 0
         self._leases: dict[str, Lease] = {}
-        self._dispatch_times: deque[float] = deque(maxlen=64)
+        self._seq = itertools.count()
 
     # -- queue -----------------------------------------------------------------
-    def _executors_for(self, model: str) -> list[ExecutorState]:
-        return [e for e in self.registry if not model or e.model == model]
+    def servable(self, req: AdmissionRequest) -> bool:
+        """Whether any executor of its model is in a pool it may use."""
+        return bool(self.placer.executors_for(req))
 
-    def submit(self, req: AdmissionRequest) -> None:
-        """Queues a request.
+    def submit(self, req: AdmissionRequest) -> list[AdmissionRequest]:
+        """Queues a request; returns the lower-priority requests it displaced.
 
         Raises:
             Unavailable: no executor serves its model.
             InvalidArgument: no executor could ever hold it (prompt longer than
                 max_model_len or than a whole KV cache).
-            ResourceExhausted: the queue is full.
+            ResourceExhausted: the queue is full (count or tokens) and nothing of
+                lower priority can make room, or the request alone needs more
+                blocks than its tenant's quota.
             AlreadyExists: a request with the same id is queued or holds a lease.
         """
         if req.request_id in self._queue or any(lease.request_id == req.request_id for lease in self._leases.values()):
             raise AlreadyExists(f"request_id {req.request_id!r} is already queued or running")
-        executors = self._executors_for(req.model)
+        executors = self.placer.executors_for(req)
         if not executors:
             what = f"model {req.model!r}" if req.model else "any model"
-            raise Unavailable(f"no executor is serving {what}")
-        if not any(self._fits_ever(e, req) for e in executors):
+            pools = ""
+            if self.config.pools is not None:
+                pools = f" in pool {self.config.pools.pool_of(req.priority)!r} or its spill targets"
+            raise Unavailable(f"no executor is serving {what}{pools}")
+        fitting = [e for e in executors if fits_ever(e, req)]
+        if not fitting:
             limit = max(min(e.max_model_len, e.num_blocks * e.block_size) for e in executors)
             raise InvalidArgument(
                 f"prompt has {req.num_prompt_tokens} tokens; the largest executor holds "
                 f"{limit - 1} prompt tokens (max_model_len and KV cache size)"
             )
-        if len(self._queue) >= self.config.max_queue_len:
-            raise ResourceExhausted(
-                f"admission queue is full ({self.config.max_queue_len} requests)", self.config.retry_after_s
-            )
+        self._check_quota_alone(req, fitting)
+        displaced = self._make_room(req)
+        prediction = self.predictor.predict(req.tenant, req.num_prompt_tokens, req.max_tokens)
+        req.predicted_output_tokens = prediction.tokens
+        req.cost = req.num_prompt_tokens + max(1, req.n) * prediction.tokens
         req.arrival = req.arrival or self._clock()
+        req.seq = next(self._seq)
         self._queue[req.request_id] = req
+        self._queued_tokens += req.queued_tokens
+        return displaced
 
-    @staticmethod
-    def _blocks_per_choice(e: ExecutorState, req: AdmissionRequest) -> int:
-        return math.ceil((req.num_prompt_tokens + 1) / e.block_size)
+    def _check_quota_alone(self, req: AdmissionRequest, fitting: list[ExecutorState]) -> None:
+        cap = self.quotas.limit(req.tenant)
+        need = min(blocks_needed(e, req) for e in fitting)
+        if cap is not None and need > cap:
+            raise ResourceExhausted(
+                f"request needs {need} KV blocks; tenant {req.tenant!r} has a quota of {cap} blocks",
+                self.config.retry_after_s,
+            )
 
-    def _blocks_needed(self, e: ExecutorState, req: AdmissionRequest) -> int:
-        """n choices' blocks (see the module doc), at most the executor's whole cache."""
-        return min(max(1, req.n) * self._blocks_per_choice(e, req), e.num_blocks)
+    def _over(self, count: int, tokens: int) -> bool:
+        bound = self.config.max_queue_tokens
+        return count > self.config.max_queue_len or (bound is not None and count > 1 and tokens > bound)
 
-    def _fits_ever(self, e: ExecutorState, req: AdmissionRequest) -> bool:
-        return req.num_prompt_tokens + 1 <= e.max_model_len and self._blocks_per_choice(e, req) <= e.num_blocks
+    def _make_room(self, req: AdmissionRequest) -> list[AdmissionRequest]:
+        """Displaces lower-priority requests so ``req`` fits the bounds, or raises."""
+        count, tokens = len(self._queue) + 1, self._queued_tokens + req.queued_tokens
+        victims: list[AdmissionRequest] = []
+        lower = sorted((q for q in self._queue.values() if q.priority < req.priority),
+                       key=lambda q: (q.priority, -q.arrival, -q.seq))
+        for victim in lower:
+            if not self._over(count, tokens):
+                break
+            victims.append(victim)
+            count, tokens = count - 1, tokens - victim.queued_tokens
+        if self._over(count, tokens):
+            raise ResourceExhausted(
+                f"admission queue is full ({len(self._queue)} requests, {self._queued_tokens} prompt tokens; "
+                f"bounds {self.config.max_queue_len} requests, {self.config.max_queue_tokens} tokens)",
+                self.retry_delay_s(),
+            )
+        for victim in victims:
+            self._remove(victim.request_id)
+        return victims
+
+    def retry_delay_s(self) -> float:
+        """Suggested retry delay: the estimated wait of the queue's tail, at least ``retry_after_s``."""
+        return max(self.config.retry_after_s, self.estimated_wait_s(len(self._queue) - 1))
+
+    def _remove(self, request_id: str) -> AdmissionRequest | None:
+        req = self._queue.pop(request_id, None)
+        if req is not None:
+            self._queued_tokens -= req.queued_tokens
+        return req
 
     def cancel(self, request_id: str) -> bool:
         """Removes a queued request (its caller went away)."""
-        return self._queue.pop(request_id, None) is not None
+        return self._remove(request_id) is not None
+
+    def queued(self) -> list[AdmissionRequest]:
+        """Queued requests in dispatch order now."""
+        return self.policy.order(list(self._queue.values()), self._clock())
 
     def position(self, request_id: str) -> int:
-        """0-based queue position, or -1 if not queued."""
-        for i, rid in enumerate(self._queue):
-            if rid == request_id:
-                return i
-        return -1
+        """0-based position in dispatch order now, or -1 if not queued."""
+        if request_id not in self._queue:
+            return -1
+        return next(i for i, r in enumerate(self.queued()) if r.request_id == request_id)
 
     def estimated_wait_s(self, position: int) -> float:
-        """Wait estimate: position+1 times the recent mean gap between dispatches."""
-        if len(self._dispatch_times) < 2:
-            return 0.0
-        span = self._dispatch_times[-1] - self._dispatch_times[0]
-        return (position + 1) * span / (len(self._dispatch_times) - 1)
+        """Wait of the request at ``position`` (``scheduler.wait_estimate``); 0 when unknown."""
+        ahead = self.queued()[: max(0, position) + 1]
+        return self.waits.estimate(sum(r.cost for r in ahead), position)
 
     def __len__(self) -> int:
         return len(self._queue)
 
     # -- dispatch --------------------------------------------------------------
-    def _pick(self, req: AdmissionRequest, now: float) -> ExecutorState | None:
-        best, best_free = None, -1
-        for e in self._executors_for(req.model):
-            free = e.available_blocks(now, self.config.pending_timeout_s)
-            if self._fits_ever(e, req) and free >= self._blocks_needed(e, req) and free > best_free:
-                best, best_free = e, free
-        return best
+    def _quota_blocked(self, req: AdmissionRequest) -> bool:
+        fitting = [e for e in self.placer.executors_for(req) if fits_ever(e, req)]
+        return bool(fitting) and not self.quotas.allows(req.tenant, min(blocks_needed(e, req) for e in fitting))
 
     def dispatch(self) -> list[tuple[AdmissionRequest, Lease]]:
-        """Assigns queued requests in FCFS order while the head fits somewhere."""
+        """Assigns queued requests in policy order (see the module docstring)."""
         now = self._clock()
         assigned: list[tuple[AdmissionRequest, Lease]] = []
-        while self._queue:
-            req = next(iter(self._queue.values()))
-            executor = self._pick(req, now)
-            if executor is None:
-                break
-            del self._queue[req.request_id]
+        blocked: set[str | None] = set()  # pools whose head request found no executor
+        for req in self.policy.order(list(self._queue.values()), now):
+            own = self.config.pools.pool_of(req.priority) if self.config.pools is not None else None
+            if own in blocked or self._quota_blocked(req):
+                continue  # behind a blocked head of its pool, or waits for its own tenant's blocks
+            placement, _ = self.placer.choose(req, now)
+            if placement is None:
+                blocked.add(own)
+                continue
+            if not self.quotas.allows(req.tenant, placement.num_blocks):
+                continue
+            self._remove(req.request_id)
             lease = Lease(
-                lease_id=uuid.uuid4().hex,
-                request_id=req.request_id,
-                executor_id=executor.executor_id,
-                num_blocks=self._blocks_needed(executor, req),
-                tenant=req.tenant,
-                assigned_at=now,
+                lease_id=uuid.uuid4().hex, request_id=req.request_id, executor_id=placement.executor.executor_id,
+                num_blocks=placement.num_blocks, tenant=req.tenant, assigned_at=now,
+                num_prompt_tokens=req.num_prompt_tokens, n=max(1, req.n),
+                predicted_output_tokens=req.predicted_output_tokens,
+                num_hit_tokens=placement.hit_tokens, reserved_blocks=placement.num_blocks,
             )
-            executor.leases[lease.lease_id] = lease
+            placement.executor.leases[lease.lease_id] = lease
             self._leases[lease.lease_id] = lease
-            self._dispatch_times.append(now)
+            self.quotas.reserve(lease.tenant, lease.num_blocks)
+            self.waits.on_dispatch(now)
             assigned.append((req, lease))
         return assigned
 
-    def release(self, lease_id: str) -> bool:
-        """Ends a lease (idempotent): the request finished or was cancelled."""
+    # -- executor reports --------------------------------------------------------
+    def on_capacity(self, executor_id: str, num_free_blocks: int, num_running: int, num_waiting: int,
+                    lease_ids: Iterable[str], lease_num_blocks: Mapping[str, int] | None = None) -> None:
+        """Applies an executor's capacity report.
+
+        Args:
+            executor_id: the reporting executor (unknown ids are ignored).
+            num_free_blocks, num_running, num_waiting: its engine's counters.
+            lease_ids: leases it holds (they become acknowledged).
+            lease_num_blocks: lease id → KV blocks its requests hold now (all
+                choices). A positive count replaces the lease's charge to its
+                tenant's quota; 0 keeps the admission reservation (module doc).
+                Leases of other executors or unknown leases are ignored.
+
+        Raises:
+            InvalidArgument: a negative block count.
+        """
+        counts = dict(lease_num_blocks or {})
+        bad = {k: v for k, v in counts.items() if v < 0}
+        if bad:
+            raise InvalidArgument(f"lease_num_blocks must be >= 0, got {bad}")
+        self.registry.report(executor_id, num_free_blocks, num_running, num_waiting, set(lease_ids) | set(counts))
+        for lease_id, reported in counts.items():
+            lease = self._leases.get(lease_id)
+            if lease is None or lease.executor_id != executor_id:
+                continue
+            executor = self.registry.get(executor_id)
+            lease.reported_tokens = reported * executor.block_size if executor is not None else None
+            charge = reported if reported > 0 else lease.reserved_blocks
+            self.quotas.recharge(lease.tenant, lease.num_blocks, charge)
+            lease.num_blocks = charge
+
+    def on_kv_events(self, executor_id: str, stored: Iterable[bytes], removed: Iterable[bytes],
+                     reset: bool = False) -> None:
+        """Applies an executor's prefix-cache events (``reset``: a full snapshot follows,
+        forget what it held before). Events of an unknown executor are ignored."""
+        if self.registry.get(executor_id) is None:
+            return
+        if reset:
+            self.prefix_index.drop(executor_id)
+        self.prefix_index.removed(executor_id, removed)
+        self.prefix_index.stored(executor_id, stored)
+
+    def release(self, lease_id: str, num_completion_tokens: int | None = None) -> bool:
+        """Ends a lease (idempotent): the request finished or was cancelled.
+
+        ``num_completion_tokens`` (all choices together), when known, teaches the
+        predictor and the service-rate estimate.
+        """
         lease = self._leases.pop(lease_id, None)
         if lease is None:
             return False
         executor = self.registry.get(lease.executor_id)
         if executor is not None:
             executor.leases.pop(lease_id, None)
+        self.quotas.free(lease.tenant, lease.num_blocks)
+        if num_completion_tokens is not None:
+            per_choice = round(num_completion_tokens / lease.n)
+            self.predictor.observe(lease.tenant, lease.num_prompt_tokens, per_choice, lease.predicted_output_tokens)
+            self.waits.on_release(self._clock(), lease.num_prompt_tokens + num_completion_tokens)
         return True
 
     def remove_executor(self, executor_id: str) -> list[Lease]:
         """Drops an executor and voids its leases."""
         leases = self.registry.remove(executor_id)
+        self.prefix_index.drop(executor_id)
         for lease in leases:
-            self._leases.pop(lease.lease_id, None)
+            if self._leases.pop(lease.lease_id, None) is not None:
+                self.quotas.free(lease.tenant, lease.num_blocks)
         return leases
-
-    def queued(self) -> list[AdmissionRequest]:
-        """Queued requests in queue order."""
-        return list(self._queue.values())
 
     def num_leases(self) -> int:
         """Leases currently held."""

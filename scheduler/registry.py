@@ -25,6 +25,17 @@ class Lease:
         tenant: tenant name.
         assigned_at: clock time of the assignment (seconds).
         acked: True once the executor has listed the lease in a report.
+        num_prompt_tokens: the request's prompt tokens (predictor feature).
+        n: the request's choices.
+        predicted_output_tokens: the predictor's answer per choice when queued
+            (scored against the real length at release).
+        num_hit_tokens: prompt tokens expected from the executor's prefix
+            cache when it was routed (``scheduler.placement``).
+        reported_tokens: tokens of the KV blocks its requests held at the
+            executor's last per-lease report (blocks × block_size), or None.
+        reserved_blocks: blocks admission reserved (``num_blocks`` starts
+            there and follows the executor's per-lease reports, see
+            ``scheduler.admission``).
     """
 
     lease_id: str
@@ -34,6 +45,12 @@ class Lease:
     tenant: str
     assigned_at: float
     acked: bool = False
+    num_prompt_tokens: int = 0
+    n: int = 1
+    predicted_output_tokens: int | None = None
+    num_hit_tokens: int = 0
+    reported_tokens: int | None = None
+    reserved_blocks: int = 0
 
 
 @dataclass

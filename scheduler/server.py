@@ -2,7 +2,9 @@
 
 ``Admit`` queues the request, streams queue positions while it waits and ends with
 one Assignment. ``Connect`` is one executor's life: Register, then capacity
-reports; when the stream ends the executor is gone at once. Every state change
+reports (with per-lease block counts for the tenant quotas) and prefix-cache
+events (``KvEvents``, for prefix-aware routing); when the stream ends the
+executor is gone at once, from the registry and from the prefix index. Every state change
 runs ``_dispatch`` which hands leases to waiting ``Admit`` calls.
 """
 
@@ -13,7 +15,7 @@ import logging
 
 import grpc
 
-from meshserve.errors import InvalidArgument, Unavailable
+from meshserve.errors import InvalidArgument, ResourceExhausted, Unavailable
 from meshserve.grpc_server import Service
 from meshserve.telemetry import context_from_grpc, tracer
 from meshserve.v1 import scheduler_pb2 as pb
@@ -44,15 +46,22 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
     def _fail_orphans(self) -> None:
         """Fails queued requests whose model no executor serves any more."""
         for req in self.core.queued():
-            if not any(not req.model or e.model == req.model for e in self.core.registry):
+            if not self.core.servable(req):
                 self.core.cancel(req.request_id)
-                fut = self._waiters.pop(req.request_id, None)
-                if fut is not None and not fut.done():
-                    fut.set_exception(Unavailable("no executor is serving the model any more"))
+                self._fail(req.request_id, Unavailable("no executor is serving the model any more"))
+
+    def _fail(self, request_id: str, exc: Exception) -> None:
+        """Ends a waiting Admit call with ``exc``."""
+        fut = self._waiters.pop(request_id, None)
+        if fut is not None and not fut.done():
+            fut.set_exception(exc)
 
     async def Admit(self, request: pb.AdmitRequest, context: grpc.aio.ServicerContext):
         if not request.request_id:
             raise InvalidArgument("request_id must not be empty")
+        if request.num_prompt_tokens < 0 or request.max_tokens < 0 or request.n < 0:
+            raise InvalidArgument("num_prompt_tokens, max_tokens and n must be >= 0")
+        _check_block_hashes(request)
         span = _tracer.start_span("scheduler.admit", context=context_from_grpc(context))
         try:
             span.set_attributes({"meshserve.request_id": request.request_id, "meshserve.tenant": request.tenant})
@@ -64,8 +73,13 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
                 max_tokens=request.max_tokens,
                 model=request.model,
                 n=max(1, request.n),
+                block_hashes=tuple(request.block_hashes),
+                hash_block_size=request.hash_block_size,
             )
-            self.core.submit(req)
+            for victim in self.core.submit(req):
+                self._fail(victim.request_id, ResourceExhausted(
+                    "displaced from the full admission queue by a higher-priority request",
+                    self.core.retry_delay_s()))
             fut: asyncio.Future[Lease] = asyncio.get_running_loop().create_future()
             self._waiters[request.request_id] = fut
             self._dispatch()
@@ -110,7 +124,10 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
             span.end()
 
     async def Release(self, request: pb.ReleaseRequest, context: grpc.aio.ServicerContext) -> pb.ReleaseResponse:
-        if self.core.release(request.lease_id):
+        tokens = request.num_completion_tokens if request.HasField("num_completion_tokens") else None
+        if tokens is not None and tokens < 0:
+            raise InvalidArgument(f"num_completion_tokens must be >= 0, got {tokens}")
+        if self.core.release(request.lease_id, tokens):
             self._dispatch()
         return pb.ReleaseResponse()
 
@@ -138,17 +155,40 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
             yield pb.SchedulerCommand(registered=pb.RegisterAck(executor_id=reg.executor_id))
             self._dispatch()
             async for msg in request_iterator:
-                if msg.WhichOneof("kind") == "capacity":
+                kind = msg.WhichOneof("kind")
+                if kind == "capacity":
                     cap = msg.capacity
-                    self.core.registry.report(
-                        reg.executor_id, cap.num_free_blocks, cap.num_running, cap.num_waiting, set(cap.lease_ids)
-                    )
+                    self.core.on_capacity(reg.executor_id, cap.num_free_blocks, cap.num_running, cap.num_waiting,
+                                          cap.lease_ids, dict(cap.lease_num_blocks))
                     self._dispatch()
+                elif kind == "kv_events":
+                    ev = msg.kv_events
+                    _check_hashes(list(ev.stored) + list(ev.removed), "kv_events")
+                    self.core.on_kv_events(reg.executor_id, ev.stored, ev.removed, ev.reset)
         finally:
             lost = self.core.remove_executor(reg.executor_id)
             log.info("executor %s disconnected (%d leases void)", reg.executor_id, len(lost))
             self._fail_orphans()
             self._dispatch()
+
+
+HASH_BYTES = 16
+
+
+def _check_hashes(hashes, what: str) -> None:
+    bad = next((h for h in hashes if len(h) != HASH_BYTES), None)
+    if bad is not None:
+        raise InvalidArgument(f"{what}: every chain hash must be {HASH_BYTES} bytes, got {len(bad)}")
+
+
+def _check_block_hashes(request: pb.AdmitRequest) -> None:
+    """Raises InvalidArgument for hashes of the wrong size or without a block size."""
+    _check_hashes(request.block_hashes, "block_hashes")
+    if request.block_hashes and request.hash_block_size <= 0:
+        raise InvalidArgument(f"hash_block_size must be > 0 with block_hashes, got {request.hash_block_size}")
+    if request.hash_block_size > 0 and len(request.block_hashes) > request.num_prompt_tokens // request.hash_block_size:
+        raise InvalidArgument(f"{len(request.block_hashes)} block hashes for {request.num_prompt_tokens} prompt "
+                              f"tokens in blocks of {request.hash_block_size}")
 
 
 async def start_scheduler(port: int, host: str = "127.0.0.1", config: SchedulerConfig | None = None) -> Service:

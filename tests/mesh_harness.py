@@ -73,7 +73,7 @@ async def start_local_mesh(engines: list[LLMEngine], tokenizer, tenants=None, st
                                                        executor_id=f"executor-{i}", step_timeout_s=step_timeout_s)
         executors.append((svc, async_engine, link))
     e0 = engines[0]
-    info = ModelInfo(e0.model_id, e0.max_model_len, e0.vocab_size)
+    info = ModelInfo(e0.model_id, e0.max_model_len, e0.vocab_size, e0.revision)
     gateway = await start_gateway(tokenizer, info, scheduler.address, 0, tenants=tenants)
     mesh = LocalMesh(scheduler, gateway, executors)
     mesh._channel = channel(gateway.address)

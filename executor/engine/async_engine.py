@@ -16,7 +16,9 @@ Only the engine thread touches the ``LLMEngine`` (it is not thread-safe), except
 ``InvalidArgument`` is raised by ``generate`` before any output. When there is no
 work the thread sleeps on an event (no busy loop). ``on_stats`` runs in the loop
 when the counters changed, at most every ``STATS_INTERVAL_S`` (a last change is
-always delivered once the engine goes idle).
+always delivered once the engine goes idle). The engine's prefix-cache events
+(``LLMEngine.take_kv_events``) are drained by the thread after every step and
+handed to ``on_kv_events`` in the loop, in order.
 """
 
 from __future__ import annotations
@@ -45,11 +47,15 @@ class AsyncEngine:
         engine: the engine; from ``start()`` on only the engine thread uses it.
         on_stats: called in the event loop with fresh ``EngineStats`` when they change
             (at most every ~50 ms).
+        on_kv_events: called in the event loop with the prefix-cache events of
+            each step that had some (a list, oldest first).
     """
 
-    def __init__(self, engine: LLMEngine, on_stats: Callable[[EngineStats], None] | None = None):
+    def __init__(self, engine: LLMEngine, on_stats: Callable[[EngineStats], None] | None = None,
+                 on_kv_events: Callable[[list], None] | None = None):
         self.engine = engine
         self._on_stats = on_stats
+        self._on_kv_events = on_kv_events
         # ("add", request_id, prompt, params, priority) | ("abort", request_id), in call order
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._wake = threading.Event()
@@ -149,7 +155,12 @@ class AsyncEngine:
 
     # -- event loop side ------------------------------------------------------
 
-    def _dispatch(self, outputs: list, stats: EngineStats | None) -> None:
+    def _dispatch(self, outputs: list, stats: EngineStats | None, kv_events: list | None = None) -> None:
+        if kv_events and self._on_kv_events is not None:
+            try:
+                self._on_kv_events(kv_events)
+            except Exception:  # noqa: BLE001 - a callback bug must not kill dispatch
+                log.exception("on_kv_events callback failed")
         for item in outputs:
             request_id, value = item
             stream = self._streams.get(request_id)
@@ -172,9 +183,9 @@ class AsyncEngine:
             except Exception:  # noqa: BLE001 - one bad callback must not stop the others
                 log.exception("engine failure callback failed")
 
-    def _send(self, outputs: list, stats: EngineStats | None) -> None:
+    def _send(self, outputs: list, stats: EngineStats | None, kv_events: list | None = None) -> None:
         if self._loop is not None and not self._loop.is_closed():
-            self._loop.call_soon_threadsafe(self._dispatch, outputs, stats)
+            self._loop.call_soon_threadsafe(self._dispatch, outputs, stats, kv_events)
 
     # -- engine thread --------------------------------------------------------
 
@@ -195,8 +206,9 @@ class AsyncEngine:
                 stats = None
                 if self._stats != last_sent_stats and now - last_sent_at >= STATS_INTERVAL_S:
                     stats, last_sent_stats, last_sent_at = self._stats, self._stats, now
-                if outputs or stats is not None:
-                    self._send(outputs, stats)
+                kv_events = self.engine.take_kv_events()
+                if outputs or stats is not None or kv_events:
+                    self._send(outputs, stats, kv_events)
                 if not self.engine.has_unfinished_requests() and self._commands.empty():
                     self._check_integrity()
                     pending = self._stats != last_sent_stats
@@ -241,4 +253,4 @@ class AsyncEngine:
         for request_id in list(self.engine.batch_scheduler.requests):
             self.engine.abort_request(request_id)
         self._stats = self.engine.stats()
-        self._send([], self._stats)
+        self._send([], self._stats, self.engine.take_kv_events())

@@ -177,6 +177,9 @@ class LLMEngine:
             num_cached_free_blocks=self.kv_cache_manager.block_pool.num_evictable_blocks,
             num_prompt_tokens=s.num_prompt_tokens,
             num_generation_tokens=s.num_generation_tokens,
+            num_blocks_by_request=tuple(sorted((rid, len(blocks))
+                                               for rid, blocks in self.kv_cache_manager.req_to_blocks.items()
+                                               if blocks)),
         )
 
     def reset_prefix_cache(self) -> bool:

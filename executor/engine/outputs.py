@@ -72,6 +72,9 @@ class EngineStats:
         num_cached_free_blocks: free blocks still holding reusable prefix KV.
         num_prompt_tokens: prompt tokens computed (cache hits excluded, recomputes included).
         num_generation_tokens: tokens sampled.
+        num_blocks_by_request: ``(request_id, blocks held)`` of every request
+            holding blocks, sorted by id (the scheduler charges them to the
+            tenants' KV quotas per lease).
     """
 
     num_blocks: int
@@ -91,6 +94,7 @@ class EngineStats:
     num_cached_free_blocks: int = 0
     num_prompt_tokens: int = 0
     num_generation_tokens: int = 0
+    num_blocks_by_request: tuple[tuple[str, int], ...] = ()
 
     @property
     def prefix_cache_hit_rate(self) -> float:

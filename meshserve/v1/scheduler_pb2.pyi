@@ -7,7 +7,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class AdmitRequest(_message.Message):
-    __slots__ = ("request_id", "tenant", "priority", "num_prompt_tokens", "max_tokens", "model", "n")
+    __slots__ = ("request_id", "tenant", "priority", "num_prompt_tokens", "max_tokens", "model", "n", "block_hashes", "hash_block_size")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TENANT_FIELD_NUMBER: _ClassVar[int]
     PRIORITY_FIELD_NUMBER: _ClassVar[int]
@@ -15,6 +15,8 @@ class AdmitRequest(_message.Message):
     MAX_TOKENS_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     N_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
+    HASH_BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     tenant: str
     priority: int
@@ -22,7 +24,9 @@ class AdmitRequest(_message.Message):
     max_tokens: int
     model: str
     n: int
-    def __init__(self, request_id: _Optional[str] = ..., tenant: _Optional[str] = ..., priority: _Optional[int] = ..., num_prompt_tokens: _Optional[int] = ..., max_tokens: _Optional[int] = ..., model: _Optional[str] = ..., n: _Optional[int] = ...) -> None: ...
+    block_hashes: _containers.RepeatedScalarFieldContainer[bytes]
+    hash_block_size: int
+    def __init__(self, request_id: _Optional[str] = ..., tenant: _Optional[str] = ..., priority: _Optional[int] = ..., num_prompt_tokens: _Optional[int] = ..., max_tokens: _Optional[int] = ..., model: _Optional[str] = ..., n: _Optional[int] = ..., block_hashes: _Optional[_Iterable[bytes]] = ..., hash_block_size: _Optional[int] = ...) -> None: ...
 
 class AdmitQueued(_message.Message):
     __slots__ = ("position", "estimated_wait_s")
@@ -53,10 +57,12 @@ class AdmitEvent(_message.Message):
     def __init__(self, queued: _Optional[_Union[AdmitQueued, _Mapping]] = ..., assignment: _Optional[_Union[Assignment, _Mapping]] = ...) -> None: ...
 
 class ReleaseRequest(_message.Message):
-    __slots__ = ("lease_id",)
+    __slots__ = ("lease_id", "num_completion_tokens")
     LEASE_ID_FIELD_NUMBER: _ClassVar[int]
+    NUM_COMPLETION_TOKENS_FIELD_NUMBER: _ClassVar[int]
     lease_id: str
-    def __init__(self, lease_id: _Optional[str] = ...) -> None: ...
+    num_completion_tokens: int
+    def __init__(self, lease_id: _Optional[str] = ..., num_completion_tokens: _Optional[int] = ...) -> None: ...
 
 class ReleaseResponse(_message.Message):
     __slots__ = ()
@@ -81,24 +87,45 @@ class ExecutorRegister(_message.Message):
     def __init__(self, executor_id: _Optional[str] = ..., address: _Optional[str] = ..., model: _Optional[str] = ..., num_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., max_model_len: _Optional[int] = ..., pool: _Optional[str] = ...) -> None: ...
 
 class CapacityReport(_message.Message):
-    __slots__ = ("num_free_blocks", "num_running", "num_waiting", "lease_ids")
+    __slots__ = ("num_free_blocks", "num_running", "num_waiting", "lease_ids", "lease_num_blocks")
+    class LeaseNumBlocksEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: int
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[int] = ...) -> None: ...
     NUM_FREE_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     NUM_RUNNING_FIELD_NUMBER: _ClassVar[int]
     NUM_WAITING_FIELD_NUMBER: _ClassVar[int]
     LEASE_IDS_FIELD_NUMBER: _ClassVar[int]
+    LEASE_NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     num_free_blocks: int
     num_running: int
     num_waiting: int
     lease_ids: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, num_free_blocks: _Optional[int] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., lease_ids: _Optional[_Iterable[str]] = ...) -> None: ...
+    lease_num_blocks: _containers.ScalarMap[str, int]
+    def __init__(self, num_free_blocks: _Optional[int] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., lease_ids: _Optional[_Iterable[str]] = ..., lease_num_blocks: _Optional[_Mapping[str, int]] = ...) -> None: ...
+
+class KvEvents(_message.Message):
+    __slots__ = ("reset", "stored", "removed")
+    RESET_FIELD_NUMBER: _ClassVar[int]
+    STORED_FIELD_NUMBER: _ClassVar[int]
+    REMOVED_FIELD_NUMBER: _ClassVar[int]
+    reset: bool
+    stored: _containers.RepeatedScalarFieldContainer[bytes]
+    removed: _containers.RepeatedScalarFieldContainer[bytes]
+    def __init__(self, reset: _Optional[bool] = ..., stored: _Optional[_Iterable[bytes]] = ..., removed: _Optional[_Iterable[bytes]] = ...) -> None: ...
 
 class ExecutorMessage(_message.Message):
-    __slots__ = ("register", "capacity")
+    __slots__ = ("register", "capacity", "kv_events")
     REGISTER_FIELD_NUMBER: _ClassVar[int]
     CAPACITY_FIELD_NUMBER: _ClassVar[int]
+    KV_EVENTS_FIELD_NUMBER: _ClassVar[int]
     register: ExecutorRegister
     capacity: CapacityReport
-    def __init__(self, register: _Optional[_Union[ExecutorRegister, _Mapping]] = ..., capacity: _Optional[_Union[CapacityReport, _Mapping]] = ...) -> None: ...
+    kv_events: KvEvents
+    def __init__(self, register: _Optional[_Union[ExecutorRegister, _Mapping]] = ..., capacity: _Optional[_Union[CapacityReport, _Mapping]] = ..., kv_events: _Optional[_Union[KvEvents, _Mapping]] = ...) -> None: ...
 
 class RegisterAck(_message.Message):
     __slots__ = ("executor_id",)

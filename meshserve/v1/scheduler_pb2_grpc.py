@@ -60,7 +60,10 @@ class SchedulerServicer:
         """Asks for an executor. The stream sends queue updates while the request
         waits, then exactly one Assignment, and ends.
         Errors: UNAVAILABLE (no executor serves the model), INVALID_ARGUMENT (the
-        request could never fit any executor), RESOURCE_EXHAUSTED (queue full).
+        request could never fit any executor), RESOURCE_EXHAUSTED (queue full by
+        count or tokens, displaced by a higher-priority arrival, or the request
+        alone exceeds its tenant's KV quota; the retry delay is in the
+        `retry-after-s` trailing metadata).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -75,8 +78,9 @@ class SchedulerServicer:
 
     def Connect(self, request_iterator, context):
         """One long-lived stream per executor: a Register first, then capacity
-        reports; the scheduler answers with commands. Closing the stream removes
-        the executor from the registry at once.
+        reports and prefix-cache events; the scheduler answers with commands.
+        Closing the stream removes the executor from the registry (and its
+        blocks from the prefix index) at once.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -12,7 +12,8 @@ def make_engine(**overrides):
     from executor.engine.llm_engine import LLMEngine
 
     cache = CacheConfig(block_size=16, kv_cache_memory_bytes=overrides.pop("kv_cache_memory_bytes", 256 << 20),
-                        num_blocks=overrides.pop("num_blocks", None))
+                        num_blocks=overrides.pop("num_blocks", None),
+                        enable_kv_events=overrides.pop("enable_kv_events", True))  # as `meshserve executor`
     batch = BatchSchedulerConfig(
         max_num_seqs=overrides.pop("max_num_seqs", 32),
         max_num_batched_tokens=overrides.pop("max_num_batched_tokens", 512),

@@ -1,0 +1,170 @@
+"""The Scheduler servicer over loopback with a fake executor: quotas, overload, Release tokens."""
+
+import asyncio
+
+import grpc
+import pytest
+
+from meshserve.v1 import scheduler_pb2 as pb
+from meshserve.v1 import scheduler_pb2_grpc
+from scheduler.admission import SchedulerConfig
+from scheduler.server import start_scheduler
+
+
+async def _fake_executor(stub, num_blocks, registered: asyncio.Event, stop: asyncio.Event):
+    async def messages():
+        yield pb.ExecutorMessage(register=pb.ExecutorRegister(
+            executor_id="e0", address="127.0.0.1:1", model="m", num_blocks=num_blocks, block_size=16,
+            max_model_len=4096))
+        await stop.wait()
+
+    call = stub.Connect(messages())
+    async for _ in call:
+        registered.set()
+    return call
+
+
+@pytest.fixture
+async def scheduler():
+    config = SchedulerConfig(tenant_quotas={"a": 2}, max_queue_len=1, retry_after_s=0.25)
+    svc = await start_scheduler(0, config=config)
+    channel = grpc.aio.insecure_channel(svc.address)
+    stub = scheduler_pb2_grpc.SchedulerStub(channel)
+    registered, stop = asyncio.Event(), asyncio.Event()
+    task = asyncio.create_task(_fake_executor(stub, 4, registered, stop))
+    await asyncio.wait_for(registered.wait(), 5)
+    yield svc, stub
+    stop.set()
+    await asyncio.wait_for(task, 5)
+    await channel.close()
+    await svc.stop(0.1)
+
+
+async def _events(stub, **kw):
+    return [e async for e in stub.Admit(pb.AdmitRequest(model="m", max_tokens=16, **kw))]
+
+
+async def test_request_alone_over_quota_is_resource_exhausted_with_retry_delay(scheduler):
+    _, stub = scheduler
+    with pytest.raises(grpc.aio.AioRpcError) as info:
+        await _events(stub, request_id="r", tenant="a", num_prompt_tokens=47)  # 3 blocks > 2
+    assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert "quota of 2" in info.value.details()
+    assert ("retry-after-s", "0.250") in tuple(info.value.trailing_metadata())
+
+
+async def test_release_with_completion_tokens_teaches_the_predictor(scheduler):
+    svc, stub = scheduler
+    events = await _events(stub, request_id="r1", tenant="a", num_prompt_tokens=15)
+    lease = events[-1].assignment.lease_id
+    assert lease and svc.servicer.core.quotas.snapshot() == {"a": 1}
+    await stub.Release(pb.ReleaseRequest(lease_id=lease, num_completion_tokens=12))
+    assert svc.servicer.core.quotas.snapshot() == {}
+    assert svc.servicer.core.predictor.stats()["mean_abs_error_tokens"] == 4.0  # predicted 16 // 2
+    with pytest.raises(grpc.aio.AioRpcError) as info:
+        await stub.Release(pb.ReleaseRequest(lease_id=lease, num_completion_tokens=-1))
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+
+
+async def test_higher_priority_arrival_displaces_a_queued_request(scheduler):
+    svc, stub = scheduler
+    first = await _events(stub, request_id="hold", tenant="x", num_prompt_tokens=63)  # all 4 blocks
+    low = asyncio.create_task(_events(stub, request_id="low", tenant="x", num_prompt_tokens=15))
+    while len(svc.servicer.core) == 0:
+        await asyncio.sleep(0.01)
+    high = asyncio.create_task(_events(stub, request_id="high", tenant="x", num_prompt_tokens=15, priority=1))
+    with pytest.raises(grpc.aio.AioRpcError) as info:
+        await low
+    assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "displaced" in info.value.details()
+    await stub.Release(pb.ReleaseRequest(lease_id=first[-1].assignment.lease_id))
+    events = await asyncio.wait_for(high, 5)
+    assert events[0].queued.position == 0 and events[-1].assignment.lease_id
+    await stub.Release(pb.ReleaseRequest(lease_id=events[-1].assignment.lease_id))
+
+
+class FakeExecutor:
+    """A Connect stream driven by a queue of messages."""
+
+    def __init__(self, stub, executor_id, num_blocks=64, pool=""):
+        self.queue: asyncio.Queue = asyncio.Queue()
+        self.registered = asyncio.Event()
+        self.queue.put_nowait(pb.ExecutorMessage(register=pb.ExecutorRegister(
+            executor_id=executor_id, address=f"addr-{executor_id}", model="m", num_blocks=num_blocks, block_size=16,
+            max_model_len=4096, pool=pool)))
+        self.task = asyncio.create_task(self._run(stub))
+
+    async def _messages(self):
+        while (msg := await self.queue.get()) is not None:
+            yield msg
+
+    async def _run(self, stub):
+        async for _ in stub.Connect(self._messages()):
+            self.registered.set()
+
+    async def close(self):
+        self.queue.put_nowait(None)
+        await asyncio.wait_for(self.task, 5)
+
+
+H = [bytes([i]) * 16 for i in range(4)]
+
+
+async def _until(predicate):
+    for _ in range(500):
+        if predicate():
+            return
+        await asyncio.sleep(0.01)
+    raise AssertionError("condition not reached")
+
+
+async def test_kv_events_route_admissions_and_lease_reports_correct_quotas():
+    svc = await start_scheduler(0, config=SchedulerConfig(tenant_quotas={"a": 20}))
+    core = svc.servicer.core
+    channel = grpc.aio.insecure_channel(svc.address)
+    stub = scheduler_pb2_grpc.SchedulerStub(channel)
+    e0, e1 = FakeExecutor(stub, "e0"), FakeExecutor(stub, "e1")
+    try:
+        await asyncio.wait_for(asyncio.gather(e0.registered.wait(), e1.registered.wait()), 5)
+        e1.queue.put_nowait(pb.ExecutorMessage(kv_events=pb.KvEvents(reset=True, stored=H[:3])))
+        await _until(lambda: core.prefix_index.num_blocks("e1") == 3)
+        events = await _events(stub, request_id="r", tenant="a", num_prompt_tokens=70, block_hashes=H,
+                               hash_block_size=16)  # 4 full blocks; e1 holds the first 3 (48 tokens)
+        assert events[-1].assignment.executor_id == "e1"
+        lease = events[-1].assignment.lease_id
+        assert core.quotas.snapshot() == {"a": 5}  # ceil(71 / 16)
+        e1.queue.put_nowait(pb.ExecutorMessage(capacity=pb.CapacityReport(
+            num_free_blocks=50, num_running=1, lease_ids=[lease], lease_num_blocks={lease: 9})))
+        await _until(lambda: core.quotas.snapshot() == {"a": 9})
+        for bad, message in (({"block_hashes": [b"short"], "hash_block_size": 16}, "16 bytes"),
+                             ({"block_hashes": H[:1], "hash_block_size": 0}, "hash_block_size"),
+                             ({"block_hashes": H, "hash_block_size": 16, "num_prompt_tokens": 20}, "4 block hashes")):
+            args = {"request_id": "bad", "tenant": "a", "num_prompt_tokens": 70, **bad}
+            with pytest.raises(grpc.aio.AioRpcError) as info:
+                await _events(stub, **args)
+            assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT and message in info.value.details()
+        await stub.Release(pb.ReleaseRequest(lease_id=lease))
+        assert core.quotas.snapshot() == {}
+        await e1.close()
+        await _until(lambda: core.prefix_index.num_blocks("e1") == 0 and core.registry.get("e1") is None)
+        assert core.prefix_index.hit_blocks(H) == {}
+    finally:
+        await e0.close()
+        await channel.close()
+        await svc.stop(0.1)
+
+
+async def test_malformed_kv_events_end_the_stream_with_invalid_argument():
+    svc = await start_scheduler(0)
+    channel = grpc.aio.insecure_channel(svc.address)
+    stub = scheduler_pb2_grpc.SchedulerStub(channel)
+    e0 = FakeExecutor(stub, "e0")
+    try:
+        await asyncio.wait_for(e0.registered.wait(), 5)
+        e0.queue.put_nowait(pb.ExecutorMessage(kv_events=pb.KvEvents(stored=[b"x" * 15])))
+        with pytest.raises(grpc.aio.AioRpcError) as info:
+            await asyncio.wait_for(e0.task, 5)
+        assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "16 bytes" in info.value.details()
+        await _until(lambda: svc.servicer.core.registry.get("e0") is None)
+    finally:
+        await channel.close()
+        await svc.stop(0.1)
