@@ -27,7 +27,10 @@ Prefix caching: a request scheduled from waiting (new or preempted) first takes
 the longest cached prefix of its tokens (``KVCacheManager.get_computed_blocks``)
 and starts with ``num_computed_tokens`` at its end; after each step the
 request's newly computed full blocks are registered in the cache. A preempted
-request usually finds its own blocks again, so recompute is often cheap.
+request usually finds its own blocks again, so recompute is often cheap. A
+waiting request whose next uncached block another running request is computing
+right now waits for it instead of computing it twice (in-flight prefix sharing,
+as SGLang's radix cache does for concurrent requests).
 
 Dynamic batching wait (``max_batch_wait_ms`` > 0, TGI's ``max_waiting_tokens``
 idea in wall-clock form): while the running batch plus the waiting new requests
@@ -80,6 +83,7 @@ class BatchScheduler:
         self.running: list[Request] = []   # sorted by Request.sort_key
         self._finished_ids: set[str] = set()
         self.num_preemptions = 0
+        self.num_deferred_for_prefix = 0  # times a waiting request waited for a block being computed
         self.num_joined_running_batch = 0
         self.num_finished = 0
         self.num_aborted = 0
@@ -178,17 +182,40 @@ class BatchScheduler:
         self.num_preemptions += 1
         bisect.insort(self.waiting, request, key=lambda r: r.sort_key)
 
+    def _pending_hashes(self) -> set:
+        """Full prompt blocks that running requests are computing now (see
+        ``_schedule_waiting``: in-flight prefix sharing)."""
+        pending = set()
+        for request in self.running:
+            if request.num_computed_tokens < request.num_prompt_tokens:
+                pending.update(self.kv.pending_block_hashes(request))
+        return pending
+
     def _schedule_waiting(self, state: _StepState, had_running: bool) -> None:
+        """Admits waiting requests in order (see the module doc).
+
+        In-flight prefix sharing: a request whose next uncached prompt block is
+        being computed by a running request (the same system prompt, arrived
+        together) is skipped this step, so it reads that block from the prefix
+        cache a step later instead of computing it again; requests behind it
+        may go first. The wait is bounded by the other request's prefill.
+        """
         if self._hold_for_batching(state):
             return
-        while self.waiting and state.budget > 0:
-            request = self.waiting[0]
+        pending = self._pending_hashes() if self.waiting else set()
+        index = 0
+        while index < len(self.waiting) and state.budget > 0:
+            request = self.waiting[index]
             if len(self.running) >= self.config.max_num_seqs:
                 if self._preempt_lower(request, state):
                     continue
                 return
             # a waiting request holds no block (new, or preempted and freed)
             computed_blocks, num_hit = self.kv.get_computed_blocks(request)
+            if pending and self.kv.next_cacheable_hash(request, num_hit) in pending:
+                self.num_deferred_for_prefix += 1
+                index += 1
+                continue
             num_new = request.num_tokens - num_hit
             if num_new > state.budget and not self._may_chunk(request, num_new):
                 return
@@ -197,7 +224,7 @@ class BatchScheduler:
                 if self._preempt_lower(request, state):
                     continue
                 return  # head-of-line waits for blocks; running requests free them
-            self.waiting.pop(0)
+            self.waiting.pop(index)
             if had_running and request.num_preemptions == 0:
                 self.num_joined_running_batch += 1
             if request.num_preemptions == 0:
@@ -209,6 +236,8 @@ class BatchScheduler:
             bisect.insort(self.running, request, key=lambda r: r.sort_key)
             state.scheduled[request.request_id] = num_new
             state.budget -= num_new
+            if self.kv.enable_caching:
+                pending.update(self.kv.pending_block_hashes(request))
 
     def _preempt_lower(self, request: Request, state: _StepState) -> bool:
         """Preempts the lowest running request if its priority is strictly lower than

@@ -97,6 +97,26 @@ class KVCacheManager:
             blocks.append(block.block_id)
         return blocks, len(blocks) * self.block_size
 
+    def next_cacheable_hash(self, request: Request, num_hit: int) -> BlockHash | None:
+        """The hash of the full block right after a ``num_hit``-token cached prefix,
+        if the prefix cache could serve that block to this request; else None
+        (caching off, prompt logprobs asked, or no full block there below
+        ``num_tokens - 1``)."""
+        if not self.enable_caching or getattr(request.sampling_params, "prompt_logprobs", None) is not None:
+            return None
+        index = num_hit // self.block_size
+        if index >= (request.num_tokens - 1) // self.block_size:
+            return None
+        return self.block_hashes(request)[index]
+
+    def pending_block_hashes(self, request: Request) -> list[BlockHash]:
+        """Hashes of the request's full prompt blocks it has not registered in the
+        cache yet (it is computing them); empty when caching is off."""
+        if not self.enable_caching:
+            return []
+        start = self.req_num_cached_blocks.get(request.request_id, 0)
+        return self.block_hashes(request)[start:request.num_prompt_tokens // self.block_size]
+
     def cache_blocks(self, request: Request, num_computed_tokens: int) -> None:
         """Registers the request's full blocks among its first ``num_computed_tokens``
         tokens (whose K/V are computed) that are not registered yet."""

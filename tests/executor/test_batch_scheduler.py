@@ -294,3 +294,35 @@ def _drain(s, limit=1000):
         assert out.num_scheduled_tokens <= s.config.max_num_batched_tokens
         assert len(out.scheduled) <= s.config.max_num_seqs
     raise AssertionError("scheduler did not finish: deadlock?")
+
+
+def test_in_flight_prefix_sharing_defers_to_the_request_computing_it():
+    """Three requests share a 12-token prompt (block 4) and arrive together; a
+    fourth has its own prompt. Only the first computes the shared blocks; the
+    others wait one step (the unrelated one goes ahead) and then hit the cache."""
+    s = make_scheduler(num_blocks=40, block_size=4, budget=100, max_num_seqs=8, caching=True)
+    for rid in ("a", "b", "c"):
+        s.add_request(make_request(rid, 12))
+    other = make_request("d", 12)
+    other.prompt_token_ids[0] = other.all_token_ids[0] = 99  # another first block: nothing shared
+    s.add_request(other)
+
+    out, _ = run_step(s)
+    assert shares(out) == {"a": 12, "d": 12}
+    assert s.num_deferred_for_prefix == 2
+    assert s.requests["b"].status == s.requests["c"].status == RequestStatus.WAITING
+
+    out, _ = run_step(s)  # a and d decode; b and c read blocks 0-1 from the cache, compute the last 4 tokens
+    assert shares(out) == {"a": 1, "d": 1, "b": 4, "c": 4}
+    assert s.requests["b"].num_cached_tokens == s.requests["c"].num_cached_tokens == 8
+    assert s.kv.get_block_ids("b")[:2] == s.kv.get_block_ids("a")[:2]
+    assert s.prefix_cache_hit_tokens == 16
+
+
+def test_in_flight_prefix_sharing_off_without_caching():
+    s = make_scheduler(num_blocks=40, block_size=4, budget=100, max_num_seqs=8, caching=False)
+    for rid in ("a", "b"):
+        s.add_request(make_request(rid, 12))
+    out, _ = run_step(s)
+    assert shares(out) == {"a": 12, "b": 12}
+    assert s.num_deferred_for_prefix == 0
