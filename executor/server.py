@@ -184,6 +184,7 @@ class LinkConfig:
     advertise_address: str
     pool: str = "default"
     report_interval_s: float = 0.05
+    heartbeat_s: float = 1.0  # a report at least this often, changed or not (the scheduler drops silent executors)
     max_hashes_per_message: int = 8192  # 16 bytes each: 128 KiB messages
 
 
@@ -285,7 +286,10 @@ class SchedulerLink:
                 for msg in self._kv_messages(*self.kv_events.take()):
                     yield msg
             yield self._report()
-            await self._wake.wait()
+            try:
+                await asyncio.wait_for(self._wake.wait(), self.config.heartbeat_s)
+            except asyncio.TimeoutError:
+                continue  # heartbeat: the same report again
             self._wake.clear()
             await asyncio.sleep(self.config.report_interval_s)
 

@@ -26,6 +26,7 @@ import grpc
 
 from gateway.choices import Choice, RequestTimer
 from gateway.prompt import PromptBuilder
+from gateway.readiness import ReadinessProbe
 from gateway.tenants import TenantRegistry
 from meshserve.block_hash import routing_block_hashes
 from meshserve.errors import AlreadyExists, InvalidArgument, Unavailable, from_rpc_error
@@ -84,6 +85,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         self._executors: dict[str, executor_pb2_grpc.ExecutorStub] = {}
         self._channels: list[grpc.aio.Channel] = [self._scheduler_channel]
         self._in_flight: set[str] = set()  # request ids of unfinished Generate calls
+        self.readiness: ReadinessProbe | None = None  # set by start_gateway
 
     def _executor(self, address: str) -> executor_pb2_grpc.ExecutorStub:
         stub = self._executors.get(address)
@@ -94,6 +96,8 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         return stub
 
     async def close(self) -> None:
+        if self.readiness is not None:
+            await self.readiness.stop()
         for channel in self._channels:
             await channel.close()
 
@@ -220,7 +224,8 @@ async def start_gateway(
     tokenizer, model: ModelInfo, scheduler_address: str, port: int, host: str = "127.0.0.1",
     tenants: TenantRegistry | None = None, hash_block_size: int = 16,
 ) -> Service:
-    """Starts the Gateway service; SERVING at once (the tokenizer is already loaded).
+    """Starts the Gateway service. Its health is SERVING while the scheduler has an
+    executor registered (``gateway.readiness``), checked every 0.5 s.
 
     ``hash_block_size``: tokens per block of the prompt chain hashes sent for
     prefix-aware routing (the executors' ``block_size``; 0: none sent).
@@ -231,5 +236,7 @@ async def start_gateway(
     gateway_pb2_grpc.add_GatewayServicer_to_server(servicer, service.server)
     service.servicer = servicer  # type: ignore[attr-defined]
     await service.start()
-    await service.set_serving(True)
+    servicer.readiness = ReadinessProbe(service, servicer._scheduler_channel)
+    await servicer.readiness.check()
+    servicer.readiness.start()
     return service

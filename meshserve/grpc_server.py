@@ -18,6 +18,9 @@ log = logging.getLogger(__name__)
 
 SERVING = health_pb2.HealthCheckResponse.SERVING
 NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
+# The scheduler's health answers for this name: SERVING while an executor is
+# registered. The gateway is ready (SERVING) only while it is.
+EXECUTORS_HEALTH_SERVICE = "meshserve.v1.Executor"
 
 # Long token streams and the executors' long-lived Connect streams: clients ping
 # every 20 s, and servers must accept that (gRPC's server default allows one ping

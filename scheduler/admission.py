@@ -72,6 +72,9 @@ class SchedulerConfig:
         pools: priority classes → pools and spill rules (``scheduler.pools``);
             None: every executor of the model is a candidate.
         routing: the routing cost function's settings (``scheduler.routing``).
+        executor_timeout_s: an executor silent this long on its Connect stream
+            (no report; they come at least every second) is dropped from the
+            registry: nothing is routed to an unreachable executor (seconds).
     """
 
     max_queue_len: int = 4096
@@ -84,6 +87,7 @@ class SchedulerConfig:
     predictor_min_samples: int = 3
     pools: PoolsConfig | None = None
     routing: RoutingConfig = field(default_factory=RoutingConfig)
+    executor_timeout_s: float = 3.0
 
 
 @dataclass

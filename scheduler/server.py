@@ -4,7 +4,8 @@
 one Assignment. ``Connect`` is one executor's life: Register, then capacity
 reports (with per-lease block counts for the tenant quotas) and prefix-cache
 events (``KvEvents``, for prefix-aware routing); when the stream ends the
-executor is gone at once, from the registry and from the prefix index. Every state change
+executor is gone at once, from the registry and from the prefix index; so is an
+executor silent for ``executor_timeout_s`` (unreachable). Every state change
 runs ``_dispatch`` which hands leases to waiting ``Admit`` calls.
 """
 
@@ -12,11 +13,12 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from typing import Callable
 
 import grpc
 
 from meshserve.errors import InvalidArgument, ResourceExhausted, Unavailable
-from meshserve.grpc_server import Service
+from meshserve.grpc_server import EXECUTORS_HEALTH_SERVICE, NOT_SERVING, SERVING, Service
 from meshserve.telemetry import context_from_grpc, tracer
 from meshserve.v1 import scheduler_pb2 as pb
 from meshserve.v1 import scheduler_pb2_grpc
@@ -31,9 +33,10 @@ QUEUE_UPDATE_INTERVAL_S = 0.5
 class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
     """Serves Admit, Release and Connect over one ``AdmissionCore``."""
 
-    def __init__(self, core: AdmissionCore):
+    def __init__(self, core: AdmissionCore, on_registry_change: Callable[[int], None] | None = None):
         self.core = core
         self._waiters: dict[str, asyncio.Future[Lease]] = {}
+        self._on_registry_change = on_registry_change or (lambda _n: None)
 
     def _dispatch(self) -> None:
         for req, lease in self.core.dispatch():
@@ -150,11 +153,21 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
             pool=reg.pool or "default",
         )
         self.core.registry.add(state)
+        self._on_registry_change(len(list(self.core.registry)))
         log.info("executor %s registered at %s (%d blocks)", reg.executor_id, reg.address, reg.num_blocks)
+        messages = aiter(request_iterator)
+        timeout_s = self.core.config.executor_timeout_s
         try:
             yield pb.SchedulerCommand(registered=pb.RegisterAck(executor_id=reg.executor_id))
             self._dispatch()
-            async for msg in request_iterator:
+            while True:
+                try:
+                    msg = await asyncio.wait_for(anext(messages), timeout_s)
+                except StopAsyncIteration:
+                    break
+                except asyncio.TimeoutError:
+                    log.warning("executor %s silent for %.1f s: dropped as unreachable", reg.executor_id, timeout_s)
+                    break
                 kind = msg.WhichOneof("kind")
                 if kind == "capacity":
                     cap = msg.capacity
@@ -167,6 +180,7 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
                     self.core.on_kv_events(reg.executor_id, ev.stored, ev.removed, ev.reset)
         finally:
             lost = self.core.remove_executor(reg.executor_id)
+            self._on_registry_change(len(list(self.core.registry)))
             log.info("executor %s disconnected (%d leases void)", reg.executor_id, len(lost))
             self._fail_orphans()
             self._dispatch()
@@ -192,11 +206,21 @@ def _check_block_hashes(request: pb.AdmitRequest) -> None:
 
 
 async def start_scheduler(port: int, host: str = "127.0.0.1", config: SchedulerConfig | None = None) -> Service:
-    """Starts a Scheduler service on ``host:port`` (0 picks a free port); SERVING at once."""
+    """Starts a Scheduler service on ``host:port`` (0 picks a free port); SERVING at once.
+
+    Its health service also answers for ``EXECUTORS_HEALTH_SERVICE``: SERVING while
+    at least one executor is registered (the gateway's readiness follows it).
+    """
     service = Service("meshserve.v1.Scheduler", port, host)
-    servicer = SchedulerServicer(AdmissionCore(config))
+
+    def registry_changed(num_executors: int) -> None:
+        status = SERVING if num_executors else NOT_SERVING
+        asyncio.ensure_future(service.health.set(EXECUTORS_HEALTH_SERVICE, status))
+
+    servicer = SchedulerServicer(AdmissionCore(config), registry_changed)
     scheduler_pb2_grpc.add_SchedulerServicer_to_server(servicer, service.server)
     service.servicer = servicer  # type: ignore[attr-defined]
     await service.start()
+    await service.health.set(EXECUTORS_HEALTH_SERVICE, NOT_SERVING)
     await service.set_serving(True)
     return service

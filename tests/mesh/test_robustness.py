@@ -183,3 +183,59 @@ async def _is(address: str, status: int) -> bool:
 
 async def _empty(core) -> bool:
     return list(core.registry) == []
+
+
+async def test_C24_unreachable_executor_is_dropped_and_gateway_not_ready(tokenizer):
+    """The executor is alive but its link to the scheduler is partitioned: within
+    5 s the scheduler drops it (no report for executor_timeout_s) and the gateway
+    turns NOT_SERVING (no executor); requests get UNAVAILABLE, not a hang. Healed,
+    the executor re-registers, the gateway is SERVING and requests complete."""
+    from grpc_health.v1 import health_pb2
+
+    from executor.server import start_executor
+    from gateway.server import ModelInfo, start_gateway
+    from meshserve.v1 import gateway_pb2_grpc
+    from scheduler.server import start_scheduler
+    from tests.mesh.conftest import make_engine
+    from tests.net_fault import FreezableProxy
+
+    SERVING, NOT_SERVING = health_pb2.HealthCheckResponse.SERVING, health_pb2.HealthCheckResponse.NOT_SERVING
+    engine = make_engine(num_blocks=64)
+    scheduler = await start_scheduler(0)
+    proxy = FreezableProxy(scheduler.address)
+    await proxy.start()
+    svc, async_engine, link = await start_executor(engine, 0, scheduler_address=proxy.address,
+                                                   executor_id="executor-0")
+    info = ModelInfo(engine.model_id, engine.max_model_len, engine.vocab_size)
+    gateway = await start_gateway(tokenizer, info, scheduler.address, 0)
+    core = scheduler.servicer.core
+    try:
+        async with channel(gateway.address) as ch:
+            stub = gateway_pb2_grpc.GatewayStub(ch)
+            assert await _health(gateway.address) == SERVING
+            ref = await generate(stub, build_request("The capital of France is", max_tokens=8, temperature=0))
+
+            proxy.freeze()
+            took = await _wait_until(lambda: _empty(core), 5)
+            assert took >= 2.0  # silence must last executor_timeout_s (3 s), not less
+            await _wait_until(lambda: _is(gateway.address, NOT_SERVING), 2)
+            assert await _health(svc.address) == SERVING  # the executor itself is fine
+            with pytest.raises(grpc.aio.AioRpcError) as info_:
+                await generate(stub, build_request("Hello", max_tokens=2), timeout=10)
+            assert info_.value.code() == grpc.StatusCode.UNAVAILABLE
+
+            proxy.thaw()
+            await _wait_until(lambda: _is(gateway.address, SERVING), 15)
+            assert [e.executor_id for e in core.registry] == ["executor-0"]
+            again = await generate(stub, build_request("The capital of France is", max_tokens=8, temperature=0))
+            assert again.token_ids == ref.token_ids
+            assert core.num_leases() == 0
+    finally:
+        await gateway.stop(0.2)
+        await gateway.servicer.close()
+        await svc.watchdog.stop()
+        await svc.stop(0.2)
+        await link.stop()
+        await async_engine.stop()
+        await proxy.stop()
+        await scheduler.stop(0.2)
