@@ -19,6 +19,9 @@ Modules, in the order data flows through them:
   tables of medians and ratios over a folder of reports;
 * ``runner``: one run from start to finish.
 
+``policies`` (``python -m meshserve.bench.policies``) is separate: the scheduler's
+queue policies and tenant quotas on a launched 2-executor mesh (issue 4).
+
 A benchmark prints numbers and writes reports; tests assert behaviour, never times.
 """
 
