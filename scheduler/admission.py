@@ -72,6 +72,8 @@ class SchedulerConfig:
         pools: priority classes → pools and spill rules (``scheduler.pools``);
             None: every executor of the model is a candidate.
         routing: the routing cost function's settings (``scheduler.routing``).
+        max_engine_waiting: an executor reporting more requests than this
+            waiting in its engine gets no new assignment (None: no limit).
         executor_timeout_s: an executor silent this long on its Connect stream
             (no report; they come at least every second) is dropped from the
             registry: nothing is routed to an unreachable executor (seconds).
@@ -87,6 +89,7 @@ class SchedulerConfig:
     predictor_min_samples: int = 3
     pools: PoolsConfig | None = None
     routing: RoutingConfig = field(default_factory=RoutingConfig)
+    max_engine_waiting: int | None = 0
     executor_timeout_s: float = 3.0
 
 
@@ -126,7 +129,7 @@ class AdmissionCore:
         self.registry = ExecutorRegistry()
         self.prefix_index = PrefixIndex()
         self.placer = Placer(self.registry, self.prefix_index, self.config.pools, self.config.routing,
-                             self.config.pending_timeout_s)
+                             self.config.pending_timeout_s, self.config.max_engine_waiting)
         self.predictor = OutputLengthPredictor(self.config.predictor_min_samples)
         self.quotas = TenantQuotas(self.config.tenant_quotas)
         self.waits = WaitEstimator()

@@ -5,7 +5,11 @@ Pure, no gRPC. For one request the admission core asks ``choose``:
 1. **executors of its model** that could ever hold it (prompt + 1 token within
    ``max_model_len`` and one choice's blocks within the whole cache);
 2. **room**: available blocks (reported free minus pending promises, see
-   ``scheduler.registry``) >= the blocks the request needs;
+   ``scheduler.registry``) >= the blocks the request needs, and no more than
+   ``max_engine_waiting`` requests (default 0) waiting inside its engine — an
+   engine that already queues work (batch full, KV short) gets no more, so the
+   queue stays in the scheduler where the queue policy (SJF, priority) orders
+   it, instead of in the engines' first-come queues;
 3. **pool**: its own pool's executors with room, else an idle spill target's
    (``scheduler.pools``);
 4. **routing**: the cheapest of those by the cost function of
@@ -98,7 +102,8 @@ class Placer:
     """Chooses executors over a registry, a prefix index, pools and a routing config."""
 
     def __init__(self, registry: ExecutorRegistry, prefix_index: PrefixIndex, pools: PoolsConfig | None,
-                 routing: RoutingConfig, pending_timeout_s: float):
+                 routing: RoutingConfig, pending_timeout_s: float, max_engine_waiting: int | None = 0):
+        self.max_engine_waiting = max_engine_waiting
         self.registry = registry
         self.prefix_index = prefix_index
         self.pools = pools
@@ -124,6 +129,8 @@ class Placer:
     def choose(self, req: Placeable, now: float) -> tuple[Placement | None, PoolChoice]:
         """The executor for ``req`` now, or None (wait), and the pool choice behind it."""
         def has_room(e: ExecutorState) -> bool:
+            if self.max_engine_waiting is not None and e.num_waiting > self.max_engine_waiting:
+                return False  # its engine already queues work: keep the queue here, where the policy orders it
             return fits_ever(e, req) and e.available_blocks(now, self.pending_timeout_s) >= blocks_needed(e, req)
 
         choice = candidate_executors(self.pools, req.priority, self.executors_for(req), has_room,

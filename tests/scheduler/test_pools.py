@@ -117,7 +117,7 @@ def test_spill_needs_the_target_pool_half_free():
 
 def test_blocked_pool_does_not_hold_up_another_pool():
     core = core_with(ex("i0", "interactive", num_blocks=1), ex("b0", "batch", num_blocks=8))
-    core.registry.report("b0", 8, 0, 1, set())       # b0 busy (a request waits there): no spill
+    core.registry.report("b0", 3, 1, 0, set())       # b0 busy (3 of 8 blocks free, < 50 %): no spill
     core.submit(req("h1", 1, tokens=20))              # 2 blocks: never fits i0 ... but fits b0
     core.submit(req("lo", 0))
     assert placed(core) == [("lo", "b0")]             # h1 waits for the spill target; lo goes on
@@ -147,3 +147,15 @@ def test_scheduler_config_reads_the_pools_file_and_cli_rejects_a_bad_one(tmp_pat
     assert result.exit_code == 2 and "spill_to names 'silver'" in result.output
     result = CliRunner().invoke(app, ["scheduler", "--routing", "random"])
     assert result.exit_code == 2 and "unknown routing policy" in result.output
+
+
+def test_engine_with_waiting_requests_gets_no_new_assignment():
+    """The queue stays in the scheduler (where SJF/priority order it) instead of
+    piling up in an engine's first-come queue."""
+    core = core_with(ex("b0", "batch", num_blocks=8), ex("b1", "batch", num_blocks=8))
+    core.registry.report("b0", 8, 1, 1, set())       # b0's engine queues a request
+    core.registry.report("b1", 8, 1, 1, set())       # so does b1's
+    core.submit(req("x", 0))
+    assert placed(core) == []
+    core.registry.report("b1", 8, 1, 0, set())       # b1 runs everything it holds
+    assert placed(core) == [("x", "b1")]
