@@ -54,12 +54,15 @@ class PlacementLog:
             raise ValueError(f"max_events must be >= 1, got {max_events}")
         self._events: deque[PlacementEvent] = deque(maxlen=max_events)
         self.cursor = 0
+        self.listeners: list = []  # callables(event), called after each append (the service wakes its watchers)
 
     def append(self, kind: PlacementKind, namespace: bytes, block_hash: int, tier: str) -> PlacementEvent:
         """Records an event and returns it (its ``seq`` is the new cursor)."""
         self.cursor += 1
         event = PlacementEvent(self.cursor, kind, namespace, block_hash, tier)
         self._events.append(event)
+        for listener in self.listeners:
+            listener(event)
         return event
 
     def since(self, cursor: int) -> list[PlacementEvent] | None:
