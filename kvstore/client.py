@@ -23,8 +23,8 @@ class GetResult:
     """The verified prefix of a Get.
 
     Attributes:
-        payloads: payloads of the leading blocks that arrived whole with a matching
-            checksum, in chain order.
+        payloads: payloads (``bytearray``) of the leading blocks that arrived whole
+            with a matching checksum, in chain order.
         num_found: blocks the store had (and leased) for this call.
         num_corrupt: 1 when the prefix ended at a block that failed its checksum, else 0.
         num_bytes: payload bytes received.
@@ -87,7 +87,7 @@ class KVStoreClient:
                     if len(buf) != header.num_bytes or checksum(buf) != header.checksum:
                         result.num_corrupt = 1
                         break
-                    result.payloads.append(bytes(buf))
+                    result.payloads.append(buf)  # a bytearray: writable, so torch.frombuffer takes it as is
                     header, buf = None, bytearray()
         finally:
             call.cancel()  # no-op when complete; releases the leases at once when we stop early
