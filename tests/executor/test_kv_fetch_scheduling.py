@@ -57,12 +57,18 @@ def test_fetched_blocks_continue_a_local_hit_and_are_capped():
     s.finish_fetch("g", ExternalKV(4, [b"p4"]))  # the local hit ends at block 3: a gap, nothing usable
     out, _ = run_step(s)
     assert out.kv_loads == [] and out.scheduled[-1].num_computed_tokens == 12
+    s.kv.check_integrity()
+
+    s = make_scheduler()
+    s.add_request(make_request("a", 13))     # caches blocks 0-2 here
+    run_step(s)
     h = make_request("h", 24)
     s.add_fetching(h, deadline=1e9)
-    s.finish_fetch("h", ExternalKV(3, [b"p3", b"p4"]))  # continues the local hit: blocks 3 and 4 load
+    s.finish_fetch("h", ExternalKV(2, [b"p2", b"p3", b"p4"]))  # overlaps the local hit by one block
     out, _ = run_step(s)
     assert [p for _, p in out.kv_loads] == [b"p3", b"p4"] and out.scheduled[-1].num_computed_tokens == 20
     assert (h.num_cached_tokens, h.num_kvstore_tokens) == (20, 8)
+    assert [b for b, _ in out.kv_loads] == s.kv.get_block_ids("h")[3:5]
     s.kv.check_integrity()
 
 
