@@ -225,6 +225,16 @@ class KVStoreConnector(KVConnector):
             for block_hash in hashes:
                 self._known.pop(block_hash, None)
 
+    def wait_ready(self, timeout_s: float = 10.0) -> None:
+        """Waits until the channel to the kvstore is connected (tests, benchmarks).
+
+        Raises:
+            TimeoutError: not connected within ``timeout_s``.
+        """
+        async def ready():
+            await asyncio.wait_for(self._client.channel.channel_ready(), timeout_s)
+        self._call(ready())
+
     def flush(self, timeout_s: float = 30.0) -> None:
         """Waits until every queued publish is done (tests and benchmarks).
 

@@ -148,14 +148,18 @@ class KVStoreServicer(kvstore_pb2_grpc.KVStoreServicer):
             self._watchers.discard(wake)
 
 
-async def start_kvstore(store: KVStore, port: int, host: str = "127.0.0.1") -> Service:
+async def start_kvstore(store: KVStore, port: int, host: str = "127.0.0.1",
+                        servicer_cls: type[KVStoreServicer] = KVStoreServicer) -> Service:
     """Starts the KVStore service over ``store``; SERVING at once (nothing to warm).
+
+    Args:
+        servicer_cls: the servicer class (tests pass a fault-injecting subclass).
 
     Raises:
         OSError: the port cannot be bound.
     """
     service = Service("meshserve.v1.KVStore", port, host)
-    servicer = KVStoreServicer(store)
+    servicer = servicer_cls(store)
     kvstore_pb2_grpc.add_KVStoreServicer_to_server(servicer, service.server)
     await service.start()
     await service.set_serving(True)
