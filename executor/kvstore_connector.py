@@ -137,9 +137,7 @@ class KVStoreConnector(KVConnector):
         results = []
         while not self._done.empty():
             result = self._done.get()
-            future = self._fetches.get(result.request_id)
-            if future is not None and future.done():
-                del self._fetches[result.request_id]
+            self._fetches.pop(result.request_id, None)  # finished: nothing left to cancel
             results.append(result)
         return results
 
