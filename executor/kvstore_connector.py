@@ -170,10 +170,12 @@ class KVStoreConnector(KVConnector):
             span.set_attribute("meshserve.kvstore.cancelled", True)
             span.end()
             raise
-        except grpc.aio.AioRpcError as exc:
-            log.warning("kvstore fetch for %s failed (%s): recomputing", request_id, exc.code().name)
+        except Exception as exc:  # noqa: BLE001 - any failure means recompute, never a crash
+            name = exc.code().name if isinstance(exc, grpc.aio.AioRpcError) else type(exc).__name__
+            log.warning("kvstore fetch for %s failed (%s): recomputing", request_id, name)
             self._count(fetches=1, fetch_failures=1, fetch_seconds=time.monotonic() - started)
-            span.set_attribute("meshserve.kvstore.error", exc.code().name)
+            span.set_attribute("meshserve.kvstore.error", name)
+            payloads = []
         span.end()
         self._done.put(FetchResult(request_id, start_block, payloads, len(hashes)))
         self._wake()
@@ -208,11 +210,12 @@ class KVStoreConnector(KVConnector):
                         publish_dropped_blocks=resp.num_no_space)
             span.set_attributes({"meshserve.kvstore.stored_blocks": resp.num_stored,
                                  "meshserve.kvstore.no_space_blocks": resp.num_no_space})
-        except grpc.aio.AioRpcError as exc:
-            log.warning("kvstore publish of %d blocks failed (%s)", len(blocks), exc.code().name)
+        except Exception as exc:  # noqa: BLE001 - a lost publish only costs a later recompute
+            name = exc.code().name if isinstance(exc, grpc.aio.AioRpcError) else type(exc).__name__
+            log.warning("kvstore publish of %d blocks failed (%s)", len(blocks), name)
             self._count(publish_dropped_blocks=len(blocks))
             self._forget([h for h, _ in blocks])
-            span.set_attribute("meshserve.kvstore.error", exc.code().name)
+            span.set_attribute("meshserve.kvstore.error", name)
         finally:
             with self._lock:
                 self._publish_bytes -= size
