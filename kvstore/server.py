@@ -14,7 +14,6 @@ import dataclasses
 import itertools
 import logging
 
-import grpc
 
 from kvstore.events import PlacementKind
 from kvstore.payload import chunks
