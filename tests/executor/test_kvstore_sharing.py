@@ -167,7 +167,7 @@ def test_kvstore_down_or_restarted_loses_only_cache(engines, tokenizer):
 
 @pytest.fixture(scope="module")
 def scaled_model(tmp_path_factory, default_model_files):
-    """The default model with one layer's MLP output weights scaled by 1.5: same
+    """The default model with one layer's MLP output weights scaled by -1: same
     tokenizer and config, other weights, another model id."""
     import torch
     from safetensors.torch import load_file, save_file
@@ -178,7 +178,7 @@ def scaled_model(tmp_path_factory, default_model_files):
         if f.suffix != ".safetensors" and f.is_file():
             (out / f.name).symlink_to(f)
     state = load_file(str(src / "model.safetensors"))
-    state["model.layers.3.mlp.down_proj.weight"] = state["model.layers.3.mlp.down_proj.weight"] * 1.5
+    state["model.layers.3.mlp.down_proj.weight"] = state["model.layers.3.mlp.down_proj.weight"] * -1.0
     save_file(state, str(out / "model.safetensors"), metadata={"format": "pt"})
     del state
     torch.cuda.empty_cache() if torch.cuda.is_available() else None
