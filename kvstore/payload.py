@@ -25,8 +25,8 @@ def checksum(data: bytes | memoryview) -> int:
 def chunks(data: bytes, chunk_bytes: int = CHUNK_BYTES) -> Iterator[bytes]:
     """``data`` in consecutive slices of at most ``chunk_bytes`` bytes (one empty
     slice for empty data, so that a block always has a first message)."""
-    if not data:
-        yield b""
+    if len(data) <= chunk_bytes:
+        yield bytes(data) if not isinstance(data, bytes) else data  # one chunk: no copy
         return
     view = memoryview(data)
     for start in range(0, len(data), chunk_bytes):

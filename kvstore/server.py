@@ -92,13 +92,17 @@ class KVStoreServicer(kvstore_pb2_grpc.KVStoreServicer):
                     header, buf = self._check_header(msg.header, fp.block_bytes), bytearray()
                 elif header is None and msg.data:
                     raise InvalidArgument("payload data before any block header")
-                buf += msg.data
+                if header is not None and not buf and len(msg.data) == header.num_bytes:
+                    buf = msg.data  # the whole block in one message (the usual case): no copy
+                else:
+                    buf += msg.data
                 if header is not None and len(buf) >= header.num_bytes:
                     if len(buf) > header.num_bytes:
                         raise InvalidArgument(f"block {header.block_hash.hex()}: more than num_bytes "
                                               f"{header.num_bytes} of payload")
                     block_hash = hashes_from_proto([header.block_hash])[0]
-                    counts[self.store.put(fp.namespace, block_hash, bytes(buf), header.checksum)] += 1
+                    data = buf if isinstance(buf, bytes) else bytes(buf)
+                    counts[self.store.put(fp.namespace, block_hash, data, header.checksum)] += 1
                     header, buf = None, bytearray()
             if header is not None:
                 raise InvalidArgument(f"block {header.block_hash.hex()} ended after {len(buf)} of "
