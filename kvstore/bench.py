@@ -1,6 +1,6 @@
 """kvstore benchmark: what a shared prefix saves, and how fast blocks move.
 
-``python -m kvstore.bench [--prefix-len 1500] [--rounds 3] [--report-json kvstore-bench.json]``
+``python -m kvstore.bench [--prefix-len 1500] [--rounds 3] [--report-json bench-kvstore.json]``
 
 1. **Throughput**: ``--blocks`` blocks of the default model's real layout
    (float32: 720 KiB each) are Put in streams of ``--blocks-per-stream``, then
@@ -152,7 +152,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--blocks-per-stream", type=int, default=16)
     parser.add_argument("--kvstore-memory", default="2GiB")
     parser.add_argument("--skip-ttft", action="store_true")
-    parser.add_argument("--report-json", default="kvstore-bench.json")
+    parser.add_argument("--report-json", default="bench-kvstore.json")
     args = parser.parse_args(argv)
 
     from meshserve.block_hash import KVLayout, KVStoreFingerprint, ModelFingerprint
