@@ -13,10 +13,11 @@ import pytest
 from executor.engine.config import BatchSchedulerConfig, CacheConfig, EngineConfig
 from executor.engine.llm_engine import LLMEngine
 from executor.kvstore_connector import KVStoreConnector
+from kvstore.server import KVStoreServicer
 from kvstore.store import KVStore
 from meshserve.block_hash import hash_full_blocks
 from meshserve.sampling import SamplingParams
-from tests.kvstore.served import CorruptingStore, DroppingStore, ServedKVStore
+from tests.kvstore.served import CorruptingStore, DelayingServicer, DroppingStore, ServedKVStore
 
 pytestmark = pytest.mark.model
 
@@ -62,8 +63,8 @@ def run_one(engine: LLMEngine, request_id: str, prompt: list[int], max_tokens: i
 class Shared:
     """Engines connected to one served store for the length of a test."""
 
-    def __init__(self, store: KVStore, *engines: LLMEngine, port: int = 0):
-        self.served = ServedKVStore(store, port)
+    def __init__(self, store: KVStore, *engines: LLMEngine, port: int = 0, servicer_cls=KVStoreServicer):
+        self.served = ServedKVStore(store, port, servicer_cls)
         self.engines = engines
         self.connectors = []
         for engine in engines:
@@ -165,6 +166,29 @@ def test_kvstore_down_or_restarted_loses_only_cache(engines, tokenizer):
         again, cached, from_store, _ = run_one(a, "a-3", p)  # A still has p locally
         assert again == cold and (cached, from_store) == (HIT, 0), a.stats()
     finally:
+        shared.close()
+
+
+def test_a_late_fetch_is_given_up_and_recomputed(engines, tokenizer):
+    a, b = engines
+    p = prompt_of(tokenizer, PROMPT_LEN, "late")
+    DelayingServicer.get_delay_s = 1.0               # 18 blocks would take 18 s
+    shared = Shared(KVStore(memory_bytes=64 << 20), a, b, servicer_cls=DelayingServicer)
+    try:
+        cold, *_ = run_one(a, "a-1", p)
+        shared.flush()
+        b.kv_connector.fetch_timeout_s = 0.3         # B gives up long before
+        warm, cached, from_store, computed = run_one(b, "b-1", p)
+        assert warm == cold and (cached, from_store, computed) == (0, 0, PROMPT_LEN), b.stats()
+        k = b.stats().kvstore
+        assert (k.fetch_failures, k.fetches, k.fetched_blocks) == (1, 0, 0)  # cancelled: never finished
+        deadline = time.monotonic() + 30
+        while shared.served.stats().num_leases:        # the cancelled Get released its leases
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        assert b.kv_connector._fetches == {} and b.kv_connector.poll() == []
+    finally:
+        DelayingServicer.get_delay_s = 0.0
         shared.close()
 
 
