@@ -77,11 +77,12 @@ class ExecutorServicer(executor_pb2_grpc.ExecutorServicer):
         phase = _tracer.start_span("executor.prefill", context=in_span)
         try:
             async with contextlib.aclosing(self._choices(request.request_id, prompt, params,
-                                                         request.priority)) as choices:
+                                                         request.priority, in_span)) as choices:
                 async for index, out in choices:
                     if num_output == 0 and out.new_token_ids:
                         phase.add_event("first_token")
-                        phase.set_attribute("meshserve.cached_tokens", out.num_cached_tokens)
+                        phase.set_attributes({"meshserve.cached_tokens": out.num_cached_tokens,
+                                              "meshserve.kvstore_tokens": out.num_kvstore_tokens})
                         phase.end()
                         phase = _tracer.start_span("executor.decode", context=in_span)
                     num_output += len(out.new_token_ids)
@@ -95,13 +96,15 @@ class ExecutorServicer(executor_pb2_grpc.ExecutorServicer):
     async def Stats(self, request, context) -> executor_pb2.StatsResponse:
         return stats_to_proto(self.engine.stats(), self.model_id)
 
-    async def _choices(self, request_id: str, prompt: list[int], params: SamplingParams, priority: int):
+    async def _choices(self, request_id: str, prompt: list[int], params: SamplingParams, priority: int,
+                       trace_context=None):
         """Yields ``(choice index, RequestOutput)`` of every choice as they come, until
         all finished. Closing it (the call was cancelled) aborts every choice."""
         # Engine ids are always "<request_id>#<choice>": injective, so a caller id
         # that itself ends in "#<k>" cannot collide with another request's choice.
         if params.n == 1:
-            async with contextlib.aclosing(self.engine.generate(f"{request_id}#0", prompt, params, priority)) as outs:
+            async with contextlib.aclosing(self.engine.generate(f"{request_id}#0", prompt, params, priority,
+                                                                trace_context)) as outs:
                 async for out in outs:
                     yield 0, out
             return
@@ -110,7 +113,7 @@ class ExecutorServicer(executor_pb2_grpc.ExecutorServicer):
         async def pump(index: int) -> None:
             try:
                 async for out in self.engine.generate(f"{request_id}#{index}", prompt, params.for_choice(index),
-                                                      priority):
+                                                      priority, trace_context):
                     merged.put_nowait((index, out))
             except Exception as exc:  # noqa: BLE001 - re-raised by the consumer below
                 merged.put_nowait((index, exc))
@@ -136,6 +139,7 @@ def response_to_proto(index: int, out: RequestOutput) -> executor_pb2.ExecuteRes
         finish_reason=FINISH_REASONS.get(out.finish_reason or "", 0) if out.finished else 0,
         num_cached_tokens=out.num_cached_tokens,
         index=index,
+        num_kvstore_tokens=out.num_kvstore_tokens,
     )
     if out.logprobs:
         msg.logprobs.extend(logprob_to_proto(lp) for lp in out.logprobs)
@@ -172,7 +176,21 @@ def stats_to_proto(s: EngineStats, model_id: str) -> executor_pb2.StatsResponse:
         num_cached_free_blocks=s.num_cached_free_blocks,
         num_prompt_tokens=s.num_prompt_tokens,
         num_generation_tokens=s.num_generation_tokens,
+        kvstore_hit_tokens=s.kvstore_hit_tokens,
+        kvstore_queried_tokens=s.kvstore_queried_tokens,
+        **_connector_stats(s.kvstore),
     )
+
+
+def _connector_stats(c) -> dict:
+    """The kvstore connector's counters as ``StatsResponse`` fields (none without one)."""
+    if c is None:
+        return {}
+    return dict(kvstore_fetched_blocks=c.fetched_blocks, kvstore_bytes_in=c.bytes_in,
+                kvstore_fetch_failures=c.fetch_failures, kvstore_corrupt_blocks=c.corrupt_blocks,
+                kvstore_fetch_seconds=c.fetch_seconds, kvstore_fetches=c.fetches,
+                kvstore_published_blocks=c.published_blocks, kvstore_bytes_out=c.bytes_out,
+                kvstore_publish_dropped_blocks=c.publish_dropped_blocks)
 
 
 @dataclass
@@ -322,8 +340,14 @@ async def start_executor(
     pool: str = "default",
     advertise_address: str | None = None,
     step_timeout_s: float = 60.0,
+    kvstore_address: str | None = None,
+    kvstore_fetch_timeout_s: float = 5.0,
 ) -> tuple[Service, AsyncEngine, SchedulerLink | None]:
     """Starts the engine thread, the Executor service and its scheduler link.
+
+    With ``kvstore_address`` the engine shares prefix blocks through a
+    ``KVStoreConnector`` (closed when the engine stops); the kvstore need not be
+    up: fetches then fail and the engine recomputes.
 
     Health is SERVING once the engine runs (and, with a scheduler, once registered).
     If the engine thread dies, health turns NOT_SERVING and the scheduler link
@@ -335,6 +359,11 @@ async def start_executor(
         TimeoutError: the scheduler did not accept the registration within 60 s.
     """
     service = Service("meshserve.v1.Executor", port, host)
+    if kvstore_address and engine.kv_connector is None:
+        from executor.kvstore_connector import KVStoreConnector
+
+        engine.set_kv_connector(KVStoreConnector(kvstore_address, engine.kv_store_fingerprint,
+                                                 fetch_timeout_s=kvstore_fetch_timeout_s))
     links: list[SchedulerLink] = []
     async_engine = AsyncEngine(engine, on_stats=lambda _stats: [link.notify() for link in links],
                                on_kv_events=lambda events: [link.on_kv_events(events) for link in links])

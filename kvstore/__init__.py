@@ -1,1 +1,7 @@
-"""kvstore: shared prefix KV blocks across executors (see issue 5)."""
+"""kvstore: prefix KV blocks shared by executors (issue 5).
+
+``store`` (the pure core: tiers, LRU, leases, checksums, placement events),
+``tiers`` (memory and disk storage), ``events`` (the placement log), ``payload``
+(checksums and chunks), ``wire`` (proto conversions), ``server`` (the gRPC
+servicer), ``client`` (the asyncio client), ``bench`` (the benchmark).
+"""

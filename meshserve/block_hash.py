@@ -30,6 +30,12 @@ kvstore) keeps the dtype. On the wire a hash is 16 bytes, little-endian
 H is SHA-256 over a fixed little-endian encoding, truncated to 128 bits: stable
 across processes and Python versions (unlike ``hash()``), so hashes can cross the
 network. Cost: about 1 µs per block of 16 tokens.
+
+The kvstore keys a block by ``(namespace, chain hash)``: the namespace
+(``KVStoreFingerprint.namespace``, the same truncated SHA-256) adds the KV
+*layout* (block size, layers, KV heads, head dim, tensor-parallel rank and size)
+to the model identity, so two executors share a stored block only when its bytes
+mean the same thing to both.
 """
 
 from __future__ import annotations
@@ -64,8 +70,99 @@ class ModelFingerprint:
     @property
     def root_hash(self) -> BlockHash:
         """The parent hash of every sequence's first block."""
-        text = "\x00".join(("meshserve-kv-v1", self.model_id, self.revision, self.dtype, self.adapter))
-        return int.from_bytes(hashlib.sha256(text.encode()).digest()[:_HASH_BYTES], "little")
+        return _digest_fields("meshserve-kv-v1", self.model_id, self.revision, self.dtype, self.adapter)
+
+
+_DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+
+
+@dataclass(frozen=True)
+class KVLayout:
+    """How one block's K/V bytes are laid out (part of a kvstore key).
+
+    A block's payload is one contiguous tensor of shape
+    ``(num_layers, 2, block_size, num_kv_heads, head_dim)`` (K then V per layer)
+    in the fingerprint's dtype, little-endian, as ``executor.engine.kv_cache``
+    stores it.
+
+    Attributes:
+        block_size: tokens per block (>= 1).
+        num_layers: attention layers (>= 1).
+        num_kv_heads: KV heads held by this rank (>= 1).
+        head_dim: channels per head (>= 1).
+        tp_rank: tensor-parallel rank of the holder, in [0, tp_size).
+        tp_size: tensor-parallel group size (>= 1).
+    """
+
+    block_size: int
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    tp_rank: int = 0
+    tp_size: int = 1
+
+    def __post_init__(self) -> None:
+        for name in ("block_size", "num_layers", "num_kv_heads", "head_dim", "tp_size"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if not 0 <= self.tp_rank < self.tp_size:
+            raise ValueError(f"tp_rank must be in [0, {self.tp_size}), got {self.tp_rank}")
+
+
+@dataclass(frozen=True)
+class KVStoreFingerprint:
+    """Model identity plus KV layout: the namespace of a kvstore key.
+
+    Attributes:
+        model: model id, revision, dtype and adapter (also the chain hash root).
+        layout: block layout of the payload.
+    """
+
+    model: ModelFingerprint
+    layout: KVLayout
+
+    @property
+    def block_bytes(self) -> int:
+        """Bytes of one block's payload.
+
+        Raises:
+            ValueError: the dtype is not float32, bfloat16 or float16.
+        """
+        size = _DTYPE_BYTES.get(self.model.dtype)
+        if size is None:
+            raise ValueError(f"dtype must be one of {', '.join(_DTYPE_BYTES)}, got {self.model.dtype!r}")
+        lay = self.layout
+        return 2 * lay.num_layers * lay.block_size * lay.num_kv_heads * lay.head_dim * size
+
+    @property
+    def namespace(self) -> bytes:
+        """16 bytes naming (model, revision, dtype, adapter, layout)."""
+        m, lay = self.model, self.layout
+        value = _digest_fields("meshserve-kvstore-v1", m.model_id, m.revision, m.dtype, m.adapter, lay.block_size,
+                               lay.num_layers, lay.num_kv_heads, lay.head_dim, lay.tp_rank, lay.tp_size)
+        return value.to_bytes(_HASH_BYTES, "little")
+
+
+def _digest_fields(*fields: object) -> int:
+    """Truncated SHA-256 of fields joined by NUL: the one identity hash of this module."""
+    text = "\x00".join(str(f) for f in fields)
+    return int.from_bytes(hashlib.sha256(text.encode()).digest()[:_HASH_BYTES], "little")
+
+
+def hash_to_bytes(block_hash: BlockHash) -> bytes:
+    """A chain hash as 16 little-endian bytes (its wire form)."""
+    return block_hash.to_bytes(_HASH_BYTES, "little")
+
+
+def hash_from_bytes(data: bytes) -> BlockHash:
+    """The inverse of ``hash_to_bytes``.
+
+    Raises:
+        ValueError: ``data`` is not 16 bytes.
+    """
+    if len(data) != _HASH_BYTES:
+        raise ValueError(f"a block hash is {_HASH_BYTES} bytes, got {len(data)}")
+    return int.from_bytes(data, "little")
 
 
 def routing_fingerprint(fp: ModelFingerprint) -> ModelFingerprint:

@@ -137,6 +137,9 @@ def executor(
                                          help="An engine step running longer is wedged: NOT_SERVING until it returns."),
     advertise: Optional[str] = typer.Option(None, "--advertise", help="host:port the gateway dials (default host:port; "
                                             "set it when listening on 0.0.0.0)."),
+    kvstore: Optional[str] = typer.Option(None, "--kvstore", help="host:port of a kvstore: share prefix KV blocks."),
+    kvstore_fetch_timeout: float = typer.Option(5.0, "--kvstore-fetch-timeout", min=0.001,
+                                                help="Seconds to wait for a kvstore fetch before recomputing."),
     traces: Optional[str] = TracesOpt, otlp_endpoint: Optional[str] = OtlpOpt,
     log_level: str = typer.Option("info"),
 ) -> None:
@@ -148,7 +151,40 @@ def executor(
     cfg = _engine_config(model, dtype, kv_cache_memory, block_size, max_num_seqs, max_num_batched_tokens,
                          no_chunked_prefill, max_model_len, num_threads, no_prefix_caching, max_batch_wait_ms,
                          attention_backend, device, enable_kv_events=True)  # forwarded for prefix-aware routing
-    _serve(run_executor(cfg, port, host, scheduler, executor_id, pool, advertise, step_timeout_s))
+    if kvstore is not None and not _is_address(kvstore):
+        raise typer.BadParameter(f"--kvstore must be HOST:PORT, got {kvstore!r}")
+    _serve(run_executor(cfg, port, host, scheduler, executor_id, pool, advertise, step_timeout_s=step_timeout_s,
+                        kvstore_address=kvstore, kvstore_fetch_timeout_s=kvstore_fetch_timeout))
+
+
+def _is_address(text: str) -> bool:
+    host, _, port = text.rpartition(":")
+    return bool(host) and port.isdigit() and 0 < int(port) < 65536
+
+
+@app.command("kvstore")
+def kvstore_cmd(
+    port: int = typer.Option(50054, help="Port of the KVStore service."),
+    host: str = typer.Option("127.0.0.1", help="Interface to listen on."),
+    memory: str = typer.Option("1GiB", "--memory", help="Byte budget of the memory tier (512MiB, 2GB…)."),
+    disk_dir: Optional[str] = typer.Option(None, "--disk-dir", help="Directory of the disk tier (emptied at start)."),
+    disk: str = typer.Option("10GiB", "--disk", help="Byte budget of the disk tier (with --disk-dir)."),
+    max_events: int = typer.Option(65536, "--max-events", min=1, help="Placement events kept for followers."),
+    traces: Optional[str] = TracesOpt, otlp_endpoint: Optional[str] = OtlpOpt,
+    log_level: str = typer.Option("info"),
+) -> None:
+    """Run the kvstore: prefix KV blocks shared by executors."""
+    from meshserve.services import parse_bytes, run_kvstore
+
+    _logging(log_level)
+    _traces(traces, otlp_endpoint)
+    try:
+        memory_bytes, disk_bytes = parse_bytes(memory), parse_bytes(disk)
+        if memory_bytes < 1 or (disk_dir and disk_bytes < 1):
+            raise ValueError("--memory and --disk must be at least 1 byte")
+    except ValueError as exc:
+        raise typer.BadParameter(str(exc)) from None
+    _serve(run_kvstore(port, host, memory_bytes, disk_dir, disk_bytes, max_events))
 
 
 @app.command()
@@ -171,12 +207,12 @@ def gateway(
     _serve(run_gateway(model, port, host, scheduler, tenants, block_size))
 
 
-def _mesh_config(port, executors, model, dtype, kv_cache_memory, extra, tenants, log_dir):
+def _mesh_config(port, executors, model, dtype, kv_cache_memory, extra, tenants, log_dir, kvstore_memory=None):
     from meshserve.launcher import MeshConfig
 
     args = ["--dtype", dtype, "--kv-cache-memory", kv_cache_memory, *extra]
     return MeshConfig(port=port, executors=executors, model=model, executor_args=args, tenants_file=tenants,
-                      log_dir=Path(log_dir) if log_dir else None)
+                      log_dir=Path(log_dir) if log_dir else None, kvstore_memory=kvstore_memory)
 
 
 @app.command()
@@ -188,6 +224,8 @@ def up(
     kv_cache_memory: str = typer.Option("1GiB", "--kv-cache-memory", help="KV cache budget of each executor."),
     tenants: Optional[str] = typer.Option(None, help="Tenants TOML file."),
     log_dir: Optional[str] = typer.Option(None, help="Write each service's log here instead of the terminal."),
+    kvstore: bool = typer.Option(False, "--kvstore", help="Start one kvstore and connect every executor to it."),
+    kvstore_memory: str = typer.Option("1GiB", "--kvstore-memory", help="Memory tier budget of that kvstore."),
     traces: Optional[str] = TracesOpt, otlp_endpoint: Optional[str] = OtlpOpt,
 ) -> None:
     """Start the whole mesh on loopback; Ctrl-C stops it cleanly."""
@@ -197,7 +235,8 @@ def up(
     from meshserve.launcher import Mesh
 
     _traces(traces, otlp_endpoint)
-    mesh = Mesh(_mesh_config(port, executors, model, dtype, kv_cache_memory, [], tenants, log_dir))
+    mesh = Mesh(_mesh_config(port, executors, model, dtype, kv_cache_memory, [], tenants, log_dir,
+                             kvstore_memory if kvstore else None))
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     failed = False
@@ -210,8 +249,9 @@ def up(
         typer.echo(f"error: {exc}", err=True)
         raise typer.Exit(1) from None
     try:
+        kv = f", kvstore {mesh.kvstore_address}" if mesh.kvstore_address else ""
         typer.echo(f"meshserve is up: gateway {mesh.gateway_address}, scheduler {mesh.scheduler_address}, "
-                   f"executors {', '.join(mesh.executor_addresses)}. Ctrl-C stops it.")
+                   f"executors {', '.join(mesh.executor_addresses)}{kv}. Ctrl-C stops it.")
         while not stop.wait(0.5):
             if mesh.exited():
                 typer.echo(f"service(s) exited: {', '.join(mesh.exited())}; stopping the mesh", err=True)

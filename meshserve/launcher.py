@@ -1,6 +1,7 @@
 """Starts the whole mesh on loopback as separate processes (``meshserve up``).
 
-Order: scheduler, then the executors (they register with it), then the gateway;
+Order: scheduler, the kvstore when asked for, then the executors (they register
+with the scheduler), then the gateway;
 each must report SERVING on grpc.health.v1 before the next starts. ``stop``
 sends SIGTERM to all (gateway first) and kills what is still alive after the
 grace period.
@@ -65,6 +66,8 @@ class MeshConfig:
         tenants_file: tenants TOML, passed to the gateway (keys, priorities)
             and to the scheduler (KV quotas).
         scheduler_args: extra ``meshserve scheduler`` flags (queue policy…).
+        kvstore_memory: start one kvstore (memory tier budget, e.g. ``1GiB``) and pass
+            ``--kvstore`` to every executor; None: no kvstore.
     """
 
     port: int = 50051
@@ -76,6 +79,7 @@ class MeshConfig:
     tenants_file: str | None = None
     scheduler_args: list[str] = field(default_factory=list)
     startup_timeout_s: float = 300.0
+    kvstore_memory: str | None = None  # start one kvstore with this memory budget (None: no kvstore)
 
 
 class Mesh:
@@ -86,6 +90,7 @@ class Mesh:
         self.procs: list[tuple[str, subprocess.Popen]] = []
         self.gateway_address = f"127.0.0.1:{config.port}"
         self.scheduler_address = ""
+        self.kvstore_address = ""
         self.executor_addresses: list[str] = []
 
     def _spawn(self, name: str, args: list[str]) -> None:
@@ -126,13 +131,20 @@ class Mesh:
                 sched += ["--tenants", c.tenants_file]  # the scheduler enforces the tenants' KV quotas
             self._spawn("scheduler", sched)
             await self._wait("scheduler", self.scheduler_address)
+            kv_args = []
+            if c.kvstore_memory:
+                kport = free_port()
+                self.kvstore_address = f"127.0.0.1:{kport}"
+                self._spawn("kvstore", ["kvstore", "--port", str(kport), "--memory", c.kvstore_memory])
+                await self._wait("kvstore", self.kvstore_address)
+                kv_args = ["--kvstore", self.kvstore_address]
             threads = c.threads_per_executor or default_threads_per_executor(c.executors)
             for i in range(c.executors):
                 eport = free_port()
                 self.executor_addresses.append(f"127.0.0.1:{eport}")
                 self._spawn(f"executor-{i}", ["executor", "--port", str(eport), "--scheduler", self.scheduler_address,
                                               "--model", c.model, "--executor-id", f"executor-{i}",
-                                              "--num-threads", str(threads), *c.executor_args])
+                                              "--num-threads", str(threads), *kv_args, *c.executor_args])
             for i, address in enumerate(self.executor_addresses):
                 await self._wait(f"executor-{i}", address)
             gw = ["gateway", "--port", str(c.port), "--scheduler", self.scheduler_address, "--model", c.model]

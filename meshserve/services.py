@@ -97,9 +97,32 @@ async def run_scheduler(port: int, host: str = "127.0.0.1", config=None) -> None
     await run_until_signal(start, stop)
 
 
+async def run_kvstore(port: int, host: str, memory_bytes: int, disk_dir: str | None = None, disk_bytes: int = 0,
+                      max_events: int = 65536) -> None:
+    """Serves a kvstore until SIGINT/SIGTERM (its blocks are a cache: lost at stop)."""
+    from kvstore.server import start_kvstore
+    from kvstore.store import KVStore
+
+    setup_tracing("kvstore")
+    holder = {}
+
+    async def start():
+        store = KVStore(memory_bytes, disk_dir, disk_bytes if disk_dir else 0, max_events)
+        holder["svc"] = await start_kvstore(store, port, host)
+        log.info("kvstore serving on %s (memory %d bytes%s)", holder["svc"].address, memory_bytes,
+                 f", disk {disk_bytes} bytes under {disk_dir}" if disk_dir else "")
+
+    async def stop():
+        await holder["svc"].stop()
+        shutdown_tracing()
+
+    await run_until_signal(start, stop)
+
+
 async def run_executor(engine_config, port: int, host: str, scheduler: str, executor_id: str | None,
                        pool: str = "default", advertise_address: str | None = None,
-                       step_timeout_s: float = 60.0) -> None:
+                       step_timeout_s: float = 60.0, kvstore_address: str | None = None,
+                       kvstore_fetch_timeout_s: float = 5.0) -> None:
     """Loads the model, serves the executor and stays registered until a signal."""
     from executor.engine.llm_engine import LLMEngine
     from executor.server import start_executor
@@ -111,7 +134,8 @@ async def run_executor(engine_config, port: int, host: str, scheduler: str, exec
     async def start():
         engine = await asyncio.to_thread(LLMEngine, engine_config)
         svc, async_engine, link = await start_executor(engine, port, host, scheduler, executor_id, pool,
-                                                    advertise_address, step_timeout_s)
+                                                    advertise_address, step_timeout_s, kvstore_address,
+                                                    kvstore_fetch_timeout_s)
         async_engine.on_failure(lambda _exc: done.set())  # exit non-zero: the orchestrator restarts us
         holder.update(svc=svc, engine=async_engine, link=link)
         log.info("executor serving on %s (%d KV blocks of %d tokens)", svc.address, engine.num_blocks,

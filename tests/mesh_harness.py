@@ -23,6 +23,7 @@ class LocalMesh:
     scheduler: Service
     gateway: Service
     executors: list[tuple[Service, AsyncEngine, SchedulerLink]] = field(default_factory=list)
+    kvstore: Service | None = None
     stub: gateway_pb2_grpc.GatewayStub | None = None
     _channel: object = None
 
@@ -62,20 +63,32 @@ class LocalMesh:
                 await link.stop()
             await eng.stop()
         await self.scheduler.stop(0.5)
+        if self.kvstore is not None:
+            await self.kvstore.stop(0)
 
 
-async def start_local_mesh(engines: list[LLMEngine], tokenizer, tenants=None, step_timeout_s: float = 60.0) -> LocalMesh:
-    """Starts scheduler, one executor per engine, and a gateway, on free ports."""
+async def start_local_mesh(engines: list[LLMEngine], tokenizer, tenants=None, kvstore=None,
+                           kvstore_fetch_timeout_s: float = 5.0, step_timeout_s: float = 60.0) -> LocalMesh:
+    """Starts scheduler, one executor per engine, and a gateway, on free ports; with
+    ``kvstore`` (a ``kvstore.store.KVStore``, or a ready ``Service``) a kvstore service
+    too, and every executor shares prefix blocks through it."""
+    from kvstore.server import start_kvstore
+    from kvstore.store import KVStore
+
     scheduler = await start_scheduler(0)
+    kv_service = await start_kvstore(kvstore, 0) if isinstance(kvstore, KVStore) else kvstore
     executors = []
     for i, engine in enumerate(engines):
         svc, async_engine, link = await start_executor(engine, 0, scheduler_address=scheduler.address,
-                                                       executor_id=f"executor-{i}", step_timeout_s=step_timeout_s)
+                                                       executor_id=f"executor-{i}",
+                                                       kvstore_address=kv_service.address if kv_service else None,
+                                                       kvstore_fetch_timeout_s=kvstore_fetch_timeout_s,
+                                                       step_timeout_s=step_timeout_s)
         executors.append((svc, async_engine, link))
     e0 = engines[0]
     info = ModelInfo(e0.model_id, e0.max_model_len, e0.vocab_size, e0.revision)
     gateway = await start_gateway(tokenizer, info, scheduler.address, 0, tenants=tenants)
-    mesh = LocalMesh(scheduler, gateway, executors)
+    mesh = LocalMesh(scheduler, gateway, executors, kv_service)
     mesh._channel = channel(gateway.address)
     mesh.stub = gateway_pb2_grpc.GatewayStub(mesh._channel)
     return mesh

@@ -42,6 +42,7 @@ def test_triton_backend_needs_cuda_outside_the_interpreter(monkeypatch):
         (["--dtype", "fp8"], "dtype must be auto, float32, bfloat16 or float16"),
         (["--block-size", "0"], "block_size must be >= 1, got 0"),
         (["--kv-cache-memory", "lots"], "lots"),
+        (["--kvstore", "nowhere"], "--kvstore must be HOST:PORT, got 'nowhere'"),
     ],
 )
 def test_executor_bad_flag_is_a_usage_error(args, message):
@@ -59,3 +60,18 @@ def test_up_on_a_busy_port_is_one_line(tmp_path):
         result = runner.invoke(app, ["up", "--port", str(port)])
     assert result.exit_code == 1
     assert result.output.strip() == f"error: port {port} on 127.0.0.1 is in use (another meshserve up?); choose one with --port"
+
+
+@pytest.mark.parametrize(
+    "args,message",
+    [
+        (["--memory", "lots"], "not a byte size: 'lots'"),
+        (["--memory", "0"], "--memory and --disk must be at least 1 byte"),
+        (["--max-events", "0"], "should be greater than or equal to 1"),
+    ],
+)
+def test_kvstore_bad_flag_is_a_usage_error(args, message):
+    result = runner.invoke(app, ["kvstore", *args])
+    assert result.exit_code == 2
+    assert "Traceback" not in result.output
+    assert message in " ".join(result.output.replace("│", " ").split())

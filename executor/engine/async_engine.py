@@ -56,7 +56,7 @@ class AsyncEngine:
         self.engine = engine
         self._on_stats = on_stats
         self._on_kv_events = on_kv_events
-        # ("add", request_id, prompt, params, priority) | ("abort", request_id), in call order
+        # ("add", request_id, prompt, params, priority, trace_context) | ("abort", request_id), in call order
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._wake = threading.Event()
         self._stopping = False
@@ -98,6 +98,8 @@ class AsyncEngine:
         if self._thread is not None:
             return
         self._loop = asyncio.get_running_loop()
+        if self.engine.kv_connector is not None:
+            self.engine.kv_connector.set_waker(self._wake.set)  # a finished fetch wakes an idle engine
         self._thread = threading.Thread(target=self._run, name="llm-engine", daemon=True)
         self._thread.start()
 
@@ -109,6 +111,10 @@ class AsyncEngine:
         self._wake.set()
         await asyncio.to_thread(self._thread.join)
         self._thread = None
+        close = getattr(self.engine.kv_connector, "close", None)
+        if close is not None:
+            await asyncio.to_thread(close)
+            self.engine.set_kv_connector(None)
         for request_id, stream in list(self._streams.items()):
             stream.put_nowait(RequestOutput(request_id, [], True, "abort"))
 
@@ -117,8 +123,10 @@ class AsyncEngine:
         return self._stats
 
     async def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                       priority: int = 0) -> AsyncIterator[RequestOutput]:
+                       priority: int = 0, trace_context: object = None) -> AsyncIterator[RequestOutput]:
         """Adds a request and yields its outputs until one is ``finished``.
+
+        ``trace_context`` (an OpenTelemetry context) parents the engine's kvstore spans.
 
         Raises:
             InvalidArgument: the request is invalid or its id is in use (before any output).
@@ -137,7 +145,7 @@ class AsyncEngine:
         params = self.engine.check_request(prompt_token_ids, params)
         stream: asyncio.Queue = asyncio.Queue()
         self._streams[request_id] = stream
-        self._commands.put(("add", request_id, list(prompt_token_ids), params, priority))
+        self._commands.put(("add", request_id, list(prompt_token_ids), params, priority, trace_context))
         self._wake.set()
         finished = False
         try:
@@ -214,8 +222,9 @@ class AsyncEngine:
                     pending = self._stats != last_sent_stats
                     self._wake.wait(max(0.0, STATS_INTERVAL_S - (now - last_sent_at)) if pending else None)
                 elif self.engine.last_step_was_empty and self._commands.empty():
-                    # prefills held for batching (max_batch_wait_ms): sleep until released or woken
-                    deadline = self.engine.batch_scheduler.hold_deadline
+                    # prefills held for batching (max_batch_wait_ms) or kvstore fetches in flight:
+                    # sleep until released, woken (a fetch finished, a new command) or a deadline
+                    deadline = self.engine.wake_deadline()
                     self._wake.wait(max(0.0, deadline - time.monotonic()) if deadline is not None else 0.001)
             self._abort_all()
         except BaseException as exc:  # noqa: BLE001 - reported to every stream
@@ -241,9 +250,9 @@ class AsyncEngine:
             if command[0] == "abort":
                 self.engine.abort_request(command[1])
                 continue
-            _, request_id, prompt, params, priority = command
+            _, request_id, prompt, params, priority, trace_context = command
             try:
-                self.engine.add_request(request_id, prompt, params, priority)
+                self.engine.add_request(request_id, prompt, params, priority, trace_context)
             except InvalidArgument as exc:
                 errors.append((request_id, exc))
         return errors

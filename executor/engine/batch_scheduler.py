@@ -39,6 +39,15 @@ new (never preempted) requests are held until the oldest of them has waited
 ``max_batch_wait_ms``, never longer; ``hold_deadline`` tells the engine loop when
 to look again.
 
+KV from the kvstore (vLLM's KV connector, WAITING_FOR_REMOTE_KVS): a request
+whose prefix blocks are being fetched waits in ``fetching`` (status
+``WAITING_FOR_REMOTE_KVS``) while other requests run; ``finish_fetch`` moves it
+to ``waiting`` with the fetched payloads (``Request.external_kv``). When it is
+scheduled, the payloads that extend its local prefix hit get newly allocated
+blocks, listed in ``SchedulerOutput.kv_loads`` for the runner to copy in, and
+count as computed: the request skips their prefill. Newly cached full blocks
+are collected in ``newly_cached_blocks`` (when not None) for publishing.
+
 The scheduler owns request status and ``num_computed_tokens``; it advances them
 only in ``update_from_output``.
 """
@@ -62,6 +71,7 @@ class _StepState:
     budget: int
     scheduled: dict[str, int]    # request id -> tokens this step (insertion order = batch order)
     preempted: list[str]
+    kv_loads: list               # (block_id, payload) fetched from the kvstore, loaded this step
 
 
 class BatchScheduler:
@@ -81,6 +91,9 @@ class BatchScheduler:
         self.requests: dict[str, Request] = {}
         self.waiting: list[Request] = []   # sorted by Request.sort_key
         self.running: list[Request] = []   # sorted by Request.sort_key
+        self.fetching: dict[str, Request] = {}  # WAITING_FOR_REMOTE_KVS, by request id
+        self.newly_cached_blocks: list | None = None  # (request, block_id, hash), when collecting for publishing
+        self.kvstore_hit_tokens = 0
         self._finished_ids: set[str] = set()
         self.num_preemptions = 0
         self.num_deferred_for_prefix = 0  # times a waiting request waited for a block being computed
@@ -104,6 +117,37 @@ class BatchScheduler:
         request.arrival_time = self.clock()
         bisect.insort(self.waiting, request, key=lambda r: r.sort_key)
 
+    def add_fetching(self, request: Request, deadline: float) -> None:
+        """Queues a validated request whose prefix is being fetched from the kvstore;
+        it is not scheduled before ``finish_fetch`` (or ``deadline``, monotonic seconds)."""
+        if request.request_id in self.requests:
+            raise ValueError(f"duplicate request id {request.request_id!r}")
+        self.requests[request.request_id] = request
+        request.arrival_time = self.clock()
+        request.status = RequestStatus.WAITING_FOR_REMOTE_KVS
+        request.fetch_deadline = deadline
+        self.fetching[request.request_id] = request
+
+    def finish_fetch(self, request_id: str, external_kv) -> bool:
+        """Ends a request's fetch: it waits for scheduling with ``external_kv`` (an
+        ``ExternalKV``, or None after a failed or late fetch: it recomputes).
+
+        Returns:
+            False when the request is not fetching any more (aborted, or given up on
+            at its deadline): a late completion, ignored.
+        """
+        request = self.fetching.pop(request_id, None)
+        if request is None:
+            return False
+        request.external_kv = external_kv
+        request.status = RequestStatus.WAITING
+        bisect.insort(self.waiting, request, key=lambda r: r.sort_key)
+        return True
+
+    def expired_fetches(self, now: float) -> list[str]:
+        """Ids of fetching requests past their deadline."""
+        return [rid for rid, r in self.fetching.items() if r.fetch_deadline <= now]
+
     def abort_request(self, request_id: str) -> bool:
         """Finishes the request as aborted and frees its blocks now.
 
@@ -113,6 +157,7 @@ class BatchScheduler:
         request = self.requests.get(request_id)
         if request is None:
             return False
+        self.fetching.pop(request_id, None)
         if request in self.waiting:
             self.waiting.remove(request)
         self._finish(request, RequestStatus.FINISHED_ABORTED)
@@ -134,7 +179,7 @@ class BatchScheduler:
 
     def schedule(self) -> SchedulerOutput:
         """Picks this step's batch and allocates its KV slots (see the module doc)."""
-        state = _StepState(self.config.max_num_batched_tokens, {}, [])
+        state = _StepState(self.config.max_num_batched_tokens, {}, [], [])
         self.hold_deadline = None
         had_running = bool(self.running)
         self._schedule_running(state, decodes=True)
@@ -143,7 +188,7 @@ class BatchScheduler:
             self._schedule_waiting(state, had_running)
         scheduled = [self._scheduled_request(self.requests[rid], n) for rid, n in state.scheduled.items()]
         finished, self._finished_ids = self._finished_ids, set()
-        return SchedulerOutput(scheduled, sum(state.scheduled.values()), state.preempted, finished)
+        return SchedulerOutput(scheduled, sum(state.scheduled.values()), state.preempted, finished, state.kv_loads)
 
     def _schedule_running(self, state: _StepState, decodes: bool) -> None:
         for request in list(self.running):
@@ -212,32 +257,47 @@ class BatchScheduler:
                 return
             # a waiting request holds no block (new, or preempted and freed)
             computed_blocks, num_hit = self.kv.get_computed_blocks(request)
-            if pending and self.kv.next_cacheable_hash(request, num_hit) in pending:
+            external = self._usable_external(request, len(computed_blocks))
+            num_ext = len(external) * self.kv.block_size
+            if pending and self.kv.next_cacheable_hash(request, num_hit + num_ext) in pending:
                 self.num_deferred_for_prefix += 1
                 index += 1
                 continue
-            num_new = request.num_tokens - num_hit
+            num_new = request.num_tokens - num_hit - num_ext
             if num_new > state.budget and not self._may_chunk(request, num_new):
                 return
             num_new = min(num_new, state.budget)
-            if self.kv.allocate_slots(request.request_id, num_hit + num_new, computed_blocks) is None:
+            new_blocks = self.kv.allocate_slots(request.request_id, num_hit + num_ext + num_new, computed_blocks)
+            if new_blocks is None:
                 if self._preempt_lower(request, state):
                     continue
                 return  # head-of-line waits for blocks; running requests free them
             self.waiting.pop(index)
+            # the first new blocks receive the fetched payloads (the runner copies them in this step)
+            state.kv_loads.extend(zip(new_blocks[:len(external)], external))
+            request.external_kv = None
             if had_running and request.num_preemptions == 0:
                 self.num_joined_running_batch += 1
             if request.num_preemptions == 0:
-                request.num_cached_tokens = num_hit
+                request.num_cached_tokens = num_hit + num_ext
+                request.num_kvstore_tokens = num_ext
             self.prefix_cache_queried_tokens += request.num_tokens
             self.prefix_cache_hit_tokens += num_hit
-            request.num_computed_tokens = num_hit
+            self.kvstore_hit_tokens += num_ext
+            request.num_computed_tokens = num_hit + num_ext
             request.status = RequestStatus.RUNNING
             bisect.insort(self.running, request, key=lambda r: r.sort_key)
             state.scheduled[request.request_id] = num_new
             state.budget -= num_new
             if self.kv.enable_caching:
                 pending.update(self.kv.pending_block_hashes(request))
+
+    def _usable_external(self, request: Request, num_hit_blocks: int) -> list:
+        """Fetched payloads that continue the local prefix hit (see ``ExternalKV.usable``),
+        keeping the last prompt token uncomputed like a local hit."""
+        if request.external_kv is None:
+            return []
+        return request.external_kv.usable(num_hit_blocks, (request.num_tokens - 1) // self.kv.block_size)
 
     def _preempt_lower(self, request: Request, state: _StepState) -> bool:
         """Preempts the lowest running request if its priority is strictly lower than
@@ -300,7 +360,9 @@ class BatchScheduler:
             start = request.num_computed_tokens
             request.num_computed_tokens += scheduled.num_scheduled_tokens
             self.num_prompt_tokens += max(0, min(request.num_computed_tokens, request.num_prompt_tokens) - start)
-            self.kv.cache_blocks(request, request.num_computed_tokens)
+            newly = self.kv.cache_blocks(request, request.num_computed_tokens)
+            if newly and self.newly_cached_blocks is not None:
+                self.newly_cached_blocks.extend((request, block_id, block_hash) for block_id, block_hash in newly)
             token = runner_output.sampled_token_ids.get(request.request_id)
             if token is None:
                 continue  # a prefill chunk that is not the last
@@ -313,7 +375,8 @@ class BatchScheduler:
             outputs.append(RequestOutput(request.request_id, [token], status is not None,
                                          status.finish_reason if status else None, request.num_cached_tokens,
                                          logprobs=None if logprobs is None else [logprobs],
-                                         prompt_logprobs=runner_output.prompt_logprobs.get(request.request_id)))
+                                         prompt_logprobs=runner_output.prompt_logprobs.get(request.request_id),
+                                         num_kvstore_tokens=request.num_kvstore_tokens))
         return outputs
 
     def _finish(self, request: Request, status: RequestStatus) -> None:

@@ -176,7 +176,8 @@ class BlockPool:
         return self.cached_block_hash_to_block.get(block_hash)
 
     def cache_full_blocks(self, block_ids: Sequence[int], block_hashes: Sequence[BlockHash],
-                          parent_block_hash: BlockHash | None, token_ids: Sequence[int], block_size: int) -> None:
+                          parent_block_hash: BlockHash | None, token_ids: Sequence[int],
+                          block_size: int) -> list[tuple[int, BlockHash]]:
         """Registers computed full blocks under their chain hashes.
 
         A block whose hash is already cached by another block (two requests computed
@@ -188,8 +189,12 @@ class BlockPool:
             parent_block_hash: hash of the block before ``block_ids[0]`` (None at the start).
             token_ids: their tokens (``len(block_ids) * block_size``), for the event.
             block_size: tokens per block.
+
+        Returns:
+            ``(block_id, block_hash)`` of the blocks newly registered, in order.
         """
         stored = []
+        newly = []
         for block_id, block_hash in zip(block_ids, block_hashes):
             block = self.blocks[block_id]
             if block.block_hash is not None or block_hash in self.cached_block_hash_to_block:
@@ -197,8 +202,10 @@ class BlockPool:
             block.block_hash = block_hash
             self.cached_block_hash_to_block[block_hash] = block
             stored.append(block_hash)
+            newly.append((block_id, block_hash))
         if stored and self.enable_events:
             self._events.append(BlockStored(tuple(block_hashes), parent_block_hash, tuple(token_ids), block_size))
+        return newly
 
     def reset_prefix_cache(self) -> bool:
         """Forgets every evictable block's content (e.g. after loading new weights).

@@ -33,9 +33,22 @@ def num_blocks_for_budget(budget_bytes: int, block_bytes: int) -> int:
     return n
 
 
+def allocate_kv_storage(num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,
+                        dtype: torch.dtype, device: torch.device | str = "cpu") -> torch.Tensor:
+    """The one zero-filled allocation of every layer's K and V:
+    ``(num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim)`` of ``dtype``.
+    ``storage[:, :, b]`` is block ``b`` of all layers: what the kvstore stores."""
+    return torch.zeros(num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim, dtype=dtype, device=device)
+
+
+def layer_views(storage: torch.Tensor) -> list[KVCache]:
+    """One ``(key_cache, value_cache)`` view pair per layer of ``allocate_kv_storage``'s
+    tensor, each ``(num_blocks, block_size, num_kv_heads, head_dim)``."""
+    return [(storage[i, 0], storage[i, 1]) for i in range(storage.shape[0])]
+
+
 def allocate_kv_caches(num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,
                        dtype: torch.dtype, device: torch.device | str = "cpu") -> list[KVCache]:
     """One ``(key_cache, value_cache)`` pair per layer, each
     ``(num_blocks, block_size, num_kv_heads, head_dim)`` of ``dtype``, zero-filled."""
-    storage = torch.zeros(num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim, dtype=dtype, device=device)
-    return [(storage[i, 0], storage[i, 1]) for i in range(num_layers)]
+    return layer_views(allocate_kv_storage(num_layers, num_blocks, block_size, num_kv_heads, head_dim, dtype, device))

@@ -117,23 +117,29 @@ class KVCacheManager:
         start = self.req_num_cached_blocks.get(request.request_id, 0)
         return self.block_hashes(request)[start:request.num_prompt_tokens // self.block_size]
 
-    def cache_blocks(self, request: Request, num_computed_tokens: int) -> None:
+    def cache_blocks(self, request: Request, num_computed_tokens: int) -> list[tuple[int, BlockHash]]:
         """Registers the request's full blocks among its first ``num_computed_tokens``
-        tokens (whose K/V are computed) that are not registered yet."""
+        tokens (whose K/V are computed) that are not registered yet.
+
+        Returns:
+            ``(block_id, block_hash)`` of the blocks this call entered into the cache
+            (a block another request cached first is not among them).
+        """
         if not self.enable_caching:
-            return
+            return []
         rid = request.request_id
         num_full = num_computed_tokens // self.block_size
         start = self.req_num_cached_blocks.get(rid, 0)
         if num_full <= start:
-            return
+            return []
         hashes = self.block_hashes(request)
         blocks = self.req_to_blocks[rid]
         bs = self.block_size
-        self.block_pool.cache_full_blocks(blocks[start:num_full], hashes[start:num_full],
-                                          hashes[start - 1] if start else None,
-                                          request.all_token_ids[start * bs:num_full * bs], bs)
+        newly = self.block_pool.cache_full_blocks(blocks[start:num_full], hashes[start:num_full],
+                                                  hashes[start - 1] if start else None,
+                                                  request.all_token_ids[start * bs:num_full * bs], bs)
         self.req_num_cached_blocks[rid] = num_full
+        return newly
 
     # -- allocation -----------------------------------------------------------
 

@@ -8,6 +8,10 @@ The step loop is three calls with plain dataclasses between them (vLLM v1)::
 
 Not thread-safe: ``AsyncEngine`` drives it from one thread. ``check_request`` is
 the exception: it reads only immutable limits, so any thread may call it.
+
+With a ``KVConnector`` (``set_kv_connector``), a step starts by taking finished
+kvstore fetches and giving up late ones, and ends by publishing the full blocks
+it cached (see ``executor.engine.kv_connector``).
 """
 
 from __future__ import annotations
@@ -23,11 +27,12 @@ from executor.engine.batch_scheduler import BatchScheduler
 from executor.engine.config import EngineConfig
 from executor.engine.kv_cache import bytes_per_block, num_blocks_for_budget
 from executor.engine.kv_cache_manager import KVCacheManager, cdiv
+from executor.engine.kv_connector import KVConnector
 from executor.engine.model_runner import ModelRunner
 from executor.engine.outputs import EngineStats, RequestOutput
-from executor.engine.request import Request
+from executor.engine.request import ExternalKV, Request
 from executor.model_loader import load_model
-from meshserve.block_hash import ModelFingerprint
+from meshserve.block_hash import KVLayout, KVStoreFingerprint, ModelFingerprint
 from meshserve.errors import InvalidArgument
 from meshserve.model_files import resolve_model
 from meshserve.sampling import SamplingParams, validate
@@ -72,6 +77,10 @@ class LLMEngine:
                                                self.fingerprint, config.cache.enable_kv_events)
         self.batch_scheduler = BatchScheduler(config.batch, self.kv_cache_manager, self.eos_token_ids)
         self.model_runner = ModelRunner(loaded, self.num_blocks, self.block_size, config.seed, config.device)
+        self.kv_layout = KVLayout(self.block_size, len(loaded.model.attention_layers()), layer.num_kv_heads,
+                                  layer.head_dim)
+        self.kv_connector: KVConnector | None = None
+        self.kvstore_queried_tokens = 0
         self.num_steps = 0
         self.last_step_was_empty = False
         self._arrivals = itertools.count()
@@ -111,9 +120,31 @@ class LLMEngine:
                                   f"{batch.max_num_batched_tokens} (chunked prefill is off)")
         return validate(params, max_model_len=self.max_model_len, vocab_size=self.vocab_size)
 
+    @property
+    def kv_store_fingerprint(self) -> KVStoreFingerprint:
+        """The namespace of this engine's blocks in a kvstore (model identity + layout)."""
+        return KVStoreFingerprint(self.fingerprint, self.kv_layout)
+
+    def set_kv_connector(self, connector: KVConnector | None) -> None:
+        """Shares prefix blocks through ``connector`` (None: stop sharing). Call before
+        the engine thread starts.
+
+        Raises:
+            ValueError: the connector's fingerprint is not this engine's.
+        """
+        if connector is not None and connector.fingerprint != self.kv_store_fingerprint:
+            raise ValueError(f"kv connector fingerprint {connector.fingerprint} is not the engine's "
+                             f"{self.kv_store_fingerprint}")
+        self.kv_connector = connector
+        self.batch_scheduler.newly_cached_blocks = [] if connector is not None else None
+
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                    priority: int = 0) -> None:
-        """Queues a request; it joins the running batch at a following step.
+                    priority: int = 0, trace_context: object = None) -> None:
+        """Queues a request; it joins the running batch at a following step (after its
+        kvstore fetch, when a connector is set and its prefix is not all cached here).
+
+        Args:
+            trace_context: OpenTelemetry context, parent of the kvstore spans.
 
         Raises:
             InvalidArgument: see ``check_request``; also an empty or duplicate request id.
@@ -125,14 +156,36 @@ class LLMEngine:
         params = self.check_request(prompt_token_ids, params)
         max_len = min(self.max_model_len, self.num_blocks * self.block_size)
         request = Request(request_id, list(prompt_token_ids), params, priority, next(self._arrivals), max_len)
-        self.batch_scheduler.add_request(request)
+        request.trace_context = trace_context
+        if not self._start_fetch(request):
+            self.batch_scheduler.add_request(request)
+
+    def _start_fetch(self, request: Request) -> bool:
+        """Starts fetching the request's full prompt blocks after its local prefix hit
+        (up to the block before its last token); False when there is nothing to fetch."""
+        conn = self.kv_connector
+        if conn is None or not self.kv_cache_manager.enable_caching or \
+                request.sampling_params.prompt_logprobs is not None:
+            return False
+        hits, _ = self.kv_cache_manager.get_computed_blocks(request)
+        max_blocks = (request.num_tokens - 1) // self.block_size
+        if len(hits) >= max_blocks:
+            return False
+        hashes = self.kv_cache_manager.block_hashes(request)[len(hits):max_blocks]
+        self.batch_scheduler.add_fetching(request, time.monotonic() + conn.fetch_timeout_s)
+        conn.start_fetch(request.request_id, len(hits), hashes, request.trace_context)
+        self.kvstore_queried_tokens += len(hashes) * self.block_size
+        return True
 
     def abort_request(self, request_id: str) -> bool:
-        """Aborts a request and frees its KV blocks at once.
+        """Aborts a request and frees its KV blocks at once (a kvstore fetch in flight
+        is cancelled, releasing its leases).
 
         Returns:
             False when the id is unknown or the request already finished.
         """
+        if self.kv_connector is not None:
+            self.kv_connector.cancel(request_id)
         return self.batch_scheduler.abort_request(request_id)
 
     # -- the step loop --------------------------------------------------------
@@ -144,6 +197,8 @@ class LLMEngine:
             One output per request that got a token (finished ones included); empty
             when nothing is runnable.
         """
+        if self.kv_connector is not None:
+            self._take_fetches()
         scheduler_output = self.batch_scheduler.schedule()
         self.last_step_was_empty = scheduler_output.is_empty
         if scheduler_output.is_empty:
@@ -151,7 +206,44 @@ class LLMEngine:
             return []
         runner_output = self.model_runner.execute_model(scheduler_output)
         self.num_steps += 1
-        return self.batch_scheduler.update_from_output(scheduler_output, runner_output)
+        outputs = self.batch_scheduler.update_from_output(scheduler_output, runner_output)
+        if self.kv_connector is not None:
+            self._publish_cached_blocks()
+        return outputs
+
+    def _take_fetches(self) -> None:
+        """Moves fetched requests to waiting with their payloads; gives up fetches past
+        their deadline (they recompute). Late completions are ignored."""
+        conn = self.kv_connector
+        for result in conn.poll():
+            external = ExternalKV(result.start_block, result.payloads) if result.payloads else None
+            self.batch_scheduler.finish_fetch(result.request_id, external)
+        for request_id in self.batch_scheduler.expired_fetches(time.monotonic()):
+            conn.cancel(request_id)
+            conn.note_fetch_given_up()
+            self.batch_scheduler.finish_fetch(request_id, None)
+
+    def _publish_cached_blocks(self) -> None:
+        """Copies the full blocks cached by this step out of the paged cache (one
+        gather) and hands them to the connector, per request (for its trace)."""
+        cached, self.batch_scheduler.newly_cached_blocks = self.batch_scheduler.newly_cached_blocks, []
+        cached = [item for item in cached if not self.kv_connector.is_known(item[2])]
+        if not cached:
+            return
+        kv = self.model_runner.read_blocks([block_id for _, block_id, _ in cached])
+        by_request: dict[str, tuple[object, list]] = {}
+        for i, (request, _, block_hash) in enumerate(cached):
+            by_request.setdefault(request.request_id, (request.trace_context, []))[1].append((block_hash, kv[i]))
+        for trace_context, blocks in by_request.values():
+            self.kv_connector.publish(blocks, trace_context)
+
+    def wake_deadline(self) -> float | None:
+        """Monotonic seconds at which an idle engine must step again: a batching hold's
+        end or the earliest kvstore fetch deadline (None: only new work wakes it)."""
+        deadlines = [r.fetch_deadline for r in self.batch_scheduler.fetching.values()]
+        if self.batch_scheduler.hold_deadline is not None:
+            deadlines.append(self.batch_scheduler.hold_deadline)
+        return min(deadlines) if deadlines else None
 
     def has_unfinished_requests(self) -> bool:
         return self.batch_scheduler.has_unfinished_requests()
@@ -180,6 +272,9 @@ class LLMEngine:
             num_blocks_by_request=tuple(sorted((rid, len(blocks))
                                                for rid, blocks in self.kv_cache_manager.req_to_blocks.items()
                                                if blocks)),
+            kvstore_hit_tokens=s.kvstore_hit_tokens,
+            kvstore_queried_tokens=self.kvstore_queried_tokens,
+            kvstore=self.kv_connector.stats() if self.kv_connector is not None else None,
         )
 
     def reset_prefix_cache(self) -> bool:
@@ -224,6 +319,8 @@ class LLMEngine:
             while pending:
                 if self.last_step_was_empty and self.batch_scheduler.hold_deadline is not None:
                     time.sleep(max(0.0, self.batch_scheduler.hold_deadline - time.monotonic()))
+                elif self.last_step_was_empty and self.batch_scheduler.fetching:
+                    time.sleep(0.0005)  # kvstore fetches in flight and nothing else to run
                 for out in self.step():
                     if out.request_id in results:
                         results[out.request_id].extend(out.new_token_ids)

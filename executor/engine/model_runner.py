@@ -24,7 +24,7 @@ import numpy as np
 import torch
 
 from executor.attention import build_attention_metadata
-from executor.engine.kv_cache import allocate_kv_caches
+from executor.engine.kv_cache import allocate_kv_storage, layer_views
 from executor.engine.logprobs import PromptLogprobs
 from executor.engine.sampler import Sampler, SamplingBatch
 from executor.engine.scheduler_output import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
@@ -51,8 +51,9 @@ class ModelRunner:
         self.block_size = block_size
         layers = self.model.attention_layers()
         first = layers[0]
-        self.kv_caches = allocate_kv_caches(len(layers), num_blocks, block_size, first.num_kv_heads,
-                                            first.head_dim, loaded.dtype, self.device)
+        self.kv_storage = allocate_kv_storage(len(layers), num_blocks, block_size, first.num_kv_heads,
+                                              first.head_dim, loaded.dtype, self.device)
+        self.kv_caches = layer_views(self.kv_storage)
         for layer, kv_cache in zip(layers, self.kv_caches):
             layer.kv_cache = kv_cache
         self.attention_backend = first.backend
@@ -68,6 +69,8 @@ class ModelRunner:
             logprobs when asked, and complete prompt logprobs when asked.
         """
         self.release(scheduler_output.finished_request_ids)
+        if scheduler_output.kv_loads:
+            self.load_blocks(scheduler_output.kv_loads)
         scheduled = sorted(scheduler_output.scheduled, key=_batch_order)
         if not scheduled:
             return ModelRunnerOutput({})
@@ -92,6 +95,35 @@ class ModelRunner:
         logprobs = {} if sampled.logprobs is None else {
             rid: lp for rid, lp in zip(ids, sampled.logprobs) if lp is not None}
         return ModelRunnerOutput(dict(zip(ids, sampled.token_ids.tolist())), logprobs, prompt_logprobs)
+
+    @property
+    def block_shape(self) -> tuple[int, ...]:
+        """``(num_layers, 2, block_size, num_kv_heads, head_dim)``: one block of all layers."""
+        shape = self.kv_storage.shape
+        return (shape[0], shape[1], *shape[3:])
+
+    def load_blocks(self, loads: list[tuple[int, object]]) -> None:
+        """Copies fetched payloads into the paged cache.
+
+        Args:
+            loads: ``(block_id, payload)``; a payload is the raw bytes (a writable
+                buffer such as ``bytearray``) of one ``block_shape`` tensor in the
+                cache dtype.
+
+        Raises:
+            ValueError: a payload has the wrong size (the connector checks sizes first).
+        """
+        for block_id, payload in loads:
+            kv = torch.frombuffer(payload, dtype=self.kv_storage.dtype)
+            if kv.numel() != self.kv_storage[:, :, block_id].numel():
+                raise ValueError(f"payload of {len(payload)} bytes does not fit a block of shape {self.block_shape}")
+            self.kv_storage[:, :, block_id].copy_(kv.view(self.block_shape))
+
+    def read_blocks(self, block_ids: list[int]) -> torch.Tensor:
+        """A private CPU copy of blocks: ``(len(block_ids), *block_shape)`` in the cache
+        dtype (one gather; the engine thread calls it right after a step)."""
+        index = torch.tensor(block_ids, dtype=torch.int64, device=self.device)
+        return self.kv_storage.index_select(2, index).permute(2, 0, 1, 3, 4, 5).contiguous().cpu()
 
     def release(self, request_ids: set[str]) -> None:
         """Drops per-request state (seeded generators, prompt logprobs) of finished requests."""

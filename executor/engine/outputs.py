@@ -37,6 +37,7 @@ class RequestOutput:
         logprobs: with ``SamplingParams.logprobs``, one entry per new token; else None.
         prompt_logprobs: with ``SamplingParams.prompt_logprobs``, on the request's
             first output only: one entry per prompt position 1 .. num_prompt - 1.
+        num_kvstore_tokens: of ``num_cached_tokens``, tokens loaded from the kvstore.
     """
 
     request_id: str
@@ -46,6 +47,7 @@ class RequestOutput:
     num_cached_tokens: int = 0
     logprobs: list[TokenLogprob] | None = None
     prompt_logprobs: list[TokenLogprob] | None = None
+    num_kvstore_tokens: int = 0
 
 
 @dataclass(frozen=True)
@@ -75,6 +77,10 @@ class EngineStats:
         num_blocks_by_request: ``(request_id, blocks held)`` of every request
             holding blocks, sorted by id (the scheduler charges them to the
             tenants' KV quotas per lease).
+        kvstore_hit_tokens: prompt tokens loaded from the kvstore instead of computed.
+        kvstore_queried_tokens: prompt tokens asked of the kvstore (full blocks
+            missing from the local cache at admission).
+        kvstore: the kvstore connector's counters (None without a connector).
     """
 
     num_blocks: int
@@ -95,6 +101,9 @@ class EngineStats:
     num_prompt_tokens: int = 0
     num_generation_tokens: int = 0
     num_blocks_by_request: tuple[tuple[str, int], ...] = ()
+    kvstore_hit_tokens: int = 0
+    kvstore_queried_tokens: int = 0
+    kvstore: "KVConnectorStats | None" = None  # noqa: F821 - executor.engine.kv_connector
 
     @property
     def prefix_cache_hit_rate(self) -> float:

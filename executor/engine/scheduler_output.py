@@ -64,12 +64,16 @@ class SchedulerOutput:
         preempted_request_ids: requests preempted while scheduling this step.
         finished_request_ids: requests that finished or were aborted since the
             previous ``schedule()``; the runner drops its state for them.
+        kv_loads: ``(block_id, payload)`` of blocks fetched from the kvstore that the
+            runner copies into the paged cache before the forward pass (payload:
+            the raw bytes of one block, ``ExternalKV``).
     """
 
     scheduled: list[ScheduledRequest]
     num_scheduled_tokens: int
     preempted_request_ids: list[str] = field(default_factory=list)
     finished_request_ids: set[str] = field(default_factory=set)
+    kv_loads: list[tuple[int, object]] = field(default_factory=list)
 
     @property
     def is_empty(self) -> bool:

@@ -1,0 +1,170 @@
+"""The KVStore gRPC servicer: a thin layer over ``kvstore.store.KVStore``.
+
+Converts proto ↔ domain, validates what the caller sent (fingerprints, hashes,
+payload sizes, checksums: ``INVALID_ARGUMENT``), moves payloads in chunks, ties
+each Get's leases to its stream (released in ``finally``, so a cancelled or
+failed transfer releases them too), and streams placement events. Every call
+opens a span under the caller's trace context.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import itertools
+import logging
+
+
+from kvstore.events import PlacementKind
+from kvstore.payload import chunks
+from kvstore.store import KVStore, PutStatus
+from kvstore.wire import fingerprint_from_proto, hashes_from_proto
+from meshserve.block_hash import hash_to_bytes
+from meshserve.errors import InvalidArgument, NotFound
+from meshserve.grpc_server import Service
+from meshserve.telemetry import context_from_grpc, tracer
+from meshserve.v1 import kvstore_pb2, kvstore_pb2_grpc
+
+log = logging.getLogger(__name__)
+_tracer = tracer(__name__)
+
+
+class KVStoreServicer(kvstore_pb2_grpc.KVStoreServicer):
+    """Serves one ``KVStore``.
+
+    Args:
+        store: the core (single-threaded: used from this server's event loop only).
+    """
+
+    def __init__(self, store: KVStore):
+        self.store = store
+        self._call_ids = itertools.count()
+        self._watchers: set[asyncio.Event] = set()
+        store.events.listeners.append(self._notify)
+
+    def _notify(self, _event) -> None:
+        for wake in self._watchers:
+            wake.set()
+
+    async def Lookup(self, request, context) -> kvstore_pb2.LookupResponse:
+        fp = fingerprint_from_proto(request.fingerprint)
+        n = self.store.lookup(fp.namespace, hashes_from_proto(request.block_hashes))
+        return kvstore_pb2.LookupResponse(num_blocks=n)
+
+    async def Get(self, request, context):
+        fp = fingerprint_from_proto(request.fingerprint)
+        hashes = hashes_from_proto(request.block_hashes)
+        owner = f"{request.lease_owner or 'anonymous'}#{next(self._call_ids)}"
+        span = _tracer.start_span("kvstore.get", context=context_from_grpc(context))  # not attached: a generator
+        n = self.store.acquire(owner, fp.namespace, hashes)
+        span.set_attributes({"meshserve.kvstore.requested_blocks": len(hashes), "meshserve.kvstore.found_blocks": n})
+        try:
+            yield kvstore_pb2.GetResponse(num_blocks=n)
+            for block_hash in hashes[:n]:
+                try:
+                    data, crc = self.store.read(fp.namespace, block_hash)
+                except NotFound:
+                    return  # dropped as corrupt on disk: the caller gets a shorter prefix
+                header = kvstore_pb2.BlockHeader(block_hash=hash_to_bytes(block_hash), num_bytes=len(data),
+                                                 checksum=crc)
+                for i, chunk in enumerate(chunks(data)):
+                    msg = kvstore_pb2.GetResponse(data=chunk)
+                    if i == 0:
+                        msg.header.CopyFrom(header)
+                    yield msg
+        finally:
+            self.store.release(owner)
+            span.end()
+
+    async def Put(self, request_iterator, context) -> kvstore_pb2.PutResponse:
+        with _tracer.start_as_current_span("kvstore.put", context=context_from_grpc(context)) as span:
+            counts = {PutStatus.STORED: 0, PutStatus.EXISTS: 0, PutStatus.NO_SPACE: 0}
+            fp, header, buf = None, None, bytearray()
+            async for msg in request_iterator:
+                if fp is None:
+                    if not msg.HasField("fingerprint"):
+                        raise InvalidArgument("the first Put message must carry the fingerprint")
+                    fp = fingerprint_from_proto(msg.fingerprint)
+                if msg.HasField("header"):
+                    if header is not None:
+                        raise InvalidArgument(f"block {header.block_hash.hex()} ended after {len(buf)} of "
+                                              f"{header.num_bytes} bytes")
+                    header, buf = self._check_header(msg.header, fp.block_bytes), bytearray()
+                elif header is None and msg.data:
+                    raise InvalidArgument("payload data before any block header")
+                if header is not None and not buf and len(msg.data) == header.num_bytes:
+                    buf = msg.data  # the whole block in one message (the usual case): no copy
+                else:
+                    buf += msg.data
+                if header is not None and len(buf) >= header.num_bytes:
+                    if len(buf) > header.num_bytes:
+                        raise InvalidArgument(f"block {header.block_hash.hex()}: more than num_bytes "
+                                              f"{header.num_bytes} of payload")
+                    block_hash = hashes_from_proto([header.block_hash])[0]
+                    data = buf if isinstance(buf, bytes) else bytes(buf)
+                    counts[self.store.put(fp.namespace, block_hash, data, header.checksum)] += 1
+                    header, buf = None, bytearray()
+            if header is not None:
+                raise InvalidArgument(f"block {header.block_hash.hex()} ended after {len(buf)} of "
+                                      f"{header.num_bytes} bytes (not stored)")
+            span.set_attribute("meshserve.kvstore.stored_blocks", counts[PutStatus.STORED])
+            return kvstore_pb2.PutResponse(num_stored=counts[PutStatus.STORED],
+                                           num_existing=counts[PutStatus.EXISTS],
+                                           num_no_space=counts[PutStatus.NO_SPACE])
+
+    @staticmethod
+    def _check_header(header: kvstore_pb2.BlockHeader, block_bytes: int) -> kvstore_pb2.BlockHeader:
+        hashes_from_proto([header.block_hash])
+        if header.num_bytes != block_bytes:
+            raise InvalidArgument(f"block {header.block_hash.hex()}: num_bytes {header.num_bytes} does not match "
+                                  f"the fingerprint's layout ({block_bytes} bytes per block)")
+        return header
+
+    async def Stats(self, request, context) -> kvstore_pb2.KVStoreStatsResponse:
+        return kvstore_pb2.KVStoreStatsResponse(**dataclasses.asdict(self.store.stats()),
+                                                placement_cursor=self.store.events.cursor)
+
+    async def WatchPlacements(self, request, context):
+        wake = asyncio.Event()
+        self._watchers.add(wake)
+        try:
+            cursor = request.cursor
+            while True:
+                wake.clear()
+                events = self.store.events.since(cursor) if cursor else None
+                if events is None:
+                    cursor, blocks = self.store.snapshot()
+                    for ns, block_hash, tier in blocks:
+                        yield kvstore_pb2.PlacementEvent(seq=cursor, kind=PlacementKind.STORED, namespace=ns,
+                                                         block_hash=hash_to_bytes(block_hash), tier=tier,
+                                                         snapshot=True)
+                    yield kvstore_pb2.PlacementEvent(seq=cursor, kind=kvstore_pb2.PLACEMENT_KIND_SNAPSHOT_END,
+                                                     snapshot=True)
+                    continue
+                for e in events:
+                    yield kvstore_pb2.PlacementEvent(seq=e.seq, kind=int(e.kind), namespace=e.namespace,
+                                                     block_hash=hash_to_bytes(e.block_hash), tier=e.tier)
+                    cursor = e.seq
+                if cursor == self.store.events.cursor:
+                    await wake.wait()
+        finally:
+            self._watchers.discard(wake)
+
+
+async def start_kvstore(store: KVStore, port: int, host: str = "127.0.0.1",
+                        servicer_cls: type[KVStoreServicer] = KVStoreServicer) -> Service:
+    """Starts the KVStore service over ``store``; SERVING at once (nothing to warm).
+
+    Args:
+        servicer_cls: the servicer class (tests pass a fault-injecting subclass).
+
+    Raises:
+        OSError: the port cannot be bound.
+    """
+    service = Service("meshserve.v1.KVStore", port, host)
+    servicer = servicer_cls(store)
+    kvstore_pb2_grpc.add_KVStoreServicer_to_server(servicer, service.server)
+    await service.start()
+    await service.set_serving(True)
+    service.servicer = servicer  # type: ignore[attr-defined]
+    return service

@@ -1,0 +1,106 @@
+"""The executor's KVStoreConnector against a real kvstore service, without a model:
+publish then fetch round-trips exact bytes; a fetch cancelled mid-transfer releases
+its leases and never reports; a store that is down gives an empty result."""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from executor.kvstore_connector import KVStoreConnector
+from kvstore.store import KVStore
+from meshserve.block_hash import KVLayout, KVStoreFingerprint, ModelFingerprint
+from tests.kvstore.served import DelayingServicer, ServedKVStore
+
+FP = KVStoreFingerprint(ModelFingerprint("m", "r", "float32"), KVLayout(4, 2, 2, 8))  # 1 KiB blocks
+SHAPE = (2, 2, 4, 2, 8)
+
+
+def poll_until(connector: KVStoreConnector, timeout_s: float = 10.0):
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        results = connector.poll()
+        if results:
+            return results
+        time.sleep(0.005)
+    raise TimeoutError("no fetch result")
+
+
+def test_publish_then_fetch_roundtrip():
+    served = ServedKVStore(KVStore(memory_bytes=1 << 20))
+    conn = KVStoreConnector(served.address, FP)
+    woken = []
+    conn.set_waker(lambda: woken.append(1))
+    try:
+        blocks = [(10 + i, torch.arange(256, dtype=torch.float32).view(SHAPE) * (i + 1)) for i in range(3)]
+        conn.publish(blocks)
+        conn.flush()
+        assert conn.is_known(10) and not conn.is_known(99)
+        s = conn.stats()
+        assert (s.published_blocks, s.bytes_out, s.publish_dropped_blocks) == (3, 3 * FP.block_bytes, 0)
+        conn.start_fetch("req-1", 4, [10, 11, 12, 13])
+        [result] = poll_until(conn)
+        assert (result.request_id, result.start_block, result.num_requested) == ("req-1", 4, 4)
+        assert [torch.frombuffer(p, dtype=torch.float32).view(SHAPE).equal(kv) for p, (_, kv) in
+                zip(result.payloads, blocks)] == [True, True, True]
+        s = conn.stats()
+        assert (s.fetches, s.fetched_blocks, s.fetch_failures, s.bytes_in) == (1, 3, 0, 3 * FP.block_bytes)
+        assert woken == [1] and conn._fetches == {}
+        assert not conn.is_known(13)          # asked for and missing: publish it when computed
+        assert served.stats().num_leases == 0
+    finally:
+        conn.close()
+        served.stop()
+
+
+def test_publish_queue_is_bounded():
+    served = ServedKVStore(KVStore(memory_bytes=1 << 20))
+    conn = KVStoreConnector(served.address, FP, max_publish_bytes=2 * FP.block_bytes)
+    try:
+        kv = torch.zeros(SHAPE)
+        conn.publish([(1, kv), (2, kv), (3, kv)])   # 3 KiB > 2 KiB: dropped at once, never waits
+        conn.publish([(4, kv)])
+        conn.flush()
+        s = conn.stats()
+        assert (s.publish_dropped_blocks, s.published_blocks) == (3, 1)
+    finally:
+        conn.close()
+        served.stop()
+
+
+def test_cancelled_fetch_releases_leases_and_never_reports():
+    DelayingServicer.get_delay_s = 0.2
+    served = ServedKVStore(KVStore(memory_bytes=1 << 20), servicer_cls=DelayingServicer)
+    conn = KVStoreConnector(served.address, FP)
+    try:
+        conn.publish([(h, torch.ones(SHAPE)) for h in range(1, 21)])
+        conn.flush()
+        conn.start_fetch("req-2", 0, list(range(1, 21)))
+        deadline = time.monotonic() + 10
+        while served.stats().num_leases != 20:
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        conn.cancel("req-2")
+        while served.stats().num_leases != 0:
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        time.sleep(0.3)
+        assert conn.poll() == [] and conn.stats().fetches == 0
+    finally:
+        DelayingServicer.get_delay_s = 0.0
+        conn.close()
+        served.stop()
+
+
+def test_store_down_means_an_empty_result():
+    served = ServedKVStore(KVStore(memory_bytes=1 << 20))
+    address = served.address
+    served.stop()
+    conn = KVStoreConnector(address, FP)
+    try:
+        conn.start_fetch("req-3", 0, [1, 2])
+        [result] = poll_until(conn)
+        assert result.payloads == [] and conn.stats().fetch_failures == 1
+    finally:
+        conn.close()
