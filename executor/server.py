@@ -380,7 +380,13 @@ async def start_executor(
         )
         links.append(link)
         link.start()
-        await asyncio.wait_for(link.connected.wait(), timeout=60)
+        try:
+            await asyncio.wait_for(link.connected.wait(), timeout=60)
+        except asyncio.TimeoutError:
+            await link.stop()
+            await service.stop(0)
+            raise TimeoutError(f"the scheduler at {scheduler_address} did not accept the registration "
+                               "within 60 s (is it running and reachable?)") from None
     await service.set_serving(True)
     service.servicer = servicer  # type: ignore[attr-defined]
 

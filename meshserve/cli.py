@@ -75,7 +75,7 @@ def _engine_config(model, dtype, kv_cache_memory, block_size, max_num_seqs, max_
 
 @app.command()
 def scheduler(
-    port: int = typer.Option(50052, help="Port of the Scheduler service."),
+    port: int = typer.Option(50052, min=0, max=65535, help="Port of the Scheduler service."),
     host: str = typer.Option("127.0.0.1", help="Interface to listen on."),
     queue_policy: str = typer.Option("fcfs", "--queue-policy", help="fcfs, priority or sjf (shortest-job-first "
                                      "on predicted cost, with aging)."),
@@ -115,10 +115,10 @@ def scheduler(
 @app.command()
 def executor(
     scheduler: str = typer.Option(..., "--scheduler", help="host:port of the scheduler."),
-    port: int = typer.Option(50053, help="Port of the Executor service."),
+    port: int = typer.Option(50053, min=0, max=65535, help="Port of the Executor service."),
     host: str = typer.Option("127.0.0.1", help="Interface to listen on (and advertise)."),
     model: str = typer.Option("default", help="Model alias, .gguf file or safetensors folder."),
-    dtype: str = typer.Option("auto", help="auto, float32 or bfloat16."),
+    dtype: str = typer.Option("auto", help="auto, float32, bfloat16 or float16."),
     kv_cache_memory: str = typer.Option("1GiB", "--kv-cache-memory", help="KV cache budget in bytes (512MiB, 2GB…)."),
     block_size: int = typer.Option(16, help="Tokens per KV block."),
     max_num_seqs: int = typer.Option(64, help="Most requests in the running batch."),
@@ -153,6 +153,12 @@ def executor(
                          attention_backend, device, enable_kv_events=True)  # forwarded for prefix-aware routing
     if kvstore is not None and not _is_address(kvstore):
         raise typer.BadParameter(f"--kvstore must be HOST:PORT, got {kvstore!r}")
+    from meshserve.launcher import port_is_free
+
+    if port and not port_is_free(port, host):  # checked before the model loads
+        typer.echo(f"error: executor: cannot listen on {host}:{port} (port in use or not allowed); "
+                   "choose one with --port", err=True)
+        raise typer.Exit(1)
     _serve(run_executor(cfg, port, host, scheduler, executor_id, pool, advertise, step_timeout_s=step_timeout_s,
                         kvstore_address=kvstore, kvstore_fetch_timeout_s=kvstore_fetch_timeout))
 
@@ -164,7 +170,7 @@ def _is_address(text: str) -> bool:
 
 @app.command("kvstore")
 def kvstore_cmd(
-    port: int = typer.Option(50054, help="Port of the KVStore service."),
+    port: int = typer.Option(50054, min=0, max=65535, help="Port of the KVStore service."),
     host: str = typer.Option("127.0.0.1", help="Interface to listen on."),
     memory: str = typer.Option("1GiB", "--memory", help="Byte budget of the memory tier (512MiB, 2GB…)."),
     disk_dir: Optional[str] = typer.Option(None, "--disk-dir", help="Directory of the disk tier (emptied at start)."),
@@ -190,7 +196,7 @@ def kvstore_cmd(
 @app.command()
 def gateway(
     scheduler: str = typer.Option(..., "--scheduler", help="host:port of the scheduler."),
-    port: int = typer.Option(50051, help="Public port of the Gateway service."),
+    port: int = typer.Option(50051, min=0, max=65535, help="Public port of the Gateway service."),
     host: str = typer.Option("127.0.0.1", help="Interface to listen on."),
     model: str = typer.Option("default", help="Model alias or path (for the tokenizer and limits)."),
     tenants: Optional[str] = typer.Option(None, help="Tenants TOML file (default: open, tenant 'default')."),
@@ -217,10 +223,10 @@ def _mesh_config(port, executors, model, dtype, kv_cache_memory, extra, tenants,
 
 @app.command()
 def up(
-    port: int = typer.Option(50051, help="Public port of the gateway."),
-    executors: int = typer.Option(1, help="Number of executor processes."),
+    port: int = typer.Option(50051, min=0, max=65535, help="Public port of the gateway."),
+    executors: int = typer.Option(1, min=1, help="Number of executor processes."),
     model: str = typer.Option("default", help="Model alias, .gguf file or safetensors folder."),
-    dtype: str = typer.Option("auto", help="auto, float32 or bfloat16."),
+    dtype: str = typer.Option("auto", help="auto, float32, bfloat16 or float16."),
     kv_cache_memory: str = typer.Option("1GiB", "--kv-cache-memory", help="KV cache budget of each executor."),
     tenants: Optional[str] = typer.Option(None, help="Tenants TOML file."),
     log_dir: Optional[str] = typer.Option(None, help="Write each service's log here instead of the terminal."),
@@ -268,8 +274,8 @@ def up(
 
 @app.command()
 def demo(
-    port: int = typer.Option(0, help="Gateway port (0: a free one)."),
-    executors: int = typer.Option(1, help="Number of executor processes."),
+    port: int = typer.Option(0, min=0, max=65535, help="Gateway port (0: a free one)."),
+    executors: int = typer.Option(1, min=1, help="Number of executor processes."),
     max_tokens: int = typer.Option(96, help="Tokens per answer."),
 ) -> None:
     """Start the mesh, stream 8 concurrent chat answers, print a summary, stop."""
@@ -363,7 +369,7 @@ def bench(
     seed: int = typer.Option(0, "--seed", help="Workload seed (same seed, same requests for every target)."),
     report_json: Optional[str] = typer.Option(None, "--report-json", help="Write the JSON report here."),
     model: str = typer.Option("default", help="Model alias, .gguf file or safetensors folder."),
-    dtype: str = typer.Option("auto", help="auto, float32 or bfloat16."),
+    dtype: str = typer.Option("auto", help="auto, float32, bfloat16 or float16."),
     kv_cache_memory: str = typer.Option("1GiB", "--kv-cache-memory", help="KV cache budget of the engine."),
     max_num_batched_tokens: int = typer.Option(2048, help="Token budget of one engine step."),
     max_num_seqs: int = typer.Option(64, help="Most requests in the running batch."),
@@ -375,7 +381,7 @@ def bench(
     addr: Optional[str] = typer.Option(None, "--addr", help="mesh target: a running gateway's host:port."),
     executor_addr: list[str] = typer.Option([], "--executor-addr", help="mesh target with --addr: an executor "
                                             "whose Stats to sample; may repeat."),
-    executors: int = typer.Option(1, help="mesh target: executor processes to launch."),
+    executors: int = typer.Option(1, min=1, help="mesh target: executor processes to launch."),
     prompt_len_median: int = typer.Option(150, help="Median prompt length (tokens)."),
     output_len_median: int = typer.Option(128, help="Median output length (tokens)."),
     warmup: int = typer.Option(2, help="Unmeasured warm-up requests."),
@@ -465,6 +471,7 @@ def sim(
         for key, value in report["baseline"].items():
             typer.echo(f"{'baseline ' + key:28s} {value if isinstance(value, str) else f'{value:.3f}'}")
     if report_json:
+        Path(report_json).parent.mkdir(parents=True, exist_ok=True)
         Path(report_json).write_text(json.dumps(report, indent=2) + "\n")
 
 

@@ -55,9 +55,12 @@ class Service:
         self.server = grpc.aio.server(interceptors=[ErrorInterceptor()], options=SERVER_OPTIONS)
         self.health = HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
-        self.port = self.server.add_insecure_port(f"{host}:{port}")
+        try:
+            self.port = self.server.add_insecure_port(f"{host}:{port}")
+        except RuntimeError:  # grpc's "Failed to bind to address …"
+            self.port = 0
         if self.port == 0:
-            raise OSError(f"{name}: cannot bind {host}:{port}")
+            raise OSError(f"{name}: cannot listen on {host}:{port} (port in use or not allowed); choose one with --port")
         self.address = f"{host}:{self.port}"
 
     async def start(self) -> None:

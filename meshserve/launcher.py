@@ -34,11 +34,11 @@ def default_threads_per_executor(executors: int) -> int:
     return max(1, ((os.cpu_count() or 1) - 1) // max(1, executors))
 
 
-def port_is_free(port: int) -> bool:
-    """True when a TCP listener could bind 127.0.0.1:``port`` now."""
+def port_is_free(port: int, host: str = "127.0.0.1") -> bool:
+    """True when a TCP listener could bind ``host:port`` now."""
     with socket.socket() as s:
         try:
-            s.bind(("127.0.0.1", port))
+            s.bind((host, port))
         except OSError:
             return False
         return True

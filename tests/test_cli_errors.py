@@ -75,3 +75,23 @@ def test_kvstore_bad_flag_is_a_usage_error(args, message):
     assert result.exit_code == 2
     assert "Traceback" not in result.output
     assert message in " ".join(result.output.replace("│", " ").split())
+
+
+@pytest.mark.parametrize("service", [["scheduler"], ["gateway", "--scheduler", "127.0.0.1:1"],
+                                     ["executor", "--scheduler", "127.0.0.1:1"]])
+def test_service_on_a_busy_port_is_one_line(service):
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        result = runner.invoke(app, [*service, "--port", str(port)])
+    assert result.exit_code == 1
+    assert "Traceback" not in result.output
+    assert f"cannot listen on 127.0.0.1:{port} (port in use or not allowed)" in result.output
+
+
+@pytest.mark.parametrize("args,name", [(["up", "--port", "99999"], "--port"), (["up", "--executors", "0"], "--executors")])
+def test_up_rejects_out_of_range_values(args, name):
+    result = runner.invoke(app, args)
+    assert result.exit_code == 2
+    assert name in result.output
