@@ -16,6 +16,8 @@ import asyncio
 import logging
 from typing import TYPE_CHECKING
 
+from meshserve.background import BackgroundTask
+
 if TYPE_CHECKING:
     from executor.engine.async_engine import AsyncEngine
     from executor.server import SchedulerLink
@@ -24,7 +26,7 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 
-class StepWatchdog:
+class StepWatchdog(BackgroundTask):
     """Polls the engine's current step time every ``poll_s`` seconds.
 
     Args:
@@ -49,19 +51,6 @@ class StepWatchdog:
         self.poll_s = poll_s
         self.wedged = False
         self.num_wedged = 0  # times the engine was found wedged
-        self._task: asyncio.Task | None = None
-
-    def start(self) -> None:
-        self._task = asyncio.create_task(self._run())
-
-    async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            try:
-                await self._task
-            except asyncio.CancelledError:
-                pass
-            self._task = None
 
     async def _run(self) -> None:
         while True:

@@ -29,6 +29,7 @@ from executor.engine.async_engine import AsyncEngine
 from executor.engine.llm_engine import LLMEngine
 from executor.engine.outputs import EngineStats, RequestOutput, TokenLogprob
 from executor.health import StepWatchdog
+from meshserve.background import BackgroundTask
 from executor.kv_events import KvEventBatcher
 from meshserve.errors import AlreadyExists, InvalidArgument
 from meshserve.grpc_server import CHANNEL_OPTIONS, Service
@@ -225,7 +226,7 @@ def lease_num_blocks(num_blocks_by_request, active_leases: dict[str, str]) -> di
     return out
 
 
-class SchedulerLink:
+class SchedulerLink(BackgroundTask):
     """Keeps the executor registered with the scheduler over one Connect stream."""
 
     def __init__(self, config: LinkConfig, servicer: ExecutorServicer):
@@ -234,7 +235,6 @@ class SchedulerLink:
         self.connected = asyncio.Event()
         self.kv_events = KvEventBatcher(servicer.engine.engine.fingerprint)
         self._wake = asyncio.Event()
-        self._task: asyncio.Task | None = None
 
     def notify(self) -> None:
         """Asks for a capacity report soon (called when the engine state changes)."""
@@ -245,17 +245,8 @@ class SchedulerLink:
         self.kv_events.add(events)
         self._wake.set()
 
-    def start(self) -> None:
-        self._task = asyncio.create_task(self._run())
-
     async def stop(self) -> None:
-        if self._task:
-            self._task.cancel()
-            try:
-                await self._task
-            except (asyncio.CancelledError, Exception):  # noqa: BLE001 - shutting down
-                pass
-            self._task = None
+        await super().stop()
         self.connected.clear()  # a later start() waits for a fresh registration
 
     def _register(self) -> scheduler_pb2.ExecutorMessage:

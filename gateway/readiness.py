@@ -16,12 +16,13 @@ import logging
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from meshserve.background import BackgroundTask
 from meshserve.grpc_server import EXECUTORS_HEALTH_SERVICE, Service
 
 log = logging.getLogger(__name__)
 
 
-class ReadinessProbe:
+class ReadinessProbe(BackgroundTask):
     """Polls the scheduler's executors health and mirrors it on ``service``.
 
     Args:
@@ -35,7 +36,6 @@ class ReadinessProbe:
         self.poll_s = poll_s
         self._stub = health_pb2_grpc.HealthStub(scheduler_channel)
         self.ready: bool | None = None  # None until the first answer
-        self._task: asyncio.Task | None = None
 
     async def check(self) -> bool:
         """One poll: asks the scheduler, sets the gateway's health, returns readiness."""
@@ -51,18 +51,6 @@ class ReadinessProbe:
             self.ready = ready
             await self.service.set_serving(ready)
         return ready
-
-    def start(self) -> None:
-        self._task = asyncio.create_task(self._run())
-
-    async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            try:
-                await self._task
-            except asyncio.CancelledError:
-                pass
-            self._task = None
 
     async def _run(self) -> None:
         while True:
