@@ -1,4 +1,4 @@
-"""Request ids that clash, and an executor whose engine dies: clear status codes,
+"""Request ids that clash, and an executor whose engine dies, wedges or is cut off (case C24):
 nothing leaked, nothing routed to a dead executor."""
 
 import asyncio
