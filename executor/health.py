@@ -1,7 +1,7 @@
 """The executor's health watchdog: grpc.health.v1 tells the truth about the engine.
 
-A dead engine thread is handled by ``AsyncEngine.on_failure`` (see
-``executor.server.start_executor``). This watchdog covers a *wedged* engine: a
+A dead engine thread (``AsyncEngine.on_failure``) takes the executor out at
+once: NOT_SERVING, link closed. The watchdog also covers a *wedged* engine: a
 step that has run longer than ``step_timeout_s`` (a hung kernel, a deadlock, a
 stalled device). Then the executor turns NOT_SERVING, leaves the scheduler (its
 link closes, so nothing more is routed here), and ends its in-flight requests with
@@ -51,12 +51,14 @@ class StepWatchdog(BackgroundTask):
         self.poll_s = poll_s
         self.wedged = False
         self.num_wedged = 0  # times the engine was found wedged
+        engine.on_failure(lambda exc: asyncio.ensure_future(
+            self._take_out(f"engine thread died ({type(exc).__name__}: {exc})")))
 
     async def _run(self) -> None:
         while True:
             await asyncio.sleep(self.poll_s)
             if self.engine.failure is not None:
-                return  # dead, not wedged: on_failure already took the executor out
+                return  # dead, not wedged: the on_failure callback took the executor out
             running_s = self.engine.step_running_s()
             if not self.wedged and running_s > self.step_timeout_s:
                 self.wedged = True
@@ -66,12 +68,15 @@ class StepWatchdog(BackgroundTask):
                 self.wedged = False
                 await self._rejoin()
 
-    async def _leave(self, running_s: float) -> None:
-        log.error("engine step running for %.1f s (> %.1f s): NOT_SERVING, leaving the scheduler",
-                  running_s, self.step_timeout_s)
+    async def _take_out(self, reason: str) -> None:
+        """NOT_SERVING and off the scheduler (it drops this executor at once)."""
+        log.error("%s: NOT_SERVING, leaving the scheduler", reason)
         await self.service.set_serving(False)
         if self.link is not None:
             await self.link.stop()
+
+    async def _leave(self, running_s: float) -> None:
+        await self._take_out(f"engine step running for {running_s:.1f} s (> {self.step_timeout_s:g} s)")
         self.engine.fail_requests(f"engine step has run for {running_s:.1f} s (step timeout "
                                   f"{self.step_timeout_s:g} s); retry")
 

@@ -381,13 +381,6 @@ async def start_executor(
     await service.set_serving(True)
     service.servicer = servicer  # type: ignore[attr-defined]
 
-    async def leave(exc: BaseException) -> None:
-        log.error("engine thread died (%s: %s): NOT_SERVING, leaving the scheduler", type(exc).__name__, exc)
-        await service.set_serving(False)
-        if link is not None:
-            await link.stop()  # the scheduler drops this executor at once: nothing more is routed here
-
-    async_engine.on_failure(lambda exc: asyncio.ensure_future(leave(exc)))
     watchdog = StepWatchdog(async_engine, service, link, step_timeout_s)
     watchdog.start()
     service.watchdog = watchdog  # type: ignore[attr-defined]

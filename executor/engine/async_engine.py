@@ -182,9 +182,7 @@ class AsyncEngine:
 
     def _fail(self, exc: BaseException) -> None:
         # callers see UNAVAILABLE (retry elsewhere); the cause is logged with its traceback
-        error = Unavailable(f"engine failed: {type(exc).__name__}: {exc}")
-        for stream in self._streams.values():
-            stream.put_nowait(error)
+        self.fail_requests(f"engine failed: {type(exc).__name__}: {exc}")
         for callback in self._failure_callbacks:
             try:
                 callback(exc)
