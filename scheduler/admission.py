@@ -137,6 +137,7 @@ class AdmissionCore:
         self._queue: dict[str, AdmissionRequest] = {}
         self._queued_tokens = 0
         self._leases: dict[str, Lease] = {}
+        self._leased_request_ids: set[str] = set()  # request ids holding a lease (duplicate check)
         self._seq = itertools.count()
 
     # -- queue -----------------------------------------------------------------
@@ -156,7 +157,7 @@ class AdmissionCore:
                 blocks than its tenant's quota.
             AlreadyExists: a request with the same id is queued or holds a lease.
         """
-        if req.request_id in self._queue or any(lease.request_id == req.request_id for lease in self._leases.values()):
+        if req.request_id in self._queue or req.request_id in self._leased_request_ids:
             raise AlreadyExists(f"request_id {req.request_id!r} is already queued or running")
         executors = self.placer.executors_for(req)
         if not executors:
@@ -279,6 +280,7 @@ class AdmissionCore:
             )
             placement.executor.leases[lease.lease_id] = lease
             self._leases[lease.lease_id] = lease
+            self._leased_request_ids.add(lease.request_id)
             self.quotas.reserve(lease.tenant, lease.num_blocks)
             self.waits.on_dispatch(now)
             assigned.append((req, lease))
@@ -336,6 +338,7 @@ class AdmissionCore:
         lease = self._leases.pop(lease_id, None)
         if lease is None:
             return False
+        self._leased_request_ids.discard(lease.request_id)
         executor = self.registry.get(lease.executor_id)
         if executor is not None:
             executor.leases.pop(lease_id, None)
@@ -352,6 +355,7 @@ class AdmissionCore:
         self.prefix_index.drop(executor_id)
         for lease in leases:
             if self._leases.pop(lease.lease_id, None) is not None:
+                self._leased_request_ids.discard(lease.request_id)
                 self.quotas.free(lease.tenant, lease.num_blocks)
         return leases
 
