@@ -86,6 +86,8 @@ def scheduler(
     tenants: Optional[str] = typer.Option(None, help="Tenants TOML file (KV quotas; default: none)."),
     pools: Optional[str] = typer.Option(None, "--pools", help="Pools TOML file: priority classes → executor pools "
                                         "and spill rules (default: any pool)."),
+    kv_reservation: str = typer.Option("prompt", "--kv-reservation", help="prompt (room = prompt blocks) or "
+                                       "predicted (also the predicted output and the growth of running leases)."),
     routing: str = typer.Option("prefix", "--routing", help="prefix (prefix-cache hits and load) or least-loaded."),
     routing_load_weight: float = typer.Option(1.0, "--routing-load-weight", min=0.0,
                                               help="Cost of a token of executor load vs. an uncached prompt token."),
@@ -106,7 +108,7 @@ def scheduler(
         route_cfg = RoutingConfig(routing, load_weight=routing_load_weight, balance_factor=routing_balance_factor,
                                   balance_abs_tokens=routing_balance_abs_tokens)
         config = scheduler_config(queue_policy, max_queue_wait_s, max_queue_len, max_queue_tokens, tenants, pools,
-                                  route_cfg)
+                                  route_cfg, kv_reservation)
     except (ValueError, FileNotFoundError) as exc:
         raise typer.BadParameter(str(exc)) from None
     _serve(run_scheduler(port, host, config))
@@ -426,6 +428,8 @@ def sim(
     max_queue_wait_s: float = typer.Option(60.0, "--max-queue-wait-s", help="sjf aging bound (seconds)."),
     executors: Optional[int] = typer.Option(None, "--executors", min=1, help="Modelled executors (default 2, 4, 2)."),
     routing: str = typer.Option("prefix", "--routing", help="prefix or least-loaded (prefix-routing)."),
+    kv_reservation: str = typer.Option("predicted", "--kv-reservation", help="prompt or predicted: the scheduler's "
+                                       "room check (heavy-tail; see `meshserve scheduler --kv-reservation`)."),
     report_json: Optional[str] = typer.Option(None, "--report-json", help="Write the JSON report here."),
 ) -> None:
     """Discrete-event simulations on the scheduler's own core (no model, no gRPC)."""
@@ -439,13 +443,16 @@ def sim(
     try:
         QueuePolicy(policy, max_queue_wait_s)
         RoutingConfig(routing)
+        if kv_reservation not in ("prompt", "predicted"):
+            raise ValueError(f"unknown kv reservation {kv_reservation!r} (choose from prompt, predicted)")
     except ValueError as exc:
         raise typer.BadParameter(str(exc)) from None
     if workload == "heavy-tail":
         from scheduler.sim import SimConfig, run
 
         report = run(SimConfig(policy=policy, seed=seed, num_requests=num_requests or 2000, load=load,
-                               max_queue_wait_s=max_queue_wait_s, num_executors=executors or 2))
+                               max_queue_wait_s=max_queue_wait_s, num_executors=executors or 2,
+                               kv_reservation=kv_reservation))
         keys = ("short_half_mean_latency_s", "short_half_p99_latency_s", "long_half_mean_latency_s",
                 "long_half_p99_latency_s", "max_wait_s", "aging_bound_s", "output_len_log_sigma")
     elif workload == "prefix-routing":

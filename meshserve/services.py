@@ -53,9 +53,10 @@ def model_info(model: str):
 
 def scheduler_config(queue_policy: str = "fcfs", max_queue_wait_s: float = 30.0, max_queue_len: int = 4096,
                      max_queue_tokens: int | None = None, tenants_file: str | None = None,
-                     pools_file: str | None = None, routing=None):
+                     pools_file: str | None = None, routing=None, kv_reservation: str = "prompt"):
     """The scheduler's ``SchedulerConfig``; tenant KV quotas come from the tenants file,
-    pools from the pools file (``scheduler.pools``); ``routing`` is a ``RoutingConfig``.
+    pools from the pools file (``scheduler.pools``); ``routing`` is a ``RoutingConfig``;
+    ``kv_reservation`` is ``prompt`` or ``predicted`` (``scheduler.placement``).
 
     Raises:
         ValueError: a bad policy name, bound, tenants or pools file.
@@ -63,11 +64,14 @@ def scheduler_config(queue_policy: str = "fcfs", max_queue_wait_s: float = 30.0,
     """
     from gateway.tenants import TenantRegistry
     from scheduler.admission import SchedulerConfig
+    from scheduler.placement import KV_RESERVATIONS
     from scheduler.pools import PoolsConfig
     from scheduler.queue_policy import QueuePolicy
     from scheduler.routing import RoutingConfig
 
     QueuePolicy(queue_policy, max_queue_wait_s)  # validates
+    if kv_reservation not in KV_RESERVATIONS:
+        raise ValueError(f"unknown kv reservation {kv_reservation!r} (choose from {', '.join(KV_RESERVATIONS)})")
     if max_queue_len < 1 or (max_queue_tokens is not None and max_queue_tokens < 1):
         raise ValueError("max_queue_len and max_queue_tokens must be >= 1")
     quotas = {}
@@ -76,7 +80,7 @@ def scheduler_config(queue_policy: str = "fcfs", max_queue_wait_s: float = 30.0,
     pools = PoolsConfig.from_file(pools_file) if pools_file else None
     return SchedulerConfig(max_queue_len=max_queue_len, max_queue_tokens=max_queue_tokens, queue_policy=queue_policy,
                            max_queue_wait_s=max_queue_wait_s, tenant_quotas=quotas, pools=pools,
-                           routing=routing or RoutingConfig())
+                           routing=routing or RoutingConfig(), kv_reservation=kv_reservation)
 
 
 async def run_scheduler(port: int, host: str = "127.0.0.1", config=None) -> None:

@@ -74,6 +74,9 @@ class SchedulerConfig:
         routing: the routing cost function's settings (``scheduler.routing``).
         max_engine_waiting: an executor reporting more requests than this
             waiting in its engine gets no new assignment (None: no limit).
+        kv_reservation: ``prompt`` or ``predicted``: whether room for a request
+            counts its predicted output blocks and the predicted growth of the
+            executor's leases (``scheduler.placement``).
         executor_timeout_s: an executor silent this long on its Connect stream
             (no report; they come at least every second) is dropped from the
             registry: nothing is routed to an unreachable executor (seconds).
@@ -90,6 +93,7 @@ class SchedulerConfig:
     pools: PoolsConfig | None = None
     routing: RoutingConfig = field(default_factory=RoutingConfig)
     max_engine_waiting: int | None = 0
+    kv_reservation: str = "prompt"
     executor_timeout_s: float = 3.0
 
 
@@ -113,6 +117,7 @@ class AdmissionRequest:
     seq: int = 0
     cost: float = 0.0  # num_prompt_tokens + n * predicted_output_tokens (tokens)
     predicted_output_tokens: int = 0
+    prediction_level: str = ""  # the predictor level that answered (``prior``: re-asked at dispatch)
 
     @property
     def queued_tokens(self) -> int:
@@ -129,7 +134,8 @@ class AdmissionCore:
         self.registry = ExecutorRegistry()
         self.prefix_index = PrefixIndex()
         self.placer = Placer(self.registry, self.prefix_index, self.config.pools, self.config.routing,
-                             self.config.pending_timeout_s, self.config.max_engine_waiting)
+                             self.config.pending_timeout_s, self.config.max_engine_waiting,
+                             self.config.kv_reservation)
         self.predictor = OutputLengthPredictor(self.config.predictor_min_samples)
         self.quotas = TenantQuotas(self.config.tenant_quotas)
         self.waits = WaitEstimator()
@@ -175,14 +181,18 @@ class AdmissionCore:
             )
         self._check_quota_alone(req, fitting)
         displaced = self._make_room(req)
-        prediction = self.predictor.predict(req.tenant, req.num_prompt_tokens, req.max_tokens)
-        req.predicted_output_tokens = prediction.tokens
-        req.cost = req.num_prompt_tokens + max(1, req.n) * prediction.tokens
+        self._predict(req)
         req.arrival = req.arrival or self._clock()
         req.seq = next(self._seq)
         self._queue[req.request_id] = req
         self._queued_tokens += req.queued_tokens
         return displaced
+
+    def _predict(self, req: AdmissionRequest) -> None:
+        prediction = self.predictor.predict(req.tenant, req.num_prompt_tokens, req.max_tokens)
+        req.predicted_output_tokens = prediction.tokens
+        req.prediction_level = prediction.level
+        req.cost = req.num_prompt_tokens + max(1, req.n) * prediction.tokens
 
     def _check_quota_alone(self, req: AdmissionRequest, fitting: list[ExecutorState]) -> None:
         cap = self.quotas.limit(req.tenant)
@@ -260,6 +270,10 @@ class AdmissionCore:
         now = self._clock()
         assigned: list[tuple[AdmissionRequest, Lease]] = []
         blocked: set[str | None] = set()  # pools whose head request found no executor
+        if self.predictor.stats()["num_observed"]:
+            for req in self._queue.values():
+                if req.prediction_level == "prior":
+                    self._predict(req)  # queued before the predictor knew anything: ask again
         for req in self.policy.order(list(self._queue.values()), now):
             own = self.config.pools.pool_of(req.priority) if self.config.pools is not None else None
             if own in blocked or self._quota_blocked(req):

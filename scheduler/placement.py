@@ -22,7 +22,26 @@ Blocks of a request: ``ceil((num_prompt_tokens + 1) / block_size)`` per choice,
 times ``n`` choices (each choice is its own engine request with its own copy of
 the prompt: sharing happens only through the prefix cache, so it is not
 assumed), capped at the executor's whole cache (the engine runs the choices in
-turn when they do not fit at once).
+turn when they do not fit at once). That is what a lease reserves (and charges
+to its tenant's quota) until the executor reports it.
+
+**KV reservation for output** (``kv_reservation``). With ``prompt`` (default),
+room is checked against the prompt's blocks only: executors take requests while
+their prompts fit and preempt (recompute) when decodes outgrow the cache, as
+vLLM's engine does on its own. With ``predicted``, room also counts the output
+still to come, from the output-length predictor (``scheduler.predictor``):
+
+    need(req)       = min(n * ceil((num_prompt_tokens + predicted_output_tokens + 1) / block_size),
+                          num_blocks)
+    growth(e)       = Σ over e's leases of max(0, need(lease) - lease.num_blocks)
+    room(e, req)    = available_blocks(e) - growth(e) >= need(req)
+
+so an executor is not handed more work than its cache can finish without
+preemption (if the predictions hold), and the queue forms in the scheduler,
+where the queue policy orders it, rather than as recompute churn in the
+engines. A request an empty executor cannot hold by its prediction is still
+placed there (``need`` is capped at the whole cache). The lease still reserves
+only its prompt blocks: the growth term is what keeps room for the rest.
 """
 
 from __future__ import annotations
@@ -44,6 +63,7 @@ class Placeable(Protocol):
     priority: int
     num_prompt_tokens: int
     n: int
+    predicted_output_tokens: int
     block_hashes: Sequence[bytes]
     hash_block_size: int
 
@@ -75,6 +95,21 @@ def blocks_per_choice(e: ExecutorState, num_prompt_tokens: int) -> int:
     return math.ceil((num_prompt_tokens + 1) / e.block_size)
 
 
+KV_RESERVATIONS = ("prompt", "predicted")
+
+
+def blocks_with_output(e: ExecutorState, num_prompt_tokens: int, n: int, predicted_output_tokens: int) -> int:
+    """``min(n * ceil((num_prompt_tokens + predicted_output_tokens + 1) / block_size), num_blocks)``."""
+    per_choice = math.ceil((num_prompt_tokens + max(0, predicted_output_tokens) + 1) / e.block_size)
+    return min(max(1, n) * per_choice, e.num_blocks)
+
+
+def growth_blocks(e: ExecutorState) -> int:
+    """Blocks ``e``'s leases are predicted to grow into beyond their current charge (blocks)."""
+    return sum(max(0, blocks_with_output(e, lease.num_prompt_tokens, lease.n, lease.predicted_output_tokens or 0)
+                   - lease.num_blocks) for lease in e.leases.values())
+
+
 def blocks_needed(e: ExecutorState, req: Placeable) -> int:
     """n choices' blocks on ``e``, at most its whole cache (blocks)."""
     return min(max(1, req.n) * blocks_per_choice(e, req.num_prompt_tokens), e.num_blocks)
@@ -102,7 +137,11 @@ class Placer:
     """Chooses executors over a registry, a prefix index, pools and a routing config."""
 
     def __init__(self, registry: ExecutorRegistry, prefix_index: PrefixIndex, pools: PoolsConfig | None,
-                 routing: RoutingConfig, pending_timeout_s: float, max_engine_waiting: int | None = 0):
+                 routing: RoutingConfig, pending_timeout_s: float, max_engine_waiting: int | None = 0,
+                 kv_reservation: str = "prompt"):
+        if kv_reservation not in KV_RESERVATIONS:
+            raise ValueError(f"unknown kv_reservation {kv_reservation!r} (choose from {', '.join(KV_RESERVATIONS)})")
+        self.kv_reservation = kv_reservation
         self.max_engine_waiting = max_engine_waiting
         self.registry = registry
         self.prefix_index = prefix_index
@@ -131,7 +170,13 @@ class Placer:
         def has_room(e: ExecutorState) -> bool:
             if self.max_engine_waiting is not None and e.num_waiting > self.max_engine_waiting:
                 return False  # its engine already queues work: keep the queue here, where the policy orders it
-            return fits_ever(e, req) and e.available_blocks(now, self.pending_timeout_s) >= blocks_needed(e, req)
+            if not fits_ever(e, req):
+                return False
+            available = e.available_blocks(now, self.pending_timeout_s)
+            if self.kv_reservation == "predicted":
+                need = blocks_with_output(e, req.num_prompt_tokens, req.n, req.predicted_output_tokens)
+                return available - growth_blocks(e) >= need
+            return available >= blocks_needed(e, req)
 
         choice = candidate_executors(self.pools, req.priority, self.executors_for(req), has_room,
                                      lambda e, fraction: self.is_idle(e, now, fraction))

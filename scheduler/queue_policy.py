@@ -21,7 +21,9 @@ first; ``seq`` is the submission counter, which breaks every remaining tie):
   for higher classes: priority classes are strict).
 
 The cost is fixed when the request is queued (the predictor's answer then), so
-the order only changes through waiting time.
+the order only changes through waiting time; the one exception is a request
+queued while the predictor had no data for it (its answer was the prior): the
+admission core asks again at each dispatch until a learned level answers.
 """
 
 from __future__ import annotations

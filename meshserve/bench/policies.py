@@ -273,6 +273,7 @@ class Options:
     kv_cache_memory: str | None = None
     block_size: int = 16
     max_num_seqs: int = 64
+    kv_reservation: str = "predicted"
     # sjf-vs-fcfs
     num_requests: int = 60
     rate: float = 8.0
@@ -426,7 +427,8 @@ async def sjf_vs_fcfs(opts: Options) -> dict:
     arms: dict[str, list[dict]] = {"fcfs": [], "sjf": []}
     outcomes_json: dict[str, list] = {"fcfs": [], "sjf": []}
     for i, policy in enumerate(arm_order(("fcfs", "sjf"), opts.rounds)):
-        sched = ["--queue-policy", policy, "--max-queue-wait-s", str(opts.aging_bound_s)]
+        sched = ["--queue-policy", policy, "--max-queue-wait-s", str(opts.aging_bound_s),
+                 "--kv-reservation", opts.kv_reservation]
         async with _MeshRun(opts, _executor_args(opts, kv), sched, None, f"{i}-{policy}") as m:
             await _warm_up(m.stub, vocab, specials, opts.executors)
             t0 = time.monotonic()
@@ -572,6 +574,8 @@ def parse_args(argv: list[str] | None = None) -> Options:
     p.add_argument("--kv-cache-memory", default=None, help="per executor (default 24MiB sjf-vs-fcfs, 48MiB quota)")
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--max-num-seqs", type=int, default=64)
+    p.add_argument("--kv-reservation", choices=("prompt", "predicted"), default="predicted",
+                   help="the scheduler's --kv-reservation (sjf-vs-fcfs)")
     p.add_argument("--num-requests", type=int, default=60)
     p.add_argument("--rate", type=float, default=8.0, help="sjf-vs-fcfs arrival rate (requests/s)")
     p.add_argument("--output-median", type=int, default=12)

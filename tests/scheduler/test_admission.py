@@ -123,3 +123,40 @@ def test_n_choices_count_n_times_the_blocks_capped_at_the_cache():
     core.submit(AdmissionRequest("c", "t", 0, 31, 16, "m", n=16))  # 32 blocks: capped at the 10 of the cache
     core.release(next(iter(core.registry.get("e0").leases)))
     assert [(r.request_id, lease.num_blocks) for r, lease in core.dispatch()] == [("c", 10)]
+
+
+def test_predicted_kv_reservation_keeps_room_for_output_growth():
+    """``kv_reservation="predicted"``: room counts the request's predicted output blocks and the
+    predicted growth of the executor's leases; ``prompt`` counts prompt blocks only."""
+    def setup(mode, rids):
+        core = AdmissionCore(SchedulerConfig(kv_reservation=mode, predictor_min_samples=1), clock=Clock())
+        core.registry.add(executor("e0", num_blocks=10))
+        core.predictor.observe("t", 15, 16)  # learned: 16 output tokens (tenant "t", 15-token prompts)
+        for rid in rids:
+            core.submit(req(rid, tokens=15))  # prompt: 1 block; prompt + 16 output + 1: 2 blocks
+        return core
+    rids = ["a", "b", "c", "d", "e", "f"]
+    assert [r.request_id for r, _ in setup("prompt", rids).dispatch()] == rids  # 6 × 1 prompt block
+    core = setup("predicted", rids)
+    got = [(r.request_id, lease.num_blocks) for r, lease in core.dispatch()]
+    assert got == [("a", 1), ("b", 1), ("c", 1), ("d", 1), ("e", 1)]  # 5 × 2 predicted = 10; f waits
+    e0 = core.registry.get("e0")
+    core.on_capacity("e0", 5, 5, 0, list(e0.leases))  # acked, 1 block each: growth 5 × 1 = the 5 free
+    assert core.dispatch() == []
+    lease_a = next(lease for lease in e0.leases.values() if lease.request_id == "a")
+    core.release(lease_a.lease_id, 16)
+    core.on_capacity("e0", 6, 4, 0, list(e0.leases))
+    assert [r.request_id for r, _ in core.dispatch()] == ["f"]
+
+
+def test_prior_predictions_are_asked_again_once_the_predictor_learns():
+    core = AdmissionCore(SchedulerConfig(queue_policy="sjf", predictor_min_samples=1))
+    core.registry.add(executor("e0", num_blocks=4))
+    core.on_capacity("e0", 0, 1, 0, [])  # full: nothing is placed
+    core.submit(req("a", tokens=15))
+    queued = core.queued()[0]
+    assert (queued.predicted_output_tokens, queued.prediction_level, queued.cost) == (8, "prior", 23)
+    core.predictor.observe("t", 15, 3)
+    assert core.dispatch() == []
+    queued = core.queued()[0]
+    assert (queued.predicted_output_tokens, queued.prediction_level, queued.cost) == (3, "tenant+bucket", 18)

@@ -9,12 +9,12 @@ from scheduler.sim import SimConfig, run
 
 
 def test_sjf_halves_short_request_latency_within_the_aging_bound():
-    fcfs = run(SimConfig(policy="fcfs", num_requests=300, seed=0))
-    sjf = run(SimConfig(policy="sjf", num_requests=300, seed=0))
+    fcfs = run(SimConfig(policy="fcfs", num_requests=600, seed=0))
+    sjf = run(SimConfig(policy="sjf", num_requests=600, seed=0))
     assert sjf["output_len_log_sigma"] >= 1.0
     assert sjf["short_half_mean_latency_s"] <= 0.5 * fcfs["short_half_mean_latency_s"]
     assert sjf["max_wait_s"] <= sjf["aging_bound_s"]
-    assert sjf["predictor"]["num_observed"] == 300
+    assert sjf["predictor"]["num_observed"] == 600
 
 
 def test_same_seed_same_report_and_cli_writes_it(tmp_path):
