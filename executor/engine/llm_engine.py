@@ -32,7 +32,8 @@ from executor.engine.model_runner import ModelRunner
 from executor.engine.outputs import EngineStats, RequestOutput
 from executor.engine.request import ExternalKV, Request
 from executor.model_loader import load_model
-from meshserve.block_hash import KVLayout, KVStoreFingerprint, ModelFingerprint
+from meshserve.block_hash import (BlockHash, KVLayout, KVStoreFingerprint, ModelFingerprint, hash_full_blocks,
+                                  routing_fingerprint)
 from meshserve.errors import InvalidArgument
 from meshserve.model_files import resolve_model
 from meshserve.sampling import SamplingParams, validate
@@ -171,11 +172,27 @@ class LLMEngine:
         max_blocks = (request.num_tokens - 1) // self.block_size
         if len(hits) >= max_blocks:
             return False
-        hashes = self.kv_cache_manager.block_hashes(request)[len(hits):max_blocks]
+        hashes = self.kvstore_block_hashes(request, max_blocks)[len(hits):]
         self.batch_scheduler.add_fetching(request, time.monotonic() + conn.fetch_timeout_s)
         conn.start_fetch(request.request_id, len(hits), hashes, request.trace_context)
         self.kvstore_queried_tokens += len(hashes) * self.block_size
         return True
+
+    def kvstore_block_hashes(self, request: Request, num_blocks: int) -> list[BlockHash]:
+        """The request's first ``num_blocks`` full-block hashes in the kvstore's chain.
+
+        The kvstore keys a block by its namespace (model identity, dtype and KV
+        layout) and its hash in the *routing* chain (``meshserve.block_hash``: rooted
+        without the dtype, which the namespace carries), the chain the gateway and
+        the scheduler compute, so the scheduler can match a prompt against the
+        kvstore's placement events. Computed incrementally and kept on the request.
+        """
+        hashes = request.kvstore_block_hashes
+        if len(hashes) < num_blocks:
+            parent = hashes[-1] if hashes else routing_fingerprint(self.fingerprint).root_hash
+            hashes.extend(hash_full_blocks(request.all_token_ids[:num_blocks * self.block_size], self.block_size,
+                                           parent, len(hashes)))
+        return hashes[:num_blocks]
 
     def abort_request(self, request_id: str) -> bool:
         """Aborts a request and frees its KV blocks at once (a kvstore fetch in flight
@@ -227,12 +244,23 @@ class LLMEngine:
         """Copies the full blocks cached by this step out of the paged cache (one
         gather) and hands them to the connector, per request (for its trace)."""
         cached, self.batch_scheduler.newly_cached_blocks = self.batch_scheduler.newly_cached_blocks, []
-        cached = [item for item in cached if not self.kv_connector.is_known(item[2])]
-        if not cached:
+        keyed = []  # (request, block_id, kvstore chain hash)
+        positions: dict[str, dict[BlockHash, int]] = {}
+        for request, block_id, engine_hash in cached:
+            if request.request_id not in positions:
+                positions[request.request_id] = {
+                    h: i for i, h in enumerate(self.kv_cache_manager.block_hashes(request))}
+            index = positions[request.request_id].get(engine_hash)
+            if index is None:
+                continue
+            store_hash = self.kvstore_block_hashes(request, index + 1)[index]
+            if not self.kv_connector.is_known(store_hash):
+                keyed.append((request, block_id, store_hash))
+        if not keyed:
             return
-        kv = self.model_runner.read_blocks([block_id for _, block_id, _ in cached])
+        kv = self.model_runner.read_blocks([block_id for _, block_id, _ in keyed])
         by_request: dict[str, tuple[object, list]] = {}
-        for i, (request, _, block_hash) in enumerate(cached):
+        for i, (request, _, block_hash) in enumerate(keyed):
             by_request.setdefault(request.request_id, (request.trace_context, []))[1].append((block_hash, kv[i]))
         for trace_context, blocks in by_request.values():
             self.kv_connector.publish(blocks, trace_context)

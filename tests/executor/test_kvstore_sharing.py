@@ -15,7 +15,7 @@ from executor.engine.llm_engine import LLMEngine
 from executor.kvstore_connector import KVStoreConnector
 from kvstore.server import KVStoreServicer
 from kvstore.store import KVStore
-from meshserve.block_hash import hash_full_blocks
+from meshserve.block_hash import hash_full_blocks, routing_fingerprint
 from meshserve.sampling import SamplingParams
 from tests.kvstore.served import CorruptingStore, DelayingServicer, DroppingStore, ServedKVStore
 
@@ -114,7 +114,7 @@ def test_prefix_computed_on_A_is_fetched_by_B(engines, tokenizer):
 def test_corrupt_and_missing_blocks_fall_back_to_recompute(engines, tokenizer):
     a, b = engines
     p = prompt_of(tokenizer, PROMPT_LEN, "faults")
-    hashes = hash_full_blocks(p, BLOCK, a.fingerprint.root_hash)
+    hashes = hash_full_blocks(p, BLOCK, routing_fingerprint(a.fingerprint).root_hash)  # the kvstore's chain
     store = CorruptingStore(memory_bytes=64 << 20)
     store.corrupt = {hashes[5]}
     shared = Shared(store, a, b)
