@@ -358,20 +358,6 @@ def generate(
     sys.exit(asyncio.run(main()))
 
 
-def _csv(text: Optional[str], kind: type) -> list:
-    """"1,4,16" → [1, 4, 16] ("inf" allowed for floats); [] for None.
-
-    Raises:
-        typer.BadParameter: an item is not a ``kind``.
-    """
-    if not text:
-        return []
-    try:
-        return [kind(item) for item in text.split(",") if item.strip()]
-    except ValueError:
-        raise typer.BadParameter(f"expected comma-separated {kind.__name__}s, got {text!r}") from None
-
-
 @app.command()
 def bench(
     target: str = typer.Option("engine", "--target", help="engine, mesh, hf-generate, hf-continuous or hf-static."),
@@ -422,7 +408,7 @@ def bench(
     """Measure output tokens/s, TTFT, TPOT, e2e latency and KV/prefix-cache use of a target on a seeded workload."""
     from meshserve.bench import BenchConfig, WorkloadSpec, main as run
     from meshserve.bench.jsonl_workload import WorkloadFileError, count_requests
-    from meshserve.bench.sweep import BASELINES, sweep_points
+    from meshserve.bench.sweep import BASELINES, parse_values, sweep_points
 
     _logging(log_level)
     try:
@@ -439,7 +425,8 @@ def bench(
                           num_threads=num_threads, block_size=block_size,
                           enable_prefix_caching=not no_prefix_caching, max_batch_wait_ms=max_batch_wait_ms,
                           executor_addrs=tuple(executor_addr), request_rate=request_rate)
-        points = sweep_points(concurrency, request_rate, _csv(sweep_concurrency, int), _csv(sweep_rate, float))
+        points = sweep_points(concurrency, request_rate, parse_values(sweep_concurrency, int),
+                              parse_values(sweep_rate, float))
         if baseline == "hf-static" and any(p.request_rate is not None for p in points):
             raise ValueError("hf-static runs static batches and has no open loop; use another baseline")
     except (ValueError, WorkloadFileError) as exc:

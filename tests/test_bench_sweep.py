@@ -15,7 +15,7 @@ from meshserve.bench.hf_targets import check_hf_workload
 from meshserve.bench.jsonl_workload import WorkloadFileError, count_requests, load_jsonl_workload
 from meshserve.bench.loop import checked_result, run_closed_loop, run_open_loop
 from meshserve.bench.multi_turn import make_multi_turn_workload
-from meshserve.bench.sweep import SweepPoint, point_seed, ratios, run_sweep, sweep_points
+from meshserve.bench.sweep import SweepPoint, parse_values, point_seed, ratios, run_sweep, sweep_points
 from meshserve.bench.sweep_report import write_report_dir
 from meshserve.bench.workload import GREEDY, BenchRequest, Sampling
 from meshserve.cli import app
@@ -94,6 +94,19 @@ def test_cli_reports_a_bad_workload_line_with_its_number(tmp_path):
     assert result.exit_code == 2
     assert f"{path}:2: max_tokens must be an integer >= 1, got -2" in result.output
     assert "Traceback" not in result.output
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--sweep-concurrency", "1,4", "--request-rate", "2"], "--sweep-concurrency runs the closed loop"),
+    (["--sweep-concurrency", "1,x"], "expected comma-separated ints, got '1,x'"),
+    (["--baseline", "vllm"], "--baseline must be one of hf-generate, hf-static, hf-continuous, got 'vllm'"),
+    (["--baseline", "hf-static", "--sweep-rate", "1,2"], "hf-static runs static batches and has no open loop"),
+    (["--workload", "jsonl"], "the jsonl workload needs --workload-file"),
+])
+def test_cli_refuses_bad_sweeps_and_baselines_in_one_line(args, message):
+    result = CliRunner().invoke(app, ["bench", "--quiet", *args])
+    assert result.exit_code == 2
+    assert message in " ".join(result.output.replace("│", " ").split())
 
 
 # --- Poisson arrivals ---------------------------------------------------------
@@ -227,6 +240,10 @@ def test_sweep_points_and_their_seeds():
                  (8, None, (), [0.0])):
         with pytest.raises(ValueError):
             sweep_points(*args)
+    assert parse_values("1, 4,16", int) == [1, 4, 16] and parse_values("0.5,inf", float) == [0.5, math.inf]
+    assert parse_values(None, int) == []
+    with pytest.raises(ValueError, match="expected comma-separated ints, got '1,x'"):
+        parse_values("1,x", int)
     assert point_seed(5, 0) == 5
     assert point_seed(5, 1) == point_seed(5, 1) != point_seed(5, 2) != 5
 

@@ -54,6 +54,18 @@ class SweepPoint:
         return f"c{self.concurrency}" if self.request_rate is None else f"r{self.request_rate:g}"
 
 
+def parse_values(text: str | None, kind: type) -> list:
+    """``"1,4,16"`` → ``[1, 4, 16]`` (``kind`` int or float; float takes "inf"); [] for None or "".
+
+    Raises:
+        ValueError: an item is not a ``kind``.
+    """
+    try:
+        return [kind(item) for item in (text or "").split(",") if item.strip()]
+    except ValueError:
+        raise ValueError(f"expected comma-separated {kind.__name__}s, got {text!r}") from None
+
+
 def sweep_points(concurrency: int, request_rate: float | None, sweep_concurrency: Sequence[int] = (),
                  sweep_rate: Sequence[float] = ()) -> list[SweepPoint]:
     """The points of a run: each of ``sweep_concurrency``, each of ``sweep_rate``, or the one
