@@ -282,7 +282,7 @@ def test_report_folder_of_an_open_loop_sweep_holds_json_summary_and_plots(tmp_pa
     for i, rate in enumerate([0.5, 2.0, "inf"]):
         t, b = _run_report("engine", rate, None, 1.0 + i), _run_report("hf-generate", rate, None, 4.0 + i)
         points.append({"point": i, "concurrency": None, "request_rate": rate, "seed": i, "target": t, "baseline": b,
-                       "ratios": ratios(t, b)})
+                       "ratios": ratios(t, b), "load_average_1m": 1.5 + i})
     doc = {"target": "engine", "baseline": "hf-generate", "model": "default", "workload": "synthetic",
            "sweep": {"over": "request_rate", "values": [0.5, 2.0, "inf"]}, "points": points}
     files = write_report_dir(doc, tmp_path / "rep", command="meshserve bench --sweep-rate 0.5,2,inf")
@@ -299,6 +299,8 @@ def test_report_folder_of_an_open_loop_sweep_holds_json_summary_and_plots(tmp_pa
     assert "| all at once | hf-generate | 5 | 1.7 | 0.17 | 18000.0 |" in md
     assert "| 0.5 req/s | 4.00 | 0.25 | 0.25 |" in md  # (10/1)/(10/4), 3/12, 0.3/1.2
     assert "![ttft_cdf](plots/ttft_cdf.png)" in md
+    assert "median tokens per point: 10 / 2, 10 / 2, 10 / 2" in md
+    assert "load average after each point: 1.50, 2.50, 3.50." in md
 
 
 # --- real runs on the default model -------------------------------------------
@@ -323,6 +325,7 @@ async def test_sweep_with_a_baseline_writes_every_point_and_the_ratios(tmp_path)
         assert [r["output_len"] for r in t["requests"]] == [r["output_len"] for r in b["requests"]]
         assert t["total_prompt_tokens"] == b["total_prompt_tokens"]  # the same requests
         assert set(p["ratios"]) == {"output_tokens_per_s", "ttft_p50_s", "tpot_p50_s"}
+        assert isinstance(p["load_average_1m"], float)
         assert p["ratios"]["output_tokens_per_s"] == t["output_tokens_per_s"] / b["output_tokens_per_s"]
     assert doc["points"][0]["target"]["total_prompt_tokens"] != doc["points"][1]["target"]["total_prompt_tokens"]
     files = write_report_dir(doc, tmp_path)

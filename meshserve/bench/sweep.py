@@ -18,6 +18,7 @@ target is faster), TTFT p50 and TPOT p50 (below 1: the target is faster).
 from __future__ import annotations
 
 import logging
+import os
 from dataclasses import dataclass, replace
 from typing import Sequence
 
@@ -132,8 +133,9 @@ async def run_sweep(config: BenchConfig, points: Sequence[SweepPoint], baseline:
     Returns:
         ``{"target", "baseline", "model", "workload", "sweep": {"over", "values"},
         "points": [{"point", "concurrency", "request_rate", "seed", "target": report,
-        "baseline": report | None, "ratios": {...} | None}]}`` (reports as
-        ``meshserve.bench.report.build_report``).
+        "baseline": report | None, "ratios": {...} | None, "load_average_1m"}]}`` (reports
+        as ``meshserve.bench.report.build_report``; ``load_average_1m``: the machine's
+        1-minute load average, ``os.getloadavg``, when the point ended).
 
     Raises:
         ValueError: an unknown baseline, or a workload or load a transformers target cannot run.
@@ -173,6 +175,7 @@ async def run_sweep(config: BenchConfig, points: Sequence[SweepPoint], baseline:
                 log.info("point %s: %s %s, %d requests", point.label, role, cfg.target, len(workload.requests))
                 entry[role] = await _measure(target, cfg, workload, bars, f"{cfg.target} {point.label}")
             entry.setdefault("baseline", None)
+            entry["load_average_1m"] = os.getloadavg()[0]  # other work on the machine skews every figure
             entry["ratios"] = ratios(entry["target"], entry["baseline"])
             doc_points.append(entry)
     finally:

@@ -62,6 +62,10 @@ def ratio_lines(doc: dict) -> list[str]:
     return lines
 
 
+def _fmt(value: float | None) -> str:
+    return "?" if value is None else f"{value:.2f}"
+
+
 def _threads(report: dict) -> str:
     settings = report.get("engine") or report.get("hf_continuous") or {}
     return str(settings.get("num_threads", "?"))
@@ -73,12 +77,15 @@ def summary_markdown(doc: dict, command: str | None, plots: list[str]) -> str:
     lines = [f"# meshserve bench: {doc['target']}" + (f" vs {doc['baseline']}" if doc.get("baseline") else ""), ""]
     if command:
         lines += ["```bash", command, "```", ""]
+    medians = ", ".join(f"{p['target']['prompt_len_median']:g} / {p['target']['output_len_median']:g}"
+                        for p in doc["points"])
     lines += [f"Model `{doc['model']}` ({first['dtype']}), `{doc['workload']}` workload, "
-              f"{first['num_requests']} requests per point (prompt / output median "
-              f"{first['prompt_len_median']:g} / {first['output_len_median']:g} tokens), "
+              f"{first['num_requests']} requests per point (prompt / output median tokens per point: {medians}), "
               f"warm-up {first['warmup']}, sweep over {doc['sweep']['over']}: "
               f"{', '.join(str(v) for v in doc['sweep']['values'])}; {os.cpu_count()} CPU cores, "
-              f"{_threads(first)} torch threads per target.", "", *points_table(doc), ""]
+              f"{_threads(first)} torch threads per target; the machine's 1-minute load average after "
+              f"each point: {', '.join(_fmt(p.get('load_average_1m')) for p in doc['points'])}.", "",
+              *points_table(doc), ""]
     if doc.get("baseline"):
         lines += ["### Ratios to the baseline", "",
                   "Target ÷ baseline at the same load, on the same requests: tokens/s above 1 and "
