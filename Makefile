@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: setup demo up test protos bench bench-compare bench-issue3 clean
+.PHONY: setup demo up test protos bench bench-compare bench-issue3 bench-issue6 clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -92,3 +92,14 @@ bench-issue3: $(STAMP)
 	  done; \
 	done
 	$(BIN)/python -m meshserve.bench.summary $(BENCH3_DIR)
+
+# Issue-6 sizing report: the engine against transformers' continuous batching on the
+# same requests, closed loop at BENCH6_SWEEP, into reports/issue6/ (report.json,
+# summary.md, plots/*.png). About 4 minutes on 2 shared cores with the defaults.
+BENCH6_DIR ?= reports/issue6
+BENCH6_SWEEP ?= 1,4
+BENCH6_REQUESTS ?= 8
+bench-issue6: $(STAMP)
+	$(BIN)/meshserve bench --target engine --baseline hf-continuous --sweep-concurrency $(BENCH6_SWEEP) \
+	  --num-requests $(BENCH6_REQUESTS) --prompt-len-median 64 --output-len-median 32 --warmup 2 \
+	  --dtype float32 --kv-cache-memory 256MiB --seed 0 --report-dir $(BENCH6_DIR)

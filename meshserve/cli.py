@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import shlex
 import sys
 from pathlib import Path
 from typing import Optional
@@ -364,12 +365,26 @@ def bench(
     target: str = typer.Option("engine", "--target", help="engine, mesh, hf-generate, hf-continuous or hf-static."),
     concurrency: int = typer.Option(8, "--concurrency", help="Requests in flight (closed loop); hf-generate runs 1; "
                                     "hf-static: the batch size."),
-    workload: str = typer.Option("synthetic", "--workload", help="synthetic or shared-prefix."),
+    request_rate: Optional[float] = typer.Option(None, "--request-rate", help="Open loop: Poisson arrivals at this "
+                                                 "many requests/s (inf: all at once) instead of --concurrency."),
+    sweep_concurrency: Optional[str] = typer.Option(None, "--sweep-concurrency", help="Closed-loop sweep, e.g. "
+                                                    "1,4,16: one point per concurrency."),
+    sweep_rate: Optional[str] = typer.Option(None, "--sweep-rate", help="Open-loop sweep, e.g. 0.5,1,2 (requests/s)."),
+    baseline: Optional[str] = typer.Option(None, "--baseline", help="hf-generate, hf-static or hf-continuous: run "
+                                           "it on the same requests after the target at every point; print ratios."),
+    workload: str = typer.Option("synthetic", "--workload", help="synthetic, shared-prefix, multi-turn or jsonl."),
+    workload_file: Optional[str] = typer.Option(None, "--workload-file", help="jsonl: one request a line "
+                                                "(prompt or prompt_token_ids, max_tokens, optional sampling)."),
+    num_turns: int = typer.Option(3, "--num-turns", help="multi-turn: turns per conversation."),
     shared_prefix_len: int = typer.Option(400, help="shared-prefix: tokens of the shared system prompt."),
     shared_fraction: float = typer.Option(0.7, help="shared-prefix: fraction of requests that start with it."),
-    num_requests: int = typer.Option(32, "--num-requests", help="Measured requests."),
+    num_requests: Optional[int] = typer.Option(None, "--num-requests", help="Measured requests per point "
+                                               "(default 32; jsonl: the whole file)."),
     seed: int = typer.Option(0, "--seed", help="Workload seed (same seed, same requests for every target)."),
     report_json: Optional[str] = typer.Option(None, "--report-json", help="Write the JSON report here."),
+    report_dir: Optional[str] = typer.Option(None, "--report-dir", help="Write report.json, summary.md and "
+                                             "plots/*.png here."),
+    quiet: bool = typer.Option(False, "--quiet", help="No progress bar."),
     model: str = typer.Option("default", help="Model alias, .gguf file or safetensors folder."),
     dtype: str = typer.Option("auto", help="auto, float32, bfloat16 or float16."),
     kv_cache_memory: str = typer.Option("1GiB", "--kv-cache-memory", help="KV cache budget of the engine."),
@@ -384,7 +399,8 @@ def bench(
     executor_addr: list[str] = typer.Option([], "--executor-addr", help="mesh target with --addr: an executor "
                                             "whose Stats to sample; may repeat."),
     executors: int = typer.Option(1, min=1, help="mesh target: executor processes to launch."),
-    prompt_len_median: int = typer.Option(150, help="Median prompt length (tokens)."),
+    prompt_len_median: int = typer.Option(150, help="Median prompt length (tokens; multi-turn: of each user "
+                                          "message)."),
     output_len_median: int = typer.Option(128, help="Median output length (tokens)."),
     warmup: int = typer.Option(2, help="Unmeasured warm-up requests."),
     num_threads: Optional[int] = typer.Option(None, help="torch threads of every target (default: cores - 1, "
@@ -393,21 +409,38 @@ def bench(
 ) -> None:
     """Measure output tokens/s, TTFT, TPOT, e2e latency and KV/prefix-cache use of a target on a seeded workload."""
     from meshserve.bench import BenchConfig, WorkloadSpec, main as run
+    from meshserve.bench.jsonl_workload import WorkloadFileError, count_requests
+    from meshserve.bench.sweep import BASELINES, parse_values, sweep_points
 
     _logging(log_level)
     try:
+        if baseline is not None and baseline not in BASELINES:
+            raise ValueError(f"--baseline must be one of {', '.join(BASELINES)}, got {baseline!r}")
+        if num_requests is None:
+            num_requests = count_requests(workload_file) if workload == "jsonl" and workload_file else 32
         spec = WorkloadSpec(num_requests=num_requests, seed=seed, prompt_len_median=prompt_len_median,
                             output_len_median=output_len_median, kind=workload, shared_prefix_len=shared_prefix_len,
-                            shared_fraction=shared_fraction)
+                            shared_fraction=shared_fraction, num_turns=num_turns, workload_file=workload_file)
         cfg = BenchConfig(target=target, concurrency=concurrency, workload=spec, warmup=warmup, model=model,
                           dtype=dtype, kv_cache_memory=kv_cache_memory, max_num_seqs=max_num_seqs,
                           max_num_batched_tokens=max_num_batched_tokens, executors=executors, addr=addr,
                           num_threads=num_threads, block_size=block_size,
                           enable_prefix_caching=not no_prefix_caching, max_batch_wait_ms=max_batch_wait_ms,
-                          executor_addrs=tuple(executor_addr))
-    except ValueError as exc:
+                          executor_addrs=tuple(executor_addr), request_rate=request_rate)
+        points = sweep_points(concurrency, request_rate, parse_values(sweep_concurrency, int),
+                              parse_values(sweep_rate, float))
+        if baseline == "hf-static" and any(p.request_rate is not None for p in points):
+            raise ValueError("hf-static runs static batches and has no open loop; use another baseline")
+    except (ValueError, WorkloadFileError) as exc:
         raise typer.BadParameter(str(exc)) from None
-    sys.exit(run(cfg, report_json))
+    args = sys.argv[sys.argv.index("bench") + 1:] if "bench" in sys.argv else []
+    command = " ".join(["meshserve bench", *(shlex.quote(a) for a in args)])
+    try:
+        code = run(cfg, report_json, points, baseline, report_dir, quiet, command)
+    except WorkloadFileError as exc:
+        typer.echo(f"error: {exc}", err=True)
+        code = 2
+    sys.exit(code)
 
 
 SIM_WORKLOADS = ("heavy-tail", "prefix-routing", "quota-isolation")

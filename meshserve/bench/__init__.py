@@ -3,21 +3,29 @@
 Modules, in the order data flows through them:
 
 * ``workload``: the seeded requests, identical for every target: ``synthetic``
-  (log-normal prompt and output lengths, uniform ordinary token ids) or
+  (log-normal prompt and output lengths, uniform ordinary token ids),
   ``shared-prefix`` (``shared_prefix``: one system prompt in front of most
-  prompts); greedy, ``ignore_eos``;
+  prompts), ``multi-turn`` (``multi_turn``: each turn resends the previous one)
+  or ``jsonl`` (``jsonl_workload``: a file of requests with their own sampling);
+  greedy, ``ignore_eos`` unless the file says otherwise;
 * ``config``: ``BenchConfig``, what one run measures;
 * ``target``: the ``Target`` interface; ``targets``: ``engine`` (in-process
   ``AsyncEngine``), ``mesh`` (launched processes or ``--addr``) and the registry;
   ``hf_targets``: ``hf-generate``, ``hf-static`` and ``hf-continuous``
   (``transformers``);
-* ``loop``: the closed loop at concurrency C and each request's TTFT/TPOT/e2e,
-  with the exact-token-count check;
+* ``arrivals``: seeded Poisson arrival times of the open loop (``--request-rate``);
+* ``loop``: the closed loop at concurrency C, the open loop, multi-turn parents,
+  and each request's TTFT/TPOT/e2e, with the exact-token-count check;
 * ``engine_stats``: the engine counters sampled during the run (KV use, prefix
   hits, preemptions);
 * ``report``: the JSON report and the terminal table; ``summary``: Markdown
   tables of medians and ratios over a folder of reports;
-* ``runner``: one run from start to finish.
+* ``sweep``: the target, and a transformers ``--baseline`` interleaved with it,
+  over sweep points (concurrencies or rates), with the baseline ratios;
+  ``progress``: the live progress bars;
+* ``sweep_report`` and ``plots``: the ``--report-dir`` folder (report.json,
+  summary.md, plots/*.png);
+* ``runner``: one invocation from start to finish.
 
 ``policies`` (``python -m meshserve.bench.policies``) is separate: the scheduler's
 queue policies and tenant quotas on a launched 2-executor mesh (issue 4).

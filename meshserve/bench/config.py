@@ -20,7 +20,9 @@ class BenchConfig:
             request at a time), "hf-continuous" (transformers' continuous batching)
             or "hf-static" (``generate`` on static left-padded batches).
         concurrency: requests in flight (closed loop); hf-generate always runs 1;
-            hf-static runs batches of ``concurrency`` requests.
+            hf-static runs batches of ``concurrency`` requests. Unused in the open loop.
+        request_rate: None: the closed loop at ``concurrency``; a rate in requests/s:
+            the open loop, Poisson arrivals (``math.inf``: every request at once).
         workload: the measured requests' spec (count, seed, length distributions).
         warmup: unmeasured warm-up requests run first.
         model: model alias or path (``meshserve.model_files.resolve_model``).
@@ -58,6 +60,7 @@ class BenchConfig:
     max_batch_wait_ms: float = 0.0
     executor_addrs: tuple[str, ...] = ()
     stats_interval_s: float = 0.5
+    request_rate: float | None = None
 
     def __post_init__(self) -> None:
         if self.target not in TARGETS:
@@ -76,6 +79,10 @@ class BenchConfig:
         if self.block_size < 1 or not 0 <= self.max_batch_wait_ms < float("inf") or self.stats_interval_s <= 0:
             raise ValueError("block_size must be >= 1, max_batch_wait_ms a finite number >= 0, "
                              "stats_interval_s > 0")
+        if self.request_rate is not None and not self.request_rate > 0:
+            raise ValueError(f"request rate must be > 0 requests/s (or inf), got {self.request_rate}")
+        if self.request_rate is not None and self.target == "hf-static":
+            raise ValueError("hf-static runs static batches and has no open loop (--request-rate)")
 
     @property
     def threads(self) -> int:
@@ -85,6 +92,9 @@ class BenchConfig:
         return self.num_threads or default_threads_per_executor(self.executors)
 
     @property
-    def effective_concurrency(self) -> int:
-        """The concurrency actually run: hf-generate serves one request at a time."""
+    def effective_concurrency(self) -> int | None:
+        """The concurrency actually run: hf-generate serves one request at a time; None in
+        the open loop (``request_rate``), where arrivals, not workers, set what is in flight."""
+        if self.request_rate is not None:
+            return None
         return 1 if self.target == "hf-generate" else self.concurrency

@@ -1,10 +1,12 @@
 """The ``transformers`` references, on the same model folder, dtype and torch threads.
 
-* ``hf-generate``: ``model.generate``, one request at a time.
+* ``hf-generate``: ``model.generate``, one request at a time (in the open loop,
+  arrivals queue for it and their TTFT includes the wait).
 * ``hf-static``: ``model.generate`` on static batches of ``concurrency`` requests
   taken in workload order, left-padded; a batch runs until its longest request
   is done, then the next starts (what serving looked like before continuous
-  batching). Every request of a batch is submitted when the batch starts, gets
+  batching); it has no open loop, and does not wait for a multi-turn parent inside
+  a batch. Every request of a batch is submitted when the batch starts, gets
   its first token when the batch does (one prefill for all), and ends when
   ``generate`` returns, however few tokens it asked for; the tokens a request
   did not ask for are computed but not counted.
@@ -19,6 +21,8 @@
 
 All greedy with an exact output length: ``min_new_tokens = max_new_tokens`` for
 ``generate``, no EOS (``eos_token_id=-1``) for the continuous batching manager.
+``check_hf_workload`` refuses, before anything starts, a workload file's requests
+that sample or stop at EOS.
 """
 
 from __future__ import annotations
@@ -27,12 +31,24 @@ import asyncio
 import time
 from typing import Sequence
 
-from meshserve.bench.loop import BenchError, RequestResult, checked_result
+from meshserve.bench.loop import BenchError, RequestResult, ResultFn, checked_result
 from meshserve.bench.target import Target, resolve_dtype
 from meshserve.bench.workload import BenchRequest
 
 # Seconds without any output after which hf-continuous checks its worker is alive.
 _CB_POLL_S = 5.0
+
+
+def check_hf_workload(target: str, requests: Sequence[BenchRequest], open_loop: bool) -> None:
+    """Raises ValueError when the transformers ``target`` cannot run ``requests`` as asked:
+    a request that samples (temperature > 0) or may stop at EOS, or hf-static in the open loop."""
+    if target == "hf-static" and open_loop:
+        raise ValueError("hf-static runs static batches and has no open loop (--request-rate); "
+                         "use hf-generate or hf-continuous")
+    for r in requests:
+        if not r.sampling.greedy or not r.ignore_eos:
+            raise ValueError(f"{target} runs greedy requests with ignore_eos only; {r.request_id} asks "
+                             f"temperature {r.sampling.temperature:g}, ignore_eos {str(r.ignore_eos).lower()}")
 
 
 class _StepClock:
@@ -81,8 +97,17 @@ class _HFModelTarget(Target):
 class HFGenerateTarget(_HFModelTarget):
     """``model.generate``, one request at a time (TTFT: see ``_StepClock``)."""
 
+    _lock: asyncio.Lock | None = None
+
     async def send(self, req: BenchRequest) -> RequestResult:
-        return (await asyncio.to_thread(self._generate_batch, [req]))[0]
+        """Runs ``req`` alone; a request sent while another runs waits (its submit time is
+        when it was sent, so the wait counts in its TTFT)."""
+        self._lock = self._lock or asyncio.Lock()
+        submit = time.monotonic()
+        async with self._lock:
+            result = (await asyncio.to_thread(self._generate_batch, [req]))[0]
+        return RequestResult(result.request_id, result.prompt_len, result.output_len, submit, result.token_times,
+                             result.end_time)
 
     def _generate_batch(self, reqs: Sequence[BenchRequest]) -> list[RequestResult]:
         """One ``generate`` call over ``reqs`` (left-padded), until the longest is done.
@@ -115,13 +140,22 @@ class HFGenerateTarget(_HFModelTarget):
 class HFStaticTarget(HFGenerateTarget):
     """``model.generate`` on static batches of ``concurrency`` requests (see the module doc)."""
 
-    async def run(self, requests: Sequence[BenchRequest], concurrency: int) -> tuple[list[RequestResult], float]:
+    async def run(
+        self, requests: Sequence[BenchRequest], concurrency: int, arrivals: Sequence[float] | None = None,
+        on_result: ResultFn | None = None,
+    ) -> tuple[list[RequestResult], float]:
         if concurrency < 1:
             raise ValueError(f"concurrency must be >= 1, got {concurrency}")
+        if arrivals is not None:
+            raise ValueError("hf-static has no open loop")
         results: list[RequestResult] = []
         start = time.monotonic()
         for i in range(0, len(requests), concurrency):
-            results += await asyncio.to_thread(self._generate_batch, requests[i:i + concurrency])
+            batch = await asyncio.to_thread(self._generate_batch, requests[i:i + concurrency])
+            for r in batch:
+                if on_result is not None:
+                    on_result(r)
+            results += batch
         return results, time.monotonic() - start
 
 

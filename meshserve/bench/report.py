@@ -10,6 +10,9 @@ Definitions (the ones vLLM's ``benchmark_serving`` uses):
   ``(t_last - t_first) / (n - 1)``; requests with one token have none and are left
   out of the TPOT percentiles.
 * e2e: submit → last token / end of the call.
+* ``mode``: "closed-loop" (``concurrency`` workers) or "open-loop" (Poisson
+  arrivals at ``request_rate`` requests/s, "inf": all at once; ``concurrency`` is
+  null).
 * Engine figures (``kv_cache_utilization``, ``prefix_cache_hit_rate``,
   ``num_preemptions``, ``max_num_running``, ``kv_capacity``): see
   ``meshserve.bench.engine_stats``; None for targets without engine counters.
@@ -80,6 +83,8 @@ def build_report(
         "model": config.model,
         "dtype": config.dtype,
         "concurrency": config.effective_concurrency,
+        "mode": "closed-loop" if config.request_rate is None else "open-loop",
+        "request_rate": json_rate(config.request_rate),
         "num_requests": len(results),
         "seed": spec.seed,
         "warmup": config.warmup,
@@ -111,7 +116,7 @@ def format_table(report: dict) -> str:
     """A few lines summarising ``report`` for the terminal."""
     ms = 1000.0
     rows = [
-        ("target", f"{report['target']} ({report['dtype']}, concurrency {report['concurrency']}, "
+        ("target", f"{report['target']} ({report['dtype']}, {_load(report)}, "
                    f"{report.get('workload', 'synthetic')} workload)"),
         ("requests", f"{report['num_requests']} (seed {report['seed']}, warm-up {report['warmup']})"),
         ("prompt / output median", f"{report['prompt_len_median']:g} / {report['output_len_median']:g} tokens"),
@@ -124,6 +129,19 @@ def format_table(report: dict) -> str:
     rows += _engine_rows(report)
     width = max(len(name) for name, _ in rows)
     return "\n".join(f"{name:<{width}}  {value}" for name, value in rows)
+
+
+def _load(report: dict) -> str:
+    """"concurrency 8" (closed loop) or "Poisson 2 requests/s" (open loop)."""
+    rate = report.get("request_rate")
+    if rate is None:
+        return f"concurrency {report['concurrency']}"
+    return "every request at once" if rate == "inf" else f"Poisson {rate:g} requests/s"
+
+
+def json_rate(rate: float | None) -> float | str | None:
+    """The request rate as JSON holds it: "inf" for every request at once (JSON has no infinity)."""
+    return "inf" if rate == float("inf") else rate
 
 
 def _engine_rows(report: dict) -> list[tuple[str, str]]:

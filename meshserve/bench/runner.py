@@ -1,21 +1,24 @@
-"""One benchmark run, start to finish: workload → target → warm-up → measured loop → report."""
+"""One ``meshserve bench`` invocation, start to finish: the sweep (one point or many, with or
+without a baseline) → the terminal tables → the JSON report / the report folder."""
 
 from __future__ import annotations
 
 import logging
 import sys
+from pathlib import Path
+from typing import Sequence
 
 from meshserve.bench.config import BenchConfig
-from meshserve.bench.engine_stats import StatsSampler
-from meshserve.bench.report import build_report, format_table, write_report
-from meshserve.bench.targets import make_target
-from meshserve.bench.workload import load_workloads
+from meshserve.bench.progress import ProgressBars, live_progress_enabled
+from meshserve.bench.report import format_table, write_report
+from meshserve.bench.sweep import SweepPoint, run_sweep
+from meshserve.bench.sweep_report import ratio_lines, write_report_dir
 
 log = logging.getLogger(__name__)
 
 
 async def run_bench(config: BenchConfig) -> dict:
-    """Runs ``config`` and returns its report (see ``meshserve.bench.report``).
+    """Runs ``config`` at its one load and returns its report (see ``meshserve.bench.report``).
 
     The engine counters are read before and after the measured requests and
     sampled every ``config.stats_interval_s`` while they run. The target is always
@@ -25,34 +28,37 @@ async def run_bench(config: BenchConfig) -> dict:
         BenchError: a request produced a different number of tokens than asked.
         FileNotFoundError: unknown model.
     """
-    from meshserve.model_files import resolve_model
-
-    files = resolve_model(config.model)
-    workload, warmup = load_workloads(config.workload, config.warmup, files.path)
-    target = make_target(config, files.path)
-    concurrency = config.effective_concurrency
-    try:
-        log.info("starting target %s", config.target)
-        await target.start()
-        if warmup is not None:
-            log.info("warm-up: %d request(s)", len(warmup.requests))
-            await target.run(warmup.requests, concurrency)
-        log.info("measuring %d requests at concurrency %d", len(workload.requests), concurrency)
-        async with StatsSampler(target.read_stats, config.stats_interval_s) as sampler:
-            results, wall_s = await target.run(workload.requests, concurrency)
-    finally:
-        await target.stop()
-    return build_report(config, workload, results, wall_s, target.describe(), sampler.metrics())
+    doc = await run_sweep(config, [SweepPoint(config.concurrency, config.request_rate)])
+    return doc["points"][0]["target"]
 
 
-def main(config: BenchConfig, report_json: str | None) -> int:
-    """``meshserve bench``: runs, prints the table, writes the JSON; returns the exit code."""
+def main(config: BenchConfig, report_json: str | None, points: Sequence[SweepPoint] | None = None,
+         baseline: str | None = None, report_dir: str | None = None, quiet: bool = False,
+         command: str | None = None) -> int:
+    """``meshserve bench``: runs every point, prints each run's table and the baseline ratios,
+    writes the JSON and the report folder; returns the exit code.
+
+    ``--report-json`` holds the one run's report when there is one point and no
+    baseline (what ``meshserve.bench.summary`` reads), the whole sweep otherwise.
+    """
     import asyncio
 
-    report = asyncio.run(run_bench(config))
-    print(format_table(report))
+    points = list(points or [SweepPoint(config.concurrency, config.request_rate)])
+    with ProgressBars(live_progress_enabled(quiet)) as bars:
+        doc = asyncio.run(run_sweep(config, points, baseline, bars))
+    for p in doc["points"]:
+        for role in ("target", "baseline"):
+            if p[role] is not None:
+                print(format_table(p[role]) + "\n")
+    if baseline:
+        print("\n".join(["target ÷ baseline (tokens/s above 1, TTFT/TPOT below 1: the target is faster)",
+                         *ratio_lines(doc)]))
     if report_json:
-        write_report(report, report_json)
+        single = len(points) == 1 and baseline is None
+        write_report(doc["points"][0]["target"] if single else doc, report_json)
         print(f"report written to {report_json}")
+    if report_dir:
+        files = write_report_dir(doc, report_dir, command)
+        print(f"report folder {report_dir}: " + ", ".join(str(Path(f).relative_to(report_dir)) for f in files))
     sys.stdout.flush()
     return 0

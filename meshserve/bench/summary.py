@@ -55,7 +55,7 @@ def load_runs(folder: Path) -> dict[Variant, list[dict]]:
     runs: dict[Variant, list[dict]] = defaultdict(list)
     for path in sorted(folder.glob("*.json")):
         report = json.loads(path.read_text())
-        if "output_tokens_per_s" in report:
+        if "output_tokens_per_s" in report and report.get("request_rate") is None:  # closed-loop runs only
             runs[variant_of(report)].append(report)
     return dict(runs)
 

@@ -1,8 +1,8 @@
 """The interface every ``meshserve bench`` target implements.
 
 A target starts, runs requests to their last token, reports the engine counters
-it can see, and stops. ``run`` is the closed loop by default; a target that
-batches on its own (``hf-static``) overrides it.
+it can see, and stops. ``run`` is the closed loop (or, given arrival times, the
+open loop) by default; a target that batches on its own (``hf-static``) overrides it.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from typing import Sequence
 
 from meshserve.bench.config import BenchConfig
 from meshserve.bench.engine_stats import CounterSnapshot
-from meshserve.bench.loop import RequestResult, run_closed_loop
+from meshserve.bench.loop import RequestResult, ResultFn, run_closed_loop, run_open_loop
 from meshserve.bench.workload import BenchRequest
 
 
@@ -50,13 +50,23 @@ class Target(ABC):
     async def stop(self) -> None:
         """Frees what ``start`` took; safe to call after a failed ``start``."""
 
-    async def run(self, requests: Sequence[BenchRequest], concurrency: int) -> tuple[list[RequestResult], float]:
-        """Runs ``requests`` with at most ``concurrency`` in flight (``run_closed_loop`` over ``send``).
+    async def run(
+        self, requests: Sequence[BenchRequest], concurrency: int, arrivals: Sequence[float] | None = None,
+        on_result: ResultFn | None = None,
+    ) -> tuple[list[RequestResult], float]:
+        """Runs ``requests`` with at most ``concurrency`` in flight (``run_closed_loop`` over
+        ``send``), or, given ``arrivals`` (seconds from the start, one per request), each
+        at its arrival (``run_open_loop``; ``concurrency`` is then unused).
+
+        Args:
+            on_result: called with each result as it finishes.
 
         Returns:
             The results in workload order and the wall-clock seconds of the run.
         """
-        return await run_closed_loop(requests, concurrency, self.send)
+        if arrivals is not None:
+            return await run_open_loop(requests, arrivals, self.send, on_result)
+        return await run_closed_loop(requests, concurrency, self.send, on_result)
 
     async def read_stats(self) -> list[CounterSnapshot] | None:
         """The engine counters of every engine behind the target (one per executor), or

@@ -57,7 +57,9 @@ class EngineTarget(Target):
     async def send(self, req: BenchRequest) -> RequestResult:
         from meshserve.sampling import SamplingParams
 
-        params = SamplingParams(max_tokens=req.output_len, temperature=0.0, ignore_eos=True)
+        s = req.sampling
+        params = SamplingParams(max_tokens=req.output_len, temperature=s.temperature, top_p=s.top_p, top_k=s.top_k,
+                                min_p=s.min_p, seed=s.seed, ignore_eos=req.ignore_eos)
         times: list[float] = []
         submit = time.monotonic()
         async for out in self.engine.generate(req.request_id, list(req.prompt_token_ids), params):
@@ -124,8 +126,10 @@ class MeshTarget(Target):
     async def send(self, req: BenchRequest) -> RequestResult:
         from meshserve.client import build_request, generate
 
-        request = build_request(list(req.prompt_token_ids), max_tokens=req.output_len, temperature=0.0,
-                                ignore_eos=True)
+        s = req.sampling
+        request = build_request(list(req.prompt_token_ids), max_tokens=req.output_len, temperature=s.temperature,
+                                top_p=s.top_p, top_k=s.top_k, min_p=s.min_p, seed=s.seed,
+                                ignore_eos=req.ignore_eos)
         submit = time.monotonic()
         out = await generate(self.stub, request)
         return checked_result(req, submit, out.token_times, time.monotonic())

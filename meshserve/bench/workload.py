@@ -1,7 +1,10 @@
 """The benchmark's workloads: seeded prompt and output lengths and token ids.
 
-Two kinds (``WorkloadSpec.kind``): ``synthetic`` (below) and ``shared-prefix``
-(``meshserve.bench.shared_prefix``: most prompts start with one system prompt).
+Four kinds (``WorkloadSpec.kind``): ``synthetic`` (below), ``shared-prefix``
+(``meshserve.bench.shared_prefix``: most prompts start with one system prompt),
+``multi-turn`` (``meshserve.bench.multi_turn``: conversations whose every turn
+repeats the previous one) and ``jsonl`` (``meshserve.bench.jsonl_workload``: the
+requests of a file, each with its own sampling).
 
 Lengths are log-normal, as request lengths of served chat traffic are (long right
 tail; see the ShareGPT length histograms used by vLLM's ``benchmark_serving``):
@@ -18,7 +21,7 @@ output lengths, then all prompt token ids at once.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import numpy as np
@@ -28,7 +31,7 @@ import numpy as np
 WARMUP_STREAM = 1
 # A warm-up request only needs to run every code path once; long outputs waste time.
 WARMUP_MAX_OUTPUT_LEN = 16
-WORKLOADS = ("synthetic", "shared-prefix")
+WORKLOADS = ("synthetic", "shared-prefix", "multi-turn", "jsonl")
 
 
 @dataclass(frozen=True)
@@ -47,10 +50,14 @@ class WorkloadSpec:
         shared_prefix_len: shared-prefix: tokens of the shared system prompt.
         shared_fraction: shared-prefix: fraction of the requests that start with it
             (``round(shared_fraction * num_requests)`` requests).
+        num_turns: multi-turn: turns per conversation.
+        workload_file: jsonl: the file of requests; ``num_requests`` then takes its
+            first lines (the file must hold at least that many).
 
     Raises:
         ValueError: ``num_requests`` < 1, a median outside its clip range, an unknown
-            kind, ``shared_prefix_len`` < 1 or ``shared_fraction`` outside [0, 1].
+            kind, ``shared_prefix_len`` < 1, ``shared_fraction`` outside [0, 1],
+            ``num_turns`` < 1, or ``workload_file`` missing for jsonl / given for another kind.
     """
 
     num_requests: int
@@ -63,12 +70,18 @@ class WorkloadSpec:
     kind: str = "synthetic"
     shared_prefix_len: int = 400
     shared_fraction: float = 0.7
+    num_turns: int = 3
+    workload_file: str | None = None
 
     def __post_init__(self) -> None:
         if self.num_requests < 1:
             raise ValueError(f"num_requests must be >= 1, got {self.num_requests}")
         if self.kind not in WORKLOADS:
             raise ValueError(f"workload must be one of {', '.join(WORKLOADS)}, got {self.kind!r}")
+        if self.num_turns < 1:
+            raise ValueError(f"num_turns must be >= 1, got {self.num_turns}")
+        if (self.kind == "jsonl") != (self.workload_file is not None):
+            raise ValueError("the jsonl workload needs --workload-file, and only it takes one")
         if self.shared_prefix_len < 1 or not 0.0 <= self.shared_fraction <= 1.0:
             raise ValueError(f"shared_prefix_len must be >= 1 and shared_fraction in [0, 1], got "
                              f"{self.shared_prefix_len} and {self.shared_fraction}")
@@ -79,18 +92,46 @@ class WorkloadSpec:
 
 
 @dataclass(frozen=True)
+class Sampling:
+    """A request's sampling fields (``meshserve.sampling.SamplingParams`` names and defaults,
+    except the temperature: the benchmark is greedy unless a workload file says otherwise)."""
+
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    seed: int | None = None
+
+    @property
+    def greedy(self) -> bool:
+        """Temperature 0: the only sampling the transformers targets run."""
+        return self.temperature == 0.0
+
+
+GREEDY = Sampling()
+
+
+@dataclass(frozen=True)
 class BenchRequest:
     """One request of the workload.
 
     Attributes:
         request_id: unique id ("bench-3", "warmup-0").
         prompt_token_ids: prompt ids, all ordinary vocabulary ids.
-        output_len: exact number of tokens to generate (``max_tokens``).
+        output_len: tokens to generate (``max_tokens``); exactly so many with ``ignore_eos``.
+        sampling: its sampling fields (greedy by default).
+        ignore_eos: True (every built-in workload): generate exactly ``output_len``
+            tokens; False (a workload file may say so): stop at EOS, 1..``output_len`` tokens.
+        parent_id: the request that must finish before this one is sent (multi-turn:
+            the previous turn of the conversation), or None.
     """
 
     request_id: str
     prompt_token_ids: tuple[int, ...]
     output_len: int
+    sampling: Sampling = field(default=GREEDY)
+    ignore_eos: bool = True
+    parent_id: str | None = None
 
 
 @dataclass(frozen=True)
@@ -187,14 +228,27 @@ def load_workloads(spec: WorkloadSpec, num_warmup: int, model_path: str | Path) 
 
     Warm-up prompts are uniform ids of their own stream, so they never share a
     prefix with the measured requests: the prefix cache starts cold.
+
+    Raises:
+        WorkloadFileError: jsonl: the file is missing or a line is invalid.
     """
     vocab_size, specials = model_vocabulary(model_path)
-    if spec.kind == "shared-prefix":
+    if spec.kind in ("shared-prefix", "multi-turn", "jsonl"):
         from transformers import AutoTokenizer
 
-        from meshserve.bench.shared_prefix import make_shared_prefix_workload
+        tokenizer = AutoTokenizer.from_pretrained(model_path)
+        if spec.kind == "shared-prefix":
+            from meshserve.bench.shared_prefix import make_shared_prefix_workload
 
-        workload = make_shared_prefix_workload(spec, AutoTokenizer.from_pretrained(model_path), vocab_size)
+            workload = make_shared_prefix_workload(spec, tokenizer, vocab_size)
+        elif spec.kind == "multi-turn":
+            from meshserve.bench.multi_turn import make_multi_turn_workload
+
+            workload = make_multi_turn_workload(spec, tokenizer, vocab_size)
+        else:
+            from meshserve.bench.jsonl_workload import load_jsonl_workload
+
+            workload = load_jsonl_workload(spec, tokenizer, vocab_size)
     else:
         workload = make_workload(spec, vocab_size, specials)
     return workload, make_warmup(spec, num_warmup, vocab_size, specials)
