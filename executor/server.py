@@ -260,6 +260,7 @@ class SchedulerLink(BackgroundTask):
                 block_size=eng.block_size,
                 max_model_len=eng.max_model_len,
                 pool=self.config.pool,
+                kvstore_namespace=(eng.kv_store_fingerprint.namespace if eng.kv_connector is not None else b""),
             )
         )
 

@@ -87,6 +87,11 @@ def scheduler(
     tenants: Optional[str] = typer.Option(None, help="Tenants TOML file (KV quotas; default: none)."),
     pools: Optional[str] = typer.Option(None, "--pools", help="Pools TOML file: priority classes → executor pools "
                                         "and spill rules (default: any pool)."),
+    kvstore: Optional[str] = typer.Option(None, "--kvstore", help="host:port of the kvstore the executors share: "
+                                          "follow its placements and credit its blocks when routing."),
+    kvstore_token_cost: float = typer.Option(0.1, "--kvstore-token-cost", min=0.0, max=1.0,
+                                             help="Routing cost of a prompt token fetched from the kvstore, "
+                                             "relative to one computed."),
     kv_reservation: str = typer.Option("prompt", "--kv-reservation", help="prompt (room = prompt blocks) or "
                                        "predicted (also the predicted output and the growth of running leases)."),
     routing: str = typer.Option("prefix", "--routing", help="prefix (prefix-cache hits and load) or least-loaded."),
@@ -106,13 +111,15 @@ def scheduler(
     _logging(log_level)
     _traces(traces, otlp_endpoint)
     try:
+        if kvstore is not None and not _is_address(kvstore):
+            raise ValueError(f"--kvstore must be HOST:PORT, got {kvstore!r}")
         route_cfg = RoutingConfig(routing, load_weight=routing_load_weight, balance_factor=routing_balance_factor,
-                                  balance_abs_tokens=routing_balance_abs_tokens)
+                                  balance_abs_tokens=routing_balance_abs_tokens, kvstore_token_cost=kvstore_token_cost)
         config = scheduler_config(queue_policy, max_queue_wait_s, max_queue_len, max_queue_tokens, tenants, pools,
                                   route_cfg, kv_reservation)
     except (ValueError, FileNotFoundError) as exc:
         raise typer.BadParameter(str(exc)) from None
-    _serve(run_scheduler(port, host, config))
+    _serve(run_scheduler(port, host, config, kvstore))
 
 
 @app.command()

@@ -47,7 +47,8 @@ class Service:
     """A grpc.aio server with the error interceptor and a health servicer.
 
     ``health`` starts NOT_SERVING for both the overall status ("") and ``name``;
-    the service sets SERVING once warm.
+    the service sets SERVING once warm. ``background`` holds tasks with an async
+    ``stop()`` (``meshserve.background.BackgroundTask``) that ``stop`` ends first.
     """
 
     def __init__(self, name: str, port: int, host: str = "127.0.0.1"):
@@ -62,6 +63,7 @@ class Service:
         if self.port == 0:
             raise OSError(f"{name}: cannot listen on {host}:{port} (port in use or not allowed); choose one with --port")
         self.address = f"{host}:{self.port}"
+        self.background: list = []
 
     async def start(self) -> None:
         """Starts listening (health still NOT_SERVING)."""
@@ -76,7 +78,10 @@ class Service:
         await self.health.set(self.name, status)
 
     async def stop(self, grace_s: float = 5.0) -> None:
-        """Reports NOT_SERVING, then stops, letting calls finish for ``grace_s``."""
+        """Stops the background tasks, reports NOT_SERVING, then stops, letting calls
+        finish for ``grace_s``."""
+        for task in self.background:
+            await task.stop()
         await self.health.enter_graceful_shutdown()
         await self.server.stop(grace_s)
 

@@ -1,7 +1,8 @@
 """Starts the whole mesh on loopback as separate processes (``meshserve up``).
 
-Order: scheduler, the kvstore when asked for, then the executors (they register
-with the scheduler), then the gateway;
+Order: the kvstore when asked for, the scheduler (it follows the kvstore's
+placements), then the executors (they register with the scheduler), then the
+gateway;
 each must report SERVING on grpc.health.v1 before the next starts. ``stop``
 sends SIGTERM to all (gateway first) and kills what is still alive after the
 grace period.
@@ -124,13 +125,6 @@ class Mesh:
         if c.port and not port_is_free(c.port):
             raise OSError(f"port {c.port} on 127.0.0.1 is in use (another meshserve up?); choose one with --port")
         try:
-            sport = free_port()
-            self.scheduler_address = f"127.0.0.1:{sport}"
-            sched = ["scheduler", "--port", str(sport), *c.scheduler_args]
-            if c.tenants_file:
-                sched += ["--tenants", c.tenants_file]  # the scheduler enforces the tenants' KV quotas
-            self._spawn("scheduler", sched)
-            await self._wait("scheduler", self.scheduler_address)
             kv_args = []
             if c.kvstore_memory:
                 kport = free_port()
@@ -138,6 +132,13 @@ class Mesh:
                 self._spawn("kvstore", ["kvstore", "--port", str(kport), "--memory", c.kvstore_memory])
                 await self._wait("kvstore", self.kvstore_address)
                 kv_args = ["--kvstore", self.kvstore_address]
+            sport = free_port()
+            self.scheduler_address = f"127.0.0.1:{sport}"
+            sched = ["scheduler", "--port", str(sport), *kv_args, *c.scheduler_args]
+            if c.tenants_file:
+                sched += ["--tenants", c.tenants_file]  # the scheduler enforces the tenants' KV quotas
+            self._spawn("scheduler", sched)
+            await self._wait("scheduler", self.scheduler_address)
             threads = c.threads_per_executor or default_threads_per_executor(c.executors)
             for i in range(c.executors):
                 eport = free_port()

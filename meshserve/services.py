@@ -83,15 +83,16 @@ def scheduler_config(queue_policy: str = "fcfs", max_queue_wait_s: float = 30.0,
                            routing=routing or RoutingConfig(), kv_reservation=kv_reservation)
 
 
-async def run_scheduler(port: int, host: str = "127.0.0.1", config=None) -> None:
-    """Serves the scheduler (``config``: a ``SchedulerConfig``, default settings if None) until SIGINT/SIGTERM."""
+async def run_scheduler(port: int, host: str = "127.0.0.1", config=None, kvstore_address: str | None = None) -> None:
+    """Serves the scheduler (``config``: a ``SchedulerConfig``, default settings if None) until SIGINT/SIGTERM;
+    with ``kvstore_address`` it follows that kvstore's placements for routing."""
     from scheduler.server import start_scheduler
 
     setup_tracing("scheduler")
     holder = {}
 
     async def start():
-        holder["svc"] = await start_scheduler(port, host, config)
+        holder["svc"] = await start_scheduler(port, host, config, kvstore_address)
         log.info("scheduler serving on %s", holder["svc"].address)
 
     async def stop():

@@ -42,6 +42,7 @@ from dataclasses import dataclass, field
 from typing import Callable, Iterable, Mapping
 
 from meshserve.errors import AlreadyExists, InvalidArgument, ResourceExhausted, Unavailable
+from scheduler.kvstore_index import KVStoreIndex
 from scheduler.placement import Placer, blocks_needed, fits_ever
 from scheduler.pools import PoolsConfig
 from scheduler.predictor import OutputLengthPredictor
@@ -133,9 +134,10 @@ class AdmissionCore:
         self.policy = QueuePolicy(self.config.queue_policy, self.config.max_queue_wait_s)
         self.registry = ExecutorRegistry()
         self.prefix_index = PrefixIndex()
+        self.kvstore_index = KVStoreIndex()  # filled by scheduler.kvstore_follower (--kvstore)
         self.placer = Placer(self.registry, self.prefix_index, self.config.pools, self.config.routing,
                              self.config.pending_timeout_s, self.config.max_engine_waiting,
-                             self.config.kv_reservation)
+                             self.config.kv_reservation, self.kvstore_index)
         self.predictor = OutputLengthPredictor(self.config.predictor_min_samples)
         self.quotas = TenantQuotas(self.config.tenant_quotas)
         self.waits = WaitEstimator()

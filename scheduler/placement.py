@@ -51,6 +51,7 @@ from dataclasses import dataclass
 from typing import Protocol, Sequence
 
 from scheduler.pools import PoolChoice, PoolsConfig, candidate_executors, reachable_pools
+from scheduler.kvstore_index import KVStoreIndex
 from scheduler.prefix_index import PrefixIndex
 from scheduler.registry import ExecutorRegistry, ExecutorState
 from scheduler.routing import Candidate, RoutingConfig, Scored, route
@@ -138,10 +139,11 @@ class Placer:
 
     def __init__(self, registry: ExecutorRegistry, prefix_index: PrefixIndex, pools: PoolsConfig | None,
                  routing: RoutingConfig, pending_timeout_s: float, max_engine_waiting: int | None = 0,
-                 kv_reservation: str = "prompt"):
+                 kv_reservation: str = "prompt", kvstore_index: KVStoreIndex | None = None):
         if kv_reservation not in KV_RESERVATIONS:
             raise ValueError(f"unknown kv_reservation {kv_reservation!r} (choose from {', '.join(KV_RESERVATIONS)})")
         self.kv_reservation = kv_reservation
+        self.kvstore_index = kvstore_index
         self.max_engine_waiting = max_engine_waiting
         self.registry = registry
         self.prefix_index = prefix_index
@@ -160,6 +162,14 @@ class Placer:
         if req.hash_block_size != e.block_size:
             return 0
         return hits.get(e.executor_id, 0) * e.block_size
+
+    def kvstore_hit_tokens(self, e: ExecutorState, req: Placeable) -> int:
+        """Leading prompt tokens ``e`` could fetch from the kvstore (0 without a shared
+        namespace, a followed kvstore, or hashes in e's block size)."""
+        if (self.kvstore_index is None or not e.kvstore_namespace or not req.block_hashes
+                or req.hash_block_size != e.block_size):
+            return 0
+        return self.kvstore_index.hit_blocks(e.kvstore_namespace, req.block_hashes) * e.block_size
 
     def is_idle(self, e: ExecutorState, now: float, free_fraction: float) -> bool:
         """No request waiting in its engine and >= ``free_fraction`` of its blocks available."""
@@ -185,7 +195,8 @@ class Placer:
         hits = self.prefix_index.hit_blocks(req.block_hashes) if req.block_hashes else {}
         candidates = [Candidate(e.executor_id, self.hit_tokens(e, req, hits),
                                 load_tokens(e),
-                                e.available_blocks(now, self.pending_timeout_s)) for e in choice.executors]
+                                e.available_blocks(now, self.pending_timeout_s),
+                                self.kvstore_hit_tokens(e, req)) for e in choice.executors]
         best = route(candidates, req.num_prompt_tokens, self.routing)
         executor = self.registry.get(best.executor_id)
         hit = min(next(c.hit_tokens for c in candidates if c.executor_id == best.executor_id),

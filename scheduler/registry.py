@@ -64,6 +64,7 @@ class ExecutorState:
     block_size: int
     max_model_len: int
     pool: str = "default"
+    kvstore_namespace: bytes = b""  # its blocks' namespace in the kvstore (empty: no kvstore)
     num_free_blocks: int = 0
     num_running: int = 0
     num_waiting: int = 0

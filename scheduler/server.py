@@ -23,6 +23,7 @@ from meshserve.telemetry import context_from_grpc, tracer
 from meshserve.v1 import scheduler_pb2 as pb
 from meshserve.v1 import scheduler_pb2_grpc
 from scheduler.admission import AdmissionCore, AdmissionRequest, SchedulerConfig
+from scheduler.kvstore_follower import KVStoreFollower
 from scheduler.registry import ExecutorState, Lease
 
 log = logging.getLogger(__name__)
@@ -141,6 +142,8 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
         reg = first.register
         if not reg.executor_id or not reg.address or reg.num_blocks <= 0 or reg.block_size <= 0:
             raise InvalidArgument("register needs executor_id, address, num_blocks > 0 and block_size > 0")
+        if reg.kvstore_namespace and len(reg.kvstore_namespace) != HASH_BYTES:
+            raise InvalidArgument(f"kvstore_namespace must be {HASH_BYTES} bytes, got {len(reg.kvstore_namespace)}")
         if self.core.registry.get(reg.executor_id) is not None:
             raise InvalidArgument(f"executor id {reg.executor_id!r} is already connected")
         state = ExecutorState(
@@ -151,6 +154,7 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
             block_size=reg.block_size,
             max_model_len=reg.max_model_len,
             pool=reg.pool or "default",
+            kvstore_namespace=bytes(reg.kvstore_namespace),
         )
         self.core.registry.add(state)
         self._on_registry_change(len(list(self.core.registry)))
@@ -205,8 +209,12 @@ def _check_block_hashes(request: pb.AdmitRequest) -> None:
                               f"tokens in blocks of {request.hash_block_size}")
 
 
-async def start_scheduler(port: int, host: str = "127.0.0.1", config: SchedulerConfig | None = None) -> Service:
+async def start_scheduler(port: int, host: str = "127.0.0.1", config: SchedulerConfig | None = None,
+                          kvstore_address: str | None = None) -> Service:
     """Starts a Scheduler service on ``host:port`` (0 picks a free port); SERVING at once.
+
+    With ``kvstore_address`` it follows that kvstore's placement events
+    (``scheduler.kvstore_follower``) and routes with its blocks (``scheduler.routing``).
 
     Its health service also answers for ``EXECUTORS_HEALTH_SERVICE``: SERVING while
     at least one executor is registered (the gateway's readiness follows it).
@@ -220,7 +228,13 @@ async def start_scheduler(port: int, host: str = "127.0.0.1", config: SchedulerC
     servicer = SchedulerServicer(AdmissionCore(config), registry_changed)
     scheduler_pb2_grpc.add_SchedulerServicer_to_server(servicer, service.server)
     service.servicer = servicer  # type: ignore[attr-defined]
+    if kvstore_address:
+        follower = KVStoreFollower(kvstore_address, servicer.core.kvstore_index)
+        service.background.append(follower)
+        service.kvstore_follower = follower  # type: ignore[attr-defined]
     await service.start()
+    for task in service.background:
+        task.start()
     await service.health.set(EXECUTORS_HEALTH_SERVICE, NOT_SERVING)
     await service.set_serving(True)
     return service

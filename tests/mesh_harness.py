@@ -71,12 +71,13 @@ async def start_local_mesh(engines: list[LLMEngine], tokenizer, tenants=None, kv
                            kvstore_fetch_timeout_s: float = 5.0, step_timeout_s: float = 60.0) -> LocalMesh:
     """Starts scheduler, one executor per engine, and a gateway, on free ports; with
     ``kvstore`` (a ``kvstore.store.KVStore``, or a ready ``Service``) a kvstore service
-    too, and every executor shares prefix blocks through it."""
+    too, every executor shares prefix blocks through it, and the scheduler follows its
+    placements."""
     from kvstore.server import start_kvstore
     from kvstore.store import KVStore
 
-    scheduler = await start_scheduler(0)
     kv_service = await start_kvstore(kvstore, 0) if isinstance(kvstore, KVStore) else kvstore
+    scheduler = await start_scheduler(0, kvstore_address=kv_service.address if kv_service else None)
     executors = []
     for i, engine in enumerate(engines):
         svc, async_engine, link = await start_executor(engine, 0, scheduler_address=scheduler.address,

@@ -69,7 +69,7 @@ class ReleaseResponse(_message.Message):
     def __init__(self) -> None: ...
 
 class ExecutorRegister(_message.Message):
-    __slots__ = ("executor_id", "address", "model", "num_blocks", "block_size", "max_model_len", "pool")
+    __slots__ = ("executor_id", "address", "model", "num_blocks", "block_size", "max_model_len", "pool", "kvstore_namespace")
     EXECUTOR_ID_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
@@ -77,6 +77,7 @@ class ExecutorRegister(_message.Message):
     BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
     MAX_MODEL_LEN_FIELD_NUMBER: _ClassVar[int]
     POOL_FIELD_NUMBER: _ClassVar[int]
+    KVSTORE_NAMESPACE_FIELD_NUMBER: _ClassVar[int]
     executor_id: str
     address: str
     model: str
@@ -84,7 +85,8 @@ class ExecutorRegister(_message.Message):
     block_size: int
     max_model_len: int
     pool: str
-    def __init__(self, executor_id: _Optional[str] = ..., address: _Optional[str] = ..., model: _Optional[str] = ..., num_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., max_model_len: _Optional[int] = ..., pool: _Optional[str] = ...) -> None: ...
+    kvstore_namespace: bytes
+    def __init__(self, executor_id: _Optional[str] = ..., address: _Optional[str] = ..., model: _Optional[str] = ..., num_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., max_model_len: _Optional[int] = ..., pool: _Optional[str] = ..., kvstore_namespace: _Optional[bytes] = ...) -> None: ...
 
 class CapacityReport(_message.Message):
     __slots__ = ("num_free_blocks", "num_running", "num_waiting", "lease_ids", "lease_num_blocks")

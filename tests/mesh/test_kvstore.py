@@ -12,6 +12,7 @@ import pytest
 from kvstore.client import KVStoreClient
 from kvstore.server import start_kvstore
 from kvstore.store import KVStore
+from meshserve.block_hash import routing_block_hashes
 from meshserve.client import build_request, channel, generate
 from meshserve.telemetry import memory_exporter, outgoing_metadata
 from meshserve.v1 import common_pb2, executor_pb2, executor_pb2_grpc
@@ -65,6 +66,14 @@ async def test_C19_late_kvstore_completions_after_an_abort(tokenizer):
             data, crc = store.read(ns, block_hash)
             assert len(data) == engines[0].kv_store_fingerprint.block_bytes
         assert store.stats().corrupt_blocks == 0
+        # the scheduler follows the placements: the gateway's routing chain of the prompt finds
+        # every published block under executor 1's namespace (the same model and layout)
+        hashes = routing_block_hashes(prompt, 16, engines[0].model_id, engines[0].revision)
+        index = m.scheduler.servicer.core.kvstore_index
+
+        async def indexed():
+            return index.hit_blocks(engines[1].kv_store_fingerprint.namespace, hashes) == PROMPT_LEN // 16
+        await wait_for(indexed, what="the scheduler to index the published blocks")
 
         # 2. executor 1 starts fetching those blocks (slowly); cancel during the load
         DelayingServicer.get_delay_s = 0.05
