@@ -23,16 +23,18 @@ import uuid
 from dataclasses import dataclass
 
 import grpc
+from opentelemetry import trace
 
 from gateway.choices import Choice, RequestTimer
 from gateway.prompt import PromptBuilder
 from gateway.readiness import ReadinessProbe
 from gateway.tenants import TenantRegistry
+from meshserve import trace_attributes as ta
 from meshserve.block_hash import routing_block_hashes
 from meshserve.errors import AlreadyExists, InvalidArgument, Unavailable, from_rpc_error
 from meshserve.grpc_server import CHANNEL_OPTIONS, Service
 from meshserve.sampling import from_proto, to_proto
-from meshserve.telemetry import context_from_grpc, outgoing_metadata, tracer
+from meshserve.telemetry import context_from_grpc, outgoing_metadata, record_error, tracer
 from meshserve.v1 import executor_pb2, executor_pb2_grpc, gateway_pb2, gateway_pb2_grpc
 from meshserve.v1 import scheduler_pb2, scheduler_pb2_grpc
 
@@ -104,7 +106,11 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
     async def Generate(self, request: gateway_pb2.GenerateRequest, context: grpc.aio.ServicerContext):
         timer = RequestTimer()
         tenant = self.tenants.authenticate(context.invocation_metadata())
-        span = _tracer.start_span("gateway.generate", context=context_from_grpc(context))
+        operation = ta.operation_name(request.WhichOneof("input"))
+        span = _tracer.start_span(ta.span_name(operation, self.model.model_id), context=context_from_grpc(context),
+                                  kind=trace.SpanKind.SERVER,
+                                  attributes={ta.OPERATION_NAME: operation, ta.REQUEST_MODEL: self.model.model_id,
+                                              ta.REQUEST_STREAM: True})
         request_id = request.request_id or uuid.uuid4().hex
         owns_id = False
         try:
@@ -120,17 +126,8 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
                     "(prompt + at least 1 output token)"
                 )
             priority = request.priority if request.HasField("priority") else tenant.default_priority
-            span.set_attributes(
-                {
-                    "meshserve.request_id": request_id,
-                    "meshserve.tenant": tenant.name,
-                    "meshserve.priority": priority,
-                    "gen_ai.request.model": self.model.model_id,
-                    "gen_ai.request.max_tokens": params.max_tokens,
-                    "gen_ai.request.choice.count": params.n,
-                    "gen_ai.usage.input_tokens": len(prompt_ids),
-                }
-            )
+            span.set_attributes({ta.REQUEST_ID: request_id, ta.TENANT: tenant.name, ta.PRIORITY: priority,
+                                 ta.USAGE_INPUT_TOKENS: len(prompt_ids), **ta.sampling_attributes(params)})
             admit = scheduler_pb2.AdmitRequest(
                 request_id=request_id,
                 tenant=tenant.name,
@@ -144,11 +141,14 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
                 admit.block_hashes.extend(routing_block_hashes(prompt_ids, self.hash_block_size, self.model.model_id,
                                                                self.model.revision))
                 admit.hash_block_size = self.hash_block_size
-            assignment = None
+            assignment, queued = None, False
             try:
                 async for event in self.scheduler.Admit(admit, metadata=outgoing_metadata(span)):
                     if event.WhichOneof("kind") == "queued":
                         q = event.queued
+                        if not queued:  # the position at which it joined the queue
+                            queued = True
+                            span.set_attribute(ta.QUEUE_POSITION, q.position)
                         yield gateway_pb2.GenerateResponse(
                             queue=gateway_pb2.QueueUpdate(position=q.position, estimated_wait_s=q.estimated_wait_s)
                         )
@@ -159,16 +159,16 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
             if assignment is None:
                 raise Unavailable("scheduler ended admission without an assignment")
             timer.assigned = time.monotonic()
-            span.set_attribute("meshserve.executor_id", assignment.executor_id)
+            span.set_attributes({ta.EXECUTOR_ID: assignment.executor_id, ta.QUEUE_WAIT_S: assignment.queue_s})
             finished: dict[str, int] = {}  # completion tokens, once every choice is done
             try:
                 async for msg in self._execute(request_id, prompt_ids, params, priority, assignment, timer, span,
                                                finished):
                     yield msg
             finally:
-                await self._release(assignment.lease_id, finished.get("completion_tokens"))
+                await self._release(assignment.lease_id, finished.get("completion_tokens"), span)
         except Exception as exc:
-            span.record_exception(exc)
+            record_error(span, exc)
             raise
         finally:
             if owns_id:
@@ -192,7 +192,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
                 now = time.monotonic()
                 if out.token_ids and not timer.first_token:
                     timer.first_token = now
-                    span.add_event("first_token")
+                    span.add_event(ta.EVENT_FIRST_TOKEN)
                 yield gateway_pb2.GenerateResponse(delta=choice.feed(out, now))
                 if choice.done:
                     yield gateway_pb2.GenerateResponse(
@@ -206,16 +206,19 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         if not all(c.done for c in choices):
             raise Unavailable(f"executor {assignment.executor_id} ended the stream without finishing")
         finished["completion_tokens"] = sum(c.num_tokens for c in choices)
-        span.set_attributes({"gen_ai.usage.output_tokens": sum(c.num_tokens for c in choices),
-                             "meshserve.cached_tokens": choices[0].num_cached_tokens})
+        span.set_attributes({ta.USAGE_OUTPUT_TOKENS: finished["completion_tokens"],
+                             ta.USAGE_CACHE_READ_INPUT_TOKENS: choices[0].num_cached_tokens,
+                             ta.RESPONSE_ID: request_id, ta.RESPONSE_MODEL: self.model.model_id,
+                             ta.RESPONSE_FINISH_REASONS: ta.finish_reasons([c.finish_reason for c in choices])})
 
-    async def _release(self, lease_id: str, num_completion_tokens: int | None = None) -> None:
-        """Ends the lease; the completion tokens (when every choice finished) teach the scheduler's predictor."""
+    async def _release(self, lease_id: str, num_completion_tokens: int | None = None, span=None) -> None:
+        """Ends the lease; the completion tokens (when every choice finished) teach the scheduler's predictor.
+        ``span``: the request's span, parent of the scheduler's ``scheduler.release``."""
         release = scheduler_pb2.ReleaseRequest(lease_id=lease_id)
         if num_completion_tokens is not None:
             release.num_completion_tokens = num_completion_tokens
         try:
-            await asyncio.shield(self.scheduler.Release(release, timeout=5))
+            await asyncio.shield(self.scheduler.Release(release, timeout=5, metadata=outgoing_metadata(span)))
         except (Exception, asyncio.CancelledError) as exc:  # noqa: BLE001 - shutting down or scheduler gone
             log.warning("release of lease %s failed: %s", lease_id, exc)
 

@@ -21,6 +21,9 @@ app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_
 
 TracesOpt = typer.Option(None, "--traces", help="Trace exporter: none, console, otlp (default: $MESHSERVE_TRACES or none).")
 OtlpOpt = typer.Option(None, "--otlp-endpoint", help="OTLP/gRPC collector host:port (default localhost:4317).")
+SampleOpt = typer.Option(None, "--trace-sample-ratio", min=0.0, max=1.0,
+                         help="Fraction of new traces kept, ParentBased(TraceIdRatioBased) "
+                              "(default: $MESHSERVE_TRACE_SAMPLE_RATIO or 1).")
 
 
 def _logging(level: str) -> None:
@@ -39,13 +42,15 @@ def _serve(coro) -> None:
         raise typer.Exit(1) from None
 
 
-def _traces(exporter: Optional[str], endpoint: Optional[str]) -> None:
+def _traces(exporter: Optional[str], endpoint: Optional[str], sample_ratio: Optional[float] = None) -> None:
     import os
 
     if exporter:
         os.environ["MESHSERVE_TRACES"] = exporter
     if endpoint:
         os.environ["OTEL_EXPORTER_OTLP_ENDPOINT"] = endpoint
+    if sample_ratio is not None:  # in the environment: `up` hands it to every service process
+        os.environ["MESHSERVE_TRACE_SAMPLE_RATIO"] = repr(sample_ratio)
 
 
 def _engine_config(model, dtype, kv_cache_memory, block_size, max_num_seqs, max_num_batched_tokens,
@@ -94,6 +99,7 @@ def scheduler(
     routing_balance_abs_tokens: float = typer.Option(2048.0, "--routing-balance-abs-tokens", min=0.0,
                                                      help="...and this many tokens above it."),
     traces: Optional[str] = TracesOpt, otlp_endpoint: Optional[str] = OtlpOpt,
+    trace_sample_ratio: Optional[float] = SampleOpt,
     log_level: str = typer.Option("info"),
 ) -> None:
     """Run the global scheduler (executor registry, admission queue, pools and routing)."""
@@ -101,7 +107,7 @@ def scheduler(
     from scheduler.routing import RoutingConfig
 
     _logging(log_level)
-    _traces(traces, otlp_endpoint)
+    _traces(traces, otlp_endpoint, trace_sample_ratio)
     try:
         route_cfg = RoutingConfig(routing, load_weight=routing_load_weight, balance_factor=routing_balance_factor,
                                   balance_abs_tokens=routing_balance_abs_tokens)
@@ -141,13 +147,14 @@ def executor(
     kvstore_fetch_timeout: float = typer.Option(5.0, "--kvstore-fetch-timeout", min=0.001,
                                                 help="Seconds to wait for a kvstore fetch before recomputing."),
     traces: Optional[str] = TracesOpt, otlp_endpoint: Optional[str] = OtlpOpt,
+    trace_sample_ratio: Optional[float] = SampleOpt,
     log_level: str = typer.Option("info"),
 ) -> None:
     """Run one executor: a model replica with its continuous-batching engine."""
     from meshserve.services import run_executor
 
     _logging(log_level)
-    _traces(traces, otlp_endpoint)
+    _traces(traces, otlp_endpoint, trace_sample_ratio)
     cfg = _engine_config(model, dtype, kv_cache_memory, block_size, max_num_seqs, max_num_batched_tokens,
                          no_chunked_prefill, max_model_len, num_threads, no_prefix_caching, max_batch_wait_ms,
                          attention_backend, device, enable_kv_events=True)  # forwarded for prefix-aware routing
@@ -177,13 +184,14 @@ def kvstore_cmd(
     disk: str = typer.Option("10GiB", "--disk", help="Byte budget of the disk tier (with --disk-dir)."),
     max_events: int = typer.Option(65536, "--max-events", min=1, help="Placement events kept for followers."),
     traces: Optional[str] = TracesOpt, otlp_endpoint: Optional[str] = OtlpOpt,
+    trace_sample_ratio: Optional[float] = SampleOpt,
     log_level: str = typer.Option("info"),
 ) -> None:
     """Run the kvstore: prefix KV blocks shared by executors."""
     from meshserve.services import parse_bytes, run_kvstore
 
     _logging(log_level)
-    _traces(traces, otlp_endpoint)
+    _traces(traces, otlp_endpoint, trace_sample_ratio)
     try:
         memory_bytes, disk_bytes = parse_bytes(memory), parse_bytes(disk)
         if memory_bytes < 1 or (disk_dir and disk_bytes < 1):
@@ -203,13 +211,14 @@ def gateway(
     block_size: int = typer.Option(16, "--block-size", min=0, help="Tokens per block of the prompt hashes sent "
                                    "for prefix-aware routing: the executors' --block-size (0: send none)."),
     traces: Optional[str] = TracesOpt, otlp_endpoint: Optional[str] = OtlpOpt,
+    trace_sample_ratio: Optional[float] = SampleOpt,
     log_level: str = typer.Option("info"),
 ) -> None:
     """Run the public gateway."""
     from meshserve.services import run_gateway
 
     _logging(log_level)
-    _traces(traces, otlp_endpoint)
+    _traces(traces, otlp_endpoint, trace_sample_ratio)
     _serve(run_gateway(model, port, host, scheduler, tenants, block_size))
 
 
@@ -233,6 +242,7 @@ def up(
     kvstore: bool = typer.Option(False, "--kvstore", help="Start one kvstore and connect every executor to it."),
     kvstore_memory: str = typer.Option("1GiB", "--kvstore-memory", help="Memory tier budget of that kvstore."),
     traces: Optional[str] = TracesOpt, otlp_endpoint: Optional[str] = OtlpOpt,
+    trace_sample_ratio: Optional[float] = SampleOpt,
 ) -> None:
     """Start the whole mesh on loopback; Ctrl-C stops it cleanly."""
     import signal
@@ -240,7 +250,7 @@ def up(
 
     from meshserve.launcher import Mesh
 
-    _traces(traces, otlp_endpoint)
+    _traces(traces, otlp_endpoint, trace_sample_ratio)
     mesh = Mesh(_mesh_config(port, executors, model, dtype, kv_cache_memory, [], tenants, log_dir,
                              kvstore_memory if kvstore else None))
     stop = threading.Event()
