@@ -4,7 +4,7 @@ Names under ``gen_ai.*`` are the OpenTelemetry GenAI semantic conventions
 (https://opentelemetry.io/docs/specs/semconv/gen-ai/gen-ai-spans/; written out
 here rather than imported from ``opentelemetry.semconv._incubating``, whose
 names still move). The gateway's request span is named after the convention:
-``"{gen_ai.operation.name} {gen_ai.request.model}"`` (``chat qwen2-0_5b``).
+``"{gen_ai.operation.name} {gen_ai.request.model}"`` (``chat smollm2-135m-instruct``).
 Everything that is ours is under ``meshserve.*``. The README's Tracing section
 lists every span and attribute.
 """
