@@ -4,6 +4,7 @@ the caller's context: the basic case on the shared mesh, and case C26."""
 import asyncio
 import random
 
+import grpc
 import pytest
 import pytest_asyncio
 
@@ -62,6 +63,18 @@ async def test_one_trace_across_services(mesh):
     assert a["gen_ai.response.finish_reasons"] == (out.finish_reason,)
     assert a["meshserve.executor_id"] == "executor-0" and a["meshserve.tenant"] == "default"
     assert any(e.name == "first_token" for s in spans for e in s.events)
+
+
+async def test_a_rejected_request_is_one_error_span(mesh):
+    memory_exporter().clear()
+    trace_id = TRACE_ID + 1
+    with pytest.raises(grpc.aio.AioRpcError) as info:
+        await generate(mesh.stub, build_request("", max_tokens=4), metadata=traceparent(trace_id, PARENT_SPAN_ID))
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    spans = await spans_of(trace_id, {f"text_completion {mesh.engines[0].model_id}"})
+    assert [s.name for s in spans] == [f"text_completion {mesh.engines[0].model_id}"]  # never reached the scheduler
+    assert spans[0].status.status_code.name == "ERROR" and "InvalidArgument" in spans[0].status.description
+    assert [e.name for e in spans[0].events] == ["exception"]
 
 
 # C26 -------------------------------------------------------------------------
