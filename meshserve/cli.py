@@ -210,16 +210,31 @@ def gateway(
     tenants: Optional[str] = typer.Option(None, help="Tenants TOML file (default: open, tenant 'default')."),
     block_size: int = typer.Option(16, "--block-size", min=0, help="Tokens per block of the prompt hashes sent "
                                    "for prefix-aware routing: the executors' --block-size (0: send none)."),
+    result_cache_size: int = typer.Option(0, "--result-cache-size", min=0, help="Entries of the result cache of "
+                                          "deterministic requests (greedy or seeded), LRU; 0: off."),
+    result_cache_ttl_s: float = typer.Option(600.0, "--result-cache-ttl-s", min=0.001,
+                                             help="Seconds a result-cache entry lives."),
+    task_store: str = typer.Option("memory", "--task-store", help="Async task store: memory, or "
+                                   "redis://host:port/db (shared by gateways)."),
+    task_ttl_s: float = typer.Option(3600.0, "--task-ttl-s", min=0.001, help="Seconds a finished task is kept."),
+    max_tasks: int = typer.Option(10_000, "--max-tasks", min=1, help="Most tasks the memory store keeps "
+                                  "(finished ones are dropped oldest first; then SubmitTask is refused)."),
     traces: Optional[str] = TracesOpt, otlp_endpoint: Optional[str] = OtlpOpt,
     trace_sample_ratio: Optional[float] = SampleOpt,
     log_level: str = typer.Option("info"),
 ) -> None:
     """Run the public gateway."""
+    from gateway.task_store import task_store_kind
     from meshserve.services import run_gateway
 
+    try:
+        task_store_kind(task_store)
+    except ValueError as exc:  # a usage error, exit code 2
+        raise typer.BadParameter(str(exc)) from None
     _logging(log_level)
     _traces(traces, otlp_endpoint, trace_sample_ratio)
-    _serve(run_gateway(model, port, host, scheduler, tenants, block_size))
+    _serve(run_gateway(model, port, host, scheduler, tenants, block_size, result_cache_size, result_cache_ttl_s,
+                       task_store, task_ttl_s, max_tasks))
 
 
 def _mesh_config(port, executors, model, dtype, kv_cache_memory, extra, tenants, log_dir, kvstore_memory=None):
@@ -318,11 +333,13 @@ def generate(
     priority: Optional[int] = typer.Option(None, "--priority"),
     api_key: Optional[str] = typer.Option(None, "--api-key", envvar="MESHSERVE_API_KEY"),
     as_json: bool = typer.Option(False, "--json", help="One JSON object per prompt and choice, one per line."),
+    async_task: bool = typer.Option(False, "--async", help="Submit each prompt as an async task (SubmitTask), "
+                                    "poll GetTask until it is done, then print the result."),
 ) -> None:
     """Send prompts to a gateway and print the answers (streamed for one prompt and one choice)."""
     import grpc
 
-    from meshserve.client import build_request, channel, generate_choices as run
+    from meshserve.client import TaskFailed, build_request, channel, generate_choices, run_task
     from meshserve.v1 import gateway_pb2_grpc
 
     async def main() -> int:
@@ -339,16 +356,20 @@ def generate(
             except ValueError as exc:  # an integer the wire type cannot hold
                 print(f"error: bad option value: {exc}", file=sys.stderr)
                 return 2
-            live = len(reqs) == 1 and not as_json and (n or 1) == 1
+            live = len(reqs) == 1 and not as_json and (n or 1) == 1 and not async_task
             on_delta = (lambda text, _ids, _i: (sys.stdout.write(text), sys.stdout.flush())) if live else None
-            results = await asyncio.gather(*(run(stub, r, metadata, on_delta=on_delta) for r in reqs),
-                                           return_exceptions=True)
+            calls = (run_task(stub, r, metadata) if async_task else generate_choices(stub, r, metadata,
+                                                                                        on_delta=on_delta)
+                     for r in reqs)
+            results = await asyncio.gather(*calls, return_exceptions=True)
         code = 0
         for p, choices in zip(prompt, results):
-            if isinstance(choices, grpc.aio.AioRpcError):
+            if isinstance(choices, (grpc.aio.AioRpcError, TaskFailed)):
                 code = 1
-                err = {"error": {"code": choices.code().name, "message": choices.details()}}
-                print(json.dumps(err) if as_json else f"error: {choices.code().name}: {choices.details()}",
+                name, details = ((choices.code().name, choices.details()) if isinstance(choices, grpc.aio.AioRpcError)
+                                 else (choices.code, choices.message))
+                err = {"error": {"code": name, "message": details}}
+                print(json.dumps(err) if as_json else f"error: {name}: {details}",
                       file=sys.stdout if as_json else sys.stderr)
                 continue
             if isinstance(choices, BaseException):
@@ -363,6 +384,39 @@ def generate(
                     title = f"{p} [choice {r.index}]" if len(choices) > 1 else p
                     print(f"### {title}\n{r.text}\n[{r.finish_reason}; {r.usage['completion_tokens']} tokens]\n")
         return code
+
+    sys.exit(asyncio.run(main()))
+
+
+@app.command()
+def task(
+    task_id: str = typer.Argument(..., help="The id SubmitTask returned."),
+    addr: str = typer.Option("127.0.0.1:50051", "--addr", help="Gateway host:port."),
+    cancel: bool = typer.Option(False, "--cancel", help="Cancel the task (CancelTask) instead of reading it."),
+    wait: bool = typer.Option(False, "--wait", help="Poll until the task is done."),
+    api_key: Optional[str] = typer.Option(None, "--api-key", envvar="MESHSERVE_API_KEY"),
+) -> None:
+    """Print an async task's status (GetTask) as one JSON object; exit 1 when it failed or is unknown."""
+    import grpc
+    from google.protobuf.json_format import MessageToDict
+
+    from meshserve.client import cancel_task, channel, get_task, wait_task
+    from meshserve.v1 import gateway_pb2, gateway_pb2_grpc
+
+    async def main() -> int:
+        metadata = (("x-api-key", api_key),) if api_key else ()
+        async with channel(addr) as ch:
+            stub = gateway_pb2_grpc.GatewayStub(ch)
+            try:
+                if cancel:
+                    status = await cancel_task(stub, task_id, metadata)
+                else:
+                    status = await (wait_task if wait else get_task)(stub, task_id, metadata)
+            except grpc.aio.AioRpcError as exc:
+                print(f"error: {exc.code().name}: {exc.details()}", file=sys.stderr)
+                return 1
+        print(json.dumps(MessageToDict(status, preserving_proto_field_name=True)))
+        return 1 if status.state == gateway_pb2.TASK_STATE_FAILED else 0
 
     sys.exit(asyncio.run(main()))
 

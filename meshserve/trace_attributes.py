@@ -42,6 +42,14 @@ KVSTORE_HIT_TOKENS = "meshserve.kvstore.hit_tokens"
 PREEMPTIONS = "meshserve.preemptions"
 PREFILL_S = "meshserve.prefill_s"
 DECODE_S = "meshserve.decode_s"
+RESULT_CACHE_HIT = "meshserve.result_cache.hit"
+TASK_ID = "meshserve.task_id"
+TASK_STATE = "meshserve.task.state"
+
+# span names of the async task API (the task's generation is a request span as Generate's)
+SPAN_SUBMIT_TASK = "gateway.submit_task"
+SPAN_GET_TASK = "gateway.get_task"
+SPAN_CANCEL_TASK = "gateway.cancel_task"
 
 # events
 EVENT_FIRST_TOKEN = "first_token"
