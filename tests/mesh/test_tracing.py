@@ -9,8 +9,9 @@ import pytest
 import pytest_asyncio
 
 from kvstore.store import KVStore
-from meshserve.client import build_request, generate
+from meshserve.client import build_request, generate, get_task, submit_task
 from meshserve.telemetry import memory_exporter
+from meshserve.v1 import gateway_pb2
 from tests.mesh.conftest import make_engine
 from tests.mesh_harness import start_local_mesh
 
@@ -107,8 +108,10 @@ async def test_C26_one_trace_across_all_services(c26_mesh):
     span, child of the caller's parent; every other span's parent is in the trace;
     gateway, scheduler, executor and kvstore spans are all there, with exact
     token counts; preemptions are span events, one per engine preemption.
-    The gateway has no async submit/poll path yet, so that part of C26 is not
-    covered here."""
+    Async submit then poll: the task's generation (gateway, scheduler, executor
+    spans) is in the submit call's trace, under the ``gateway.submit_task``
+    span; every ``gateway.get_task`` poll is in its own caller's trace and
+    carries one span link, to the submit span."""
     m, engine = c26_mesh
     conn = engine.kv_connector
     model = engine.model_id
@@ -156,6 +159,19 @@ async def test_C26_one_trace_across_all_services(c26_mesh):
     await asyncio.gather(*(run(f"c26-preempt-{i}", ids_prompt(200, 10 + i), 24) for i in range(3)))
     num_preemptions = engine.stats().num_preemptions - preemptions
     assert num_preemptions > 0
+    # 5. async task: submit, then poll, each poll from its own caller trace
+    submit_parent = (rng.getrandbits(128), rng.getrandbits(64))
+    handle = await submit_task(m.stub, build_request(ids_prompt(40, 5), max_tokens=4, temperature=0,
+                                                     ignore_eos=True, request_id="c26-task"),
+                               metadata=traceparent(*submit_parent))
+    polls: list[tuple[int, int]] = []
+    while True:
+        polls.append((rng.getrandbits(128), rng.getrandbits(64)))
+        status = await get_task(m.stub, handle.task_id, metadata=traceparent(*polls[-1]))
+        if status.state not in (gateway_pb2.TASK_STATE_QUEUED, gateway_pb2.TASK_STATE_RUNNING):
+            break
+        await asyncio.sleep(0.05)
+    assert status.state == gateway_pb2.TASK_STATE_SUCCEEDED and len(status.choices[0].token_ids) == 4
     await asyncio.to_thread(conn.flush)
     await m.wait_idle()
 
@@ -197,6 +213,21 @@ async def test_C26_one_trace_across_all_services(c26_mesh):
         events += len(preempted)
     assert events == num_preemptions
 
-    traces = {t for t, _ in parents.values()}
+    task_spans = await spans_of(submit_parent[0], REQUEST | {"gateway.submit_task", f"text_completion {model}"})
+    submit = local_root(task_spans, submit_parent[1])
+    assert submit.name == "gateway.submit_task" and submit.attributes["meshserve.task_id"] == handle.task_id
+    ids = {s.context.span_id for s in task_spans}
+    assert all(s.parent.span_id in ids for s in task_spans if s is not submit)
+    (run,) = [s for s in task_spans if s.name == f"text_completion {model}"]
+    assert run.parent.span_id == submit.context.span_id and run.attributes["meshserve.request_id"] == "c26-task"
+    assert run.attributes["gen_ai.usage.output_tokens"] == 4 and run.attributes["meshserve.task_id"] == handle.task_id
+    assert REQUEST <= {s.name for s in task_spans}
+    for poll_trace, poll_parent in polls:
+        (poll,) = await spans_of(poll_trace, {"gateway.get_task"})
+        assert poll.name == "gateway.get_task" and poll.parent.span_id == poll_parent and poll.parent.is_remote
+        assert [(link.context.trace_id, link.context.span_id) for link in poll.links] == [
+            (submit_parent[0], submit.context.span_id)]
+
+    traces = {t for t, _ in parents.values()} | {submit_parent[0]} | {t for t, _ in polls}
     strays = [(s.name, s.parent) for s in memory_exporter().get_finished_spans() if s.context.trace_id not in traces]
     assert strays == []
