@@ -176,10 +176,10 @@ async def run_gateway(model: str, port: int, host: str, scheduler: str, tenants_
     holder = {}
 
     async def start():
+        store = open_task_store(task_store, task_ttl_s, max_tasks)
+        await store.check()  # before the tokenizer loads: an unreachable Redis fails fast
         tokenizer, info = await asyncio.to_thread(model_info, model)
         tenants = TenantRegistry.from_file(tenants_file) if tenants_file else TenantRegistry.open()
-        store = open_task_store(task_store, task_ttl_s, max_tasks)
-        await store.check()
         cache = ResultCache(result_cache_size, result_cache_ttl_s) if result_cache_size > 0 else None
         holder["svc"] = await start_gateway(tokenizer, info, scheduler, port, host, tenants, hash_block_size,
                                             result_cache=cache, tasks=TaskRunner(store))

@@ -38,7 +38,9 @@ async def gateway(tmp_path_factory):
                               tenants=TenantRegistry.from_file(path),
                               tasks=TaskRunner(MemoryTaskStore(ttl_s=TTL_S)))
     ch = channel(svc.address)
-    yield gateway_pb2_grpc.GatewayStub(ch)
+    stub = gateway_pb2_grpc.GatewayStub(ch)
+    stub.address = svc.address  # for the CLI test
+    yield stub
     await ch.close()
     await svc.stop(0.5)
     await svc.servicer.close()
@@ -126,3 +128,32 @@ async def test_poll_spans_link_to_the_submit_span(gateway):
     assert {p.context.trace_id for p in polls[:-1]} == {poll_trace}
     assert polls[-1].context.trace_id not in (poll_trace, submit_trace) and polls[-1].parent is None
     assert polls[-2].attributes["meshserve.task.state"] == "FAILED"
+
+
+async def meshserve(*args: str) -> tuple[int, str, str]:
+    """Runs ``python -m meshserve.cli ARGS`` while this event loop keeps serving."""
+    import sys
+
+    proc = await asyncio.create_subprocess_exec(sys.executable, "-m", "meshserve.cli", *args,
+                                                stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
+    out, err = await asyncio.wait_for(proc.communicate(), 120)
+    return proc.returncode, out.decode(), err.decode()
+
+
+async def test_cli_generate_async_and_task(gateway):
+    import json
+
+    addr = gateway.address
+    code, out, _ = await meshserve("generate", "--async", "--addr", addr, "--api-key", "key-a", "--prompt", "Hi",
+                                   "--max-tokens", "2", "--json")
+    assert code == 1
+    error = json.loads(out)["error"]
+    assert error["code"] == "UNAVAILABLE" and error["message"].startswith("scheduler: ")
+
+    handle = await submit_task(gateway, request(), KEY_A)
+    code, out, _ = await meshserve("task", handle.task_id, "--wait", "--addr", addr, "--api-key", "key-a")
+    status = json.loads(out)
+    assert (code, status["task_id"], status["state"], status["error"]["code"]) == (
+        1, handle.task_id, "TASK_STATE_FAILED", "UNAVAILABLE")
+    code, out, err = await meshserve("task", handle.task_id, "--addr", addr, "--api-key", "key-b")
+    assert (code, out, err.strip()) == (1, "", f"error: NOT_FOUND: task {handle.task_id!r} not found")

@@ -28,7 +28,9 @@ async def cached_gateway(mesh, tokenizer):
     svc = await start_gateway(tokenizer, ModelInfo(e0.model_id, e0.max_model_len, e0.vocab_size, e0.revision),
                               mesh.scheduler.address, 0, result_cache=ResultCache(64, ttl_s=600.0))
     ch = channel(svc.address)
-    yield gateway_pb2_grpc.GatewayStub(ch)
+    stub = gateway_pb2_grpc.GatewayStub(ch)
+    stub.address = svc.address  # for the CLI test
+    yield stub
     await ch.close()
     await svc.stop(0.5)
     await svc.servicer.close()
@@ -116,3 +118,22 @@ async def test_cancelling_a_running_task_frees_its_kv(mesh, cached_gateway):
     final = await get_task(gw, handle.task_id)
     assert final.state == gateway_pb2.TASK_STATE_CANCELLED and len(final.choices) == 0
     assert final.started_at_unix_s > 0 and not final.HasField("error")
+
+
+async def test_cli_generate_async_prints_the_task_result(mesh, cached_gateway):
+    import json
+    import sys
+
+    ref = await generate(mesh.stub, build_request("The capital of France is", max_tokens=6, temperature=0,
+                                                  ignore_eos=True))
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "meshserve.cli", "generate", "--async", "--json", "--addr", cached_gateway.address,
+        "--prompt", "The capital of France is", "--max-tokens", "6", "--temperature", "0", "--ignore-eos",
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
+    out, err = await asyncio.wait_for(proc.communicate(), 300)
+    assert proc.returncode == 0, err.decode()
+    (line,) = out.decode().splitlines()
+    got = json.loads(line)
+    assert (got["token_ids"], got["text"], got["finish_reason"], got["cached"]) == (
+        ref.token_ids, ref.text, "length", False)
+    assert got["usage"]["completion_tokens"] == 6 and got["executor_id"] == "executor-0"
