@@ -81,7 +81,15 @@ class TaskAPI:
         await self.runner.close()
         await self.runner.store.close()
 
-    async def submit(self, request: gateway_pb2.GenerateRequest, context: grpc.aio.ServicerContext):
+    async def submit(self, request: gateway_pb2.GenerateRequest,
+                     context: grpc.aio.ServicerContext) -> gateway_pb2.TaskHandle:
+        """SubmitTask: validates, stores a QUEUED task, starts its generation.
+
+        Raises:
+            Unauthenticated, InvalidArgument, AlreadyExists: as Generate, before anything is stored.
+            ResourceExhausted: the memory store is full of unfinished tasks.
+            Unavailable: the Redis store cannot be reached.
+        """
         gw = self.servicer
         timer = RequestTimer()
         tenant = gw.tenants.authenticate(context.invocation_metadata())
@@ -126,10 +134,13 @@ class TaskAPI:
         finally:
             span.end()
 
-    async def get(self, query: gateway_pb2.TaskQuery, context: grpc.aio.ServicerContext):
+    async def get(self, query: gateway_pb2.TaskQuery, context: grpc.aio.ServicerContext) -> gateway_pb2.TaskStatus:
+        """GetTask. Raises NotFound (unknown, expired or another tenant's), InvalidArgument (empty id)."""
         return await self._answer(ta.SPAN_GET_TASK, query, context, self.runner.get)
 
-    async def cancel(self, query: gateway_pb2.TaskQuery, context: grpc.aio.ServicerContext):
+    async def cancel(self, query: gateway_pb2.TaskQuery,
+                     context: grpc.aio.ServicerContext) -> gateway_pb2.TaskStatus:
+        """CancelTask: cancels an unfinished task (its executor call too). Raises as ``get``."""
         return await self._answer(ta.SPAN_CANCEL_TASK, query, context, self.runner.cancel)
 
     async def _answer(self, name: str, query: gateway_pb2.TaskQuery, context, action) -> gateway_pb2.TaskStatus:

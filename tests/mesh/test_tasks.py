@@ -76,6 +76,20 @@ async def test_task_equals_generate_and_cache_hits_skip_the_executor(mesh, cache
     assert not [s for s in memory_exporter().get_finished_spans() if s.name == "scheduler.admit"]
 
 
+async def test_a_task_with_n_choices_equals_generate(mesh, cached_gateway):
+    from meshserve.client import generate_choices
+
+    req = build_request("List some fruits:", max_tokens=6, temperature=0.8, seed=3, n=2, ignore_eos=True,
+                        stop=["\n\n"])
+    ref = await generate_choices(mesh.stub, req)
+    status = await wait_task(cached_gateway, (await submit_task(cached_gateway, req)).task_id,
+                             poll_s=0.05, timeout_s=300)
+    got = task_completions(status)
+    assert [c.index for c in got] == [0, 1]
+    assert [(c.token_ids, c.text, c.finish_reason, c.stop_reason) for c in got] == [
+        (r.token_ids, r.text, r.finish_reason, r.stop_reason) for r in ref]
+
+
 async def test_seeded_requests_are_cached_unseeded_sampling_never(mesh, cached_gateway):
     gw = cached_gateway
     seeded = build_request("Once upon a time", max_tokens=8, temperature=0.9, seed=11, ignore_eos=True)
