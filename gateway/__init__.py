@@ -11,6 +11,15 @@ Pure core (no gRPC, unit-tested directly):
   (``StopStringMatcher``).
 * ``gateway.choices``: one detokenizer + stop-string matcher + counts per choice
   of an ``n`` > 1 request (``Choice``).
+* ``gateway.collector``: a Generate stream -> finished choices, and back
+  (``ChoiceCollector``, ``replay``): a task's result, a result-cache entry.
+* ``gateway.result_cache``: outputs of deterministic requests (``ResultCache``).
+* ``gateway.task_store``: async task records (``TaskStore``: memory;
+  ``gateway.redis_task_store``: Redis); ``gateway.task_runner``: runs tasks in
+  the background over a store (``TaskRunner``).
+
+gRPC layer: ``gateway.server`` (the servicer) and ``gateway.task_api`` (its
+task RPCs).
 
 Per request, the servicer chains the last two::
 

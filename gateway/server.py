@@ -1,5 +1,10 @@
 """The public Gateway servicer.
 
+``SubmitTask``/``GetTask``/``CancelTask`` (``gateway.task_api``) run the same
+generation in the background. Both paths look the result cache up first
+(``gateway.result_cache``; deterministic requests only) and fill it when every
+choice completed.
+
 ``Generate``: authenticate (API key → tenant), build the prompt token ids, validate
 the sampling parameters, ask the scheduler for an executor (streaming queue
 updates to the caller), stream tokens from the executor through the incremental
@@ -23,16 +28,23 @@ import uuid
 from dataclasses import dataclass
 
 import grpc
+from opentelemetry import trace
 
 from gateway.choices import Choice, RequestTimer
+from gateway.collector import ChoiceCollector, replay
 from gateway.prompt import PromptBuilder
 from gateway.readiness import ReadinessProbe
-from gateway.tenants import TenantRegistry
+from gateway.result_cache import ResultCache, cache_key, is_deterministic
+from gateway.task_api import TaskAPI
+from gateway.task_runner import TaskRunner
+from gateway.task_store import MemoryTaskStore
+from gateway.tenants import Tenant, TenantRegistry
+from meshserve import trace_attributes as ta
 from meshserve.block_hash import routing_block_hashes
 from meshserve.errors import AlreadyExists, InvalidArgument, Unavailable, from_rpc_error
 from meshserve.grpc_server import CHANNEL_OPTIONS, Service
-from meshserve.sampling import from_proto, to_proto
-from meshserve.telemetry import context_from_grpc, outgoing_metadata, tracer
+from meshserve.sampling import SamplingParams, from_proto, to_proto
+from meshserve.telemetry import context_from_grpc, outgoing_metadata, record_error, tracer
 from meshserve.v1 import executor_pb2, executor_pb2_grpc, gateway_pb2, gateway_pb2_grpc
 from meshserve.v1 import scheduler_pb2, scheduler_pb2_grpc
 
@@ -59,6 +71,28 @@ class ModelInfo:
     revision: str = ""
 
 
+@dataclass(frozen=True)
+class Prepared:
+    """A validated request, ready to run (Generate's or a task's).
+
+    Attributes:
+        request_id: its id (claimed in the gateway until ``finish``).
+        tenant: the tenant's name.
+        prompt_ids: the prompt's token ids.
+        params: validated sampling parameters.
+        priority: the priority class (the tenant's default when unset).
+        cache_key: the result-cache key; None when the cache is off or the
+            request is not deterministic.
+    """
+
+    request_id: str
+    tenant: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    priority: int
+    cache_key: str | None = None
+
+
 def _prompt_ids(builder: PromptBuilder, request: gateway_pb2.GenerateRequest) -> list[int]:
     kind = request.WhichOneof("input")
     if kind == "prompt":
@@ -71,10 +105,18 @@ def _prompt_ids(builder: PromptBuilder, request: gateway_pb2.GenerateRequest) ->
 
 
 class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
-    """Serves Generate for one model through the scheduler and its executors."""
+    """Serves Generate and the async task API for one model through the scheduler
+    and its executors.
+
+    Args:
+        result_cache: the result cache of deterministic requests (None: off).
+        tasks: the task runner over its store (None: an in-memory store with
+            default TTL and bound).
+    """
 
     def __init__(self, tokenizer, model: ModelInfo, tenants: TenantRegistry, scheduler_address: str,
-                 hash_block_size: int = 16):
+                 hash_block_size: int = 16, result_cache: ResultCache | None = None,
+                 tasks: TaskRunner | None = None):
         self.tokenizer = tokenizer
         self.hash_block_size = hash_block_size  # 0: send no block hashes (no prefix-aware routing)
         self.prompts = PromptBuilder(tokenizer)
@@ -86,6 +128,8 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         self._channels: list[grpc.aio.Channel] = [self._scheduler_channel]
         self._in_flight: set[str] = set()  # request ids of unfinished Generate calls
         self.readiness: ReadinessProbe | None = None  # set by start_gateway
+        self.result_cache = result_cache
+        self.tasks = TaskAPI(self, tasks or TaskRunner(MemoryTaskStore()))
 
     def _executor(self, address: str) -> executor_pb2_grpc.ExecutorStub:
         stub = self._executors.get(address)
@@ -98,82 +142,153 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
     async def close(self) -> None:
         if self.readiness is not None:
             await self.readiness.stop()
+        await self.tasks.close()
         for channel in self._channels:
             await channel.close()
 
     async def Generate(self, request: gateway_pb2.GenerateRequest, context: grpc.aio.ServicerContext):
         timer = RequestTimer()
         tenant = self.tenants.authenticate(context.invocation_metadata())
-        span = _tracer.start_span("gateway.generate", context=context_from_grpc(context))
-        request_id = request.request_id or uuid.uuid4().hex
-        owns_id = False
+        span = self.request_span(request, context_from_grpc(context), trace.SpanKind.SERVER, stream=True)
+        prepared = None
         try:
-            if request_id in self._in_flight:
-                raise AlreadyExists(f"request_id {request_id!r} is already in use by an unfinished request")
-            self._in_flight.add(request_id)
-            owns_id = True
-            prompt_ids = _prompt_ids(self.prompts, request)
-            params = from_proto(request.sampling, max_model_len=self.model.max_model_len, vocab_size=self.model.vocab_size)
-            if len(prompt_ids) + 1 > self.model.max_model_len:
-                raise InvalidArgument(
-                    f"prompt has {len(prompt_ids)} tokens; max_model_len is {self.model.max_model_len} "
-                    "(prompt + at least 1 output token)"
-                )
-            priority = request.priority if request.HasField("priority") else tenant.default_priority
-            span.set_attributes(
-                {
-                    "meshserve.request_id": request_id,
-                    "meshserve.tenant": tenant.name,
-                    "meshserve.priority": priority,
-                    "gen_ai.request.model": self.model.model_id,
-                    "gen_ai.request.max_tokens": params.max_tokens,
-                    "gen_ai.request.choice.count": params.n,
-                    "gen_ai.usage.input_tokens": len(prompt_ids),
-                }
-            )
-            admit = scheduler_pb2.AdmitRequest(
-                request_id=request_id,
-                tenant=tenant.name,
-                priority=priority,
-                num_prompt_tokens=len(prompt_ids),
-                max_tokens=params.max_tokens,
-                model=self.model.model_id,
-                n=params.n,
-            )
-            if self.hash_block_size > 0:
-                admit.block_hashes.extend(routing_block_hashes(prompt_ids, self.hash_block_size, self.model.model_id,
-                                                               self.model.revision))
-                admit.hash_block_size = self.hash_block_size
-            assignment = None
-            try:
-                async for event in self.scheduler.Admit(admit, metadata=outgoing_metadata(span)):
-                    if event.WhichOneof("kind") == "queued":
-                        q = event.queued
-                        yield gateway_pb2.GenerateResponse(
-                            queue=gateway_pb2.QueueUpdate(position=q.position, estimated_wait_s=q.estimated_wait_s)
-                        )
-                    else:
-                        assignment = event.assignment
-            except grpc.aio.AioRpcError as exc:
-                raise from_rpc_error(exc, "scheduler") from None
-            if assignment is None:
-                raise Unavailable("scheduler ended admission without an assignment")
-            timer.assigned = time.monotonic()
-            span.set_attribute("meshserve.executor_id", assignment.executor_id)
-            finished: dict[str, int] = {}  # completion tokens, once every choice is done
-            try:
-                async for msg in self._execute(request_id, prompt_ids, params, priority, assignment, timer, span,
-                                               finished):
-                    yield msg
-            finally:
-                await self._release(assignment.lease_id, finished.get("completion_tokens"))
+            prepared = self.prepare(request, tenant)
+            self.describe(span, prepared)
+            async for msg in self.run(prepared, span, timer):
+                yield msg
         except Exception as exc:
-            span.record_exception(exc)
+            record_error(span, exc)
             raise
         finally:
-            if owns_id:
-                self._in_flight.discard(request_id)
+            if prepared is not None:
+                self.finish(prepared)
             span.end()
+
+    async def SubmitTask(self, request: gateway_pb2.GenerateRequest, context: grpc.aio.ServicerContext):
+        return await self.tasks.submit(request, context)
+
+    async def GetTask(self, request: gateway_pb2.TaskQuery, context: grpc.aio.ServicerContext):
+        return await self.tasks.get(request, context)
+
+    async def CancelTask(self, request: gateway_pb2.TaskQuery, context: grpc.aio.ServicerContext):
+        return await self.tasks.cancel(request, context)
+
+    def request_span(self, request: gateway_pb2.GenerateRequest, parent, kind: trace.SpanKind, stream: bool):
+        """Starts the span of one generation, named by the GenAI convention, child of ``parent``."""
+        operation = ta.operation_name(request.WhichOneof("input"))
+        return _tracer.start_span(ta.span_name(operation, self.model.model_id), context=parent, kind=kind,
+                                  attributes={ta.OPERATION_NAME: operation, ta.REQUEST_MODEL: self.model.model_id,
+                                              ta.REQUEST_STREAM: stream})
+
+    def prepare(self, request: gateway_pb2.GenerateRequest, tenant: Tenant) -> Prepared:
+        """Validates the request and claims its request id: the checks Generate and
+        SubmitTask both make before anything runs. The caller calls ``finish`` when done.
+
+        Raises:
+            InvalidArgument: a bad parameter or prompt.
+            AlreadyExists: the request id is in use by an unfinished request.
+        """
+        request_id = request.request_id or uuid.uuid4().hex
+        if request_id in self._in_flight:
+            raise AlreadyExists(f"request_id {request_id!r} is already in use by an unfinished request")
+        prompt_ids = _prompt_ids(self.prompts, request)
+        params = from_proto(request.sampling, max_model_len=self.model.max_model_len, vocab_size=self.model.vocab_size)
+        if len(prompt_ids) + 1 > self.model.max_model_len:
+            raise InvalidArgument(
+                f"prompt has {len(prompt_ids)} tokens; max_model_len is {self.model.max_model_len} "
+                "(prompt + at least 1 output token)"
+            )
+        priority = request.priority if request.HasField("priority") else tenant.default_priority
+        key = None
+        if self.result_cache is not None and is_deterministic(params):
+            key = cache_key(self.model.model_id, self.model.revision, prompt_ids, params)
+        self._in_flight.add(request_id)
+        return Prepared(request_id, tenant.name, prompt_ids, params, priority, key)
+
+    def finish(self, prepared: Prepared) -> None:
+        """Frees the request id ``prepare`` claimed."""
+        self._in_flight.discard(prepared.request_id)
+
+    @staticmethod
+    def describe(span, p: Prepared) -> None:
+        """The request's attributes on its span."""
+        span.set_attributes({ta.REQUEST_ID: p.request_id, ta.TENANT: p.tenant, ta.PRIORITY: p.priority,
+                             ta.USAGE_INPUT_TOKENS: len(p.prompt_ids), **ta.sampling_attributes(p.params)})
+
+    async def run(self, p: Prepared, span, timer: RequestTimer, on_assigned=None):
+        """Generates a prepared request: the Generate stream's messages.
+
+        A deterministic request with the result cache on is answered from the cache
+        when it holds the same request's output (no scheduler, no executor), else run
+        and, when every choice completes, stored. ``on_assigned()`` (a coroutine
+        function) is awaited once the scheduler has assigned an executor.
+
+        Raises:
+            MeshError: the scheduler's or the executor's error (same code).
+        """
+        if p.cache_key is not None:
+            cached = self.result_cache.get(p.cache_key)
+            span.set_attribute(ta.RESULT_CACHE_HIT, cached is not None)
+            if cached is not None:
+                choices = [gateway_pb2.TaskChoice.FromString(data) for data in cached]
+                for msg in replay(choices, p.request_id, timer.start):
+                    yield msg
+                span.set_attributes({ta.USAGE_OUTPUT_TOKENS: sum(len(c.token_ids) for c in choices),
+                                     ta.RESPONSE_ID: p.request_id, ta.RESPONSE_MODEL: self.model.model_id,
+                                     ta.RESPONSE_FINISH_REASONS: ta.finish_reasons(
+                                         [c.result.finish_reason for c in choices])})
+                return
+        collector = ChoiceCollector() if p.cache_key is not None else None
+        async for msg in self._generate(p, span, timer, on_assigned):
+            if collector is not None:
+                collector.feed(msg)
+            yield msg
+        if collector is not None and collector.complete(p.params.n):
+            self.result_cache.put(p.cache_key, tuple(c.SerializeToString() for c in collector.choices()))
+
+    async def _generate(self, p: Prepared, span, timer: RequestTimer, on_assigned):
+        request_id, prompt_ids, params, priority = p.request_id, p.prompt_ids, p.params, p.priority
+        admit = scheduler_pb2.AdmitRequest(
+            request_id=request_id,
+            tenant=p.tenant,
+            priority=priority,
+            num_prompt_tokens=len(prompt_ids),
+            max_tokens=params.max_tokens,
+            model=self.model.model_id,
+            n=params.n,
+        )
+        if self.hash_block_size > 0:
+            admit.block_hashes.extend(routing_block_hashes(prompt_ids, self.hash_block_size, self.model.model_id,
+                                                           self.model.revision))
+            admit.hash_block_size = self.hash_block_size
+        assignment, queued = None, False
+        try:
+            async for event in self.scheduler.Admit(admit, metadata=outgoing_metadata(span)):
+                if event.WhichOneof("kind") == "queued":
+                    q = event.queued
+                    if not queued:  # the position at which it joined the queue
+                        queued = True
+                        span.set_attribute(ta.QUEUE_POSITION, q.position)
+                    yield gateway_pb2.GenerateResponse(
+                        queue=gateway_pb2.QueueUpdate(position=q.position, estimated_wait_s=q.estimated_wait_s)
+                    )
+                else:
+                    assignment = event.assignment
+        except grpc.aio.AioRpcError as exc:
+            raise from_rpc_error(exc, "scheduler") from None
+        if assignment is None:
+            raise Unavailable("scheduler ended admission without an assignment")
+        timer.assigned = time.monotonic()
+        span.set_attributes({ta.EXECUTOR_ID: assignment.executor_id, ta.QUEUE_WAIT_S: assignment.queue_s})
+        finished: dict[str, int] = {}  # completion tokens, once every choice is done
+        try:
+            if on_assigned is not None:
+                await on_assigned()
+            async for msg in self._execute(request_id, prompt_ids, params, priority, assignment, timer, span,
+                                           finished):
+                yield msg
+        finally:
+            await self._release(assignment.lease_id, finished.get("completion_tokens"), span)
 
     async def _execute(self, request_id, prompt_ids, params, priority, assignment, timer, span, finished):
         exe = executor_pb2.ExecuteRequest(
@@ -192,7 +307,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
                 now = time.monotonic()
                 if out.token_ids and not timer.first_token:
                     timer.first_token = now
-                    span.add_event("first_token")
+                    span.add_event(ta.EVENT_FIRST_TOKEN)
                 yield gateway_pb2.GenerateResponse(delta=choice.feed(out, now))
                 if choice.done:
                     yield gateway_pb2.GenerateResponse(
@@ -206,16 +321,19 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         if not all(c.done for c in choices):
             raise Unavailable(f"executor {assignment.executor_id} ended the stream without finishing")
         finished["completion_tokens"] = sum(c.num_tokens for c in choices)
-        span.set_attributes({"gen_ai.usage.output_tokens": sum(c.num_tokens for c in choices),
-                             "meshserve.cached_tokens": choices[0].num_cached_tokens})
+        span.set_attributes({ta.USAGE_OUTPUT_TOKENS: finished["completion_tokens"],
+                             ta.USAGE_CACHE_READ_INPUT_TOKENS: choices[0].num_cached_tokens,
+                             ta.RESPONSE_ID: request_id, ta.RESPONSE_MODEL: self.model.model_id,
+                             ta.RESPONSE_FINISH_REASONS: ta.finish_reasons([c.finish_reason for c in choices])})
 
-    async def _release(self, lease_id: str, num_completion_tokens: int | None = None) -> None:
-        """Ends the lease; the completion tokens (when every choice finished) teach the scheduler's predictor."""
+    async def _release(self, lease_id: str, num_completion_tokens: int | None = None, span=None) -> None:
+        """Ends the lease; the completion tokens (when every choice finished) teach the scheduler's predictor.
+        ``span``: the request's span, parent of the scheduler's ``scheduler.release``."""
         release = scheduler_pb2.ReleaseRequest(lease_id=lease_id)
         if num_completion_tokens is not None:
             release.num_completion_tokens = num_completion_tokens
         try:
-            await asyncio.shield(self.scheduler.Release(release, timeout=5))
+            await asyncio.shield(self.scheduler.Release(release, timeout=5, metadata=outgoing_metadata(span)))
         except (Exception, asyncio.CancelledError) as exc:  # noqa: BLE001 - shutting down or scheduler gone
             log.warning("release of lease %s failed: %s", lease_id, exc)
 
@@ -223,16 +341,19 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
 async def start_gateway(
     tokenizer, model: ModelInfo, scheduler_address: str, port: int, host: str = "127.0.0.1",
     tenants: TenantRegistry | None = None, hash_block_size: int = 16,
+    result_cache: ResultCache | None = None, tasks: TaskRunner | None = None,
 ) -> Service:
     """Starts the Gateway service. Its health is SERVING while the scheduler has an
     executor registered (``gateway.readiness``), checked every 0.5 s.
 
     ``hash_block_size``: tokens per block of the prompt chain hashes sent for
     prefix-aware routing (the executors' ``block_size``; 0: none sent).
+    ``result_cache``: the result cache (None: off). ``tasks``: the async task
+    runner over its store (None: in memory, defaults).
     """
     service = Service("meshserve.v1.Gateway", port, host)
     servicer = GatewayServicer(tokenizer, model, tenants or TenantRegistry.open(), scheduler_address,
-                               hash_block_size)
+                               hash_block_size, result_cache, tasks)
     gateway_pb2_grpc.add_GatewayServicer_to_server(servicer, service.server)
     service.servicer = servicer  # type: ignore[attr-defined]
     await service.start()

@@ -14,6 +14,7 @@ import dataclasses
 import itertools
 import logging
 
+from opentelemetry.trace import SpanKind
 
 from kvstore.events import PlacementKind
 from kvstore.payload import chunks
@@ -55,7 +56,8 @@ class KVStoreServicer(kvstore_pb2_grpc.KVStoreServicer):
         fp = fingerprint_from_proto(request.fingerprint)
         hashes = hashes_from_proto(request.block_hashes)
         owner = f"{request.lease_owner or 'anonymous'}#{next(self._call_ids)}"
-        span = _tracer.start_span("kvstore.get", context=context_from_grpc(context))  # not attached: a generator
+        # not attached as the current span: a generator
+        span = _tracer.start_span("kvstore.get", context=context_from_grpc(context), kind=SpanKind.SERVER)
         n = self.store.acquire(owner, fp.namespace, hashes)
         span.set_attributes({"meshserve.kvstore.requested_blocks": len(hashes), "meshserve.kvstore.found_blocks": n})
         try:
@@ -77,7 +79,8 @@ class KVStoreServicer(kvstore_pb2_grpc.KVStoreServicer):
             span.end()
 
     async def Put(self, request_iterator, context) -> kvstore_pb2.PutResponse:
-        with _tracer.start_as_current_span("kvstore.put", context=context_from_grpc(context)) as span:
+        with _tracer.start_as_current_span("kvstore.put", context=context_from_grpc(context),
+                                           kind=SpanKind.SERVER) as span:
             counts = {PutStatus.STORED: 0, PutStatus.EXISTS: 0, PutStatus.NO_SPACE: 0}
             fp, header, buf = None, None, bytearray()
             async for msg in request_iterator:

@@ -17,11 +17,16 @@ from typing import Optional
 
 import typer
 
+from meshserve.task_cli import task_command
+
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
                   help="meshserve: LLM serving as a mesh of gRPC services.")
 
 TracesOpt = typer.Option(None, "--traces", help="Trace exporter: none, console, otlp (default: $MESHSERVE_TRACES or none).")
 OtlpOpt = typer.Option(None, "--otlp-endpoint", help="OTLP/gRPC collector host:port (default localhost:4317).")
+SampleOpt = typer.Option(None, "--trace-sample-ratio", min=0.0, max=1.0,
+                         help="Fraction of new traces kept, ParentBased(TraceIdRatioBased) "
+                              "(default: $MESHSERVE_TRACE_SAMPLE_RATIO or 1).")
 
 
 def _logging(level: str) -> None:
@@ -40,13 +45,15 @@ def _serve(coro) -> None:
         raise typer.Exit(1) from None
 
 
-def _traces(exporter: Optional[str], endpoint: Optional[str]) -> None:
+def _traces(exporter: Optional[str], endpoint: Optional[str], sample_ratio: Optional[float] = None) -> None:
     import os
 
     if exporter:
         os.environ["MESHSERVE_TRACES"] = exporter
     if endpoint:
         os.environ["OTEL_EXPORTER_OTLP_ENDPOINT"] = endpoint
+    if sample_ratio is not None:  # in the environment: `up` hands it to every service process
+        os.environ["MESHSERVE_TRACE_SAMPLE_RATIO"] = repr(sample_ratio)
 
 
 def _engine_config(model, dtype, kv_cache_memory, block_size, max_num_seqs, max_num_batched_tokens,
@@ -102,6 +109,7 @@ def scheduler(
     routing_balance_abs_tokens: float = typer.Option(2048.0, "--routing-balance-abs-tokens", min=0.0,
                                                      help="...and this many tokens above it."),
     traces: Optional[str] = TracesOpt, otlp_endpoint: Optional[str] = OtlpOpt,
+    trace_sample_ratio: Optional[float] = SampleOpt,
     log_level: str = typer.Option("info"),
 ) -> None:
     """Run the global scheduler (executor registry, admission queue, pools and routing)."""
@@ -109,7 +117,7 @@ def scheduler(
     from scheduler.routing import RoutingConfig
 
     _logging(log_level)
-    _traces(traces, otlp_endpoint)
+    _traces(traces, otlp_endpoint, trace_sample_ratio)
     try:
         if kvstore is not None and not _is_address(kvstore):
             raise ValueError(f"--kvstore must be HOST:PORT, got {kvstore!r}")
@@ -151,13 +159,14 @@ def executor(
     kvstore_fetch_timeout: float = typer.Option(5.0, "--kvstore-fetch-timeout", min=0.001,
                                                 help="Seconds to wait for a kvstore fetch before recomputing."),
     traces: Optional[str] = TracesOpt, otlp_endpoint: Optional[str] = OtlpOpt,
+    trace_sample_ratio: Optional[float] = SampleOpt,
     log_level: str = typer.Option("info"),
 ) -> None:
     """Run one executor: a model replica with its continuous-batching engine."""
     from meshserve.services import run_executor
 
     _logging(log_level)
-    _traces(traces, otlp_endpoint)
+    _traces(traces, otlp_endpoint, trace_sample_ratio)
     cfg = _engine_config(model, dtype, kv_cache_memory, block_size, max_num_seqs, max_num_batched_tokens,
                          no_chunked_prefill, max_model_len, num_threads, no_prefix_caching, max_batch_wait_ms,
                          attention_backend, device, enable_kv_events=True)  # forwarded for prefix-aware routing
@@ -187,13 +196,14 @@ def kvstore_cmd(
     disk: str = typer.Option("10GiB", "--disk", help="Byte budget of the disk tier (with --disk-dir)."),
     max_events: int = typer.Option(65536, "--max-events", min=1, help="Placement events kept for followers."),
     traces: Optional[str] = TracesOpt, otlp_endpoint: Optional[str] = OtlpOpt,
+    trace_sample_ratio: Optional[float] = SampleOpt,
     log_level: str = typer.Option("info"),
 ) -> None:
     """Run the kvstore: prefix KV blocks shared by executors."""
     from meshserve.services import parse_bytes, run_kvstore
 
     _logging(log_level)
-    _traces(traces, otlp_endpoint)
+    _traces(traces, otlp_endpoint, trace_sample_ratio)
     try:
         memory_bytes, disk_bytes = parse_bytes(memory), parse_bytes(disk)
         if memory_bytes < 1 or (disk_dir and disk_bytes < 1):
@@ -212,15 +222,31 @@ def gateway(
     tenants: Optional[str] = typer.Option(None, help="Tenants TOML file (default: open, tenant 'default')."),
     block_size: int = typer.Option(16, "--block-size", min=0, help="Tokens per block of the prompt hashes sent "
                                    "for prefix-aware routing: the executors' --block-size (0: send none)."),
+    result_cache_size: int = typer.Option(0, "--result-cache-size", min=0, help="Entries of the result cache of "
+                                          "deterministic requests (greedy or seeded), LRU; 0: off."),
+    result_cache_ttl_s: float = typer.Option(600.0, "--result-cache-ttl-s", min=0.001,
+                                             help="Seconds a result-cache entry lives."),
+    task_store: str = typer.Option("memory", "--task-store", help="Async task store: memory, or "
+                                   "redis://host:port/db (shared by gateways)."),
+    task_ttl_s: float = typer.Option(3600.0, "--task-ttl-s", min=0.001, help="Seconds a finished task is kept."),
+    max_tasks: int = typer.Option(10_000, "--max-tasks", min=1, help="Most tasks the memory store keeps "
+                                  "(finished ones are dropped oldest first; then SubmitTask is refused)."),
     traces: Optional[str] = TracesOpt, otlp_endpoint: Optional[str] = OtlpOpt,
+    trace_sample_ratio: Optional[float] = SampleOpt,
     log_level: str = typer.Option("info"),
 ) -> None:
     """Run the public gateway."""
+    from gateway.task_store import task_store_kind
     from meshserve.services import run_gateway
 
+    try:
+        task_store_kind(task_store)
+    except ValueError as exc:  # a usage error, exit code 2
+        raise typer.BadParameter(str(exc)) from None
     _logging(log_level)
-    _traces(traces, otlp_endpoint)
-    _serve(run_gateway(model, port, host, scheduler, tenants, block_size))
+    _traces(traces, otlp_endpoint, trace_sample_ratio)
+    _serve(run_gateway(model, port, host, scheduler, tenants, block_size, result_cache_size, result_cache_ttl_s,
+                       task_store, task_ttl_s, max_tasks))
 
 
 def _mesh_config(port, executors, model, dtype, kv_cache_memory, extra, tenants, log_dir, kvstore_memory=None):
@@ -243,6 +269,7 @@ def up(
     kvstore: bool = typer.Option(False, "--kvstore", help="Start one kvstore and connect every executor to it."),
     kvstore_memory: str = typer.Option("1GiB", "--kvstore-memory", help="Memory tier budget of that kvstore."),
     traces: Optional[str] = TracesOpt, otlp_endpoint: Optional[str] = OtlpOpt,
+    trace_sample_ratio: Optional[float] = SampleOpt,
 ) -> None:
     """Start the whole mesh on loopback; Ctrl-C stops it cleanly."""
     import signal
@@ -250,7 +277,7 @@ def up(
 
     from meshserve.launcher import Mesh
 
-    _traces(traces, otlp_endpoint)
+    _traces(traces, otlp_endpoint, trace_sample_ratio)
     mesh = Mesh(_mesh_config(port, executors, model, dtype, kv_cache_memory, [], tenants, log_dir,
                              kvstore_memory if kvstore else None))
     stop = threading.Event()
@@ -318,11 +345,13 @@ def generate(
     priority: Optional[int] = typer.Option(None, "--priority"),
     api_key: Optional[str] = typer.Option(None, "--api-key", envvar="MESHSERVE_API_KEY"),
     as_json: bool = typer.Option(False, "--json", help="One JSON object per prompt and choice, one per line."),
+    async_task: bool = typer.Option(False, "--async", help="Submit each prompt as an async task (SubmitTask), "
+                                    "poll GetTask until it is done, then print the result."),
 ) -> None:
     """Send prompts to a gateway and print the answers (streamed for one prompt and one choice)."""
     import grpc
 
-    from meshserve.client import build_request, channel, generate_choices as run
+    from meshserve.client import TaskFailed, build_request, channel, generate_choices, run_task
     from meshserve.v1 import gateway_pb2_grpc
 
     async def main() -> int:
@@ -339,16 +368,20 @@ def generate(
             except ValueError as exc:  # an integer the wire type cannot hold
                 print(f"error: bad option value: {exc}", file=sys.stderr)
                 return 2
-            live = len(reqs) == 1 and not as_json and (n or 1) == 1
+            live = len(reqs) == 1 and not as_json and (n or 1) == 1 and not async_task
             on_delta = (lambda text, _ids, _i: (sys.stdout.write(text), sys.stdout.flush())) if live else None
-            results = await asyncio.gather(*(run(stub, r, metadata, on_delta=on_delta) for r in reqs),
-                                           return_exceptions=True)
+            calls = (run_task(stub, r, metadata) if async_task else generate_choices(stub, r, metadata,
+                                                                                        on_delta=on_delta)
+                     for r in reqs)
+            results = await asyncio.gather(*calls, return_exceptions=True)
         code = 0
         for p, choices in zip(prompt, results):
-            if isinstance(choices, grpc.aio.AioRpcError):
+            if isinstance(choices, (grpc.aio.AioRpcError, TaskFailed)):
                 code = 1
-                err = {"error": {"code": choices.code().name, "message": choices.details()}}
-                print(json.dumps(err) if as_json else f"error: {choices.code().name}: {choices.details()}",
+                name, details = ((choices.code().name, choices.details()) if isinstance(choices, grpc.aio.AioRpcError)
+                                 else (choices.code, choices.message))
+                err = {"error": {"code": name, "message": details}}
+                print(json.dumps(err) if as_json else f"error: {name}: {details}",
                       file=sys.stdout if as_json else sys.stderr)
                 continue
             if isinstance(choices, BaseException):
@@ -520,6 +553,9 @@ def sim(
     if report_json:
         Path(report_json).parent.mkdir(parents=True, exist_ok=True)
         Path(report_json).write_text(json.dumps(report, indent=2) + "\n")
+
+
+app.command("task")(task_command)  # meshserve/task_cli.py
 
 
 def main() -> None:

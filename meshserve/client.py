@@ -3,6 +3,7 @@ the demo, the benchmark and the tests)."""
 
 from __future__ import annotations
 
+import asyncio
 import time
 from dataclasses import dataclass, field
 from typing import AsyncIterator, Sequence
@@ -110,6 +111,7 @@ class Completion:
         logprobs: with ``logprobs`` asked, one entry per generated token.
         prompt_logprobs: with ``prompt_logprobs`` asked (choice 0): one entry per
             prompt position 1 .. len(prompt_token_ids) - 1.
+        cached: the gateway's result cache answered (no executor ran).
     """
 
     index: int = 0
@@ -127,6 +129,7 @@ class Completion:
     token_times: list[float] = field(default_factory=list)
     logprobs: list[Logprob] = field(default_factory=list)
     prompt_logprobs: list[Logprob] = field(default_factory=list)
+    cached: bool = False
 
     def as_json(self) -> dict:
         """The ``--json`` form printed by ``meshserve generate`` (logprobs only when asked)."""
@@ -140,6 +143,7 @@ class Completion:
             "executor_id": self.executor_id,
             "usage": self.usage,
             "timings": self.timings,
+            "cached": self.cached,
         }
         if self.logprobs:
             out["logprobs"] = [lp.as_json() for lp in self.logprobs]
@@ -194,6 +198,7 @@ async def generate_choices(
             out.finish_reason = FINISH_NAMES[r.finish_reason]
             out.stop_reason = r.stop_reason
             out.executor_id = r.executor_id
+            out.cached = r.cached
             out.usage = {"prompt_tokens": r.usage.prompt_tokens, "completion_tokens": r.usage.completion_tokens,
                          "cached_tokens": r.usage.cached_tokens}
             out.timings = {"queue_s": r.timings.queue_s, "ttft_s": r.timings.ttft_s, "tpot_s": r.timings.tpot_s,
@@ -224,3 +229,108 @@ async def generate(
 def channel(address: str) -> grpc.aio.Channel:
     """An insecure channel with the mesh's options."""
     return grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
+
+
+# Async tasks ------------------------------------------------------------------
+
+TASK_STATE_NAMES = {
+    gateway_pb2.TASK_STATE_QUEUED: "queued",
+    gateway_pb2.TASK_STATE_RUNNING: "running",
+    gateway_pb2.TASK_STATE_SUCCEEDED: "succeeded",
+    gateway_pb2.TASK_STATE_FAILED: "failed",
+    gateway_pb2.TASK_STATE_CANCELLED: "cancelled",
+}
+FINAL_TASK_STATES = (gateway_pb2.TASK_STATE_SUCCEEDED, gateway_pb2.TASK_STATE_FAILED,
+                     gateway_pb2.TASK_STATE_CANCELLED)
+
+
+class TaskFailed(Exception):
+    """A task ended FAILED or CANCELLED.
+
+    Attributes:
+        status: its final ``TaskStatus``; ``code``: the error's status code name
+            (``"CANCELLED"`` for a cancelled task); ``message``: its message.
+    """
+
+    def __init__(self, status: gateway_pb2.TaskStatus):
+        cancelled = status.state == gateway_pb2.TASK_STATE_CANCELLED
+        self.status = status
+        self.code = "CANCELLED" if cancelled else status.error.code
+        self.message = "the task was cancelled" if cancelled else status.error.message
+        super().__init__(f"task {status.task_id} {TASK_STATE_NAMES[status.state]}: {self.code}: {self.message}")
+
+
+def task_completions(status: gateway_pb2.TaskStatus) -> list[Completion]:
+    """The choices of a SUCCEEDED task as ``Completion``s, by index (no client-side timings)."""
+    out = []
+    for c in status.choices:
+        r = c.result
+        out.append(Completion(
+            index=c.index, text=c.text, pieces=[c.text], token_ids=list(c.token_ids),
+            prompt_token_ids=list(r.prompt_token_ids), finish_reason=FINISH_NAMES[r.finish_reason],
+            stop_reason=r.stop_reason, executor_id=r.executor_id,
+            usage={"prompt_tokens": r.usage.prompt_tokens, "completion_tokens": r.usage.completion_tokens,
+                   "cached_tokens": r.usage.cached_tokens},
+            timings={"queue_s": r.timings.queue_s, "ttft_s": r.timings.ttft_s, "tpot_s": r.timings.tpot_s,
+                     "e2e_s": r.timings.e2e_s},
+            logprobs=[Logprob.from_proto(lp) for lp in c.logprobs],
+            prompt_logprobs=[Logprob.from_proto(lp) for lp in r.prompt_logprobs], cached=r.cached))
+    return sorted(out, key=lambda c: c.index)
+
+
+async def submit_task(stub: gateway_pb2_grpc.GatewayStub, request: gateway_pb2.GenerateRequest,
+                      metadata=(), timeout: float | None = None) -> gateway_pb2.TaskHandle:
+    """Submits ``request`` as an async task; returns its handle (task id, state).
+
+    Raises:
+        grpc.aio.AioRpcError: refused (INVALID_ARGUMENT, UNAUTHENTICATED, RESOURCE_EXHAUSTED…).
+    """
+    return await stub.SubmitTask(request, metadata=metadata, timeout=timeout)
+
+
+async def get_task(stub: gateway_pb2_grpc.GatewayStub, task_id: str, metadata=(),
+                   timeout: float | None = None) -> gateway_pb2.TaskStatus:
+    """The task's status. Raises ``grpc.aio.AioRpcError`` (NOT_FOUND for an unknown,
+    expired or other tenant's task)."""
+    return await stub.GetTask(gateway_pb2.TaskQuery(task_id=task_id), metadata=metadata, timeout=timeout)
+
+
+async def cancel_task(stub: gateway_pb2_grpc.GatewayStub, task_id: str, metadata=(),
+                      timeout: float | None = None) -> gateway_pb2.TaskStatus:
+    """Cancels the task; returns its status (CANCELLED, or its final state if it had
+    already finished). Raises ``grpc.aio.AioRpcError`` (NOT_FOUND)."""
+    return await stub.CancelTask(gateway_pb2.TaskQuery(task_id=task_id), metadata=metadata, timeout=timeout)
+
+
+async def wait_task(stub: gateway_pb2_grpc.GatewayStub, task_id: str, metadata=(), poll_s: float = 0.25,
+                    timeout_s: float | None = None) -> gateway_pb2.TaskStatus:
+    """Polls ``GetTask`` every ``poll_s`` seconds until the task is final; returns that status.
+
+    Raises:
+        grpc.aio.AioRpcError: a poll failed (NOT_FOUND…).
+        TimeoutError: not final after ``timeout_s`` seconds.
+    """
+    deadline = None if timeout_s is None else time.monotonic() + timeout_s
+    while True:
+        status = await get_task(stub, task_id, metadata)
+        if status.state in FINAL_TASK_STATES:
+            return status
+        if deadline is not None and time.monotonic() > deadline:
+            raise TimeoutError(f"task {task_id} still {TASK_STATE_NAMES[status.state]} after {timeout_s} s")
+        await asyncio.sleep(poll_s)
+
+
+async def run_task(stub: gateway_pb2_grpc.GatewayStub, request: gateway_pb2.GenerateRequest, metadata=(),
+                   poll_s: float = 0.25, timeout_s: float | None = None) -> list[Completion]:
+    """Submits ``request`` as a task, polls until it is final, returns its choices.
+
+    Raises:
+        grpc.aio.AioRpcError: the submit or a poll failed.
+        TaskFailed: the task ended FAILED or CANCELLED.
+        TimeoutError: see ``wait_task``.
+    """
+    handle = await submit_task(stub, request, metadata)
+    status = await wait_task(stub, handle.task_id, metadata, poll_s, timeout_s)
+    if status.state != gateway_pb2.TASK_STATE_SUCCEEDED:
+        raise TaskFailed(status)
+    return task_completions(status)

@@ -162,18 +162,32 @@ async def run_executor(engine_config, port: int, host: str, scheduler: str, exec
 
 
 async def run_gateway(model: str, port: int, host: str, scheduler: str, tenants_file: str | None = None,
-                      hash_block_size: int = 16) -> None:
-    """Loads the tokenizer, serves the public Gateway until a signal."""
+                      hash_block_size: int = 16, result_cache_size: int = 0, result_cache_ttl_s: float = 600.0,
+                      task_store: str = "memory", task_ttl_s: float = 3600.0, max_tasks: int = 10_000) -> None:
+    """Loads the tokenizer, serves the public Gateway until a signal.
+
+    ``result_cache_size``: entries of the result cache (0: off), each living
+    ``result_cache_ttl_s`` seconds. ``task_store``: ``memory`` or a Redis URL;
+    finished tasks live ``task_ttl_s`` seconds; the memory store keeps at most
+    ``max_tasks``. An unreachable Redis stops the start with ``ConnectionError``.
+    """
+    from gateway.result_cache import ResultCache
     from gateway.server import start_gateway
+    from gateway.task_runner import TaskRunner
+    from gateway.task_store import open_task_store
     from gateway.tenants import TenantRegistry
 
     setup_tracing("gateway")
     holder = {}
 
     async def start():
+        store = open_task_store(task_store, task_ttl_s, max_tasks)
+        await store.check()  # before the tokenizer loads: an unreachable Redis fails fast
         tokenizer, info = await asyncio.to_thread(model_info, model)
         tenants = TenantRegistry.from_file(tenants_file) if tenants_file else TenantRegistry.open()
-        holder["svc"] = await start_gateway(tokenizer, info, scheduler, port, host, tenants, hash_block_size)
+        cache = ResultCache(result_cache_size, result_cache_ttl_s) if result_cache_size > 0 else None
+        holder["svc"] = await start_gateway(tokenizer, info, scheduler, port, host, tenants, hash_block_size,
+                                            result_cache=cache, tasks=TaskRunner(store))
         log.info("gateway serving on %s", holder["svc"].address)
 
     async def stop():

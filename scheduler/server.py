@@ -16,10 +16,12 @@ import logging
 from typing import Callable
 
 import grpc
+from opentelemetry import trace
 
+from meshserve import trace_attributes as ta
 from meshserve.errors import InvalidArgument, ResourceExhausted, Unavailable
 from meshserve.grpc_server import EXECUTORS_HEALTH_SERVICE, NOT_SERVING, SERVING, Service
-from meshserve.telemetry import context_from_grpc, tracer
+from meshserve.telemetry import context_from_grpc, record_error, tracer
 from meshserve.v1 import scheduler_pb2 as pb
 from meshserve.v1 import scheduler_pb2_grpc
 from scheduler.admission import AdmissionCore, AdmissionRequest, SchedulerConfig
@@ -66,9 +68,10 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
         if request.num_prompt_tokens < 0 or request.max_tokens < 0 or request.n < 0:
             raise InvalidArgument("num_prompt_tokens, max_tokens and n must be >= 0")
         _check_block_hashes(request)
-        span = _tracer.start_span("scheduler.admit", context=context_from_grpc(context))
+        span = _tracer.start_span("scheduler.admit", context=context_from_grpc(context), kind=trace.SpanKind.SERVER)
         try:
-            span.set_attributes({"meshserve.request_id": request.request_id, "meshserve.tenant": request.tenant})
+            span.set_attributes({ta.REQUEST_ID: request.request_id, ta.TENANT: request.tenant,
+                                 ta.PRIORITY: request.priority, ta.REQUEST_MODEL: request.model})
             req = AdmissionRequest(
                 request_id=request.request_id,
                 tenant=request.tenant,
@@ -93,6 +96,8 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
                 while not fut.done():
                     position = self.core.position(request.request_id)
                     if position >= 0 and position != last_position:
+                        if last_position is None:  # the position at which it joined the queue
+                            span.set_attribute(ta.QUEUE_POSITION, position)
                         last_position = position
                         yield pb.AdmitEvent(
                             queued=pb.AdmitQueued(
@@ -106,7 +111,7 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
                 lease = fut.result()
                 executor = self.core.registry.get(lease.executor_id)
                 queue_s = max(0.0, lease.assigned_at - req.arrival)
-                span.set_attributes({"meshserve.executor_id": lease.executor_id, "meshserve.queue_s": queue_s})
+                span.set_attributes({ta.EXECUTOR_ID: lease.executor_id, ta.QUEUE_WAIT_S: queue_s})
                 yield pb.AdmitEvent(
                     assignment=pb.Assignment(
                         executor_id=lease.executor_id,
@@ -124,6 +129,9 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
                 elif not handed_over and not fut.cancelled() and fut.exception() is None:
                     self.core.release(fut.result().lease_id)
                     self._dispatch()
+        except Exception as exc:
+            record_error(span, exc)
+            raise
         finally:
             span.end()
 
@@ -131,8 +139,11 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
         tokens = request.num_completion_tokens if request.HasField("num_completion_tokens") else None
         if tokens is not None and tokens < 0:
             raise InvalidArgument(f"num_completion_tokens must be >= 0, got {tokens}")
-        if self.core.release(request.lease_id, tokens):
-            self._dispatch()
+        with _tracer.start_as_current_span("scheduler.release", context=context_from_grpc(context),
+                                           kind=trace.SpanKind.SERVER,
+                                           attributes={"meshserve.lease_id": request.lease_id}):
+            if self.core.release(request.lease_id, tokens):
+                self._dispatch()
         return pb.ReleaseResponse()
 
     async def Connect(self, request_iterator, context: grpc.aio.ServicerContext):

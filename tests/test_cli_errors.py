@@ -95,3 +95,30 @@ def test_up_rejects_out_of_range_values(args, name):
     result = runner.invoke(app, args)
     assert result.exit_code == 2
     assert name in result.output
+
+
+@pytest.mark.parametrize(
+    "args,message",
+    [
+        (["--task-store", "postgres://db"], "--task-store must be 'memory' or a redis://host:port/db URL"),
+        (["--task-ttl-s", "0"], "--task-ttl-s"),
+        (["--result-cache-size", "-1"], "--result-cache-size"),
+        (["--max-tasks", "0"], "--max-tasks"),
+    ],
+)
+def test_gateway_bad_flag_is_a_usage_error(args, message):
+    result = runner.invoke(app, ["gateway", "--scheduler", "127.0.0.1:1", *args])
+    assert result.exit_code == 2
+    assert "Traceback" not in result.output
+    assert message in " ".join(result.output.replace("│", " ").split())
+
+
+def test_gateway_with_an_unreachable_redis_is_one_line():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]   # closed again: nothing listens there
+    result = runner.invoke(app, ["gateway", "--scheduler", "127.0.0.1:1", "--port", "0",
+                                 "--task-store", f"redis://127.0.0.1:{port}/0"])
+    assert result.exit_code == 1
+    assert result.output.startswith(f"error: task store redis://127.0.0.1:{port}/0 cannot be reached: ")
+    assert "Traceback" not in result.output

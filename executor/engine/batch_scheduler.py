@@ -224,6 +224,7 @@ class BatchScheduler:
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
         request.num_preemptions += 1
+        request.preempted_at_ns.append(time.time_ns())
         self.num_preemptions += 1
         bisect.insort(self.waiting, request, key=lambda r: r.sort_key)
 
@@ -372,11 +373,13 @@ class BatchScheduler:
             if status is not None:
                 self._finish(request, status)
             logprobs = runner_output.logprobs.get(request.request_id)
+            preempted_at_ns, request.preempted_at_ns = tuple(request.preempted_at_ns), []
             outputs.append(RequestOutput(request.request_id, [token], status is not None,
                                          status.finish_reason if status else None, request.num_cached_tokens,
                                          logprobs=None if logprobs is None else [logprobs],
                                          prompt_logprobs=runner_output.prompt_logprobs.get(request.request_id),
-                                         num_kvstore_tokens=request.num_kvstore_tokens))
+                                         num_kvstore_tokens=request.num_kvstore_tokens,
+                                         preempted_at_ns=preempted_at_ns))
         return outputs
 
     def _finish(self, request: Request, status: RequestStatus) -> None:

@@ -38,6 +38,9 @@ class RequestOutput:
         prompt_logprobs: with ``SamplingParams.prompt_logprobs``, on the request's
             first output only: one entry per prompt position 1 .. num_prompt - 1.
         num_kvstore_tokens: of ``num_cached_tokens``, tokens loaded from the kvstore.
+        preempted_at_ns: wall-clock times (``time.time_ns()``, ns since the epoch) of
+            the request's preemptions since its previous output (the executor's span
+            events); usually empty.
     """
 
     request_id: str
@@ -48,6 +51,7 @@ class RequestOutput:
     logprobs: list[TokenLogprob] | None = None
     prompt_logprobs: list[TokenLogprob] | None = None
     num_kvstore_tokens: int = 0
+    preempted_at_ns: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)

@@ -67,6 +67,8 @@ class Request:
         num_computed_tokens: tokens whose K/V are in the cache.
         status: see ``RequestStatus``.
         num_preemptions: times this request was preempted.
+        preempted_at_ns: ``time.time_ns()`` of each preemption not yet reported in an
+            output (``RequestOutput.preempted_at_ns``; the servicer's span events).
         num_cached_tokens: tokens reused from the prefix cache when first scheduled.
         arrival_time: ``time.monotonic()`` seconds when the batch scheduler got it.
         num_kvstore_tokens: of ``num_cached_tokens``, tokens loaded from the kvstore.
@@ -90,6 +92,7 @@ class Request:
     num_computed_tokens: int = 0
     status: RequestStatus = RequestStatus.WAITING
     num_preemptions: int = 0
+    preempted_at_ns: list[int] = field(default_factory=list)
     num_cached_tokens: int = 0
     arrival_time: float = 0.0
     num_kvstore_tokens: int = 0

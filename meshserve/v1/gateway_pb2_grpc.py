@@ -42,6 +42,21 @@ class GatewayStub:
                 request_serializer=meshserve_dot_v1_dot_gateway__pb2.GenerateRequest.SerializeToString,
                 response_deserializer=meshserve_dot_v1_dot_gateway__pb2.GenerateResponse.FromString,
                 _registered_method=True)
+        self.SubmitTask = channel.unary_unary(
+                '/meshserve.v1.Gateway/SubmitTask',
+                request_serializer=meshserve_dot_v1_dot_gateway__pb2.GenerateRequest.SerializeToString,
+                response_deserializer=meshserve_dot_v1_dot_gateway__pb2.TaskHandle.FromString,
+                _registered_method=True)
+        self.GetTask = channel.unary_unary(
+                '/meshserve.v1.Gateway/GetTask',
+                request_serializer=meshserve_dot_v1_dot_gateway__pb2.TaskQuery.SerializeToString,
+                response_deserializer=meshserve_dot_v1_dot_gateway__pb2.TaskStatus.FromString,
+                _registered_method=True)
+        self.CancelTask = channel.unary_unary(
+                '/meshserve.v1.Gateway/CancelTask',
+                request_serializer=meshserve_dot_v1_dot_gateway__pb2.TaskQuery.SerializeToString,
+                response_deserializer=meshserve_dot_v1_dot_gateway__pb2.TaskStatus.FromString,
+                _registered_method=True)
 
 
 class GatewayServicer:
@@ -62,6 +77,36 @@ class GatewayServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def SubmitTask(self, request, context):
+        """Submits a generation to run in the background (an async task) and returns
+        at once with its id. The request is authenticated and validated exactly as
+        Generate's, so a bad parameter fails here, not later.
+        Errors: INVALID_ARGUMENT, UNAUTHENTICATED, ALREADY_EXISTS (request_id in
+        use), RESOURCE_EXHAUSTED (the task store is full of unfinished tasks).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def GetTask(self, request, context):
+        """The task's state and, once it has finished, its result or its error.
+        Errors: NOT_FOUND (unknown id, another tenant's task, or a finished task
+        past its time to live), UNAUTHENTICATED.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def CancelTask(self, request, context):
+        """Cancels a queued or running task: its executor call is cancelled (the
+        engine frees its KV blocks) and its state becomes CANCELLED. A task that
+        has already finished is returned unchanged.
+        Errors: NOT_FOUND, UNAUTHENTICATED.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_GatewayServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -69,6 +114,21 @@ def add_GatewayServicer_to_server(servicer, server):
                     servicer.Generate,
                     request_deserializer=meshserve_dot_v1_dot_gateway__pb2.GenerateRequest.FromString,
                     response_serializer=meshserve_dot_v1_dot_gateway__pb2.GenerateResponse.SerializeToString,
+            ),
+            'SubmitTask': grpc.unary_unary_rpc_method_handler(
+                    servicer.SubmitTask,
+                    request_deserializer=meshserve_dot_v1_dot_gateway__pb2.GenerateRequest.FromString,
+                    response_serializer=meshserve_dot_v1_dot_gateway__pb2.TaskHandle.SerializeToString,
+            ),
+            'GetTask': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetTask,
+                    request_deserializer=meshserve_dot_v1_dot_gateway__pb2.TaskQuery.FromString,
+                    response_serializer=meshserve_dot_v1_dot_gateway__pb2.TaskStatus.SerializeToString,
+            ),
+            'CancelTask': grpc.unary_unary_rpc_method_handler(
+                    servicer.CancelTask,
+                    request_deserializer=meshserve_dot_v1_dot_gateway__pb2.TaskQuery.FromString,
+                    response_serializer=meshserve_dot_v1_dot_gateway__pb2.TaskStatus.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -101,6 +161,87 @@ class Gateway:
             '/meshserve.v1.Gateway/Generate',
             meshserve_dot_v1_dot_gateway__pb2.GenerateRequest.SerializeToString,
             meshserve_dot_v1_dot_gateway__pb2.GenerateResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def SubmitTask(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/meshserve.v1.Gateway/SubmitTask',
+            meshserve_dot_v1_dot_gateway__pb2.GenerateRequest.SerializeToString,
+            meshserve_dot_v1_dot_gateway__pb2.TaskHandle.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetTask(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/meshserve.v1.Gateway/GetTask',
+            meshserve_dot_v1_dot_gateway__pb2.TaskQuery.SerializeToString,
+            meshserve_dot_v1_dot_gateway__pb2.TaskStatus.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def CancelTask(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/meshserve.v1.Gateway/CancelTask',
+            meshserve_dot_v1_dot_gateway__pb2.TaskQuery.SerializeToString,
+            meshserve_dot_v1_dot_gateway__pb2.TaskStatus.FromString,
             options,
             channel_credentials,
             insecure,

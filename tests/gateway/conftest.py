@@ -24,3 +24,15 @@ def control_ids(tokenizer) -> frozenset[int]:
     """Ids of control tokens: the tokenizer's special ids and every added special token."""
     added = {i for i, t in tokenizer.added_tokens_decoder.items() if t.special}
     return frozenset(tokenizer.all_special_ids) | added
+
+
+@pytest.fixture(scope="session")
+def redis_url():
+    """The URL of a redis-server started for this test session (skips when not installed)."""
+    from tests.redis_server import redis_server
+
+    try:
+        with redis_server() as url:
+            yield url
+    except FileNotFoundError as exc:
+        pytest.skip(str(exc))

@@ -1,0 +1,100 @@
+"""The gateway's result cache: finished outputs of deterministic requests (pure core).
+
+A request is *deterministic* when its tokens depend only on the model, the
+prompt and the parameters: greedy sampling (temperature below 1e-3, or
+``top_k`` 1) or an explicit ``seed`` (the engine's per-request generator gives
+the same tokens whatever else is in the batch). Only such requests are looked
+up or stored.
+
+The key is a SHA-256 over the model id and revision, the prompt token ids and
+*every* field of the validated ``SamplingParams`` (stop strings, penalties,
+``n``, logprob settings…), so two requests share an entry only when the engine
+would be asked exactly the same thing. Entries are bounded in number (least
+recently used goes first) and live ``ttl_s`` seconds after they were stored:
+``cachetools.TTLCache``.
+
+The cache stores opaque values (the gateway stores the serialized choices)
+and never runs anything itself.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import threading
+import time
+from dataclasses import asdict
+from typing import Callable, Generic, Sequence, TypeVar
+
+from cachetools import TTLCache
+
+from meshserve.errors import InvalidArgument
+from meshserve.sampling import SamplingParams
+
+V = TypeVar("V")
+
+
+def is_deterministic(params: SamplingParams) -> bool:
+    """True when the request's tokens are a function of model, prompt and parameters:
+    greedy (``params.greedy``) or seeded."""
+    return params.greedy or params.seed is not None
+
+
+def cache_key(model_id: str, revision: str, prompt_token_ids: Sequence[int], params: SamplingParams) -> str:
+    """The hex SHA-256 naming one (model, prompt, parameters) combination.
+
+    Args:
+        model_id / revision: the model (``ModelInfo``); two revisions never share.
+        prompt_token_ids: the prompt as the model sees it (after the chat template).
+        params: validated sampling parameters; every field is part of the key.
+    """
+    body = json.dumps({"model": model_id, "revision": revision, "prompt": list(prompt_token_ids),
+                       "sampling": asdict(params)}, sort_keys=True, separators=(",", ":"))
+    return hashlib.sha256(body.encode()).hexdigest()
+
+
+class ResultCache(Generic[V]):
+    """A bounded LRU map from ``cache_key`` to finished outputs, with a TTL.
+
+    Args:
+        max_entries: the most entries kept (>= 1; the gateway builds no cache for 0).
+        ttl_s: seconds an entry lives after ``put`` (> 0).
+        clock: monotonic seconds (tests pass a fake one).
+
+    Attributes:
+        hits / misses: lookups that found / did not find an entry.
+
+    Raises:
+        InvalidArgument: ``max_entries`` < 1 or ``ttl_s`` <= 0.
+    """
+
+    def __init__(self, max_entries: int, ttl_s: float = 600.0, clock: Callable[[], float] = time.monotonic):
+        if max_entries < 1:
+            raise InvalidArgument(f"result cache size must be >= 1 entries, got {max_entries}")
+        if not ttl_s > 0:
+            raise InvalidArgument(f"result cache TTL must be > 0 seconds, got {ttl_s}")
+        self._entries: TTLCache = TTLCache(maxsize=max_entries, ttl=ttl_s, timer=clock)
+        self._lock = threading.Lock()  # TTLCache is not thread-safe; the gateway is one event loop, tests may not be
+        self.hits = 0
+        self.misses = 0
+
+    def __len__(self) -> int:
+        with self._lock:
+            self._entries.expire()
+            return len(self._entries)
+
+    def get(self, key: str) -> V | None:
+        """The entry (now most recently used), or None when absent or expired."""
+        with self._lock:
+            value = self._entries.get(key)
+        if value is None:
+            self.misses += 1
+        else:
+            self.hits += 1
+        return value
+
+    def put(self, key: str, value: V) -> None:
+        """Stores ``value`` (replacing an older entry); evicts the least recently
+        used entry when full."""
+        with self._lock:
+            self._entries[key] = value

@@ -1,0 +1,83 @@
+"""The result cache: which requests are deterministic, what the key covers, LRU and TTL."""
+
+from __future__ import annotations
+
+from dataclasses import fields, replace
+
+import pytest
+
+from gateway.result_cache import ResultCache, cache_key, is_deterministic
+from meshserve.errors import InvalidArgument
+from meshserve.sampling import SamplingParams
+
+
+class FakeClock:
+    def __init__(self):
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+@pytest.mark.parametrize("params, deterministic", [
+    (SamplingParams(temperature=0.0), True),
+    (SamplingParams(temperature=0.0009), True),
+    (SamplingParams(temperature=0.7, top_k=1), True),
+    (SamplingParams(temperature=0.7, seed=3), True),
+    (SamplingParams(temperature=1.0, seed=0), True),
+    (SamplingParams(temperature=0.7), False),
+    (SamplingParams(temperature=1.0, top_k=2), False),
+])
+def test_deterministic_means_greedy_or_seeded(params, deterministic):
+    assert is_deterministic(params) is deterministic
+
+
+# a value different from the default for every field of SamplingParams
+CHANGED = {"max_tokens": 17, "temperature": 0.5, "top_p": 0.9, "top_k": 5, "seed": 1, "stop": ("x",),
+           "stop_token_ids": (7,), "ignore_eos": True, "min_p": 0.1, "repetition_penalty": 1.1,
+           "presence_penalty": 0.5, "frequency_penalty": 0.5, "min_tokens": 2, "n": 2, "logprobs": 0,
+           "prompt_logprobs": 0}
+
+
+def test_every_parameter_model_and_prompt_change_the_key():
+    assert set(CHANGED) == {f.name for f in fields(SamplingParams)}  # a new field must be added here
+    base = SamplingParams(temperature=0.0)
+    key = cache_key("m", "r1", [1, 2, 3], base)
+    assert key == cache_key("m", "r1", [1, 2, 3], SamplingParams(temperature=0.0))
+    assert len(key) == 64
+    keys = {cache_key("m", "r1", [1, 2, 3], replace(base, **{name: value})) for name, value in CHANGED.items()}
+    keys |= {cache_key("m2", "r1", [1, 2, 3], base), cache_key("m", "r2", [1, 2, 3], base),
+             cache_key("m", "r1", [1, 2], base), cache_key("m", "r1", [1, 2, 4], base)}
+    assert len(keys) == len(CHANGED) + 4 and key not in keys
+
+
+def test_lru_bound_and_counters():
+    cache = ResultCache(max_entries=2, ttl_s=60.0, clock=FakeClock())
+    cache.put("a", 1)
+    cache.put("b", 2)
+    assert cache.get("a") == 1            # a is now the most recent
+    cache.put("c", 3)                     # evicts b, the least recently used
+    assert (cache.get("b"), cache.get("a"), cache.get("c")) == (None, 1, 3)
+    assert (cache.hits, cache.misses, len(cache)) == (3, 1, 2)
+    cache.put("a", 10)
+    assert cache.get("a") == 10
+
+
+def test_entries_expire_after_the_ttl():
+    clock = FakeClock()
+    cache = ResultCache(max_entries=8, ttl_s=10.0, clock=clock)
+    cache.put("a", "x")
+    clock.now = 9.9
+    cache.put("b", "y")
+    assert cache.get("a") == "x"          # a read does not extend the TTL
+    clock.now = 10.0
+    assert cache.get("a") is None and cache.get("b") == "y"
+    clock.now = 19.9
+    assert cache.get("b") is None and len(cache) == 0
+
+
+def test_bad_bounds_are_invalid_arguments():
+    with pytest.raises(InvalidArgument, match="size"):
+        ResultCache(0)
+    with pytest.raises(InvalidArgument, match="TTL"):
+        ResultCache(4, ttl_s=0.0)

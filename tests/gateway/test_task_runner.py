@@ -1,0 +1,164 @@
+"""The task runner over real stores: final states from the work's outcome, tenancy,
+cancellation (local, and from another gateway sharing a Redis store), shutdown."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from gateway.redis_task_store import RedisTaskStore
+from gateway.task_runner import TaskRunner
+from gateway.task_store import MemoryTaskStore, TaskRecord, TaskState
+from meshserve.errors import NotFound, ResourceExhausted, Unavailable
+
+
+class Clock:
+    def __init__(self):
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        self.now += 1.0
+        return self.now
+
+
+async def settle(runner: TaskRunner) -> None:
+    for _ in range(100):
+        if runner.num_running == 0:
+            return
+        await asyncio.sleep(0.01)
+    raise AssertionError(f"{runner.num_running} tasks still running")
+
+
+def new(task_id: str, tenant: str = "acme") -> TaskRecord:
+    return TaskRecord(task_id, tenant, request_id=task_id, created_at=1.0)
+
+
+async def test_success_stores_the_result_and_the_times():
+    runner = TaskRunner(MemoryTaskStore(), clock=Clock())
+    started = asyncio.Event()
+
+    async def work(mark_running):
+        await mark_running()
+        started.set()
+        return b"tokens"
+
+    submitted = await runner.submit(new("t1"), work)
+    assert submitted.state == TaskState.QUEUED
+    await settle(runner)
+    rec = await runner.get("acme", "t1")
+    assert (rec.state, rec.result, rec.created_at, rec.started_at, rec.finished_at) == (
+        TaskState.SUCCEEDED, b"tokens", 1.0, 101.0, 102.0)
+    assert started.is_set()
+
+
+async def test_errors_become_failed_with_their_code():
+    runner = TaskRunner(MemoryTaskStore())
+
+    async def unavailable(_mark):
+        raise Unavailable("executor executor-0: engine failed: boom")
+
+    async def exhausted(mark):
+        await mark()
+        raise ResourceExhausted("scheduler: queue full")
+
+    async def bug(_mark):
+        raise KeyError("oops")
+
+    await runner.submit(new("a"), unavailable)
+    await runner.submit(new("b"), exhausted)
+    await runner.submit(new("c"), bug)
+    await settle(runner)
+    got = [await runner.get("acme", t) for t in "abc"]
+    assert [(r.state, r.error_code, r.error_message) for r in got] == [
+        (TaskState.FAILED, "UNAVAILABLE", "executor executor-0: engine failed: boom"),
+        (TaskState.FAILED, "RESOURCE_EXHAUSTED", "scheduler: queue full"),
+        (TaskState.FAILED, "INTERNAL", "internal error: KeyError: 'oops'"),
+    ]
+    assert got[0].started_at == 0.0 and got[1].started_at > 0.0
+
+
+async def test_other_tenants_and_unknown_ids_are_not_found():
+    runner = TaskRunner(MemoryTaskStore())
+
+    async def work(_mark):
+        return b""
+
+    await runner.submit(new("t", tenant="acme"), work)
+    await settle(runner)
+    for tenant, task_id in (("globex", "t"), ("acme", "nope")):
+        with pytest.raises(NotFound) as info:
+            await runner.get(tenant, task_id)
+        assert str(info.value) == f"task {task_id!r} not found"
+        with pytest.raises(NotFound):
+            await runner.cancel(tenant, task_id)
+    assert (await runner.get("acme", "t")).state == TaskState.SUCCEEDED
+
+
+async def test_cancel_cancels_the_work_and_a_finished_task_stays():
+    runner = TaskRunner(MemoryTaskStore())
+    entered, cleaned = asyncio.Event(), asyncio.Event()
+
+    async def forever(mark):
+        await mark()
+        entered.set()
+        try:
+            await asyncio.Event().wait()
+        finally:
+            cleaned.set()     # the gateway's work cancels its executor call here
+
+    async def quick(_mark):
+        return b"done"
+
+    await runner.submit(new("slow"), forever)
+    await runner.submit(new("fast"), quick)
+    await asyncio.wait_for(entered.wait(), 5)
+    rec = await runner.cancel("acme", "slow")
+    assert rec.state == TaskState.CANCELLED and rec.finished_at > 0
+    await asyncio.wait_for(cleaned.wait(), 5)
+    await settle(runner)
+    assert (await runner.get("acme", "slow")).state == TaskState.CANCELLED
+    assert (await runner.cancel("acme", "fast")).state == TaskState.SUCCEEDED
+
+
+async def test_a_cancel_on_another_gateway_reaches_the_running_work(redis_url):
+    """Two runners share one Redis store; B cancels A's task; A's work is cancelled
+    within its poll interval."""
+    store_a, store_b = RedisTaskStore(redis_url, ttl_s=60), RedisTaskStore(redis_url, ttl_s=60)
+    await store_a._redis.flushdb()
+    a, b = TaskRunner(store_a, cancel_poll_s=0.05), TaskRunner(store_b, cancel_poll_s=0.05)
+    entered, cleaned = asyncio.Event(), asyncio.Event()
+
+    async def forever(mark):
+        await mark()
+        entered.set()
+        try:
+            await asyncio.Event().wait()
+        finally:
+            cleaned.set()
+
+    await a.submit(new("shared"), forever)
+    await asyncio.wait_for(entered.wait(), 5)
+    assert (await b.get("acme", "shared")).state == TaskState.RUNNING
+    assert (await b.cancel("acme", "shared")).state == TaskState.CANCELLED
+    await asyncio.wait_for(cleaned.wait(), 5)
+    await settle(a)
+    assert (await a.get("acme", "shared")).state == TaskState.CANCELLED
+    await store_a.close()
+    await store_b.close()
+
+
+async def test_close_fails_running_tasks_as_unavailable():
+    runner = TaskRunner(MemoryTaskStore())
+    entered = asyncio.Event()
+
+    async def forever(_mark):
+        entered.set()
+        await asyncio.Event().wait()
+
+    await runner.submit(new("t"), forever)
+    await asyncio.wait_for(entered.wait(), 5)
+    await runner.close()
+    rec = await runner.get("acme", "t")
+    assert (rec.state, rec.error_code) == (TaskState.FAILED, "UNAVAILABLE")
+    assert runner.num_running == 0

@@ -1,0 +1,156 @@
+"""The task store: one test-suite run against both backends (memory and a real
+redis-server), plus the memory store's bound and the URL parsing."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from gateway.redis_task_store import RedisTaskStore, decode, encode
+from gateway.task_store import UNFINISHED, MemoryTaskStore, TaskRecord, TaskState, open_task_store
+from meshserve.errors import InvalidArgument, ResourceExhausted
+
+TTL_S = 0.4
+
+
+class FakeClock:
+    def __init__(self, now: float = 1000.0):
+        self.now = now
+
+    def __call__(self) -> float:
+        return self.now
+
+
+@pytest.fixture(params=["memory", "redis"])
+async def store_case(request):
+    """(store, advance): ``advance(s)`` lets ``s`` seconds pass for the store's TTLs
+    (a fake clock in memory; real time for Redis, whose own clock expires keys)."""
+    if request.param == "memory":
+        clock = FakeClock()
+
+        async def advance(seconds: float) -> None:
+            clock.now += seconds
+
+        store = MemoryTaskStore(ttl_s=TTL_S, max_tasks=100, clock=clock)
+    else:
+        store = RedisTaskStore(request.getfixturevalue("redis_url"), ttl_s=TTL_S)
+        await store._redis.flushdb()
+
+        async def advance(seconds: float) -> None:
+            await asyncio.sleep(seconds)
+
+    yield store, advance
+    await store.close()
+
+
+def record(task_id: str, **fields) -> TaskRecord:
+    return TaskRecord(task_id, fields.pop("tenant", "acme"), **fields)
+
+
+async def test_create_then_get_returns_the_same_record(store_case):
+    store, _ = store_case
+    rec = TaskRecord("task-1", "acme", request_id="req-1", created_at=12.5, result=b"\x00\xff\x10",
+                     traceparent="00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01")
+    await store.create(rec)
+    assert await store.get("task-1") == rec
+    assert await store.get("task-2") is None
+    with pytest.raises(ValueError, match="exists"):
+        await store.create(record("task-1"))
+
+
+async def test_transitions_are_compare_and_set(store_case):
+    store, _ = store_case
+    await store.create(record("t"))
+    running = await store.transition("t", (TaskState.QUEUED,), TaskState.RUNNING, started_at=5.0)
+    assert (running.state, running.started_at, running.finished_at) == (TaskState.RUNNING, 5.0, 0.0)
+    assert await store.transition("t", (TaskState.QUEUED,), TaskState.RUNNING, started_at=9.0) is None
+    done = await store.transition("t", UNFINISHED, TaskState.SUCCEEDED, finished_at=6.0, result=b"out")
+    assert (done.state, done.started_at, done.finished_at, done.result) == (TaskState.SUCCEEDED, 5.0, 6.0, b"out")
+    # a cancel arriving after the result changes nothing
+    assert await store.transition("t", UNFINISHED, TaskState.CANCELLED, finished_at=7.0) is None
+    assert await store.get("t") == done
+    assert await store.transition("unknown", UNFINISHED, TaskState.CANCELLED) is None
+
+
+async def test_a_cancel_before_the_result_wins(store_case):
+    store, _ = store_case
+    await store.create(record("t"))
+    cancelled = await store.transition("t", UNFINISHED, TaskState.CANCELLED, finished_at=3.0)
+    assert cancelled.state == TaskState.CANCELLED
+    assert await store.transition("t", UNFINISHED, TaskState.FAILED, error_code="UNAVAILABLE") is None
+    assert await store.transition("t", UNFINISHED, TaskState.SUCCEEDED, result=b"late") is None
+    got = await store.get("t")
+    assert (got.state, got.result, got.error_code) == (TaskState.CANCELLED, b"", "")
+
+
+async def test_finished_tasks_expire_after_the_ttl_unfinished_ones_stay(store_case):
+    store, advance = store_case
+    for task_id in ("done", "queued", "running"):
+        await store.create(record(task_id))
+    await store.transition("running", (TaskState.QUEUED,), TaskState.RUNNING, started_at=1.0)
+    await store.transition("done", UNFINISHED, TaskState.FAILED, error_code="UNAVAILABLE", error_message="gone")
+    await advance(TTL_S / 4)
+    assert (await store.get("done")).error_code == "UNAVAILABLE"
+    await advance(TTL_S)
+    assert await store.get("done") is None
+    assert await store.transition("done", UNFINISHED, TaskState.CANCELLED) is None
+    assert (await store.get("queued")).state == TaskState.QUEUED
+    assert (await store.get("running")).state == TaskState.RUNNING
+    # the TTL counts from each task's own final transition
+    await store.transition("queued", UNFINISHED, TaskState.SUCCEEDED, result=b"r")
+    await advance(TTL_S / 4)
+    assert (await store.get("queued")).result == b"r"
+    await advance(TTL_S)
+    assert await store.get("queued") is None
+    assert (await store.get("running")).state == TaskState.RUNNING
+
+
+async def test_memory_store_drops_oldest_finished_first_and_refuses_when_full_of_unfinished():
+    store = MemoryTaskStore(ttl_s=100.0, max_tasks=3, clock=FakeClock())
+    for task_id in ("t1", "t2", "t3"):
+        await store.create(record(task_id))
+    with pytest.raises(ResourceExhausted, match="3 unfinished tasks"):
+        await store.create(record("t4"))
+    await store.transition("t2", UNFINISHED, TaskState.SUCCEEDED)   # finished first
+    await store.transition("t1", UNFINISHED, TaskState.CANCELLED)
+    await store.create(record("t4"))
+    assert await store.get("t2") is None and (await store.get("t1")).state == TaskState.CANCELLED
+    await store.create(record("t5"))
+    assert await store.get("t1") is None
+    assert [len(store)] == [3]
+    with pytest.raises(ResourceExhausted):
+        await store.create(record("t6"))
+    assert sorted([t for t in ("t3", "t4", "t5") if await store.get(t) is not None]) == ["t3", "t4", "t5"]
+
+
+def test_redis_encoding_round_trips_every_field():
+    rec = TaskRecord("task-x", "globex", "req", TaskState.FAILED, 1.5, 2.5, 3.5, b"\x00\x01\xfe", "INTERNAL",
+                     "boom", "00-0000000000000000000000000000abcd-00000000000000ef-01")
+    assert decode(encode(rec)) == rec
+
+
+async def test_open_task_store_by_url(redis_url):
+    assert isinstance(open_task_store("memory", 5.0, 7), MemoryTaskStore)
+    mem = open_task_store("memory", 5.0, 7)
+    assert (mem.ttl_s, mem.max_tasks) == (5.0, 7)
+    redis_store = open_task_store(redis_url, 9.0)
+    assert isinstance(redis_store, RedisTaskStore) and redis_store.ttl_s == 9.0 and redis_store.shared
+    await redis_store.check()
+    await redis_store.close()
+    for bad in ("postgres://db", "redis", ""):
+        with pytest.raises(InvalidArgument, match="--task-store"):
+            open_task_store(bad)
+    with pytest.raises(InvalidArgument, match="TTL"):
+        open_task_store("memory", 0.0)
+    with pytest.raises(InvalidArgument, match="max_tasks"):
+        open_task_store("memory", 1.0, 0)
+
+
+async def test_unreachable_redis_fails_the_check():
+    from tests.redis_server import free_port
+
+    store = RedisTaskStore(f"redis://127.0.0.1:{free_port()}/0")
+    with pytest.raises(ConnectionError, match="cannot be reached"):
+        await store.check()
+    await store.close()

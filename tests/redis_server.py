@@ -1,0 +1,54 @@
+"""A throwaway redis-server on a free loopback port, for the Redis task-store tests.
+
+Debian's ``redis-server`` (installed by ``make setup`` when missing); nothing is
+saved to disk. Tests that need it skip when the binary is absent.
+"""
+
+from __future__ import annotations
+
+import shutil
+import socket
+import subprocess
+import time
+from contextlib import contextmanager
+from typing import Iterator
+
+
+def free_port() -> int:
+    """A TCP port free on 127.0.0.1 right now."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@contextmanager
+def redis_server(timeout_s: float = 10.0) -> Iterator[str]:
+    """Runs ``redis-server`` on a free loopback port; yields its ``redis://127.0.0.1:PORT/0`` URL.
+
+    Raises:
+        FileNotFoundError: no ``redis-server`` on the PATH.
+        TimeoutError: it did not accept connections within ``timeout_s`` seconds.
+    """
+    binary = shutil.which("redis-server")
+    if binary is None:
+        raise FileNotFoundError("redis-server is not installed (make setup installs it)")
+    port = free_port()
+    proc = subprocess.Popen([binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + timeout_s
+        while True:
+            try:
+                with socket.create_connection(("127.0.0.1", port), timeout=0.5) as conn:
+                    conn.sendall(b"PING\r\n")
+                    if conn.recv(16).startswith(b"+PONG"):
+                        break
+            except OSError:
+                pass
+            if proc.poll() is not None or time.monotonic() > deadline:
+                raise TimeoutError(f"redis-server on port {port} did not start")
+            time.sleep(0.05)
+        yield f"redis://127.0.0.1:{port}/0"
+    finally:
+        proc.terminate()
+        proc.wait(timeout=10)
