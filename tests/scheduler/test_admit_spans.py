@@ -8,10 +8,8 @@ import pytest
 
 from meshserve.telemetry import memory_exporter
 from meshserve.v1 import scheduler_pb2 as pb
-from meshserve.v1 import scheduler_pb2_grpc
 from scheduler.admission import SchedulerConfig
-from scheduler.server import start_scheduler
-from tests.scheduler.test_server import _fake_executor
+from tests.scheduler.test_server import served_scheduler
 
 TRACE_ID = 0x0AF7651916CD43DD8448EB211C80319C
 
@@ -27,17 +25,8 @@ async def admit(stub, request_id: str, span_id: int, **kw):
 
 @pytest.fixture
 async def scheduler():
-    svc = await start_scheduler(0, config=SchedulerConfig(max_queue_len=1, retry_after_s=0.25))
-    channel = grpc.aio.insecure_channel(svc.address)
-    stub = scheduler_pb2_grpc.SchedulerStub(channel)
-    registered, stop = asyncio.Event(), asyncio.Event()
-    task = asyncio.create_task(_fake_executor(stub, 4, registered, stop))
-    await asyncio.wait_for(registered.wait(), 5)
-    yield svc, stub
-    stop.set()
-    await asyncio.wait_for(task, 5)
-    await channel.close()
-    await svc.stop(0.1)
+    async with served_scheduler(SchedulerConfig(max_queue_len=1, retry_after_s=0.25)) as served:
+        yield served
 
 
 async def test_admit_spans_carry_queue_position_wait_and_executor(scheduler):

@@ -1,6 +1,7 @@
 """The Scheduler servicer over loopback with a fake executor: quotas, overload, Release tokens."""
 
 import asyncio
+import contextlib
 
 import grpc
 import pytest
@@ -24,20 +25,29 @@ async def _fake_executor(stub, num_blocks, registered: asyncio.Event, stop: asyn
     return call
 
 
-@pytest.fixture
-async def scheduler():
-    config = SchedulerConfig(tenant_quotas={"a": 2}, max_queue_len=1, retry_after_s=0.25)
+@contextlib.asynccontextmanager
+async def served_scheduler(config: SchedulerConfig, num_blocks: int = 4):
+    """A scheduler on a free port with one fake executor of ``num_blocks`` registered:
+    yields ``(service, stub)``."""
     svc = await start_scheduler(0, config=config)
     channel = grpc.aio.insecure_channel(svc.address)
     stub = scheduler_pb2_grpc.SchedulerStub(channel)
     registered, stop = asyncio.Event(), asyncio.Event()
-    task = asyncio.create_task(_fake_executor(stub, 4, registered, stop))
+    task = asyncio.create_task(_fake_executor(stub, num_blocks, registered, stop))
     await asyncio.wait_for(registered.wait(), 5)
-    yield svc, stub
-    stop.set()
-    await asyncio.wait_for(task, 5)
-    await channel.close()
-    await svc.stop(0.1)
+    try:
+        yield svc, stub
+    finally:
+        stop.set()
+        await asyncio.wait_for(task, 5)
+        await channel.close()
+        await svc.stop(0.1)
+
+
+@pytest.fixture
+async def scheduler():
+    async with served_scheduler(SchedulerConfig(tenant_quotas={"a": 2}, max_queue_len=1, retry_after_s=0.25)) as served:
+        yield served
 
 
 async def _events(stub, **kw):
