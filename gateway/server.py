@@ -25,6 +25,7 @@ from dataclasses import dataclass
 import grpc
 
 from gateway.choices import Choice, RequestTimer
+from gateway.metrics import GatewayMetrics, RequestMetrics
 from gateway.prompt import PromptBuilder
 from gateway.readiness import ReadinessProbe
 from gateway.tenants import TenantRegistry
@@ -74,8 +75,9 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
     """Serves Generate for one model through the scheduler and its executors."""
 
     def __init__(self, tokenizer, model: ModelInfo, tenants: TenantRegistry, scheduler_address: str,
-                 hash_block_size: int = 16):
+                 hash_block_size: int = 16, metrics: GatewayMetrics | None = None):
         self.tokenizer = tokenizer
+        self.metrics = metrics or GatewayMetrics()
         self.hash_block_size = hash_block_size  # 0: send no block hashes (no prefix-aware routing)
         self.prompts = PromptBuilder(tokenizer)
         self.model = model
@@ -107,19 +109,22 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         span = _tracer.start_span("gateway.generate", context=context_from_grpc(context))
         request_id = request.request_id or uuid.uuid4().hex
         owns_id = False
+        priority = request.priority if request.HasField("priority") else tenant.default_priority
+        rm = self.metrics.start(tenant.name, priority, timer.start)
+        error: BaseException | None = None
         try:
             if request_id in self._in_flight:
                 raise AlreadyExists(f"request_id {request_id!r} is already in use by an unfinished request")
             self._in_flight.add(request_id)
             owns_id = True
             prompt_ids = _prompt_ids(self.prompts, request)
+            rm.num_prompt_tokens = len(prompt_ids)
             params = from_proto(request.sampling, max_model_len=self.model.max_model_len, vocab_size=self.model.vocab_size)
             if len(prompt_ids) + 1 > self.model.max_model_len:
                 raise InvalidArgument(
                     f"prompt has {len(prompt_ids)} tokens; max_model_len is {self.model.max_model_len} "
                     "(prompt + at least 1 output token)"
                 )
-            priority = request.priority if request.HasField("priority") else tenant.default_priority
             span.set_attributes(
                 {
                     "meshserve.request_id": request_id,
@@ -159,23 +164,30 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
             if assignment is None:
                 raise Unavailable("scheduler ended admission without an assignment")
             timer.assigned = time.monotonic()
+            rm.assigned(timer.assigned)
             span.set_attribute("meshserve.executor_id", assignment.executor_id)
             finished: dict[str, int] = {}  # completion tokens, once every choice is done
             try:
                 async for msg in self._execute(request_id, prompt_ids, params, priority, assignment, timer, span,
-                                               finished):
+                                               finished, rm):
                     yield msg
             finally:
                 await self._release(assignment.lease_id, finished.get("completion_tokens"))
         except Exception as exc:
             span.record_exception(exc)
+            error = exc
+            raise
+        except BaseException as exc:  # the caller went away (CancelledError, GeneratorExit)
+            error = exc
             raise
         finally:
+            rm.end(time.monotonic(), error)
             if owns_id:
                 self._in_flight.discard(request_id)
             span.end()
 
-    async def _execute(self, request_id, prompt_ids, params, priority, assignment, timer, span, finished):
+    async def _execute(self, request_id, prompt_ids, params, priority, assignment, timer, span, finished,
+                       rm: RequestMetrics):
         exe = executor_pb2.ExecuteRequest(
             request_id=request_id, lease_id=assignment.lease_id, prompt_token_ids=prompt_ids, priority=priority
         )
@@ -193,8 +205,11 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
                 if out.token_ids and not timer.first_token:
                     timer.first_token = now
                     span.add_event("first_token")
+                    rm.first_token(now)
+                rm.tokens(len(out.token_ids))
                 yield gateway_pb2.GenerateResponse(delta=choice.feed(out, now))
                 if choice.done:
+                    rm.choice_done(choice.num_tokens, choice.first_token, choice.last_token)
                     yield gateway_pb2.GenerateResponse(
                         result=choice.result(request_id, prompt_ids, assignment.executor_id, timer))
                 if all(c.done for c in choices):
@@ -222,13 +237,15 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
 
 async def start_gateway(
     tokenizer, model: ModelInfo, scheduler_address: str, port: int, host: str = "127.0.0.1",
-    tenants: TenantRegistry | None = None, hash_block_size: int = 16,
+    tenants: TenantRegistry | None = None, hash_block_size: int = 16, metrics_port: int | None = None,
 ) -> Service:
     """Starts the Gateway service. Its health is SERVING while the scheduler has an
     executor registered (``gateway.readiness``), checked every 0.5 s.
 
     ``hash_block_size``: tokens per block of the prompt chain hashes sent for
     prefix-aware routing (the executors' ``block_size``; 0: none sent).
+    ``metrics_port``: serve Prometheus metrics (``gateway.metrics``) there (0: a
+    free port; None: none), as ``service.metrics``.
     """
     service = Service("meshserve.v1.Gateway", port, host)
     servicer = GatewayServicer(tokenizer, model, tenants or TenantRegistry.open(), scheduler_address,
@@ -236,6 +253,7 @@ async def start_gateway(
     gateway_pb2_grpc.add_GatewayServicer_to_server(servicer, service.server)
     service.servicer = servicer  # type: ignore[attr-defined]
     await service.start()
+    service.serve_metrics(servicer.metrics.registry, metrics_port)
     servicer.readiness = ReadinessProbe(service, servicer._scheduler_channel)
     await servicer.readiness.check()
     servicer.readiness.start()

@@ -79,15 +79,16 @@ def scheduler_config(queue_policy: str = "fcfs", max_queue_wait_s: float = 30.0,
                            routing=routing or RoutingConfig())
 
 
-async def run_scheduler(port: int, host: str = "127.0.0.1", config=None) -> None:
-    """Serves the scheduler (``config``: a ``SchedulerConfig``, default settings if None) until SIGINT/SIGTERM."""
+async def run_scheduler(port: int, host: str = "127.0.0.1", config=None, metrics_port: int | None = None) -> None:
+    """Serves the scheduler (``config``: a ``SchedulerConfig``, default settings if None) until SIGINT/SIGTERM;
+    Prometheus metrics on ``metrics_port`` (None: none)."""
     from scheduler.server import start_scheduler
 
     setup_tracing("scheduler")
     holder = {}
 
     async def start():
-        holder["svc"] = await start_scheduler(port, host, config)
+        holder["svc"] = await start_scheduler(port, host, config, metrics_port)
         log.info("scheduler serving on %s", holder["svc"].address)
 
     async def stop():
@@ -98,8 +99,9 @@ async def run_scheduler(port: int, host: str = "127.0.0.1", config=None) -> None
 
 
 async def run_kvstore(port: int, host: str, memory_bytes: int, disk_dir: str | None = None, disk_bytes: int = 0,
-                      max_events: int = 65536) -> None:
-    """Serves a kvstore until SIGINT/SIGTERM (its blocks are a cache: lost at stop)."""
+                      max_events: int = 65536, metrics_port: int | None = None) -> None:
+    """Serves a kvstore until SIGINT/SIGTERM (its blocks are a cache: lost at stop); Prometheus
+    metrics on ``metrics_port`` (None: none)."""
     from kvstore.server import start_kvstore
     from kvstore.store import KVStore
 
@@ -108,7 +110,7 @@ async def run_kvstore(port: int, host: str, memory_bytes: int, disk_dir: str | N
 
     async def start():
         store = KVStore(memory_bytes, disk_dir, disk_bytes if disk_dir else 0, max_events)
-        holder["svc"] = await start_kvstore(store, port, host)
+        holder["svc"] = await start_kvstore(store, port, host, metrics_port=metrics_port)
         log.info("kvstore serving on %s (memory %d bytes%s)", holder["svc"].address, memory_bytes,
                  f", disk {disk_bytes} bytes under {disk_dir}" if disk_dir else "")
 
@@ -122,8 +124,10 @@ async def run_kvstore(port: int, host: str, memory_bytes: int, disk_dir: str | N
 async def run_executor(engine_config, port: int, host: str, scheduler: str, executor_id: str | None,
                        pool: str = "default", advertise_address: str | None = None,
                        step_timeout_s: float = 60.0, kvstore_address: str | None = None,
-                       kvstore_fetch_timeout_s: float = 5.0) -> None:
-    """Loads the model, serves the executor and stays registered until a signal."""
+                       kvstore_fetch_timeout_s: float = 5.0, metrics_port: int | None = None,
+                       peak_flops: float | None = None) -> None:
+    """Loads the model, serves the executor and stays registered until a signal; Prometheus
+    metrics on ``metrics_port`` (None: none), the MFU against ``peak_flops`` FLOP/s."""
     from executor.engine.llm_engine import LLMEngine
     from executor.server import start_executor
 
@@ -135,7 +139,7 @@ async def run_executor(engine_config, port: int, host: str, scheduler: str, exec
         engine = await asyncio.to_thread(LLMEngine, engine_config)
         svc, async_engine, link = await start_executor(engine, port, host, scheduler, executor_id, pool,
                                                     advertise_address, step_timeout_s, kvstore_address,
-                                                    kvstore_fetch_timeout_s)
+                                                    kvstore_fetch_timeout_s, metrics_port, peak_flops)
         async_engine.on_failure(lambda _exc: done.set())  # exit non-zero: the orchestrator restarts us
         holder.update(svc=svc, engine=async_engine, link=link)
         log.info("executor serving on %s (%d KV blocks of %d tokens)", svc.address, engine.num_blocks,
@@ -157,8 +161,9 @@ async def run_executor(engine_config, port: int, host: str, scheduler: str, exec
 
 
 async def run_gateway(model: str, port: int, host: str, scheduler: str, tenants_file: str | None = None,
-                      hash_block_size: int = 16) -> None:
-    """Loads the tokenizer, serves the public Gateway until a signal."""
+                      hash_block_size: int = 16, metrics_port: int | None = None) -> None:
+    """Loads the tokenizer, serves the public Gateway until a signal; Prometheus metrics on
+    ``metrics_port`` (None: none)."""
     from gateway.server import start_gateway
     from gateway.tenants import TenantRegistry
 
@@ -168,7 +173,8 @@ async def run_gateway(model: str, port: int, host: str, scheduler: str, tenants_
     async def start():
         tokenizer, info = await asyncio.to_thread(model_info, model)
         tenants = TenantRegistry.from_file(tenants_file) if tenants_file else TenantRegistry.open()
-        holder["svc"] = await start_gateway(tokenizer, info, scheduler, port, host, tenants, hash_block_size)
+        holder["svc"] = await start_gateway(tokenizer, info, scheduler, port, host, tenants, hash_block_size,
+                                            metrics_port)
         log.info("gateway serving on %s", holder["svc"].address)
 
     async def stop():

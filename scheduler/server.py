@@ -17,12 +17,13 @@ from typing import Callable
 
 import grpc
 
-from meshserve.errors import InvalidArgument, ResourceExhausted, Unavailable
+from meshserve.errors import InvalidArgument, MeshError, ResourceExhausted, Unavailable
 from meshserve.grpc_server import EXECUTORS_HEALTH_SERVICE, NOT_SERVING, SERVING, Service
 from meshserve.telemetry import context_from_grpc, tracer
 from meshserve.v1 import scheduler_pb2 as pb
 from meshserve.v1 import scheduler_pb2_grpc
 from scheduler.admission import AdmissionCore, AdmissionRequest, SchedulerConfig
+from scheduler.metrics import SchedulerMetrics
 from scheduler.registry import ExecutorState, Lease
 
 log = logging.getLogger(__name__)
@@ -35,6 +36,7 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
 
     def __init__(self, core: AdmissionCore, on_registry_change: Callable[[int], None] | None = None):
         self.core = core
+        self.metrics = SchedulerMetrics(core)
         self._waiters: dict[str, asyncio.Future[Lease]] = {}
         self._on_registry_change = on_registry_change or (lambda _n: None)
 
@@ -106,6 +108,7 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
                 executor = self.core.registry.get(lease.executor_id)
                 queue_s = max(0.0, lease.assigned_at - req.arrival)
                 span.set_attributes({"meshserve.executor_id": lease.executor_id, "meshserve.queue_s": queue_s})
+                self.metrics.on_assigned(request.tenant, request.priority, queue_s)
                 yield pb.AdmitEvent(
                     assignment=pb.Assignment(
                         executor_id=lease.executor_id,
@@ -123,6 +126,9 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
                 elif not handed_over and not fut.cancelled() and fut.exception() is None:
                     self.core.release(fut.result().lease_id)
                     self._dispatch()
+        except MeshError as exc:  # refused, displaced, or no executor left
+            self.metrics.on_rejected(request.tenant, request.priority, exc)
+            raise
         finally:
             span.end()
 
@@ -205,8 +211,11 @@ def _check_block_hashes(request: pb.AdmitRequest) -> None:
                               f"tokens in blocks of {request.hash_block_size}")
 
 
-async def start_scheduler(port: int, host: str = "127.0.0.1", config: SchedulerConfig | None = None) -> Service:
+async def start_scheduler(port: int, host: str = "127.0.0.1", config: SchedulerConfig | None = None,
+                          metrics_port: int | None = None) -> Service:
     """Starts a Scheduler service on ``host:port`` (0 picks a free port); SERVING at once.
+    With ``metrics_port`` (0: a free one) it serves Prometheus metrics
+    (``scheduler.metrics``) as ``service.metrics``.
 
     Its health service also answers for ``EXECUTORS_HEALTH_SERVICE``: SERVING while
     at least one executor is registered (the gateway's readiness follows it).
@@ -221,6 +230,7 @@ async def start_scheduler(port: int, host: str = "127.0.0.1", config: SchedulerC
     scheduler_pb2_grpc.add_SchedulerServicer_to_server(servicer, service.server)
     service.servicer = servicer  # type: ignore[attr-defined]
     await service.start()
+    service.serve_metrics(servicer.metrics.registry, metrics_port)
     await service.health.set(EXECUTORS_HEALTH_SERVICE, NOT_SERVING)
     await service.set_serving(True)
     return service
