@@ -8,7 +8,7 @@ meshserve_kvstore_requested_blocks_total       counter    blocks asked for by Lo
 meshserve_kvstore_found_blocks_total           counter    of those, the stored prefix found
 meshserve_kvstore_hit_ratio                    gauge      found / requested blocks since start
 meshserve_kvstore_get_seconds                  histogram  one Get (fetch) call, start to last chunk
-meshserve_kvstore_hit_blocks_total             counter    ``hit_blocks`` (lookups and reads)
+meshserve_kvstore_hit_blocks_total             counter    ``hit_blocks`` (lookups and leases)
 meshserve_kvstore_misses_total                 counter    ``miss_blocks``: calls that stopped at a
                                                           missing block
 meshserve_kvstore_received_bytes_total         counter    ``bytes_in``: payload bytes put
@@ -78,8 +78,8 @@ class KVStoreMetrics(Collector):
         yield GaugeMetricFamily("meshserve_kvstore_hit_ratio", "Found / requested blocks since start.",
                                 value=found / requested if requested else 0.0)
         for name, doc, value in (
-            ("meshserve_kvstore_hit_blocks", "Blocks found by lookups and reads.", s.hit_blocks),
-            ("meshserve_kvstore_misses", "Lookups and reads that stopped at a missing block.", s.miss_blocks),
+            ("meshserve_kvstore_hit_blocks", "Blocks found by lookups and leases.", s.hit_blocks),
+            ("meshserve_kvstore_misses", "Lookups and leases that stopped at a missing block.", s.miss_blocks),
             ("meshserve_kvstore_received_bytes", "Payload bytes accepted by Put.", s.bytes_in),
             ("meshserve_kvstore_sent_bytes", "Payload bytes returned by Get.", s.bytes_out),
             ("meshserve_kvstore_blocks_stored", "Puts that stored a new block.", s.blocks_stored),
