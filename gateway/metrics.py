@@ -10,7 +10,7 @@ meshserve_request_ttft_seconds                 histogram  arrival → first toke
 meshserve_request_tpot_seconds                 histogram  per choice of >= 2 tokens: (last − first
                                                           token) / (tokens − 1)
 meshserve_request_e2e_seconds                  histogram  arrival → end, every request
-meshserve_request_prompt_tokens_total          counter    prompt tokens of every ended request
+meshserve_request_prompt_tokens_total          counter    prompt tokens of every valid request at its end
 meshserve_request_generation_tokens_total      counter    tokens streamed, all choices
 meshserve_requests_total{outcome}              counter    every request at its end: ``ok``, or the
                                                           status code's name (``invalid_argument``…)

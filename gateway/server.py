@@ -118,13 +118,13 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
             self._in_flight.add(request_id)
             owns_id = True
             prompt_ids = _prompt_ids(self.prompts, request)
-            rm.num_prompt_tokens = len(prompt_ids)
             params = from_proto(request.sampling, max_model_len=self.model.max_model_len, vocab_size=self.model.vocab_size)
             if len(prompt_ids) + 1 > self.model.max_model_len:
                 raise InvalidArgument(
                     f"prompt has {len(prompt_ids)} tokens; max_model_len is {self.model.max_model_len} "
                     "(prompt + at least 1 output token)"
                 )
+            rm.num_prompt_tokens = len(prompt_ids)  # a valid request's
             span.set_attributes(
                 {
                     "meshserve.request_id": request_id,
