@@ -363,15 +363,15 @@ async def start_executor(
     links: list[SchedulerLink] = []
     async_engine = AsyncEngine(engine, on_stats=lambda _stats: [link.notify() for link in links],
                                on_kv_events=lambda events: [link.on_kv_events(events) for link in links])
-    await async_engine.start()
-    servicer = ExecutorServicer(async_engine, engine.model_id)
-    executor_pb2_grpc.add_ExecutorServicer_to_server(servicer, service.server)
-    await service.start()
     if metrics_port is not None:
         from executor.metrics import executor_registry
 
         service.serve_metrics(executor_registry(async_engine.stats, engine.num_params, engine.config.device,
                                                 peak_flops), metrics_port)
+    await async_engine.start()
+    servicer = ExecutorServicer(async_engine, engine.model_id)
+    executor_pb2_grpc.add_ExecutorServicer_to_server(servicer, service.server)
+    await service.start()
     link = None
     if scheduler_address:
         link = SchedulerLink(

@@ -252,8 +252,8 @@ async def start_gateway(
                                hash_block_size)
     gateway_pb2_grpc.add_GatewayServicer_to_server(servicer, service.server)
     service.servicer = servicer  # type: ignore[attr-defined]
-    await service.start()
     service.serve_metrics(servicer.metrics.registry, metrics_port)
+    await service.start()
     servicer.readiness = ReadinessProbe(service, servicer._scheduler_channel)
     await servicer.readiness.check()
     servicer.readiness.start()

@@ -175,8 +175,8 @@ async def start_kvstore(store: KVStore, port: int, host: str = "127.0.0.1",
     service = Service("meshserve.v1.KVStore", port, host)
     servicer = servicer_cls(store)
     kvstore_pb2_grpc.add_KVStoreServicer_to_server(servicer, service.server)
-    await service.start()
     service.serve_metrics(servicer.metrics.registry, metrics_port)
+    await service.start()
     await service.set_serving(True)
     service.servicer = servicer  # type: ignore[attr-defined]
     return service

@@ -124,7 +124,11 @@ class MetricsServer:
 
     def __init__(self, registry: CollectorRegistry, port: int, host: str = "127.0.0.1"):
         self.registry = registry
-        self._server, self._thread = start_http_server(port, host, registry=registry)
+        try:
+            self._server, self._thread = start_http_server(port, host, registry=registry)
+        except OSError as exc:
+            raise OSError(f"metrics: cannot listen on {host}:{port} (port in use or not allowed); "
+                          "choose one with --metrics-port") from exc
         self.host = host
         self.port = self._server.server_port
         self.address = f"{host}:{self.port}"

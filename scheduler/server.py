@@ -229,8 +229,8 @@ async def start_scheduler(port: int, host: str = "127.0.0.1", config: SchedulerC
     servicer = SchedulerServicer(AdmissionCore(config), registry_changed)
     scheduler_pb2_grpc.add_SchedulerServicer_to_server(servicer, service.server)
     service.servicer = servicer  # type: ignore[attr-defined]
-    await service.start()
     service.serve_metrics(servicer.metrics.registry, metrics_port)
+    await service.start()
     await service.health.set(EXECUTORS_HEALTH_SERVICE, NOT_SERVING)
     await service.set_serving(True)
     return service

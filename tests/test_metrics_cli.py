@@ -1,6 +1,7 @@
 """--metrics-port on the service commands (real processes) and the ports `meshserve up` hands out."""
 
 import signal
+import socket
 import subprocess
 import sys
 import urllib.request
@@ -45,3 +46,20 @@ def test_up_gives_every_service_its_own_metrics_port():
     assert list(mesh.metrics_addresses) == ["scheduler", "executor-0", "executor-1", "gateway"]
     assert [f"127.0.0.1:{a[1]}" for a in args] == list(mesh.metrics_addresses.values())
     assert Mesh(MeshConfig(metrics=False))._metrics_args("gateway") == []
+
+
+@pytest.mark.parametrize("service", [["scheduler"], ["kvstore"], ["executor", "--scheduler", "127.0.0.1:1"]])
+def test_service_on_a_busy_metrics_port_is_one_line(service):
+    from typer.testing import CliRunner
+
+    from meshserve.cli import app
+
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        result = CliRunner().invoke(app, [*service, "--port", str(free_port()), "--metrics-port", str(port)])
+    assert result.exit_code == 1
+    assert "Traceback" not in result.output
+    assert f"cannot listen on 127.0.0.1:{port} (port in use or not allowed)" in result.output
+    assert "--metrics-port" in result.output
