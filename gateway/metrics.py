@@ -10,15 +10,17 @@ meshserve_request_ttft_seconds                 histogram  arrival → first toke
 meshserve_request_tpot_seconds                 histogram  per choice of >= 2 tokens: (last − first
                                                           token) / (tokens − 1)
 meshserve_request_e2e_seconds                  histogram  arrival → end, every request
-meshserve_request_prompt_tokens_total          counter    prompt tokens of every valid request at its end
+meshserve_request_prompt_tokens_total          counter    prompt tokens of every valid request
 meshserve_request_generation_tokens_total      counter    tokens streamed, all choices
 meshserve_requests_total{outcome}              counter    every request at its end: ``ok``, or the
                                                           status code's name (``invalid_argument``…)
 meshserve_gateway_requests_running             gauge      requests in flight
 =============================================  =========  =========================================
 
-One ``RequestMetrics`` follows one request; its methods are idempotent where a
-request could call twice (TTFT), so each request is observed exactly once.
+"Every request" is every authenticated one (a missing or unknown API key is
+refused before a tenant is known). One ``RequestMetrics`` follows one request;
+its methods are idempotent where a request could call twice (TTFT, end), so
+each request is observed exactly once.
 """
 
 from __future__ import annotations
