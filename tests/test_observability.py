@@ -10,7 +10,6 @@ these tests fail, not skip, without it."""
 import shutil
 import subprocess
 
-import pytest
 import yaml
 
 from tests.promql import OBSERVABILITY, alert_exprs, dashboard_exprs, metric_names
