@@ -13,7 +13,7 @@ import pytest_asyncio
 from prometheus_client.parser import text_string_to_metric_families
 
 from kvstore.store import KVStore
-from meshserve.client import build_request, generate
+from meshserve.client import build_request, generate, generate_choices
 from meshserve.device_metrics import DeviceCollector
 from tests.mesh.conftest import make_engine
 from tests.mesh_harness import start_local_mesh
@@ -73,13 +73,16 @@ def scrape(url: str) -> tuple[dict[str, float], set[str]]:
 
 @pytest_asyncio.fixture(scope="module")
 async def run(tokenizer):
-    """The mesh after 4 requests that produce tokens (one of 1 token, one that hits the
-    prefix cache, two concurrent ones that force a preemption) and one invalid request."""
+    """The mesh after 5 requests that produce tokens (one of 1 token, one that hits the
+    prefix cache, one of 2 choices, two concurrent ones that force a preemption) and
+    one invalid request."""
     engine = make_engine(num_blocks=NUM_BLOCKS)
     m = await start_local_mesh([engine], tokenizer, kvstore=KVStore(64 << 20), metrics=True)
     greedy = dict(temperature=0.0, ignore_eos=True)
     results = [await generate(m.stub, build_request(prompt(0), max_tokens=1, **greedy), timeout=300)]
     results.append(await generate(m.stub, build_request(prompt(0), max_tokens=2, **greedy), timeout=300))
+    results += await generate_choices(m.stub, build_request(prompt(3), max_tokens=3, n=2, temperature=1.0, seed=7,
+                                                            ignore_eos=True), timeout=300)
     results += await asyncio.gather(*(generate(m.stub, build_request(prompt(s), max_tokens=60, **greedy), timeout=600)
                                       for s in (1, 2)))
     with pytest.raises(Exception, match="max_model_len"):
@@ -107,32 +110,33 @@ async def test_every_metric_is_exported_by_its_service(run):
 
 async def test_request_metrics_count_every_request_exactly_once(run):
     _, engine, results, scraped = run
-    assert [len(r.token_ids) for r in results] == [1, 2, 60, 60]
+    assert [len(r.token_ids) for r in results] == [1, 2, 3, 3, 60, 60]
     assert engine.stats().num_preemptions > 0  # one of the two long requests was preempted
     gw = scraped["gateway"][0]
-    assert gw["meshserve_request_ttft_seconds_count"] == 4  # once per request with tokens, preempted one included
-    assert gw["meshserve_request_queue_seconds_count"] == 4
-    assert gw["meshserve_request_tpot_seconds_count"] == 3  # the one-token request has no inter-token latency
-    assert gw["meshserve_request_e2e_seconds_count"] == 5  # every request, the invalid one too
-    assert gw["meshserve_requests_total"] == 5
-    assert gw["meshserve_request_prompt_tokens_total"] == 4 * PROMPT_LEN
-    assert gw["meshserve_request_generation_tokens_total"] == 123
+    # once per request with tokens: the preempted one and the one of 2 choices included
+    assert gw["meshserve_request_ttft_seconds_count"] == 5
+    assert gw["meshserve_request_queue_seconds_count"] == 5
+    assert gw["meshserve_request_tpot_seconds_count"] == 5  # per choice of >= 2 tokens: 1 + 2 + 2
+    assert gw["meshserve_request_e2e_seconds_count"] == 6  # every request, the invalid one too
+    assert gw["meshserve_requests_total"] == 6
+    assert gw["meshserve_request_prompt_tokens_total"] == 5 * PROMPT_LEN
+    assert gw["meshserve_request_generation_tokens_total"] == 129
     assert gw["meshserve_gateway_requests_running"] == 0
     sched = scraped["scheduler"][0]
-    assert sched["meshserve_scheduler_requests_admitted_total"] == 4
-    assert sched["meshserve_scheduler_queue_seconds_count"] == 4
+    assert sched["meshserve_scheduler_requests_admitted_total"] == 5
+    assert sched["meshserve_scheduler_queue_seconds_count"] == 5
     assert sched["meshserve_scheduler_executors"] == 1
     assert sched["meshserve_scheduler_requests_running"] == 0
-    assert sched["meshserve_scheduler_predictor_observed_total"] == 4
+    assert sched["meshserve_scheduler_predictor_observed_total"] == 5
 
 
 async def test_request_outcomes_and_labels(run):
     m, *_ = run
     get = m.gateway.servicer.metrics.registry.get_sample_value
     labels = {"tenant": "default", "priority": "0"}
-    assert get("meshserve_requests_total", {**labels, "outcome": "ok"}) == 4
+    assert get("meshserve_requests_total", {**labels, "outcome": "ok"}) == 5
     assert get("meshserve_requests_total", {**labels, "outcome": "invalid_argument"}) == 1
-    assert get("meshserve_request_ttft_seconds_count", labels) == 4
+    assert get("meshserve_request_ttft_seconds_count", labels) == 5
 
 
 async def test_engine_metrics_are_the_engine_counters(run):
@@ -140,9 +144,9 @@ async def test_engine_metrics_are_the_engine_counters(run):
     s = engine.stats()
     ex = scraped["executor-0"][0]
     assert ex["meshserve_engine_preemptions_total"] == s.num_preemptions > 0
-    assert ex["meshserve_engine_generation_tokens_total"] == s.num_generation_tokens == 123
+    assert ex["meshserve_engine_generation_tokens_total"] == s.num_generation_tokens == 129
     assert ex["meshserve_engine_prompt_tokens_total"] == s.num_prompt_tokens
-    assert ex["meshserve_engine_requests_finished_total"] == s.num_finished == 4
+    assert ex["meshserve_engine_requests_finished_total"] == s.num_finished == 6  # one per choice
     assert ex["meshserve_engine_requests_running"] == ex["meshserve_engine_requests_waiting"] == 0
     assert ex["meshserve_kv_cache_usage_ratio"] == 0.0
     assert ex["meshserve_kv_cache_blocks"] == NUM_BLOCKS + s.num_free_blocks + s.num_cached_free_blocks
