@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: setup demo up test protos bench bench-compare bench-issue3 bench-issue6 clean
+.PHONY: setup tools demo up test protos bench bench-compare bench-issue3 bench-issue6 clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -19,7 +19,12 @@ $(STAMP): pyproject.toml
 	  || (apt-get update -q && apt-get install -y --no-install-recommends redis-server))
 	touch $(STAMP)
 
-setup: $(STAMP)
+setup: $(STAMP) tools
+
+# promtool (Debian's prometheus package) runs the alerting-rule tests of deploy/observability.
+tools:
+	command -v promtool >/dev/null || { apt-get update -q && \
+	  DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends prometheus; }
 
 demo: $(STAMP)
 	$(BIN)/meshserve demo
@@ -27,7 +32,7 @@ demo: $(STAMP)
 up: $(STAMP)
 	$(BIN)/meshserve up
 
-test: $(STAMP)
+test: $(STAMP) tools
 	$(BIN)/python -m pytest -q tests
 
 protos: $(STAMP)

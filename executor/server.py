@@ -321,6 +321,8 @@ async def start_executor(
     step_timeout_s: float = 60.0,
     kvstore_address: str | None = None,
     kvstore_fetch_timeout_s: float = 5.0,
+    metrics_port: int | None = None,
+    peak_flops: float | None = None,
 ) -> tuple[Service, AsyncEngine, SchedulerLink | None]:
     """Starts the engine thread, the Executor service and its scheduler link.
 
@@ -334,6 +336,9 @@ async def start_executor(
     ``step_timeout_s`` seconds does the same until it returns (``StepWatchdog``,
     kept as ``service.watchdog``).
 
+    With ``metrics_port`` (0: a free one) it serves Prometheus metrics
+    (``executor.metrics``; ``peak_flops``: the MFU's peak FLOP/s) as ``service.metrics``.
+
     Raises:
         TimeoutError: the scheduler did not accept the registration within 60 s.
     """
@@ -346,6 +351,11 @@ async def start_executor(
     links: list[SchedulerLink] = []
     async_engine = AsyncEngine(engine, on_stats=lambda _stats: [link.notify() for link in links],
                                on_kv_events=lambda events: [link.on_kv_events(events) for link in links])
+    if metrics_port is not None:
+        from executor.metrics import executor_registry
+
+        service.serve_metrics(executor_registry(async_engine.stats, engine.num_params, engine.config.device,
+                                                peak_flops), metrics_port)
     await async_engine.start()
     servicer = ExecutorServicer(async_engine, engine.model_id)
     executor_pb2_grpc.add_ExecutorServicer_to_server(servicer, service.server)

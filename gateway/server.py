@@ -32,6 +32,7 @@ from opentelemetry import trace
 
 from gateway.choices import Choice, RequestTimer
 from gateway.collector import ChoiceCollector, replay
+from gateway.metrics import GatewayMetrics, RequestMetrics
 from gateway.prompt import PromptBuilder
 from gateway.readiness import ReadinessProbe
 from gateway.result_cache import ResultCache, cache_key, is_deterministic
@@ -83,6 +84,7 @@ class Prepared:
         priority: the priority class (the tenant's default when unset).
         cache_key: the result-cache key; None when the cache is off or the
             request is not deterministic.
+        metrics: its observations (``gateway.metrics``).
     """
 
     request_id: str
@@ -90,7 +92,13 @@ class Prepared:
     prompt_ids: list[int]
     params: SamplingParams
     priority: int
+    metrics: RequestMetrics
     cache_key: str | None = None
+
+
+def _priority(request: gateway_pb2.GenerateRequest, tenant: Tenant) -> int:
+    """The request's priority class: its own, else its tenant's default."""
+    return request.priority if request.HasField("priority") else tenant.default_priority
 
 
 def _prompt_ids(builder: PromptBuilder, request: gateway_pb2.GenerateRequest) -> list[int]:
@@ -112,12 +120,14 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         result_cache: the result cache of deterministic requests (None: off).
         tasks: the task runner over its store (None: an in-memory store with
             default TTL and bound).
+        metrics: the Prometheus metrics (None: a new ``GatewayMetrics``).
     """
 
     def __init__(self, tokenizer, model: ModelInfo, tenants: TenantRegistry, scheduler_address: str,
                  hash_block_size: int = 16, result_cache: ResultCache | None = None,
-                 tasks: TaskRunner | None = None):
+                 tasks: TaskRunner | None = None, metrics: GatewayMetrics | None = None):
         self.tokenizer = tokenizer
+        self.metrics = metrics or GatewayMetrics()
         self.hash_block_size = hash_block_size  # 0: send no block hashes (no prefix-aware routing)
         self.prompts = PromptBuilder(tokenizer)
         self.model = model
@@ -150,16 +160,22 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         timer = RequestTimer()
         tenant = self.tenants.authenticate(context.invocation_metadata())
         span = self.request_span(request, context_from_grpc(context), trace.SpanKind.SERVER, stream=True)
-        prepared = None
+        rm = self.start_metrics(request, tenant, timer)
+        prepared, error = None, None
         try:
-            prepared = self.prepare(request, tenant)
+            prepared = self.prepare(request, tenant, rm)
             self.describe(span, prepared)
             async for msg in self.run(prepared, span, timer):
                 yield msg
         except Exception as exc:
             record_error(span, exc)
+            error = exc
+            raise
+        except BaseException as exc:  # the caller went away (CancelledError, GeneratorExit)
+            error = exc
             raise
         finally:
+            rm.end(time.monotonic(), error)
             if prepared is not None:
                 self.finish(prepared)
             span.end()
@@ -180,9 +196,15 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
                                   attributes={ta.OPERATION_NAME: operation, ta.REQUEST_MODEL: self.model.model_id,
                                               ta.REQUEST_STREAM: stream})
 
-    def prepare(self, request: gateway_pb2.GenerateRequest, tenant: Tenant) -> Prepared:
+    def start_metrics(self, request: gateway_pb2.GenerateRequest, tenant: Tenant,
+                      timer: RequestTimer) -> RequestMetrics:
+        """Begins observing an authenticated request (valid or not); the caller ends it."""
+        return self.metrics.start(tenant.name, _priority(request, tenant), timer.start)
+
+    def prepare(self, request: gateway_pb2.GenerateRequest, tenant: Tenant, metrics: RequestMetrics) -> Prepared:
         """Validates the request and claims its request id: the checks Generate and
-        SubmitTask both make before anything runs. The caller calls ``finish`` when done.
+        SubmitTask both make before anything runs. The caller calls ``finish`` when done;
+        ``metrics`` (from ``start_metrics``) follows it.
 
         Raises:
             InvalidArgument: a bad parameter or prompt.
@@ -198,12 +220,13 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
                 f"prompt has {len(prompt_ids)} tokens; max_model_len is {self.model.max_model_len} "
                 "(prompt + at least 1 output token)"
             )
-        priority = request.priority if request.HasField("priority") else tenant.default_priority
+        priority = _priority(request, tenant)
+        metrics.num_prompt_tokens = len(prompt_ids)
         key = None
         if self.result_cache is not None and is_deterministic(params):
             key = cache_key(self.model.model_id, self.model.revision, prompt_ids, params)
         self._in_flight.add(request_id)
-        return Prepared(request_id, tenant.name, prompt_ids, params, priority, key)
+        return Prepared(request_id, tenant.name, prompt_ids, params, priority, metrics, key)
 
     def finish(self, prepared: Prepared) -> None:
         """Frees the request id ``prepare`` claimed."""
@@ -231,6 +254,8 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
             span.set_attribute(ta.RESULT_CACHE_HIT, cached is not None)
             if cached is not None:
                 choices = [gateway_pb2.TaskChoice.FromString(data) for data in cached]
+                p.metrics.first_token(time.monotonic())
+                p.metrics.tokens(sum(len(c.token_ids) for c in choices))
                 for msg in replay(choices, p.request_id, timer.start):
                     yield msg
                 span.set_attributes({ta.USAGE_OUTPUT_TOKENS: sum(len(c.token_ids) for c in choices),
@@ -279,18 +304,20 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         if assignment is None:
             raise Unavailable("scheduler ended admission without an assignment")
         timer.assigned = time.monotonic()
+        p.metrics.assigned(timer.assigned)
         span.set_attributes({ta.EXECUTOR_ID: assignment.executor_id, ta.QUEUE_WAIT_S: assignment.queue_s})
         finished: dict[str, int] = {}  # completion tokens, once every choice is done
         try:
             if on_assigned is not None:
                 await on_assigned()
             async for msg in self._execute(request_id, prompt_ids, params, priority, assignment, timer, span,
-                                           finished):
+                                           finished, p.metrics):
                 yield msg
         finally:
             await self._release(assignment.lease_id, finished.get("completion_tokens"), span)
 
-    async def _execute(self, request_id, prompt_ids, params, priority, assignment, timer, span, finished):
+    async def _execute(self, request_id, prompt_ids, params, priority, assignment, timer, span, finished,
+                       rm: RequestMetrics):
         exe = executor_pb2.ExecuteRequest(
             request_id=request_id, lease_id=assignment.lease_id, prompt_token_ids=prompt_ids, priority=priority
         )
@@ -308,8 +335,11 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
                 if out.token_ids and not timer.first_token:
                     timer.first_token = now
                     span.add_event(ta.EVENT_FIRST_TOKEN)
+                    rm.first_token(now)
+                rm.tokens(len(out.token_ids))
                 yield gateway_pb2.GenerateResponse(delta=choice.feed(out, now))
                 if choice.done:
+                    rm.choice_done(choice.num_tokens, choice.first_token, choice.last_token)
                     yield gateway_pb2.GenerateResponse(
                         result=choice.result(request_id, prompt_ids, assignment.executor_id, timer))
                 if all(c.done for c in choices):
@@ -341,7 +371,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
 async def start_gateway(
     tokenizer, model: ModelInfo, scheduler_address: str, port: int, host: str = "127.0.0.1",
     tenants: TenantRegistry | None = None, hash_block_size: int = 16,
-    result_cache: ResultCache | None = None, tasks: TaskRunner | None = None,
+    result_cache: ResultCache | None = None, tasks: TaskRunner | None = None, metrics_port: int | None = None,
 ) -> Service:
     """Starts the Gateway service. Its health is SERVING while the scheduler has an
     executor registered (``gateway.readiness``), checked every 0.5 s.
@@ -350,12 +380,15 @@ async def start_gateway(
     prefix-aware routing (the executors' ``block_size``; 0: none sent).
     ``result_cache``: the result cache (None: off). ``tasks``: the async task
     runner over its store (None: in memory, defaults).
+    ``metrics_port``: serve Prometheus metrics (``gateway.metrics``) there (0: a
+    free port; None: none), as ``service.metrics``.
     """
     service = Service("meshserve.v1.Gateway", port, host)
     servicer = GatewayServicer(tokenizer, model, tenants or TenantRegistry.open(), scheduler_address,
                                hash_block_size, result_cache, tasks)
     gateway_pb2_grpc.add_GatewayServicer_to_server(servicer, service.server)
     service.servicer = servicer  # type: ignore[attr-defined]
+    service.serve_metrics(servicer.metrics.registry, metrics_port)
     await service.start()
     servicer.readiness = ReadinessProbe(service, servicer._scheduler_channel)
     await servicer.readiness.check()

@@ -99,7 +99,12 @@ class TaskAPI:
         try:
             if not request.request_id:
                 request.request_id = task_id
-            prepared = gw.prepare(request, tenant)
+            rm = gw.start_metrics(request, tenant, timer)
+            try:
+                prepared = gw.prepare(request, tenant, rm)
+            except BaseException as exc:
+                rm.end(time.monotonic(), exc)
+                raise
             span.set_attribute(ta.REQUEST_ID, prepared.request_id)
             record = TaskRecord(task_id, tenant.name, request_id=prepared.request_id, created_at=time.time(),
                                 traceparent=traceparent_of(span))
@@ -109,6 +114,7 @@ class TaskAPI:
                 run_span = gw.request_span(request, parent, trace.SpanKind.INTERNAL, stream=False)
                 run_span.set_attribute(ta.TASK_ID, task_id)
                 collector = ChoiceCollector()
+                error = None
                 try:
                     gw.describe(run_span, prepared)
                     async for msg in gw.run(prepared, run_span, timer, on_assigned=mark_running):
@@ -116,14 +122,17 @@ class TaskAPI:
                     return gateway_pb2.TaskStatus(choices=collector.choices()).SerializeToString()
                 except BaseException as exc:  # cancelled too: the span says so
                     record_error(run_span, exc)
+                    error = exc
                     raise
                 finally:
+                    rm.end(time.monotonic(), error)
                     gw.finish(prepared)
                     run_span.end()
 
             try:
                 await self.runner.submit(record, work)
-            except BaseException:
+            except BaseException as exc:
+                rm.end(time.monotonic(), exc)
                 gw.finish(prepared)
                 raise
             span.set_attribute(ta.TASK_STATE, record.state.name)

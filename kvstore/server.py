@@ -13,10 +13,12 @@ import asyncio
 import dataclasses
 import itertools
 import logging
+import time
 
 from opentelemetry.trace import SpanKind
 
 from kvstore.events import PlacementKind
+from kvstore.metrics import KVStoreMetrics
 from kvstore.payload import chunks
 from kvstore.store import KVStore, PutStatus
 from kvstore.wire import fingerprint_from_proto, hashes_from_proto
@@ -39,6 +41,7 @@ class KVStoreServicer(kvstore_pb2_grpc.KVStoreServicer):
 
     def __init__(self, store: KVStore):
         self.store = store
+        self.metrics = KVStoreMetrics(store)
         self._call_ids = itertools.count()
         self._watchers: set[asyncio.Event] = set()
         store.events.listeners.append(self._notify)
@@ -49,7 +52,9 @@ class KVStoreServicer(kvstore_pb2_grpc.KVStoreServicer):
 
     async def Lookup(self, request, context) -> kvstore_pb2.LookupResponse:
         fp = fingerprint_from_proto(request.fingerprint)
-        n = self.store.lookup(fp.namespace, hashes_from_proto(request.block_hashes))
+        hashes = hashes_from_proto(request.block_hashes)
+        n = self.store.lookup(fp.namespace, hashes)
+        self.metrics.on_query(len(hashes), n)
         return kvstore_pb2.LookupResponse(num_blocks=n)
 
     async def Get(self, request, context):
@@ -58,7 +63,9 @@ class KVStoreServicer(kvstore_pb2_grpc.KVStoreServicer):
         owner = f"{request.lease_owner or 'anonymous'}#{next(self._call_ids)}"
         # not attached as the current span: a generator
         span = _tracer.start_span("kvstore.get", context=context_from_grpc(context), kind=SpanKind.SERVER)
+        started = time.perf_counter()
         n = self.store.acquire(owner, fp.namespace, hashes)
+        self.metrics.on_query(len(hashes), n)
         span.set_attributes({"meshserve.kvstore.requested_blocks": len(hashes), "meshserve.kvstore.found_blocks": n})
         try:
             yield kvstore_pb2.GetResponse(num_blocks=n)
@@ -76,6 +83,7 @@ class KVStoreServicer(kvstore_pb2_grpc.KVStoreServicer):
                     yield msg
         finally:
             self.store.release(owner)
+            self.metrics.get_seconds.observe(time.perf_counter() - started)
             span.end()
 
     async def Put(self, request_iterator, context) -> kvstore_pb2.PutResponse:
@@ -155,11 +163,14 @@ class KVStoreServicer(kvstore_pb2_grpc.KVStoreServicer):
 
 
 async def start_kvstore(store: KVStore, port: int, host: str = "127.0.0.1",
-                        servicer_cls: type[KVStoreServicer] = KVStoreServicer) -> Service:
+                        servicer_cls: type[KVStoreServicer] = KVStoreServicer,
+                        metrics_port: int | None = None) -> Service:
     """Starts the KVStore service over ``store``; SERVING at once (nothing to warm).
 
     Args:
         servicer_cls: the servicer class (tests pass a fault-injecting subclass).
+        metrics_port: serve Prometheus metrics (``kvstore.metrics``) there as
+            ``service.metrics`` (0: a free port; None: none).
 
     Raises:
         OSError: the port cannot be bound.
@@ -167,6 +178,7 @@ async def start_kvstore(store: KVStore, port: int, host: str = "127.0.0.1",
     service = Service("meshserve.v1.KVStore", port, host)
     servicer = servicer_cls(store)
     kvstore_pb2_grpc.add_KVStoreServicer_to_server(servicer, service.server)
+    service.serve_metrics(servicer.metrics.registry, metrics_port)
     await service.start()
     await service.set_serving(True)
     service.servicer = servicer  # type: ignore[attr-defined]

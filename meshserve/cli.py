@@ -27,6 +27,9 @@ OtlpOpt = typer.Option(None, "--otlp-endpoint", help="OTLP/gRPC collector host:p
 SampleOpt = typer.Option(None, "--trace-sample-ratio", min=0.0, max=1.0,
                          help="Fraction of new traces kept, ParentBased(TraceIdRatioBased) "
                               "(default: $MESHSERVE_TRACE_SAMPLE_RATIO or 1).")
+MetricsPortOpt = typer.Option(None, "--metrics-port", min=0, max=65535,
+                              help="Serve Prometheus metrics at http://HOST:PORT/metrics (0: a free port, logged; "
+                                   "default: off).")
 
 
 def _logging(level: str) -> None:
@@ -110,6 +113,7 @@ def scheduler(
                                                      help="...and this many tokens above it."),
     traces: Optional[str] = TracesOpt, otlp_endpoint: Optional[str] = OtlpOpt,
     trace_sample_ratio: Optional[float] = SampleOpt,
+    metrics_port: Optional[int] = MetricsPortOpt,
     log_level: str = typer.Option("info"),
 ) -> None:
     """Run the global scheduler (executor registry, admission queue, pools and routing)."""
@@ -127,7 +131,7 @@ def scheduler(
                                   route_cfg, kv_reservation)
     except (ValueError, FileNotFoundError) as exc:
         raise typer.BadParameter(str(exc)) from None
-    _serve(run_scheduler(port, host, config, kvstore))
+    _serve(run_scheduler(port, host, config, kvstore, metrics_port))
 
 
 @app.command()
@@ -160,6 +164,10 @@ def executor(
                                                 help="Seconds to wait for a kvstore fetch before recomputing."),
     traces: Optional[str] = TracesOpt, otlp_endpoint: Optional[str] = OtlpOpt,
     trace_sample_ratio: Optional[float] = SampleOpt,
+    metrics_port: Optional[int] = MetricsPortOpt,
+    peak_flops: Optional[float] = typer.Option(None, "--peak-flops", min=1.0,
+                                               help="Peak FLOP/s of the device for the MFU metric (default: by GPU "
+                                                    "name, e.g. H100 989e12; CPU 1e12)."),
     log_level: str = typer.Option("info"),
 ) -> None:
     """Run one executor: a model replica with its continuous-batching engine."""
@@ -174,12 +182,14 @@ def executor(
         raise typer.BadParameter(f"--kvstore must be HOST:PORT, got {kvstore!r}")
     from meshserve.launcher import port_is_free
 
-    if port and not port_is_free(port, host):  # checked before the model loads
-        typer.echo(f"error: executor: cannot listen on {host}:{port} (port in use or not allowed); "
-                   "choose one with --port", err=True)
-        raise typer.Exit(1)
+    for flag, p in (("--port", port), ("--metrics-port", metrics_port)):
+        if p and not port_is_free(p, host):  # checked before the model loads
+            typer.echo(f"error: executor: cannot listen on {host}:{p} (port in use or not allowed); "
+                       f"choose one with {flag}", err=True)
+            raise typer.Exit(1)
     _serve(run_executor(cfg, port, host, scheduler, executor_id, pool, advertise, step_timeout_s=step_timeout_s,
-                        kvstore_address=kvstore, kvstore_fetch_timeout_s=kvstore_fetch_timeout))
+                        kvstore_address=kvstore, kvstore_fetch_timeout_s=kvstore_fetch_timeout,
+                        metrics_port=metrics_port, peak_flops=peak_flops))
 
 
 def _is_address(text: str) -> bool:
@@ -197,6 +207,7 @@ def kvstore_cmd(
     max_events: int = typer.Option(65536, "--max-events", min=1, help="Placement events kept for followers."),
     traces: Optional[str] = TracesOpt, otlp_endpoint: Optional[str] = OtlpOpt,
     trace_sample_ratio: Optional[float] = SampleOpt,
+    metrics_port: Optional[int] = MetricsPortOpt,
     log_level: str = typer.Option("info"),
 ) -> None:
     """Run the kvstore: prefix KV blocks shared by executors."""
@@ -210,7 +221,7 @@ def kvstore_cmd(
             raise ValueError("--memory and --disk must be at least 1 byte")
     except ValueError as exc:
         raise typer.BadParameter(str(exc)) from None
-    _serve(run_kvstore(port, host, memory_bytes, disk_dir, disk_bytes, max_events))
+    _serve(run_kvstore(port, host, memory_bytes, disk_dir, disk_bytes, max_events, metrics_port))
 
 
 @app.command()
@@ -233,6 +244,7 @@ def gateway(
                                   "(finished ones are dropped oldest first; then SubmitTask is refused)."),
     traces: Optional[str] = TracesOpt, otlp_endpoint: Optional[str] = OtlpOpt,
     trace_sample_ratio: Optional[float] = SampleOpt,
+    metrics_port: Optional[int] = MetricsPortOpt,
     log_level: str = typer.Option("info"),
 ) -> None:
     """Run the public gateway."""
@@ -246,15 +258,16 @@ def gateway(
     _logging(log_level)
     _traces(traces, otlp_endpoint, trace_sample_ratio)
     _serve(run_gateway(model, port, host, scheduler, tenants, block_size, result_cache_size, result_cache_ttl_s,
-                       task_store, task_ttl_s, max_tasks))
+                       task_store, task_ttl_s, max_tasks, metrics_port))
 
 
-def _mesh_config(port, executors, model, dtype, kv_cache_memory, extra, tenants, log_dir, kvstore_memory=None):
+def _mesh_config(port, executors, model, dtype, kv_cache_memory, extra, tenants, log_dir, kvstore_memory=None,
+                 metrics=False):
     from meshserve.launcher import MeshConfig
 
     args = ["--dtype", dtype, "--kv-cache-memory", kv_cache_memory, *extra]
     return MeshConfig(port=port, executors=executors, model=model, executor_args=args, tenants_file=tenants,
-                      log_dir=Path(log_dir) if log_dir else None, kvstore_memory=kvstore_memory)
+                      log_dir=Path(log_dir) if log_dir else None, kvstore_memory=kvstore_memory, metrics=metrics)
 
 
 @app.command()
@@ -268,6 +281,8 @@ def up(
     log_dir: Optional[str] = typer.Option(None, help="Write each service's log here instead of the terminal."),
     kvstore: bool = typer.Option(False, "--kvstore", help="Start one kvstore and connect every executor to it."),
     kvstore_memory: str = typer.Option("1GiB", "--kvstore-memory", help="Memory tier budget of that kvstore."),
+    metrics: bool = typer.Option(True, "--metrics/--no-metrics", help="Give every service a free port for its "
+                                 "Prometheus /metrics endpoint and print them."),
     traces: Optional[str] = TracesOpt, otlp_endpoint: Optional[str] = OtlpOpt,
     trace_sample_ratio: Optional[float] = SampleOpt,
 ) -> None:
@@ -279,7 +294,7 @@ def up(
 
     _traces(traces, otlp_endpoint, trace_sample_ratio)
     mesh = Mesh(_mesh_config(port, executors, model, dtype, kv_cache_memory, [], tenants, log_dir,
-                             kvstore_memory if kvstore else None))
+                             kvstore_memory if kvstore else None, metrics))
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     failed = False
@@ -295,6 +310,8 @@ def up(
         kv = f", kvstore {mesh.kvstore_address}" if mesh.kvstore_address else ""
         typer.echo(f"meshserve is up: gateway {mesh.gateway_address}, scheduler {mesh.scheduler_address}, "
                    f"executors {', '.join(mesh.executor_addresses)}{kv}. Ctrl-C stops it.")
+        for name, address in mesh.metrics_addresses.items():
+            typer.echo(f"  metrics {name}: http://{address}/metrics")
         while not stop.wait(0.5):
             if mesh.exited():
                 typer.echo(f"service(s) exited: {', '.join(mesh.exited())}; stopping the mesh", err=True)

@@ -64,6 +64,20 @@ class Service:
             raise OSError(f"{name}: cannot listen on {host}:{port} (port in use or not allowed); choose one with --port")
         self.address = f"{host}:{self.port}"
         self.background: list = []
+        self.host = host
+        self.metrics = None  # a meshserve.metrics.MetricsServer once serve_metrics ran
+
+    def serve_metrics(self, registry, port: int | None) -> None:
+        """Serves ``registry`` (Prometheus) at ``http://host:port/metrics`` until ``stop``;
+        None: no endpoint, 0: a free port (``metrics.port``).
+
+        Raises:
+            OSError: the port cannot be bound.
+        """
+        if port is not None:
+            from meshserve.metrics import MetricsServer
+
+            self.metrics = MetricsServer(registry, port, self.host)
 
     async def start(self) -> None:
         """Starts listening (health still NOT_SERVING)."""
@@ -84,6 +98,8 @@ class Service:
             await task.stop()
         await self.health.enter_graceful_shutdown()
         await self.server.stop(grace_s)
+        if self.metrics is not None:
+            self.metrics.stop()
 
 
 async def run_until_signal(start: Callable[[], Awaitable[None]], stop: Callable[[], Awaitable[None]],

@@ -69,6 +69,8 @@ class MeshConfig:
         scheduler_args: extra ``meshserve scheduler`` flags (queue policy…).
         kvstore_memory: start one kvstore (memory tier budget, e.g. ``1GiB``) and pass
             ``--kvstore`` to every executor; None: no kvstore.
+        metrics: give every service a free port for its Prometheus ``/metrics``
+            (``Mesh.metrics_addresses``).
     """
 
     port: int = 50051
@@ -81,6 +83,7 @@ class MeshConfig:
     scheduler_args: list[str] = field(default_factory=list)
     startup_timeout_s: float = 300.0
     kvstore_memory: str | None = None  # start one kvstore with this memory budget (None: no kvstore)
+    metrics: bool = False
 
 
 class Mesh:
@@ -93,6 +96,15 @@ class Mesh:
         self.scheduler_address = ""
         self.kvstore_address = ""
         self.executor_addresses: list[str] = []
+        self.metrics_addresses: dict[str, str] = {}  # service name -> host:port of its /metrics
+
+    def _metrics_args(self, name: str) -> list[str]:
+        """``--metrics-port P`` with a free port for service ``name`` (none when metrics are off)."""
+        if not self.config.metrics:
+            return []
+        port = free_port()
+        self.metrics_addresses[name] = f"127.0.0.1:{port}"
+        return ["--metrics-port", str(port)]
 
     def _spawn(self, name: str, args: list[str]) -> None:
         cmd = [sys.executable, "-m", "meshserve.cli", *args]
@@ -129,12 +141,13 @@ class Mesh:
             if c.kvstore_memory:
                 kport = free_port()
                 self.kvstore_address = f"127.0.0.1:{kport}"
-                self._spawn("kvstore", ["kvstore", "--port", str(kport), "--memory", c.kvstore_memory])
+                self._spawn("kvstore", ["kvstore", "--port", str(kport), "--memory", c.kvstore_memory,
+                                        *self._metrics_args("kvstore")])
                 await self._wait("kvstore", self.kvstore_address)
                 kv_args = ["--kvstore", self.kvstore_address]
             sport = free_port()
             self.scheduler_address = f"127.0.0.1:{sport}"
-            sched = ["scheduler", "--port", str(sport), *kv_args, *c.scheduler_args]
+            sched = ["scheduler", "--port", str(sport), *kv_args, *self._metrics_args("scheduler"), *c.scheduler_args]
             if c.tenants_file:
                 sched += ["--tenants", c.tenants_file]  # the scheduler enforces the tenants' KV quotas
             self._spawn("scheduler", sched)
@@ -145,10 +158,12 @@ class Mesh:
                 self.executor_addresses.append(f"127.0.0.1:{eport}")
                 self._spawn(f"executor-{i}", ["executor", "--port", str(eport), "--scheduler", self.scheduler_address,
                                               "--model", c.model, "--executor-id", f"executor-{i}",
-                                              "--num-threads", str(threads), *kv_args, *c.executor_args])
+                                              "--num-threads", str(threads), *kv_args,
+                                              *self._metrics_args(f"executor-{i}"), *c.executor_args])
             for i, address in enumerate(self.executor_addresses):
                 await self._wait(f"executor-{i}", address)
-            gw = ["gateway", "--port", str(c.port), "--scheduler", self.scheduler_address, "--model", c.model]
+            gw = ["gateway", "--port", str(c.port), "--scheduler", self.scheduler_address, "--model", c.model,
+                  *self._metrics_args("gateway")]
             if c.tenants_file:
                 gw += ["--tenants", c.tenants_file]
             if "--block-size" in c.executor_args:  # the gateway hashes prompts in the executors' blocks

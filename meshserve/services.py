@@ -83,16 +83,18 @@ def scheduler_config(queue_policy: str = "fcfs", max_queue_wait_s: float = 30.0,
                            routing=routing or RoutingConfig(), kv_reservation=kv_reservation)
 
 
-async def run_scheduler(port: int, host: str = "127.0.0.1", config=None, kvstore_address: str | None = None) -> None:
+async def run_scheduler(port: int, host: str = "127.0.0.1", config=None, kvstore_address: str | None = None,
+                        metrics_port: int | None = None) -> None:
     """Serves the scheduler (``config``: a ``SchedulerConfig``, default settings if None) until SIGINT/SIGTERM;
-    with ``kvstore_address`` it follows that kvstore's placements for routing."""
+    with ``kvstore_address`` it follows that kvstore's placements for routing; Prometheus metrics on
+    ``metrics_port`` (None: none)."""
     from scheduler.server import start_scheduler
 
     setup_tracing("scheduler")
     holder = {}
 
     async def start():
-        holder["svc"] = await start_scheduler(port, host, config, kvstore_address)
+        holder["svc"] = await start_scheduler(port, host, config, kvstore_address, metrics_port)
         log.info("scheduler serving on %s", holder["svc"].address)
 
     async def stop():
@@ -103,8 +105,9 @@ async def run_scheduler(port: int, host: str = "127.0.0.1", config=None, kvstore
 
 
 async def run_kvstore(port: int, host: str, memory_bytes: int, disk_dir: str | None = None, disk_bytes: int = 0,
-                      max_events: int = 65536) -> None:
-    """Serves a kvstore until SIGINT/SIGTERM (its blocks are a cache: lost at stop)."""
+                      max_events: int = 65536, metrics_port: int | None = None) -> None:
+    """Serves a kvstore until SIGINT/SIGTERM (its blocks are a cache: lost at stop); Prometheus
+    metrics on ``metrics_port`` (None: none)."""
     from kvstore.server import start_kvstore
     from kvstore.store import KVStore
 
@@ -113,7 +116,7 @@ async def run_kvstore(port: int, host: str, memory_bytes: int, disk_dir: str | N
 
     async def start():
         store = KVStore(memory_bytes, disk_dir, disk_bytes if disk_dir else 0, max_events)
-        holder["svc"] = await start_kvstore(store, port, host)
+        holder["svc"] = await start_kvstore(store, port, host, metrics_port=metrics_port)
         log.info("kvstore serving on %s (memory %d bytes%s)", holder["svc"].address, memory_bytes,
                  f", disk {disk_bytes} bytes under {disk_dir}" if disk_dir else "")
 
@@ -127,8 +130,10 @@ async def run_kvstore(port: int, host: str, memory_bytes: int, disk_dir: str | N
 async def run_executor(engine_config, port: int, host: str, scheduler: str, executor_id: str | None,
                        pool: str = "default", advertise_address: str | None = None,
                        step_timeout_s: float = 60.0, kvstore_address: str | None = None,
-                       kvstore_fetch_timeout_s: float = 5.0) -> None:
-    """Loads the model, serves the executor and stays registered until a signal."""
+                       kvstore_fetch_timeout_s: float = 5.0, metrics_port: int | None = None,
+                       peak_flops: float | None = None) -> None:
+    """Loads the model, serves the executor and stays registered until a signal; Prometheus
+    metrics on ``metrics_port`` (None: none), the MFU against ``peak_flops`` FLOP/s."""
     from executor.engine.llm_engine import LLMEngine
     from executor.server import start_executor
 
@@ -140,7 +145,7 @@ async def run_executor(engine_config, port: int, host: str, scheduler: str, exec
         engine = await asyncio.to_thread(LLMEngine, engine_config)
         svc, async_engine, link = await start_executor(engine, port, host, scheduler, executor_id, pool,
                                                     advertise_address, step_timeout_s, kvstore_address,
-                                                    kvstore_fetch_timeout_s)
+                                                    kvstore_fetch_timeout_s, metrics_port, peak_flops)
         async_engine.on_failure(lambda _exc: done.set())  # exit non-zero: the orchestrator restarts us
         holder.update(svc=svc, engine=async_engine, link=link)
         log.info("executor serving on %s (%d KV blocks of %d tokens)", svc.address, engine.num_blocks,
@@ -163,13 +168,15 @@ async def run_executor(engine_config, port: int, host: str, scheduler: str, exec
 
 async def run_gateway(model: str, port: int, host: str, scheduler: str, tenants_file: str | None = None,
                       hash_block_size: int = 16, result_cache_size: int = 0, result_cache_ttl_s: float = 600.0,
-                      task_store: str = "memory", task_ttl_s: float = 3600.0, max_tasks: int = 10_000) -> None:
+                      task_store: str = "memory", task_ttl_s: float = 3600.0, max_tasks: int = 10_000,
+                      metrics_port: int | None = None) -> None:
     """Loads the tokenizer, serves the public Gateway until a signal.
 
     ``result_cache_size``: entries of the result cache (0: off), each living
     ``result_cache_ttl_s`` seconds. ``task_store``: ``memory`` or a Redis URL;
     finished tasks live ``task_ttl_s`` seconds; the memory store keeps at most
     ``max_tasks``. An unreachable Redis stops the start with ``ConnectionError``.
+    Prometheus metrics on ``metrics_port`` (None: none).
     """
     from gateway.result_cache import ResultCache
     from gateway.server import start_gateway
@@ -187,7 +194,8 @@ async def run_gateway(model: str, port: int, host: str, scheduler: str, tenants_
         tenants = TenantRegistry.from_file(tenants_file) if tenants_file else TenantRegistry.open()
         cache = ResultCache(result_cache_size, result_cache_ttl_s) if result_cache_size > 0 else None
         holder["svc"] = await start_gateway(tokenizer, info, scheduler, port, host, tenants, hash_block_size,
-                                            result_cache=cache, tasks=TaskRunner(store))
+                                            result_cache=cache, tasks=TaskRunner(store),
+                                            metrics_port=metrics_port)
         log.info("gateway serving on %s", holder["svc"].address)
 
     async def stop():

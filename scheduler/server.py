@@ -19,13 +19,14 @@ import grpc
 from opentelemetry import trace
 
 from meshserve import trace_attributes as ta
-from meshserve.errors import InvalidArgument, ResourceExhausted, Unavailable
+from meshserve.errors import InvalidArgument, MeshError, ResourceExhausted, Unavailable
 from meshserve.grpc_server import EXECUTORS_HEALTH_SERVICE, NOT_SERVING, SERVING, Service
 from meshserve.telemetry import context_from_grpc, record_error, tracer
 from meshserve.v1 import scheduler_pb2 as pb
 from meshserve.v1 import scheduler_pb2_grpc
 from scheduler.admission import AdmissionCore, AdmissionRequest, SchedulerConfig
 from scheduler.kvstore_follower import KVStoreFollower
+from scheduler.metrics import SchedulerMetrics
 from scheduler.registry import ExecutorState, Lease
 
 log = logging.getLogger(__name__)
@@ -38,6 +39,7 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
 
     def __init__(self, core: AdmissionCore, on_registry_change: Callable[[int], None] | None = None):
         self.core = core
+        self.metrics = SchedulerMetrics(core)
         self._waiters: dict[str, asyncio.Future[Lease]] = {}
         self._on_registry_change = on_registry_change or (lambda _n: None)
 
@@ -112,6 +114,7 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
                 executor = self.core.registry.get(lease.executor_id)
                 queue_s = max(0.0, lease.assigned_at - req.arrival)
                 span.set_attributes({ta.EXECUTOR_ID: lease.executor_id, ta.QUEUE_WAIT_S: queue_s})
+                self.metrics.on_assigned(request.tenant, request.priority, queue_s)
                 yield pb.AdmitEvent(
                     assignment=pb.Assignment(
                         executor_id=lease.executor_id,
@@ -131,6 +134,8 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
                     self._dispatch()
         except Exception as exc:
             record_error(span, exc)
+            if isinstance(exc, MeshError):  # refused, displaced, or no executor left
+                self.metrics.on_rejected(request.tenant, request.priority, exc)
             raise
         finally:
             span.end()
@@ -221,8 +226,10 @@ def _check_block_hashes(request: pb.AdmitRequest) -> None:
 
 
 async def start_scheduler(port: int, host: str = "127.0.0.1", config: SchedulerConfig | None = None,
-                          kvstore_address: str | None = None) -> Service:
+                          kvstore_address: str | None = None, metrics_port: int | None = None) -> Service:
     """Starts a Scheduler service on ``host:port`` (0 picks a free port); SERVING at once.
+    With ``metrics_port`` (0: a free one) it serves Prometheus metrics
+    (``scheduler.metrics``) as ``service.metrics``.
 
     With ``kvstore_address`` it follows that kvstore's placement events
     (``scheduler.kvstore_follower``) and routes with its blocks (``scheduler.routing``).
@@ -243,6 +250,7 @@ async def start_scheduler(port: int, host: str = "127.0.0.1", config: SchedulerC
         follower = KVStoreFollower(kvstore_address, servicer.core.kvstore_index)
         service.background.append(follower)
         service.kvstore_follower = follower  # type: ignore[attr-defined]
+    service.serve_metrics(servicer.metrics.registry, metrics_port)
     await service.start()
     for task in service.background:
         task.start()

@@ -27,6 +27,12 @@ class LocalMesh:
     stub: gateway_pb2_grpc.GatewayStub | None = None
     _channel: object = None
 
+    def metrics_urls(self) -> dict[str, str]:
+        """Service name → its /metrics URL, for the services serving metrics."""
+        services = [("gateway", self.gateway), ("scheduler", self.scheduler), ("kvstore", self.kvstore)]
+        services += [(f"executor-{i}", svc) for i, (svc, _, _) in enumerate(self.executors)]
+        return {name: svc.metrics.url for name, svc in services if svc is not None and svc.metrics is not None}
+
     @property
     def engines(self) -> list[LLMEngine]:
         return [e.engine for _, e, _ in self.executors]
@@ -68,27 +74,32 @@ class LocalMesh:
 
 
 async def start_local_mesh(engines: list[LLMEngine], tokenizer, tenants=None, kvstore=None,
-                           kvstore_fetch_timeout_s: float = 5.0, step_timeout_s: float = 60.0) -> LocalMesh:
+                           kvstore_fetch_timeout_s: float = 5.0, step_timeout_s: float = 60.0,
+                           metrics: bool = False) -> LocalMesh:
     """Starts scheduler, one executor per engine, and a gateway, on free ports; with
     ``kvstore`` (a ``kvstore.store.KVStore``, or a ready ``Service``) a kvstore service
     too, every executor shares prefix blocks through it, and the scheduler follows its
-    placements."""
+    placements. With ``metrics`` every service serves Prometheus metrics on a free port
+    (``LocalMesh.metrics_urls``)."""
     from kvstore.server import start_kvstore
     from kvstore.store import KVStore
 
-    kv_service = await start_kvstore(kvstore, 0) if isinstance(kvstore, KVStore) else kvstore
-    scheduler = await start_scheduler(0, kvstore_address=kv_service.address if kv_service else None)
+    metrics_port = 0 if metrics else None
+    kv_service = await start_kvstore(kvstore, 0, metrics_port=metrics_port) if isinstance(kvstore, KVStore) \
+        else kvstore
+    scheduler = await start_scheduler(0, kvstore_address=kv_service.address if kv_service else None,
+                                      metrics_port=metrics_port)
     executors = []
     for i, engine in enumerate(engines):
         svc, async_engine, link = await start_executor(engine, 0, scheduler_address=scheduler.address,
                                                        executor_id=f"executor-{i}",
                                                        kvstore_address=kv_service.address if kv_service else None,
                                                        kvstore_fetch_timeout_s=kvstore_fetch_timeout_s,
-                                                       step_timeout_s=step_timeout_s)
+                                                       step_timeout_s=step_timeout_s, metrics_port=metrics_port)
         executors.append((svc, async_engine, link))
     e0 = engines[0]
     info = ModelInfo(e0.model_id, e0.max_model_len, e0.vocab_size, e0.revision)
-    gateway = await start_gateway(tokenizer, info, scheduler.address, 0, tenants=tenants)
+    gateway = await start_gateway(tokenizer, info, scheduler.address, 0, tenants=tenants, metrics_port=metrics_port)
     mesh = LocalMesh(scheduler, gateway, executors, kv_service)
     mesh._channel = channel(gateway.address)
     mesh.stub = gateway_pb2_grpc.GatewayStub(mesh._channel)

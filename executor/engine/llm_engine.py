@@ -83,6 +83,9 @@ class LLMEngine:
         self.kv_connector: KVConnector | None = None
         self.kvstore_queried_tokens = 0
         self.num_steps = 0
+        self.forward_seconds = 0.0  # wall seconds spent in execute_model (busy fraction, MFU)
+        self.num_forward_tokens = 0  # tokens run through the model (prefill chunks + decodes)
+        self.num_params = sum(p.numel() for p in loaded.model.parameters())  # for the MFU estimate
         self.last_step_was_empty = False
         self._arrivals = itertools.count()
         self._generate_ids = itertools.count()
@@ -221,7 +224,10 @@ class LLMEngine:
         if scheduler_output.is_empty:
             self.model_runner.release(scheduler_output.finished_request_ids)
             return []
+        started = time.perf_counter()
         runner_output = self.model_runner.execute_model(scheduler_output)
+        self.forward_seconds += time.perf_counter() - started
+        self.num_forward_tokens += scheduler_output.num_scheduled_tokens
         self.num_steps += 1
         outputs = self.batch_scheduler.update_from_output(scheduler_output, runner_output)
         if self.kv_connector is not None:
@@ -303,6 +309,8 @@ class LLMEngine:
             kvstore_hit_tokens=s.kvstore_hit_tokens,
             kvstore_queried_tokens=self.kvstore_queried_tokens,
             kvstore=self.kv_connector.stats() if self.kv_connector is not None else None,
+            forward_seconds=self.forward_seconds,
+            num_forward_tokens=self.num_forward_tokens,
         )
 
     def reset_prefix_cache(self) -> bool:

@@ -85,6 +85,9 @@ class EngineStats:
         kvstore_queried_tokens: prompt tokens asked of the kvstore (full blocks
             missing from the local cache at admission).
         kvstore: the kvstore connector's counters (None without a connector).
+        forward_seconds: wall seconds spent in the model's forward passes (with
+            sampling), all steps together.
+        num_forward_tokens: tokens run through those forward passes.
     """
 
     num_blocks: int
@@ -108,6 +111,8 @@ class EngineStats:
     kvstore_hit_tokens: int = 0
     kvstore_queried_tokens: int = 0
     kvstore: "KVConnectorStats | None" = None  # noqa: F821 - executor.engine.kv_connector
+    forward_seconds: float = 0.0
+    num_forward_tokens: int = 0
 
     @property
     def prefix_cache_hit_rate(self) -> float:

@@ -1,0 +1,143 @@
+"""meshserve.metrics (bounded labels, the /metrics endpoint) and meshserve.device_metrics
+(NVML through a fake module, the process-CPU fallback)."""
+
+import types
+import urllib.request
+
+import pytest
+from prometheus_client import Counter
+from prometheus_client.parser import text_string_to_metric_families
+
+from meshserve.device_metrics import CpuUtilization, DeviceCollector, cuda_index
+from meshserve.metrics import OTHER, BoundedLabel, MetricsServer, new_registry, snapshot
+
+
+def samples(text: str) -> dict[tuple[str, tuple], float]:
+    """(sample name, sorted labels) → value of a Prometheus text exposition."""
+    return {(s.name, tuple(sorted(s.labels.items()))): s.value
+            for f in text_string_to_metric_families(text) for s in f.samples}
+
+
+def test_bounded_label_keeps_the_first_values_and_folds_the_rest():
+    label = BoundedLabel(2)
+    assert [label(v) for v in ("a", "b", "c", "a", 7, "b", "d")] == ["a", "b", OTHER, "a", OTHER, "b", OTHER]
+    assert label.kept == {"a", "b"}
+    zero = BoundedLabel(0)
+    assert zero("a") == OTHER and zero.kept == frozenset()
+    assert BoundedLabel(3)(OTHER) == OTHER and BoundedLabel(1)(5) == "5"
+    with pytest.raises(ValueError):
+        BoundedLabel(-1)
+
+
+def test_metrics_server_serves_its_own_registry_and_stops():
+    registry = new_registry("gateway")
+    Counter("meshserve_test_events", "Events.", registry=registry).inc(3)
+    other = new_registry("scheduler")  # a second registry in the same process does not collide
+    Counter("meshserve_test_events", "Events.", registry=other).inc(5)
+    server = MetricsServer(registry, 0)
+    try:
+        assert server.port > 0 and server.url == f"http://127.0.0.1:{server.port}/metrics"
+        with urllib.request.urlopen(server.url, timeout=5) as resp:
+            assert resp.status == 200
+            got = samples(resp.read().decode())
+        assert got[("meshserve_test_events_total", ())] == 3.0
+        assert got[("meshserve_build_info", (("service", "gateway"), ("version", "0.1.0")))] == 1.0
+        assert ("process_cpu_seconds_total", ()) in got
+    finally:
+        server.stop()
+    server.stop()  # idempotent
+    with pytest.raises(OSError):
+        urllib.request.urlopen(server.url, timeout=2)
+
+
+def test_snapshot_retries_a_read_that_raced_a_change():
+    calls = []
+
+    def read():
+        calls.append(1)
+        if len(calls) < 3:
+            raise RuntimeError("dictionary changed size during iteration")
+        return 42
+
+    assert snapshot(read) == 42 and len(calls) == 3
+    with pytest.raises(RuntimeError):
+        snapshot(lambda: (_ for _ in ()).throw(RuntimeError("always")), attempts=2)
+
+
+class FakeNVMLError(Exception):
+    pass
+
+
+def fake_nvml(fail_init: bool = False):
+    """A stand-in for ``pynvml`` with the functions DeviceCollector calls; records the calls."""
+    calls = []
+
+    def init():
+        calls.append("init")
+        if fail_init:
+            raise FakeNVMLError("NVML Shared Library Not Found")
+
+    def handle(index):
+        calls.append(("handle", index))
+        return f"h{index}"
+
+    def util(h):
+        calls.append(("util", h))
+        return types.SimpleNamespace(gpu=37, memory=12)
+
+    def mem(h):
+        calls.append(("mem", h))
+        return types.SimpleNamespace(used=3 << 30, total=80 << 30, free=77 << 30)
+
+    return types.SimpleNamespace(NVMLError=FakeNVMLError, nvmlInit=init, nvmlDeviceGetHandleByIndex=handle,
+                                 nvmlDeviceGetUtilizationRates=util, nvmlDeviceGetMemoryInfo=mem,
+                                 nvmlShutdown=lambda: calls.append("shutdown"), calls=calls)
+
+
+def collected(collector) -> dict[tuple[str, tuple], float]:
+    return {(s.name, tuple(sorted(s.labels.items()))): s.value for f in collector.collect() for s in f.samples}
+
+
+def test_nvml_path_reports_gpu_utilization_and_memory_of_the_device():
+    nvml = fake_nvml()
+    collector = DeviceCollector("cuda:1", nvml=nvml)
+    assert collector.uses_nvml
+    assert collected(collector) == {
+        ("meshserve_gpu_utilization_ratio", (("gpu", "1"),)): 0.37,
+        ("meshserve_gpu_memory_used_bytes", (("gpu", "1"),)): float(3 << 30),
+        ("meshserve_gpu_memory_total_bytes", (("gpu", "1"),)): float(80 << 30),
+    }
+    assert nvml.calls == ["init", ("handle", 1), ("util", "h1"), ("mem", "h1")]
+    collector.close()
+    assert nvml.calls[-1] == "shutdown" and not collector.uses_nvml
+
+
+def test_nvml_failure_and_cpu_devices_fall_back_to_process_cpu():
+    ticks = iter([(0.0, 0.0), (2.0, 1.0)])  # (wall, cpu) seconds
+    state = {}
+
+    def wall():
+        state["now"] = next(ticks)
+        return state["now"][0]
+
+    cpu = CpuUtilization(clock=wall, cpu_clock=lambda: state["now"][1], num_cpus=2)
+    failing = fake_nvml(fail_init=True)
+    collector = DeviceCollector("cuda", nvml=failing, cpu=cpu)
+    assert not collector.uses_nvml and failing.calls == ["init"]
+    assert collected(collector) == {("meshserve_process_cpu_utilization_ratio", ()): 0.25}  # 1 s / 2 s / 2 cores
+    nvml = fake_nvml()
+    assert not DeviceCollector("cpu", nvml=nvml).uses_nvml and nvml.calls == []  # NVML never touched on a CPU
+
+
+def test_cpu_utilization_is_per_interval_and_keeps_the_last_value_without_time():
+    wall, cpu = [10.0], [5.0]
+    u = CpuUtilization(clock=lambda: wall[0], cpu_clock=lambda: cpu[0], num_cpus=4)
+    wall[0], cpu[0] = 11.0, 7.0
+    assert u.sample() == 0.5  # 2 CPU s / 1 s / 4 cores
+    assert u.sample() == 0.5  # no time passed
+    wall[0], cpu[0] = 13.0, 7.0
+    assert u.sample() == 0.0
+
+
+def test_cuda_index():
+    assert [cuda_index(d) for d in ("cpu", "cuda", "cuda:0", "cuda:3", "mps")] == [None, 0, 0, 3, None]

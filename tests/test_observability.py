@@ -1,0 +1,99 @@
+"""deploy/observability: the alerting rules pass `promtool test rules`, the scrape
+config passes `promtool check config`, the dashboard's and the rules' PromQL parse
+into metric names, and the OpenTelemetry Collector config receives OTLP and
+exports to Jaeger. (That those names are the ones the services export is checked
+after a real run in tests/mesh/test_metrics.py.)
+
+promtool comes from Debian's ``prometheus`` package, installed by ``make setup``;
+these tests fail, not skip, without it."""
+
+import shutil
+import subprocess
+
+import yaml
+
+from tests.promql import OBSERVABILITY, alert_exprs, dashboard_exprs, metric_names
+
+
+def promtool(*args: str) -> subprocess.CompletedProcess:
+    exe = shutil.which("promtool")
+    assert exe, "promtool is missing: run `make setup` (installs Debian's prometheus package)"
+    return subprocess.run([exe, *args], cwd=OBSERVABILITY, capture_output=True, text=True, timeout=120)
+
+
+def test_promtool_rule_unit_tests_pass():
+    done = promtool("test", "rules", "alerts_test.yml")
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "SUCCESS" in done.stdout
+
+
+def test_promtool_rejects_a_wrong_expectation(tmp_path):
+    """The rule tests can fail: the same file expecting no backlog alert does."""
+    text = (OBSERVABILITY / "alerts_test.yml").read_text()
+    wrong = text.replace("""        alertname: MeshserveQueueBacklog
+        exp_alerts:
+          - exp_labels: {severity: warning}
+            exp_annotations: {summary: "60 requests wait in the admission queue"}""",
+                         """        alertname: MeshserveQueueBacklog
+        exp_alerts: []""")
+    assert wrong != text
+    (tmp_path / "alerts.yml").write_text((OBSERVABILITY / "alerts.yml").read_text())
+    (tmp_path / "alerts_test.yml").write_text(wrong)
+    exe = shutil.which("promtool")
+    assert exe, "promtool is missing: run `make setup`"
+    done = subprocess.run([exe, "test", "rules", "alerts_test.yml"], cwd=tmp_path, capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 1 and "MeshserveQueueBacklog" in done.stdout + done.stderr
+
+
+def test_promtool_accepts_the_scrape_config_and_its_rules():
+    done = promtool("check", "config", "prometheus.yml")
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "SUCCESS: 1 rule files found" in done.stdout + done.stderr
+    jobs = {j["job_name"]: j["static_configs"][0]["targets"]
+            for j in yaml.safe_load((OBSERVABILITY / "prometheus.yml").read_text())["scrape_configs"]}
+    assert jobs == {"meshserve-gateway": ["gateway:9400"], "meshserve-scheduler": ["scheduler:9401"],
+                    "meshserve-executor": ["executor:9402"], "meshserve-kvstore": ["kvstore:9403"]}
+
+
+def test_metric_names_of_promql():
+    assert metric_names('histogram_quantile(0.95, sum by (le, tenant) (rate(a_bucket{job="x", le!="1e9"}[5m])))') \
+        == {"a_bucket"}
+    assert metric_names("sum(rate(b_total[$__rate_interval])) / sum without (gpu) (c) > 1e9 and on (i) d offset 5m") \
+        == {"b_total", "c", "d"}
+    assert metric_names('up{job=~"meshserve-.*"} == 0') == {"up"}
+
+
+def test_dashboard_covers_every_topic():
+    exprs = dashboard_exprs()
+    names = set().union(*map(metric_names, exprs))
+    assert len(exprs) == 31 and all(metric_names(e) for e in exprs)
+    for topic in ("ttft", "tpot", "generation_tokens", "queue_seconds", "requests_waiting", "kv_cache_usage",
+                  "prefix_cache_hit", "kvstore", "busy_ratio", "flops_utilization", "gpu_utilization",
+                  "cpu_utilization"):
+        assert any(topic in n for n in names), topic
+
+
+def test_alert_rules_name_meshserve_metrics():
+    names = set().union(*map(metric_names, alert_exprs()))
+    assert names == {"up", "meshserve_scheduler_executors", "meshserve_request_ttft_seconds_bucket",
+                     "meshserve_scheduler_requests_waiting", "meshserve_kv_cache_usage_ratio",
+                     "meshserve_engine_preemptions_total", "meshserve_requests_total"}
+
+
+def test_otel_collector_receives_otlp_and_exports_to_jaeger():
+    config = yaml.safe_load((OBSERVABILITY / "otel-collector.yaml").read_text())
+    assert set(config) == {"receivers", "processors", "exporters", "extensions", "service"}
+    protocols = config["receivers"]["otlp"]["protocols"]
+    assert protocols["grpc"]["endpoint"] == "0.0.0.0:4317" and protocols["http"]["endpoint"] == "0.0.0.0:4318"
+    pipelines = config["service"]["pipelines"]
+    assert list(pipelines) == ["traces"]
+    for pipeline in pipelines.values():  # every component a pipeline names is defined
+        for kind in ("receivers", "processors", "exporters"):
+            assert pipeline[kind] and all(name in config[kind] for name in pipeline[kind]), kind
+    assert pipelines["traces"]["receivers"] == ["otlp"]
+    assert pipelines["traces"]["processors"][0] == "memory_limiter"  # first, as the collector advises
+    jaeger = [config["exporters"][name] for name in pipelines["traces"]["exporters"]
+              if name.split("/")[0] == "otlp" and config["exporters"][name]["endpoint"].startswith("jaeger:")]
+    assert jaeger == [{"endpoint": "jaeger:4317", "tls": {"insecure": True}}]
+    assert all(ext in config["extensions"] for ext in config["service"]["extensions"])
