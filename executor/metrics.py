@@ -29,6 +29,8 @@ meshserve_engine_busy_ratio                       gauge    Δforward_seconds / �
 meshserve_model_flops_utilization_ratio           gauge    2·params·Δtokens / Δforward_seconds / peak
 meshserve_model_parameters                        gauge    parameters of the model
 meshserve_device_peak_flops                       gauge    the peak used for the MFU (FLOP/s)
+meshserve_executor_slow_reader_aborts_total       counter  requests ended because their reader fell
+                                                           ``max_buffered_outputs`` behind (C27)
 ================================================  =======  ==============================================
 
 The kvstore connector's metrics are 0 without a connector. Busy fraction and
@@ -197,8 +199,21 @@ class EngineCollector(Collector):
                        c.fetch_failures if c else 0)
 
 
+class SlowReaderCollector(Collector):
+    """``meshserve_executor_slow_reader_aborts_total`` from a callable (the
+    ``AsyncEngine``'s ``num_overflowed``)."""
+
+    def __init__(self, num_aborts: Callable[[], int]):
+        self._num_aborts = num_aborts
+
+    def collect(self) -> Iterator[CounterMetricFamily]:
+        yield _counter("meshserve_executor_slow_reader_aborts", "Requests ended with RESOURCE_EXHAUSTED because "
+                       "their reader left max_buffered_outputs messages untaken.", self._num_aborts())
+
+
 def executor_registry(stats: Callable[[], EngineStats], num_params: int, device: str = "cpu",
-                      peak_flops: float | None = None, nvml=None) -> CollectorRegistry:
+                      peak_flops: float | None = None, nvml=None,
+                      slow_reader_aborts: Callable[[], int] | None = None) -> CollectorRegistry:
     """The executor's registry: engine counters (``EngineCollector``) and device
     utilization (``DeviceCollector``: NVML on CUDA, process CPU otherwise).
 
@@ -208,8 +223,11 @@ def executor_registry(stats: Callable[[], EngineStats], num_params: int, device:
         device: the engine's torch device.
         peak_flops: peak FLOP/s for the MFU (default ``default_peak_flops(device)``).
         nvml: an NVML module for tests (default ``pynvml`` on CUDA).
+        slow_reader_aborts: the count of slow-reader aborts (None: not exported).
     """
     registry = new_registry("executor")
     registry.register(EngineCollector(stats, num_params, peak_flops or default_peak_flops(device)))
     registry.register(DeviceCollector(device, nvml))
+    if slow_reader_aborts is not None:
+        registry.register(SlowReaderCollector(slow_reader_aborts))
     return registry

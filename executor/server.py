@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 import grpc
 
-from executor.engine.async_engine import AsyncEngine
+from executor.engine.async_engine import DEFAULT_MAX_BUFFERED_OUTPUTS, AsyncEngine
 from executor.engine.llm_engine import LLMEngine
 from executor.engine.outputs import EngineStats, RequestOutput, TokenLogprob
 from executor.health import StepWatchdog
@@ -96,15 +96,17 @@ class ExecutorServicer(executor_pb2_grpc.ExecutorServicer):
                 async for out in outs:
                     yield 0, out
             return
-        merged: asyncio.Queue = asyncio.Queue()
+        # Bounded: a slow reader backs up into each choice's engine queue, whose own
+        # bound (``AsyncEngine.max_buffered_outputs``) then ends the request.
+        merged: asyncio.Queue = asyncio.Queue(maxsize=params.n)
 
         async def pump(index: int) -> None:
             try:
                 async for out in self.engine.generate(f"{request_id}#{index}", prompt, params.for_choice(index),
                                                       priority, trace_context):
-                    merged.put_nowait((index, out))
+                    await merged.put((index, out))
             except Exception as exc:  # noqa: BLE001 - re-raised by the consumer below
-                merged.put_nowait((index, exc))
+                await merged.put((index, exc))
 
         tasks = [asyncio.create_task(pump(i)) for i in range(params.n)]
         try:
@@ -323,6 +325,7 @@ async def start_executor(
     kvstore_fetch_timeout_s: float = 5.0,
     metrics_port: int | None = None,
     peak_flops: float | None = None,
+    max_buffered_outputs: int = DEFAULT_MAX_BUFFERED_OUTPUTS,
 ) -> tuple[Service, AsyncEngine, SchedulerLink | None]:
     """Starts the engine thread, the Executor service and its scheduler link.
 
@@ -339,6 +342,9 @@ async def start_executor(
     With ``metrics_port`` (0: a free one) it serves Prometheus metrics
     (``executor.metrics``; ``peak_flops``: the MFU's peak FLOP/s) as ``service.metrics``.
 
+    ``max_buffered_outputs``: outputs a request's reader may leave untaken before the
+    request ends with RESOURCE_EXHAUSTED and is aborted (``AsyncEngine``; case C27).
+
     Raises:
         TimeoutError: the scheduler did not accept the registration within 60 s.
     """
@@ -350,12 +356,14 @@ async def start_executor(
                                                  fetch_timeout_s=kvstore_fetch_timeout_s))
     links: list[SchedulerLink] = []
     async_engine = AsyncEngine(engine, on_stats=lambda _stats: [link.notify() for link in links],
-                               on_kv_events=lambda events: [link.on_kv_events(events) for link in links])
+                               on_kv_events=lambda events: [link.on_kv_events(events) for link in links],
+                               max_buffered_outputs=max_buffered_outputs)
     if metrics_port is not None:
         from executor.metrics import executor_registry
 
         service.serve_metrics(executor_registry(async_engine.stats, engine.num_params, engine.config.device,
-                                                peak_flops), metrics_port)
+                                                peak_flops, slow_reader_aborts=lambda: async_engine.num_overflowed),
+                            metrics_port)
     await async_engine.start()
     servicer = ExecutorServicer(async_engine, engine.model_id)
     executor_pb2_grpc.add_ExecutorServicer_to_server(servicer, service.server)

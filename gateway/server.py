@@ -43,7 +43,7 @@ from gateway.tenants import Tenant, TenantRegistry
 from meshserve import trace_attributes as ta
 from meshserve.block_hash import routing_block_hashes
 from meshserve.errors import AlreadyExists, InvalidArgument, Unavailable, from_rpc_error
-from meshserve.grpc_server import CHANNEL_OPTIONS, Service
+from meshserve.grpc_server import CHANNEL_OPTIONS, TOKEN_STREAM_CHANNEL_OPTIONS, Service
 from meshserve.sampling import SamplingParams, from_proto, to_proto
 from meshserve.telemetry import context_from_grpc, outgoing_metadata, record_error, tracer
 from meshserve.v1 import executor_pb2, executor_pb2_grpc, gateway_pb2, gateway_pb2_grpc
@@ -144,7 +144,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
     def _executor(self, address: str) -> executor_pb2_grpc.ExecutorStub:
         stub = self._executors.get(address)
         if stub is None:
-            channel = grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
+            channel = grpc.aio.insecure_channel(address, options=TOKEN_STREAM_CHANNEL_OPTIONS)
             self._channels.append(channel)
             stub = self._executors[address] = executor_pb2_grpc.ExecutorStub(channel)
         return stub

@@ -36,6 +36,14 @@ CHANNEL_OPTIONS = _MESSAGE_LIMITS + (
     ("grpc.http2.max_pings_without_data", 0),
     ("grpc.keepalive_permit_without_calls", 1),
 )
+# The gateway's channels to executors carry token streams: a fixed 8 KiB stream
+# window (no BDP probing, which grows it to MBs on loopback) keeps what a stalled
+# client backs up in flight small (~80 token messages), so the executor's own bound
+# (``AsyncEngine.max_buffered_outputs``) is reached. Token streams need a few KB/s.
+TOKEN_STREAM_CHANNEL_OPTIONS = CHANNEL_OPTIONS + (
+    ("grpc.http2.bdp_probe", 0),
+    ("grpc.http2.lookahead_bytes", 8192),
+)
 SERVER_OPTIONS = _MESSAGE_LIMITS + (
     ("grpc.http2.min_recv_ping_interval_without_data_ms", 10_000),
     ("grpc.http2.max_ping_strikes", 0),

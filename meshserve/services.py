@@ -131,9 +131,10 @@ async def run_executor(engine_config, port: int, host: str, scheduler: str, exec
                        pool: str = "default", advertise_address: str | None = None,
                        step_timeout_s: float = 60.0, kvstore_address: str | None = None,
                        kvstore_fetch_timeout_s: float = 5.0, metrics_port: int | None = None,
-                       peak_flops: float | None = None) -> None:
+                       peak_flops: float | None = None, max_buffered_outputs: int = 256) -> None:
     """Loads the model, serves the executor and stays registered until a signal; Prometheus
-    metrics on ``metrics_port`` (None: none), the MFU against ``peak_flops`` FLOP/s."""
+    metrics on ``metrics_port`` (None: none), the MFU against ``peak_flops`` FLOP/s. A request whose
+    reader leaves ``max_buffered_outputs`` messages untaken is ended (RESOURCE_EXHAUSTED)."""
     from executor.engine.llm_engine import LLMEngine
     from executor.server import start_executor
 
@@ -145,7 +146,8 @@ async def run_executor(engine_config, port: int, host: str, scheduler: str, exec
         engine = await asyncio.to_thread(LLMEngine, engine_config)
         svc, async_engine, link = await start_executor(engine, port, host, scheduler, executor_id, pool,
                                                     advertise_address, step_timeout_s, kvstore_address,
-                                                    kvstore_fetch_timeout_s, metrics_port, peak_flops)
+                                                    kvstore_fetch_timeout_s, metrics_port, peak_flops,
+                                                    max_buffered_outputs)
         async_engine.on_failure(lambda _exc: done.set())  # exit non-zero: the orchestrator restarts us
         holder.update(svc=svc, engine=async_engine, link=link)
         log.info("executor serving on %s (%d KV blocks of %d tokens)", svc.address, engine.num_blocks,

@@ -75,12 +75,13 @@ class LocalMesh:
 
 async def start_local_mesh(engines: list[LLMEngine], tokenizer, tenants=None, kvstore=None,
                            kvstore_fetch_timeout_s: float = 5.0, step_timeout_s: float = 60.0,
-                           metrics: bool = False) -> LocalMesh:
+                           metrics: bool = False, max_buffered_outputs: int = 256) -> LocalMesh:
     """Starts scheduler, one executor per engine, and a gateway, on free ports; with
     ``kvstore`` (a ``kvstore.store.KVStore``, or a ready ``Service``) a kvstore service
     too, every executor shares prefix blocks through it, and the scheduler follows its
     placements. With ``metrics`` every service serves Prometheus metrics on a free port
-    (``LocalMesh.metrics_urls``)."""
+    (``LocalMesh.metrics_urls``). ``max_buffered_outputs``: each executor's bound on a
+    stream's untaken outputs (C27)."""
     from kvstore.server import start_kvstore
     from kvstore.store import KVStore
 
@@ -95,7 +96,8 @@ async def start_local_mesh(engines: list[LLMEngine], tokenizer, tenants=None, kv
                                                        executor_id=f"executor-{i}",
                                                        kvstore_address=kv_service.address if kv_service else None,
                                                        kvstore_fetch_timeout_s=kvstore_fetch_timeout_s,
-                                                       step_timeout_s=step_timeout_s, metrics_port=metrics_port)
+                                                       step_timeout_s=step_timeout_s, metrics_port=metrics_port,
+                                                       max_buffered_outputs=max_buffered_outputs)
         executors.append((svc, async_engine, link))
     e0 = engines[0]
     info = ModelInfo(e0.model_id, e0.max_model_len, e0.vocab_size, e0.revision)

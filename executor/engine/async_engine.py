@@ -19,6 +19,14 @@ when the counters changed, at most every ``STATS_INTERVAL_S`` (a last change is
 always delivered once the engine goes idle). The engine's prefix-cache events
 (``LLMEngine.take_kv_events``) are drained by the thread after every step and
 handed to ``on_kv_events`` in the loop, in order.
+
+Slow consumers (case C27): a request's queue holds at most ``max_buffered_outputs``
+outputs that its consumer has not taken. An output that would exceed the bound ends
+the request instead: the consumer gets ``ResourceExhausted`` after the outputs
+already queued, and the request is aborted at the start of the next step (its KV
+blocks freed), so a reader that stalls can neither grow the executor's memory nor
+keep its blocks and batch slot. Every other request is untouched: outputs are
+handed over with ``put_nowait``, the engine thread never waits on a consumer.
 """
 
 from __future__ import annotations
@@ -32,12 +40,13 @@ from typing import AsyncIterator, Callable
 
 from executor.engine.llm_engine import LLMEngine
 from executor.engine.outputs import EngineStats, RequestOutput
-from meshserve.errors import InvalidArgument, Unavailable
+from meshserve.errors import InvalidArgument, ResourceExhausted, Unavailable
 from meshserve.sampling import SamplingParams
 
 log = logging.getLogger(__name__)
 
 STATS_INTERVAL_S = 0.05
+DEFAULT_MAX_BUFFERED_OUTPUTS = 256
 
 
 class AsyncEngine:
@@ -49,11 +58,22 @@ class AsyncEngine:
             (at most every ~50 ms).
         on_kv_events: called in the event loop with the prefix-cache events of
             each step that had some (a list, oldest first).
+        max_buffered_outputs: outputs a request's consumer may leave untaken before
+            the request is ended with ``ResourceExhausted`` (>= 1).
+
+    Raises:
+        ValueError: ``max_buffered_outputs`` < 1.
     """
 
     def __init__(self, engine: LLMEngine, on_stats: Callable[[EngineStats], None] | None = None,
-                 on_kv_events: Callable[[list], None] | None = None):
+                 on_kv_events: Callable[[list], None] | None = None,
+                 max_buffered_outputs: int = DEFAULT_MAX_BUFFERED_OUTPUTS):
+        if max_buffered_outputs < 1:
+            raise ValueError(f"max_buffered_outputs must be >= 1, got {max_buffered_outputs}")
         self.engine = engine
+        self.max_buffered_outputs = max_buffered_outputs
+        self.num_overflowed = 0  # requests ended because their consumer fell behind
+        self.max_buffered_seen = 0  # the largest backlog any request's queue reached
         self._on_stats = on_stats
         self._on_kv_events = on_kv_events
         # ("add", request_id, prompt, params, priority, trace_context) | ("abort", request_id), in call order
@@ -132,6 +152,8 @@ class AsyncEngine:
             InvalidArgument: the request is invalid or its id is in use (before any output).
             Unavailable: the engine is not running, or its thread failed (the cause is
                 logged and kept in ``failure``).
+            ResourceExhausted: the consumer left ``max_buffered_outputs`` outputs
+                untaken; the request was aborted.
 
         Cancelling the consumer (``CancelledError``, ``aclose()``) aborts the request;
         its blocks are freed at the start of the engine's next step.
@@ -156,10 +178,11 @@ class AsyncEngine:
                 finished = item.finished
                 yield item
         finally:
-            self._streams.pop(request_id, None)
-            if not finished:
-                self._commands.put(("abort", request_id))
-                self._wake.set()
+            if self._streams.get(request_id) is stream:  # else ``_overflow`` already aborted it
+                del self._streams[request_id]
+                if not finished:
+                    self._commands.put(("abort", request_id))
+                    self._wake.set()
 
     # -- event loop side ------------------------------------------------------
 
@@ -172,13 +195,31 @@ class AsyncEngine:
         for item in outputs:
             request_id, value = item
             stream = self._streams.get(request_id)
-            if stream is not None:
-                stream.put_nowait(value)
+            if stream is None:
+                continue
+            if stream.qsize() >= self.max_buffered_outputs and not isinstance(value, BaseException):
+                self._overflow(request_id, stream)
+                continue
+            stream.put_nowait(value)
+            self.max_buffered_seen = max(self.max_buffered_seen, stream.qsize())
         if stats is not None and self._on_stats is not None:
             try:
                 self._on_stats(stats)
             except Exception:  # noqa: BLE001 - a callback bug must not kill dispatch
                 log.exception("on_stats callback failed")
+
+    def _overflow(self, request_id: str, stream: asyncio.Queue) -> None:
+        """Ends a request whose consumer fell ``max_buffered_outputs`` behind: no more
+        outputs are queued for it, its consumer reads ``ResourceExhausted`` after those
+        queued, and the engine aborts it (freeing its blocks) at its next step."""
+        del self._streams[request_id]
+        self.num_overflowed += 1
+        log.warning("request %s: its reader left %d outputs untaken; aborted", request_id, stream.qsize())
+        stream.put_nowait(ResourceExhausted(
+            f"the stream is read too slowly: {stream.qsize()} messages were waiting "
+            f"(bound {self.max_buffered_outputs}); the request was aborted", retry_after_s=1.0))
+        self._commands.put(("abort", request_id))
+        self._wake.set()
 
     def _fail(self, exc: BaseException) -> None:
         # callers see UNAVAILABLE (retry elsewhere); the cause is logged with its traceback

@@ -7,7 +7,7 @@ import asyncio
 import pytest
 
 from executor.engine.async_engine import AsyncEngine
-from meshserve.errors import InvalidArgument
+from meshserve.errors import InvalidArgument, ResourceExhausted
 from meshserve.sampling import SamplingParams
 
 pytestmark = pytest.mark.model
@@ -95,3 +95,37 @@ async def test_task_cancel_aborts_and_frees_blocks(engine, async_engine):
                      and async_engine.stats().num_running == 0)
     engine_free = async_engine.stats().num_free_blocks
     assert engine_free == engine.num_blocks
+
+
+async def test_C27_unread_stream_is_bounded_then_ended_and_frees_blocks(engine, tokenizer):
+    """A consumer that stops reading holds at most ``max_buffered_outputs`` outputs;
+    the next output ends its request (ResourceExhausted after those queued) and
+    frees its blocks, while a request read normally runs to the offline result."""
+    bound = 3
+    eng = AsyncEngine(engine, max_buffered_outputs=bound)
+    await eng.start()
+    try:
+        slow = eng.generate("slow", [7] * 20, SamplingParams(max_tokens=400, temperature=0.0, ignore_eos=True))
+        first = await slow.__anext__()  # then read nothing
+        prompt = tokenizer("The sky is").input_ids
+        normal = await collect(eng, "normal", prompt, SamplingParams(max_tokens=12, temperature=0.0,
+                                                                         ignore_eos=True))
+        await wait_until(lambda: eng.num_overflowed == 1)
+        await wait_until(lambda: eng.stats().num_free_blocks == engine.num_blocks and eng.stats().num_running == 0)
+        assert eng.max_buffered_seen == bound
+        assert eng.stats().num_aborted >= 1
+        rest = [await slow.__anext__() for _ in range(bound)]  # what was queued is still delivered
+        with pytest.raises(ResourceExhausted, match=f"bound {bound}"):
+            await slow.__anext__()
+        assert len(first.new_token_ids) + sum(len(o.new_token_ids) for o in rest) == 1 + bound
+        assert not any(o.finished for o in rest)
+    finally:
+        await eng.stop()
+    assert normal == (engine.generate([prompt], SamplingParams(max_tokens=12, temperature=0.0,
+                                                               ignore_eos=True))[0], "length")
+    assert engine.stats().num_free_blocks == engine.num_blocks
+
+
+def test_max_buffered_outputs_must_be_positive(engine):
+    with pytest.raises(ValueError, match="max_buffered_outputs must be >= 1"):
+        AsyncEngine(engine, max_buffered_outputs=0)

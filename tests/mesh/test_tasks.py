@@ -30,6 +30,7 @@ async def cached_gateway(mesh, tokenizer):
     ch = channel(svc.address)
     stub = gateway_pb2_grpc.GatewayStub(ch)
     stub.address = svc.address  # for the CLI test
+    stub.servicer = svc.servicer  # for the metrics test
     yield stub
     await ch.close()
     await svc.stop(0.5)
@@ -151,3 +152,27 @@ async def test_cli_generate_async_prints_the_task_result(mesh, cached_gateway):
     assert (got["token_ids"], got["text"], got["finish_reason"], got["cached"]) == (
         ref.token_ids, ref.text, "length", False)
     assert got["usage"]["completion_tokens"] == 6 and got["executor_id"] == "executor-0"
+
+
+async def test_tasks_and_cache_hits_are_observed_once_in_the_gateway_metrics(mesh, cached_gateway):
+    """A task is a request for ``gateway.metrics``: TTFT, e2e and its outcome once;
+    a result-cache hit too (its tokens come from the cache)."""
+    registry = cached_gateway.servicer.metrics.registry
+    labels = {"tenant": "default", "priority": "0"}
+
+    def count(name: str, **extra) -> float:
+        return registry.get_sample_value(name, {**labels, **extra}) or 0.0
+
+    before = (count("meshserve_request_ttft_seconds_count"), count("meshserve_requests_total", outcome="ok"),
+              count("meshserve_request_generation_tokens_total"))
+    req = build_request(chat=[("user", "Name a fruit.")], max_tokens=5, temperature=0, ignore_eos=True)
+    handle = await submit_task(cached_gateway, req)
+    status = await wait_task(cached_gateway, handle.task_id, poll_s=0.05, timeout_s=300)
+    assert status.state == gateway_pb2.TASK_STATE_SUCCEEDED
+    hit = await generate(cached_gateway, req)  # the same greedy request: from the result cache
+    assert hit.token_ids == list(status.choices[0].token_ids)
+    after = (count("meshserve_request_ttft_seconds_count"), count("meshserve_requests_total", outcome="ok"),
+             count("meshserve_request_generation_tokens_total"))
+    assert after == (before[0] + 2, before[1] + 2, before[2] + 10)
+    assert count("meshserve_gateway_requests_running") == 0
+

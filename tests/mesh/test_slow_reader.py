@@ -1,0 +1,78 @@
+"""Case C27: a slow streaming reader cannot grow the mesh's memory or hold its KV.
+
+The slow client reads one message, then stops (a client with a small HTTP/2 window,
+so that its backlog reaches the mesh quickly). What it leaves unread backs up
+through the gateway (which pulls from the executor only as fast as it can write)
+into the executor, whose queue for the request is bounded
+(``max_buffered_outputs``): past it the request is aborted, its KV blocks freed,
+and the client reads RESOURCE_EXHAUSTED after the messages already sent. Normal
+clients meanwhile get exactly the tokens they get alone: the engine never waits
+for a reader."""
+
+import asyncio
+
+import grpc
+import pytest
+
+from meshserve.client import build_request, generate
+from meshserve.grpc_server import CHANNEL_OPTIONS
+from meshserve.v1 import gateway_pb2_grpc
+from tests.mesh.conftest import make_engine
+from tests.mesh_harness import start_local_mesh
+
+pytestmark = pytest.mark.model
+BOUND = 16
+# a reader with a 1 KiB stream window: about 12 token messages in flight to it
+SLOW_CLIENT_OPTIONS = CHANNEL_OPTIONS + (("grpc.http2.bdp_probe", 0), ("grpc.http2.lookahead_bytes", 1024))
+QUESTIONS = ("Name a color.", "Count to five.", "What is 2+2?", "Say hello in French.")
+
+
+async def _normal_clients(m):
+    reqs = [build_request(chat=[("user", q)], max_tokens=24, temperature=0, ignore_eos=True) for q in QUESTIONS]
+    return await asyncio.gather(*(generate(m.stub, r) for r in reqs))
+
+
+async def _wait(predicate, timeout_s: float = 240.0) -> None:
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout_s
+    while not predicate():
+        assert loop.time() < deadline, "condition not reached"
+        await asyncio.sleep(0.05)
+
+
+async def test_C27_slow_reader_is_bounded_ended_and_frees_kv(tokenizer):
+    m = await start_local_mesh([make_engine(max_model_len=4200)], tokenizer, max_buffered_outputs=BOUND)
+    slow_channel = grpc.aio.insecure_channel(m.gateway.address, options=SLOW_CLIENT_OPTIONS)
+    try:
+        eng = m.executors[0][1]
+        alone = await _normal_clients(m)
+        slow = gateway_pb2_grpc.GatewayStub(slow_channel).Generate(build_request(
+            chat=[("user", "Tell me a very long story.")], max_tokens=4000, temperature=0, ignore_eos=True,
+            logprobs=5))
+        received = 0
+        while received == 0:  # its first token, then it reads nothing
+            msg = await slow.read()
+            if msg.WhichOneof("kind") == "delta":
+                received += len(msg.delta.token_ids)
+        with_slow = await _normal_clients(m)
+        assert [c.token_ids for c in with_slow] == [c.token_ids for c in alone]
+        assert all(len(c.token_ids) == 24 for c in with_slow)
+
+        await _wait(lambda: eng.num_overflowed == 1)
+        await m.wait_idle()  # KV freed while the slow client still has not read
+        stats = eng.stats()
+        assert stats.num_free_blocks == stats.num_blocks and stats.num_aborted == 1
+        assert eng.max_buffered_seen == BOUND  # never above the bound
+
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            while (msg := await slow.read()) is not grpc.aio.EOF:
+                if msg.WhichOneof("kind") == "delta":
+                    received += len(msg.delta.token_ids)
+        assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert f"bound {BOUND}" in err.value.details()
+        assert BOUND < received < 4000  # what was sent before the bound tripped, not the whole request
+        await _wait(lambda: m.scheduler.servicer.core.num_leases() == 0, 10.0)
+        assert len(m.scheduler.servicer.core) == 0
+    finally:
+        await slow_channel.close()
+        await m.stop()
