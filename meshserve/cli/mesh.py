@@ -14,7 +14,8 @@ from typing import TYPE_CHECKING, Optional
 
 import typer
 
-from meshserve.cli.options import OtlpOpt, SampleOpt, TracesOpt, export_trace_settings
+from meshserve.cli.options import (OtlpOpt, ResultCacheSizeOpt, SampleOpt, TaskStoreOpt, TracesOpt,
+                                   export_trace_settings)
 
 if TYPE_CHECKING:
     from meshserve.launcher import MeshConfig
@@ -22,17 +23,19 @@ if TYPE_CHECKING:
 
 def mesh_config(port: int, executors: int, model: str, dtype: str, kv_cache_memory: str, extra: list[str],
                 tenants: Optional[str], log_dir: Optional[str], kvstore_memory: Optional[str] = None,
-                metrics: bool = False) -> MeshConfig:
+                metrics: bool = False, result_cache_size: int = 0, task_store: str = "memory") -> MeshConfig:
     """The ``MeshConfig`` of ``up``'s flags.
 
     ``dtype``, ``kv_cache_memory`` (bytes, e.g. ``1GiB``) and ``extra`` become the
-    executors' flags; ``kvstore_memory`` None starts no kvstore.
+    executors' flags; ``result_cache_size`` (entries) and ``task_store`` (``memory`` or a
+    ``redis://`` URL) go to the gateway; ``kvstore_memory`` None starts no kvstore.
     """
     from meshserve.launcher import MeshConfig
 
     args = ["--dtype", dtype, "--kv-cache-memory", kv_cache_memory, *extra]
     return MeshConfig(port=port, executors=executors, model=model, executor_args=args, tenants_file=tenants,
-                      log_dir=Path(log_dir) if log_dir else None, kvstore_memory=kvstore_memory, metrics=metrics)
+                      log_dir=Path(log_dir) if log_dir else None, kvstore_memory=kvstore_memory, metrics=metrics,
+                      result_cache_size=result_cache_size, task_store=task_store)
 
 
 def up(
@@ -47,6 +50,8 @@ def up(
     kvstore_memory: str = typer.Option("1GiB", "--kvstore-memory", help="Memory tier budget of that kvstore."),
     metrics: bool = typer.Option(True, "--metrics/--no-metrics", help="Give every service a free port for its "
                                  "Prometheus /metrics endpoint and print them."),
+    result_cache_size: int = ResultCacheSizeOpt,
+    task_store: str = TaskStoreOpt,
     traces: Optional[str] = TracesOpt, otlp_endpoint: Optional[str] = OtlpOpt,
     trace_sample_ratio: Optional[float] = SampleOpt,
 ) -> None:
@@ -54,11 +59,17 @@ def up(
     import signal
     import threading
 
+    from gateway.task_store import task_store_kind
     from meshserve.launcher import Mesh
 
+    try:
+        task_store_kind(task_store)  # checked before any service starts
+    except ValueError as exc:  # a usage error, exit code 2
+        raise typer.BadParameter(str(exc)) from None
     export_trace_settings(traces, otlp_endpoint, trace_sample_ratio)
     mesh = Mesh(mesh_config(port, executors, model, dtype, kv_cache_memory, [], tenants, log_dir,
-                            kvstore_memory if kvstore else None, metrics))
+                            kvstore_memory if kvstore else None, metrics, result_cache_size=result_cache_size,
+                            task_store=task_store))
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     failed = False
