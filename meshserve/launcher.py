@@ -71,6 +71,8 @@ class MeshConfig:
             ``--kvstore`` to every executor; None: no kvstore.
         metrics: give every service a free port for its Prometheus ``/metrics``
             (``Mesh.metrics_addresses``).
+        result_cache_size: the gateway's ``--result-cache-size`` (entries; 0: off).
+        task_store: the gateway's ``--task-store``: ``memory`` or a ``redis://host:port/db`` URL.
     """
 
     port: int = 50051
@@ -84,6 +86,8 @@ class MeshConfig:
     startup_timeout_s: float = 300.0
     kvstore_memory: str | None = None  # start one kvstore with this memory budget (None: no kvstore)
     metrics: bool = False
+    result_cache_size: int = 0
+    task_store: str = "memory"
 
 
 class Mesh:
@@ -114,6 +118,18 @@ class Mesh:
             out = open(self.config.log_dir / f"{name}.log", "w")  # noqa: SIM115 - owned by the child
         env = dict(os.environ, PYTHONUNBUFFERED="1")
         self.procs.append((name, subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT if out else None, env=env)))
+
+    def _gateway_args(self) -> list[str]:
+        """The ``meshserve gateway`` arguments, once the scheduler's address is known."""
+        c = self.config
+        gw = ["gateway", "--port", str(c.port), "--scheduler", self.scheduler_address, "--model", c.model,
+              "--result-cache-size", str(c.result_cache_size), "--task-store", c.task_store,
+              *self._metrics_args("gateway")]
+        if c.tenants_file:
+            gw += ["--tenants", c.tenants_file]
+        if "--block-size" in c.executor_args:  # the gateway hashes prompts in the executors' blocks
+            gw += ["--block-size", c.executor_args[c.executor_args.index("--block-size") + 1]]
+        return gw
 
     async def _wait(self, name: str, address: str) -> None:
         proc = dict(self.procs)[name]
@@ -162,13 +178,7 @@ class Mesh:
                                               *self._metrics_args(f"executor-{i}"), *c.executor_args])
             for i, address in enumerate(self.executor_addresses):
                 await self._wait(f"executor-{i}", address)
-            gw = ["gateway", "--port", str(c.port), "--scheduler", self.scheduler_address, "--model", c.model,
-                  *self._metrics_args("gateway")]
-            if c.tenants_file:
-                gw += ["--tenants", c.tenants_file]
-            if "--block-size" in c.executor_args:  # the gateway hashes prompts in the executors' blocks
-                gw += ["--block-size", c.executor_args[c.executor_args.index("--block-size") + 1]]
-            self._spawn("gateway", gw)
+            self._spawn("gateway", self._gateway_args())
             await self._wait("gateway", self.gateway_address)
         except BaseException:
             self.stop()

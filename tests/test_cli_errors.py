@@ -90,11 +90,24 @@ def test_service_on_a_busy_port_is_one_line(service):
     assert f"cannot listen on 127.0.0.1:{port} (port in use or not allowed)" in result.output
 
 
-@pytest.mark.parametrize("args,name", [(["up", "--port", "99999"], "--port"), (["up", "--executors", "0"], "--executors")])
+@pytest.mark.parametrize("args,name", [(["up", "--port", "99999"], "--port"), (["up", "--executors", "0"], "--executors"),
+                                       (["up", "--result-cache-size", "-1"], "--result-cache-size")])
 def test_up_rejects_out_of_range_values(args, name):
     result = runner.invoke(app, args)
     assert result.exit_code == 2
     assert name in result.output
+
+
+def test_up_rejects_a_bad_task_store_before_starting_anything():
+    with socket.socket() as busy:  # were the store not checked first, up would fail on this port with code 1
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        result = runner.invoke(app, ["up", "--port", str(port), "--task-store", "postgres://db"])
+    assert result.exit_code == 2
+    assert "Traceback" not in result.output
+    assert ("--task-store must be 'memory' or a redis://host:port/db URL, got 'postgres://db'"
+            in " ".join(result.output.replace("│", " ").split()))
 
 
 @pytest.mark.parametrize(

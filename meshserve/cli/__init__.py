@@ -1,0 +1,42 @@
+"""The ``meshserve`` command line (typer): ``app`` and its sub-commands, one module per kind.
+
+| module | commands |
+|---|---|
+| ``services.py`` | ``scheduler``, ``executor``, ``kvstore``, ``gateway``: one service per process (for containers) |
+| ``mesh.py`` | ``up`` (the whole mesh on loopback), ``demo`` (it answering 8 real chat prompts) |
+| ``client.py`` | ``generate`` (prompts to a gateway), ``task`` (an async task's status) |
+| ``tools.py`` | ``bench`` (throughput and latency), ``sim`` (scheduler simulations) |
+| ``options.py`` | the options and start-up helpers the commands share |
+
+The commands are registered below, in the order ``meshserve --help`` lists them.
+``main`` is the console script; ``python -m meshserve.cli`` runs it too (the
+launcher starts each service so).
+"""
+
+from __future__ import annotations
+
+import typer
+
+from meshserve.cli import client, mesh, services, tools
+from meshserve.cli.options import MetricsPortOpt, OtlpOpt, ResultCacheSizeOpt, SampleOpt, TaskStoreOpt, TracesOpt
+
+__all__ = ["app", "main", "MetricsPortOpt", "OtlpOpt", "ResultCacheSizeOpt", "SampleOpt", "TaskStoreOpt", "TracesOpt"]
+
+app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
+                  help="meshserve: LLM serving as a mesh of gRPC services.")
+
+app.command()(services.scheduler)
+app.command()(services.executor)
+app.command("kvstore")(services.kvstore_cmd)
+app.command()(services.gateway)
+app.command()(mesh.up)
+app.command()(mesh.demo)
+app.command()(client.generate)
+app.command()(tools.bench)
+app.command()(tools.sim)
+app.command("task")(client.task_command)
+
+
+def main() -> None:
+    """Console-script entry point (``meshserve = "meshserve.cli:main"``)."""
+    app()

@@ -1,0 +1,126 @@
+"""``meshserve generate`` and ``meshserve task``: a client of a running gateway.
+
+``generate`` sends prompts (concurrently when several) and prints the answers,
+streamed for one prompt and one choice, or submits them as async tasks
+(``--async``); ``task TASK_ID`` reads, waits for or cancels a task submitted
+earlier. Both exit 1 when a call failed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import sys
+from typing import Optional
+
+import typer
+
+
+def generate(
+    addr: str = typer.Option("127.0.0.1:50051", "--addr", help="Gateway host:port."),
+    prompt: list[str] = typer.Option(..., "--prompt", help="Prompt text; repeat to send several concurrently."),
+    chat: bool = typer.Option(False, "--chat", help="Send each prompt as one user chat message."),
+    max_tokens: Optional[int] = typer.Option(None, "--max-tokens"),
+    temperature: Optional[float] = typer.Option(None, "--temperature"),
+    top_p: Optional[float] = typer.Option(None, "--top-p"),
+    top_k: Optional[int] = typer.Option(None, "--top-k"),
+    seed: Optional[int] = typer.Option(None, "--seed"),
+    ignore_eos: bool = typer.Option(False, "--ignore-eos"),
+    stop: list[str] = typer.Option([], "--stop", help="Stop string; may repeat."),
+    min_p: Optional[float] = typer.Option(None, "--min-p", help="Min-p in [0, 1] (0: off)."),
+    min_tokens: Optional[int] = typer.Option(None, "--min-tokens", help="No EOS / stop token before this many."),
+    repetition_penalty: Optional[float] = typer.Option(None, "--repetition-penalty", help="> 0 (1: off)."),
+    presence_penalty: Optional[float] = typer.Option(None, "--presence-penalty", help="In [-2, 2] (0: off)."),
+    frequency_penalty: Optional[float] = typer.Option(None, "--frequency-penalty", help="In [-2, 2] (0: off)."),
+    n: Optional[int] = typer.Option(None, "--n", help="Choices per prompt, in [1, 16]."),
+    logprobs: Optional[int] = typer.Option(None, "--logprobs", help="Top-k logprobs per token, in [0, 20] (--json)."),
+    prompt_logprobs: Optional[int] = typer.Option(None, "--prompt-logprobs",
+                                                  help="Top-k logprobs per prompt token, in [0, 20] (--json)."),
+    priority: Optional[int] = typer.Option(None, "--priority"),
+    api_key: Optional[str] = typer.Option(None, "--api-key", envvar="MESHSERVE_API_KEY"),
+    as_json: bool = typer.Option(False, "--json", help="One JSON object per prompt and choice, one per line."),
+    async_task: bool = typer.Option(False, "--async", help="Submit each prompt as an async task (SubmitTask), "
+                                    "poll GetTask until it is done, then print the result."),
+) -> None:
+    """Send prompts to a gateway and print the answers (streamed for one prompt and one choice)."""
+    import grpc
+
+    from meshserve.client import TaskFailed, build_request, channel, generate_choices, run_task
+    from meshserve.v1 import gateway_pb2_grpc
+
+    async def main() -> int:
+        metadata = (("x-api-key", api_key),) if api_key else ()
+        async with channel(addr) as ch:
+            stub = gateway_pb2_grpc.GatewayStub(ch)
+            try:
+                reqs = [build_request(None if chat else p, chat=[("user", p)] if chat else None,
+                                      max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
+                                      seed=seed, stop=stop, ignore_eos=ignore_eos, priority=priority, min_p=min_p,
+                                      min_tokens=min_tokens, repetition_penalty=repetition_penalty,
+                                      presence_penalty=presence_penalty, frequency_penalty=frequency_penalty, n=n,
+                                      logprobs=logprobs, prompt_logprobs=prompt_logprobs) for p in prompt]
+            except ValueError as exc:  # an integer the wire type cannot hold
+                print(f"error: bad option value: {exc}", file=sys.stderr)
+                return 2
+            live = len(reqs) == 1 and not as_json and (n or 1) == 1 and not async_task
+            on_delta = (lambda text, _ids, _i: (sys.stdout.write(text), sys.stdout.flush())) if live else None
+            calls = (run_task(stub, r, metadata) if async_task else generate_choices(stub, r, metadata,
+                                                                                        on_delta=on_delta)
+                     for r in reqs)
+            results = await asyncio.gather(*calls, return_exceptions=True)
+        code = 0
+        for p, choices in zip(prompt, results):
+            if isinstance(choices, (grpc.aio.AioRpcError, TaskFailed)):
+                code = 1
+                name, details = ((choices.code().name, choices.details()) if isinstance(choices, grpc.aio.AioRpcError)
+                                 else (choices.code, choices.message))
+                err = {"error": {"code": name, "message": details}}
+                print(json.dumps(err) if as_json else f"error: {name}: {details}",
+                      file=sys.stdout if as_json else sys.stderr)
+                continue
+            if isinstance(choices, BaseException):
+                raise choices
+            for r in choices:
+                if as_json:
+                    print(json.dumps(r.as_json()))
+                elif live:
+                    print(f"\n[{r.finish_reason}; {r.usage['completion_tokens']} tokens; "
+                          f"TTFT {r.timings['ttft_s']:.3f} s]")
+                else:
+                    title = f"{p} [choice {r.index}]" if len(choices) > 1 else p
+                    print(f"### {title}\n{r.text}\n[{r.finish_reason}; {r.usage['completion_tokens']} tokens]\n")
+        return code
+
+    sys.exit(asyncio.run(main()))
+
+
+def task_command(
+    task_id: str = typer.Argument(..., help="The id SubmitTask returned."),
+    addr: str = typer.Option("127.0.0.1:50051", "--addr", help="Gateway host:port."),
+    cancel: bool = typer.Option(False, "--cancel", help="Cancel the task (CancelTask) instead of reading it."),
+    wait: bool = typer.Option(False, "--wait", help="Poll until the task is done."),
+    api_key: Optional[str] = typer.Option(None, "--api-key", envvar="MESHSERVE_API_KEY"),
+) -> None:
+    """Print an async task's status (GetTask) as one JSON object; exit 1 when it failed or is unknown."""
+    import grpc
+    from google.protobuf.json_format import MessageToDict
+
+    from meshserve.client import cancel_task, channel, get_task, wait_task
+    from meshserve.v1 import gateway_pb2, gateway_pb2_grpc
+
+    async def main() -> int:
+        metadata = (("x-api-key", api_key),) if api_key else ()
+        async with channel(addr) as ch:
+            stub = gateway_pb2_grpc.GatewayStub(ch)
+            try:
+                if cancel:
+                    status = await cancel_task(stub, task_id, metadata)
+                else:
+                    status = await (wait_task if wait else get_task)(stub, task_id, metadata)
+            except grpc.aio.AioRpcError as exc:
+                print(f"error: {exc.code().name}: {exc.details()}", file=sys.stderr)
+                return 1
+        print(json.dumps(MessageToDict(status, preserving_proto_field_name=True)))
+        return 1 if status.state == gateway_pb2.TASK_STATE_FAILED else 0
+
+    sys.exit(asyncio.run(main()))

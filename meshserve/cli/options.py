@@ -1,0 +1,71 @@
+"""What the ``meshserve`` sub-commands share: common options and start-up helpers.
+
+An option object here is the default of a parameter in several commands, so
+that its flag, default and help text are the same wherever it appears
+(``--result-cache-size`` and ``--task-store`` on ``gateway`` and ``up``, the
+tracing and metrics options on every service).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import sys
+from typing import Coroutine, Optional
+
+import typer
+
+TracesOpt = typer.Option(None, "--traces",
+                         help="Trace exporter: none, console, otlp (default: $MESHSERVE_TRACES or none).")
+OtlpOpt = typer.Option(None, "--otlp-endpoint", help="OTLP/gRPC collector host:port (default localhost:4317).")
+SampleOpt = typer.Option(None, "--trace-sample-ratio", min=0.0, max=1.0,
+                         help="Fraction of new traces kept, ParentBased(TraceIdRatioBased) "
+                              "(default: $MESHSERVE_TRACE_SAMPLE_RATIO or 1).")
+MetricsPortOpt = typer.Option(None, "--metrics-port", min=0, max=65535,
+                              help="Serve Prometheus metrics at http://HOST:PORT/metrics (0: a free port, logged; "
+                                   "default: off).")
+ResultCacheSizeOpt = typer.Option(0, "--result-cache-size", min=0, help="Entries of the result cache of "
+                                  "deterministic requests (greedy or seeded), LRU; 0: off.")
+TaskStoreOpt = typer.Option("memory", "--task-store", help="Async task store: memory, or "
+                            "redis://host:port/db (shared by gateways).")
+
+
+def setup_logging(level: str) -> None:
+    """Logs of ``level`` (``info``, ``warning``…, any case) and above go to stderr, one line each."""
+    logging.basicConfig(level=level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s", stream=sys.stderr)
+
+
+def export_trace_settings(exporter: Optional[str], endpoint: Optional[str],
+                          sample_ratio: Optional[float] = None) -> None:
+    """Puts the tracing flags that were given into the environment, where telemetry set-up
+    reads them (``MESHSERVE_TRACES``, ``OTEL_EXPORTER_OTLP_ENDPOINT``,
+    ``MESHSERVE_TRACE_SAMPLE_RATIO``); ``up`` thereby hands them to every service process."""
+    if exporter:
+        os.environ["MESHSERVE_TRACES"] = exporter
+    if endpoint:
+        os.environ["OTEL_EXPORTER_OTLP_ENDPOINT"] = endpoint
+    if sample_ratio is not None:
+        os.environ["MESHSERVE_TRACE_SAMPLE_RATIO"] = repr(sample_ratio)
+
+
+def serve(coro: Coroutine) -> None:
+    """Runs a service's coroutine; a start-up failure the operator can fix (bad
+    model path or flag value, busy port, unreachable scheduler) is one line on
+    stderr and exit code 1, not a traceback. Anything else is our bug and keeps
+    its traceback.
+
+    Raises:
+        typer.Exit: code 1 on ``ValueError``, ``OSError`` or ``TimeoutError``.
+    """
+    try:
+        asyncio.run(coro)
+    except (ValueError, OSError, TimeoutError) as exc:
+        typer.echo(f"error: {exc}", err=True)
+        raise typer.Exit(1) from None
+
+
+def is_address(text: str) -> bool:
+    """True when ``text`` is ``HOST:PORT`` with a non-empty host and a port in 1..65535."""
+    host, _, port = text.rpartition(":")
+    return bool(host) and port.isdigit() and 0 < int(port) < 65536

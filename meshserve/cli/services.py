@@ -1,0 +1,212 @@
+"""``meshserve scheduler|executor|kvstore|gateway``: one service per process (for containers).
+
+Each command checks its flags (a bad value is a usage error, exit code 2), sets
+up logging and tracing, and serves until SIGTERM; a start-up failure the
+operator can fix is one line and exit code 1 (``options.serve``).
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import typer
+
+from meshserve.cli.options import (MetricsPortOpt, OtlpOpt, ResultCacheSizeOpt, SampleOpt, TaskStoreOpt, TracesOpt,
+                                   export_trace_settings, is_address, serve, setup_logging)
+
+
+def _engine_config(model, dtype, kv_cache_memory, block_size, max_num_seqs, max_num_batched_tokens,
+                   no_chunked_prefill, max_model_len, num_threads, no_prefix_caching=False, max_batch_wait_ms=0.0,
+                   attention_backend="auto", device="cpu", enable_kv_events=False):
+    """The executor's ``EngineConfig`` from its flags (``kv_cache_memory`` a byte size such as ``2GiB``).
+
+    Raises:
+        typer.BadParameter: a value ``EngineConfig`` or ``parse_bytes`` rejects (exit code 2).
+    """
+    from executor.engine.config import BatchSchedulerConfig, CacheConfig, EngineConfig
+    from meshserve.services import parse_bytes
+
+    try:
+        return EngineConfig(
+            model=model,
+            dtype=dtype,
+            max_model_len=max_model_len,
+            num_threads=num_threads,
+            attention_backend=attention_backend,
+            device=device,
+            cache=CacheConfig(block_size=block_size, kv_cache_memory_bytes=parse_bytes(kv_cache_memory),
+                              enable_prefix_caching=not no_prefix_caching,
+                              enable_kv_events=enable_kv_events and not no_prefix_caching),
+            batch=BatchSchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
+                                       enable_chunked_prefill=not no_chunked_prefill,
+                                       max_batch_wait_ms=max_batch_wait_ms),
+        )
+    except ValueError as exc:  # a bad flag value: typer prints usage and the message, exit code 2
+        raise typer.BadParameter(str(exc)) from None
+
+
+def scheduler(
+    port: int = typer.Option(50052, min=0, max=65535, help="Port of the Scheduler service."),
+    host: str = typer.Option("127.0.0.1", help="Interface to listen on."),
+    queue_policy: str = typer.Option("fcfs", "--queue-policy", help="fcfs, priority or sjf (shortest-job-first "
+                                     "on predicted cost, with aging)."),
+    max_queue_wait_s: float = typer.Option(30.0, "--max-queue-wait-s", help="sjf aging bound (seconds)."),
+    max_queue_len: int = typer.Option(4096, "--max-queue-len", help="Most queued requests."),
+    max_queue_tokens: Optional[int] = typer.Option(None, "--max-queue-tokens", help="Most queued prompt tokens "
+                                                   "(default: no bound)."),
+    tenants: Optional[str] = typer.Option(None, help="Tenants TOML file (KV quotas; default: none)."),
+    pools: Optional[str] = typer.Option(None, "--pools", help="Pools TOML file: priority classes → executor pools "
+                                        "and spill rules (default: any pool)."),
+    kvstore: Optional[str] = typer.Option(None, "--kvstore", help="host:port of the kvstore the executors share: "
+                                          "follow its placements and credit its blocks when routing."),
+    kvstore_token_cost: float = typer.Option(0.1, "--kvstore-token-cost", min=0.0, max=1.0,
+                                             help="Routing cost of a prompt token fetched from the kvstore, "
+                                             "relative to one computed."),
+    kv_reservation: str = typer.Option("prompt", "--kv-reservation", help="prompt (room = prompt blocks) or "
+                                       "predicted (also the predicted output and the growth of running leases)."),
+    routing: str = typer.Option("prefix", "--routing", help="prefix (prefix-cache hits and load) or least-loaded."),
+    routing_load_weight: float = typer.Option(1.0, "--routing-load-weight", min=0.0,
+                                              help="Cost of a token of executor load vs. an uncached prompt token."),
+    routing_balance_factor: float = typer.Option(1.5, "--routing-balance-factor", min=1.0,
+                                                 help="Prefix bonus dropped above this x the mean load..."),
+    routing_balance_abs_tokens: float = typer.Option(2048.0, "--routing-balance-abs-tokens", min=0.0,
+                                                     help="...and this many tokens above it."),
+    traces: Optional[str] = TracesOpt, otlp_endpoint: Optional[str] = OtlpOpt,
+    trace_sample_ratio: Optional[float] = SampleOpt,
+    metrics_port: Optional[int] = MetricsPortOpt,
+    log_level: str = typer.Option("info"),
+) -> None:
+    """Run the global scheduler (executor registry, admission queue, pools and routing)."""
+    from meshserve.services import run_scheduler, scheduler_config
+    from scheduler.routing import RoutingConfig
+
+    setup_logging(log_level)
+    export_trace_settings(traces, otlp_endpoint, trace_sample_ratio)
+    try:
+        if kvstore is not None and not is_address(kvstore):
+            raise ValueError(f"--kvstore must be HOST:PORT, got {kvstore!r}")
+        route_cfg = RoutingConfig(routing, load_weight=routing_load_weight, balance_factor=routing_balance_factor,
+                                  balance_abs_tokens=routing_balance_abs_tokens, kvstore_token_cost=kvstore_token_cost)
+        config = scheduler_config(queue_policy, max_queue_wait_s, max_queue_len, max_queue_tokens, tenants, pools,
+                                  route_cfg, kv_reservation)
+    except (ValueError, FileNotFoundError) as exc:
+        raise typer.BadParameter(str(exc)) from None
+    serve(run_scheduler(port, host, config, kvstore, metrics_port))
+
+
+def executor(
+    scheduler: str = typer.Option(..., "--scheduler", help="host:port of the scheduler."),
+    port: int = typer.Option(50053, min=0, max=65535, help="Port of the Executor service."),
+    host: str = typer.Option("127.0.0.1", help="Interface to listen on (and advertise)."),
+    model: str = typer.Option("default", help="Model alias, .gguf file or safetensors folder."),
+    dtype: str = typer.Option("auto", help="auto, float32, bfloat16 or float16."),
+    kv_cache_memory: str = typer.Option("1GiB", "--kv-cache-memory", help="KV cache budget in bytes (512MiB, 2GB…)."),
+    block_size: int = typer.Option(16, help="Tokens per KV block."),
+    max_num_seqs: int = typer.Option(64, help="Most requests in the running batch."),
+    max_num_batched_tokens: int = typer.Option(2048, help="Token budget of one engine step."),
+    no_chunked_prefill: bool = typer.Option(False, "--no-chunked-prefill", help="Prefill each prompt in one step."),
+    no_prefix_caching: bool = typer.Option(False, "--no-prefix-caching", help="Never reuse cached prefix KV blocks."),
+    max_batch_wait_ms: float = typer.Option(0.0, "--max-batch-wait-ms", min=0.0,
+                                            help="Hold a new prefill up to this long to batch it with others."),
+    max_model_len: Optional[int] = typer.Option(None, help="Longest prompt + output (default: the model's)."),
+    num_threads: Optional[int] = typer.Option(None, help="torch CPU threads."),
+    attention_backend: str = typer.Option("auto", help="auto (triton on CUDA, else torch), torch or triton."),
+    device: str = typer.Option("cpu", help="torch device of the model and KV cache: cpu, cuda, cuda:1…"),
+    executor_id: Optional[str] = typer.Option(None, help="Id in the registry (default executor-PORT)."),
+    pool: str = typer.Option("default", help="Instance pool it registers in (see the scheduler's --pools file)."),
+    step_timeout_s: float = typer.Option(60.0, "--step-timeout-s", min=0.001,
+                                         help="An engine step running longer is wedged: NOT_SERVING until it returns."),
+    advertise: Optional[str] = typer.Option(None, "--advertise", help="host:port the gateway dials (default host:port; "
+                                            "set it when listening on 0.0.0.0)."),
+    kvstore: Optional[str] = typer.Option(None, "--kvstore", help="host:port of a kvstore: share prefix KV blocks."),
+    kvstore_fetch_timeout: float = typer.Option(5.0, "--kvstore-fetch-timeout", min=0.001,
+                                                help="Seconds to wait for a kvstore fetch before recomputing."),
+    traces: Optional[str] = TracesOpt, otlp_endpoint: Optional[str] = OtlpOpt,
+    trace_sample_ratio: Optional[float] = SampleOpt,
+    metrics_port: Optional[int] = MetricsPortOpt,
+    peak_flops: Optional[float] = typer.Option(None, "--peak-flops", min=1.0,
+                                               help="Peak FLOP/s of the device for the MFU metric (default: by GPU "
+                                                    "name, e.g. H100 989e12; CPU 1e12)."),
+    log_level: str = typer.Option("info"),
+) -> None:
+    """Run one executor: a model replica with its continuous-batching engine."""
+    from meshserve.services import run_executor
+
+    setup_logging(log_level)
+    export_trace_settings(traces, otlp_endpoint, trace_sample_ratio)
+    cfg = _engine_config(model, dtype, kv_cache_memory, block_size, max_num_seqs, max_num_batched_tokens,
+                         no_chunked_prefill, max_model_len, num_threads, no_prefix_caching, max_batch_wait_ms,
+                         attention_backend, device, enable_kv_events=True)  # forwarded for prefix-aware routing
+    if kvstore is not None and not is_address(kvstore):
+        raise typer.BadParameter(f"--kvstore must be HOST:PORT, got {kvstore!r}")
+    from meshserve.launcher import port_is_free
+
+    for flag, p in (("--port", port), ("--metrics-port", metrics_port)):
+        if p and not port_is_free(p, host):  # checked before the model loads
+            typer.echo(f"error: executor: cannot listen on {host}:{p} (port in use or not allowed); "
+                       f"choose one with {flag}", err=True)
+            raise typer.Exit(1)
+    serve(run_executor(cfg, port, host, scheduler, executor_id, pool, advertise, step_timeout_s=step_timeout_s,
+                       kvstore_address=kvstore, kvstore_fetch_timeout_s=kvstore_fetch_timeout,
+                       metrics_port=metrics_port, peak_flops=peak_flops))
+
+
+def kvstore_cmd(
+    port: int = typer.Option(50054, min=0, max=65535, help="Port of the KVStore service."),
+    host: str = typer.Option("127.0.0.1", help="Interface to listen on."),
+    memory: str = typer.Option("1GiB", "--memory", help="Byte budget of the memory tier (512MiB, 2GB…)."),
+    disk_dir: Optional[str] = typer.Option(None, "--disk-dir", help="Directory of the disk tier (emptied at start)."),
+    disk: str = typer.Option("10GiB", "--disk", help="Byte budget of the disk tier (with --disk-dir)."),
+    max_events: int = typer.Option(65536, "--max-events", min=1, help="Placement events kept for followers."),
+    traces: Optional[str] = TracesOpt, otlp_endpoint: Optional[str] = OtlpOpt,
+    trace_sample_ratio: Optional[float] = SampleOpt,
+    metrics_port: Optional[int] = MetricsPortOpt,
+    log_level: str = typer.Option("info"),
+) -> None:
+    """Run the kvstore: prefix KV blocks shared by executors."""
+    from meshserve.services import parse_bytes, run_kvstore
+
+    setup_logging(log_level)
+    export_trace_settings(traces, otlp_endpoint, trace_sample_ratio)
+    try:
+        memory_bytes, disk_bytes = parse_bytes(memory), parse_bytes(disk)
+        if memory_bytes < 1 or (disk_dir and disk_bytes < 1):
+            raise ValueError("--memory and --disk must be at least 1 byte")
+    except ValueError as exc:
+        raise typer.BadParameter(str(exc)) from None
+    serve(run_kvstore(port, host, memory_bytes, disk_dir, disk_bytes, max_events, metrics_port))
+
+
+def gateway(
+    scheduler: str = typer.Option(..., "--scheduler", help="host:port of the scheduler."),
+    port: int = typer.Option(50051, min=0, max=65535, help="Public port of the Gateway service."),
+    host: str = typer.Option("127.0.0.1", help="Interface to listen on."),
+    model: str = typer.Option("default", help="Model alias or path (for the tokenizer and limits)."),
+    tenants: Optional[str] = typer.Option(None, help="Tenants TOML file (default: open, tenant 'default')."),
+    block_size: int = typer.Option(16, "--block-size", min=0, help="Tokens per block of the prompt hashes sent "
+                                   "for prefix-aware routing: the executors' --block-size (0: send none)."),
+    result_cache_size: int = ResultCacheSizeOpt,
+    result_cache_ttl_s: float = typer.Option(600.0, "--result-cache-ttl-s", min=0.001,
+                                             help="Seconds a result-cache entry lives."),
+    task_store: str = TaskStoreOpt,
+    task_ttl_s: float = typer.Option(3600.0, "--task-ttl-s", min=0.001, help="Seconds a finished task is kept."),
+    max_tasks: int = typer.Option(10_000, "--max-tasks", min=1, help="Most tasks the memory store keeps "
+                                  "(finished ones are dropped oldest first; then SubmitTask is refused)."),
+    traces: Optional[str] = TracesOpt, otlp_endpoint: Optional[str] = OtlpOpt,
+    trace_sample_ratio: Optional[float] = SampleOpt,
+    metrics_port: Optional[int] = MetricsPortOpt,
+    log_level: str = typer.Option("info"),
+) -> None:
+    """Run the public gateway."""
+    from gateway.task_store import task_store_kind
+    from meshserve.services import run_gateway
+
+    try:
+        task_store_kind(task_store)
+    except ValueError as exc:  # a usage error, exit code 2
+        raise typer.BadParameter(str(exc)) from None
+    setup_logging(log_level)
+    export_trace_settings(traces, otlp_endpoint, trace_sample_ratio)
+    serve(run_gateway(model, port, host, scheduler, tenants, block_size, result_cache_size, result_cache_ttl_s,
+                      task_store, task_ttl_s, max_tasks, metrics_port))
+

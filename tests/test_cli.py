@@ -1,0 +1,61 @@
+"""The command line's shape: its commands, its entry points, and what ``meshserve up`` hands the gateway."""
+
+import os
+import subprocess
+import sys
+import tomllib
+from importlib import import_module
+from pathlib import Path
+
+import pytest
+from typer.main import get_command
+
+from meshserve.cli import app, main
+from meshserve.cli.mesh import mesh_config
+from meshserve.launcher import Mesh, MeshConfig
+
+COMMANDS = ["scheduler", "executor", "kvstore", "gateway", "up", "demo", "generate", "bench", "sim", "task"]
+
+
+def test_commands_in_help_order():
+    assert list(get_command(app).commands) == COMMANDS
+
+
+def test_console_script_is_main():
+    pyproject = tomllib.loads((Path(__file__).parents[1] / "pyproject.toml").read_text())
+    module, _, attr = pyproject["project"]["scripts"]["meshserve"].partition(":")
+    assert getattr(import_module(module), attr) is main
+
+
+def test_python_m_meshserve_cli_lists_every_command():
+    out = subprocess.run([sys.executable, "-m", "meshserve.cli", "--help"], capture_output=True, text=True,
+                         timeout=60, env=dict(os.environ, COLUMNS="200"))
+    assert out.returncode == 0
+    panel = out.stdout[out.stdout.index("─ Commands ─"):].splitlines()
+    assert [line.split()[1] for line in panel if line.startswith("│")] == COMMANDS
+
+
+@pytest.mark.parametrize("flag", ["--result-cache-size", "--task-store"])
+def test_up_and_gateway_share_the_gateway_flags(flag):
+    commands = get_command(app).commands
+    up, gateway = ({p.opts[0]: p for p in commands[name].params} for name in ("up", "gateway"))
+    assert (up[flag].default, up[flag].help, up[flag].min) == (gateway[flag].default, gateway[flag].help,
+                                                               gateway[flag].min)
+
+
+def test_up_hands_result_cache_and_task_store_to_the_gateway():
+    config = mesh_config(50061, 2, "default", "auto", "1GiB", [], None, None, result_cache_size=128,
+                         task_store="redis://127.0.0.1:6390/2")
+    assert (config.result_cache_size, config.task_store) == (128, "redis://127.0.0.1:6390/2")
+    mesh = Mesh(config)
+    mesh.scheduler_address = "127.0.0.1:50062"
+    assert mesh._gateway_args() == ["gateway", "--port", "50061", "--scheduler", "127.0.0.1:50062",
+                                    "--model", "default", "--result-cache-size", "128",
+                                    "--task-store", "redis://127.0.0.1:6390/2"]
+
+
+def test_mesh_gateway_defaults_match_the_gateway_command():
+    gateway = {p.name: p.default for p in get_command(app).commands["gateway"].params}
+    config = MeshConfig()
+    assert (config.result_cache_size, config.task_store) == (gateway["result_cache_size"], gateway["task_store"]) \
+        == (0, "memory")
