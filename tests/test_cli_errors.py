@@ -43,6 +43,7 @@ def test_triton_backend_needs_cuda_outside_the_interpreter(monkeypatch):
         (["--block-size", "0"], "block_size must be >= 1, got 0"),
         (["--kv-cache-memory", "lots"], "lots"),
         (["--kvstore", "nowhere"], "--kvstore must be HOST:PORT, got 'nowhere'"),
+        (["--max-buffered-outputs", "0"], "should be greater than or equal to 1"),
     ],
 )
 def test_executor_bad_flag_is_a_usage_error(args, message):

@@ -127,6 +127,9 @@ def executor(
     peak_flops: Optional[float] = typer.Option(None, "--peak-flops", min=1.0,
                                                help="Peak FLOP/s of the device for the MFU metric (default: by GPU "
                                                     "name, e.g. H100 989e12; CPU 1e12)."),
+    max_buffered_outputs: int = typer.Option(256, "--max-buffered-outputs", min=1,
+                                             help="Messages a request's reader may leave unread before the request "
+                                                  "ends with RESOURCE_EXHAUSTED and its KV is freed."),
     log_level: str = typer.Option("info"),
 ) -> None:
     """Run one executor: a model replica with its continuous-batching engine."""
@@ -148,7 +151,8 @@ def executor(
             raise typer.Exit(1)
     serve(run_executor(cfg, port, host, scheduler, executor_id, pool, advertise, step_timeout_s=step_timeout_s,
                        kvstore_address=kvstore, kvstore_fetch_timeout_s=kvstore_fetch_timeout,
-                       metrics_port=metrics_port, peak_flops=peak_flops))
+                       metrics_port=metrics_port, peak_flops=peak_flops,
+                       max_buffered_outputs=max_buffered_outputs))
 
 
 def kvstore_cmd(
