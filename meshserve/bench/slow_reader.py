@@ -5,7 +5,8 @@ with ``--max-buffered-outputs``, gateway). Two arms alternate on it, each
 ``--duration-s`` long: ``alone`` (4 normal streaming clients, closed loop) and
 ``slow`` (the same 4 plus one slow reader: ``--slow-max-tokens`` tokens,
 ``ignore_eos``, 5 top logprobs, read at one message per ``--read-interval-s``
-through a channel with a 1 KiB HTTP/2 stream window). Per arm: the normal
+through a channel with a 1 KiB HTTP/2 stream window; this arm lasts until the
+executor has ended the slow request, at most ``--max-wait-s`` more). Per arm: the normal
 clients' inter-token latency (gaps between streamed tokens) p50 and p90; for the
 slow reader, whether the executor ended it (its ``slow_reader_aborts`` metric
 and the KV blocks free once the normal clients stop), and, after the arm, the
@@ -125,16 +126,25 @@ async def run(opts: argparse.Namespace) -> dict:
                 normal = asyncio.create_task(normal_clients(stub, opts.normal_max_tokens, stop))
                 slow = (asyncio.create_task(slow_reader(mesh.gateway_address, opts.slow_max_tokens,
                                                         opts.read_interval_s, stop)) if arm == "slow" else None)
+                started = time.monotonic()
                 await asyncio.sleep(opts.duration_s)
+                while arm == "slow" and time.monotonic() - started < opts.duration_s + opts.max_wait_s:
+                    if scrape(metrics_url, "meshserve_executor_slow_reader_aborts_total") > aborts_before:
+                        break
+                    await asyncio.sleep(1.0)
                 aborted = scrape(metrics_url, "meshserve_executor_slow_reader_aborts_total") - aborts_before
+                arm_s = time.monotonic() - started
                 stop.set()
                 gaps = await normal
                 stats = await executor_pb2_grpc.ExecutorStub(ech).Stats(executor_pb2.StatsRequest())
-                result = {"arm": arm, "itl_p50_s": quantile(gaps, 0.5), "itl_p90_s": quantile(gaps, 0.9),
+                result = {"arm": arm, "seconds": arm_s, "itl_p50_s": quantile(gaps, 0.5), "itl_p90_s": quantile(gaps, 0.9),
                           "tokens": len(gaps), "slow_reader_aborts": aborted,
                           "free_blocks_after": stats.num_free_blocks, "num_blocks": stats.num_blocks}
-                if slow is not None:
-                    result["slow_reader"] = await slow
+                if slow is not None and aborted:
+                    result["slow_reader"] = await slow  # drains what was sent, then reads the status
+                elif slow is not None:  # never ended by the executor: the bench gives up on it
+                    slow.cancel()
+                    result["slow_reader"] = {"code": "not ended by the executor (cancelled by the bench)"}
                 arms.append(result)
                 print(json.dumps(result), flush=True)
     finally:
@@ -160,6 +170,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--slow-max-tokens", type=int, default=4000)
     p.add_argument("--normal-max-tokens", type=int, default=64)
     p.add_argument("--read-interval-s", type=float, default=1.0)
+    p.add_argument("--max-wait-s", type=float, default=180.0,
+                   help="How much longer than --duration-s a slow arm waits for the executor to end the slow request.")
     p.add_argument("--log-dir", default=None)
     p.add_argument("--report-json", default=None)
     opts = p.parse_args(argv)
