@@ -366,6 +366,16 @@ def test_report_folder_with_three_baselines_has_a_row_a_ratio_table_and_a_line_f
     assert "| concurrency 4 | 2.50 | 0.40 | 0.40 |" in expected  # hf-generate at point 1: 5 / 2
 
 
+def test_report_folder_without_a_baseline_has_the_target_rows_only(tmp_path):
+    doc = _closed_doc([])
+    files = write_report_dir(doc, tmp_path)
+    md = files[1].read_text()
+    assert md.startswith("# meshserve bench: engine\n") and "Ratios" not in md and ratio_lines(doc) == []
+    assert [line.split(" | ")[:2] for line in md.splitlines() if line.startswith("| concurrency ")] == [
+        ["| concurrency 1", "engine"], ["| concurrency 4", "engine"]]
+    assert len(files) == 6
+
+
 def test_every_plot_has_a_line_per_system():
     doc = _closed_doc(THREE)
     figs = sweep_figures(doc)
