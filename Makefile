@@ -101,13 +101,16 @@ bench-issue3: $(STAMP)
 	done
 	$(BIN)/python -m meshserve.bench.summary $(BENCH3_DIR)
 
-# Issue-6 sizing report: the engine against transformers' continuous batching on the
-# same requests, closed loop at BENCH6_SWEEP, into reports/issue6/ (report.json,
-# summary.md, plots/*.png). About 4 minutes on 2 shared cores with the defaults.
+# Issue-6 sizing report: the engine against three transformers baselines (generate one
+# request at a time, static batches, continuous batching) on the same requests, closed
+# loop at BENCH6_SWEEP, into reports/issue6/ (report.json, summary.md, plots/*.png).
+# The engine against hf-continuous alone took about 4 minutes on 2 shared cores with the
+# defaults; the three baselines add hf-generate's and hf-static's runs (not timed yet).
 BENCH6_DIR ?= reports/issue6
 BENCH6_SWEEP ?= 1,4
 BENCH6_REQUESTS ?= 8
+BENCH6_BASELINES ?= hf-generate,hf-static,hf-continuous
 bench-issue6: $(STAMP)
-	$(BIN)/meshserve bench --target engine --baseline hf-continuous --sweep-concurrency $(BENCH6_SWEEP) \
+	$(BIN)/meshserve bench --target engine --baseline $(BENCH6_BASELINES) --sweep-concurrency $(BENCH6_SWEEP) \
 	  --num-requests $(BENCH6_REQUESTS) --prompt-len-median 64 --output-len-median 32 --warmup 2 \
 	  --dtype float32 --kv-cache-memory 256MiB --seed 0 --report-dir $(BENCH6_DIR)

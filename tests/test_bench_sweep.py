@@ -15,8 +15,11 @@ from meshserve.bench.hf_targets import check_hf_workload
 from meshserve.bench.jsonl_workload import WorkloadFileError, count_requests, load_jsonl_workload
 from meshserve.bench.loop import checked_result, run_closed_loop, run_open_loop
 from meshserve.bench.multi_turn import make_multi_turn_workload
-from meshserve.bench.sweep import SweepPoint, parse_values, point_seed, ratios, run_sweep, sweep_points
-from meshserve.bench.sweep_report import write_report_dir
+from meshserve.bench.plots import LINE_STYLES, sweep_figures
+from meshserve.bench.runner import main as bench_main
+from meshserve.bench.sweep import (SweepPoint, check_baselines, parse_baselines, parse_values, point_seed, ratios,
+                                   run_sweep, sweep_points)
+from meshserve.bench.sweep_report import ratio_lines, write_report_dir
 from meshserve.bench.workload import GREEDY, BenchRequest, Sampling
 from meshserve.cli import app
 
@@ -100,7 +103,10 @@ def test_cli_reports_a_bad_workload_line_with_its_number(tmp_path):
     (["--sweep-concurrency", "1,4", "--request-rate", "2"], "--sweep-concurrency runs the closed loop"),
     (["--sweep-concurrency", "1,x"], "expected comma-separated ints, got '1,x'"),
     (["--baseline", "vllm"], "--baseline must be one of hf-generate, hf-static, hf-continuous, got 'vllm'"),
+    (["--baseline", "hf-generate,vllm"], "--baseline must be one of hf-generate, hf-static, hf-continuous, got 'vllm'"),
     (["--baseline", "hf-static", "--sweep-rate", "1,2"], "hf-static runs static batches and has no open loop"),
+    (["--baseline", "hf-generate,hf-static", "--request-rate", "2"], "hf-static runs static batches and has no open"),
+    (["--baseline", "hf-static,hf-continuous,hf-static"], "--baseline names hf-static more than once"),
     (["--workload", "jsonl"], "the jsonl workload needs --workload-file"),
 ])
 def test_cli_refuses_bad_sweeps_and_baselines_in_one_line(args, message):
@@ -252,7 +258,20 @@ def test_ratios_are_target_over_baseline():
     t = {"output_tokens_per_s": 30.0, "ttft_p50_s": 0.5, "tpot_p50_s": 0.1}
     b = {"output_tokens_per_s": 10.0, "ttft_p50_s": 2.0, "tpot_p50_s": 0.0}
     assert ratios(t, b) == {"output_tokens_per_s": 3.0, "ttft_p50_s": 0.25, "tpot_p50_s": None}
-    assert ratios(t, None) is None
+
+
+def test_baselines_parse_in_order_and_are_checked_each():
+    assert parse_baselines(None) == [] and parse_baselines("") == []
+    assert parse_baselines("hf-continuous") == ["hf-continuous"]
+    assert parse_baselines(" hf-static, hf-generate ,hf-continuous") == ["hf-static", "hf-generate", "hf-continuous"]
+    with pytest.raises(ValueError, match="got 'hf-fast'"):
+        parse_baselines("hf-generate,hf-fast")
+    with pytest.raises(ValueError, match="names hf-generate more than once"):
+        parse_baselines("hf-generate,hf-continuous,hf-generate")
+    check_baselines(["hf-generate", "hf-continuous"], open_loop=True)
+    check_baselines(["hf-static"], open_loop=False)
+    with pytest.raises(ValueError, match="hf-static runs static batches and has no open loop"):
+        check_baselines(["hf-generate", "hf-static"], open_loop=True)
 
 
 def test_hf_targets_refuse_sampled_requests_and_static_open_loop():
@@ -281,9 +300,10 @@ def test_report_folder_of_an_open_loop_sweep_holds_json_summary_and_plots(tmp_pa
     points = []
     for i, rate in enumerate([0.5, 2.0, "inf"]):
         t, b = _run_report("engine", rate, None, 1.0 + i), _run_report("hf-generate", rate, None, 4.0 + i)
-        points.append({"point": i, "concurrency": None, "request_rate": rate, "seed": i, "target": t, "baseline": b,
-                       "ratios": ratios(t, b), "load_average_1m": 1.5 + i})
-    doc = {"target": "engine", "baseline": "hf-generate", "model": "default", "workload": "synthetic",
+        points.append({"point": i, "concurrency": None, "request_rate": rate, "seed": i, "target": t,
+                       "baselines": {"hf-generate": b}, "ratios": {"hf-generate": ratios(t, b)},
+                       "load_average_1m": 1.5 + i})
+    doc = {"target": "engine", "baselines": ["hf-generate"], "model": "default", "workload": "synthetic",
            "sweep": {"over": "request_rate", "values": [0.5, 2.0, "inf"]}, "points": points}
     files = write_report_dir(doc, tmp_path / "rep", command="meshserve bench --sweep-rate 0.5,2,inf")
     names = [f.relative_to(tmp_path / "rep").as_posix() for f in files]
@@ -294,13 +314,90 @@ def test_report_folder_of_an_open_loop_sweep_holds_json_summary_and_plots(tmp_pa
         assert data.startswith(PNG_HEADER) and len(data) > 5000
     assert json.loads(files[0].read_text()) == doc
     md = files[1].read_text()
+    assert md.startswith("# meshserve bench: engine vs hf-generate\n")
     assert "meshserve bench --sweep-rate 0.5,2,inf" in md
+    assert "### Ratios to the baseline\n" in md
     assert "| 0.5 req/s | engine | 5 | 10.0 | 1.00 | 3000.0 | 5000.0 | 300.0 | 500.0 | 4.00 | 6.00 |" in md
     assert "| all at once | hf-generate | 5 | 1.7 | 0.17 | 18000.0 |" in md
     assert "| 0.5 req/s | 4.00 | 0.25 | 0.25 |" in md  # (10/1)/(10/4), 3/12, 0.3/1.2
     assert "![ttft_cdf](plots/ttft_cdf.png)" in md
     assert "median tokens per point: 10 / 2, 10 / 2, 10 / 2" in md
     assert "load average after each point: 1.50, 2.50, 3.50." in md
+
+
+THREE = ("hf-generate", "hf-static", "hf-continuous")
+
+
+def _closed_doc(baselines):
+    """A closed-loop sweep at concurrency 1 and 4: the engine at scale 1 + i, baseline k at 2 * (k + 1) + i."""
+    points = []
+    for i, conc in enumerate([1, 4]):
+        t = _run_report("engine", None, conc, 1.0 + i)
+        bs = {name: _run_report(name, None, conc, 2.0 * (k + 1) + i) for k, name in enumerate(baselines)}
+        points.append({"point": i, "concurrency": conc, "request_rate": None, "seed": i, "target": t,
+                       "baselines": bs, "ratios": {n: ratios(t, b) for n, b in bs.items()}, "load_average_1m": 0.5})
+    return {"target": "engine", "baselines": list(baselines), "model": "default", "workload": "synthetic",
+            "sweep": {"over": "concurrency", "values": [1, 4]}, "points": points}
+
+
+def test_report_folder_with_three_baselines_has_a_row_a_ratio_table_and_a_line_for_each(tmp_path):
+    doc = _closed_doc(THREE)
+    files = write_report_dir(doc, tmp_path, command="meshserve bench --baseline hf-generate,hf-static,hf-continuous")
+    assert json.loads(files[0].read_text())["baselines"] == list(THREE)
+    md = files[1].read_text()
+    assert md.startswith("# meshserve bench: engine vs hf-generate, hf-static, hf-continuous\n")
+    rows = [line for line in md.splitlines() if line.startswith("| concurrency ")]
+    systems_rows = [r for r in rows if r.count("|") == 12]
+    assert [r.split(" | ")[:2] for r in systems_rows] == [["| concurrency 1", n] for n in ("engine", *THREE)] + \
+        [["| concurrency 4", n] for n in ("engine", *THREE)]
+    assert systems_rows[2] == ("| concurrency 1 | hf-static | 5 | 2.5 | 0.25 | 12000.0 | 20000.0 | 1200.0 | 2000.0 "
+                               "| 16.00 | 24.00 |")
+    assert "### Ratios to the baselines\n" in md and "one table per baseline." in md
+    # engine at point i has scale 1 + i, baseline k 2(k + 1) + i: tokens/s ratio = b/t, TTFT/TPOT ratio = t/b
+    expected = []
+    for k, name in enumerate(THREE):
+        expected += ([""] if k else []) + [
+            f"| load | tokens/s engine ÷ {name} | TTFT p50 engine ÷ {name} | TPOT p50 engine ÷ {name} |",
+            "|---|---|---|---|",
+            *(f"| concurrency {c} | {(2 * (k + 1) + i) / (1 + i):.2f} | {(1 + i) / (2 * (k + 1) + i):.2f} | "
+              f"{(1 + i) / (2 * (k + 1) + i):.2f} |" for i, c in enumerate([1, 4]))]
+    assert ratio_lines(doc) == expected
+    assert "\n".join(expected) in md
+    assert "| concurrency 4 | 2.50 | 0.40 | 0.40 |" in expected  # hf-generate at point 1: 5 / 2
+
+
+def test_report_folder_without_a_baseline_has_the_target_rows_only(tmp_path):
+    doc = _closed_doc([])
+    files = write_report_dir(doc, tmp_path)
+    md = files[1].read_text()
+    assert md.startswith("# meshserve bench: engine\n") and "Ratios" not in md and ratio_lines(doc) == []
+    assert [line.split(" | ")[:2] for line in md.splitlines() if line.startswith("| concurrency ")] == [
+        ["| concurrency 1", "engine"], ["| concurrency 4", "engine"]]
+    assert len(files) == 6
+
+
+def test_every_plot_has_a_line_per_system():
+    doc = _closed_doc(THREE)
+    figs = sweep_figures(doc)
+    assert list(figs) == ["throughput_vs_concurrency.png", "ttft_cdf.png", "tpot_cdf.png", "latency_vs_load.png"]
+    names = ["engine", *THREE]
+    labels = {f: fig.axes[0].get_legend_handles_labels()[1] for f, fig in figs.items()}
+    assert labels["throughput_vs_concurrency.png"] == names
+    assert labels["latency_vs_load.png"] == [f"{n} {q}" for n in names for q in ("p50", "p99")]
+    for cdf in ("ttft_cdf.png", "tpot_cdf.png"):
+        assert labels[cdf] == [f"{n} c{c}" for c in (1, 4) for n in names]
+        assert [line.get_linestyle() for line in figs[cdf].axes[0].get_lines()] == list(LINE_STYLES) * 2
+    throughput = figs["throughput_vs_concurrency.png"].axes[0].get_lines()
+    assert [list(line.get_ydata()) for line in throughput] == [
+        [10.0, 5.0], [5.0, 10.0 / 3], [2.5, 2.0], [10.0 / 6, 10.0 / 7]]
+    assert len({line.get_color() for line in throughput}) == 4
+    single = sweep_figures(_closed_doc(["hf-continuous"]))
+    assert single["throughput_vs_concurrency.png"].axes[0].get_legend_handles_labels()[1] == ["engine", "hf-continuous"]
+    none = sweep_figures(_closed_doc([]))
+    assert none["latency_vs_load.png"].axes[0].get_legend_handles_labels()[1] == ["engine p50", "engine p99"]
+    import matplotlib.pyplot as plt
+
+    plt.close("all")
 
 
 # --- real runs on the default model -------------------------------------------
@@ -313,20 +410,21 @@ TINY = dict(prompt_len_median=24, prompt_len_range=(16, 40), output_len_median=4
 async def test_sweep_with_a_baseline_writes_every_point_and_the_ratios(tmp_path):
     spec = WorkloadSpec(num_requests=3, seed=0, **TINY)
     cfg = BenchConfig("engine", 1, spec, warmup=1, dtype="float32", kv_cache_memory="64MiB", stats_interval_s=0.01)
-    doc = await run_sweep(cfg, sweep_points(1, None, [1, 2]), baseline="hf-continuous")
-    assert doc["sweep"] == {"over": "concurrency", "values": [1, 2]}
+    doc = await run_sweep(cfg, sweep_points(1, None, [1, 2]), baselines=["hf-continuous"])
+    assert doc["sweep"] == {"over": "concurrency", "values": [1, 2]} and doc["baselines"] == ["hf-continuous"]
     assert [p["concurrency"] for p in doc["points"]] == [1, 2]
     assert [p["seed"] for p in doc["points"]] == [0, point_seed(0, 1)]
     for p in doc["points"]:
-        t, b = p["target"], p["baseline"]
+        assert list(p["baselines"]) == list(p["ratios"]) == ["hf-continuous"]
+        t, b = p["target"], p["baselines"]["hf-continuous"]
         assert (t["target"], b["target"]) == ("engine", "hf-continuous")
         assert t["concurrency"] == b["concurrency"] == p["concurrency"]
         assert t["num_requests"] == b["num_requests"] == 3
         assert [r["output_len"] for r in t["requests"]] == [r["output_len"] for r in b["requests"]]
         assert t["total_prompt_tokens"] == b["total_prompt_tokens"]  # the same requests
-        assert set(p["ratios"]) == {"output_tokens_per_s", "ttft_p50_s", "tpot_p50_s"}
+        assert set(p["ratios"]["hf-continuous"]) == {"output_tokens_per_s", "ttft_p50_s", "tpot_p50_s"}
         assert isinstance(p["load_average_1m"], float)
-        assert p["ratios"]["output_tokens_per_s"] == t["output_tokens_per_s"] / b["output_tokens_per_s"]
+        assert p["ratios"]["hf-continuous"]["output_tokens_per_s"] == t["output_tokens_per_s"] / b["output_tokens_per_s"]
     assert doc["points"][0]["target"]["total_prompt_tokens"] != doc["points"][1]["target"]["total_prompt_tokens"]
     files = write_report_dir(doc, tmp_path)
     assert len(json.loads((tmp_path / "report.json").read_text())["points"]) == 2
@@ -364,3 +462,38 @@ async def test_jsonl_with_sampling_in_the_open_loop_on_the_engine(tmp_path):
     lens = [r["output_len"] for r in report["requests"]]
     assert lens[:2] == [4, 3] and 1 <= lens[2] <= 6
     assert report["total_output_tokens"] == sum(lens)
+
+
+@pytest.mark.model
+def test_bench_with_three_baselines_prints_writes_and_plots_each(tmp_path, capsys):
+    """``meshserve bench``'s runner with ``--baseline hf-generate,hf-static,hf-continuous`` at
+    concurrency 1 and 2: every baseline runs the target's requests at every point, and has its
+    rows, its ratio table and its line."""
+    spec = WorkloadSpec(num_requests=3, seed=0, **TINY)
+    cfg = BenchConfig("engine", 1, spec, warmup=0, dtype="float32", kv_cache_memory="64MiB", stats_interval_s=0.01)
+    assert bench_main(cfg, None, sweep_points(1, None, [1, 2]), list(THREE), str(tmp_path), quiet=True) == 0
+    out = capsys.readouterr().out
+    systems = [line.split()[1] for line in out.splitlines() if line.startswith("target ") and "workload)" in line]
+    assert systems == ["engine", *THREE] * 2
+    assert out.count("target ÷ baseline (tokens/s above 1") == 1
+    for name in THREE:
+        assert out.count(f"| load | tokens/s engine ÷ {name} | TTFT p50 engine ÷ {name} |") == 1
+    assert out.count("| concurrency 1 | ") == 3 and out.count("| concurrency 2 | ") == 3  # a ratio row per baseline
+    doc = json.loads((tmp_path / "report.json").read_text())
+    assert doc["baselines"] == list(THREE) and len(doc["points"]) == 2
+    for p in doc["points"]:
+        assert list(p["baselines"]) == list(p["ratios"]) == list(THREE)
+        t = p["target"]
+        for name in THREE:
+            b = p["baselines"][name]
+            conc = 1 if name == "hf-generate" else p["concurrency"]  # hf-generate serves one request at a time
+            assert (b["target"], b["num_requests"], b["concurrency"]) == (name, 3, conc)
+            assert [r["output_len"] for r in b["requests"]] == [r["output_len"] for r in t["requests"]]
+            assert b["total_prompt_tokens"] == t["total_prompt_tokens"]  # the same requests
+            assert p["ratios"][name]["output_tokens_per_s"] == t["output_tokens_per_s"] / b["output_tokens_per_s"]
+    md = (tmp_path / "summary.md").read_text()
+    assert [line.split(" | ")[1] for line in md.splitlines() if line.startswith("| concurrency 2 | ")
+            and line.count("|") == 12] == ["engine", *THREE]
+    assert md.count("| load | tokens/s engine ÷ ") == 3
+    assert sorted(f.name for f in (tmp_path / "plots").iterdir()) == ["latency_vs_load.png", "throughput_vs_concurrency.png",
+                                                                      "tpot_cdf.png", "ttft_cdf.png"]

@@ -20,8 +20,9 @@ Modules, in the order data flows through them:
   hits, preemptions);
 * ``report``: the JSON report and the terminal table; ``summary``: Markdown
   tables of medians and ratios over a folder of reports;
-* ``sweep``: the target, and a transformers ``--baseline`` interleaved with it,
-  over sweep points (concurrencies or rates), with the baseline ratios;
+* ``sweep``: the target, and the transformers ``--baseline`` targets (none, one or
+  several) interleaved with it, over sweep points (concurrencies or rates), with
+  each baseline's ratios;
   ``progress``: the live progress bars;
 * ``sweep_report`` and ``plots``: the ``--report-dir`` folder (report.json,
   summary.md, plots/*.png);

@@ -1,5 +1,5 @@
-"""One ``meshserve bench`` invocation, start to finish: the sweep (one point or many, with or
-without a baseline) → the terminal tables → the JSON report / the report folder."""
+"""One ``meshserve bench`` invocation, start to finish: the sweep (one point or many, with no,
+one or several baselines) → the terminal tables → the JSON report / the report folder."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from meshserve.bench.config import BenchConfig
 from meshserve.bench.progress import ProgressBars, live_progress_enabled
 from meshserve.bench.report import format_table, write_report
 from meshserve.bench.sweep import SweepPoint, run_sweep
-from meshserve.bench.sweep_report import ratio_lines, write_report_dir
+from meshserve.bench.sweep_report import ratio_lines, systems, write_report_dir
 
 log = logging.getLogger(__name__)
 
@@ -33,28 +33,29 @@ async def run_bench(config: BenchConfig) -> dict:
 
 
 def main(config: BenchConfig, report_json: str | None, points: Sequence[SweepPoint] | None = None,
-         baseline: str | None = None, report_dir: str | None = None, quiet: bool = False,
+         baselines: Sequence[str] = (), report_dir: str | None = None, quiet: bool = False,
          command: str | None = None) -> int:
-    """``meshserve bench``: runs every point, prints each run's table and the baseline ratios,
-    writes the JSON and the report folder; returns the exit code.
+    """``meshserve bench``: runs every point, prints each run's table and one ratio table per
+    baseline, writes the JSON and the report folder; returns the exit code.
 
-    ``--report-json`` holds the one run's report when there is one point and no
-    baseline (what ``meshserve.bench.summary`` reads), the whole sweep otherwise.
+    ``baselines``: names out of ``meshserve.bench.sweep.BASELINES``, run in this order
+    after the target at every point. ``--report-json`` holds the one run's report when
+    there is one point and no baseline (what ``meshserve.bench.summary`` reads), the
+    whole sweep otherwise.
     """
     import asyncio
 
     points = list(points or [SweepPoint(config.concurrency, config.request_rate)])
     with ProgressBars(live_progress_enabled(quiet)) as bars:
-        doc = asyncio.run(run_sweep(config, points, baseline, bars))
+        doc = asyncio.run(run_sweep(config, points, baselines, bars))
     for p in doc["points"]:
-        for role in ("target", "baseline"):
-            if p[role] is not None:
-                print(format_table(p[role]) + "\n")
-    if baseline:
+        for _, report in systems(doc, p):
+            print(format_table(report) + "\n")
+    if baselines:
         print("\n".join(["target ÷ baseline (tokens/s above 1, TTFT/TPOT below 1: the target is faster)",
                          *ratio_lines(doc)]))
     if report_json:
-        single = len(points) == 1 and baseline is None
+        single = len(points) == 1 and not baselines
         write_report(doc["points"][0]["target"] if single else doc, report_json)
         print(f"report written to {report_json}")
     if report_dir:

@@ -1,9 +1,10 @@
-"""A sweep: one target (and optionally a transformers baseline) over several loads.
+"""A sweep: one target (and optionally transformers baselines) over several loads.
 
 A sweep point is a load: a concurrency (closed loop) or a request rate (open
-loop, Poisson arrivals). The target and the baseline are started and warmed up
-once, then measured point after point, the baseline right after the target on
-the same requests (interleaved, so both see the same machine state over time).
+loop, Poisson arrivals). The target and every baseline are started and warmed up
+once, then measured point after point, the baselines one after the other right
+after the target, on the same requests (interleaved, so all see the same machine
+state over time). Each baseline is its own transformers model copy.
 
 Each point draws its own requests (same spec, its own seed: point 0 keeps
 ``--seed``, point ``i`` takes ``point_seed(seed, i)``), so a prefix cache never
@@ -11,8 +12,9 @@ serves a point with blocks of an earlier one; the report names every point's
 seed, and ``--seed`` with it replays the point. A jsonl workload is the same file
 at every point.
 
-Ratios are target ÷ baseline at the same point: output tokens/s (above 1: the
-target is faster), TTFT p50 and TPOT p50 (below 1: the target is faster).
+Ratios are target ÷ baseline at the same point, one set per baseline: output
+tokens/s (above 1: the target is faster), TTFT p50 and TPOT p50 (below 1: the
+target is faster).
 """
 
 from __future__ import annotations
@@ -94,6 +96,39 @@ def sweep_points(concurrency: int, request_rate: float | None, sweep_concurrency
     return [SweepPoint(concurrency, request_rate)]
 
 
+def parse_baselines(text: str | None) -> list[str]:
+    """``"hf-generate,hf-continuous"`` → ``["hf-generate", "hf-continuous"]`` (the order they run
+    in at every point); [] for None or "".
+
+    Raises:
+        ValueError: a name is not one of ``BASELINES``, or a name is repeated.
+    """
+    names = [item.strip() for item in (text or "").split(",") if item.strip()]
+    check_baselines(names)
+    return names
+
+
+def check_baselines(names: Sequence[str], open_loop: bool = False) -> None:
+    """Refuses what a sweep cannot run as baselines.
+
+    Args:
+        names: the baselines, in their order.
+        open_loop: whether a point of the sweep has a request rate.
+
+    Raises:
+        ValueError: a name is not one of ``BASELINES``, a name is repeated, or hf-static
+            is asked for in the open loop (it runs static batches only).
+    """
+    for name in names:
+        if name not in BASELINES:
+            raise ValueError(f"--baseline must be one of {', '.join(BASELINES)}, got {name!r}")
+    repeated = sorted({n for n in names if names.count(n) > 1})
+    if repeated:
+        raise ValueError(f"--baseline names {', '.join(repeated)} more than once")
+    if open_loop and "hf-static" in names:
+        raise ValueError("hf-static runs static batches and has no open loop; use another baseline")
+
+
 def point_seed(seed: int, index: int) -> int:
     """The workload seed of sweep point ``index``: ``seed`` for the first, then an
     independent draw of ``SeedSequence([seed, POINT_STREAM, index])``."""
@@ -102,10 +137,8 @@ def point_seed(seed: int, index: int) -> int:
     return int(np.random.SeedSequence([seed, POINT_STREAM, index]).generate_state(1)[0])
 
 
-def ratios(target: dict, baseline: dict | None) -> dict[str, float | None] | None:
-    """Target ÷ baseline of ``RATIO_KEYS`` (None where the baseline's value is 0); None without a baseline."""
-    if baseline is None:
-        return None
+def ratios(target: dict, baseline: dict) -> dict[str, float | None]:
+    """Target ÷ baseline of ``RATIO_KEYS`` (None where the baseline's value is 0)."""
     return {k: target[k] / baseline[k] if baseline[k] else None for k in RATIO_KEYS}
 
 
@@ -120,67 +153,75 @@ async def _measure(target: Target, cfg: BenchConfig, workload: Workload, bars: P
     return build_report(cfg, workload, results, wall_s, target.describe(), sampler.metrics())
 
 
-async def run_sweep(config: BenchConfig, points: Sequence[SweepPoint], baseline: str | None = None,
+async def run_sweep(config: BenchConfig, points: Sequence[SweepPoint], baselines: Sequence[str] = (),
                     bars: ProgressBars | None = None) -> dict:
-    """Measures ``config.target`` (and ``baseline``) at every point; the sweep's report.
+    """Measures ``config.target`` and each of ``baselines`` at every point; the sweep's report.
 
     Args:
         config: the run (its ``concurrency`` / ``request_rate`` are replaced by each point's).
         points: the loads (``sweep_points``).
-        baseline: None, or one of ``BASELINES``, run on the same requests at every point.
+        baselines: names out of ``BASELINES`` (none, one or several, each once), run in
+            this order on the same requests right after the target at every point.
         bars: the progress bars (None: none).
 
     Returns:
-        ``{"target", "baseline", "model", "workload", "sweep": {"over", "values"},
+        ``{"target", "baselines": [name, ...], "model", "workload", "sweep": {"over", "values"},
         "points": [{"point", "concurrency", "request_rate", "seed", "target": report,
-        "baseline": report | None, "ratios": {...} | None, "load_average_1m"}]}`` (reports
-        as ``meshserve.bench.report.build_report``; ``load_average_1m``: the machine's
-        1-minute load average, ``os.getloadavg``, when the point ended).
+        "baselines": {name: report}, "ratios": {name: {...}}, "load_average_1m"}]}``: the
+        point's ``baselines`` and ``ratios`` hold one entry per baseline, in the order of
+        ``baselines`` (empty without one); reports as ``meshserve.bench.report.build_report``;
+        ratios as ``ratios``; ``load_average_1m``: the machine's 1-minute load average,
+        ``os.getloadavg``, when the point ended.
 
     Raises:
-        ValueError: an unknown baseline, or a workload or load a transformers target cannot run.
+        ValueError: an unknown or repeated baseline, hf-static in the open loop, or a workload
+            a transformers target cannot run (all before any target starts).
         BenchError: a request produced another number of tokens than asked.
     """
     from meshserve.model_files import resolve_model
 
-    if baseline is not None and baseline not in BASELINES:
-        raise ValueError(f"baseline must be one of {', '.join(BASELINES)}, got {baseline!r}")
+    baselines = list(baselines)
+    open_loop = any(p.request_rate is not None for p in points)
+    check_baselines(baselines, open_loop)
     bars = bars or ProgressBars(enabled=False)
     path = resolve_model(config.model).path
-    configs = {"target": config}
-    if baseline is not None:
-        configs["baseline"] = replace(config, target=baseline, addr=None, executor_addrs=())
-    open_loop = any(p.request_rate is not None for p in points)
+    # (None: the target, else the baseline's name, its config); the target runs first at every point
+    systems = [(None, config)] + [(name, replace(config, target=name, addr=None, executor_addrs=()))
+                                  for name in baselines]
     workloads = [load_workloads(replace(config.workload, seed=point_seed(config.workload.seed, i)), 0, path)[0]
                  for i in range(len(points))]
-    for cfg in configs.values():
+    for _, cfg in systems:
         if cfg.target in BASELINES:
             for wl in workloads:
                 check_hf_workload(cfg.target, wl.requests, open_loop)
-    targets = {role: make_target(cfg, path) for role, cfg in configs.items()}
+    targets = [make_target(cfg, path) for _, cfg in systems]
     warmup = make_warmup(config.workload, config.warmup, *model_vocabulary(path))
     doc_points = []
     try:
-        for role, target in targets.items():
-            log.info("starting %s %s", role, configs[role].target)
+        for (name, cfg), target in zip(systems, targets):
+            log.info("starting %s %s", "target" if name is None else "baseline", cfg.target)
             await target.start()
             if warmup is not None:
-                await target.run(warmup.requests, replace(configs[role], request_rate=None).effective_concurrency)
+                await target.run(warmup.requests, replace(cfg, request_rate=None).effective_concurrency)
         for i, (point, workload) in enumerate(zip(points, workloads)):
             entry = {"point": i, "concurrency": point.concurrency if point.request_rate is None else None,
-                     "request_rate": json_rate(point.request_rate), "seed": workload.spec.seed}
-            for role, target in targets.items():
-                cfg = replace(configs[role], concurrency=point.concurrency, request_rate=point.request_rate,
+                     "request_rate": json_rate(point.request_rate), "seed": workload.spec.seed, "target": None, "baselines": {}}
+            for (name, cfg), target in zip(systems, targets):
+                cfg = replace(cfg, concurrency=point.concurrency, request_rate=point.request_rate,
                               workload=workload.spec)
-                log.info("point %s: %s %s, %d requests", point.label, role, cfg.target, len(workload.requests))
-                entry[role] = await _measure(target, cfg, workload, bars, f"{cfg.target} {point.label}")
-            entry.setdefault("baseline", None)
+                log.info("point %s: %s, %d requests", point.label, cfg.target, len(workload.requests))
+                report = await _measure(target, cfg, workload, bars, f"{cfg.target} {point.label}")
+                if name is None:
+                    entry["target"] = report
+                else:
+                    entry["baselines"][name] = report
             entry["load_average_1m"] = os.getloadavg()[0]  # other work on the machine skews every figure
-            entry["ratios"] = ratios(entry["target"], entry["baseline"])
+            entry["ratios"] = {name: ratios(entry["target"], b) for name, b in entry["baselines"].items()}
             doc_points.append(entry)
     finally:
-        for target in targets.values():
+        for target in targets:
             await target.stop()
     over = "request_rate" if open_loop else "concurrency"
-    return {"target": config.target, "baseline": baseline, "model": config.model, "workload": config.workload.kind,
-            "sweep": {"over": over, "values": [p[over] for p in doc_points]}, "points": doc_points}
+    return {"target": config.target, "baselines": baselines, "model": config.model,
+            "workload": config.workload.kind, "sweep": {"over": over, "values": [p[over] for p in doc_points]},
+            "points": doc_points}

@@ -3,10 +3,10 @@
 The folder holds:
 
 * ``report.json``: the whole sweep (``meshserve.bench.sweep.run_sweep``), every
-  point's full report of the target and the baseline;
+  point's full report of the target and of each baseline;
 * ``summary.md``: the command, then one table row per point and system (output
-  tokens/s, requests/s, TTFT, TPOT and e2e percentiles), the baseline ratios,
-  and the plots;
+  tokens/s, requests/s, TTFT, TPOT and e2e percentiles), one ratio table per
+  baseline, and the plots;
 * ``plots/*.png`` (``meshserve.bench.plots``).
 """
 
@@ -16,7 +16,7 @@ import json
 import os
 from pathlib import Path
 
-from meshserve.bench.plots import write_plots
+from meshserve.bench.plots import systems, write_plots
 
 
 def _load(point: dict) -> str:
@@ -34,14 +34,11 @@ def _ratio(value: float | None) -> str:
 
 
 def points_table(doc: dict) -> list[str]:
-    """Markdown rows: one per point and system."""
+    """Markdown rows: one per point and system (the target, then each baseline)."""
     lines = ["| load | system | requests | output tokens/s | requests/s | TTFT p50 ms | TTFT p99 ms | TPOT p50 ms "
              "| TPOT p99 ms | e2e p50 s | e2e p99 s |", "|---|---|---|---|---|---|---|---|---|---|---|"]
     for p in doc["points"]:
-        for role in ("target", "baseline"):
-            r = p.get(role)
-            if r is None:
-                continue
+        for _, r in systems(doc, p):
             lines.append(f"| {_load(p)} | {r['target']} | {r['num_requests']} | {r['output_tokens_per_s']:.1f} | "
                          f"{r['requests_per_s']:.2f} | {_ms(r['ttft_p50_s'])} | {_ms(r['ttft_p99_s'])} | "
                          f"{_ms(r['tpot_p50_s'])} | {_ms(r['tpot_p99_s'])} | {r['e2e_p50_s']:.2f} | "
@@ -49,16 +46,22 @@ def points_table(doc: dict) -> list[str]:
     return lines
 
 
-def ratio_lines(doc: dict) -> list[str]:
-    """Markdown rows of target ÷ baseline per point (empty without a baseline)."""
-    if not doc.get("baseline"):
-        return []
-    t, b = doc["target"], doc["baseline"]
+def ratio_table(doc: dict, baseline: str) -> list[str]:
+    """Markdown rows of target ÷ ``baseline`` (one of ``doc["baselines"]``), one row per point."""
+    t, b = doc["target"], baseline
     lines = [f"| load | tokens/s {t} ÷ {b} | TTFT p50 {t} ÷ {b} | TPOT p50 {t} ÷ {b} |", "|---|---|---|---|"]
     for p in doc["points"]:
-        q = p["ratios"]
+        q = p["ratios"][b]
         lines.append(f"| {_load(p)} | {_ratio(q['output_tokens_per_s'])} | {_ratio(q['ttft_p50_s'])} | "
                      f"{_ratio(q['tpot_p50_s'])} |")
+    return lines
+
+
+def ratio_lines(doc: dict) -> list[str]:
+    """One ``ratio_table`` per baseline in run order, a blank line between two (empty without one)."""
+    lines: list[str] = []
+    for name in doc["baselines"]:
+        lines += ([""] if lines else []) + ratio_table(doc, name)
     return lines
 
 
@@ -74,7 +77,8 @@ def _threads(report: dict) -> str:
 def summary_markdown(doc: dict, command: str | None, plots: list[str]) -> str:
     """``summary.md`` of the sweep ``doc``; ``plots`` are paths relative to the folder."""
     first = doc["points"][0]["target"]
-    lines = [f"# meshserve bench: {doc['target']}" + (f" vs {doc['baseline']}" if doc.get("baseline") else ""), ""]
+    versus = f" vs {', '.join(doc['baselines'])}" if doc["baselines"] else ""
+    lines = [f"# meshserve bench: {doc['target']}{versus}", ""]
     if command:
         lines += ["```bash", command, "```", ""]
     medians = ", ".join(f"{p['target']['prompt_len_median']:g} / {p['target']['output_len_median']:g}"
@@ -86,10 +90,11 @@ def summary_markdown(doc: dict, command: str | None, plots: list[str]) -> str:
               f"{_threads(first)} torch threads per target; the machine's 1-minute load average after "
               f"each point: {', '.join(_fmt(p.get('load_average_1m')) for p in doc['points'])}.", "",
               *points_table(doc), ""]
-    if doc.get("baseline"):
-        lines += ["### Ratios to the baseline", "",
+    if doc["baselines"]:
+        lines += ["### Ratios to the baseline" + ("s" if len(doc["baselines"]) > 1 else ""), "",
                   "Target ÷ baseline at the same load, on the same requests: tokens/s above 1 and "
-                  "TTFT / TPOT below 1 mean the target is faster.", "", *ratio_lines(doc), ""]
+                  "TTFT / TPOT below 1 mean the target is faster"
+                  + (", one table per baseline." if len(doc["baselines"]) > 1 else "."), "", *ratio_lines(doc), ""]
     lines += ["### Plots", "", *(f"![{Path(p).stem}]({p})" for p in plots), ""]
     return "\n".join(lines)
 

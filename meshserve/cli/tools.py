@@ -29,8 +29,9 @@ def bench(
     sweep_concurrency: Optional[str] = typer.Option(None, "--sweep-concurrency", help="Closed-loop sweep, e.g. "
                                                     "1,4,16: one point per concurrency."),
     sweep_rate: Optional[str] = typer.Option(None, "--sweep-rate", help="Open-loop sweep, e.g. 0.5,1,2 (requests/s)."),
-    baseline: Optional[str] = typer.Option(None, "--baseline", help="hf-generate, hf-static or hf-continuous: run "
-                                           "it on the same requests after the target at every point; print ratios."),
+    baseline: Optional[str] = typer.Option(None, "--baseline", help="hf-generate, hf-static, hf-continuous, or "
+                                           "several comma-separated: run each on the same requests after the "
+                                           "target at every point; print ratios per baseline."),
     workload: str = typer.Option("synthetic", "--workload", help="synthetic, shared-prefix, multi-turn or jsonl."),
     workload_file: Optional[str] = typer.Option(None, "--workload-file", help="jsonl: one request a line "
                                                 "(prompt or prompt_token_ids, max_tokens, optional sampling)."),
@@ -69,12 +70,11 @@ def bench(
     """Measure output tokens/s, TTFT, TPOT, e2e latency and KV/prefix-cache use of a target on a seeded workload."""
     from meshserve.bench import BenchConfig, WorkloadSpec, main as run
     from meshserve.bench.jsonl_workload import WorkloadFileError, count_requests
-    from meshserve.bench.sweep import BASELINES, parse_values, sweep_points
+    from meshserve.bench.sweep import check_baselines, parse_baselines, parse_values, sweep_points
 
     setup_logging(log_level)
     try:
-        if baseline is not None and baseline not in BASELINES:
-            raise ValueError(f"--baseline must be one of {', '.join(BASELINES)}, got {baseline!r}")
+        baselines = parse_baselines(baseline)
         if num_requests is None:
             num_requests = count_requests(workload_file) if workload == "jsonl" and workload_file else 32
         spec = WorkloadSpec(num_requests=num_requests, seed=seed, prompt_len_median=prompt_len_median,
@@ -88,14 +88,13 @@ def bench(
                           executor_addrs=tuple(executor_addr), request_rate=request_rate)
         points = sweep_points(concurrency, request_rate, parse_values(sweep_concurrency, int),
                               parse_values(sweep_rate, float))
-        if baseline == "hf-static" and any(p.request_rate is not None for p in points):
-            raise ValueError("hf-static runs static batches and has no open loop; use another baseline")
+        check_baselines(baselines, open_loop=any(p.request_rate is not None for p in points))
     except (ValueError, WorkloadFileError) as exc:
         raise typer.BadParameter(str(exc)) from None
     args = sys.argv[sys.argv.index("bench") + 1:] if "bench" in sys.argv else []
     command = " ".join(["meshserve bench", *(shlex.quote(a) for a in args)])
     try:
-        code = run(cfg, report_json, points, baseline, report_dir, quiet, command)
+        code = run(cfg, report_json, points, baselines, report_dir, quiet, command)
     except WorkloadFileError as exc:
         typer.echo(f"error: {exc}", err=True)
         code = 2
