@@ -53,6 +53,7 @@ class Choice:
         self.stops = StopStringMatcher(stop)
         self.num_tokens = 0
         self.num_cached_tokens = 0
+        self.num_kvstore_tokens = 0  # of num_cached_tokens, loaded from the kvstore
         self.first_token = self.last_token = 0.0
         self.finish_reason = common_pb2.FINISH_REASON_UNSPECIFIED
         self.stop_reason = ""
@@ -73,6 +74,7 @@ class Choice:
             if not self.first_token:
                 self.first_token = now
                 self.num_cached_tokens = out.num_cached_tokens
+                self.num_kvstore_tokens = out.num_kvstore_tokens
             self.last_token = now
         self.prompt_logprobs.extend(out.prompt_logprobs)
         self.num_tokens += len(out.token_ids)
@@ -94,7 +96,8 @@ class Choice:
             request_id=request_id,
             finish_reason=self.finish_reason,
             usage=common_pb2.Usage(prompt_tokens=len(prompt_token_ids), completion_tokens=self.num_tokens,
-                                   cached_tokens=self.num_cached_tokens),
+                                   cached_tokens=self.num_cached_tokens,
+                                   kvstore_tokens=self.num_kvstore_tokens),
             timings=self.timings(timer),
             prompt_token_ids=prompt_token_ids,
             executor_id=executor_id,

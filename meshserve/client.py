@@ -204,7 +204,7 @@ async def generate_choices(
             out.executor_id = r.executor_id
             out.cached = r.cached
             out.usage = {"prompt_tokens": r.usage.prompt_tokens, "completion_tokens": r.usage.completion_tokens,
-                         "cached_tokens": r.usage.cached_tokens}
+                         "cached_tokens": r.usage.cached_tokens, "kvstore_tokens": r.usage.kvstore_tokens}
             out.timings = {"queue_s": r.timings.queue_s, "ttft_s": r.timings.ttft_s, "tpot_s": r.timings.tpot_s,
                            "e2e_s": r.timings.e2e_s}
     for out in choices.values():
@@ -274,7 +274,7 @@ def task_completions(status: gateway_pb2.TaskStatus) -> list[Completion]:
             prompt_token_ids=list(r.prompt_token_ids), finish_reason=FINISH_NAMES[r.finish_reason],
             stop_reason=r.stop_reason, executor_id=r.executor_id,
             usage={"prompt_tokens": r.usage.prompt_tokens, "completion_tokens": r.usage.completion_tokens,
-                   "cached_tokens": r.usage.cached_tokens},
+                   "cached_tokens": r.usage.cached_tokens, "kvstore_tokens": r.usage.kvstore_tokens},
             timings={"queue_s": r.timings.queue_s, "ttft_s": r.timings.ttft_s, "tpot_s": r.timings.tpot_s,
                      "e2e_s": r.timings.e2e_s},
             logprobs=[Logprob.from_proto(lp) for lp in c.logprobs],

@@ -8,8 +8,9 @@ from gateway.choices import Choice, RequestTimer
 from meshserve.v1 import common_pb2, executor_pb2
 
 
-def message(ids, index=0, finish=0, cached=0, logprobs=(), prompt_logprobs=()):
+def message(ids, index=0, finish=0, cached=0, logprobs=(), prompt_logprobs=(), kvstore=0):
     return executor_pb2.ExecuteResponse(token_ids=ids, index=index, finish_reason=finish, num_cached_tokens=cached,
+                                        num_kvstore_tokens=kvstore,
                                         logprobs=list(logprobs), prompt_logprobs=list(prompt_logprobs))
 
 
@@ -32,6 +33,7 @@ def test_two_choices_are_cut_counted_and_reported_independently(tokenizer):
                 continue
             last = k == len(ids) - 1
             out = message([ids[k]], index, common_pb2.FINISH_REASON_LENGTH if last else 0, cached=16 * index,
+                          kvstore=16 * index if k == 0 else 0,  # reported with the first token
                           logprobs=[lp(ids[k], -0.5, [(ids[k], -0.5), (7, -2.0)])],
                           prompt_logprobs=pl if (k == 0 and index == 0) else ())
             delta = choices[index].feed(out, now=timer.start + k + 1)
@@ -46,6 +48,7 @@ def test_two_choices_are_cut_counted_and_reported_independently(tokenizer):
     rb = b.result("req", prompt, "executor-0", timer)
     assert (ra.index, rb.index) == (0, 1)
     assert rb.usage.completion_tokens == len(b_ids) and rb.usage.cached_tokens == 16
+    assert (ra.usage.kvstore_tokens, rb.usage.kvstore_tokens) == (0, 16)
     assert ra.usage.completion_tokens < len(a_ids)  # cut at the stop string: later tokens never came
     assert [e.token_id for e in ra.prompt_logprobs] == prompt[1:] and not rb.prompt_logprobs
     assert rb.timings.ttft_s == pytest.approx(1.0) and rb.timings.tpot_s == pytest.approx(1.0)
