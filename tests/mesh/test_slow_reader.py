@@ -152,3 +152,28 @@ async def test_C27_cancel_while_n_choices_are_blocked_on_the_merge_queue_frees_k
     finally:
         await slow_channel.close()
         await m.stop()
+
+
+async def test_C27_executor_frees_choice_ids_when_it_frees_the_request_id(tokenizer):
+    """When the executor's Execute call of an n=3 request ends (cancelled while its choice
+    pumps wait on the merge queue), the request id is free again only once no engine
+    stream of its choices is left: an immediate retry with the same id is accepted."""
+    from meshserve.v1 import executor_pb2, executor_pb2_grpc
+    from meshserve.sampling import SamplingParams, to_proto
+
+    m = await start_local_mesh([make_engine(max_model_len=4200)], tokenizer, max_buffered_outputs=100_000)
+    slow_channel = grpc.aio.insecure_channel(m.executors[0][0].address, options=SLOW_CLIENT_OPTIONS)
+    try:
+        eng, servicer = m.executors[0][1], m.executors[0][0].servicer
+        req = executor_pb2.ExecuteRequest(request_id="r", lease_id="l1", prompt_token_ids=[7] * 20)
+        to_proto(SamplingParams(max_tokens=4000, temperature=0.0, ignore_eos=True, n=3), req.sampling)
+        call = executor_pb2_grpc.ExecutorStub(slow_channel).Execute(req)
+        await call.read()
+        await _wait(lambda: eng.max_buffered_seen >= 100)  # the pumps wait on the merge queue
+        call.cancel()
+        while "r" in servicer.active_leases:
+            await asyncio.sleep(0)
+        assert sorted(eng._streams) == []
+    finally:
+        await slow_channel.close()
+        await m.stop()
