@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import time
 
 import pytest
 
@@ -142,8 +143,7 @@ async def test_C27_request_that_finishes_at_the_bound_is_delivered_whole(engine)
     await eng.start()
     try:
         stream = eng.generate("done", prompt, params)
-        task = asyncio.ensure_future(stream.__anext__())  # starts the request; its first output is taken
-        first = await task
+        first = await stream.__anext__()  # starts the request; its first output is taken
         assert first.finished is False
         # the consumer now reads nothing: bound + 1 outputs remain, the last one finished
         await wait_until(lambda: eng.stats().num_finished >= 1 and eng.stats().num_running == 0)
@@ -161,8 +161,6 @@ async def test_C27_request_id_reused_after_overflow_gets_only_its_own_outputs(en
     """After a slow reader's request was ended, the same id may be used again at once
     (a retry): the new request must not receive outputs the engine produced for the old
     one before it applied the abort."""
-    import time
-
     bound = 2
     old_params = SamplingParams(max_tokens=400, temperature=0.0, ignore_eos=True)
     new_prompt, new_params = [9] * 12, SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True)

@@ -16,7 +16,8 @@ import pytest
 
 from meshserve.client import build_request, generate
 from meshserve.grpc_server import CHANNEL_OPTIONS
-from meshserve.v1 import gateway_pb2_grpc
+from meshserve.sampling import SamplingParams, to_proto
+from meshserve.v1 import executor_pb2, executor_pb2_grpc, gateway_pb2_grpc
 from tests.mesh.conftest import make_engine
 from tests.mesh_harness import start_local_mesh
 
@@ -158,9 +159,6 @@ async def test_C27_executor_frees_choice_ids_when_it_frees_the_request_id(tokeni
     """When the executor's Execute call of an n=3 request ends (cancelled while its choice
     pumps wait on the merge queue), the request id is free again only once no engine
     stream of its choices is left: an immediate retry with the same id is accepted."""
-    from meshserve.v1 import executor_pb2, executor_pb2_grpc
-    from meshserve.sampling import SamplingParams, to_proto
-
     m = await start_local_mesh([make_engine(max_model_len=4200)], tokenizer, max_buffered_outputs=100_000)
     slow_channel = grpc.aio.insecure_channel(m.executors[0][0].address, options=SLOW_CLIENT_OPTIONS)
     try:
