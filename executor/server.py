@@ -102,9 +102,12 @@ class ExecutorServicer(executor_pb2_grpc.ExecutorServicer):
 
         async def pump(index: int) -> None:
             try:
-                async for out in self.engine.generate(f"{request_id}#{index}", prompt, params.for_choice(index),
-                                                      priority, trace_context):
-                    await merged.put((index, out))
+                # aclosing: a pump cancelled while it waits on ``merged`` closes its engine
+                # stream (aborting the choice) at once, not when the generator is collected
+                async with contextlib.aclosing(self.engine.generate(
+                        f"{request_id}#{index}", prompt, params.for_choice(index), priority, trace_context)) as outs:
+                    async for out in outs:
+                        await merged.put((index, out))
             except Exception as exc:  # noqa: BLE001 - re-raised by the consumer below
                 await merged.put((index, exc))
 
@@ -120,6 +123,9 @@ class ExecutorServicer(executor_pb2_grpc.ExecutorServicer):
         finally:
             for task in tasks:  # a cancelled pump closes its engine stream, which aborts the choice
                 task.cancel()
+            # every choice's engine stream is closed before the caller frees the request id,
+            # so a retry with the same id is not refused as "in use"
+            await asyncio.gather(*tasks, return_exceptions=True)
 
 
 def response_to_proto(index: int, out: RequestOutput) -> executor_pb2.ExecuteResponse:

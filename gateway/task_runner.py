@@ -53,6 +53,10 @@ class TaskRunner:
         self._clock = clock
         self.cancel_poll_s = cancel_poll_s
         self._running: dict[str, asyncio.Task] = {}
+        # tasks whose coroutine has begun: cancelling one before that would skip its
+        # work entirely (no final state, no cleanup), so such a cancel is deferred to its start
+        self._started: set[str] = set()
+        self._cancel_at_start: set[str] = set()
         self._closing = False
 
     @property
@@ -96,20 +100,34 @@ class TaskRunner:
         if record.state.finished:
             return record
         cancelled = await self.store.transition(task_id, UNFINISHED, TaskState.CANCELLED, finished_at=self._clock())
-        task = self._running.get(task_id)
-        if task is not None:
-            task.cancel()
+        self._cancel(task_id)
         return cancelled or await self.get(tenant, task_id)  # it finished meanwhile
 
     async def close(self) -> None:
         """Cancels every running task (each ends FAILED with UNAVAILABLE) and waits for them."""
         self._closing = True
         tasks = list(self._running.values())
-        for task in tasks:
-            task.cancel()
+        for task_id in list(self._running):
+            self._cancel(task_id)
         await asyncio.gather(*tasks, return_exceptions=True)
 
+    def _cancel(self, task_id: str) -> None:
+        """Cancels the task's work; one not started yet is cancelled as it starts, so
+        that its work still sees the cancel (and runs its cleanup) and its state is final."""
+        task = self._running.get(task_id)
+        if task is None:
+            return
+        if task_id in self._started:
+            task.cancel()
+        else:
+            self._cancel_at_start.add(task_id)
+
     async def _run(self, task_id: str, work: Work) -> None:
+        self._started.add(task_id)
+        if task_id in self._cancel_at_start:
+            self._cancel_at_start.discard(task_id)
+            asyncio.current_task().cancel()  # raised at the work's first await, inside its own try
+
         async def mark_running() -> None:
             await self.store.transition(task_id, (TaskState.QUEUED,), TaskState.RUNNING, started_at=self._clock())
 
@@ -132,6 +150,7 @@ class TaskRunner:
             await self._finish(task_id, TaskState.SUCCEEDED, result=result)
         finally:
             self._running.pop(task_id, None)
+            self._started.discard(task_id)
             if watcher is not None:
                 watcher.cancel()
 

@@ -25,7 +25,10 @@ outputs that its consumer has not taken. An output that would exceed the bound e
 the request instead: the consumer gets ``ResourceExhausted`` after the outputs
 already queued, and the request is aborted at the start of the next step (its KV
 blocks freed), so a reader that stalls can neither grow the executor's memory nor
-keep its blocks and batch slot. Every other request is untouched: outputs are
+keep its blocks and batch slot. A finished output is always queued (it ends the
+request: at most one past the bound). Until the engine applied an abort, outputs it
+made for the aborted request are dropped, so a new request reusing the id at once
+(a retry) reads only its own. Every other request is untouched: outputs are
 handed over with ``put_nowait``, the engine thread never waits on a consumer.
 """
 
@@ -47,6 +50,7 @@ log = logging.getLogger(__name__)
 
 STATS_INTERVAL_S = 0.05
 DEFAULT_MAX_BUFFERED_OUTPUTS = 256
+_ABORTED = object()  # in a dispatch: (request_id, _ABORTED), the engine applied an abort of that id
 
 
 class AsyncEngine:
@@ -83,6 +87,9 @@ class AsyncEngine:
         self._thread: threading.Thread | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._streams: dict[str, asyncio.Queue] = {}
+        # ids with an abort queued but not yet applied by the engine thread (count per id):
+        # outputs for such an id are the old request's, never a new request's of the same id
+        self._aborting: dict[str, int] = {}
         self._stats = engine.stats()
         self._failure: BaseException | None = None
         self._failure_callbacks: list[Callable[[BaseException], None]] = []
@@ -181,8 +188,7 @@ class AsyncEngine:
             if self._streams.get(request_id) is stream:  # else ``_overflow`` already aborted it
                 del self._streams[request_id]
                 if not finished:
-                    self._commands.put(("abort", request_id))
-                    self._wake.set()
+                    self._abort(request_id)
 
     # -- event loop side ------------------------------------------------------
 
@@ -194,10 +200,21 @@ class AsyncEngine:
                 log.exception("on_kv_events callback failed")
         for item in outputs:
             request_id, value = item
+            if value is _ABORTED:
+                pending = self._aborting.get(request_id, 0) - 1
+                if pending > 0:
+                    self._aborting[request_id] = pending
+                else:
+                    self._aborting.pop(request_id, None)
+                continue
+            if request_id in self._aborting:
+                continue  # produced for the aborted request before the engine applied the abort
             stream = self._streams.get(request_id)
             if stream is None:
                 continue
-            if stream.qsize() >= self.max_buffered_outputs and not isinstance(value, BaseException):
+            # a finished output ends the request (nothing left to abort): queued, one past the bound
+            if (stream.qsize() >= self.max_buffered_outputs and not isinstance(value, BaseException)
+                    and not value.finished):
                 self._overflow(request_id, stream)
                 continue
             stream.put_nowait(value)
@@ -218,6 +235,12 @@ class AsyncEngine:
         stream.put_nowait(ResourceExhausted(
             f"the stream is read too slowly: {stream.qsize()} messages were waiting "
             f"(bound {self.max_buffered_outputs}); the request was aborted", retry_after_s=1.0))
+        self._abort(request_id)
+
+    def _abort(self, request_id: str) -> None:
+        """Queues the abort of ``request_id``; until the engine thread applied it, outputs
+        for that id are dropped (a new request may already reuse the id)."""
+        self._aborting[request_id] = self._aborting.get(request_id, 0) + 1
         self._commands.put(("abort", request_id))
         self._wake.set()
 
@@ -281,13 +304,15 @@ class AsyncEngine:
             log.exception("KV cache integrity check failed")
 
     def _apply_queues(self) -> list:
-        """Applies queued adds and aborts in call order; returns ``(request_id, error)``
-        for adds the engine refused."""
+        """Applies queued adds and aborts in call order; returns, in that order,
+        ``(request_id, error)`` for adds the engine refused and ``(request_id, _ABORTED)``
+        for aborts applied (every output of the aborted request was sent before it)."""
         errors = []
         while not self._commands.empty():
             command = self._commands.get()
             if command[0] == "abort":
                 self.engine.abort_request(command[1])
+                errors.append((command[1], _ABORTED))
                 continue
             _, request_id, prompt, params, priority, trace_context = command
             try:
@@ -297,8 +322,8 @@ class AsyncEngine:
         return errors
 
     def _abort_all(self) -> None:
-        self._apply_queues()
+        applied = self._apply_queues()
         for request_id in list(self.engine.batch_scheduler.requests):
             self.engine.abort_request(request_id)
         self._stats = self.engine.stats()
-        self._send([], self._stats, self.engine.take_kv_events())
+        self._send(applied, self._stats, self.engine.take_kv_events())

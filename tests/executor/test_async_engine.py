@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import time
 
 import pytest
 
@@ -129,3 +130,59 @@ async def test_C27_unread_stream_is_bounded_then_ended_and_frees_blocks(engine, 
 def test_max_buffered_outputs_must_be_positive(engine):
     with pytest.raises(ValueError, match="max_buffered_outputs must be >= 1"):
         AsyncEngine(engine, max_buffered_outputs=0)
+
+
+async def test_C27_request_that_finishes_at_the_bound_is_delivered_whole(engine):
+    """A slow reader whose request *finished* with one output past the bound gets the
+    whole result: the finished output ends the request (nothing is left to abort), so
+    it is queued, not turned into ResourceExhausted, and no slow-reader abort is counted."""
+    bound = 3
+    params = SamplingParams(max_tokens=bound + 2, temperature=0.0, ignore_eos=True)  # bound + 2 outputs
+    prompt = [5] * 20
+    eng = AsyncEngine(engine, max_buffered_outputs=bound)
+    await eng.start()
+    try:
+        stream = eng.generate("done", prompt, params)
+        first = await stream.__anext__()  # starts the request; its first output is taken
+        assert first.finished is False
+        # the consumer now reads nothing: bound + 1 outputs remain, the last one finished
+        await wait_until(lambda: eng.stats().num_finished >= 1 and eng.stats().num_running == 0)
+        await asyncio.sleep(0.1)  # its outputs dispatched
+        outs = [first] + [out async for out in stream]
+    finally:
+        await eng.stop()
+    assert [o.finished for o in outs] == [False] * (bound + 1) + [True]
+    assert outs[-1].finish_reason == "length"
+    assert eng.num_overflowed == 0
+    assert [t for o in outs for t in o.new_token_ids] == engine.generate([prompt], params)[0]
+
+
+async def test_C27_request_id_reused_after_overflow_gets_only_its_own_outputs(engine):
+    """After a slow reader's request was ended, the same id may be used again at once
+    (a retry): the new request must not receive outputs the engine produced for the old
+    one before it applied the abort."""
+    bound = 2
+    old_params = SamplingParams(max_tokens=400, temperature=0.0, ignore_eos=True)
+    new_prompt, new_params = [9] * 12, SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True)
+    eng = AsyncEngine(engine, max_buffered_outputs=bound)
+    await eng.start()
+    try:
+        old = eng.generate("same", [7] * 20, old_params)
+        await old.__anext__()
+        # the loop is busy while the engine thread keeps stepping: its outputs queue up
+        # as callbacks; the first past the bound ends "same", while the thread is mid-step
+        generated = eng.stats().num_generation_tokens
+        deadline = time.monotonic() + 60
+        while eng.stats().num_generation_tokens < generated + bound + 2 and time.monotonic() < deadline:
+            time.sleep(0.005)  # blocks the loop: the thread's outputs wait as callbacks
+        await asyncio.sleep(0)
+        assert eng.num_overflowed == 1
+        reused = await collect(eng, "same", new_prompt, new_params)  # registered before the abort is applied
+        with pytest.raises(ResourceExhausted):
+            async for _ in old:
+                pass
+        await wait_until(lambda: eng.stats().num_running == 0 and eng.stats().num_waiting == 0)
+    finally:
+        await eng.stop()
+    assert reused == (engine.generate([new_prompt], new_params)[0], "length")
+    assert engine.stats().num_free_blocks == engine.num_blocks

@@ -162,3 +162,24 @@ async def test_close_fails_running_tasks_as_unavailable():
     rec = await runner.get("acme", "t")
     assert (rec.state, rec.error_code) == (TaskState.FAILED, "UNAVAILABLE")
     assert runner.num_running == 0
+
+
+async def test_close_right_after_submit_still_runs_the_works_cleanup():
+    """A gateway stopping right after a submit (before the task's first step) must still
+    end the task FAILED/UNAVAILABLE and let its work run its cleanup (metrics, request id)."""
+    runner = TaskRunner(MemoryTaskStore())
+    cleaned = []
+
+    async def work(_mark):
+        try:
+            await asyncio.sleep(30)
+            return b"never"
+        finally:
+            cleaned.append(True)
+
+    await runner.submit(new("t-early"), work)
+    await runner.close()
+    rec = await runner.get("acme", "t-early")
+    assert (rec.state, rec.error_code) == (TaskState.FAILED, "UNAVAILABLE")
+    assert cleaned == [True]
+    assert runner.num_running == 0

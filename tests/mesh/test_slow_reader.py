@@ -16,7 +16,8 @@ import pytest
 
 from meshserve.client import build_request, generate
 from meshserve.grpc_server import CHANNEL_OPTIONS
-from meshserve.v1 import gateway_pb2_grpc
+from meshserve.sampling import SamplingParams, to_proto
+from meshserve.v1 import executor_pb2, executor_pb2_grpc, gateway_pb2_grpc
 from tests.mesh.conftest import make_engine
 from tests.mesh_harness import start_local_mesh
 
@@ -73,6 +74,104 @@ async def test_C27_slow_reader_is_bounded_ended_and_frees_kv(tokenizer):
         assert BOUND < received < 4000  # what was sent before the bound tripped, not the whole request
         await _wait(lambda: m.scheduler.servicer.core.num_leases() == 0, 10.0)
         assert len(m.scheduler.servicer.core) == 0
+    finally:
+        await slow_channel.close()
+        await m.stop()
+
+
+async def _first_delta(call) -> int:
+    while True:
+        msg = await call.read()
+        if msg.WhichOneof("kind") == "delta":
+            return len(msg.delta.token_ids)
+
+
+async def test_C27_slow_reader_with_n_choices_and_a_big_first_message_ends_every_choice(tokenizer):
+    """n=3 with prompt logprobs of a long prompt (a first message of ~100s of KB): every
+    choice backs up to the bound and is ended, all KV freed, the caller reads
+    RESOURCE_EXHAUSTED; the executor's call and the scheduler's lease end."""
+    m = await start_local_mesh([make_engine(max_model_len=4200)], tokenizer, max_buffered_outputs=BOUND)
+    slow_channel = grpc.aio.insecure_channel(m.gateway.address, options=SLOW_CLIENT_OPTIONS)
+    try:
+        eng = m.executors[0][1]
+        servicer = m.executors[0][0].servicer
+        slow = gateway_pb2_grpc.GatewayStub(slow_channel).Generate(build_request(
+            prompt=[100 + i % 500 for i in range(1500)], max_tokens=2500, temperature=0, ignore_eos=True,
+            n=3, logprobs=5, prompt_logprobs=20))
+        received = await _first_delta(slow)
+        await _wait(lambda: eng.num_overflowed == 3)
+        await m.wait_idle()
+        stats = eng.stats()
+        assert stats.num_free_blocks == stats.num_blocks and stats.num_aborted == 3
+        assert eng.max_buffered_seen == BOUND
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            while (msg := await slow.read()) is not grpc.aio.EOF:
+                if msg.WhichOneof("kind") == "delta":
+                    received += len(msg.delta.token_ids)
+        assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert received < 3 * 2500
+        get = m.gateway.servicer.metrics.registry.get_sample_value
+        labels = {"tenant": "default", "priority": "0"}
+        await _wait(lambda: get("meshserve_gateway_requests_running", labels) == 0, 10.0)
+        assert get("meshserve_requests_total", {**labels, "outcome": "resource_exhausted"}) == 1
+        assert get("meshserve_request_ttft_seconds_count", labels) == 1
+        await _wait(lambda: m.scheduler.servicer.core.num_leases() == 0, 10.0)
+        assert servicer.active_leases == {}
+        assert await _normal_clients(m)  # the executor still serves
+    finally:
+        await slow_channel.close()
+        await m.stop()
+
+
+async def test_C27_cancel_while_n_choices_are_blocked_on_the_merge_queue_frees_kv(tokenizer):
+    """A slow n=3 reader cancels while its backlog fills every queue on the way (the
+    executor's choice pumps wait on the bounded merge queue, below the engine's bound):
+    every choice is aborted, no slow-reader abort counted, KV and lease freed."""
+    m = await start_local_mesh([make_engine(max_model_len=4200)], tokenizer, max_buffered_outputs=100_000)
+    slow_channel = grpc.aio.insecure_channel(m.gateway.address, options=SLOW_CLIENT_OPTIONS)
+    try:
+        eng = m.executors[0][1]
+        slow = gateway_pb2_grpc.GatewayStub(slow_channel).Generate(build_request(
+            chat=[("user", "Tell me a very long story.")], max_tokens=4000, temperature=0, ignore_eos=True, n=3))
+        await _first_delta(slow)
+        # well past what the windows on the way hold: the pumps are blocked on the merge queue
+        await _wait(lambda: eng.stats().num_generation_tokens >= 3 * 300)
+        await _wait(lambda: eng.max_buffered_seen >= 100)
+        slow.cancel()
+        await m.wait_idle()
+        stats = eng.stats()
+        assert stats.num_free_blocks == stats.num_blocks and stats.num_aborted == 3
+        assert eng.num_overflowed == 0
+        await _wait(lambda: m.scheduler.servicer.core.num_leases() == 0, 10.0)
+        assert eng._streams == {}
+        get = m.gateway.servicer.metrics.registry.get_sample_value
+        labels = {"tenant": "default", "priority": "0"}
+        await _wait(lambda: get("meshserve_gateway_requests_running", labels) == 0, 10.0)
+        assert get("meshserve_requests_total", {**labels, "outcome": "cancelled"}) == 1
+        assert get("meshserve_request_e2e_seconds_count", labels) == 1
+        assert get("meshserve_request_ttft_seconds_count", labels) == 1
+    finally:
+        await slow_channel.close()
+        await m.stop()
+
+
+async def test_C27_executor_frees_choice_ids_when_it_frees_the_request_id(tokenizer):
+    """When the executor's Execute call of an n=3 request ends (cancelled while its choice
+    pumps wait on the merge queue), the request id is free again only once no engine
+    stream of its choices is left: an immediate retry with the same id is accepted."""
+    m = await start_local_mesh([make_engine(max_model_len=4200)], tokenizer, max_buffered_outputs=100_000)
+    slow_channel = grpc.aio.insecure_channel(m.executors[0][0].address, options=SLOW_CLIENT_OPTIONS)
+    try:
+        eng, servicer = m.executors[0][1], m.executors[0][0].servicer
+        req = executor_pb2.ExecuteRequest(request_id="r", lease_id="l1", prompt_token_ids=[7] * 20)
+        to_proto(SamplingParams(max_tokens=4000, temperature=0.0, ignore_eos=True, n=3), req.sampling)
+        call = executor_pb2_grpc.ExecutorStub(slow_channel).Execute(req)
+        await call.read()
+        await _wait(lambda: eng.max_buffered_seen >= 100)  # the pumps wait on the merge queue
+        call.cancel()
+        while "r" in servicer.active_leases:
+            await asyncio.sleep(0)
+        assert sorted(eng._streams) == []
     finally:
         await slow_channel.close()
         await m.stop()
