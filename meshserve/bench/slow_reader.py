@@ -30,6 +30,8 @@ from pathlib import Path
 
 import grpc
 
+from meshserve.bench.report import percentile
+
 log = logging.getLogger(__name__)
 QUESTIONS = ("Name a color.", "Count to five.", "What is 2+2?", "Say hello in French.")
 SLOW_CLIENT_OPTIONS = (("grpc.http2.bdp_probe", 0), ("grpc.http2.lookahead_bytes", 1024))
@@ -38,15 +40,6 @@ SLOW_CLIENT_OPTIONS = (("grpc.http2.bdp_probe", 0), ("grpc.http2.lookahead_bytes
 def itl_gaps(token_times: list[float]) -> list[float]:
     """Seconds between consecutive streamed tokens of one completion."""
     return [b - a for a, b in zip(token_times, token_times[1:])]
-
-
-def quantile(values: list[float], q: float) -> float | None:
-    """The ``q`` quantile (0..1, linear interpolation); None for no values."""
-    if not values:
-        return None
-    if len(values) == 1:
-        return values[0]
-    return statistics.quantiles(values, n=100, method="inclusive")[min(98, max(0, round(q * 100) - 1))]
 
 
 async def normal_clients(stub, max_tokens: int, stop: asyncio.Event) -> list[float]:
@@ -137,7 +130,8 @@ async def run(opts: argparse.Namespace) -> dict:
                 stop.set()
                 gaps = await normal
                 stats = await executor_pb2_grpc.ExecutorStub(ech).Stats(executor_pb2.StatsRequest())
-                result = {"arm": arm, "seconds": arm_s, "itl_p50_s": quantile(gaps, 0.5), "itl_p90_s": quantile(gaps, 0.9),
+                result = {"arm": arm, "seconds": arm_s,
+                          "itl_p50_s": percentile(gaps, 50), "itl_p90_s": percentile(gaps, 90),
                           "tokens": len(gaps), "slow_reader_aborts": aborted,
                           "free_blocks_after": stats.num_free_blocks, "num_blocks": stats.num_blocks}
                 if slow is not None and aborted:
