@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: setup tools demo up test protos bench bench-compare bench-issue3 bench-issue6 clean
+.PHONY: setup tools demo up test protos bench bench-compare bench-batching bench-baselines clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -45,7 +45,7 @@ bench: $(STAMP)
 clean:
 	rm -rf $(VENV) .pytest_cache
 
-# Issue-2 figures in one run: engine and mesh interleaved at 1, 8 and 32 concurrent
+# Engine vs mesh figures in one run: engine and mesh interleaved at 1, 8 and 32 concurrent
 # requests (two rounds), then transformers' generate one request at a time.
 # BENCH_ROUNDS / BENCH_CONCURRENCY shorten it; each run sends max(4, 2C) requests (C at 32).
 BENCH_ROUNDS ?= 1 2
@@ -60,58 +60,58 @@ bench-compare: $(STAMP)
 	$(BIN)/meshserve bench --target hf-generate --num-requests 4 --seed 1 --report-json reports/bench-hf-generate.json
 	$(BIN)/python -m meshserve.bench.summary reports
 
-# Issue-3 figures in one run, rounds interleaved, reports in BENCH3_DIR and its summary.md:
+# Batching figures in one run, rounds interleaved, reports in BATCHING_DIR and its summary.md:
 # (a) engine vs transformers' continuous batching vs static batches of generate, synthetic workload;
 # (b) shared-prefix workload on the engine, prefix caching on vs off;
 # (c) the engine's --max-batch-wait-ms sweep at a modest concurrency.
 # Same dtype and torch threads for every run; seed = round. ~20 min on 2 cores with the defaults; shrink
-# with e.g. BENCH_ROUNDS=1 BENCH3_REQUESTS=8 BENCH3_OUTPUT=16. Reports accumulate: remove BENCH3_DIR to start over.
-BENCH3_DIR ?= reports/issue3
-BENCH3_DTYPE ?= float32
-BENCH3_CONCURRENCY ?= 32
-BENCH3_REQUESTS ?= 32
-BENCH3_OUTPUT ?= 48
-BENCH3_PREFIX_CONCURRENCY ?= 8
-BENCH3_PREFIX_REQUESTS ?= 16
-BENCH3_PREFIX_USER ?= 32
-BENCH3_PREFIX_OUTPUT ?= 16
-BENCH3_WAITS ?= 0 5 20 50
-BENCH3_WAIT_CONCURRENCY ?= 4
-BENCH3_WAIT_REQUESTS ?= 12
-BENCH3_WAIT_OUTPUT ?= 32
-bench-issue3: $(STAMP)
-	mkdir -p $(BENCH3_DIR)
-	set -e; b="$(BIN)/meshserve bench --dtype $(BENCH3_DTYPE) --warmup 2"; \
+# with e.g. BENCH_ROUNDS=1 BATCHING_REQUESTS=8 BATCHING_OUTPUT=16. Reports accumulate: remove BATCHING_DIR to start over.
+BATCHING_DIR ?= reports/batching
+BATCHING_DTYPE ?= float32
+BATCHING_CONCURRENCY ?= 32
+BATCHING_REQUESTS ?= 32
+BATCHING_OUTPUT ?= 48
+BATCHING_PREFIX_CONCURRENCY ?= 8
+BATCHING_PREFIX_REQUESTS ?= 16
+BATCHING_PREFIX_USER ?= 32
+BATCHING_PREFIX_OUTPUT ?= 16
+BATCHING_WAITS ?= 0 5 20 50
+BATCHING_WAIT_CONCURRENCY ?= 4
+BATCHING_WAIT_REQUESTS ?= 12
+BATCHING_WAIT_OUTPUT ?= 32
+bench-batching: $(STAMP)
+	mkdir -p $(BATCHING_DIR)
+	set -e; b="$(BIN)/meshserve bench --dtype $(BATCHING_DTYPE) --warmup 2"; \
 	for round in $(BENCH_ROUNDS); do \
 	  for t in engine hf-continuous hf-static; do \
-	    $$b --target $$t --concurrency $(BENCH3_CONCURRENCY) --num-requests $(BENCH3_REQUESTS) \
-	      --output-len-median $(BENCH3_OUTPUT) --seed $$round \
-	      --report-json $(BENCH3_DIR)/a-$$t-c$(BENCH3_CONCURRENCY)-r$$round.json; \
+	    $$b --target $$t --concurrency $(BATCHING_CONCURRENCY) --num-requests $(BATCHING_REQUESTS) \
+	      --output-len-median $(BATCHING_OUTPUT) --seed $$round \
+	      --report-json $(BATCHING_DIR)/a-$$t-c$(BATCHING_CONCURRENCY)-r$$round.json; \
 	  done; \
 	  for pc in on off; do \
-	    $$b --target engine --workload shared-prefix --concurrency $(BENCH3_PREFIX_CONCURRENCY) \
-	      --num-requests $(BENCH3_PREFIX_REQUESTS) --prompt-len-median $(BENCH3_PREFIX_USER) \
-	      --output-len-median $(BENCH3_PREFIX_OUTPUT) --seed $$round $$([ $$pc = off ] && echo --no-prefix-caching) \
-	      --report-json $(BENCH3_DIR)/b-prefix-$$pc-c$(BENCH3_PREFIX_CONCURRENCY)-r$$round.json; \
+	    $$b --target engine --workload shared-prefix --concurrency $(BATCHING_PREFIX_CONCURRENCY) \
+	      --num-requests $(BATCHING_PREFIX_REQUESTS) --prompt-len-median $(BATCHING_PREFIX_USER) \
+	      --output-len-median $(BATCHING_PREFIX_OUTPUT) --seed $$round $$([ $$pc = off ] && echo --no-prefix-caching) \
+	      --report-json $(BATCHING_DIR)/b-prefix-$$pc-c$(BATCHING_PREFIX_CONCURRENCY)-r$$round.json; \
 	  done; \
-	  for w in $(BENCH3_WAITS); do \
-	    $$b --target engine --concurrency $(BENCH3_WAIT_CONCURRENCY) --num-requests $(BENCH3_WAIT_REQUESTS) \
-	      --output-len-median $(BENCH3_WAIT_OUTPUT) --max-batch-wait-ms $$w --seed $$round \
-	      --report-json $(BENCH3_DIR)/c-wait$$w-c$(BENCH3_WAIT_CONCURRENCY)-r$$round.json; \
+	  for w in $(BATCHING_WAITS); do \
+	    $$b --target engine --concurrency $(BATCHING_WAIT_CONCURRENCY) --num-requests $(BATCHING_WAIT_REQUESTS) \
+	      --output-len-median $(BATCHING_WAIT_OUTPUT) --max-batch-wait-ms $$w --seed $$round \
+	      --report-json $(BATCHING_DIR)/c-wait$$w-c$(BATCHING_WAIT_CONCURRENCY)-r$$round.json; \
 	  done; \
 	done
-	$(BIN)/python -m meshserve.bench.summary $(BENCH3_DIR)
+	$(BIN)/python -m meshserve.bench.summary $(BATCHING_DIR)
 
-# Issue-6 sizing report: the engine against three transformers baselines (generate one
+# Baselines sizing report: the engine against three transformers baselines (generate one
 # request at a time, static batches, continuous batching) on the same requests, closed
-# loop at BENCH6_SWEEP, into reports/issue6/ (report.json, summary.md, plots/*.png).
+# loop at BASELINES_SWEEP, into reports/baselines/ (report.json, summary.md, plots/*.png).
 # The engine against hf-continuous alone took about 4 minutes on 2 shared cores with the
 # defaults; the three baselines add hf-generate's and hf-static's runs (not timed yet).
-BENCH6_DIR ?= reports/issue6
-BENCH6_SWEEP ?= 1,4
-BENCH6_REQUESTS ?= 8
-BENCH6_BASELINES ?= hf-generate,hf-static,hf-continuous
-bench-issue6: $(STAMP)
-	$(BIN)/meshserve bench --target engine --baseline $(BENCH6_BASELINES) --sweep-concurrency $(BENCH6_SWEEP) \
-	  --num-requests $(BENCH6_REQUESTS) --prompt-len-median 64 --output-len-median 32 --warmup 2 \
-	  --dtype float32 --kv-cache-memory 256MiB --seed 0 --report-dir $(BENCH6_DIR)
+BASELINES_DIR ?= reports/baselines
+BASELINES_SWEEP ?= 1,4
+BASELINES_REQUESTS ?= 8
+BASELINES ?= hf-generate,hf-static,hf-continuous
+bench-baselines: $(STAMP)
+	$(BIN)/meshserve bench --target engine --baseline $(BASELINES) --sweep-concurrency $(BASELINES_SWEEP) \
+	  --num-requests $(BASELINES_REQUESTS) --prompt-len-median 64 --output-len-median 32 --warmup 2 \
+	  --dtype float32 --kv-cache-memory 256MiB --seed 0 --report-dir $(BASELINES_DIR)

@@ -1,4 +1,4 @@
-"""kvstore: prefix KV blocks shared by executors (issue 5).
+"""kvstore: prefix KV blocks shared by executors.
 
 ``store`` (the pure core: tiers, LRU, leases, checksums, placement events),
 ``tiers`` (memory and disk storage), ``events`` (the placement log), ``payload``

@@ -4,7 +4,7 @@ The gateway validates a request's parameters once against the model's limits and
 the executor checks them again with the same function, so both give the same
 INVALID_ARGUMENT message naming the field.
 
-Policies (documented in the README):
+Policies (documented in docs/api.md):
 
 * ``max_tokens`` in [1, max_model_len]; default 16. A prompt plus ``max_tokens``
   beyond ``max_model_len`` is clamped: generation stops at ``max_model_len`` with

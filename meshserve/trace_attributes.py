@@ -5,7 +5,7 @@ Names under ``gen_ai.*`` are the OpenTelemetry GenAI semantic conventions
 here rather than imported from ``opentelemetry.semconv._incubating``, whose
 names still move). The gateway's request span is named after the convention:
 ``"{gen_ai.operation.name} {gen_ai.request.model}"`` (``chat smollm2-135m-instruct``).
-Everything that is ours is under ``meshserve.*``. The README's Tracing section
+Everything that is ours is under ``meshserve.*``. docs/operations.md (Tracing)
 lists every span and attribute.
 """
 

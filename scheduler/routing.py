@@ -49,8 +49,8 @@ A prefix in the kvstore is reachable by every executor sharing that kvstore, so
 its credit does not pull traffic to one executor: it only makes those executors
 cheaper than ones that would recompute. A fetched token is not free: its cost
 relative to a computed one is ``kvstore_token_cost`` (default 0.1; measured on
-the CPU: TTFT with a 1,524-token prefix fetched was 0.08 × recompute, see the
-README's kvstore section). The overload rule drops only the local-cache bonus.
+the CPU: TTFT with a 1,524-token prefix fetched was 0.08 × recompute, see
+docs/benchmarks.md). The overload rule drops only the local-cache bonus.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The engine's side of sharing prefix KV with other executors (issue 5).
+"""The engine's side of sharing prefix KV with other executors.
 
 ``KVConnector`` is the small interface the engine thread calls; it never blocks
 that thread: fetches and publishes run elsewhere (``executor.kvstore_connector``

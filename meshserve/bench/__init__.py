@@ -29,7 +29,7 @@ Modules, in the order data flows through them:
 * ``runner``: one invocation from start to finish.
 
 ``policies`` (``python -m meshserve.bench.policies``) is separate: the scheduler's
-queue policies and tenant quotas on a launched 2-executor mesh (issue 4).
+queue policies and tenant quotas on a launched 2-executor mesh.
 
 A benchmark prints numbers and writes reports; tests assert behaviour, never times.
 """

@@ -1,6 +1,6 @@
 """Scheduler policies on the real mesh: ``python -m meshserve.bench.policies``.
 
-Two experiments (issue 4), each on a mesh of real processes started with
+Two experiments, each on a mesh of real processes started with
 ``meshserve.launcher.Mesh`` (scheduler, 2 executors, gateway on loopback),
 driven by concurrent gRPC clients (``meshserve.client``). Every request sets
 ``ignore_eos``, temperature 0 and ``max_tokens`` = its drawn output length, so

@@ -9,8 +9,8 @@ reports are there:
   engine ÷ target at the same concurrency, and the mesh / engine and
   engine / hf-generate ratios (``make bench-compare``);
 * prefix caching on vs off on the shared-prefix workload: TTFT p50 off ÷ on and
-  throughput on ÷ off (``make bench-issue3``);
-* the engine's ``--max-batch-wait-ms`` sweep against wait 0 (``make bench-issue3``);
+  throughput on ÷ off (``make bench-batching``);
+* the engine's ``--max-batch-wait-ms`` sweep against wait 0 (``make bench-batching``);
 * KV cache use of the engine targets (utilization, requests running, requests a
   max_model_len reservation would fit, preemptions).
 

@@ -1,4 +1,4 @@
-"""Prefix KV shared between engines through a real kvstore service (issue 5): a
+"""Prefix KV shared between engines through a real kvstore service: a
 prefix computed on engine A is fetched by engine B, whose output equals the cold
 run token for token; corrupt and missing blocks, a kvstore that is down or
 restarted empty all fall back to recompute with the same output; case C06 (keys

@@ -1,4 +1,4 @@
-"""The kvstore in the mesh (issue 5): case C19 (late kvstore completions after an
+"""The kvstore in the mesh: case C19 (late kvstore completions after an
 abort), the executor's kvstore counters over its Stats RPC, and the kvstore spans
 in the request's trace."""
 
