@@ -34,7 +34,7 @@ import numpy as np
 
 def _start_kvstore(memory: str) -> tuple[subprocess.Popen, str]:
     from meshserve.grpc_server import wait_serving
-    from meshserve.launcher import free_port
+    from meshserve.cli.launcher import free_port
 
     port = free_port()
     proc = subprocess.Popen([sys.executable, "-m", "meshserve.cli", "kvstore", "--port", str(port), "--memory", memory,

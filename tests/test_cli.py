@@ -12,7 +12,7 @@ from typer.main import get_command
 
 from meshserve.cli import app, main
 from meshserve.cli.mesh import mesh_config
-from meshserve.launcher import Mesh, MeshConfig
+from meshserve.cli.launcher import Mesh, MeshConfig
 
 COMMANDS = ["scheduler", "executor", "kvstore", "gateway", "up", "demo", "generate", "bench", "sim", "task"]
 

@@ -9,7 +9,7 @@ import urllib.request
 import pytest
 
 from meshserve.grpc_server import wait_serving
-from meshserve.launcher import Mesh, MeshConfig, free_port
+from meshserve.cli.launcher import Mesh, MeshConfig, free_port
 from tests.test_metrics import samples
 
 

@@ -172,7 +172,7 @@ class HFContinuousTarget(_HFModelTarget):
     def _start_manager(self):
         from transformers import ContinuousBatchingConfig, GenerationConfig
 
-        from meshserve.services import parse_bytes
+        from meshserve.cli.processes import parse_bytes
 
         c, cfg = self.config, self.model.config.get_text_config()
         head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads

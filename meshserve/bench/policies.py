@@ -1,7 +1,7 @@
 """Scheduler policies on the real mesh: ``python -m meshserve.bench.policies``.
 
 Two experiments (issue 4), each on a mesh of real processes started with
-``meshserve.launcher.Mesh`` (scheduler, 2 executors, gateway on loopback),
+``meshserve.cli.launcher.Mesh`` (scheduler, 2 executors, gateway on loopback),
 driven by concurrent gRPC clients (``meshserve.client``). Every request sets
 ``ignore_eos``, temperature 0 and ``max_tokens`` = its drawn output length, so
 it produces exactly that many tokens (checked).
@@ -368,7 +368,7 @@ class _MeshRun:
 
     def __init__(self, opts: Options, executor_args: list[str], scheduler_args: list[str],
                  tenants_file: str | None, name: str):
-        from meshserve.launcher import MeshConfig, free_port
+        from meshserve.cli.launcher import MeshConfig, free_port
 
         base = Path(opts.log_dir) if opts.log_dir else Path(tempfile.mkdtemp(prefix="meshserve-policies-"))
         self.log_dir = base / name
@@ -381,7 +381,7 @@ class _MeshRun:
 
     async def __aenter__(self):
         from meshserve.client import channel
-        from meshserve.launcher import Mesh
+        from meshserve.cli.launcher import Mesh
         from meshserve.v1 import gateway_pb2_grpc
 
         self.mesh = Mesh(self.config)

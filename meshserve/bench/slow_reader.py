@@ -1,6 +1,6 @@
 """Case C27 on the real mesh: ``python -m meshserve.bench.slow_reader``.
 
-One mesh of real processes (``meshserve.launcher.Mesh``: scheduler, one executor
+One mesh of real processes (``meshserve.cli.launcher.Mesh``: scheduler, one executor
 with ``--max-buffered-outputs``, gateway). Two arms alternate on it, each
 ``--duration-s`` long: ``alone`` (4 normal streaming clients, closed loop) and
 ``slow`` (the same 4 plus one slow reader: ``--slow-max-tokens`` tokens,
@@ -93,7 +93,7 @@ def scrape(url: str, name: str) -> float:
 
 async def run(opts: argparse.Namespace) -> dict:
     from meshserve.client import channel
-    from meshserve.launcher import Mesh, MeshConfig, free_port
+    from meshserve.cli.launcher import Mesh, MeshConfig, free_port
     from meshserve.v1 import executor_pb2, executor_pb2_grpc, gateway_pb2_grpc
 
     log_dir = Path(opts.log_dir or tempfile.mkdtemp(prefix="meshserve-c27-"))

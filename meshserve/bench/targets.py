@@ -3,7 +3,7 @@
 * ``engine``: our ``AsyncEngine`` in this process (no gRPC, no other process):
   the engine's own speed under continuous batching.
 * ``mesh``: the whole mesh (gateway → scheduler → executor) launched as
-  processes with ``meshserve.launcher.Mesh``, or a running gateway (``--addr``);
+  processes with ``meshserve.cli.launcher.Mesh``, or a running gateway (``--addr``);
   requests go as ``prompt_token_ids`` through ``meshserve.client``.
 * ``hf-generate``, ``hf-continuous``, ``hf-static``: ``transformers`` on the same
   folder and dtype (``meshserve.bench.hf_targets``), the references a serving
@@ -40,7 +40,7 @@ class EngineTarget(Target):
         from executor.engine.async_engine import AsyncEngine
         from executor.engine.config import BatchSchedulerConfig, CacheConfig, EngineConfig
         from executor.engine.llm_engine import LLMEngine
-        from meshserve.services import parse_bytes
+        from meshserve.cli.processes import parse_bytes
 
         c = self.config
         cfg = EngineConfig(
@@ -108,7 +108,7 @@ class MeshTarget(Target):
         self._executor_stubs = [executor_pb2_grpc.ExecutorStub(ch) for ch in self._executor_channels]
 
     async def _launch(self) -> str:
-        from meshserve.launcher import Mesh, MeshConfig, free_port
+        from meshserve.cli.launcher import Mesh, MeshConfig, free_port
 
         c = self.config
         self.log_dir = Path(tempfile.mkdtemp(prefix="meshserve-bench-"))

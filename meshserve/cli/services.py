@@ -24,7 +24,7 @@ def _engine_config(model, dtype, kv_cache_memory, block_size, max_num_seqs, max_
         typer.BadParameter: a value ``EngineConfig`` or ``parse_bytes`` rejects (exit code 2).
     """
     from executor.engine.config import BatchSchedulerConfig, CacheConfig, EngineConfig
-    from meshserve.services import parse_bytes
+    from meshserve.cli.processes import parse_bytes
 
     try:
         return EngineConfig(
@@ -77,7 +77,7 @@ def scheduler(
     log_level: str = typer.Option("info"),
 ) -> None:
     """Run the global scheduler (executor registry, admission queue, pools and routing)."""
-    from meshserve.services import run_scheduler, scheduler_config
+    from meshserve.cli.processes import run_scheduler, scheduler_config
     from scheduler.routing import RoutingConfig
 
     setup_logging(log_level)
@@ -133,7 +133,7 @@ def executor(
     log_level: str = typer.Option("info"),
 ) -> None:
     """Run one executor: a model replica with its continuous-batching engine."""
-    from meshserve.services import run_executor
+    from meshserve.cli.processes import run_executor
 
     setup_logging(log_level)
     export_trace_settings(traces, otlp_endpoint, trace_sample_ratio)
@@ -142,7 +142,7 @@ def executor(
                          attention_backend, device, enable_kv_events=True)  # forwarded for prefix-aware routing
     if kvstore is not None and not is_address(kvstore):
         raise typer.BadParameter(f"--kvstore must be HOST:PORT, got {kvstore!r}")
-    from meshserve.launcher import port_is_free
+    from meshserve.cli.launcher import port_is_free
 
     for flag, p in (("--port", port), ("--metrics-port", metrics_port)):
         if p and not port_is_free(p, host):  # checked before the model loads
@@ -168,7 +168,7 @@ def kvstore_cmd(
     log_level: str = typer.Option("info"),
 ) -> None:
     """Run the kvstore: prefix KV blocks shared by executors."""
-    from meshserve.services import parse_bytes, run_kvstore
+    from meshserve.cli.processes import parse_bytes, run_kvstore
 
     setup_logging(log_level)
     export_trace_settings(traces, otlp_endpoint, trace_sample_ratio)
@@ -203,7 +203,7 @@ def gateway(
 ) -> None:
     """Run the public gateway."""
     from gateway.task_store import task_store_kind
-    from meshserve.services import run_gateway
+    from meshserve.cli.processes import run_gateway
 
     try:
         task_store_kind(task_store)

@@ -26,7 +26,7 @@ KEY_A, KEY_B = (("x-api-key", "key-a"),), (("x-api-key", "key-b"),)
 
 @pytest_asyncio.fixture(scope="module")
 async def gateway(tmp_path_factory):
-    from meshserve.services import model_info
+    from meshserve.cli.processes import model_info
 
     try:
         tokenizer, info = await asyncio.to_thread(model_info, "default")

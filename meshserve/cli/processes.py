@@ -1,8 +1,8 @@
 """Each service's process: load what it needs, serve, stop cleanly on a signal.
 
-``run_scheduler``, ``run_executor`` and ``run_gateway`` are what ``meshserve
-scheduler|executor|gateway`` run (one service per container); ``meshserve up``
-starts them as separate processes (``meshserve.launcher``). Tests call the
+``run_scheduler``, ``run_executor``, ``run_kvstore`` and ``run_gateway`` are what
+``meshserve scheduler|executor|kvstore|gateway`` run (one service per container); ``meshserve up``
+starts them as separate processes (``meshserve.cli.launcher``). Tests call the
 ``start_*`` functions of each service in one process instead.
 """
 

@@ -77,7 +77,7 @@ async def _run(mesh, max_tokens: int, console: Console) -> int:
 
 def run_demo(port: int, executors: int, max_tokens: int) -> int:
     """Runs the demo; returns the process exit code."""
-    from meshserve.launcher import Mesh, MeshConfig, free_port
+    from meshserve.cli.launcher import Mesh, MeshConfig, free_port
 
     console = Console()
     log_dir = Path(tempfile.mkdtemp(prefix="meshserve-demo-"))
