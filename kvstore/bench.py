@@ -45,7 +45,7 @@ def _start_kvstore(memory: str) -> tuple[subprocess.Popen, str]:
 
 
 async def _throughput(address: str, fp, num_blocks: int, per_stream: int) -> dict:
-    from kvstore.client import KVStoreClient
+    from meshserve.kvstore_client import KVStoreClient
 
     rng = np.random.default_rng(0)
     payload = rng.integers(0, 256, fp.block_bytes, dtype=np.uint8).tobytes()

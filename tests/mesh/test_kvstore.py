@@ -9,11 +9,11 @@ import asyncio
 import grpc
 import pytest
 
-from kvstore.client import KVStoreClient
 from kvstore.server import start_kvstore
 from kvstore.store import KVStore
 from meshserve.block_hash import routing_block_hashes
 from meshserve.client import build_request, channel, generate
+from meshserve.kvstore_client import KVStoreClient
 from meshserve.telemetry import memory_exporter, outgoing_metadata
 from meshserve.v1 import common_pb2, executor_pb2, executor_pb2_grpc
 from tests.kvstore.served import DelayingServicer
