@@ -1,6 +1,6 @@
-"""kvstore benchmark: what a shared prefix saves, and how fast blocks move.
+"""The kvstore-sharing benchmark: what a prefix shared through a kvstore saves, and how fast blocks move.
 
-``python -m kvstore.bench [--prefix-len 1500] [--rounds 3] [--report-json bench-kvstore.json]``
+``python -m meshserve.bench.kvstore_sharing [--prefix-len 1500] [--rounds 3] [--report-json bench-kvstore.json]``
 
 1. **Throughput**: ``--blocks`` blocks of the default model's real layout
    (float32: 720 KiB each) are Put in streams of ``--blocks-per-stream``, then
@@ -137,7 +137,8 @@ def _ttft_rounds(address: str, args) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m kvstore.bench", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m meshserve.bench.kvstore_sharing",
+                                     description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default="default")
     parser.add_argument("--dtype", default="float32")
     parser.add_argument("--prefix-len", type=int, default=1500, help="shared prefix tokens")
