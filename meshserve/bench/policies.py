@@ -140,7 +140,7 @@ def log_sigma(values: list[int]) -> float:
 
 
 def percentile(values: list[float], q: float) -> float:
-    """Nearest-rank percentile (``q`` in [0, 1]), as ``scheduler.sim``: the
+    """Nearest-rank percentile (``q`` in [0, 1]), as ``meshserve.bench.sim.heavy_tail``: the
     ``ceil(q * n)``-th smallest value. Raises ValueError on no values."""
     if not values:
         raise ValueError("percentile of no values")

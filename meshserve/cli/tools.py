@@ -3,8 +3,8 @@
 Both are programs that print numbers and write reports: ``bench`` runs real
 requests against the engine, the mesh or a transformers baseline
 (``meshserve.bench``); ``sim`` runs discrete-event simulations on the
-scheduler's own core, with no model and no gRPC (``scheduler.sim``,
-``scheduler.routing_sim``, ``scheduler.isolation_sim``).
+scheduler's own core, with no model and no gRPC (``meshserve.bench.sim.heavy_tail``,
+``meshserve.bench.sim.prefix_routing``, ``meshserve.bench.sim.quota_isolation``).
 """
 
 from __future__ import annotations
@@ -138,7 +138,7 @@ def sim(
     except ValueError as exc:
         raise typer.BadParameter(str(exc)) from None
     if workload == "heavy-tail":
-        from scheduler.sim import SimConfig, run
+        from meshserve.bench.sim.heavy_tail import SimConfig, run
 
         report = run(SimConfig(policy=policy, seed=seed, num_requests=num_requests or 2000, load=load,
                                max_queue_wait_s=max_queue_wait_s, num_executors=executors or 2,
@@ -146,7 +146,7 @@ def sim(
         keys = ("short_half_mean_latency_s", "short_half_p99_latency_s", "long_half_mean_latency_s",
                 "long_half_p99_latency_s", "max_wait_s", "aging_bound_s", "output_len_log_sigma")
     elif workload == "prefix-routing":
-        from scheduler.routing_sim import RoutingSimConfig, compare
+        from meshserve.bench.sim.prefix_routing import RoutingSimConfig, compare
 
         cfg = RoutingSimConfig(seed=seed, num_requests=num_requests or 2000)
         cfg = replace(cfg, rate=rate or cfg.rate,
@@ -154,7 +154,7 @@ def sim(
         report = compare(cfg)
         keys = ("hit_rate", "ideal_hit_rate", "hit_rate_vs_ideal", "busiest_over_mean", "ttft_p50_s", "ttft_p99_s")
     else:
-        from scheduler.isolation_sim import IsolationSimConfig, run as run_isolation
+        from meshserve.bench.sim.quota_isolation import IsolationSimConfig, run as run_isolation
 
         cfg = IsolationSimConfig(seed=seed, num_b_requests=num_requests or 400)
         cfg = replace(cfg, b_rate=rate or cfg.b_rate,

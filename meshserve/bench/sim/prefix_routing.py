@@ -6,7 +6,7 @@ prompts of ``system_prompt_tokens`` tokens each; a request is one system prompt
 ∝ 1 / (k + 1) ** zipf_s) followed by a unique question (log-normal, median
 ``question_median`` tokens, σ 0.5) and generates a log-normal number of tokens
 (median ``output_median``, σ 0.5). Arrivals are Poisson at ``rate`` requests/s.
-Executors and scheduler: ``scheduler.mesh_sim`` (the real admission core,
+Executors and scheduler: ``meshserve.bench.sim.loop`` (the real admission core,
 prefix index and routing cost).
 
 Report:
@@ -27,8 +27,8 @@ import math
 import random
 from dataclasses import asdict, dataclass, replace
 
+from meshserve.bench.sim.loop import Job, MeshSimConfig, percentile, simulate
 from meshserve.block_hash import routing_block_hashes
-from scheduler.mesh_sim import Job, MeshSimConfig, percentile, simulate
 
 
 @dataclass(frozen=True)

@@ -4,8 +4,8 @@ import json
 
 from typer.testing import CliRunner
 
+from meshserve.bench.sim.heavy_tail import SimConfig, run
 from meshserve.cli import app
-from scheduler.sim import SimConfig, run
 
 
 def test_sjf_halves_short_request_latency_within_the_aging_bound():

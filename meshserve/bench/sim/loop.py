@@ -1,8 +1,8 @@
 """A discrete-event simulator of the mesh with prefix caches, tenants and TTFT.
 
-Like ``scheduler.sim`` it drives the real ``AdmissionCore`` (queue policy,
+Like ``meshserve.bench.sim.heavy_tail`` it drives the real ``AdmissionCore`` (queue policy,
 quotas, pools, prefix index, routing cost) with a simulated clock; its
-executors (``CachedExecutor``) extend ``scheduler.sim.SimExecutor``'s
+executors (``CachedExecutor``) extend ``meshserve.bench.sim.heavy_tail.SimExecutor``'s
 continuous-batching model with what routing and quotas need:
 
 * a **prefix cache**: an LRU of at most ``prefix_cache_blocks`` chain hashes
@@ -20,7 +20,7 @@ continuous-batching model with what routing and quotas need:
 
 Jobs arrive open-loop (a fixed arrival time) or closed-loop (a client sends its
 next job when the previous one finishes). Workloads and their reports live in
-``scheduler.routing_sim`` (prefix routing) and ``scheduler.isolation_sim``
+``meshserve.bench.sim.prefix_routing`` (prefix routing) and ``meshserve.bench.sim.quota_isolation``
 (tenant quotas).
 """
 
@@ -32,10 +32,10 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Mapping
 
+from meshserve.bench.sim.heavy_tail import SimConfig, SimExecutor, SimRequest
 from scheduler.admission import AdmissionCore, AdmissionRequest, SchedulerConfig
 from scheduler.registry import ExecutorState
 from scheduler.routing import RoutingConfig
-from scheduler.sim import SimConfig, SimExecutor, SimRequest
 
 MODEL = "sim"
 

@@ -1,6 +1,6 @@
 """Quota-isolation simulation: a tenant flooding at 10× its KV quota beside a normal tenant.
 
-Workload ``quota-isolation`` (seeded), on ``scheduler.mesh_sim``'s executors:
+Workload ``quota-isolation`` (seeded), on ``meshserve.bench.sim.loop``'s executors:
 
 * tenant **B**: ``num_b_requests`` open-loop requests, Poisson at ``b_rate``
   requests/s, prompts log-normal around ``prompt_median`` tokens (σ 0.5),
@@ -24,7 +24,7 @@ import math
 import random
 from dataclasses import asdict, dataclass, replace
 
-from scheduler.mesh_sim import Job, MeshSimConfig, percentile, simulate
+from meshserve.bench.sim.loop import Job, MeshSimConfig, percentile, simulate
 
 
 @dataclass(frozen=True)
