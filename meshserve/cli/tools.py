@@ -138,9 +138,9 @@ def sim(
     except ValueError as exc:
         raise typer.BadParameter(str(exc)) from None
     if workload == "heavy-tail":
-        from meshserve.bench.sim.heavy_tail import SimConfig, run
+        from meshserve.bench.sim.heavy_tail import HeavyTailSimConfig, run
 
-        report = run(SimConfig(policy=policy, seed=seed, num_requests=num_requests or 2000, load=load,
+        report = run(HeavyTailSimConfig(policy=policy, seed=seed, num_requests=num_requests or 2000, load=load,
                                max_queue_wait_s=max_queue_wait_s, num_executors=executors or 2,
                                kv_reservation=kv_reservation))
         keys = ("short_half_mean_latency_s", "short_half_p99_latency_s", "long_half_mean_latency_s",

@@ -27,7 +27,8 @@ import math
 import random
 from dataclasses import asdict, dataclass, replace
 
-from meshserve.bench.sim.loop import Job, MeshSimConfig, percentile, simulate
+from meshserve.bench.sim.loop import Job, MeshSimConfig, simulate
+from meshserve.bench.stats import percentile
 from meshserve.block_hash import routing_block_hashes
 
 
@@ -90,7 +91,7 @@ def run(cfg: RoutingSimConfig) -> dict:
         "busiest_over_mean": max(busy) / (sum(busy) / len(busy)),
         "busy_s": {eid: e.busy_s for eid, e in executors.items()},
         "requests_per_executor": {eid: sum(r.executor_id == eid for r in reqs) for eid in executors},
-        "ttft_p50_s": percentile(ttft, 0.5), "ttft_p99_s": percentile(ttft, 0.99),
+        "ttft_p50_s": percentile(ttft, 50, "nearest-rank"), "ttft_p99_s": percentile(ttft, 99, "nearest-rank"),
         "config": {**asdict(cfg), "mesh": {**asdict(cfg.mesh), "tenant_quotas": dict(cfg.mesh.tenant_quotas)}},
     }
 
