@@ -26,8 +26,7 @@ it produces exactly that many tokens (checked).
   send → first token) p50/p99, and A's calls, refusals (RESOURCE_EXHAUSTED) and
   queued calls (at least one queue update).
 
-Pure parts (``make_jobs``, ``latency_stats``, ``ttft_stats``, ``percentile``)
-are unit-tested in ``tests/test_bench_policies.py``; the runs print numbers and
+Pure parts (``make_jobs``, ``latency_stats``, ``ttft_stats``) are unit-tested in ``tests/test_bench_policies.py``; the runs print numbers and
 write a JSON report, they assert nothing about time.
 """
 
@@ -45,6 +44,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import numpy as np
+
+from meshserve.bench.stats import percentile
 
 log = logging.getLogger(__name__)
 
@@ -139,15 +140,6 @@ def log_sigma(values: list[int]) -> float:
     return math.sqrt(sum((x - mean) ** 2 for x in logs) / len(logs))
 
 
-def percentile(values: list[float], q: float) -> float:
-    """Nearest-rank percentile (``q`` in [0, 1]), as ``meshserve.bench.sim.heavy_tail``: the
-    ``ceil(q * n)``-th smallest value. Raises ValueError on no values."""
-    if not values:
-        raise ValueError("percentile of no values")
-    s = sorted(values)
-    return s[min(len(s) - 1, max(0, math.ceil(q * len(s)) - 1))]
-
-
 @dataclass
 class Outcome:
     """What the client saw of one call (times in seconds, ``time.monotonic``).
@@ -199,9 +191,9 @@ def latency_stats(outcomes: list[Outcome]) -> dict:
     return {
         "num_ok": len(ok), "num_errors": len(outcomes) - len(ok),
         "short_half_mean_latency_s": sum(short) / len(short),
-        "short_half_p99_latency_s": percentile(short, 0.99),
+        "short_half_p99_latency_s": percentile(short, 99, "nearest-rank"),
         "long_half_mean_latency_s": sum(long) / len(long),
-        "long_half_p99_latency_s": percentile(long, 0.99),
+        "long_half_p99_latency_s": percentile(long, 99, "nearest-rank"),
         "mean_latency_s": sum(short + long) / len(ok),
         "max_wait_s": max(waits) if waits else None,
         "mean_wait_s": sum(waits) / len(waits) if waits else None,
@@ -215,7 +207,8 @@ def ttft_stats(outcomes: list[Outcome]) -> dict:
     t = [o.ttft_s for o in outcomes if not o.error and o.ttft_s is not None]
     if not t:
         return {"num_ok": 0, "ttft_p50_s": None, "ttft_p99_s": None, "ttft_mean_s": None, "ttft_max_s": None}
-    return {"num_ok": len(t), "ttft_p50_s": percentile(t, 0.5), "ttft_p99_s": percentile(t, 0.99),
+    return {"num_ok": len(t), "ttft_p50_s": percentile(t, 50, "nearest-rank"),
+            "ttft_p99_s": percentile(t, 99, "nearest-rank"),
             "ttft_mean_s": sum(t) / len(t), "ttft_max_s": max(t)}
 
 

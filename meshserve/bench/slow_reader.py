@@ -30,7 +30,7 @@ from pathlib import Path
 
 import grpc
 
-from meshserve.bench.report import percentile
+from meshserve.bench.stats import percentile
 
 log = logging.getLogger(__name__)
 QUESTIONS = ("Name a color.", "Count to five.", "What is 2+2?", "Say hello in French.")
@@ -131,7 +131,7 @@ async def run(opts: argparse.Namespace) -> dict:
                 gaps = await normal
                 stats = await executor_pb2_grpc.ExecutorStub(ech).Stats(executor_pb2.StatsRequest())
                 result = {"arm": arm, "seconds": arm_s,
-                          "itl_p50_s": percentile(gaps, 50), "itl_p90_s": percentile(gaps, 90),
+                          "itl_p50_s": percentile(gaps, 50, empty=0.0), "itl_p90_s": percentile(gaps, 90, empty=0.0),
                           "tokens": len(gaps), "slow_reader_aborts": aborted,
                           "free_blocks_after": stats.num_free_blocks, "num_blocks": stats.num_blocks}
                 if slow is not None and aborted:

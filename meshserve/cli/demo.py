@@ -16,7 +16,7 @@ from rich.console import Console
 from rich.live import Live
 from rich.table import Table
 
-from meshserve.bench.report import percentile
+from meshserve.bench.stats import percentile
 
 DEMO_PROMPTS = [
     "What is the capital of France?",
