@@ -14,8 +14,9 @@ from meshserve.bench.loop import BenchError, RequestResult, checked_result, run_
 from meshserve.bench.report import build_report
 from meshserve.bench.shared_prefix import make_shared_prefix_workload
 from meshserve.bench.summary import summarise
-from meshserve.bench.workload import (BenchRequest, load_workloads, make_warmup, make_workload, model_vocabulary,
+from meshserve.bench.workload import (BenchRequest, make_warmup, make_workload, model_vocabulary,
                                       special_token_ids)
+from meshserve.bench.workload_kinds import load_workloads
 
 SPECIALS = frozenset(range(17))  # SmolLM2's control ids
 

@@ -34,7 +34,8 @@ from meshserve.bench.progress import ProgressBars
 from meshserve.bench.report import build_report, json_rate
 from meshserve.bench.target import Target
 from meshserve.bench.targets import make_target
-from meshserve.bench.workload import Workload, load_workloads, make_warmup, model_vocabulary
+from meshserve.bench.workload import Workload, make_warmup, model_vocabulary
+from meshserve.bench.workload_kinds import load_workloads
 
 log = logging.getLogger(__name__)
 
