@@ -59,7 +59,7 @@ def up(
     import signal
     import threading
 
-    from gateway.task_store import task_store_kind
+    from gateway.task_store_registry import task_store_kind
     from meshserve.cli.launcher import Mesh
 
     try:

@@ -183,7 +183,7 @@ async def run_gateway(model: str, port: int, host: str, scheduler: str, tenants_
     from gateway.result_cache import ResultCache
     from gateway.server import start_gateway
     from gateway.task_runner import TaskRunner
-    from gateway.task_store import open_task_store
+    from gateway.task_store_registry import open_task_store
     from gateway.tenants import TenantRegistry
 
     setup_tracing("gateway")

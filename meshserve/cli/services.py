@@ -202,7 +202,7 @@ def gateway(
     log_level: str = typer.Option("info"),
 ) -> None:
     """Run the public gateway."""
-    from gateway.task_store import task_store_kind
+    from gateway.task_store_registry import task_store_kind
     from meshserve.cli.processes import run_gateway
 
     try:

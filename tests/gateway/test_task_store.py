@@ -8,7 +8,8 @@ import asyncio
 import pytest
 
 from gateway.redis_task_store import RedisTaskStore, decode, encode
-from gateway.task_store import UNFINISHED, MemoryTaskStore, TaskRecord, TaskState, open_task_store
+from gateway.task_store import UNFINISHED, MemoryTaskStore, TaskRecord, TaskState
+from gateway.task_store_registry import open_task_store
 from meshserve.errors import InvalidArgument, ResourceExhausted
 
 TTL_S = 0.4
