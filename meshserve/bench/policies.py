@@ -26,8 +26,9 @@ it produces exactly that many tokens (checked).
   send → first token) p50/p99, and A's calls, refusals (RESOURCE_EXHAUSTED) and
   queued calls (at least one queue update).
 
-Pure parts (``make_jobs``, ``latency_stats``, ``ttft_stats``) are unit-tested in ``tests/test_bench_policies.py``; the runs print numbers and
-write a JSON report, they assert nothing about time.
+Pure parts (``make_jobs``, ``latency_stats``, ``ttft_stats``) are unit-tested in
+``tests/test_bench_policies.py``; the runs print numbers and write a JSON report,
+they assert nothing about time.
 """
 
 from __future__ import annotations
@@ -43,9 +44,15 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+import grpc
 import numpy as np
 
 from meshserve.bench.stats import percentile
+from meshserve.bench.workload import model_vocabulary
+from meshserve.cli.launcher import Mesh, MeshConfig, free_port
+from meshserve.client import build_request, channel, generate_choices
+from meshserve.model_files import resolve_model
+from meshserve.v1 import gateway_pb2_grpc
 
 log = logging.getLogger(__name__)
 
@@ -288,10 +295,6 @@ class Options:
 
 
 async def _call(stub, job: Job, sent_at: float | None = None) -> Outcome:
-    import grpc
-
-    from meshserve.client import build_request, generate_choices
-
     request = build_request(list(job.prompt_token_ids), max_tokens=job.output_len, temperature=0.0,
                             ignore_eos=True, request_id=job.request_id)
     metadata = (("x-api-key", TENANT_KEYS[job.tenant]),) if job.tenant in TENANT_KEYS else ()
@@ -361,8 +364,6 @@ class _MeshRun:
 
     def __init__(self, opts: Options, executor_args: list[str], scheduler_args: list[str],
                  tenants_file: str | None, name: str):
-        from meshserve.cli.launcher import MeshConfig, free_port
-
         base = Path(opts.log_dir) if opts.log_dir else Path(tempfile.mkdtemp(prefix="meshserve-policies-"))
         self.log_dir = base / name
         self.config = MeshConfig(port=free_port(), executors=opts.executors, model=opts.model,
@@ -373,10 +374,6 @@ class _MeshRun:
         self.stub = None
 
     async def __aenter__(self):
-        from meshserve.client import channel
-        from meshserve.cli.launcher import Mesh
-        from meshserve.v1 import gateway_pb2_grpc
-
         self.mesh = Mesh(self.config)
         t0 = time.monotonic()
         await self.mesh.start()
@@ -398,9 +395,6 @@ def _executor_args(opts: Options, kv: str) -> list[str]:
 
 
 def _vocabulary(model: str) -> tuple[int, frozenset[int]]:
-    from meshserve.bench.workload import model_vocabulary
-    from meshserve.model_files import resolve_model
-
     return model_vocabulary(resolve_model(model).path)
 
 

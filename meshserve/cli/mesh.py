@@ -2,13 +2,16 @@
 
 ``up`` turns its flags into a ``meshserve.cli.launcher.MeshConfig`` (``mesh_config``),
 starts the mesh and waits: Ctrl-C or SIGTERM stops every service; a service that
-exits stops the rest and ``up`` exits with code 1.
+exits stops the rest and ``up`` exits with code 1. The launcher (gRPC) and the demo
+are imported when a command runs, so that ``meshserve --help`` stays fast.
 """
 
 from __future__ import annotations
 
 import asyncio
+import signal
 import sys
+import threading
 from pathlib import Path
 from typing import TYPE_CHECKING, Optional
 
@@ -56,9 +59,6 @@ def up(
     trace_sample_ratio: Optional[float] = SampleOpt,
 ) -> None:
     """Start the whole mesh on loopback; Ctrl-C stops it cleanly."""
-    import signal
-    import threading
-
     from gateway.task_store_registry import task_store_kind
     from meshserve.cli.launcher import Mesh
 
