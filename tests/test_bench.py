@@ -412,7 +412,7 @@ async def test_tiny_real_run_against_a_running_gateway(tokenizer, default_model_
     """The mesh target's client path (``--addr``) against an in-process mesh."""
     from executor.engine.config import CacheConfig, EngineConfig
     from executor.engine.llm_engine import LLMEngine
-    from tests.mesh_harness import start_local_mesh
+    from tests.support.mesh_harness import start_local_mesh
 
     cache = CacheConfig(kv_cache_memory_bytes=64 << 20)
     engine = LLMEngine(EngineConfig(dtype="float32", max_model_len=1024, cache=cache))

@@ -149,7 +149,7 @@ async def test_open_task_store_by_url(redis_url):
 
 
 async def test_unreachable_redis_fails_the_check():
-    from tests.redis_server import free_port
+    from tests.support.redis_server import free_port
 
     store = RedisTaskStore(f"redis://127.0.0.1:{free_port()}/0")
     with pytest.raises(ConnectionError, match="cannot be reached"):

@@ -3,7 +3,7 @@
 import pytest
 import pytest_asyncio
 
-from tests.mesh_harness import start_local_mesh
+from tests.support.mesh_harness import start_local_mesh
 
 
 def make_engine(**overrides):

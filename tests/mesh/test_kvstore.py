@@ -16,9 +16,9 @@ from meshserve.client import build_request, channel, generate
 from meshserve.kvstore_client import KVStoreClient
 from meshserve.telemetry import memory_exporter, outgoing_metadata
 from meshserve.v1 import common_pb2, executor_pb2, executor_pb2_grpc
-from tests.kvstore.served import DelayingServicer
 from tests.mesh.conftest import make_engine
-from tests.mesh_harness import start_local_mesh
+from tests.support.mesh_harness import start_local_mesh
+from tests.support.served_kvstore import DelayingServicer
 
 pytestmark = pytest.mark.model
 

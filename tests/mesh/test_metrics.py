@@ -16,8 +16,8 @@ from kvstore.store import KVStore
 from meshserve.client import build_request, generate, generate_choices
 from meshserve.device_metrics import DeviceCollector
 from tests.mesh.conftest import make_engine
-from tests.mesh_harness import start_local_mesh
-from tests.promql import alert_exprs, dashboard_exprs, metric_names
+from tests.support.mesh_harness import start_local_mesh
+from tests.support.promql import alert_exprs, dashboard_exprs, metric_names
 from tests.test_metrics import fake_nvml
 
 pytestmark = pytest.mark.model
