@@ -6,8 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-GOLDEN_MAX_TOKENS = 64
-
+from tests.support.reference import GOLDEN_MAX_TOKENS
 
 @pytest.fixture(scope="session")
 def default_model(default_model_files):

@@ -16,7 +16,7 @@ from meshserve.client import build_request, channel, generate
 from meshserve.kvstore_client import KVStoreClient
 from meshserve.telemetry import memory_exporter, outgoing_metadata
 from meshserve.v1 import common_pb2, executor_pb2, executor_pb2_grpc
-from tests.mesh.conftest import make_engine
+from tests.support.engines import make_engine
 from tests.support.mesh_harness import start_local_mesh
 from tests.support.served_kvstore import DelayingServicer
 

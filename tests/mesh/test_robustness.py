@@ -64,7 +64,7 @@ async def test_caller_ids_never_collide_with_choice_ids(mesh):
 async def test_C24_dead_engine_leaves_the_mesh(tokenizer):
     """The engine thread raises: the caller gets UNAVAILABLE, the executor turns
     NOT_SERVING and leaves the registry, and later requests are not routed to it."""
-    from tests.mesh.conftest import make_engine
+    from tests.support.engines import make_engine
     from tests.support.mesh_harness import start_local_mesh
 
     engine = make_engine(num_blocks=64)
@@ -128,7 +128,7 @@ async def test_C24_wedged_step_turns_not_serving_then_recovers(tokenizer):
 
     from grpc_health.v1 import health_pb2
 
-    from tests.mesh.conftest import make_engine
+    from tests.support.engines import make_engine
     from tests.support.mesh_harness import start_local_mesh
 
     engine = make_engine(num_blocks=64)
@@ -196,7 +196,7 @@ async def test_C24_unreachable_executor_is_dropped_and_gateway_not_ready(tokeniz
     from gateway.server import ModelInfo, start_gateway
     from meshserve.v1 import gateway_pb2_grpc
     from scheduler.server import start_scheduler
-    from tests.mesh.conftest import make_engine
+    from tests.support.engines import make_engine
     from tests.support.net_fault import FreezableProxy
 
     SERVING, NOT_SERVING = health_pb2.HealthCheckResponse.SERVING, health_pb2.HealthCheckResponse.NOT_SERVING
