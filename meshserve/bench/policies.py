@@ -27,7 +27,7 @@ it produces exactly that many tokens (checked).
   queued calls (at least one queue update).
 
 Pure parts (``make_jobs``, ``latency_stats``, ``ttft_stats``) are unit-tested in
-``tests/test_bench_policies.py``; the runs print numbers and write a JSON report,
+``tests/meshserve/bench/test_policies.py``; the runs print numbers and write a JSON report,
 they assert nothing about time.
 """
 

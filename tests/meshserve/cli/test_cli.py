@@ -22,7 +22,7 @@ def test_commands_in_help_order():
 
 
 def test_console_script_is_main():
-    pyproject = tomllib.loads((Path(__file__).parents[1] / "pyproject.toml").read_text())
+    pyproject = tomllib.loads((Path(__file__).parents[3] / "pyproject.toml").read_text())
     module, _, attr = pyproject["project"]["scripts"]["meshserve"].partition(":")
     assert getattr(import_module(module), attr) is main
 
