@@ -1,13 +1,15 @@
-"""``meshserve.bench.policies``: its pure parts (workload, statistics, arm order,
-tenants file). The experiments themselves are runs that print numbers; no test times them."""
+"""``meshserve.bench.policies``: its pure parts (``policy_workload``: workload, statistics,
+arm order, tenants file) and its options. The experiments themselves are runs that print
+numbers; no test times them."""
 
 import math
 import tomllib
 
 import pytest
 
-from meshserve.bench.policies import (Job, JobSpec, Outcome, a_clients, arm_order, call_counts, latency_stats,
-                                      log_sigma, make_jobs, parse_args, ratio, tenants_toml, ttft_stats)
+from meshserve.bench.policies import parse_args
+from meshserve.bench.policy_workload import (Job, JobSpec, Outcome, a_clients, arm_order, call_counts, latency_stats,
+                                             log_sigma, make_jobs, ratio, tenants_toml, ttft_stats)
 
 SPECIALS = frozenset(range(17))
 
