@@ -14,16 +14,26 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 from meshserve.background import BackgroundTask
 
 if TYPE_CHECKING:
     from executor.engine.async_engine import AsyncEngine
-    from executor.server import SchedulerLink
     from meshserve.grpc_server import Service
 
 log = logging.getLogger(__name__)
+
+
+class SchedulerLinkLike(Protocol):
+    """What the watchdog needs of the executor's scheduler link (``executor.server.SchedulerLink``):
+    leave the scheduler, register again, and know when it is registered."""
+
+    connected: asyncio.Event
+
+    def start(self) -> None: ...
+
+    async def stop(self) -> None: ...
 
 
 class StepWatchdog(BackgroundTask):
@@ -40,7 +50,7 @@ class StepWatchdog(BackgroundTask):
         ValueError: ``step_timeout_s`` or ``poll_s`` is not positive.
     """
 
-    def __init__(self, engine: AsyncEngine, service: Service, link: SchedulerLink | None,
+    def __init__(self, engine: AsyncEngine, service: Service, link: SchedulerLinkLike | None,
                  step_timeout_s: float, poll_s: float = 0.25):
         if not step_timeout_s > 0 or not poll_s > 0:
             raise ValueError(f"step_timeout_s and poll_s must be > 0, got {step_timeout_s}, {poll_s}")

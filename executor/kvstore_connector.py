@@ -34,8 +34,8 @@ import torch
 from opentelemetry.trace import SpanKind
 
 from executor.engine.kv_connector import FetchResult, KVConnector, KVConnectorStats
-from kvstore.client import KVStoreClient
 from meshserve.block_hash import BlockHash, KVStoreFingerprint
+from meshserve.kvstore_client import KVStoreClient
 from meshserve.telemetry import outgoing_metadata, tracer
 
 log = logging.getLogger(__name__)

@@ -15,8 +15,9 @@ Pure core (no gRPC, unit-tested directly):
   (``ChoiceCollector``, ``replay``): a task's result, a result-cache entry.
 * ``gateway.result_cache``: outputs of deterministic requests (``ResultCache``).
 * ``gateway.task_store``: async task records (``TaskStore``: memory;
-  ``gateway.redis_task_store``: Redis); ``gateway.task_runner``: runs tasks in
-  the background over a store (``TaskRunner``).
+  ``gateway.redis_task_store``: Redis; ``gateway.task_store_registry``: the
+  store a URL names); ``gateway.task_runner``: runs tasks in the background over
+  a store (``TaskRunner``).
 
 gRPC layer: ``gateway.server`` (the servicer) and ``gateway.task_api`` (its
 task RPCs).

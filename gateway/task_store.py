@@ -1,8 +1,9 @@
 """The async task store: one record per submitted task (pure core, no gRPC).
 
 ``TaskStore`` is a small async interface with two backends chosen by URL
-(``open_task_store``): ``memory`` (this module; the default, one gateway) and
-``redis://host:port/db`` (``gateway.redis_task_store``; gateways share it).
+(``gateway.task_store_registry.open_task_store``): ``memory`` (this module; the
+default, one gateway) and ``redis://host:port/db`` (``gateway.redis_task_store``;
+gateways share it).
 
 A record moves only forward, and only through ``transition``, a compare-and-set
 on its state::
@@ -196,34 +197,3 @@ class MemoryTaskStore(TaskStore):
         while make_room and self._expires and len(self._records) >= self.max_tasks:
             task_id = next(iter(self._expires))
             del self._expires[task_id], self._records[task_id]
-
-
-def open_task_store(url: str, ttl_s: float = 3600.0, max_tasks: int = 10_000) -> TaskStore:
-    """The store a ``--task-store`` value names: ``memory`` or ``redis://host:port/db``.
-
-    Args:
-        url: ``memory`` (default), or a Redis URL (``redis://``, ``rediss://``, ``unix://``).
-        ttl_s: seconds a finished task lives (``--task-ttl-s``).
-        max_tasks: the memory store's bound (``--max-tasks``).
-
-    Raises:
-        InvalidArgument: an unknown scheme, or a TTL or bound out of range.
-    """
-    if task_store_kind(url) == "memory":
-        return MemoryTaskStore(ttl_s, max_tasks)
-    from gateway.redis_task_store import RedisTaskStore
-
-    return RedisTaskStore(url, ttl_s)
-
-
-def task_store_kind(url: str) -> str:
-    """``memory`` or ``redis``: the backend a ``--task-store`` value names.
-
-    Raises:
-        InvalidArgument: neither ``memory`` nor a ``redis://``, ``rediss://`` or ``unix://`` URL.
-    """
-    if url == "memory":
-        return "memory"
-    if url.split("://", 1)[0] in ("redis", "rediss", "unix") and "://" in url:
-        return "redis"
-    raise InvalidArgument(f"--task-store must be 'memory' or a redis://host:port/db URL, got {url!r}")

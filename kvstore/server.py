@@ -19,12 +19,12 @@ from opentelemetry.trace import SpanKind
 
 from kvstore.events import PlacementKind
 from kvstore.metrics import KVStoreMetrics
-from kvstore.payload import chunks
 from kvstore.store import KVStore, PutStatus
-from kvstore.wire import fingerprint_from_proto, hashes_from_proto
 from meshserve.block_hash import hash_to_bytes
 from meshserve.errors import InvalidArgument, NotFound
 from meshserve.grpc_server import Service
+from meshserve.kvstore_payload import chunks
+from meshserve.kvstore_wire import fingerprint_from_proto, hashes_from_proto
 from meshserve.telemetry import context_from_grpc, tracer
 from meshserve.v1 import kvstore_pb2, kvstore_pb2_grpc
 

@@ -1,7 +1,7 @@
 """KVStore: the pure core of the kvstore service (no gRPC).
 
 Content-addressed KV blocks keyed by ``(namespace, chain hash)``
-(``meshserve.block_hash``), each with its CRC-32 (``kvstore.payload``), held in
+(``meshserve.block_hash``), each with its CRC-32 (``meshserve.kvstore_payload``), held in
 byte-bounded tiers::
 
     put ──▶ memory tier (LRU, memory_bytes) ──evict──▶ disk tier (LRU, disk_bytes) ──evict──▶ gone
@@ -36,9 +36,9 @@ from pathlib import Path
 from typing import Sequence
 
 from kvstore.events import PlacementKind, PlacementLog
-from kvstore.payload import checksum as crc32
 from kvstore.tiers import DiskTier, MemoryTier, Tier
 from meshserve.errors import InvalidArgument, NotFound
+from meshserve.kvstore_payload import checksum as crc32
 
 NAMESPACE_BYTES = 16
 

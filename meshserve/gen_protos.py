@@ -1,7 +1,7 @@
 """Regenerates the committed gRPC stubs in ``meshserve/v1/`` from ``protos/``.
 
 Run ``python -m meshserve.gen_protos`` (or ``make protos``) after editing a
-``.proto``; ``tests/test_protos.py`` fails when the committed stubs differ.
+``.proto``; ``tests/meshserve/test_protos.py`` fails when the committed stubs differ.
 """
 
 from __future__ import annotations

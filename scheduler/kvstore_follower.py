@@ -14,8 +14,8 @@ import logging
 
 import grpc
 
-from kvstore.client import KVStoreClient
 from meshserve.background import BackgroundTask
+from meshserve.kvstore_client import KVStoreClient
 from scheduler.kvstore_index import KVStoreIndex
 
 log = logging.getLogger(__name__)

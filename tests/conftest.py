@@ -8,7 +8,7 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 from meshserve.telemetry import setup_tracing  # noqa: E402
 
-# Every service started in this process exports its spans here (tests/test_tracing.py).
+# Every service started in this process exports its spans here (tests/mesh/test_tracing.py).
 setup_tracing("tests", "memory")
 
 

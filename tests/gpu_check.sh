@@ -33,7 +33,7 @@ timeout 120 python3 -m pytest -v -p no:cacheprovider --noconftest \
 # device metrics through the real NVML (needs prometheus_client and nvidia-ml-py, both
 # pure Python: where the image lacks them, put them on PYTHONPATH)
 timeout 60 python3 -m pytest -v -p no:cacheprovider --noconftest \
-    tests/test_device_metrics_cuda.py 2>&1 | tee "$OUT/nvml.log" || status=1
+    tests/meshserve/test_device_metrics_cuda.py 2>&1 | tee "$OUT/nvml.log" || status=1
 
 # `-m meshserve.bench.kernels` imports the meshserve.bench package first; should that
 # package ever need more than this image has, run the module's file directly instead.

@@ -1,9 +1,10 @@
-"""Paged attention: the per-step metadata, the backend interface and registry, the
-torch reference backend, and the layer a model holds."""
+"""Paged attention: the per-step metadata, the backend interface, the backends and their
+registry by name, and the layer a model holds."""
 
-from executor.attention.backend import AttentionBackend, KVCache, available_backends, get_backend, register_backend
+from executor.attention.backend import AttentionBackend, KVCache
 from executor.attention.layer import Attention
 from executor.attention.metadata import AttentionMetadata, build_attention_metadata
+from executor.attention.registry import available_backends, get_backend, resolve_backend_name
 
 __all__ = [
     "Attention",
@@ -13,5 +14,5 @@ __all__ = [
     "available_backends",
     "build_attention_metadata",
     "get_backend",
-    "register_backend",
+    "resolve_backend_name",
 ]

@@ -36,7 +36,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from executor.attention.backend import AttentionBackend, KVCache, register_backend
+from executor.attention.backend import AttentionBackend, KVCache
 from executor.attention.metadata import AttentionMetadata
 
 _GROUP_COST_KEYS = 64
@@ -110,9 +110,10 @@ def decode_groups(num_blocks: list[int], block_size: int, group_cost_keys: int =
     return bounds[::-1]
 
 
-@register_backend("torch")
 class TorchAttentionBackend(AttentionBackend):
     """Paged attention with ``index_select`` gathers and ``scaled_dot_product_attention``."""
+
+    name = "torch"
 
     def plan(self, md: AttentionMetadata) -> None:
         device = md.slot_mapping.device

@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from executor.attention.backend import AttentionBackend, KVCache, register_backend
+from executor.attention.backend import AttentionBackend, KVCache
 from executor.attention.metadata import AttentionMetadata
 
 
@@ -39,7 +39,6 @@ class _TritonPlan:
     workspaces: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
 
 
-@register_backend("triton")
 class TritonAttentionBackend(AttentionBackend):
     """Paged attention with Triton kernels: split-K decode, varlen prefill over a cached prefix.
 
@@ -50,6 +49,8 @@ class TritonAttentionBackend(AttentionBackend):
     Raises:
         ImportError: triton is not installed.
     """
+
+    name = "triton"
 
     def __init__(self, partition_size: int | None = None):
         from executor.attention import triton_kernels  # imports triton: only when the backend is used

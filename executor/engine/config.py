@@ -108,6 +108,6 @@ class EngineConfig:
             raise ValueError(f"device must be a torch device such as cpu, cuda or cuda:1, got {self.device!r}") from exc
         if device.type == "cuda" and not torch.cuda.is_available():
             raise ValueError(f"device {self.device!r}: CUDA is not available on this machine")
-        from executor.attention.backend import resolve_backend_name
+        from executor.attention.registry import resolve_backend_name
 
         resolve_backend_name(self.attention_backend, device)

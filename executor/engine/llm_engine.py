@@ -22,7 +22,7 @@ import time
 
 import torch
 
-from executor.attention.backend import resolve_backend_name
+from executor.attention.registry import resolve_backend_name
 from executor.engine.batch_scheduler import BatchScheduler
 from executor.engine.config import EngineConfig
 from executor.engine.kv_cache import bytes_per_block, num_blocks_for_budget

@@ -6,8 +6,9 @@ Modules, in the order data flows through them:
   (log-normal prompt and output lengths, uniform ordinary token ids),
   ``shared-prefix`` (``shared_prefix``: one system prompt in front of most
   prompts), ``multi-turn`` (``multi_turn``: each turn resends the previous one)
-  or ``jsonl`` (``jsonl_workload``: a file of requests with their own sampling);
-  greedy, ``ignore_eos`` unless the file says otherwise;
+  or ``jsonl`` (``jsonl_workload``: a file of requests with their own sampling),
+  chosen by name in ``workload_kinds``; greedy, ``ignore_eos`` unless the file
+  says otherwise;
 * ``config``: ``BenchConfig``, what one run measures;
 * ``target``: the ``Target`` interface; ``targets``: ``engine`` (in-process
   ``AsyncEngine``), ``mesh`` (launched processes or ``--addr``) and the registry;
@@ -18,8 +19,9 @@ Modules, in the order data flows through them:
   and each request's TTFT/TPOT/e2e, with the exact-token-count check;
 * ``engine_stats``: the engine counters sampled during the run (KV use, prefix
   hits, preemptions);
-* ``report``: the JSON report and the terminal table; ``summary``: Markdown
-  tables of medians and ratios over a folder of reports;
+* ``report``: the JSON report and the terminal table (percentiles:
+  ``stats.percentile``, the project's one); ``summary``: Markdown tables of
+  medians and ratios over a folder of reports;
 * ``sweep``: the target, and the transformers ``--baseline`` targets (none, one or
   several) interleaved with it, over sweep points (concurrencies or rates), with
   each baseline's ratios;
@@ -28,8 +30,12 @@ Modules, in the order data flows through them:
   summary.md, plots/*.png);
 * ``runner``: one invocation from start to finish.
 
-``policies`` (``python -m meshserve.bench.policies``) is separate: the scheduler's
-queue policies and tenant quotas on a launched 2-executor mesh.
+Separate programs (``python -m meshserve.bench.NAME``): ``policies`` (the
+scheduler's queue policies and tenant quotas on a launched 2-executor mesh; its
+pure parts in ``policy_workload``), ``slow_reader`` (a reader that stops reading),
+``kvstore_sharing`` (what a prefix shared through a kvstore saves), ``ceiling``
+and ``kernels`` (the model's and the attention kernels' speed). ``sim``: the
+scheduler simulations of ``meshserve sim`` (one event loop, three workloads).
 
 A benchmark prints numbers and writes reports; tests assert behaviour, never times.
 """

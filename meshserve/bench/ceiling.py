@@ -32,6 +32,9 @@ import sys
 import time
 from dataclasses import asdict, dataclass
 
+from meshserve.model_files import resolve_model
+from meshserve.sampling import SamplingParams
+
 BLOCK_SIZE = 16
 
 
@@ -148,7 +151,6 @@ def engine(dtype: str, batch: int, context: int, threads: int, repeat: int) -> F
 
     from executor.engine.config import BatchSchedulerConfig, CacheConfig, EngineConfig
     from executor.engine.llm_engine import LLMEngine
-    from meshserve.sampling import SamplingParams
 
     contexts = _contexts(batch, context)
     blocks = sum(-(-(c + repeat + 2) // BLOCK_SIZE) for c in contexts) + 8
@@ -191,7 +193,6 @@ def main(argv: list[str] | None = None) -> int:
     import torch
 
     from executor.model_loader import load_model
-    from meshserve.model_files import resolve_model
 
     torch.set_num_threads(args.threads)
     files = resolve_model(args.model)

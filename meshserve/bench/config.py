@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from meshserve.bench.workload import WorkloadSpec
+from meshserve.cli.launcher import default_threads_per_executor
+from meshserve.cli.options import parse_bytes
 
 TARGETS = ("engine", "mesh", "hf-generate", "hf-continuous", "hf-static")
 DTYPES = ("auto", "float32", "bfloat16")
@@ -36,7 +38,7 @@ class BenchConfig:
         executors: executor processes of a launched mesh.
         addr: host:port of a running gateway (mesh target only; None: launch one).
         num_threads: torch CPU threads of the engine, of each launched executor and of
-            hf-generate (None: ``meshserve.launcher.default_threads_per_executor``), so
+            hf-generate (None: ``meshserve.cli.launcher.default_threads_per_executor``), so
             every target computes on the same cores.
         executor_addrs: mesh target with ``addr``: executors whose Stats RPC to sample
             (a launched mesh samples its own executors).
@@ -69,8 +71,6 @@ class BenchConfig:
             raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
         if min(self.concurrency, self.executors) < 1 or self.warmup < 0:
             raise ValueError("concurrency and executors must be >= 1, warmup >= 0")
-        from meshserve.services import parse_bytes
-
         parse_bytes(self.kv_cache_memory)  # ValueError names the bad size
         if self.addr is not None and self.target != "mesh":
             raise ValueError("--addr applies to the mesh target only")
@@ -87,8 +87,6 @@ class BenchConfig:
     @property
     def threads(self) -> int:
         """The torch threads every target uses."""
-        from meshserve.launcher import default_threads_per_executor
-
         return self.num_threads or default_threads_per_executor(self.executors)
 
     @property

@@ -34,6 +34,7 @@ from typing import Sequence
 from meshserve.bench.loop import BenchError, RequestResult, ResultFn, checked_result
 from meshserve.bench.target import Target, resolve_dtype
 from meshserve.bench.workload import BenchRequest
+from meshserve.cli.options import parse_bytes
 
 # Seconds without any output after which hf-continuous checks its worker is alive.
 _CB_POLL_S = 5.0
@@ -171,8 +172,6 @@ class HFContinuousTarget(_HFModelTarget):
 
     def _start_manager(self):
         from transformers import ContinuousBatchingConfig, GenerationConfig
-
-        from meshserve.services import parse_bytes
 
         c, cfg = self.config, self.model.config.get_text_config()
         head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads

@@ -10,6 +10,9 @@ from __future__ import annotations
 import sys
 from typing import Callable
 
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
 from meshserve.bench.loop import RequestResult
 
 
@@ -23,9 +26,6 @@ class ProgressBars:
     def __init__(self, enabled: bool):
         self._progress = None
         if enabled:
-            from rich.console import Console
-            from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-
             self._progress = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
                                       TimeElapsedColumn(), console=Console(stderr=True), transient=False)
 

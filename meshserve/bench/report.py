@@ -25,11 +25,10 @@ import statistics
 from pathlib import Path
 from typing import Sequence
 
-import numpy as np
-
 from meshserve.bench.config import BenchConfig
 from meshserve.bench.engine_stats import NULL_METRICS
 from meshserve.bench.loop import RequestResult
+from meshserve.bench.stats import percentile
 from meshserve.bench.workload import Workload
 
 # How each transformers target's TTFT is taken (the engine targets time token arrival).
@@ -42,17 +41,13 @@ TTFT_METHODS = {
 }
 
 
-def percentile(values: Sequence[float], q: float) -> float:
-    """The q-th percentile (0..100) by linear interpolation (numpy's default); 0.0 for no values."""
-    return float(np.percentile(values, q)) if len(values) else 0.0
-
-__all__ = ["build_report", "format_table", "percentile", "write_report"]
+__all__ = ["build_report", "format_table", "write_report"]
 
 
 def _latency(name: str, values: Sequence[float]) -> dict[str, float]:
     """p50, p90, p99 and mean of ``values`` (seconds) under ``{name}_p50_s``…; 0.0 when empty."""
     xs = list(values)
-    stats = {f"{name}_p{q}_s": percentile(xs, q) for q in (50, 90, 99)}
+    stats = {f"{name}_p{q}_s": percentile(xs, q, empty=0.0) for q in (50, 90, 99)}
     return {**stats, f"{name}_mean_s": statistics.fmean(xs) if xs else 0.0}
 
 

@@ -3,6 +3,7 @@ one or several baselines) → the terminal tables → the JSON report / the repo
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import sys
 from pathlib import Path
@@ -43,8 +44,6 @@ def main(config: BenchConfig, report_json: str | None, points: Sequence[SweepPoi
     there is one point and no baseline (what ``meshserve.bench.summary`` reads), the
     whole sweep otherwise.
     """
-    import asyncio
-
     points = list(points or [SweepPoint(config.concurrency, config.request_rate)])
     with ProgressBars(live_progress_enabled(quiet)) as bars:
         doc = asyncio.run(run_sweep(config, points, baselines, bars))

@@ -1,6 +1,6 @@
 """Case C27 on the real mesh: ``python -m meshserve.bench.slow_reader``.
 
-One mesh of real processes (``meshserve.launcher.Mesh``: scheduler, one executor
+One mesh of real processes (``meshserve.cli.launcher.Mesh``: scheduler, one executor
 with ``--max-buffered-outputs``, gateway). Two arms alternate on it, each
 ``--duration-s`` long: ``alone`` (4 normal streaming clients, closed loop) and
 ``slow`` (the same 4 plus one slow reader: ``--slow-max-tokens`` tokens,
@@ -30,7 +30,11 @@ from pathlib import Path
 
 import grpc
 
-from meshserve.bench.report import percentile
+from meshserve.bench.stats import percentile
+from meshserve.cli.launcher import Mesh, MeshConfig, free_port
+from meshserve.client import build_request, channel, generate
+from meshserve.grpc_server import CHANNEL_OPTIONS
+from meshserve.v1 import executor_pb2, executor_pb2_grpc, gateway_pb2_grpc
 
 log = logging.getLogger(__name__)
 QUESTIONS = ("Name a color.", "Count to five.", "What is 2+2?", "Say hello in French.")
@@ -44,8 +48,6 @@ def itl_gaps(token_times: list[float]) -> list[float]:
 
 async def normal_clients(stub, max_tokens: int, stop: asyncio.Event) -> list[float]:
     """4 closed-loop clients until ``stop``; their inter-token gaps (s)."""
-    from meshserve.client import build_request, generate
-
     gaps: list[float] = []
 
     async def loop(q: str) -> None:
@@ -60,10 +62,6 @@ async def normal_clients(stub, max_tokens: int, stop: asyncio.Event) -> list[flo
 
 async def slow_reader(address: str, max_tokens: int, interval_s: float, stop: asyncio.Event) -> dict:
     """Reads one message per ``interval_s`` until ``stop``, then drains; its outcome."""
-    from meshserve.client import build_request
-    from meshserve.grpc_server import CHANNEL_OPTIONS
-    from meshserve.v1 import gateway_pb2_grpc
-
     async with grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS + SLOW_CLIENT_OPTIONS) as ch:
         call = gateway_pb2_grpc.GatewayStub(ch).Generate(build_request(
             chat=[("user", "Tell me a very long story.")], max_tokens=max_tokens, temperature=0, ignore_eos=True,
@@ -92,10 +90,6 @@ def scrape(url: str, name: str) -> float:
 
 
 async def run(opts: argparse.Namespace) -> dict:
-    from meshserve.client import channel
-    from meshserve.launcher import Mesh, MeshConfig, free_port
-    from meshserve.v1 import executor_pb2, executor_pb2_grpc, gateway_pb2_grpc
-
     log_dir = Path(opts.log_dir or tempfile.mkdtemp(prefix="meshserve-c27-"))
     cfg = MeshConfig(port=free_port(), executors=1, model=opts.model, log_dir=log_dir, metrics=True,
                      executor_args=["--dtype", opts.dtype, "--kv-cache-memory", opts.kv_cache_memory,
@@ -131,7 +125,7 @@ async def run(opts: argparse.Namespace) -> dict:
                 gaps = await normal
                 stats = await executor_pb2_grpc.ExecutorStub(ech).Stats(executor_pb2.StatsRequest())
                 result = {"arm": arm, "seconds": arm_s,
-                          "itl_p50_s": percentile(gaps, 50), "itl_p90_s": percentile(gaps, 90),
+                          "itl_p50_s": percentile(gaps, 50, empty=0.0), "itl_p90_s": percentile(gaps, 90, empty=0.0),
                           "tokens": len(gaps), "slow_reader_aborts": aborted,
                           "free_blocks_after": stats.num_free_blocks, "num_blocks": stats.num_blocks}
                 if slow is not None and aborted:

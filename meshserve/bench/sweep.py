@@ -34,7 +34,9 @@ from meshserve.bench.progress import ProgressBars
 from meshserve.bench.report import build_report, json_rate
 from meshserve.bench.target import Target
 from meshserve.bench.targets import make_target
-from meshserve.bench.workload import Workload, load_workloads, make_warmup, model_vocabulary
+from meshserve.bench.workload import Workload, make_warmup, model_vocabulary
+from meshserve.bench.workload_kinds import load_workloads
+from meshserve.model_files import resolve_model
 
 log = logging.getLogger(__name__)
 
@@ -178,8 +180,6 @@ async def run_sweep(config: BenchConfig, points: Sequence[SweepPoint], baselines
             a transformers target cannot run (all before any target starts).
         BenchError: a request produced another number of tokens than asked.
     """
-    from meshserve.model_files import resolve_model
-
     baselines = list(baselines)
     open_loop = any(p.request_rate is not None for p in points)
     check_baselines(baselines, open_loop)

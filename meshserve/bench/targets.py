@@ -3,7 +3,7 @@
 * ``engine``: our ``AsyncEngine`` in this process (no gRPC, no other process):
   the engine's own speed under continuous batching.
 * ``mesh``: the whole mesh (gateway → scheduler → executor) launched as
-  processes with ``meshserve.launcher.Mesh``, or a running gateway (``--addr``);
+  processes with ``meshserve.cli.launcher.Mesh``, or a running gateway (``--addr``);
   requests go as ``prompt_token_ids`` through ``meshserve.client``.
 * ``hf-generate``, ``hf-continuous``, ``hf-static``: ``transformers`` on the same
   folder and dtype (``meshserve.bench.hf_targets``), the references a serving
@@ -27,6 +27,11 @@ from meshserve.bench.hf_targets import HFContinuousTarget, HFGenerateTarget, HFS
 from meshserve.bench.loop import RequestResult, checked_result
 from meshserve.bench.target import Target, resolve_dtype
 from meshserve.bench.workload import BenchRequest
+from meshserve.cli.launcher import Mesh, MeshConfig, free_port
+from meshserve.cli.options import parse_bytes
+from meshserve.client import build_request, channel, generate
+from meshserve.sampling import SamplingParams
+from meshserve.v1 import executor_pb2, executor_pb2_grpc, gateway_pb2_grpc
 
 __all__ = ["TARGET_CLASSES", "Target", "make_target", "resolve_dtype"]
 
@@ -40,7 +45,6 @@ class EngineTarget(Target):
         from executor.engine.async_engine import AsyncEngine
         from executor.engine.config import BatchSchedulerConfig, CacheConfig, EngineConfig
         from executor.engine.llm_engine import LLMEngine
-        from meshserve.services import parse_bytes
 
         c = self.config
         cfg = EngineConfig(
@@ -55,8 +59,6 @@ class EngineTarget(Target):
         await self.engine.start()
 
     async def send(self, req: BenchRequest) -> RequestResult:
-        from meshserve.sampling import SamplingParams
-
         s = req.sampling
         params = SamplingParams(max_tokens=req.output_len, temperature=s.temperature, top_p=s.top_p, top_k=s.top_k,
                                 min_p=s.min_p, seed=s.seed, ignore_eos=req.ignore_eos)
@@ -97,9 +99,6 @@ class MeshTarget(Target):
         self._executor_stubs: list = []
 
     async def start(self) -> None:
-        from meshserve.client import channel
-        from meshserve.v1 import executor_pb2_grpc, gateway_pb2_grpc
-
         address = self.config.addr or await self._launch()
         self._channel = channel(address)
         self.stub = gateway_pb2_grpc.GatewayStub(self._channel)
@@ -108,8 +107,6 @@ class MeshTarget(Target):
         self._executor_stubs = [executor_pb2_grpc.ExecutorStub(ch) for ch in self._executor_channels]
 
     async def _launch(self) -> str:
-        from meshserve.launcher import Mesh, MeshConfig, free_port
-
         c = self.config
         self.log_dir = Path(tempfile.mkdtemp(prefix="meshserve-bench-"))
         args = ["--dtype", c.dtype, "--kv-cache-memory", c.kv_cache_memory, "--max-num-seqs", str(c.max_num_seqs),
@@ -124,8 +121,6 @@ class MeshTarget(Target):
         return self.mesh.gateway_address
 
     async def send(self, req: BenchRequest) -> RequestResult:
-        from meshserve.client import build_request, generate
-
         s = req.sampling
         request = build_request(list(req.prompt_token_ids), max_tokens=req.output_len, temperature=s.temperature,
                                 top_p=s.top_p, top_k=s.top_k, min_p=s.min_p, seed=s.seed,
@@ -137,8 +132,6 @@ class MeshTarget(Target):
     async def read_stats(self) -> list[CounterSnapshot] | None:
         """Every executor's counters through its ``Stats`` RPC (the launched mesh's
         executors, or ``--executor-addr``); None when no executor is known."""
-        from meshserve.v1 import executor_pb2
-
         if not self._executor_stubs:
             return None
         replies = await asyncio.gather(*(s.Stats(executor_pb2.StatsRequest(), timeout=10.0)

@@ -4,7 +4,8 @@ Four kinds (``WorkloadSpec.kind``): ``synthetic`` (below), ``shared-prefix``
 (``meshserve.bench.shared_prefix``: most prompts start with one system prompt),
 ``multi-turn`` (``meshserve.bench.multi_turn``: conversations whose every turn
 repeats the previous one) and ``jsonl`` (``meshserve.bench.jsonl_workload``: the
-requests of a file, each with its own sampling).
+requests of a file, each with its own sampling); ``meshserve.bench.workload_kinds``
+picks one by name (``load_workloads``).
 
 Lengths are log-normal, as request lengths of served chat traffic are (long right
 tail; see the ShareGPT length histograms used by vLLM's ``benchmark_serving``):
@@ -221,34 +222,3 @@ def model_vocabulary(model_path: str | Path) -> tuple[int, frozenset[int]]:
     tokenizer = AutoTokenizer.from_pretrained(model_path)
     config = AutoConfig.from_pretrained(model_path)
     return min(len(tokenizer), config.vocab_size), special_token_ids(tokenizer)
-
-
-def load_workloads(spec: WorkloadSpec, num_warmup: int, model_path: str | Path) -> tuple[Workload, Workload | None]:
-    """The measured workload of ``spec`` (its kind) and the synthetic warm-up for a model folder.
-
-    Warm-up prompts are uniform ids of their own stream, so they never share a
-    prefix with the measured requests: the prefix cache starts cold.
-
-    Raises:
-        WorkloadFileError: jsonl: the file is missing or a line is invalid.
-    """
-    vocab_size, specials = model_vocabulary(model_path)
-    if spec.kind in ("shared-prefix", "multi-turn", "jsonl"):
-        from transformers import AutoTokenizer
-
-        tokenizer = AutoTokenizer.from_pretrained(model_path)
-        if spec.kind == "shared-prefix":
-            from meshserve.bench.shared_prefix import make_shared_prefix_workload
-
-            workload = make_shared_prefix_workload(spec, tokenizer, vocab_size)
-        elif spec.kind == "multi-turn":
-            from meshserve.bench.multi_turn import make_multi_turn_workload
-
-            workload = make_multi_turn_workload(spec, tokenizer, vocab_size)
-        else:
-            from meshserve.bench.jsonl_workload import load_jsonl_workload
-
-            workload = load_jsonl_workload(spec, tokenizer, vocab_size)
-    else:
-        workload = make_workload(spec, vocab_size, specials)
-    return workload, make_warmup(spec, num_warmup, vocab_size, specials)

@@ -8,6 +8,12 @@
 | ``tools.py`` | ``bench`` (throughput and latency), ``sim`` (scheduler simulations) |
 | ``options.py`` | the options and start-up helpers the commands share |
 
+What the commands run: ``processes.py`` (each service's process: ``run_scheduler``,
+``run_executor``, ``run_kvstore``, ``run_gateway``), ``launcher.py`` (``Mesh``: the
+whole mesh as separate processes, for ``up``, ``demo`` and the benchmarks) and
+``demo.py``. This package and ``meshserve.bench`` are the only parts of
+``meshserve`` that import services.
+
 The commands are registered below, in the order ``meshserve --help`` lists them.
 ``main`` is the console script; ``python -m meshserve.cli`` runs it too (the
 launcher starts each service so).

@@ -3,7 +3,8 @@
 ``generate`` sends prompts (concurrently when several) and prints the answers,
 streamed for one prompt and one choice, or submits them as async tasks
 (``--async``); ``task TASK_ID`` reads, waits for or cancels a task submitted
-earlier. Both exit 1 when a call failed.
+earlier. Both exit 1 when a call failed. gRPC and the client library are imported
+when a command runs, so that ``meshserve --help`` stays fast.
 """
 
 from __future__ import annotations

@@ -1,14 +1,17 @@
 """``meshserve up`` (the whole mesh on loopback, one process per service) and ``meshserve demo``.
 
-``up`` turns its flags into a ``meshserve.launcher.MeshConfig`` (``mesh_config``),
+``up`` turns its flags into a ``meshserve.cli.launcher.MeshConfig`` (``mesh_config``),
 starts the mesh and waits: Ctrl-C or SIGTERM stops every service; a service that
-exits stops the rest and ``up`` exits with code 1.
+exits stops the rest and ``up`` exits with code 1. The launcher (gRPC) and the demo
+are imported when a command runs, so that ``meshserve --help`` stays fast.
 """
 
 from __future__ import annotations
 
 import asyncio
+import signal
 import sys
+import threading
 from pathlib import Path
 from typing import TYPE_CHECKING, Optional
 
@@ -18,7 +21,7 @@ from meshserve.cli.options import (OtlpOpt, ResultCacheSizeOpt, SampleOpt, TaskS
                                    export_trace_settings)
 
 if TYPE_CHECKING:
-    from meshserve.launcher import MeshConfig
+    from meshserve.cli.launcher import MeshConfig
 
 
 def mesh_config(port: int, executors: int, model: str, dtype: str, kv_cache_memory: str, extra: list[str],
@@ -30,7 +33,7 @@ def mesh_config(port: int, executors: int, model: str, dtype: str, kv_cache_memo
     executors' flags; ``result_cache_size`` (entries) and ``task_store`` (``memory`` or a
     ``redis://`` URL) go to the gateway; ``kvstore_memory`` None starts no kvstore.
     """
-    from meshserve.launcher import MeshConfig
+    from meshserve.cli.launcher import MeshConfig
 
     args = ["--dtype", dtype, "--kv-cache-memory", kv_cache_memory, *extra]
     return MeshConfig(port=port, executors=executors, model=model, executor_args=args, tenants_file=tenants,
@@ -56,11 +59,8 @@ def up(
     trace_sample_ratio: Optional[float] = SampleOpt,
 ) -> None:
     """Start the whole mesh on loopback; Ctrl-C stops it cleanly."""
-    import signal
-    import threading
-
-    from gateway.task_store import task_store_kind
-    from meshserve.launcher import Mesh
+    from gateway.task_store_registry import task_store_kind
+    from meshserve.cli.launcher import Mesh
 
     try:
         task_store_kind(task_store)  # checked before any service starts
@@ -107,6 +107,6 @@ def demo(
     max_tokens: int = typer.Option(96, help="Tokens per answer."),
 ) -> None:
     """Start the mesh, stream 8 concurrent chat answers, print a summary, stop."""
-    from meshserve.demo import run_demo
+    from meshserve.cli.demo import run_demo
 
     sys.exit(run_demo(port, executors, max_tokens))

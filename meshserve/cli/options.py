@@ -1,4 +1,4 @@
-"""What the ``meshserve`` sub-commands share: common options and start-up helpers.
+"""What the ``meshserve`` sub-commands share: common options, start-up helpers and flag parsers.
 
 An option object here is the default of a parameter in several commands, so
 that its flag, default and help text are the same wherever it appears
@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import re
 import sys
 from typing import Coroutine, Optional
 
@@ -29,6 +30,25 @@ ResultCacheSizeOpt = typer.Option(0, "--result-cache-size", min=0, help="Entries
                                   "deterministic requests (greedy or seeded), LRU; 0: off.")
 TaskStoreOpt = typer.Option("memory", "--task-store", help="Async task store: memory, or "
                             "redis://host:port/db (shared by gateways).")
+
+
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?i?b?)?\s*$", re.IGNORECASE)
+_UNITS = {"": 1, "b": 1, "k": 1e3, "kb": 1e3, "m": 1e6, "mb": 1e6, "g": 1e9, "gb": 1e9, "t": 1e12, "tb": 1e12,
+          "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "tib": 1 << 40, "ki": 1 << 10, "mi": 1 << 20,
+          "gi": 1 << 30, "ti": 1 << 40}
+
+
+def parse_bytes(text: str) -> int:
+    """Parses a byte size such as ``1073741824``, ``512MiB`` or ``2GB`` (the value of
+    ``--kv-cache-memory``, ``--memory``, ``--disk``…).
+
+    Raises:
+        ValueError: not a size.
+    """
+    m = _SIZE.match(str(text))
+    if not m or (m.group(2) or "").lower() not in _UNITS:
+        raise ValueError(f"not a byte size: {text!r} (examples: 1073741824, 512MiB, 2GB)")
+    return int(float(m.group(1)) * _UNITS[(m.group(2) or "").lower()])
 
 
 def setup_logging(level: str) -> None:

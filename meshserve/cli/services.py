@@ -2,7 +2,9 @@
 
 Each command checks its flags (a bad value is a usage error, exit code 2), sets
 up logging and tracing, and serves until SIGTERM; a start-up failure the
-operator can fix is one line and exit code 1 (``options.serve``).
+operator can fix is one line and exit code 1 (``options.serve``). What a command
+runs is in ``meshserve.cli.processes``, imported when the command runs (it imports
+gRPC and the service), so that ``meshserve --help`` stays fast.
 """
 
 from __future__ import annotations
@@ -12,37 +14,7 @@ from typing import Optional
 import typer
 
 from meshserve.cli.options import (MetricsPortOpt, OtlpOpt, ResultCacheSizeOpt, SampleOpt, TaskStoreOpt, TracesOpt,
-                                   export_trace_settings, is_address, serve, setup_logging)
-
-
-def _engine_config(model, dtype, kv_cache_memory, block_size, max_num_seqs, max_num_batched_tokens,
-                   no_chunked_prefill, max_model_len, num_threads, no_prefix_caching=False, max_batch_wait_ms=0.0,
-                   attention_backend="auto", device="cpu", enable_kv_events=False):
-    """The executor's ``EngineConfig`` from its flags (``kv_cache_memory`` a byte size such as ``2GiB``).
-
-    Raises:
-        typer.BadParameter: a value ``EngineConfig`` or ``parse_bytes`` rejects (exit code 2).
-    """
-    from executor.engine.config import BatchSchedulerConfig, CacheConfig, EngineConfig
-    from meshserve.services import parse_bytes
-
-    try:
-        return EngineConfig(
-            model=model,
-            dtype=dtype,
-            max_model_len=max_model_len,
-            num_threads=num_threads,
-            attention_backend=attention_backend,
-            device=device,
-            cache=CacheConfig(block_size=block_size, kv_cache_memory_bytes=parse_bytes(kv_cache_memory),
-                              enable_prefix_caching=not no_prefix_caching,
-                              enable_kv_events=enable_kv_events and not no_prefix_caching),
-            batch=BatchSchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
-                                       enable_chunked_prefill=not no_chunked_prefill,
-                                       max_batch_wait_ms=max_batch_wait_ms),
-        )
-    except ValueError as exc:  # a bad flag value: typer prints usage and the message, exit code 2
-        raise typer.BadParameter(str(exc)) from None
+                                   export_trace_settings, is_address, parse_bytes, serve, setup_logging)
 
 
 def scheduler(
@@ -77,7 +49,7 @@ def scheduler(
     log_level: str = typer.Option("info"),
 ) -> None:
     """Run the global scheduler (executor registry, admission queue, pools and routing)."""
-    from meshserve.services import run_scheduler, scheduler_config
+    from meshserve.cli import processes
     from scheduler.routing import RoutingConfig
 
     setup_logging(log_level)
@@ -87,11 +59,11 @@ def scheduler(
             raise ValueError(f"--kvstore must be HOST:PORT, got {kvstore!r}")
         route_cfg = RoutingConfig(routing, load_weight=routing_load_weight, balance_factor=routing_balance_factor,
                                   balance_abs_tokens=routing_balance_abs_tokens, kvstore_token_cost=kvstore_token_cost)
-        config = scheduler_config(queue_policy, max_queue_wait_s, max_queue_len, max_queue_tokens, tenants, pools,
-                                  route_cfg, kv_reservation)
+        config = processes.scheduler_config(queue_policy, max_queue_wait_s, max_queue_len, max_queue_tokens,
+                                            tenants, pools, route_cfg, kv_reservation)
     except (ValueError, FileNotFoundError) as exc:
         raise typer.BadParameter(str(exc)) from None
-    serve(run_scheduler(port, host, config, kvstore, metrics_port))
+    serve(processes.run_scheduler(port, host, config, kvstore, metrics_port))
 
 
 def executor(
@@ -133,26 +105,29 @@ def executor(
     log_level: str = typer.Option("info"),
 ) -> None:
     """Run one executor: a model replica with its continuous-batching engine."""
-    from meshserve.services import run_executor
+    from meshserve.cli import processes
+    from meshserve.cli.launcher import port_is_free
 
     setup_logging(log_level)
     export_trace_settings(traces, otlp_endpoint, trace_sample_ratio)
-    cfg = _engine_config(model, dtype, kv_cache_memory, block_size, max_num_seqs, max_num_batched_tokens,
-                         no_chunked_prefill, max_model_len, num_threads, no_prefix_caching, max_batch_wait_ms,
-                         attention_backend, device, enable_kv_events=True)  # forwarded for prefix-aware routing
+    try:
+        cfg = processes.engine_config(model, dtype, kv_cache_memory, block_size, max_num_seqs,
+                                      max_num_batched_tokens, no_chunked_prefill, max_model_len, num_threads,
+                                      no_prefix_caching, max_batch_wait_ms, attention_backend, device,
+                                      enable_kv_events=True)  # forwarded for prefix-aware routing
+    except ValueError as exc:  # a bad flag value: typer prints usage and the message, exit code 2
+        raise typer.BadParameter(str(exc)) from None
     if kvstore is not None and not is_address(kvstore):
         raise typer.BadParameter(f"--kvstore must be HOST:PORT, got {kvstore!r}")
-    from meshserve.launcher import port_is_free
-
     for flag, p in (("--port", port), ("--metrics-port", metrics_port)):
         if p and not port_is_free(p, host):  # checked before the model loads
             typer.echo(f"error: executor: cannot listen on {host}:{p} (port in use or not allowed); "
                        f"choose one with {flag}", err=True)
             raise typer.Exit(1)
-    serve(run_executor(cfg, port, host, scheduler, executor_id, pool, advertise, step_timeout_s=step_timeout_s,
-                       kvstore_address=kvstore, kvstore_fetch_timeout_s=kvstore_fetch_timeout,
-                       metrics_port=metrics_port, peak_flops=peak_flops,
-                       max_buffered_outputs=max_buffered_outputs))
+    serve(processes.run_executor(cfg, port, host, scheduler, executor_id, pool, advertise,
+                                 step_timeout_s=step_timeout_s, kvstore_address=kvstore,
+                                 kvstore_fetch_timeout_s=kvstore_fetch_timeout, metrics_port=metrics_port,
+                                 peak_flops=peak_flops, max_buffered_outputs=max_buffered_outputs))
 
 
 def kvstore_cmd(
@@ -168,7 +143,7 @@ def kvstore_cmd(
     log_level: str = typer.Option("info"),
 ) -> None:
     """Run the kvstore: prefix KV blocks shared by executors."""
-    from meshserve.services import parse_bytes, run_kvstore
+    from meshserve.cli import processes
 
     setup_logging(log_level)
     export_trace_settings(traces, otlp_endpoint, trace_sample_ratio)
@@ -178,7 +153,7 @@ def kvstore_cmd(
             raise ValueError("--memory and --disk must be at least 1 byte")
     except ValueError as exc:
         raise typer.BadParameter(str(exc)) from None
-    serve(run_kvstore(port, host, memory_bytes, disk_dir, disk_bytes, max_events, metrics_port))
+    serve(processes.run_kvstore(port, host, memory_bytes, disk_dir, disk_bytes, max_events, metrics_port))
 
 
 def gateway(
@@ -202,8 +177,8 @@ def gateway(
     log_level: str = typer.Option("info"),
 ) -> None:
     """Run the public gateway."""
-    from gateway.task_store import task_store_kind
-    from meshserve.services import run_gateway
+    from gateway.task_store_registry import task_store_kind
+    from meshserve.cli import processes
 
     try:
         task_store_kind(task_store)
@@ -211,6 +186,6 @@ def gateway(
         raise typer.BadParameter(str(exc)) from None
     setup_logging(log_level)
     export_trace_settings(traces, otlp_endpoint, trace_sample_ratio)
-    serve(run_gateway(model, port, host, scheduler, tenants, block_size, result_cache_size, result_cache_ttl_s,
-                      task_store, task_ttl_s, max_tasks, metrics_port))
+    serve(processes.run_gateway(model, port, host, scheduler, tenants, block_size, result_cache_size,
+                                result_cache_ttl_s, task_store, task_ttl_s, max_tasks, metrics_port))
 

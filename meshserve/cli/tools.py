@@ -3,8 +3,8 @@
 Both are programs that print numbers and write reports: ``bench`` runs real
 requests against the engine, the mesh or a transformers baseline
 (``meshserve.bench``); ``sim`` runs discrete-event simulations on the
-scheduler's own core, with no model and no gRPC (``scheduler.sim``,
-``scheduler.routing_sim``, ``scheduler.isolation_sim``).
+scheduler's own core, with no model and no gRPC (``meshserve.bench.sim``). Each
+imports what it runs when it runs, so that ``meshserve --help`` stays fast.
 """
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import shlex
 import sys
+from dataclasses import replace
 from pathlib import Path
 from typing import Optional
 
@@ -123,8 +124,7 @@ def sim(
     report_json: Optional[str] = typer.Option(None, "--report-json", help="Write the JSON report here."),
 ) -> None:
     """Discrete-event simulations on the scheduler's own core (no model, no gRPC)."""
-    from dataclasses import replace
-
+    from meshserve.bench.sim import heavy_tail, prefix_routing, quota_isolation
     from scheduler.queue_policy import QueuePolicy
     from scheduler.routing import RoutingConfig
 
@@ -138,28 +138,22 @@ def sim(
     except ValueError as exc:
         raise typer.BadParameter(str(exc)) from None
     if workload == "heavy-tail":
-        from scheduler.sim import SimConfig, run
-
-        report = run(SimConfig(policy=policy, seed=seed, num_requests=num_requests or 2000, load=load,
-                               max_queue_wait_s=max_queue_wait_s, num_executors=executors or 2,
-                               kv_reservation=kv_reservation))
+        report = heavy_tail.run(heavy_tail.HeavyTailSimConfig(
+            policy=policy, seed=seed, num_requests=num_requests or 2000, load=load, max_queue_wait_s=max_queue_wait_s,
+            num_executors=executors or 2, kv_reservation=kv_reservation))
         keys = ("short_half_mean_latency_s", "short_half_p99_latency_s", "long_half_mean_latency_s",
                 "long_half_p99_latency_s", "max_wait_s", "aging_bound_s", "output_len_log_sigma")
     elif workload == "prefix-routing":
-        from scheduler.routing_sim import RoutingSimConfig, compare
-
-        cfg = RoutingSimConfig(seed=seed, num_requests=num_requests or 2000)
+        cfg = prefix_routing.RoutingSimConfig(seed=seed, num_requests=num_requests or 2000)
         cfg = replace(cfg, rate=rate or cfg.rate,
                       mesh=replace(cfg.mesh, routing=routing, num_executors=executors or cfg.mesh.num_executors))
-        report = compare(cfg)
+        report = prefix_routing.compare(cfg)
         keys = ("hit_rate", "ideal_hit_rate", "hit_rate_vs_ideal", "busiest_over_mean", "ttft_p50_s", "ttft_p99_s")
     else:
-        from scheduler.isolation_sim import IsolationSimConfig, run as run_isolation
-
-        cfg = IsolationSimConfig(seed=seed, num_b_requests=num_requests or 400)
+        cfg = quota_isolation.IsolationSimConfig(seed=seed, num_b_requests=num_requests or 400)
         cfg = replace(cfg, b_rate=rate or cfg.b_rate,
                       mesh=replace(cfg.mesh, num_executors=executors or cfg.mesh.num_executors))
-        report = run_isolation(cfg)
+        report = quota_isolation.run(cfg)
         keys = ("b_ttft_p50_s", "b_ttft_p99_s", "b_alone_ttft_p99_s", "b_p99_ratio", "b_without_quota_ttft_p99_s",
                 "b_p99_ratio_without_quota")
     for key in keys:

@@ -6,8 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-GOLDEN_MAX_TOKENS = 64
-
+from tests.support.reference import GOLDEN_MAX_TOKENS
 
 @pytest.fixture(scope="session")
 def default_model(default_model_files):
@@ -30,7 +29,7 @@ def engine():
 
 @pytest.fixture(scope="session")
 def golden_prompts(tokenizer):
-    from tests.executor.reference import golden_prompts
+    from tests.support.reference import golden_prompts
 
     return golden_prompts(tokenizer)
 
@@ -38,7 +37,7 @@ def golden_prompts(tokenizer):
 @pytest.fixture(scope="session")
 def golden_reference(default_model, golden_prompts):
     """transformers' greedy outputs for the golden prompts (cached on disk by content)."""
-    from tests.executor.reference import HFReference, cached_reference
+    from tests.support.reference import HFReference, cached_reference
 
     key = {"model": default_model.model_id, "revision": default_model.revision, "prompts": golden_prompts,
            "max_new_tokens": GOLDEN_MAX_TOKENS, "ignore_eos": True}

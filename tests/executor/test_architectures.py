@@ -10,7 +10,7 @@ import torch
 from executor.engine.config import BatchSchedulerConfig, CacheConfig, EngineConfig
 from executor.engine.llm_engine import LLMEngine
 from meshserve.sampling import SamplingParams
-from tests.executor.reference import HFReference, assert_greedy_matches
+from tests.support.reference import HFReference, assert_greedy_matches
 
 pytestmark = pytest.mark.model
 

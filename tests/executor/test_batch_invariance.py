@@ -7,7 +7,7 @@ import random
 import pytest
 
 from meshserve.sampling import SamplingParams
-from tests.executor.reference import SENTENCES
+from tests.support.reference import SENTENCES
 
 pytestmark = pytest.mark.model
 

@@ -10,7 +10,7 @@ from executor.engine.batch_scheduler import BatchScheduler
 from executor.engine.config import BatchSchedulerConfig
 from executor.engine.kv_cache_manager import KVCacheManager
 from executor.engine.request import RequestStatus
-from tests.executor.helpers import make_request, run_step, shares
+from tests.support.engine_steps import make_request, run_step, shares
 
 
 def make_scheduler(num_blocks=100, block_size=4, budget=10, max_num_seqs=4, chunked=True, eos=frozenset(),

@@ -8,7 +8,7 @@ import pytest
 from executor.engine.block_pool import BlockPool, BlockRemoved, BlockStored, NoFreeBlocksError
 from executor.engine.kv_cache_manager import KVCacheManager
 from meshserve.block_hash import ModelFingerprint, hash_block_tokens, hash_full_blocks
-from tests.executor.helpers import make_request
+from tests.support.engine_steps import make_request
 
 FP = ModelFingerprint("m", "r1", "float32")
 

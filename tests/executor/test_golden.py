@@ -15,8 +15,7 @@ import pytest
 from executor.engine.config import BatchSchedulerConfig, CacheConfig, EngineConfig
 from executor.engine.llm_engine import LLMEngine
 from meshserve.sampling import SamplingParams
-from tests.executor.conftest import GOLDEN_MAX_TOKENS
-from tests.executor.reference import assert_greedy_matches
+from tests.support.reference import GOLDEN_MAX_TOKENS, assert_greedy_matches
 
 pytestmark = pytest.mark.model
 

@@ -7,7 +7,7 @@ from executor.server import lease_num_blocks
 from meshserve.block_hash import ModelFingerprint, routing_block_hashes
 from executor.engine.request import Request
 from meshserve.sampling import SamplingParams
-from tests.executor.helpers import make_request
+from tests.support.engine_steps import make_request
 
 FP32 = ModelFingerprint("m", "r1", "float32")
 

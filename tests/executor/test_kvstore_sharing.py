@@ -17,7 +17,7 @@ from kvstore.server import KVStoreServicer
 from kvstore.store import KVStore
 from meshserve.block_hash import hash_full_blocks, routing_fingerprint
 from meshserve.sampling import SamplingParams
-from tests.kvstore.served import CorruptingStore, DelayingServicer, DroppingStore, ServedKVStore
+from tests.support.served_kvstore import CorruptingStore, DelayingServicer, DroppingStore, ServedKVStore
 
 pytestmark = pytest.mark.model
 

@@ -8,7 +8,7 @@ import time
 from executor.engine.batch_scheduler import BatchScheduler
 from executor.engine.config import BatchSchedulerConfig
 from executor.engine.kv_cache_manager import KVCacheManager
-from tests.executor.helpers import make_request, run_step
+from tests.support.engine_steps import make_request, run_step
 
 
 def test_preemption_times_come_with_the_next_output_once():

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.executor.reference import ReferenceOutput, assert_greedy_matches, golden_lengths
+from tests.support.reference import ReferenceOutput, assert_greedy_matches, golden_lengths
 
 
 def ref(tokens: list[int], gaps: list[float]) -> ReferenceOutput:

@@ -122,7 +122,7 @@ def hf_model(default_model):
 def hf_greedy_with_repetition_penalty(model, prompt: list[int], max_new_tokens: int, penalty: float):
     """transformers' greedy ``generate`` with its ``RepetitionPenaltyLogitsProcessor``
     (penalises prompt + output tokens, CTRL-style); top-2 of the processed scores."""
-    from tests.executor.reference import ReferenceOutput
+    from tests.support.reference import ReferenceOutput
 
     ids = torch.tensor([prompt])
     with torch.inference_mode():
@@ -136,7 +136,7 @@ def hf_greedy_with_repetition_penalty(model, prompt: list[int], max_new_tokens: 
 
 @pytest.mark.model
 def test_greedy_repetition_penalty_equals_transformers(engine, tokenizer, default_model, hf_model):
-    from tests.executor.reference import assert_greedy_matches, cached_reference
+    from tests.support.reference import assert_greedy_matches, cached_reference
 
     prompts = [tokenizer(p).input_ids for p in REP_PROMPTS]
     outputs = {}

@@ -25,7 +25,7 @@ if not CUDA:
 triton = pytest.importorskip("triton")
 
 from executor.attention import build_attention_metadata, get_backend  # noqa: E402
-from executor.attention.backend import available_backends, resolve_backend_name  # noqa: E402
+from executor.attention.registry import available_backends, resolve_backend_name  # noqa: E402
 from executor.attention.metadata import AttentionMetadata  # noqa: E402
 
 if not CUDA:

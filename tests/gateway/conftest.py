@@ -29,7 +29,7 @@ def control_ids(tokenizer) -> frozenset[int]:
 @pytest.fixture(scope="session")
 def redis_url():
     """The URL of a redis-server started for this test session (skips when not installed)."""
-    from tests.redis_server import redis_server
+    from tests.support.redis_server import redis_server
 
     try:
         with redis_server() as url:

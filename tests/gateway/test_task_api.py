@@ -18,7 +18,7 @@ from gateway.tenants import TenantRegistry
 from meshserve.client import build_request, cancel_task, channel, get_task, submit_task, wait_task
 from meshserve.telemetry import memory_exporter
 from meshserve.v1 import gateway_pb2, gateway_pb2_grpc
-from tests.redis_server import free_port
+from tests.support.redis_server import free_port
 
 TTL_S = 1.0
 KEY_A, KEY_B = (("x-api-key", "key-a"),), (("x-api-key", "key-b"),)
@@ -26,7 +26,7 @@ KEY_A, KEY_B = (("x-api-key", "key-a"),), (("x-api-key", "key-b"),)
 
 @pytest_asyncio.fixture(scope="module")
 async def gateway(tmp_path_factory):
-    from meshserve.services import model_info
+    from meshserve.cli.processes import model_info
 
     try:
         tokenizer, info = await asyncio.to_thread(model_info, "default")

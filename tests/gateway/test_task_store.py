@@ -8,7 +8,8 @@ import asyncio
 import pytest
 
 from gateway.redis_task_store import RedisTaskStore, decode, encode
-from gateway.task_store import UNFINISHED, MemoryTaskStore, TaskRecord, TaskState, open_task_store
+from gateway.task_store import UNFINISHED, MemoryTaskStore, TaskRecord, TaskState
+from gateway.task_store_registry import open_task_store
 from meshserve.errors import InvalidArgument, ResourceExhausted
 
 TTL_S = 0.4
@@ -148,7 +149,7 @@ async def test_open_task_store_by_url(redis_url):
 
 
 async def test_unreachable_redis_fails_the_check():
-    from tests.redis_server import free_port
+    from tests.support.redis_server import free_port
 
     store = RedisTaskStore(f"redis://127.0.0.1:{free_port()}/0")
     with pytest.raises(ConnectionError, match="cannot be reached"):

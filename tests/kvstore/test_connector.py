@@ -11,7 +11,7 @@ import torch
 from executor.kvstore_connector import KVStoreConnector
 from kvstore.store import KVStore
 from meshserve.block_hash import KVLayout, KVStoreFingerprint, ModelFingerprint
-from tests.kvstore.served import DelayingServicer, ServedKVStore
+from tests.support.served_kvstore import DelayingServicer, ServedKVStore
 
 FP = KVStoreFingerprint(ModelFingerprint("m", "r", "float32"), KVLayout(4, 2, 2, 8))  # 1 KiB blocks
 SHAPE = (2, 2, 4, 2, 8)

@@ -2,8 +2,8 @@
 servicer's per-call figures."""
 
 from kvstore.metrics import KVStoreMetrics
-from kvstore.payload import checksum
 from kvstore.store import KVStore
+from meshserve.kvstore_payload import checksum
 
 NS = bytes(range(16))
 

@@ -8,12 +8,12 @@ import asyncio
 import grpc
 import pytest
 
-from kvstore.client import KVStoreClient
-from kvstore.payload import CHUNK_BYTES
 from kvstore.server import start_kvstore
 from kvstore.store import KVStore
-from kvstore.wire import fingerprint_to_proto
 from meshserve.block_hash import KVLayout, KVStoreFingerprint, ModelFingerprint, hash_to_bytes
+from meshserve.kvstore_client import KVStoreClient
+from meshserve.kvstore_payload import CHUNK_BYTES
+from meshserve.kvstore_wire import fingerprint_to_proto
 from meshserve.v1 import kvstore_pb2
 
 FP = KVStoreFingerprint(ModelFingerprint("m", "r1", "float32"), KVLayout(16, 2, 2, 64))  # 16 KiB blocks

@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 
 from kvstore.events import PlacementKind
-from kvstore.payload import checksum, chunks
 from kvstore.store import KVStore, PutStatus
 from meshserve.errors import InvalidArgument, NotFound
+from meshserve.kvstore_payload import checksum, chunks
 
 NS = bytes(range(16))
 OTHER_NS = bytes(16)

@@ -158,8 +158,8 @@ async def test_no_executor_is_unavailable(tokenizer, default_engine):
 
 
 async def test_C11_prompt_over_step_budget_without_chunked_prefill(tokenizer):
-    from tests.mesh.conftest import make_engine
-    from tests.mesh_harness import start_local_mesh
+    from tests.support.engines import make_engine
+    from tests.support.mesh_harness import start_local_mesh
 
     engine = make_engine(enable_chunked_prefill=False, max_num_batched_tokens=256, num_blocks=64)
     m = await start_local_mesh([engine], tokenizer)

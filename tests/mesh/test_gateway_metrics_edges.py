@@ -12,8 +12,8 @@ from gateway.result_cache import ResultCache
 from gateway.server import ModelInfo, start_gateway
 from meshserve.client import build_request, cancel_task, channel, generate, get_task, submit_task
 from meshserve.v1 import gateway_pb2, gateway_pb2_grpc
-from tests.mesh.conftest import make_engine
-from tests.mesh_harness import start_local_mesh
+from tests.support.engines import make_engine
+from tests.support.mesh_harness import start_local_mesh
 
 pytestmark = pytest.mark.model
 LABELS = {"tenant": "default", "priority": "0"}

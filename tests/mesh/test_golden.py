@@ -7,7 +7,7 @@ import asyncio
 import pytest
 
 from meshserve.client import build_request, generate
-from tests.executor.reference import SENTENCES, HFReference, assert_greedy_matches, cached_reference, golden_lengths
+from tests.support.reference import SENTENCES, HFReference, assert_greedy_matches, cached_reference, golden_lengths
 
 pytestmark = pytest.mark.model
 MAX_TOKENS = 64

@@ -9,16 +9,16 @@ import asyncio
 import grpc
 import pytest
 
-from kvstore.client import KVStoreClient
 from kvstore.server import start_kvstore
 from kvstore.store import KVStore
 from meshserve.block_hash import routing_block_hashes
 from meshserve.client import build_request, channel, generate
+from meshserve.kvstore_client import KVStoreClient
 from meshserve.telemetry import memory_exporter, outgoing_metadata
 from meshserve.v1 import common_pb2, executor_pb2, executor_pb2_grpc
-from tests.kvstore.served import DelayingServicer
-from tests.mesh.conftest import make_engine
-from tests.mesh_harness import start_local_mesh
+from tests.support.engines import make_engine
+from tests.support.mesh_harness import start_local_mesh
+from tests.support.served_kvstore import DelayingServicer
 
 pytestmark = pytest.mark.model
 

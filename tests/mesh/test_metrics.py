@@ -15,10 +15,10 @@ from prometheus_client.parser import text_string_to_metric_families
 from kvstore.store import KVStore
 from meshserve.client import build_request, generate, generate_choices
 from meshserve.device_metrics import DeviceCollector
-from tests.mesh.conftest import make_engine
-from tests.mesh_harness import start_local_mesh
-from tests.promql import alert_exprs, dashboard_exprs, metric_names
-from tests.test_metrics import fake_nvml
+from tests.support.engines import make_engine
+from tests.support.mesh_harness import start_local_mesh
+from tests.support.metrics import fake_nvml
+from tests.support.promql import alert_exprs, dashboard_exprs, metric_names
 
 pytestmark = pytest.mark.model
 

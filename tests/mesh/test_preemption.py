@@ -6,8 +6,8 @@ import pytest
 import pytest_asyncio
 
 from meshserve.client import build_request, generate, generate_choices
-from tests.mesh.conftest import make_engine
-from tests.mesh_harness import start_local_mesh
+from tests.support.engines import make_engine
+from tests.support.mesh_harness import start_local_mesh
 
 pytestmark = pytest.mark.model
 

@@ -64,8 +64,8 @@ async def test_caller_ids_never_collide_with_choice_ids(mesh):
 async def test_C24_dead_engine_leaves_the_mesh(tokenizer):
     """The engine thread raises: the caller gets UNAVAILABLE, the executor turns
     NOT_SERVING and leaves the registry, and later requests are not routed to it."""
-    from tests.mesh.conftest import make_engine
-    from tests.mesh_harness import start_local_mesh
+    from tests.support.engines import make_engine
+    from tests.support.mesh_harness import start_local_mesh
 
     engine = make_engine(num_blocks=64)
     m = await start_local_mesh([engine], tokenizer)
@@ -128,8 +128,8 @@ async def test_C24_wedged_step_turns_not_serving_then_recovers(tokenizer):
 
     from grpc_health.v1 import health_pb2
 
-    from tests.mesh.conftest import make_engine
-    from tests.mesh_harness import start_local_mesh
+    from tests.support.engines import make_engine
+    from tests.support.mesh_harness import start_local_mesh
 
     engine = make_engine(num_blocks=64)
     m = await start_local_mesh([engine], tokenizer, step_timeout_s=1.0)
@@ -196,8 +196,8 @@ async def test_C24_unreachable_executor_is_dropped_and_gateway_not_ready(tokeniz
     from gateway.server import ModelInfo, start_gateway
     from meshserve.v1 import gateway_pb2_grpc
     from scheduler.server import start_scheduler
-    from tests.mesh.conftest import make_engine
-    from tests.net_fault import FreezableProxy
+    from tests.support.engines import make_engine
+    from tests.support.net_fault import FreezableProxy
 
     SERVING, NOT_SERVING = health_pb2.HealthCheckResponse.SERVING, health_pb2.HealthCheckResponse.NOT_SERVING
     engine = make_engine(num_blocks=64)

@@ -8,8 +8,8 @@ import pytest_asyncio
 
 from meshserve.block_hash import routing_block_hashes
 from meshserve.client import build_request, generate
-from tests.mesh.conftest import make_engine
-from tests.mesh_harness import start_local_mesh
+from tests.support.engines import make_engine
+from tests.support.mesh_harness import start_local_mesh
 
 pytestmark = pytest.mark.model
 

@@ -11,8 +11,8 @@ import pytest_asyncio
 
 from meshserve.client import build_request, generate, generate_choices
 from meshserve.sampling import MAX_LOGPROBS
-from tests.mesh.conftest import make_engine
-from tests.mesh_harness import start_local_mesh
+from tests.support.engines import make_engine
+from tests.support.mesh_harness import start_local_mesh
 
 pytestmark = pytest.mark.model
 

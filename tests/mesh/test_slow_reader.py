@@ -18,8 +18,8 @@ from meshserve.client import build_request, generate
 from meshserve.grpc_server import CHANNEL_OPTIONS
 from meshserve.sampling import SamplingParams, to_proto
 from meshserve.v1 import executor_pb2, executor_pb2_grpc, gateway_pb2_grpc
-from tests.mesh.conftest import make_engine
-from tests.mesh_harness import start_local_mesh
+from tests.support.engines import make_engine
+from tests.support.mesh_harness import start_local_mesh
 
 pytestmark = pytest.mark.model
 BOUND = 16

@@ -12,8 +12,8 @@ from kvstore.store import KVStore
 from meshserve.client import build_request, generate, get_task, submit_task
 from meshserve.telemetry import memory_exporter
 from meshserve.v1 import gateway_pb2
-from tests.mesh.conftest import make_engine
-from tests.mesh_harness import start_local_mesh
+from tests.support.engines import make_engine
+from tests.support.mesh_harness import start_local_mesh
 
 pytestmark = pytest.mark.model
 

@@ -1,7 +1,7 @@
 """C23: no starvation under prefix-aware routing or shortest-job-first order (mesh simulator).
 
 Both runs use the real admission core, prefix index and routing on simulated executors
-(``scheduler.mesh_sim``); the times are the simulator's, deterministic, pinned to 1 µs.
+(``meshserve.bench.sim.loop``); the times are the simulator's, deterministic, pinned to 1 µs.
 The exact-order version of the second run on the bare core is
 ``tests/scheduler/test_queue_policy.py::test_C23_long_request_among_a_stream_of_short_ones_is_served_within_the_bound``.
 """
@@ -10,8 +10,8 @@ import statistics
 
 import pytest
 
+from meshserve.bench.sim.loop import Job, MeshSimConfig, simulate
 from meshserve.block_hash import routing_block_hashes
-from scheduler.mesh_sim import Job, MeshSimConfig, simulate
 
 SYSTEM = list(range(1000, 1512))  # the shared 512-token system prompt
 

@@ -6,10 +6,10 @@ from __future__ import annotations
 
 import asyncio
 
-from kvstore.client import KVStoreClient
 from kvstore.server import start_kvstore
 from kvstore.store import KVStore
 from meshserve.block_hash import KVLayout, KVStoreFingerprint, ModelFingerprint, hash_to_bytes
+from meshserve.kvstore_client import KVStoreClient
 from scheduler.admission import AdmissionCore, AdmissionRequest, SchedulerConfig
 from scheduler.kvstore_index import KVStoreIndex, MOVED, REMOVED, SNAPSHOT_END, STORED
 from scheduler.registry import ExecutorState

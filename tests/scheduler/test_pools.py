@@ -136,7 +136,7 @@ def test_scheduler_config_reads_the_pools_file_and_cli_rejects_a_bad_one(tmp_pat
     from typer.testing import CliRunner
 
     from meshserve.cli import app
-    from meshserve.services import scheduler_config
+    from meshserve.cli.processes import scheduler_config
 
     path = tmp_path / "pools.toml"
     path.write_text('[pools.gold]\npriorities = [5]\n')

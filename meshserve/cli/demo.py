@@ -16,7 +16,10 @@ from rich.console import Console
 from rich.live import Live
 from rich.table import Table
 
-from meshserve.bench.report import percentile
+from meshserve.bench.stats import percentile
+from meshserve.cli.launcher import Mesh, MeshConfig, free_port
+from meshserve.client import build_request, channel, generate
+from meshserve.v1 import gateway_pb2_grpc
 
 DEMO_PROMPTS = [
     "What is the capital of France?",
@@ -39,10 +42,7 @@ def _table(texts: list[str], done: list[str]) -> Table:
     return table
 
 
-async def _run(mesh, max_tokens: int, console: Console) -> int:
-    from meshserve.client import build_request, channel, generate
-    from meshserve.v1 import gateway_pb2_grpc
-
+async def _run(mesh: Mesh, max_tokens: int, console: Console) -> int:
     texts = [""] * len(DEMO_PROMPTS)
     done = [""] * len(DEMO_PROMPTS)
     async with channel(mesh.gateway_address) as ch:
@@ -77,8 +77,6 @@ async def _run(mesh, max_tokens: int, console: Console) -> int:
 
 def run_demo(port: int, executors: int, max_tokens: int) -> int:
     """Runs the demo; returns the process exit code."""
-    from meshserve.launcher import Mesh, MeshConfig, free_port
-
     console = Console()
     log_dir = Path(tempfile.mkdtemp(prefix="meshserve-demo-"))
     mesh = Mesh(MeshConfig(port=port or free_port(), executors=executors, log_dir=log_dir))

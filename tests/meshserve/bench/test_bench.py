@@ -11,11 +11,12 @@ import pytest
 from meshserve.bench import BenchConfig, WorkloadSpec, run_bench
 from meshserve.bench.engine_stats import NULL_METRICS, CounterSnapshot, Sample, StatsSampler, run_metrics
 from meshserve.bench.loop import BenchError, RequestResult, checked_result, run_closed_loop
-from meshserve.bench.report import build_report, percentile
+from meshserve.bench.report import build_report
 from meshserve.bench.shared_prefix import make_shared_prefix_workload
 from meshserve.bench.summary import summarise
-from meshserve.bench.workload import (BenchRequest, load_workloads, make_warmup, make_workload, model_vocabulary,
+from meshserve.bench.workload import (BenchRequest, make_warmup, make_workload, model_vocabulary,
                                       special_token_ids)
+from meshserve.bench.workload_kinds import load_workloads
 
 SPECIALS = frozenset(range(17))  # SmolLM2's control ids
 
@@ -120,17 +121,6 @@ def test_load_workloads_picks_the_kind_and_a_synthetic_warmup(default_model_file
 
 
 # --- statistics and timings ---------------------------------------------------
-
-
-def test_percentile_exact_values():
-    xs = [4.0, 1.0, 3.0, 2.0]
-    assert percentile(xs, 0) == 1.0
-    assert percentile(xs, 25) == 1.75
-    assert percentile(xs, 50) == 2.5
-    assert percentile(xs, 100) == 4.0
-    assert percentile(list(range(101)), 99) == 99.0
-    assert percentile([5.0], 99) == 5.0
-    assert percentile([], 50) == 0.0
 
 
 def test_request_timings():
@@ -422,7 +412,7 @@ async def test_tiny_real_run_against_a_running_gateway(tokenizer, default_model_
     """The mesh target's client path (``--addr``) against an in-process mesh."""
     from executor.engine.config import CacheConfig, EngineConfig
     from executor.engine.llm_engine import LLMEngine
-    from tests.mesh_harness import start_local_mesh
+    from tests.support.mesh_harness import start_local_mesh
 
     cache = CacheConfig(kv_cache_memory_bytes=64 << 20)
     engine = LLMEngine(EngineConfig(dtype="float32", max_model_len=1024, cache=cache))

@@ -4,13 +4,13 @@ import json
 
 from typer.testing import CliRunner
 
+from meshserve.bench.sim.heavy_tail import HeavyTailSimConfig, run
 from meshserve.cli import app
-from scheduler.sim import SimConfig, run
 
 
 def test_sjf_halves_short_request_latency_within_the_aging_bound():
-    fcfs = run(SimConfig(policy="fcfs", num_requests=600, seed=0))
-    sjf = run(SimConfig(policy="sjf", num_requests=600, seed=0))
+    fcfs = run(HeavyTailSimConfig(policy="fcfs", num_requests=600, seed=0))
+    sjf = run(HeavyTailSimConfig(policy="sjf", num_requests=600, seed=0))
     assert sjf["output_len_log_sigma"] >= 1.0
     assert sjf["short_half_mean_latency_s"] <= 0.5 * fcfs["short_half_mean_latency_s"]
     assert sjf["max_wait_s"] <= sjf["aging_bound_s"]
@@ -22,6 +22,6 @@ def test_same_seed_same_report_and_cli_writes_it(tmp_path):
     result = CliRunner().invoke(app, ["sim", "--policy", "sjf", "--seed", "3", "--num-requests", "120",
                                       "--report-json", str(out)])
     assert result.exit_code == 0, result.output
-    again = run(SimConfig(policy="sjf", seed=3, num_requests=120, max_queue_wait_s=60.0))
+    again = run(HeavyTailSimConfig(policy="sjf", seed=3, num_requests=120, max_queue_wait_s=60.0))
     assert json.loads(out.read_text()) == json.loads(json.dumps(again))
-    assert run(SimConfig(policy="sjf", seed=4, num_requests=120)) != again
+    assert run(HeavyTailSimConfig(policy="sjf", seed=4, num_requests=120)) != again

@@ -8,9 +8,9 @@ import urllib.request
 
 import pytest
 
+from meshserve.cli.launcher import Mesh, MeshConfig, free_port
 from meshserve.grpc_server import wait_serving
-from meshserve.launcher import Mesh, MeshConfig, free_port
-from tests.test_metrics import samples
+from tests.support.metrics import samples
 
 
 @pytest.mark.parametrize("service,args", [("scheduler", []), ("kvstore", ["--memory", "1MiB"])])

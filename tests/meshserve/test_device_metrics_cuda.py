@@ -1,6 +1,6 @@
 """The NVML path of ``meshserve.device_metrics`` against the real driver (skipped
 without CUDA; run by tests/gpu_check.sh on a lent GPU). The fake-module tests in
-tests/test_metrics.py cover the same calls everywhere else."""
+tests/meshserve/test_metrics.py cover the same calls everywhere else."""
 
 import pytest
 

@@ -16,6 +16,9 @@ from pathlib import Path
 
 import torch
 
+GOLDEN_MAX_TOKENS = 64
+"""Tokens each golden prompt generates."""
+
 SENTENCES = (
     "The quick brown fox jumps over the lazy dog near the river bank.",
     "Paged attention stores keys and values in fixed-size blocks of memory.",

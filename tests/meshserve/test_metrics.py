@@ -1,21 +1,14 @@
 """meshserve.metrics (bounded labels, the /metrics endpoint) and meshserve.device_metrics
 (NVML through a fake module, the process-CPU fallback)."""
 
-import types
 import urllib.request
 
 import pytest
 from prometheus_client import Counter
-from prometheus_client.parser import text_string_to_metric_families
 
 from meshserve.device_metrics import CpuUtilization, DeviceCollector, cuda_index
 from meshserve.metrics import OTHER, BoundedLabel, MetricsServer, new_registry, snapshot
-
-
-def samples(text: str) -> dict[tuple[str, tuple], float]:
-    """(sample name, sorted labels) → value of a Prometheus text exposition."""
-    return {(s.name, tuple(sorted(s.labels.items()))): s.value
-            for f in text_string_to_metric_families(text) for s in f.samples}
+from tests.support.metrics import fake_nvml, samples
 
 
 def test_bounded_label_keeps_the_first_values_and_folds_the_rest():
@@ -62,36 +55,6 @@ def test_snapshot_retries_a_read_that_raced_a_change():
     assert snapshot(read) == 42 and len(calls) == 3
     with pytest.raises(RuntimeError):
         snapshot(lambda: (_ for _ in ()).throw(RuntimeError("always")), attempts=2)
-
-
-class FakeNVMLError(Exception):
-    pass
-
-
-def fake_nvml(fail_init: bool = False):
-    """A stand-in for ``pynvml`` with the functions DeviceCollector calls; records the calls."""
-    calls = []
-
-    def init():
-        calls.append("init")
-        if fail_init:
-            raise FakeNVMLError("NVML Shared Library Not Found")
-
-    def handle(index):
-        calls.append(("handle", index))
-        return f"h{index}"
-
-    def util(h):
-        calls.append(("util", h))
-        return types.SimpleNamespace(gpu=37, memory=12)
-
-    def mem(h):
-        calls.append(("mem", h))
-        return types.SimpleNamespace(used=3 << 30, total=80 << 30, free=77 << 30)
-
-    return types.SimpleNamespace(NVMLError=FakeNVMLError, nvmlInit=init, nvmlDeviceGetHandleByIndex=handle,
-                                 nvmlDeviceGetUtilizationRates=util, nvmlDeviceGetMemoryInfo=mem,
-                                 nvmlShutdown=lambda: calls.append("shutdown"), calls=calls)
 
 
 def collected(collector) -> dict[tuple[str, tuple], float]:

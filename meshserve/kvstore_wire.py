@@ -1,4 +1,5 @@
-"""Proto ↔ domain conversions of the kvstore's wire (fingerprints and hashes)."""
+"""Proto ↔ domain conversions of the kvstore's wire (fingerprints and hashes), shared by the
+kvstore service and its client."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
-"""kvstore benchmark: what a shared prefix saves, and how fast blocks move.
+"""The kvstore-sharing benchmark: what a prefix shared through a kvstore saves, and how fast blocks move.
 
-``python -m kvstore.bench [--prefix-len 1500] [--rounds 3] [--report-json bench-kvstore.json]``
+``python -m meshserve.bench.kvstore_sharing [--prefix-len 1500] [--rounds 3] [--report-json bench-kvstore.json]``
 
 1. **Throughput**: ``--blocks`` blocks of the default model's real layout
    (float32: 720 KiB each) are Put in streams of ``--blocks-per-stream``, then
@@ -31,11 +31,16 @@ import time
 
 import numpy as np
 
+from meshserve.bench.shared_prefix import text_token_ids
+from meshserve.block_hash import KVLayout, KVStoreFingerprint, ModelFingerprint
+from meshserve.cli.launcher import free_port
+from meshserve.grpc_server import wait_serving
+from meshserve.kvstore_client import KVStoreClient
+from meshserve.model_files import resolve_model
+from meshserve.sampling import SamplingParams
+
 
 def _start_kvstore(memory: str) -> tuple[subprocess.Popen, str]:
-    from meshserve.grpc_server import wait_serving
-    from meshserve.launcher import free_port
-
     port = free_port()
     proc = subprocess.Popen([sys.executable, "-m", "meshserve.cli", "kvstore", "--port", str(port), "--memory", memory,
                              "--log-level", "warning"])
@@ -45,8 +50,6 @@ def _start_kvstore(memory: str) -> tuple[subprocess.Popen, str]:
 
 
 async def _throughput(address: str, fp, num_blocks: int, per_stream: int) -> dict:
-    from kvstore.client import KVStoreClient
-
     rng = np.random.default_rng(0)
     payload = rng.integers(0, 256, fp.block_bytes, dtype=np.uint8).tobytes()
     hashes = list(range(1, num_blocks + 1))
@@ -72,8 +75,6 @@ async def _throughput(address: str, fp, num_blocks: int, per_stream: int) -> dic
 
 def _ttft(engine, request_id: str, prompt: list[int], max_tokens: int) -> tuple[float, list[int], int]:
     """Runs one greedy request alone: (seconds to the first token, tokens, kvstore tokens)."""
-    from meshserve.sampling import SamplingParams
-
     start = time.perf_counter()
     engine.add_request(request_id, prompt, SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True))
     ttft, tokens, from_store = None, [], 0
@@ -94,8 +95,6 @@ def _ttft_rounds(address: str, args) -> dict:
     from executor.engine.config import BatchSchedulerConfig, CacheConfig, EngineConfig
     from executor.engine.llm_engine import LLMEngine
     from executor.kvstore_connector import KVStoreConnector
-    from meshserve.bench.shared_prefix import text_token_ids
-    from meshserve.model_files import resolve_model
 
     config = EngineConfig(model=args.model, dtype=args.dtype, num_threads=args.num_threads,
                           cache=CacheConfig(block_size=args.block_size, kv_cache_memory_bytes=512 << 20),
@@ -137,7 +136,8 @@ def _ttft_rounds(address: str, args) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m kvstore.bench", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m meshserve.bench.kvstore_sharing",
+                                     description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default="default")
     parser.add_argument("--dtype", default="float32")
     parser.add_argument("--prefix-len", type=int, default=1500, help="shared prefix tokens")
@@ -154,9 +154,6 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--skip-ttft", action="store_true")
     parser.add_argument("--report-json", default="bench-kvstore.json")
     args = parser.parse_args(argv)
-
-    from meshserve.block_hash import KVLayout, KVStoreFingerprint, ModelFingerprint
-
     proc, address = _start_kvstore(args.kvstore_memory)
     try:
         # SmolLM2-135M's layout: 30 layers, 3 KV heads of 64 channels

@@ -6,7 +6,7 @@ prompts of ``system_prompt_tokens`` tokens each; a request is one system prompt
 ∝ 1 / (k + 1) ** zipf_s) followed by a unique question (log-normal, median
 ``question_median`` tokens, σ 0.5) and generates a log-normal number of tokens
 (median ``output_median``, σ 0.5). Arrivals are Poisson at ``rate`` requests/s.
-Executors and scheduler: ``scheduler.mesh_sim`` (the real admission core,
+Executors and scheduler: ``meshserve.bench.sim.loop`` (the real admission core,
 prefix index and routing cost).
 
 Report:
@@ -27,8 +27,9 @@ import math
 import random
 from dataclasses import asdict, dataclass, replace
 
+from meshserve.bench.sim.loop import Job, MeshSimConfig, simulate
+from meshserve.bench.stats import percentile
 from meshserve.block_hash import routing_block_hashes
-from scheduler.mesh_sim import Job, MeshSimConfig, percentile, simulate
 
 
 @dataclass(frozen=True)
@@ -90,7 +91,7 @@ def run(cfg: RoutingSimConfig) -> dict:
         "busiest_over_mean": max(busy) / (sum(busy) / len(busy)),
         "busy_s": {eid: e.busy_s for eid, e in executors.items()},
         "requests_per_executor": {eid: sum(r.executor_id == eid for r in reqs) for eid in executors},
-        "ttft_p50_s": percentile(ttft, 0.5), "ttft_p99_s": percentile(ttft, 0.99),
+        "ttft_p50_s": percentile(ttft, 50, "nearest-rank"), "ttft_p99_s": percentile(ttft, 99, "nearest-rank"),
         "config": {**asdict(cfg), "mesh": {**asdict(cfg.mesh), "tenant_quotas": dict(cfg.mesh.tenant_quotas)}},
     }
 

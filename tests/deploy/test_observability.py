@@ -12,7 +12,7 @@ import subprocess
 
 import yaml
 
-from tests.promql import OBSERVABILITY, alert_exprs, dashboard_exprs, metric_names
+from tests.support.promql import OBSERVABILITY, alert_exprs, dashboard_exprs, metric_names
 
 
 def promtool(*args: str) -> subprocess.CompletedProcess:

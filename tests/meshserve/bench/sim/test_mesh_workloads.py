@@ -4,10 +4,10 @@ import json
 
 from typer.testing import CliRunner
 
+from meshserve.bench.sim.prefix_routing import RoutingSimConfig, compare, ideal_hit_tokens, workload
+from meshserve.bench.sim.quota_isolation import IsolationSimConfig
+from meshserve.bench.sim.quota_isolation import run as run_isolation
 from meshserve.cli import app
-from scheduler.isolation_sim import IsolationSimConfig
-from scheduler.isolation_sim import run as run_isolation
-from scheduler.routing_sim import RoutingSimConfig, compare, ideal_hit_tokens, workload
 
 
 def test_prefix_routing_hits_at_least_80_percent_of_ideal_with_balanced_executors():

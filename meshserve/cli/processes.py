@@ -1,8 +1,8 @@
 """Each service's process: load what it needs, serve, stop cleanly on a signal.
 
-``run_scheduler``, ``run_executor`` and ``run_gateway`` are what ``meshserve
-scheduler|executor|gateway`` run (one service per container); ``meshserve up``
-starts them as separate processes (``meshserve.launcher``). Tests call the
+``run_scheduler``, ``run_executor``, ``run_kvstore`` and ``run_gateway`` are what
+``meshserve scheduler|executor|kvstore|gateway`` run (one service per container); ``meshserve up``
+starts them as separate processes (``meshserve.cli.launcher``). Tests call the
 ``start_*`` functions of each service in one process instead.
 """
 
@@ -10,37 +10,35 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import re
+from typing import TYPE_CHECKING
 
+from gateway.result_cache import ResultCache
+from gateway.server import ModelInfo, start_gateway
+from gateway.task_runner import TaskRunner
+from gateway.task_store_registry import open_task_store
+from gateway.tenants import TenantRegistry
+from kvstore.server import start_kvstore
+from kvstore.store import KVStore
+from meshserve.cli.options import parse_bytes
 from meshserve.grpc_server import run_until_signal
+from meshserve.model_files import resolve_model
 from meshserve.telemetry import setup_tracing, shutdown_tracing
+from scheduler.admission import SchedulerConfig
+from scheduler.placement import KV_RESERVATIONS
+from scheduler.pools import PoolsConfig
+from scheduler.queue_policy import QueuePolicy
+from scheduler.routing import RoutingConfig
+from scheduler.server import start_scheduler
+
+if TYPE_CHECKING:
+    from executor.engine.config import EngineConfig
 
 log = logging.getLogger(__name__)
-
-_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?i?b?)?\s*$", re.IGNORECASE)
-_UNITS = {"": 1, "b": 1, "k": 1e3, "kb": 1e3, "m": 1e6, "mb": 1e6, "g": 1e9, "gb": 1e9, "t": 1e12, "tb": 1e12,
-          "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "tib": 1 << 40, "ki": 1 << 10, "mi": 1 << 20,
-          "gi": 1 << 30, "ti": 1 << 40}
-
-
-def parse_bytes(text: str) -> int:
-    """Parses a byte size such as ``1073741824``, ``512MiB`` or ``2GB``.
-
-    Raises:
-        ValueError: not a size.
-    """
-    m = _SIZE.match(str(text))
-    if not m or (m.group(2) or "").lower() not in _UNITS:
-        raise ValueError(f"not a byte size: {text!r} (examples: 1073741824, 512MiB, 2GB)")
-    return int(float(m.group(1)) * _UNITS[(m.group(2) or "").lower()])
 
 
 def model_info(model: str):
     """Tokenizer and ``ModelInfo`` for the gateway (limits read from the model config)."""
-    from transformers import AutoConfig, AutoTokenizer
-
-    from gateway.server import ModelInfo
-    from meshserve.model_files import resolve_model
+    from transformers import AutoConfig, AutoTokenizer  # seconds to import: only when a gateway starts
 
     files = resolve_model(model)
     config = AutoConfig.from_pretrained(files.path)
@@ -53,7 +51,8 @@ def model_info(model: str):
 
 def scheduler_config(queue_policy: str = "fcfs", max_queue_wait_s: float = 30.0, max_queue_len: int = 4096,
                      max_queue_tokens: int | None = None, tenants_file: str | None = None,
-                     pools_file: str | None = None, routing=None, kv_reservation: str = "prompt"):
+                     pools_file: str | None = None, routing: RoutingConfig | None = None,
+                     kv_reservation: str = "prompt") -> SchedulerConfig:
     """The scheduler's ``SchedulerConfig``; tenant KV quotas come from the tenants file,
     pools from the pools file (``scheduler.pools``); ``routing`` is a ``RoutingConfig``;
     ``kv_reservation`` is ``prompt`` or ``predicted`` (``scheduler.placement``).
@@ -62,13 +61,6 @@ def scheduler_config(queue_policy: str = "fcfs", max_queue_wait_s: float = 30.0,
         ValueError: a bad policy name, bound, tenants or pools file.
         FileNotFoundError: no such tenants or pools file.
     """
-    from gateway.tenants import TenantRegistry
-    from scheduler.admission import SchedulerConfig
-    from scheduler.placement import KV_RESERVATIONS
-    from scheduler.pools import PoolsConfig
-    from scheduler.queue_policy import QueuePolicy
-    from scheduler.routing import RoutingConfig
-
     QueuePolicy(queue_policy, max_queue_wait_s)  # validates
     if kv_reservation not in KV_RESERVATIONS:
         raise ValueError(f"unknown kv reservation {kv_reservation!r} (choose from {', '.join(KV_RESERVATIONS)})")
@@ -83,13 +75,11 @@ def scheduler_config(queue_policy: str = "fcfs", max_queue_wait_s: float = 30.0,
                            routing=routing or RoutingConfig(), kv_reservation=kv_reservation)
 
 
-async def run_scheduler(port: int, host: str = "127.0.0.1", config=None, kvstore_address: str | None = None,
-                        metrics_port: int | None = None) -> None:
+async def run_scheduler(port: int, host: str = "127.0.0.1", config: SchedulerConfig | None = None,
+                        kvstore_address: str | None = None, metrics_port: int | None = None) -> None:
     """Serves the scheduler (``config``: a ``SchedulerConfig``, default settings if None) until SIGINT/SIGTERM;
     with ``kvstore_address`` it follows that kvstore's placements for routing; Prometheus metrics on
     ``metrics_port`` (None: none)."""
-    from scheduler.server import start_scheduler
-
     setup_tracing("scheduler")
     holder = {}
 
@@ -108,9 +98,6 @@ async def run_kvstore(port: int, host: str, memory_bytes: int, disk_dir: str | N
                       max_events: int = 65536, metrics_port: int | None = None) -> None:
     """Serves a kvstore until SIGINT/SIGTERM (its blocks are a cache: lost at stop); Prometheus
     metrics on ``metrics_port`` (None: none)."""
-    from kvstore.server import start_kvstore
-    from kvstore.store import KVStore
-
     setup_tracing("kvstore")
     holder = {}
 
@@ -127,7 +114,35 @@ async def run_kvstore(port: int, host: str, memory_bytes: int, disk_dir: str | N
     await run_until_signal(start, stop)
 
 
-async def run_executor(engine_config, port: int, host: str, scheduler: str, executor_id: str | None,
+def engine_config(model: str, dtype: str, kv_cache_memory: str, block_size: int, max_num_seqs: int,
+                  max_num_batched_tokens: int, no_chunked_prefill: bool, max_model_len: int | None,
+                  num_threads: int | None, no_prefix_caching: bool = False, max_batch_wait_ms: float = 0.0,
+                  attention_backend: str = "auto", device: str = "cpu", enable_kv_events: bool = False,
+                  ) -> EngineConfig:
+    """The executor's ``EngineConfig`` from its flags (``kv_cache_memory`` a byte size such as ``2GiB``).
+
+    Raises:
+        ValueError: a value ``EngineConfig`` or ``parse_bytes`` rejects.
+    """
+    from executor.engine.config import BatchSchedulerConfig, CacheConfig, EngineConfig  # torch: as run_executor
+
+    return EngineConfig(
+        model=model,
+        dtype=dtype,
+        max_model_len=max_model_len,
+        num_threads=num_threads,
+        attention_backend=attention_backend,
+        device=device,
+        cache=CacheConfig(block_size=block_size, kv_cache_memory_bytes=parse_bytes(kv_cache_memory),
+                          enable_prefix_caching=not no_prefix_caching,
+                          enable_kv_events=enable_kv_events and not no_prefix_caching),
+        batch=BatchSchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
+                                   enable_chunked_prefill=not no_chunked_prefill,
+                                   max_batch_wait_ms=max_batch_wait_ms),
+    )
+
+
+async def run_executor(engine_config: EngineConfig, port: int, host: str, scheduler: str, executor_id: str | None,
                        pool: str = "default", advertise_address: str | None = None,
                        step_timeout_s: float = 60.0, kvstore_address: str | None = None,
                        kvstore_fetch_timeout_s: float = 5.0, metrics_port: int | None = None,
@@ -135,7 +150,7 @@ async def run_executor(engine_config, port: int, host: str, scheduler: str, exec
     """Loads the model, serves the executor and stays registered until a signal; Prometheus
     metrics on ``metrics_port`` (None: none), the MFU against ``peak_flops`` FLOP/s. A request whose
     reader leaves ``max_buffered_outputs`` messages untaken is ended (RESOURCE_EXHAUSTED)."""
-    from executor.engine.llm_engine import LLMEngine
+    from executor.engine.llm_engine import LLMEngine  # torch: imported only when an executor starts
     from executor.server import start_executor
 
     setup_tracing("executor")
@@ -180,12 +195,6 @@ async def run_gateway(model: str, port: int, host: str, scheduler: str, tenants_
     ``max_tasks``. An unreachable Redis stops the start with ``ConnectionError``.
     Prometheus metrics on ``metrics_port`` (None: none).
     """
-    from gateway.result_cache import ResultCache
-    from gateway.server import start_gateway
-    from gateway.task_runner import TaskRunner
-    from gateway.task_store import open_task_store
-    from gateway.tenants import TenantRegistry
-
     setup_tracing("gateway")
     holder = {}
 

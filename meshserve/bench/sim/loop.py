@@ -1,10 +1,17 @@
-"""A discrete-event simulator of the mesh with prefix caches, tenants and TTFT.
+"""The one event loop of every simulation: the mesh's admission on the scheduler's own core.
 
-Like ``scheduler.sim`` it drives the real ``AdmissionCore`` (queue policy,
-quotas, pools, prefix index, routing cost) with a simulated clock; its
-executors (``CachedExecutor``) extend ``scheduler.sim.SimExecutor``'s
-continuous-batching model with what routing and quotas need:
+``simulate`` drives the real ``AdmissionCore`` (queue policy, predictor, quotas,
+pools, prefix index, routing cost) with a simulated clock, against
+``num_executors`` modelled executors (``SimExecutor``):
 
+* **continuous batching** (as ``executor/engine``): every step runs one decode
+  token of each running request whose prompt is done, then prompt chunks within
+  ``max_num_batched_tokens``; a step lasts ``step_base_s + step_per_token_s *
+  tokens_in_step`` seconds. The prompt's last chunk also yields the first output
+  token. A request holds ``ceil((prompt + generated + 1) / block_size)`` of the
+  executor's ``num_blocks`` KV blocks; when a growing request finds none free, the
+  latest admitted running request is preempted (recompute: it waits at the
+  executor and prefills prompt + generated again).
 * a **prefix cache**: an LRU of at most ``prefix_cache_blocks`` chain hashes
   (``meshserve.block_hash.routing_block_hashes``: the gateway's real hashes).
   When a request enters the running batch, its leading cached blocks are a hit
@@ -12,16 +19,19 @@ continuous-batching model with what routing and quotas need:
   rest; when its prefill completes its full prompt blocks enter the cache (most
   recent first out last), evicting the least recently used. Stored and evicted
   hashes go to the scheduler at once (``AdmissionCore.on_kv_events``), as an
-  executor's ``KvEvents`` would.
-* **reports** after every change: free blocks, leases and the blocks each
-  lease holds (``AdmissionCore.on_capacity``, quota correction included).
+  executor's ``KvEvents`` would. A job without hashes never hits.
+* **reports** after every change: as free the blocks neither its running nor
+  its waiting requests hold (0 when ``max_num_seqs`` requests are there, so the
+  queue forms at the scheduler), its leases and the blocks each holds
+  (``AdmissionCore.on_capacity``, quota correction included); a finished request
+  releases its lease with its completion tokens (so the predictor learns online).
 * **times**: TTFT is arrival → the step that samples the first token; an
   executor's busy time is the sum of its step durations.
 
 Jobs arrive open-loop (a fixed arrival time) or closed-loop (a client sends its
-next job when the previous one finishes). Workloads and their reports live in
-``scheduler.routing_sim`` (prefix routing) and ``scheduler.isolation_sim``
-(tenant quotas).
+next job when the previous one finishes). The workloads and their reports are
+the sibling modules: ``heavy_tail`` (queue policies), ``prefix_routing`` and
+``quota_isolation``.
 """
 
 from __future__ import annotations
@@ -35,14 +45,13 @@ from typing import Mapping
 from scheduler.admission import AdmissionCore, AdmissionRequest, SchedulerConfig
 from scheduler.registry import ExecutorState
 from scheduler.routing import RoutingConfig
-from scheduler.sim import SimConfig, SimExecutor, SimRequest
 
 MODEL = "sim"
 
 
 @dataclass(frozen=True)
 class MeshSimConfig:
-    """Executors and scheduler of a mesh simulation (times in seconds).
+    """Executors and scheduler of a simulation (times in seconds).
 
     Attributes:
         num_executors: modelled executors.
@@ -57,6 +66,7 @@ class MeshSimConfig:
         max_queue_wait_s: its aging bound (sjf).
         routing: ``prefix`` or ``least-loaded``.
         tenant_quotas: tenant → KV quota (blocks).
+        kv_reservation: ``prompt`` or ``predicted``: the scheduler's room check.
     """
 
     num_executors: int = 4
@@ -71,11 +81,7 @@ class MeshSimConfig:
     max_queue_wait_s: float = 30.0
     routing: str = "prefix"
     tenant_quotas: Mapping[str, int] = field(default_factory=dict)
-
-    def executor_model(self) -> SimConfig:
-        return SimConfig(num_blocks=self.num_blocks, block_size=self.block_size,
-                         max_num_batched_tokens=self.max_num_batched_tokens, max_num_seqs=self.max_num_seqs,
-                         step_base_s=self.step_base_s, step_per_token_s=self.step_per_token_s)
+    kv_reservation: str = "prompt"
 
 
 @dataclass
@@ -91,6 +97,7 @@ class Job:
         client: closed-loop client id (its jobs run one after another), or None.
         group: a label the report groups by (e.g. the system prompt's index).
         priority: priority class.
+        max_tokens: the request's ``max_tokens`` (what the scheduler sees of its output).
     """
 
     tenant: str
@@ -101,45 +108,82 @@ class Job:
     client: int | None = None
     group: int = 0
     priority: int = 0
+    max_tokens: int = 10 ** 6
 
 
 @dataclass
-class MeshRequest(SimRequest):
-    """A ``SimRequest`` with its hashes, its prefix hit and its first-token time."""
+class SimRequest:
+    """A job once sent: its progress at the executor and its times (seconds)."""
 
+    rid: int
+    tenant: str
+    arrival: float
+    prompt: int
+    output: int
+    assigned: float | None = None
+    finished: float | None = None
+    lease_id: str = ""
+    generated: int = 0
+    computed: int = 0  # prompt (+ recomputed output) tokens prefilled
     job: Job | None = None
     executor_id: str = ""
     hit_tokens: int | None = None
     first_token: float | None = None
 
+    @property
+    def target(self) -> int:
+        """Tokens to prefill before the next decode: the prompt plus what was generated (recompute)."""
+        return self.prompt + self.generated
 
-class CachedExecutor(SimExecutor):
-    """``SimExecutor`` with an LRU prefix cache and busy time (see the module docstring)."""
+
+class SimExecutor:
+    """One modelled executor: running requests, its local waiting list, KV blocks and
+    prefix cache, busy time (see the module docstring)."""
 
     def __init__(self, eid: str, cfg: MeshSimConfig, core: AdmissionCore):
-        super().__init__(eid, cfg.executor_model())
-        self.mesh = cfg
+        self.eid = eid
+        self.cfg = cfg
         self.core = core
+        self.running: list[SimRequest] = []
+        self.waiting: list[SimRequest] = []
+        self.busy = False
+        self.wasted_tokens = 0  # tokens computed, then lost to a preemption (recomputed later)
         self.cache: OrderedDict[bytes, None] = OrderedDict()  # LRU first
         self.busy_s = 0.0
+        self._plan: list[tuple[SimRequest, int]] = []
+
+    def blocks(self, r: SimRequest) -> int:
+        return math.ceil((max(r.computed, r.target) + 1) / self.cfg.block_size)
+
+    def used(self) -> int:
+        return sum(self.blocks(r) for r in self.running)
+
+    def free_blocks(self) -> int:
+        """What it reports: blocks not held by running or waiting requests; 0 with no sequence slot left."""
+        if len(self.running) + len(self.waiting) >= self.cfg.max_num_seqs:
+            return 0
+        return max(0, self.cfg.num_blocks - self.used() - sum(self.blocks(r) for r in self.waiting))
 
     def admit_waiting(self) -> None:
-        super().admit_waiting()
+        while self.waiting and len(self.running) < self.cfg.max_num_seqs:
+            if self.used() + self.blocks(self.waiting[0]) > self.cfg.num_blocks and self.running:
+                break
+            self.running.append(self.waiting.pop(0))
         for r in self.running:
             if r.hit_tokens is None:
                 self._look_up(r)
 
-    def _look_up(self, r: MeshRequest) -> None:
+    def _look_up(self, r: SimRequest) -> None:
         hit = 0
         for h in r.job.block_hashes:
             if h not in self.cache:
                 break
             self.cache.move_to_end(h)
             hit += 1
-        r.hit_tokens = min(hit * self.mesh.block_size, r.prompt - 1)
+        r.hit_tokens = min(hit * self.cfg.block_size, r.prompt - 1)
         r.computed = max(r.computed, r.hit_tokens)
 
-    def on_prefilled(self, r: MeshRequest) -> None:
+    def on_prefilled(self, r: SimRequest) -> None:
         """Caches the request's full prompt blocks; tells the scheduler what changed."""
         stored, removed = [], []
         for h in r.job.block_hashes:
@@ -148,31 +192,75 @@ class CachedExecutor(SimExecutor):
             else:
                 self.cache[h] = None
                 stored.append(h)
-        while len(self.cache) > self.mesh.prefix_cache_blocks:
+        while len(self.cache) > self.cfg.prefix_cache_blocks:
             h, _ = self.cache.popitem(last=False)
             removed.append(h)
         stored = [h for h in stored if h in self.cache]
         self.core.on_kv_events(self.eid, stored, removed)
 
+    def step(self) -> float:
+        """Plans one step (progress applied by ``finish_step``); returns its duration (s)."""
+        budget = self.cfg.max_num_batched_tokens
+        self._plan = []
+        for r in self.running:
+            if r.computed >= r.target:
+                self._plan.append((r, 1))
+                budget -= 1
+        for r in self.running:
+            if r.computed < r.target and budget > 0:
+                chunk = min(budget, r.target - r.computed)
+                self._plan.append((r, chunk))
+                budget -= chunk
+        tokens = sum(n for _, n in self._plan)
+        return self.cfg.step_base_s + self.cfg.step_per_token_s * tokens
 
-def _request(rid: int, job: Job, arrival: float) -> MeshRequest:
-    return MeshRequest(rid, job.tenant, arrival, job.prompt_len, job.output, job=job)
+    def finish_step(self) -> list[SimRequest]:
+        """Applies the planned step; returns the requests that finished."""
+        done = []
+        for r, n in self._plan:
+            if r not in self.running:
+                continue
+            if r.computed >= r.target:
+                r.generated += 1
+                r.computed += 1
+            else:
+                r.computed += n
+                if r.computed >= r.target:
+                    r.generated += 1  # the last prompt chunk samples a token
+                    r.computed = r.target
+            if r.generated >= r.output:
+                done.append(r)
+        for r in done:
+            self.running.remove(r)
+        while self.used() > self.cfg.num_blocks and len(self.running) > 1:
+            victim = self.running.pop()  # latest admitted: preempted, recomputed later
+            self.wasted_tokens += victim.computed
+            victim.computed = 0
+            self.waiting.insert(0, victim)
+        return done
 
 
-def simulate(cfg: MeshSimConfig, jobs: list[Job], until_open_loop_done: bool = False
-             ) -> tuple[list[MeshRequest | None], dict[str, CachedExecutor], AdmissionCore]:
+def _request(rid: int, job: Job, arrival: float) -> SimRequest:
+    return SimRequest(rid, job.tenant, arrival, job.prompt_len, job.output, job=job)
+
+
+def simulate(cfg: MeshSimConfig, jobs: list[Job], until_open_loop_done: bool = False,
+             steps: list[tuple[float, int]] | None = None,
+             ) -> tuple[list[SimRequest | None], dict[str, SimExecutor], AdmissionCore]:
     """Runs ``jobs``; returns the requests (in job order; None: never sent), the executors
     and the core. It runs to completion, or with ``until_open_loop_done`` until every
-    open-loop job has finished (closed-loop clients are then background load)."""
+    open-loop job has finished (closed-loop clients are then background load).
+    ``steps`` collects (end time, useful tokens) of every executor step: its tokens less
+    those a preemption in it threw away (they are computed again later)."""
     clock = [0.0]
     core = AdmissionCore(SchedulerConfig(queue_policy=cfg.queue_policy, max_queue_wait_s=cfg.max_queue_wait_s,
-                                         max_queue_len=10 ** 9,
-                                         tenant_quotas=dict(cfg.tenant_quotas), routing=RoutingConfig(cfg.routing)),
+                                         max_queue_len=10 ** 9, tenant_quotas=dict(cfg.tenant_quotas),
+                                         routing=RoutingConfig(cfg.routing), kv_reservation=cfg.kv_reservation),
                          clock=lambda: clock[0])
-    executors = {f"e{i}": CachedExecutor(f"e{i}", cfg, core) for i in range(cfg.num_executors)}
+    executors = {f"e{i}": SimExecutor(f"e{i}", cfg, core) for i in range(cfg.num_executors)}
     for e in executors.values():
         core.registry.add(ExecutorState(e.eid, e.eid, MODEL, cfg.num_blocks, cfg.block_size, 10 ** 9))
-    reqs: list[MeshRequest | None] = [None] * len(jobs)
+    reqs: list[SimRequest | None] = [None] * len(jobs)
     backlog: dict[int, list[int]] = {}  # closed-loop client → its next job indices
     events: list[tuple[float, int, int, str]] = []
     for i, job in enumerate(jobs):
@@ -186,7 +274,7 @@ def simulate(cfg: MeshSimConfig, jobs: list[Job], until_open_loop_done: bool = F
     seq = len(jobs)
     open_left = sum(job.client is None for job in jobs)
 
-    def report(e: CachedExecutor) -> None:
+    def report(e: SimExecutor) -> None:
         held = {r.lease_id: e.blocks(r) for r in e.running}
         leases = [r.lease_id for r in e.running + e.waiting]
         core.on_capacity(e.eid, e.free_blocks(), len(e.running), len(e.waiting), leases, held)
@@ -212,15 +300,18 @@ def simulate(cfg: MeshSimConfig, jobs: list[Job], until_open_loop_done: bool = F
         clock[0], kind, key, eid = heapq.heappop(events)
         if kind == 1:
             job = jobs[key]
-            r = reqs[key] = _request(key, job, clock[0])
-            core.submit(AdmissionRequest(str(key), job.tenant, job.priority, job.prompt_len, 10 ** 6, MODEL,
+            reqs[key] = _request(key, job, clock[0])
+            core.submit(AdmissionRequest(str(key), job.tenant, job.priority, job.prompt_len, job.max_tokens, MODEL,
                                          arrival=clock[0], block_hashes=tuple(job.block_hashes),
                                          hash_block_size=cfg.block_size))
         else:
             e = executors[eid]
             e.busy = False
             prefilling = [r for r in e.running if r.generated == 0]
+            wasted = e.wasted_tokens
             done = e.finish_step()
+            if steps is not None:
+                steps.append((clock[0], sum(n for _, n in e._plan) - (e.wasted_tokens - wasted)))
             for r in prefilling:  # (one may have been preempted right after its first token)
                 if r.generated > 0 and r.first_token is None:
                     r.first_token = clock[0]
@@ -238,9 +329,3 @@ def simulate(cfg: MeshSimConfig, jobs: list[Job], until_open_loop_done: bool = F
                 break
         dispatch_and_start()
     return reqs, executors, core
-
-
-def percentile(values: list[float], q: float) -> float:
-    """The nearest-rank ``q`` quantile (``q`` in (0, 1])."""
-    s = sorted(values)
-    return s[min(len(s) - 1, max(0, math.ceil(q * len(s)) - 1))]

@@ -1,13 +1,15 @@
-"""``meshserve.bench.policies``: its pure parts (workload, statistics, arm order,
-tenants file). The experiments themselves are runs that print numbers; no test times them."""
+"""``meshserve.bench.policies``: its pure parts (``policy_workload``: workload, statistics,
+arm order, tenants file) and its options. The experiments themselves are runs that print
+numbers; no test times them."""
 
 import math
 import tomllib
 
 import pytest
 
-from meshserve.bench.policies import (Job, JobSpec, Outcome, a_clients, arm_order, call_counts, latency_stats,
-                                      log_sigma, make_jobs, parse_args, percentile, ratio, tenants_toml, ttft_stats)
+from meshserve.bench.policies import parse_args
+from meshserve.bench.policy_workload import (Job, JobSpec, Outcome, a_clients, arm_order, call_counts, latency_stats,
+                                             log_sigma, make_jobs, ratio, tenants_toml, ttft_stats)
 
 SPECIALS = frozenset(range(17))
 
@@ -56,14 +58,6 @@ def _o(i, prompt, output, sent, finished, ttft=None, queue_s=0.0, error="", upda
     job = Job(f"r{i}", "default", 0.0, tuple(range(prompt)), output)
     return Outcome(job, sent, finished, ttft_s=ttft, queue_s=queue_s, num_tokens=output, error=error,
                    queue_updates=updates)
-
-
-def test_percentile_nearest_rank():
-    assert percentile([3.0, 1.0, 2.0], 0.5) == 2.0
-    assert percentile(list(range(1, 101)), 0.99) == 99
-    assert percentile([5.0], 0.99) == 5.0
-    with pytest.raises(ValueError):
-        percentile([], 0.5)
 
 
 def test_latency_stats_halves_by_true_size():

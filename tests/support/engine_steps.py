@@ -1,4 +1,5 @@
-"""Shared helpers for executor tests: requests and hand-built runner outputs."""
+"""Requests and hand-built runner outputs for tests of the executor's batch scheduler (schedule →
+update_from_output without a model)."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """Quota-isolation simulation: a tenant flooding at 10× its KV quota beside a normal tenant.
 
-Workload ``quota-isolation`` (seeded), on ``scheduler.mesh_sim``'s executors:
+Workload ``quota-isolation`` (seeded), on ``meshserve.bench.sim.loop``'s executors:
 
 * tenant **B**: ``num_b_requests`` open-loop requests, Poisson at ``b_rate``
   requests/s, prompts log-normal around ``prompt_median`` tokens (σ 0.5),
@@ -24,7 +24,8 @@ import math
 import random
 from dataclasses import asdict, dataclass, replace
 
-from scheduler.mesh_sim import Job, MeshSimConfig, percentile, simulate
+from meshserve.bench.sim.loop import Job, MeshSimConfig, simulate
+from meshserve.bench.stats import percentile
 
 
 @dataclass(frozen=True)
@@ -82,11 +83,12 @@ def run(cfg: IsolationSimConfig) -> dict:
     a = a_jobs(cfg, b_end)
     shared, _ = _b_ttft(cfg, b + a, {"A": cfg.a_quota_blocks})
     unquoted, _ = _b_ttft(cfg, b + a, {})
-    p99 = {name: percentile(v, 0.99) for name, v in (("alone", alone), ("shared", shared), ("unquoted", unquoted))}
+    p99 = {name: percentile(v, 99, "nearest-rank")
+           for name, v in (("alone", alone), ("shared", shared), ("unquoted", unquoted))}
     return {
         "workload": "quota-isolation", "seed": cfg.seed, "a_clients": cfg.a_clients,
-        "b_ttft_p50_s": percentile(shared, 0.5), "b_ttft_p99_s": p99["shared"],
-        "b_alone_ttft_p50_s": percentile(alone, 0.5), "b_alone_ttft_p99_s": p99["alone"],
+        "b_ttft_p50_s": percentile(shared, 50, "nearest-rank"), "b_ttft_p99_s": p99["shared"],
+        "b_alone_ttft_p50_s": percentile(alone, 50, "nearest-rank"), "b_alone_ttft_p99_s": p99["alone"],
         "b_without_quota_ttft_p99_s": p99["unquoted"],
         "b_p99_ratio": p99["shared"] / p99["alone"],
         "b_p99_ratio_without_quota": p99["unquoted"] / p99["alone"],

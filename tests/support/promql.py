@@ -9,7 +9,7 @@ from pathlib import Path
 
 import yaml
 
-OBSERVABILITY = Path(__file__).resolve().parent.parent / "deploy" / "observability"
+OBSERVABILITY = Path(__file__).resolve().parents[2] / "deploy" / "observability"
 DASHBOARD = OBSERVABILITY / "grafana" / "meshserve.json"
 ALERTS = OBSERVABILITY / "alerts.yml"
 

@@ -12,7 +12,7 @@ from typer.main import get_command
 
 from meshserve.cli import app, main
 from meshserve.cli.mesh import mesh_config
-from meshserve.launcher import Mesh, MeshConfig
+from meshserve.cli.launcher import Mesh, MeshConfig
 
 COMMANDS = ["scheduler", "executor", "kvstore", "gateway", "up", "demo", "generate", "bench", "sim", "task"]
 
@@ -22,7 +22,7 @@ def test_commands_in_help_order():
 
 
 def test_console_script_is_main():
-    pyproject = tomllib.loads((Path(__file__).parents[1] / "pyproject.toml").read_text())
+    pyproject = tomllib.loads((Path(__file__).parents[3] / "pyproject.toml").read_text())
     module, _, attr = pyproject["project"]["scripts"]["meshserve"].partition(":")
     assert getattr(import_module(module), attr) is main
 

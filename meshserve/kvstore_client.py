@@ -11,10 +11,10 @@ from typing import AsyncIterator, Sequence
 
 import grpc
 
-from kvstore.payload import checksum, chunks
-from kvstore.wire import fingerprint_to_proto
 from meshserve.block_hash import KVStoreFingerprint, hash_to_bytes
 from meshserve.grpc_server import CHANNEL_OPTIONS
+from meshserve.kvstore_payload import checksum, chunks
+from meshserve.kvstore_wire import fingerprint_to_proto
 from meshserve.v1 import kvstore_pb2, kvstore_pb2_grpc
 
 
