@@ -39,7 +39,7 @@ def model_info(model: str):
     """Tokenizer and ``ModelInfo`` for the gateway (limits read from the model config)."""
     from transformers import AutoConfig, AutoTokenizer
 
-    from gateway.server import ModelInfo
+    from gateway.request import ModelInfo
     from meshserve.model_files import resolve_model
 
     files = resolve_model(model)
