@@ -1,7 +1,19 @@
 """meshserve gateway: the public API in front of the mesh.
 
-Pure core (no gRPC, unit-tested directly):
+A transport-free core and thin adapters over it::
 
+    gRPC adapter (gateway.server)  ─┐
+    task adapter (gateway.task_api) ┼─▶ GatewayCore (gateway.generation) ─▶ MeshClient (gateway.mesh)
+    (an HTTP adapter, later)       ─┘     prepare → run → events              └ gateway.mesh_client: gRPC
+
+Core (plain data, no protobuf, no gRPC; unit-tested directly):
+
+* ``gateway.generation``: ``GatewayCore``: a request from validation to its last
+  token (``prepare``, ``run``, ``generate``), spans and metrics included.
+* ``gateway.request``: what goes in (``GenerationRequest``, ``SpanOptions``,
+  ``ModelInfo``) and ``Prepared``; ``gateway.events``: what comes out
+  (``Queued``, ``Delta``, ``ChoiceResult``).
+* ``gateway.mesh``: the core's view of the scheduler and executors (``MeshClient``).
 * ``gateway.tenants``: API key -> ``Tenant`` (``TenantRegistry``).
 * ``gateway.prompt``: raw text / chat messages / token ids -> prompt ids
   (``PromptBuilder``), with the chat template and the special-token policy.
@@ -11,18 +23,20 @@ Pure core (no gRPC, unit-tested directly):
   (``StopStringMatcher``).
 * ``gateway.choices``: one detokenizer + stop-string matcher + counts per choice
   of an ``n`` > 1 request (``Choice``).
-* ``gateway.collector``: a Generate stream -> finished choices, and back
+* ``gateway.collector``: events -> finished choices, and back
   (``ChoiceCollector``, ``replay``): a task's result, a result-cache entry.
 * ``gateway.result_cache``: outputs of deterministic requests (``ResultCache``).
+* ``gateway.metrics``: the Prometheus metrics of every request.
 * ``gateway.task_store``: async task records (``TaskStore``: memory;
   ``gateway.redis_task_store``: Redis; ``gateway.task_store_registry``: the
   store a URL names); ``gateway.task_runner``: runs tasks in the background over
   a store (``TaskRunner``).
 
-gRPC layer: ``gateway.server`` (the servicer) and ``gateway.task_api`` (its
-task RPCs).
+gRPC: ``gateway.server`` (the servicer, ``start_gateway``), ``gateway.task_api``
+(its task RPCs), ``gateway.proto_convert`` (plain data ↔ messages),
+``gateway.mesh_client`` (Scheduler and Executor calls), ``gateway.readiness``.
 
-Per request, the servicer chains the last two::
+Per choice, the core chains the detokenizer and the stop strings::
 
     detok = IncrementalDetokenizer(tokenizer, skip_special_tokens=True)
     stops = StopStringMatcher(params.stop)

@@ -1,7 +1,7 @@
-"""Per-choice output state of one Generate call (pure core, no gRPC calls).
+"""Per-choice output state of one request (pure core: plain data, no protobuf).
 
-A request with ``n`` choices gets one executor stream whose messages interleave
-the choices (``ExecuteResponse.index``). Each choice has its own incremental
+A request with ``n`` choices gets one executor stream whose outputs interleave
+the choices (``ExecutorOutput.index``). Each choice has its own incremental
 detokenizer and stop-string matcher, token counts and token times, so it is cut,
 timed and counted exactly as a request of its own::
 
@@ -9,7 +9,7 @@ timed and counted exactly as a request of its own::
     for out in executor_stream:
         choice = choices[out.index]
         if choice.done: continue          # stopped by a stop string: later tokens are dropped
-        send(choice.feed(out, now))       # a TokenDelta
+        send(choice.feed(out, now))       # a Delta
         if choice.done: send(choice.result(...))
         if all done: cancel the executor call
 
@@ -23,16 +23,21 @@ import time
 from typing import Sequence
 
 from gateway.detokenizer import IncrementalDetokenizer
+from gateway.events import ChoiceResult, Delta, FinishReason, Timings, TokenLogprob, Usage
+from gateway.mesh import ExecutorOutput
 from gateway.stop_strings import StopStringMatcher
-from meshserve.v1 import common_pb2, executor_pb2, gateway_pb2
 
 
 class RequestTimer:
     """When the gateway got the request and when the scheduler assigned it
-    (``time.monotonic()`` seconds)."""
+    (``time.monotonic()`` seconds).
 
-    def __init__(self) -> None:
-        self.start = time.monotonic()
+    Args:
+        start: when the request arrived (default: now).
+    """
+
+    def __init__(self, start: float | None = None) -> None:
+        self.start = time.monotonic() if start is None else start
         self.assigned = 0.0
         self.first_token = 0.0  # the first token of any choice
 
@@ -55,17 +60,17 @@ class Choice:
         self.num_cached_tokens = 0
         self.num_kvstore_tokens = 0  # of num_cached_tokens, loaded from the kvstore
         self.first_token = self.last_token = 0.0
-        self.finish_reason = common_pb2.FINISH_REASON_UNSPECIFIED
+        self.finish_reason: FinishReason | None = None
         self.stop_reason = ""
-        self.prompt_logprobs: list[common_pb2.TokenLogprob] = []
+        self.prompt_logprobs: list[TokenLogprob] = []
 
     @property
     def done(self) -> bool:
         """The choice finished (in the executor, or by a stop string here)."""
-        return self.finish_reason != common_pb2.FINISH_REASON_UNSPECIFIED
+        return self.finish_reason is not None
 
-    def feed(self, out: executor_pb2.ExecuteResponse, now: float) -> gateway_pb2.TokenDelta:
-        """Takes one executor message of this choice; returns the delta to send.
+    def feed(self, out: ExecutorOutput, now: float) -> Delta:
+        """Takes one executor output of this choice; returns the delta to send.
 
         The delta's text is what became final (cut before a stop string); its
         token ids and logprobs are all the message's.
@@ -78,7 +83,7 @@ class Choice:
             self.last_token = now
         self.prompt_logprobs.extend(out.prompt_logprobs)
         self.num_tokens += len(out.token_ids)
-        text, matched = self.stops.feed(self.detok.add(list(out.token_ids)))
+        text, matched = self.stops.feed(self.detok.add(out.token_ids))
         if out.finish_reason and matched is None:
             more, matched = self.stops.feed(self.detok.finish())
             text += more
@@ -86,32 +91,31 @@ class Choice:
                 text += self.stops.flush()
             self.finish_reason = out.finish_reason
         if matched is not None:
-            self.finish_reason, self.stop_reason = common_pb2.FINISH_REASON_STOP, matched
-        return gateway_pb2.TokenDelta(text=text, token_ids=out.token_ids, index=self.index, logprobs=out.logprobs)
+            self.finish_reason, self.stop_reason = FinishReason.STOP, matched
+        return Delta(self.index, text, out.token_ids, out.logprobs)
 
     def result(self, request_id: str, prompt_token_ids: Sequence[int], executor_id: str,
-               timer: RequestTimer) -> gateway_pb2.GenerateResult:
-        """This choice's final message: usage and timings are the choice's own."""
-        return gateway_pb2.GenerateResult(
+               timer: RequestTimer) -> ChoiceResult:
+        """This choice's final event: usage and timings are the choice's own."""
+        return ChoiceResult(
             request_id=request_id,
+            index=self.index,
             finish_reason=self.finish_reason,
-            usage=common_pb2.Usage(prompt_tokens=len(prompt_token_ids), completion_tokens=self.num_tokens,
-                                   cached_tokens=self.num_cached_tokens,
-                                   kvstore_tokens=self.num_kvstore_tokens),
+            usage=Usage(prompt_tokens=len(prompt_token_ids), completion_tokens=self.num_tokens,
+                        cached_tokens=self.num_cached_tokens, kvstore_tokens=self.num_kvstore_tokens),
             timings=self.timings(timer),
-            prompt_token_ids=prompt_token_ids,
+            prompt_token_ids=tuple(prompt_token_ids),
             executor_id=executor_id,
             stop_reason=self.stop_reason,
-            index=self.index,
-            prompt_logprobs=self.prompt_logprobs,
+            prompt_logprobs=tuple(self.prompt_logprobs),
         )
 
-    def timings(self, timer: RequestTimer) -> common_pb2.Timings:
+    def timings(self, timer: RequestTimer) -> Timings:
         """Queue time, TTFT, TPOT and e2e of this choice, in seconds."""
         now = time.monotonic()
         first = self.first_token or now
         n = self.num_tokens
-        return common_pb2.Timings(
+        return Timings(
             queue_s=(timer.assigned or now) - timer.start,
             ttft_s=first - timer.start if self.first_token else 0.0,
             tpot_s=(self.last_token - first) / (n - 1) if n > 1 else 0.0,

@@ -14,6 +14,8 @@ Policies (tested in tests/gateway/test_prompt.py):
   equal the plain ``apply_chat_template(..., tokenize=True)`` exactly.
 * **Token ids** (``from_token_ids``): taken as given after a range check.
 
+``from_request`` picks the form a ``GenerationRequest`` (``gateway.request``) sets.
+
 Every form rejects an empty prompt (case C09).
 
 C05 uses the mechanism ``transformers`` keeps for it (>= 5.x),
@@ -34,11 +36,14 @@ holds one lock; encode with this tokenizer only through a ``PromptBuilder``.
 from __future__ import annotations
 
 import threading
-from typing import Any, Sequence
+from typing import TYPE_CHECKING, Any, Sequence
 
 import jinja2
 
 from meshserve.errors import InvalidArgument
+
+if TYPE_CHECKING:
+    from gateway.request import GenerationRequest
 
 ROLES = ("system", "user", "assistant")
 
@@ -58,6 +63,23 @@ class PromptBuilder:
         added = {i for i, t in tokenizer.added_tokens_decoder.items() if t.special}
         self.special_token_ids: frozenset[int] = frozenset(tokenizer.all_special_ids) | added
         self._lock = threading.Lock()
+
+    def from_request(self, request: GenerationRequest) -> list[int]:
+        """The prompt ids of the one prompt form ``request`` sets.
+
+        Raises:
+            InvalidArgument: none or several forms set, or as the form's own method.
+        """
+        kinds = request.input_kinds
+        if len(kinds) > 1:
+            raise InvalidArgument(f"only one of prompt, chat or prompt_token_ids may be set, got {', '.join(kinds)}")
+        if request.prompt is not None:
+            return self.from_text(request.prompt)
+        if request.chat is not None:
+            return self.from_chat(request.chat)
+        if request.prompt_token_ids is not None:
+            return self.from_token_ids(request.prompt_token_ids)
+        raise InvalidArgument("one of prompt, chat or prompt_token_ids must be set")
 
     def from_text(self, text: str) -> list[int]:
         """Encodes a raw prompt (special-token text parsed; see the module policy).

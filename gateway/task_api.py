@@ -1,11 +1,12 @@
-"""The async task RPCs of the Gateway: thin conversions over ``gateway.task_runner``.
+"""The async task RPCs of the Gateway: a thin adapter over ``GatewayCore`` and
+``gateway.task_runner``.
 
-``SubmitTask`` authenticates and validates exactly as ``Generate`` (the
-servicer's ``prepare``), so a bad request fails at once; then the runner stores
-a QUEUED record and runs the generation in the background through the
-servicer's ``run`` (result cache included), collecting the choices into the
-result. The id is ``task-<32 hex>``; the generation's request id is the
-caller's ``request_id`` or the task id.
+``SubmitTask`` authenticates and validates exactly as ``Generate`` (the core's
+``prepare``), so a bad request fails at once; then the runner stores a QUEUED
+record and runs the generation in the background through the core's ``run``
+(result cache included), collecting the choices into the result (a serialized
+``TaskStatus`` with its ``TaskChoice`` list). The id is ``task-<32 hex>``; the
+generation's request id is the caller's ``request_id`` or the task id.
 
 Traces: the ``gateway.submit_task`` span (SERVER, child of the caller's
 context) is the parent of the task's generation span (``{operation} {model}``,
@@ -19,15 +20,19 @@ from __future__ import annotations
 
 import time
 import uuid
+from contextlib import aclosing
 
 import grpc
 from opentelemetry import trace
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
-from gateway.choices import RequestTimer
 from gateway.collector import ChoiceCollector
-from gateway.task_runner import TaskRunner
+from gateway.generation import GatewayCore
+from gateway.proto_convert import request_from_proto, task_result
+from gateway.request import Prepared, SpanOptions
+from gateway.task_runner import MarkRunning, TaskRunner
 from gateway.task_store import TaskRecord
+from gateway.tenants import TenantRegistry
 from meshserve import trace_attributes as ta
 from meshserve.errors import InvalidArgument
 from meshserve.telemetry import context_from_grpc, record_error, tracer
@@ -65,15 +70,17 @@ def to_status(record: TaskRecord) -> gateway_pb2.TaskStatus:
 
 
 class TaskAPI:
-    """SubmitTask, GetTask and CancelTask of one ``GatewayServicer``.
+    """SubmitTask, GetTask and CancelTask over a ``GatewayCore``.
 
     Args:
-        servicer: the gateway servicer (its tenants, ``prepare``, ``run``, spans).
+        core: the gateway core that runs the tasks' generations.
+        tenants: API keys → tenants.
         runner: the task runner over its store.
     """
 
-    def __init__(self, servicer, runner: TaskRunner):
-        self.servicer = servicer
+    def __init__(self, core: GatewayCore, tenants: TenantRegistry, runner: TaskRunner):
+        self.core = core
+        self.tenants = tenants
         self.runner = runner
 
     async def close(self) -> None:
@@ -90,50 +97,22 @@ class TaskAPI:
             ResourceExhausted: the memory store is full of unfinished tasks.
             Unavailable: the Redis store cannot be reached.
         """
-        gw = self.servicer
-        timer = RequestTimer()
-        tenant = gw.tenants.authenticate(context.invocation_metadata())
+        received_at = time.monotonic()
+        tenant = self.tenants.authenticate(context.invocation_metadata())
         task_id = f"task-{uuid.uuid4().hex}"
         span = _tracer.start_span(ta.SPAN_SUBMIT_TASK, context=context_from_grpc(context), kind=trace.SpanKind.SERVER,
                                   attributes={ta.TASK_ID: task_id, ta.TENANT: tenant.name})
         try:
-            if not request.request_id:
-                request.request_id = task_id
-            rm = gw.start_metrics(request, tenant, timer)
-            try:
-                prepared = gw.prepare(request, tenant, rm)
-            except BaseException as exc:
-                rm.end(time.monotonic(), exc)
-                raise
+            prepared = self.core.prepare(request_from_proto(request, default_request_id=task_id), tenant, received_at)
             span.set_attribute(ta.REQUEST_ID, prepared.request_id)
             record = TaskRecord(task_id, tenant.name, request_id=prepared.request_id, created_at=time.time(),
                                 traceparent=traceparent_of(span))
-            parent = trace.set_span_in_context(span)
-
-            async def work(mark_running) -> bytes:
-                run_span = gw.request_span(request, parent, trace.SpanKind.INTERNAL, stream=False)
-                run_span.set_attribute(ta.TASK_ID, task_id)
-                collector = ChoiceCollector()
-                error = None
-                try:
-                    gw.describe(run_span, prepared)
-                    async for msg in gw.run(prepared, run_span, timer, on_assigned=mark_running):
-                        collector.feed(msg)
-                    return gateway_pb2.TaskStatus(choices=collector.choices()).SerializeToString()
-                except BaseException as exc:  # cancelled too: the span says so
-                    record_error(run_span, exc)
-                    error = exc
-                    raise
-                finally:
-                    rm.end(time.monotonic(), error)
-                    gw.finish(prepared)
-                    run_span.end()
-
+            options = SpanOptions(parent=trace.set_span_in_context(span), kind=trace.SpanKind.INTERNAL, stream=False,
+                                  attributes={ta.TASK_ID: task_id})
             try:
-                await self.runner.submit(record, work)
+                await self.runner.submit(record, lambda mark_running: self._work(prepared, options, mark_running))
             except BaseException as exc:
-                rm.end(time.monotonic(), exc)
-                gw.finish(prepared)
+                self.core.end(prepared, exc)
                 raise
             span.set_attribute(ta.TASK_STATE, record.state.name)
             return gateway_pb2.TaskHandle(task_id=task_id, state=int(record.state))
@@ -142,6 +121,14 @@ class TaskAPI:
             raise
         finally:
             span.end()
+
+    async def _work(self, prepared: Prepared, options: SpanOptions, mark_running: MarkRunning) -> bytes:
+        """A task's generation: the core's events collected into the task's result."""
+        collector = ChoiceCollector()
+        async with aclosing(self.core.run(prepared, options, on_assigned=mark_running)) as events:
+            async for event in events:
+                collector.feed(event)
+        return task_result(collector.choices())
 
     async def get(self, query: gateway_pb2.TaskQuery, context: grpc.aio.ServicerContext) -> gateway_pb2.TaskStatus:
         """GetTask. Raises NotFound (unknown, expired or another tenant's), InvalidArgument (empty id)."""
@@ -154,7 +141,7 @@ class TaskAPI:
 
     async def _answer(self, name: str, query: gateway_pb2.TaskQuery, context, action) -> gateway_pb2.TaskStatus:
         """One GetTask/CancelTask call: its span (linked to the submit span) around ``action``."""
-        tenant = self.servicer.tenants.authenticate(context.invocation_metadata())
+        tenant = self.tenants.authenticate(context.invocation_metadata())
         span = _tracer.start_span(name, context=context_from_grpc(context), kind=trace.SpanKind.SERVER,
                                   attributes={ta.TASK_ID: query.task_id, ta.TENANT: tenant.name})
         try:

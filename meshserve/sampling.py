@@ -174,7 +174,13 @@ def from_proto(msg, *, max_model_len: int, vocab_size: int) -> SamplingParams:
     Raises:
         InvalidArgument: see ``validate``.
     """
-    params = SamplingParams(
+    return validate(from_proto_unvalidated(msg), max_model_len=max_model_len, vocab_size=vocab_size)
+
+
+def from_proto_unvalidated(msg) -> SamplingParams:
+    """``SamplingParams`` as a ``meshserve.v1.SamplingParams`` gives them, unset optional
+    fields defaulted, not yet checked (the caller runs ``validate``)."""
+    return SamplingParams(
         max_tokens=msg.max_tokens if msg.HasField("max_tokens") else DEFAULT_MAX_TOKENS,
         temperature=msg.temperature if msg.HasField("temperature") else 1.0,
         top_p=msg.top_p if msg.HasField("top_p") else 1.0,
@@ -192,7 +198,6 @@ def from_proto(msg, *, max_model_len: int, vocab_size: int) -> SamplingParams:
         logprobs=msg.logprobs if msg.HasField("logprobs") else None,
         prompt_logprobs=msg.prompt_logprobs if msg.HasField("prompt_logprobs") else None,
     )
-    return validate(params, max_model_len=max_model_len, vocab_size=vocab_size)
 
 
 def to_proto(params: SamplingParams, msg) -> None:

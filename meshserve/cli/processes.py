@@ -13,7 +13,8 @@ import logging
 from typing import TYPE_CHECKING
 
 from gateway.result_cache import ResultCache
-from gateway.server import ModelInfo, start_gateway
+from gateway.request import ModelInfo
+from gateway.server import start_gateway
 from gateway.task_runner import TaskRunner
 from gateway.task_store_registry import open_task_store
 from gateway.tenants import TenantRegistry

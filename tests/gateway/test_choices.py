@@ -1,22 +1,21 @@
-"""gateway.choices.Choice: one choice's stream state, fed executor messages by hand."""
+"""gateway.choices.Choice: one choice's stream state, fed executor outputs by hand."""
 
 from __future__ import annotations
 
 import pytest
 
 from gateway.choices import Choice, RequestTimer
-from meshserve.v1 import common_pb2, executor_pb2
+from gateway.events import FinishReason, TokenLogprob, TopLogprob
+from gateway.mesh import ExecutorOutput
 
 
-def message(ids, index=0, finish=0, cached=0, logprobs=(), prompt_logprobs=(), kvstore=0):
-    return executor_pb2.ExecuteResponse(token_ids=ids, index=index, finish_reason=finish, num_cached_tokens=cached,
-                                        num_kvstore_tokens=kvstore,
-                                        logprobs=list(logprobs), prompt_logprobs=list(prompt_logprobs))
+def message(ids, index=0, finish=None, cached=0, logprobs=(), prompt_logprobs=(), kvstore=0):
+    return ExecutorOutput(token_ids=tuple(ids), index=index, finish_reason=finish, num_cached_tokens=cached,
+                          num_kvstore_tokens=kvstore, logprobs=tuple(logprobs), prompt_logprobs=tuple(prompt_logprobs))
 
 
 def lp(token_id, value, top=()):
-    return common_pb2.TokenLogprob(token_id=token_id, logprob=value,
-                                   top=[common_pb2.TopLogprob(token_id=t, logprob=v) for t, v in top])
+    return TokenLogprob(token_id, value, tuple(TopLogprob(t, v) for t, v in top))
 
 
 def test_two_choices_are_cut_counted_and_reported_independently(tokenizer):
@@ -32,7 +31,7 @@ def test_two_choices_are_cut_counted_and_reported_independently(tokenizer):
             if k >= len(ids) or choices[index].done:
                 continue
             last = k == len(ids) - 1
-            out = message([ids[k]], index, common_pb2.FINISH_REASON_LENGTH if last else 0, cached=16 * index,
+            out = message([ids[k]], index, FinishReason.LENGTH if last else None, cached=16 * index,
                           kvstore=16 * index if k == 0 else 0,  # reported with the first token
                           logprobs=[lp(ids[k], -0.5, [(ids[k], -0.5), (7, -2.0)])],
                           prompt_logprobs=pl if (k == 0 and index == 0) else ())
@@ -41,9 +40,9 @@ def test_two_choices_are_cut_counted_and_reported_independently(tokenizer):
             assert [e.token_id for e in delta.logprobs] == [ids[k]]
             texts[index] += delta.text
     a, b = choices
-    assert (a.done, a.finish_reason, a.stop_reason) == (True, common_pb2.FINISH_REASON_STOP, " and")
+    assert (a.done, a.finish_reason, a.stop_reason) == (True, FinishReason.STOP, " and")
     assert texts[0] == " red, green"
-    assert (b.finish_reason, b.stop_reason, texts[1]) == (common_pb2.FINISH_REASON_LENGTH, "", " one two three")
+    assert (b.finish_reason, b.stop_reason, texts[1]) == (FinishReason.LENGTH, "", " one two three")
     ra = a.result("req", prompt, "executor-0", timer)
     rb = b.result("req", prompt, "executor-0", timer)
     assert (ra.index, rb.index) == (0, 1)

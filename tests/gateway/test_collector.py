@@ -1,30 +1,28 @@
-"""Finished choices from a Generate stream, and the stream a result-cache hit replays."""
+"""Finished choices from a request's events, and the events a result-cache hit replays."""
 
 from __future__ import annotations
 
 import time
 
 from gateway.collector import ChoiceCollector, replay
-from meshserve.v1 import common_pb2, gateway_pb2
+from gateway.events import ChoiceResult, Delta, FinishReason, Queued, Timings, TokenLogprob, Usage
 
 
 def delta(index, text, ids, logprobs=()):
-    return gateway_pb2.GenerateResponse(delta=gateway_pb2.TokenDelta(
-        index=index, text=text, token_ids=ids, logprobs=[common_pb2.TokenLogprob(token_id=i, logprob=lp)
-                                                         for i, lp in logprobs]))
+    return Delta(index, text, tuple(ids), tuple(TokenLogprob(i, lp) for i, lp in logprobs))
 
 
 def result(index, reason, completion_tokens):
-    return gateway_pb2.GenerateResponse(result=gateway_pb2.GenerateResult(
-        request_id="r1", index=index, finish_reason=reason, executor_id="executor-0", prompt_token_ids=[5, 6],
-        usage=common_pb2.Usage(prompt_tokens=2, completion_tokens=completion_tokens, cached_tokens=1),
-        timings=common_pb2.Timings(queue_s=0.5, ttft_s=1.0, tpot_s=0.1, e2e_s=2.0)))
+    return ChoiceResult(request_id="r1", index=index, finish_reason=reason, executor_id="executor-0",
+                        prompt_token_ids=(5, 6), usage=Usage(prompt_tokens=2, completion_tokens=completion_tokens,
+                                                             cached_tokens=1),
+                        timings=Timings(queue_s=0.5, ttft_s=1.0, tpot_s=0.1, e2e_s=2.0))
 
 
-def stream(reason_1=common_pb2.FINISH_REASON_LENGTH):
-    return [gateway_pb2.GenerateResponse(queue=gateway_pb2.QueueUpdate(position=0)),
+def stream(reason_1=FinishReason.LENGTH):
+    return [Queued(position=0, estimated_wait_s=0.0),
             delta(1, "Hel", [10], [(10, -0.5)]), delta(0, "A", [20]), delta(1, "lo", [11, 12], [(11, -1.0), (12, -2.0)]),
-            result(0, common_pb2.FINISH_REASON_STOP, 1), result(1, reason_1, 3)]
+            result(0, FinishReason.STOP, 1), result(1, reason_1, 3)]
 
 
 def test_choices_gather_text_tokens_logprobs_and_result():
@@ -40,7 +38,7 @@ def test_choices_gather_text_tokens_logprobs_and_result():
 
 def test_aborted_or_missing_choices_are_not_complete():
     aborted = ChoiceCollector()
-    for msg in stream(common_pb2.FINISH_REASON_ABORT):
+    for msg in stream(FinishReason.ABORT):
         aborted.feed(msg)
     assert not aborted.complete(2)
     partial = ChoiceCollector()
@@ -54,12 +52,12 @@ def test_replay_sends_each_choice_whole_and_marks_it_cached():
     for msg in stream():
         c.feed(msg)
     out = replay(c.choices(), "r2", time.monotonic())
-    assert [m.WhichOneof("kind") for m in out] == ["delta", "result", "delta", "result"]
-    assert (out[2].delta.index, out[2].delta.text, list(out[2].delta.token_ids)) == (1, "Hello", [10, 11, 12])
-    assert len(out[2].delta.logprobs) == 3
-    r = out[3].result
+    assert [type(m) for m in out] == [Delta, ChoiceResult, Delta, ChoiceResult]
+    assert (out[2].index, out[2].text, list(out[2].token_ids)) == (1, "Hello", [10, 11, 12])
+    assert len(out[2].logprobs) == 3
+    r = out[3]
     assert (r.request_id, r.index, r.cached, r.executor_id, r.finish_reason) == (
-        "r2", 1, True, "", common_pb2.FINISH_REASON_LENGTH)
+        "r2", 1, True, "", FinishReason.LENGTH)
     assert (r.usage.prompt_tokens, r.usage.completion_tokens, list(r.prompt_token_ids)) == (2, 3, [5, 6])
     assert r.timings.queue_s == 0.0 and r.timings.ttft_s == r.timings.e2e_s < 1.0
     assert not c.choices()[1].result.cached   # the stored choices are untouched

@@ -24,6 +24,17 @@ TTL_S = 1.0
 KEY_A, KEY_B = (("x-api-key", "key-a"),), (("x-api-key", "key-b"),)
 
 
+class StoreClock:
+    """The task store's clock (expiry only): it stands still until a test advances it,
+    so records expire without waiting, and never while a slow CLI start-up reads them."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
 @pytest_asyncio.fixture(scope="module")
 async def gateway(tmp_path_factory):
     from meshserve.cli.processes import model_info
@@ -34,12 +45,14 @@ async def gateway(tmp_path_factory):
         pytest.skip(str(exc))
     path = tmp_path_factory.mktemp("tenants") / "tenants.toml"
     path.write_text('[[tenants]]\nname = "a"\napi_keys = ["key-a"]\n\n[[tenants]]\nname = "b"\napi_keys = ["key-b"]\n')
+    clock = StoreClock()
     svc = await start_gateway(tokenizer, info, f"127.0.0.1:{free_port()}", 0,
                               tenants=TenantRegistry.from_file(path),
-                              tasks=TaskRunner(MemoryTaskStore(ttl_s=TTL_S)))
+                              tasks=TaskRunner(MemoryTaskStore(ttl_s=TTL_S, clock=clock)))
     ch = channel(svc.address)
     stub = gateway_pb2_grpc.GatewayStub(ch)
     stub.address = svc.address  # for the CLI test
+    stub.store_clock = clock
     yield stub
     await ch.close()
     await svc.stop(0.5)
@@ -97,7 +110,7 @@ async def test_finished_tasks_expire_after_the_ttl(gateway):
     handle = await submit_task(gateway, request(), KEY_B)
     status = await wait_task(gateway, handle.task_id, KEY_B, poll_s=0.02, timeout_s=30)
     assert status.state == gateway_pb2.TASK_STATE_FAILED
-    await asyncio.sleep(TTL_S * 1.2)
+    gateway.store_clock.now += TTL_S * 1.2
     with pytest.raises(grpc.aio.AioRpcError) as info:
         await get_task(gateway, handle.task_id, KEY_B)
     assert info.value.code() == grpc.StatusCode.NOT_FOUND

@@ -137,7 +137,8 @@ async def test_top_k_zero_means_off(mesh):
 
 
 async def test_no_executor_is_unavailable(tokenizer, default_engine):
-    from gateway.server import ModelInfo, start_gateway
+    from gateway.request import ModelInfo
+    from gateway.server import start_gateway
     from meshserve.client import channel
     from meshserve.v1 import gateway_pb2_grpc
     from scheduler.server import start_scheduler

@@ -9,7 +9,8 @@ import grpc
 import pytest
 
 from gateway.result_cache import ResultCache
-from gateway.server import ModelInfo, start_gateway
+from gateway.request import ModelInfo
+from gateway.server import start_gateway
 from meshserve.client import build_request, cancel_task, channel, generate, get_task, submit_task
 from meshserve.v1 import gateway_pb2, gateway_pb2_grpc
 from tests.support.engines import make_engine
@@ -32,7 +33,7 @@ async def test_every_request_is_observed_once_and_running_returns_to_zero(tokeni
                               m.scheduler.address, 0, result_cache=ResultCache(64, ttl_s=600.0))
     ch = channel(svc.address)
     gw = gateway_pb2_grpc.GatewayStub(ch)
-    registry = svc.servicer.metrics.registry
+    registry = svc.servicer.core.metrics.registry
 
     def get(name: str, **extra) -> float:
         return registry.get_sample_value(name, {**LABELS, **extra}) or 0.0

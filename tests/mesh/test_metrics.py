@@ -132,7 +132,7 @@ async def test_request_metrics_count_every_request_exactly_once(run):
 
 async def test_request_outcomes_and_labels(run):
     m, *_ = run
-    get = m.gateway.servicer.metrics.registry.get_sample_value
+    get = m.gateway.servicer.core.metrics.registry.get_sample_value
     labels = {"tenant": "default", "priority": "0"}
     assert get("meshserve_requests_total", {**labels, "outcome": "ok"}) == 5
     assert get("meshserve_requests_total", {**labels, "outcome": "invalid_argument"}) == 1

@@ -193,7 +193,8 @@ async def test_C24_unreachable_executor_is_dropped_and_gateway_not_ready(tokeniz
     from grpc_health.v1 import health_pb2
 
     from executor.server import start_executor
-    from gateway.server import ModelInfo, start_gateway
+    from gateway.request import ModelInfo
+    from gateway.server import start_gateway
     from meshserve.v1 import gateway_pb2_grpc
     from scheduler.server import start_scheduler
     from tests.support.engines import make_engine

@@ -110,7 +110,7 @@ async def test_C27_slow_reader_with_n_choices_and_a_big_first_message_ends_every
                     received += len(msg.delta.token_ids)
         assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
         assert received < 3 * 2500
-        get = m.gateway.servicer.metrics.registry.get_sample_value
+        get = m.gateway.servicer.core.metrics.registry.get_sample_value
         labels = {"tenant": "default", "priority": "0"}
         await _wait(lambda: get("meshserve_gateway_requests_running", labels) == 0, 10.0)
         assert get("meshserve_requests_total", {**labels, "outcome": "resource_exhausted"}) == 1
@@ -145,7 +145,7 @@ async def test_C27_cancel_while_n_choices_are_blocked_on_the_merge_queue_frees_k
         assert eng.num_overflowed == 0
         await _wait(lambda: m.scheduler.servicer.core.num_leases() == 0, 10.0)
         assert eng._streams == {}
-        get = m.gateway.servicer.metrics.registry.get_sample_value
+        get = m.gateway.servicer.core.metrics.registry.get_sample_value
         labels = {"tenant": "default", "priority": "0"}
         await _wait(lambda: get("meshserve_gateway_requests_running", labels) == 0, 10.0)
         assert get("meshserve_requests_total", {**labels, "outcome": "cancelled"}) == 1

@@ -13,7 +13,8 @@ import pytest
 import pytest_asyncio
 
 from gateway.result_cache import ResultCache
-from gateway.server import ModelInfo, start_gateway
+from gateway.request import ModelInfo
+from gateway.server import start_gateway
 from meshserve.client import (build_request, cancel_task, channel, generate, get_task, submit_task,
                               task_completions, wait_task)
 from meshserve.telemetry import memory_exporter
@@ -162,7 +163,7 @@ async def test_cli_generate_async_prints_the_task_result(mesh, cached_gateway):
 async def test_tasks_and_cache_hits_are_observed_once_in_the_gateway_metrics(mesh, cached_gateway):
     """A task is a request for ``gateway.metrics``: TTFT, e2e and its outcome once;
     a result-cache hit too (its tokens come from the cache)."""
-    registry = cached_gateway.servicer.metrics.registry
+    registry = cached_gateway.servicer.core.metrics.registry
     labels = {"tenant": "default", "priority": "0"}
 
     def count(name: str, **extra) -> float:

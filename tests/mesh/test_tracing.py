@@ -140,7 +140,7 @@ async def test_C26_one_trace_across_all_services(c26_mesh):
         for s in spans:
             by_name.setdefault(s.name, []).append(s)
         assert REQUEST | extra <= set(by_name), set(by_name)
-        assert {s.instrumentation_scope.name for s in spans} >= {"gateway.server", "scheduler.server",
+        assert {s.instrumentation_scope.name for s in spans} >= {"gateway.generation", "scheduler.server",
                                                                  "executor.request_span"}
         return by_name
 

@@ -9,7 +9,8 @@ from dataclasses import dataclass, field
 from executor.engine.async_engine import AsyncEngine
 from executor.engine.llm_engine import LLMEngine
 from executor.server import SchedulerLink, start_executor
-from gateway.server import ModelInfo, start_gateway
+from gateway.request import ModelInfo
+from gateway.server import start_gateway
 from meshserve.client import channel
 from meshserve.grpc_server import Service
 from meshserve.v1 import executor_pb2, executor_pb2_grpc, gateway_pb2_grpc

@@ -1,0 +1,311 @@
+"""The gateway core: one request from validation to its last token, with no transport.
+
+``GatewayCore`` owns what a request needs besides its caller: the mesh client
+(scheduler Admit/Release, executor Execute; ``gateway.mesh``), the prompt builder
+over the tokenizer, the request ids in flight, the result cache and the metrics.
+It takes plain data (``gateway.request.GenerationRequest``, a ``Tenant``) and
+yields plain events (``gateway.events``): ``Queued``, ``Delta``, ``ChoiceResult``.
+Errors are raised, never yielded: ``meshserve.errors.MeshError`` subclasses
+(``InvalidArgument``, ``AlreadyExists``, ``NotFound``, ``Unavailable``, the
+scheduler's and executors' codes), each adapter mapping them to its own status.
+
+How an adapter drives it (the gRPC servicer in ``gateway.server``, the task API
+in ``gateway.task_api``; an HTTP adapter would do the same)::
+
+    tenant = tenants.authenticate(headers)                 # the adapter's auth → Tenant
+    request = GenerationRequest(prompt=..., sampling=SamplingParams(...), request_id=...)
+    async with aclosing(core.generate(request, tenant, SpanOptions(parent=ctx))) as events:
+        async for event in events:                         # raises MeshError: map it to a status
+            send(to_wire(event))                           # Queued / Delta / ChoiceResult
+
+or in two steps, to fail fast and run later (a task): ``prepared =
+core.prepare(request, tenant)`` raises at once on a bad request; ``core.run(prepared,
+...)`` yields the events; ``core.end(prepared, exc)`` ends a prepared request that
+will never run. Cancellation is the adapter's: it cancels the task iterating (or
+closes the iterator); the core's ``finally`` blocks cancel the executor call (the
+engine frees the request's blocks), release the lease, free the request id, end the
+span and observe the metrics exactly once.
+
+Spans (OpenTelemetry, ``meshserve.trace_attributes``): one per request,
+``"{operation} {model}"``, child of ``SpanOptions.parent``; its context travels to
+the scheduler and executor in the mesh client's calls.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from contextlib import aclosing
+from typing import AsyncIterator, Awaitable, Callable
+
+from opentelemetry import trace
+
+from gateway.choices import Choice, RequestTimer
+from gateway.collector import ChoiceCollector, CompletedChoice, replay
+from gateway.events import ChoiceResult, Delta, Event, FinishReason, Queued
+from gateway.mesh import Admission, Assignment, MeshClient
+from gateway.metrics import GatewayMetrics, RequestMetrics
+from gateway.prompt import PromptBuilder
+from gateway.request import GenerationRequest, ModelInfo, Prepared, SpanOptions
+from gateway.result_cache import ResultCache, cache_key, is_deterministic
+from gateway.tenants import Tenant
+from meshserve import trace_attributes as ta
+from meshserve.block_hash import routing_block_hashes
+from meshserve.errors import AlreadyExists, InvalidArgument, NotFound, Unavailable
+from meshserve.sampling import validate
+from meshserve.telemetry import record_error, tracer
+
+_tracer = tracer(__name__)
+
+OnAssigned = Callable[[], Awaitable[None]]
+
+
+def _reasons(choices) -> list[str]:
+    """``gen_ai.response.finish_reasons`` of choices (or results), in order."""
+    return ta.finish_reasons([c.finish_reason.value if c.finish_reason else None for c in choices])
+
+
+class GatewayCore:
+    """Runs requests for one model through the scheduler and its executors.
+
+    Args:
+        tokenizer: the model's tokenizer (prompts and detokenization).
+        model: the model served.
+        mesh: the scheduler and executors (``gateway.mesh_client.GrpcMeshClient``).
+        hash_block_size: tokens per block of the prompt chain hashes sent for
+            prefix-aware routing (the executors' ``block_size``; 0: none sent).
+        result_cache: finished choices of deterministic requests (None: off).
+        metrics: the Prometheus metrics (None: a new ``GatewayMetrics``).
+    """
+
+    def __init__(self, tokenizer, model: ModelInfo, mesh: MeshClient, hash_block_size: int = 16,
+                 result_cache: ResultCache[tuple[CompletedChoice, ...]] | None = None,
+                 metrics: GatewayMetrics | None = None):
+        self.tokenizer = tokenizer
+        self.model = model
+        self.mesh = mesh
+        self.hash_block_size = hash_block_size
+        self.result_cache = result_cache
+        self.metrics = metrics or GatewayMetrics()
+        self.prompts = PromptBuilder(tokenizer)
+        self._in_flight: set[str] = set()  # request ids of unfinished requests
+
+    async def close(self) -> None:
+        """Closes the mesh client's connections."""
+        await self.mesh.close()
+
+    def prepare(self, request: GenerationRequest, tenant: Tenant, received_at: float | None = None) -> Prepared:
+        """Validates the request, claims its request id and starts its metrics. It then
+        must be ``run`` (or ``end``-ed). ``received_at``: when the adapter received it
+        (``time.monotonic()`` s; None: now). On an error its metrics end with it.
+
+        Raises:
+            AlreadyExists: the request id is in use by an unfinished request.
+            NotFound: ``request.model`` is not the model served.
+            InvalidArgument: a bad parameter or prompt (the message names it).
+        """
+        timer = RequestTimer(received_at)
+        priority = request.priority if request.priority is not None else tenant.default_priority
+        metrics = self.metrics.start(tenant.name, priority, timer.start)
+        try:
+            return self._prepare(request, tenant.name, priority, metrics, timer)
+        except BaseException as exc:
+            metrics.end(time.monotonic(), exc)
+            raise
+
+    def _prepare(self, request: GenerationRequest, tenant: str, priority: int, metrics: RequestMetrics,
+                 timer: RequestTimer) -> Prepared:
+        request_id = request.request_id or uuid.uuid4().hex
+        if request_id in self._in_flight:
+            raise AlreadyExists(f"request_id {request_id!r} is already in use by an unfinished request")
+        if request.model is not None and request.model != self.model.model_id:
+            raise NotFound(f"model {request.model!r} is not served here (this gateway serves {self.model.model_id!r})")
+        prompt_ids = self.prompts.from_request(request)
+        params = validate(request.sampling, max_model_len=self.model.max_model_len, vocab_size=self.model.vocab_size)
+        if len(prompt_ids) + 1 > self.model.max_model_len:
+            raise InvalidArgument(
+                f"prompt has {len(prompt_ids)} tokens; max_model_len is {self.model.max_model_len} "
+                "(prompt + at least 1 output token)"
+            )
+        metrics.num_prompt_tokens = len(prompt_ids)
+        key = None
+        if self.result_cache is not None and is_deterministic(params):
+            key = cache_key(self.model.model_id, self.model.revision, prompt_ids, params)
+        self._in_flight.add(request_id)
+        return Prepared(request_id, tenant, ta.operation_name(request.input_kind), prompt_ids, params, priority,
+                        metrics, timer, key)
+
+    def end(self, prepared: Prepared, error: BaseException | None = None) -> None:
+        """Ends a prepared request: observes its metrics (``error``: what ended it) and
+        frees its request id. ``run`` and ``generate`` call it; an adapter calls it for
+        a prepared request it will not run. Only the first call counts."""
+        if prepared.ended:
+            return
+        prepared.ended = True
+        prepared.metrics.end(time.monotonic(), error)
+        self._in_flight.discard(prepared.request_id)
+
+    async def generate(self, request: GenerationRequest, tenant: Tenant, options: SpanOptions = SpanOptions(),
+                       received_at: float | None = None) -> AsyncIterator[Event]:
+        """``prepare`` then ``run`` under one span, which also records a rejection.
+        A caller that goes away (cancellation) is not an error of the span.
+
+        Raises:
+            MeshError: as ``prepare``, and the scheduler's or an executor's error.
+        """
+        s = self._start_span(ta.operation_name(request.input_kind), options)
+        prepared, error = None, None
+        try:
+            prepared = self.prepare(request, tenant, received_at)
+            async with aclosing(self._events(prepared, s, None)) as events:
+                async for event in events:
+                    yield event
+        except Exception as exc:
+            record_error(s, exc)
+            error = exc
+            raise
+        except BaseException as exc:  # the caller went away (CancelledError, GeneratorExit)
+            error = exc
+            raise
+        finally:
+            if prepared is not None:
+                self.end(prepared, error)
+            s.end()
+
+    async def run(self, prepared: Prepared, options: SpanOptions = SpanOptions(),
+                  on_assigned: OnAssigned | None = None) -> AsyncIterator[Event]:
+        """Generates a prepared request, under its own span (a cancel is recorded on it).
+
+        A deterministic request with the result cache on is answered from the cache
+        when it holds the same request's output (no scheduler, no executor), else run
+        and, when every choice completes, stored. ``on_assigned()`` is awaited once the
+        scheduler has assigned an executor, before it runs.
+
+        Raises:
+            MeshError: the scheduler's or the executor's error (same code).
+        """
+        s = self._start_span(prepared.operation, options)
+        error = None
+        try:
+            async with aclosing(self._events(prepared, s, on_assigned)) as events:
+                async for event in events:
+                    yield event
+        except BaseException as exc:
+            record_error(s, exc)
+            error = exc
+            raise
+        finally:
+            self.end(prepared, error)
+            s.end()
+
+    def _start_span(self, operation: str, options: SpanOptions) -> trace.Span:
+        """The request's span, named by the GenAI convention, child of ``options.parent``."""
+        span = _tracer.start_span(ta.span_name(operation, self.model.model_id), context=options.parent,
+                                  kind=options.kind,
+                                  attributes={ta.OPERATION_NAME: operation, ta.REQUEST_MODEL: self.model.model_id,
+                                              ta.REQUEST_STREAM: options.stream})
+        if options.attributes:
+            span.set_attributes(options.attributes)
+        return span
+
+    async def _events(self, p: Prepared, span: trace.Span, on_assigned: OnAssigned | None) -> AsyncIterator[Event]:
+        """The request's events: from the result cache, else from the mesh (then cached)."""
+        span.set_attributes({ta.REQUEST_ID: p.request_id, ta.TENANT: p.tenant, ta.PRIORITY: p.priority,
+                             ta.USAGE_INPUT_TOKENS: len(p.prompt_ids), **ta.sampling_attributes(p.params)})
+        if p.cache_key is not None:
+            cached = self.result_cache.get(p.cache_key)
+            span.set_attribute(ta.RESULT_CACHE_HIT, cached is not None)
+            if cached is not None:
+                for event in self._replay(p, span, cached):
+                    yield event
+                return
+        collector = ChoiceCollector() if p.cache_key is not None else None
+        async with aclosing(self._generate(p, span, on_assigned)) as events:
+            async for event in events:
+                if collector is not None:
+                    collector.feed(event)
+                yield event
+        if collector is not None and collector.complete(p.params.n):
+            self.result_cache.put(p.cache_key, tuple(collector.choices()))
+
+    def _replay(self, p: Prepared, span: trace.Span, cached: tuple[CompletedChoice, ...]):
+        """A result-cache hit's events, observed as a request whose tokens all came at once."""
+        num_tokens = sum(len(c.token_ids) for c in cached)
+        p.metrics.first_token(time.monotonic())
+        p.metrics.tokens(num_tokens)
+        yield from replay(cached, p.request_id, p.timer.start)
+        span.set_attributes({ta.USAGE_OUTPUT_TOKENS: num_tokens, ta.RESPONSE_ID: p.request_id,
+                             ta.RESPONSE_MODEL: self.model.model_id,
+                             ta.RESPONSE_FINISH_REASONS: _reasons([c.result for c in cached])})
+
+    def _admission(self, p: Prepared) -> Admission:
+        hashes: tuple[bytes, ...] = ()
+        if self.hash_block_size > 0:
+            hashes = tuple(routing_block_hashes(p.prompt_ids, self.hash_block_size, self.model.model_id,
+                                                self.model.revision))
+        return Admission(p.request_id, p.tenant, p.priority, len(p.prompt_ids), p.params.max_tokens,
+                         self.model.model_id, p.params.n, hashes, self.hash_block_size)
+
+    async def _generate(self, p: Prepared, span: trace.Span, on_assigned: OnAssigned | None
+                        ) -> AsyncIterator[Queued | Delta | ChoiceResult]:
+        """Admission (queue updates), then the executor's stream; the lease is released
+        however it ends, with the completion tokens when every choice finished."""
+        assignment, queued = None, False
+        async with aclosing(self.mesh.admit(self._admission(p), span)) as events:
+            async for event in events:
+                if isinstance(event, Queued):
+                    if not queued:  # the position at which it joined the queue
+                        queued = True
+                        span.set_attribute(ta.QUEUE_POSITION, event.position)
+                    yield event
+                else:
+                    assignment = event
+        if assignment is None:
+            raise Unavailable("scheduler ended admission without an assignment")
+        p.timer.assigned = time.monotonic()
+        p.metrics.assigned(p.timer.assigned)
+        span.set_attributes({ta.EXECUTOR_ID: assignment.executor_id, ta.QUEUE_WAIT_S: assignment.queue_s})
+        choices = [Choice(i, self.tokenizer, p.prompt_ids, p.params.stop) for i in range(p.params.n)]
+        finished = False
+        try:
+            if on_assigned is not None:
+                await on_assigned()
+            async with aclosing(self._execute(p, assignment, choices, span)) as events:
+                async for event in events:
+                    yield event
+            finished = True
+        finally:
+            completion_tokens = sum(c.num_tokens for c in choices) if finished else None
+            await self.mesh.release(assignment.lease_id, completion_tokens, span)
+
+    async def _execute(self, p: Prepared, assignment: Assignment, choices: list[Choice],
+                       span: trace.Span) -> AsyncIterator[Delta | ChoiceResult]:
+        """The executor's outputs through each choice's detokenizer and stop strings;
+        the call is cancelled (closed) once every choice is done."""
+        timer, rm = p.timer, p.metrics
+        outputs = self.mesh.execute(assignment, p.request_id, p.prompt_ids, p.params, p.priority, span)
+        async with aclosing(outputs):
+            async for out in outputs:
+                if not 0 <= out.index < len(choices):
+                    raise Unavailable(f"executor {assignment.executor_id} sent choice {out.index} of {p.params.n}")
+                choice = choices[out.index]
+                if choice.done:
+                    continue  # cut by a stop string; the executor runs it until all choices end
+                now = time.monotonic()
+                if out.token_ids and not timer.first_token:
+                    timer.first_token = now
+                    span.add_event(ta.EVENT_FIRST_TOKEN)
+                    rm.first_token(now)
+                rm.tokens(len(out.token_ids))
+                yield choice.feed(out, now)
+                if choice.done:
+                    rm.choice_done(choice.num_tokens, choice.first_token, choice.last_token)
+                    yield choice.result(p.request_id, p.prompt_ids, assignment.executor_id, timer)
+                if all(c.done for c in choices):
+                    break
+        if not all(c.done for c in choices):
+            raise Unavailable(f"executor {assignment.executor_id} ended the stream without finishing")
+        span.set_attributes({ta.USAGE_OUTPUT_TOKENS: sum(c.num_tokens for c in choices),
+                             ta.USAGE_CACHE_READ_INPUT_TOKENS: choices[0].num_cached_tokens,
+                             ta.RESPONSE_ID: p.request_id, ta.RESPONSE_MODEL: self.model.model_id,
+                             ta.RESPONSE_FINISH_REASONS: _reasons(choices)})

@@ -1,0 +1,111 @@
+"""The gateway core's view of the mesh: the three calls it makes and their plain data.
+
+``MeshClient`` is what ``GatewayCore`` (``gateway.generation``) needs from the
+scheduler and the executors; ``gateway.mesh_client.GrpcMeshClient`` implements it
+over gRPC (the only place with their stubs and protobuf messages). Every call
+raises ``meshserve.errors.MeshError`` subclasses, never a transport error.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import AsyncIterator, Protocol, Sequence
+
+from opentelemetry import trace
+
+from gateway.events import FinishReason, Queued, TokenLogprob
+from meshserve.sampling import SamplingParams
+
+
+@dataclass(frozen=True, slots=True)
+class Admission:
+    """What the scheduler is asked to admit.
+
+    Attributes:
+        request_id / tenant / priority: the request's.
+        num_prompt_tokens: prompt length (tokens).
+        max_tokens / n: from the sampling parameters.
+        model: the model id.
+        block_hashes: the prompt's routing chain hashes (16 bytes per full block).
+        hash_block_size: tokens per hashed block; 0: no hashes sent (no prefix-aware routing).
+    """
+
+    request_id: str
+    tenant: str
+    priority: int
+    num_prompt_tokens: int
+    max_tokens: int
+    model: str
+    n: int
+    block_hashes: tuple[bytes, ...] = ()
+    hash_block_size: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class Assignment:
+    """The scheduler's answer: where to run, under which lease.
+
+    Attributes:
+        executor_id / address: the executor and its gRPC address.
+        lease_id: the lease to present to the executor and to release.
+        queue_s: the time the request waited in the scheduler's queue (seconds).
+    """
+
+    executor_id: str
+    address: str
+    lease_id: str
+    queue_s: float
+
+
+@dataclass(frozen=True, slots=True)
+class ExecutorOutput:
+    """One message of an executor's token stream (choices interleave).
+
+    Attributes:
+        index: the choice, in [0, n).
+        token_ids: newly sampled token ids.
+        finish_reason: set on the choice's last message.
+        num_cached_tokens: prompt tokens reused from a cache (reported with the first token).
+        num_kvstore_tokens: of those, fetched from the kvstore.
+        logprobs: one entry per token id, when asked.
+        prompt_logprobs: prompt positions' logprobs (choice 0, when asked).
+    """
+
+    index: int
+    token_ids: tuple[int, ...]
+    finish_reason: FinishReason | None = None
+    num_cached_tokens: int = 0
+    num_kvstore_tokens: int = 0
+    logprobs: tuple[TokenLogprob, ...] = ()
+    prompt_logprobs: tuple[TokenLogprob, ...] = ()
+
+
+class MeshClient(Protocol):
+    """The scheduler's Admit/Release and the executors' Execute, in plain data.
+
+    ``span`` is the request's span: each call carries its trace context.
+    """
+
+    def admit(self, admission: Admission, span: trace.Span) -> AsyncIterator[Queued | Assignment]:
+        """Queue updates, then (normally last) one ``Assignment``.
+
+        Raises:
+            MeshError: the scheduler's error, with its code (quota, overload, no executor).
+        """
+
+    def execute(self, assignment: Assignment, request_id: str, prompt_token_ids: Sequence[int],
+                params: SamplingParams, priority: int, span: trace.Span) -> AsyncIterator[ExecutorOutput]:
+        """The executor's outputs for the request; closing the iterator early cancels
+        the call (the engine aborts the request and frees its blocks).
+
+        Raises:
+            MeshError: the executor's error, with its code.
+        """
+
+    async def release(self, lease_id: str, num_completion_tokens: int | None, span: trace.Span) -> None:
+        """Ends the lease; ``num_completion_tokens`` (None unless every choice finished)
+        teaches the scheduler's predictor. Never raises: a failure is logged, and the
+        call completes even when the caller is cancelled meanwhile."""
+
+    async def close(self) -> None:
+        """Closes its connections."""

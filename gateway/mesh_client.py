@@ -1,0 +1,116 @@
+"""``MeshClient`` over gRPC: Scheduler.Admit/Release and Executor.Execute.
+
+The only gateway module besides the adapters that holds stubs and protobuf
+messages: it turns the core's plain data (``gateway.mesh``) into requests and
+the services' messages back into plain data, carries the request's W3C trace
+context in each call's metadata, and re-raises a failed call as the domain error
+of the same status code (``meshserve.errors.from_rpc_error``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import AsyncIterator, Sequence
+
+import grpc
+from opentelemetry import trace
+
+from gateway.events import Queued
+from gateway.mesh import Admission, Assignment, ExecutorOutput
+from gateway.proto_convert import finish_reason_from_proto, logprobs_from_proto
+from meshserve.errors import from_rpc_error
+from meshserve.grpc_server import CHANNEL_OPTIONS, TOKEN_STREAM_CHANNEL_OPTIONS
+from meshserve.sampling import SamplingParams, to_proto
+from meshserve.telemetry import outgoing_metadata
+from meshserve.v1 import executor_pb2, executor_pb2_grpc, scheduler_pb2, scheduler_pb2_grpc
+
+log = logging.getLogger(__name__)
+
+
+def output_from_proto(out: executor_pb2.ExecuteResponse) -> ExecutorOutput:
+    """One executor message as plain data."""
+    return ExecutorOutput(
+        index=out.index, token_ids=tuple(out.token_ids), finish_reason=finish_reason_from_proto(out.finish_reason),
+        num_cached_tokens=out.num_cached_tokens, num_kvstore_tokens=out.num_kvstore_tokens,
+        logprobs=logprobs_from_proto(out.logprobs) if out.logprobs else (),
+        prompt_logprobs=logprobs_from_proto(out.prompt_logprobs) if out.prompt_logprobs else ())
+
+
+def admit_request(a: Admission) -> scheduler_pb2.AdmitRequest:
+    """The scheduler's AdmitRequest for an ``Admission``."""
+    return scheduler_pb2.AdmitRequest(request_id=a.request_id, tenant=a.tenant, priority=a.priority,
+                                      num_prompt_tokens=a.num_prompt_tokens, max_tokens=a.max_tokens, model=a.model,
+                                      n=a.n, block_hashes=a.block_hashes, hash_block_size=a.hash_block_size)
+
+
+class GrpcMeshClient:
+    """The scheduler's and the executors' stubs of one gateway.
+
+    Args:
+        scheduler_address: host:port of the scheduler. Executor channels are
+            opened on first use, one per address, and kept until ``close``.
+
+    Attributes:
+        scheduler_channel: the channel to the scheduler (the readiness probe uses it too).
+    """
+
+    def __init__(self, scheduler_address: str):
+        self.scheduler_channel = grpc.aio.insecure_channel(scheduler_address, options=CHANNEL_OPTIONS)
+        self._scheduler = scheduler_pb2_grpc.SchedulerStub(self.scheduler_channel)
+        self._executors: dict[str, executor_pb2_grpc.ExecutorStub] = {}
+        self._channels: list[grpc.aio.Channel] = [self.scheduler_channel]
+
+    def _executor(self, address: str) -> executor_pb2_grpc.ExecutorStub:
+        stub = self._executors.get(address)
+        if stub is None:
+            channel = grpc.aio.insecure_channel(address, options=TOKEN_STREAM_CHANNEL_OPTIONS)
+            self._channels.append(channel)
+            stub = self._executors[address] = executor_pb2_grpc.ExecutorStub(channel)
+        return stub
+
+    async def admit(self, admission: Admission, span: trace.Span) -> AsyncIterator[Queued | Assignment]:
+        """Scheduler.Admit (see ``gateway.mesh.MeshClient``); closing it early cancels the call."""
+        call = self._scheduler.Admit(admit_request(admission), metadata=outgoing_metadata(span))
+        try:
+            async for event in call:
+                if event.WhichOneof("kind") == "queued":
+                    yield Queued(event.queued.position, event.queued.estimated_wait_s)
+                else:
+                    a = event.assignment
+                    yield Assignment(a.executor_id, a.address, a.lease_id, a.queue_s)
+        except grpc.aio.AioRpcError as exc:
+            raise from_rpc_error(exc, "scheduler") from None
+        finally:
+            call.cancel()  # no-op when the stream ended
+
+    async def execute(self, assignment: Assignment, request_id: str, prompt_token_ids: Sequence[int],
+                      params: SamplingParams, priority: int, span: trace.Span) -> AsyncIterator[ExecutorOutput]:
+        """Executor.Execute (see ``gateway.mesh.MeshClient``); closing it early cancels the call."""
+        request = executor_pb2.ExecuteRequest(request_id=request_id, lease_id=assignment.lease_id,
+                                              prompt_token_ids=prompt_token_ids, priority=priority)
+        to_proto(params, request.sampling)
+        call = self._executor(assignment.address).Execute(request, metadata=outgoing_metadata(span))
+        try:
+            async for out in call:
+                yield output_from_proto(out)
+        except grpc.aio.AioRpcError as exc:
+            raise from_rpc_error(exc, f"executor {assignment.executor_id}") from None
+        finally:
+            call.cancel()  # no-op when finished; aborts the engine requests otherwise
+
+    async def release(self, lease_id: str, num_completion_tokens: int | None, span: trace.Span) -> None:
+        """Scheduler.Release (see ``gateway.mesh.MeshClient``); ``span`` is the parent of the
+        scheduler's ``scheduler.release``."""
+        release = scheduler_pb2.ReleaseRequest(lease_id=lease_id)
+        if num_completion_tokens is not None:
+            release.num_completion_tokens = num_completion_tokens
+        try:
+            await asyncio.shield(self._scheduler.Release(release, timeout=5, metadata=outgoing_metadata(span)))
+        except (Exception, asyncio.CancelledError) as exc:  # noqa: BLE001 - shutting down or scheduler gone
+            log.warning("release of lease %s failed: %s", lease_id, exc)
+
+    async def close(self) -> None:
+        """Closes the scheduler's and every executor's channel."""
+        for channel in self._channels:
+            await channel.close()

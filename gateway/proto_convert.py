@@ -1,0 +1,107 @@
+"""The gateway's plain data ↔ ``meshserve.v1`` protobuf messages (for the gRPC adapters
+and the mesh client; the core never sees a message).
+
+Every message built here has exactly the fields the gateway sent before it had a
+core (same presence, same values), so the wire is unchanged: results carry their
+``usage`` and ``timings`` sub-messages even when zero; a task's choices are
+``TaskChoice`` messages inside a serialized ``TaskStatus``.
+"""
+
+from __future__ import annotations
+
+from typing import Iterable, Sequence
+
+from gateway.collector import CompletedChoice
+from gateway.events import ChoiceResult, Delta, Event, FinishReason, Queued, TokenLogprob, TopLogprob
+from gateway.request import GenerationRequest
+from meshserve.sampling import from_proto_unvalidated
+from meshserve.v1 import common_pb2, gateway_pb2
+
+FINISH_REASONS = {FinishReason.STOP: common_pb2.FINISH_REASON_STOP,
+                  FinishReason.LENGTH: common_pb2.FINISH_REASON_LENGTH,
+                  FinishReason.ABORT: common_pb2.FINISH_REASON_ABORT}
+_BY_NUMBER = {number: reason for reason, number in FINISH_REASONS.items()}
+
+
+def finish_reason_from_proto(value: int) -> FinishReason | None:
+    """A ``FinishReason`` number as a ``FinishReason`` (UNSPECIFIED: None; a number
+    this gateway does not know: ABORT, so the choice still ends)."""
+    if value == common_pb2.FINISH_REASON_UNSPECIFIED:
+        return None
+    return _BY_NUMBER.get(value, FinishReason.ABORT)
+
+
+def finish_reason_to_proto(reason: FinishReason | None) -> int:
+    """The ``FinishReason`` number of a reason (None: UNSPECIFIED)."""
+    return common_pb2.FINISH_REASON_UNSPECIFIED if reason is None else FINISH_REASONS[reason]
+
+
+def logprobs_from_proto(entries: Iterable[common_pb2.TokenLogprob]) -> tuple[TokenLogprob, ...]:
+    """Repeated ``TokenLogprob`` messages as values (float32 logprobs as Python floats, exact)."""
+    return tuple(TokenLogprob(e.token_id, e.logprob, tuple(TopLogprob(t.token_id, t.logprob) for t in e.top))
+                 for e in entries)
+
+
+def logprobs_to_proto(entries: Sequence[TokenLogprob]) -> list[common_pb2.TokenLogprob]:
+    """``TokenLogprob`` values as messages."""
+    return [common_pb2.TokenLogprob(token_id=e.token_id, logprob=e.logprob,
+                                    top=[common_pb2.TopLogprob(token_id=t.token_id, logprob=t.logprob) for t in e.top])
+            for e in entries]
+
+
+def request_from_proto(msg: gateway_pb2.GenerateRequest, default_request_id: str = "") -> GenerationRequest:
+    """A ``GenerateRequest`` as a ``GenerationRequest`` (sampling defaulted, not yet
+    validated; ``default_request_id`` when the message has none)."""
+    kind = msg.WhichOneof("input")
+    return GenerationRequest(
+        prompt=msg.prompt if kind == "prompt" else None,
+        chat=tuple((m.role, m.content) for m in msg.chat.messages) if kind == "chat" else None,
+        prompt_token_ids=tuple(msg.prompt_token_ids.ids) if kind == "prompt_token_ids" else None,
+        sampling=from_proto_unvalidated(msg.sampling),
+        priority=msg.priority if msg.HasField("priority") else None,
+        request_id=msg.request_id or default_request_id,
+    )
+
+
+def result_to_proto(r: ChoiceResult) -> gateway_pb2.GenerateResult:
+    """A choice's result as the ``GenerateResult`` message."""
+    u, t = r.usage, r.timings
+    return gateway_pb2.GenerateResult(
+        request_id=r.request_id, finish_reason=finish_reason_to_proto(r.finish_reason),
+        usage=common_pb2.Usage(prompt_tokens=u.prompt_tokens, completion_tokens=u.completion_tokens,
+                               cached_tokens=u.cached_tokens, kvstore_tokens=u.kvstore_tokens),
+        timings=common_pb2.Timings(queue_s=t.queue_s, ttft_s=t.ttft_s, tpot_s=t.tpot_s, e2e_s=t.e2e_s),
+        prompt_token_ids=r.prompt_token_ids, executor_id=r.executor_id, stop_reason=r.stop_reason, index=r.index,
+        prompt_logprobs=logprobs_to_proto(r.prompt_logprobs), cached=r.cached)
+
+
+def delta_to_proto(d: Delta) -> gateway_pb2.TokenDelta:
+    """A delta as the ``TokenDelta`` message."""
+    return gateway_pb2.TokenDelta(text=d.text, token_ids=d.token_ids, index=d.index,
+                                  logprobs=logprobs_to_proto(d.logprobs))
+
+
+def response_of(event: Event) -> gateway_pb2.GenerateResponse:
+    """An event as the Generate stream's message."""
+    if isinstance(event, Delta):
+        return gateway_pb2.GenerateResponse(delta=delta_to_proto(event))
+    if isinstance(event, ChoiceResult):
+        return gateway_pb2.GenerateResponse(result=result_to_proto(event))
+    if isinstance(event, Queued):
+        return gateway_pb2.GenerateResponse(
+            queue=gateway_pb2.QueueUpdate(position=event.position, estimated_wait_s=event.estimated_wait_s))
+    raise TypeError(f"not a gateway event: {event!r}")
+
+
+def task_choice_to_proto(c: CompletedChoice) -> gateway_pb2.TaskChoice:
+    """A finished choice as the ``TaskChoice`` message (``result`` unset when it has none)."""
+    msg = gateway_pb2.TaskChoice(index=c.index, text=c.text, token_ids=c.token_ids,
+                                 logprobs=logprobs_to_proto(c.logprobs))
+    if c.result is not None:
+        msg.result.CopyFrom(result_to_proto(c.result))
+    return msg
+
+
+def task_result(choices: Sequence[CompletedChoice]) -> bytes:
+    """A task's stored result: a serialized ``TaskStatus`` holding only its choices."""
+    return gateway_pb2.TaskStatus(choices=[task_choice_to_proto(c) for c in choices]).SerializeToString()

@@ -1,0 +1,118 @@
+"""The plain data a request goes through in the gateway core: what an adapter hands
+in (``GenerationRequest``, ``SpanOptions``), what the core serves (``ModelInfo``) and
+what ``GatewayCore.prepare`` gives back (``Prepared``). No protobuf."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Mapping
+
+from opentelemetry import context as otel_context
+from opentelemetry import trace
+from opentelemetry.util.types import AttributeValue
+
+from gateway.choices import RequestTimer
+from gateway.metrics import RequestMetrics
+from meshserve.sampling import SamplingParams
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    """What the gateway knows of the model it fronts.
+
+    Attributes:
+        model_id: the model id executors register with.
+        max_model_len: longest prompt + output (tokens).
+        vocab_size: token ids are in [0, vocab_size).
+        revision: the weights' revision (``meshserve.model_files``); with the
+            model id it roots the prompt's routing chain hashes, so it must be
+            the executors' (both resolve the same model files).
+    """
+
+    model_id: str
+    max_model_len: int
+    vocab_size: int
+    revision: str = ""
+
+
+@dataclass(frozen=True)
+class GenerationRequest:
+    """One generation as a caller asked for it, before validation.
+
+    Exactly one of ``prompt``, ``chat`` and ``prompt_token_ids`` is set (None: not
+    given; an empty value is given, and rejected as empty).
+
+    Attributes:
+        prompt: raw prompt text (special-token text is parsed; ``gateway.prompt``).
+        chat: (role, content) messages, rendered with the chat template.
+        prompt_token_ids: prompt token ids, used as they are.
+        sampling: sampling parameters as given (the core validates them).
+        priority: the priority class; None: the tenant's default.
+        request_id: the caller's id; "" lets the core make one.
+        model: the model the caller names; None: the one this gateway serves.
+    """
+
+    prompt: str | None = None
+    chat: tuple[tuple[str, str], ...] | None = None
+    prompt_token_ids: tuple[int, ...] | None = None
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    priority: int | None = None
+    request_id: str = ""
+    model: str | None = None
+
+    @property
+    def input_kinds(self) -> list[str]:
+        """The prompt forms set, of ``prompt``, ``chat``, ``prompt_token_ids`` (one when valid)."""
+        return [kind for kind in ("prompt", "chat", "prompt_token_ids") if getattr(self, kind) is not None]
+
+    @property
+    def input_kind(self) -> str | None:
+        """The (first) prompt form set, or None."""
+        kinds = self.input_kinds
+        return kinds[0] if kinds else None
+
+
+@dataclass(frozen=True)
+class SpanOptions:
+    """How the core traces one request (its span is ``"{operation} {model}"``).
+
+    Attributes:
+        parent: the parent context (e.g. the caller's W3C ``traceparent``; None: a new trace).
+        kind: the span's kind (SERVER for a call being served, INTERNAL for a task).
+        stream: the caller receives the output as a stream (``gen_ai.request.stream``).
+        attributes: extra attributes of the span (e.g. the task id).
+    """
+
+    parent: otel_context.Context | None = None
+    kind: trace.SpanKind = trace.SpanKind.SERVER
+    stream: bool = True
+    attributes: Mapping[str, AttributeValue] = field(default_factory=dict)
+
+
+@dataclass(eq=False)
+class Prepared:
+    """A validated request that holds its request id, ready to run.
+
+    Attributes:
+        request_id: its id (claimed in the core until the request ends).
+        tenant: the tenant's name.
+        operation: ``chat`` or ``text_completion`` (the GenAI operation name).
+        prompt_ids: the prompt's token ids.
+        params: validated sampling parameters.
+        priority: the priority class (the tenant's default when unset).
+        metrics: its observations (``gateway.metrics``).
+        timer: when it arrived, was assigned, got its first token.
+        cache_key: the result-cache key; None when the cache is off or the
+            request is not deterministic.
+    """
+
+    request_id: str
+    tenant: str
+    operation: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    priority: int
+    metrics: RequestMetrics
+    timer: RequestTimer
+    cache_key: str | None = None
+    ended: bool = False

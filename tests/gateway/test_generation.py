@@ -1,0 +1,110 @@
+"""gateway.generation.GatewayCore without a transport adapter: ``prepare``'s
+validation (exact error types and messages), the request id's claim and release,
+the metrics of rejected requests, and a run whose scheduler is unreachable (the
+real gRPC mesh client to a closed port). Runs over a real mesh:
+tests/gateway/test_generation_mesh.py."""
+
+from __future__ import annotations
+
+import pytest
+import pytest_asyncio
+
+from gateway.generation import GatewayCore
+from gateway.mesh_client import GrpcMeshClient
+from gateway.request import GenerationRequest, ModelInfo, SpanOptions
+from gateway.result_cache import ResultCache, cache_key
+from gateway.tenants import Tenant
+from meshserve.errors import AlreadyExists, InvalidArgument, NotFound, Unavailable
+from meshserve.sampling import SamplingParams
+from meshserve.telemetry import memory_exporter
+from tests.support.redis_server import free_port
+
+MODEL = ModelInfo("test-model", max_model_len=64, vocab_size=49152, revision="r1")
+TENANT = Tenant("acme", default_priority=3)
+
+
+@pytest_asyncio.fixture
+async def core(tokenizer):
+    c = GatewayCore(tokenizer, MODEL, GrpcMeshClient(f"127.0.0.1:{free_port()}"),
+                    result_cache=ResultCache(8, ttl_s=60.0))
+    yield c
+    await c.close()
+
+
+def count(core: GatewayCore, name: str, **labels) -> float:
+    return core.metrics.registry.get_sample_value(name, {"tenant": "acme", "priority": "3", **labels}) or 0.0
+
+
+@pytest.mark.parametrize("request_, error, message", [
+    (GenerationRequest(), InvalidArgument, "one of prompt, chat or prompt_token_ids must be set"),
+    (GenerationRequest(prompt="Hi", prompt_token_ids=(1, 2)), InvalidArgument,
+     "only one of prompt, chat or prompt_token_ids may be set, got prompt, prompt_token_ids"),
+    (GenerationRequest(prompt=""), InvalidArgument, "prompt must not be empty"),
+    (GenerationRequest(prompt_token_ids=()), InvalidArgument, "prompt_token_ids must not be empty"),
+    (GenerationRequest(prompt_token_ids=(1, 49152)), InvalidArgument,
+     "prompt_token_ids[1] = 49152 is outside the vocabulary [0, 49152)"),
+    (GenerationRequest(chat=(("robot", "Hi"),)), InvalidArgument,
+     "chat.messages[0].role must be one of system, user, assistant, got 'robot'"),
+    (GenerationRequest(prompt="Hi", sampling=SamplingParams(top_p=0.0)), InvalidArgument,
+     "top_p must be in (0, 1], got 0.0"),
+    (GenerationRequest(prompt="Hi", sampling=SamplingParams(max_tokens=65)), InvalidArgument,
+     "max_tokens must be in [1, 64] (max_model_len), got 65"),
+    (GenerationRequest(prompt_token_ids=tuple(range(64))), InvalidArgument,
+     "prompt has 64 tokens; max_model_len is 64 (prompt + at least 1 output token)"),
+    (GenerationRequest(prompt="Hi", model="other"), NotFound,
+     "model 'other' is not served here (this gateway serves 'test-model')"),
+])
+async def test_prepare_rejects_with_the_exact_error(core, request_, error, message):
+    with pytest.raises(error) as info:
+        core.prepare(request_, TENANT)
+    assert type(info.value) is error and str(info.value) == message
+    assert count(core, "meshserve_requests_total", outcome=error.code.name.lower()) == 1
+    assert count(core, "meshserve_gateway_requests_running") == 0
+
+
+async def test_prepare_claims_the_request_id_until_end(core):
+    p = core.prepare(GenerationRequest(prompt_token_ids=(5, 6, 7), request_id="r1"), TENANT)
+    assert (p.request_id, p.tenant, p.priority, p.prompt_ids, p.operation) == ("r1", "acme", 3, [5, 6, 7],
+                                                                               "text_completion")
+    assert p.params == SamplingParams() and p.cache_key is None  # temperature 1, no seed: not deterministic
+    with pytest.raises(AlreadyExists) as info:
+        core.prepare(GenerationRequest(prompt="Hi", request_id="r1"), TENANT)
+    assert str(info.value) == "request_id 'r1' is already in use by an unfinished request"
+    core.end(p)
+    again = core.prepare(GenerationRequest(prompt="Hi", request_id="r1", priority=0), TENANT)
+    core.end(p)  # a second end of the first request frees nothing
+    with pytest.raises(AlreadyExists):
+        core.prepare(GenerationRequest(prompt="Hi", request_id="r1"), TENANT)
+    assert again.priority == 0 and again.operation == "text_completion"
+    core.end(again)
+    assert count(core, "meshserve_requests_total", outcome="ok") == 1
+    assert count(core, "meshserve_requests_total", outcome="already_exists") == 2
+
+
+async def test_deterministic_requests_get_the_result_cache_key(core):
+    greedy = SamplingParams(temperature=0.0, top_k=-1, max_tokens=4)
+    p = core.prepare(GenerationRequest(chat=(("user", "Hi"),), sampling=greedy), TENANT)
+    assert p.operation == "chat" and len(p.request_id) == 32
+    assert p.params == SamplingParams(temperature=0.0, top_k=0, max_tokens=4)  # validated: top_k -1 is off
+    assert p.cache_key == cache_key("test-model", "r1", p.prompt_ids, p.params)
+    core.end(p)
+
+
+async def test_a_run_whose_scheduler_is_gone_raises_unavailable_and_ends_once(core):
+    memory_exporter().clear()
+    events = []
+    with pytest.raises(Unavailable) as info:
+        async for event in core.generate(GenerationRequest(prompt="Hi", request_id="r2"), TENANT,
+                                         SpanOptions(stream=False, attributes={"meshserve.task_id": "t1"})):
+            events.append(event)
+    assert events == [] and str(info.value).startswith("scheduler: ")
+    (span,) = [s for s in memory_exporter().get_finished_spans() if s.attributes.get("meshserve.request_id") == "r2"]
+    assert span.name == "text_completion test-model" and span.status.status_code.name == "ERROR"
+    assert (span.attributes["meshserve.task_id"], span.attributes["gen_ai.request.stream"]) == ("t1", False)
+    assert count(core, "meshserve_requests_total", outcome="unavailable") == 1
+    p = core.prepare(GenerationRequest(prompt="Hi", request_id="r2"), TENANT)  # the id is free again
+    with pytest.raises(Unavailable):
+        async for _ in core.run(p):
+            pass
+    assert p.ended and count(core, "meshserve_requests_total", outcome="unavailable") == 2
+    assert count(core, "meshserve_gateway_requests_running") == 0
