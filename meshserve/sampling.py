@@ -1,8 +1,9 @@
 """Sampling parameters: one validated, defaulted form shared by gateway and executor.
 
-The gateway validates a request's parameters once against the model's limits and
-the executor checks them again with the same function, so both give the same
-INVALID_ARGUMENT message naming the field.
+Each service validates a request's parameters once, where the request enters it
+(the gateway with ``from_proto``, the executor with ``LLMEngine.check_request``:
+it does not trust its caller), with the same function, so both give the same
+INVALID_ARGUMENT message naming the field. Nothing behind a boundary validates again.
 
 Policies (documented in the README):
 
@@ -174,7 +175,16 @@ def from_proto(msg, *, max_model_len: int, vocab_size: int) -> SamplingParams:
     Raises:
         InvalidArgument: see ``validate``.
     """
-    params = SamplingParams(
+    return validate(params_from_proto(msg), max_model_len=max_model_len, vocab_size=vocab_size)
+
+
+def params_from_proto(msg) -> SamplingParams:
+    """``SamplingParams`` from a ``meshserve.v1.SamplingParams``, not yet validated (for
+    a boundary that validates them with the prompt, as ``LLMEngine.check_request``).
+
+    Unset optional fields take the defaults above.
+    """
+    return SamplingParams(
         max_tokens=msg.max_tokens if msg.HasField("max_tokens") else DEFAULT_MAX_TOKENS,
         temperature=msg.temperature if msg.HasField("temperature") else 1.0,
         top_p=msg.top_p if msg.HasField("top_p") else 1.0,
@@ -192,7 +202,6 @@ def from_proto(msg, *, max_model_len: int, vocab_size: int) -> SamplingParams:
         logprobs=msg.logprobs if msg.HasField("logprobs") else None,
         prompt_logprobs=msg.prompt_logprobs if msg.HasField("prompt_logprobs") else None,
     )
-    return validate(params, max_model_len=max_model_len, vocab_size=vocab_size)
 
 
 def to_proto(params: SamplingParams, msg) -> None:
