@@ -225,7 +225,7 @@ class SchedulerLink(BackgroundTask):
                 num_running=s.num_running,
                 num_waiting=s.num_waiting,
                 lease_ids=[lease for lease in self.servicer.active_leases.values() if lease],
-                lease_num_blocks=lease_num_blocks(self.servicer.engine.num_blocks_by_request(),
+                lease_num_blocks=lease_num_blocks(self.servicer.engine.num_blocks_by_request(s),
                                                   self.servicer.active_leases),
             )
         )

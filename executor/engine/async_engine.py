@@ -164,11 +164,11 @@ class AsyncEngine:
         """The latest counters (as of the engine thread's last step or idle moment)."""
         return self._stats
 
-    def num_blocks_by_request(self) -> dict[str, int]:
-        """KV blocks held per caller's request with an open stream (as of the last step),
-        an ``n`` > 1 request's choices summed under its id."""
+    def num_blocks_by_request(self, stats: EngineStats | None = None) -> dict[str, int]:
+        """KV blocks held per caller's request with an open stream, in ``stats`` (default:
+        the latest); an ``n`` > 1 request's choices are summed under its id."""
         out: dict[str, int] = {}
-        for engine_id, blocks in self._stats.num_blocks_by_request:
+        for engine_id, blocks in (stats or self._stats).num_blocks_by_request:
             stream = self._streams.get(engine_id)
             if stream is not None:
                 out[stream.request_id] = out.get(stream.request_id, 0) + blocks
