@@ -289,29 +289,29 @@ class AsyncEngine:
             stream = self._streams.get(request_id)
             if stream is None:
                 continue
-            queue = stream.queue
+            backlog = stream.queue
             # a finished output ends the request (nothing left to abort): queued, one past the bound
-            if (queue.qsize() >= self.max_buffered_outputs and not isinstance(value, BaseException)
+            if (backlog.qsize() >= self.max_buffered_outputs and not isinstance(value, BaseException)
                     and not value.finished):
-                self._overflow(request_id, queue)
+                self._overflow(request_id, backlog)
                 continue
-            queue.put_nowait(value)
-            self.max_buffered_seen = max(self.max_buffered_seen, queue.qsize())
+            backlog.put_nowait(value)
+            self.max_buffered_seen = max(self.max_buffered_seen, backlog.qsize())
         if stats is not None and self._on_stats is not None:
             try:
                 self._on_stats(stats)
             except Exception:  # noqa: BLE001 - a callback bug must not kill dispatch
                 log.exception("on_stats callback failed")
 
-    def _overflow(self, request_id: str, queue: asyncio.Queue) -> None:
+    def _overflow(self, request_id: str, backlog: asyncio.Queue) -> None:
         """Ends a request whose consumer fell ``max_buffered_outputs`` behind: no more
         outputs are queued for it, its consumer reads ``ResourceExhausted`` after those
         queued, and the engine aborts it (freeing its blocks) at its next step."""
         del self._streams[request_id]
         self.num_overflowed += 1
-        log.warning("request %s: its reader left %d outputs untaken; aborted", request_id, queue.qsize())
-        queue.put_nowait(ResourceExhausted(
-            f"the stream is read too slowly: {queue.qsize()} messages were waiting "
+        log.warning("request %s: its reader left %d outputs untaken; aborted", request_id, backlog.qsize())
+        backlog.put_nowait(ResourceExhausted(
+            f"the stream is read too slowly: {backlog.qsize()} messages were waiting "
             f"(bound {self.max_buffered_outputs}); the request was aborted", retry_after_s=1.0))
         self._abort(request_id)
 
