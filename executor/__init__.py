@@ -4,10 +4,11 @@ Map of the package (one concept per module)::
 
     server.py                 the gRPC servicer (thin: proto <-> engine)
     engine/
-      async_engine.py         AsyncEngine: LLMEngine.step() in one background thread
+      async_engine.py         AsyncEngine: LLMEngine.step() in one background thread; n > 1 choices
+      choices.py              the choices' output streams merged into one (bounded)
       llm_engine.py           LLMEngine: schedule() -> execute_model() -> update_from_output()
       config.py               CacheConfig, BatchSchedulerConfig, EngineConfig
-      request.py, stop.py     Request and its statuses; stop conditions
+      request.py, stop.py     CheckedRequest, Request and its statuses; stop conditions
       batch_scheduler.py      continuous batching, chunked prefill, preemption
       kv_cache_manager.py     per-request block lists
       block_pool.py           free list and reference counts of physical blocks

@@ -1,11 +1,12 @@
 """The Executor gRPC servicer and its link to the scheduler.
 
-A thin layer over ``executor.engine.AsyncEngine``: ``Execute`` validates the
-request, feeds it to the engine and streams token ids (and logprobs) back;
-cancelling the call aborts the request in the engine, which frees its blocks at
-its next step. With ``n`` > 1 choices it adds one engine request per choice
-(``"<request_id>#<i>"``, ``SamplingParams.for_choice``) and merges their outputs
-into one stream, each message naming its choice; cancelling aborts them all.
+A thin layer over ``executor.engine.AsyncEngine``: ``Execute`` checks the
+request once (``LLMEngine.check_request``: the executor's boundary, it does not
+trust its caller), runs its choices (``AsyncEngine.generate_choices``: one
+engine request per choice, merged into one stream) and converts each ``(choice
+index, output)`` into a message; cancelling the call aborts every choice in the
+engine, which frees their blocks at its next step.
+
 ``SchedulerLink`` keeps one ``Connect`` stream to the scheduler open: Register,
 a snapshot of the prefix cache (``KvEvents`` with ``reset``), then a capacity
 report (with the blocks each lease's requests hold) whenever the engine's state
@@ -20,6 +21,7 @@ import asyncio
 import contextlib
 import logging
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import grpc
@@ -33,7 +35,7 @@ from meshserve.background import BackgroundTask
 from executor.kv_events import KvEventBatcher
 from meshserve.errors import AlreadyExists, InvalidArgument
 from meshserve.grpc_server import CHANNEL_OPTIONS, Service
-from meshserve.sampling import SamplingParams, from_proto
+from meshserve.sampling import params_from_proto
 from meshserve.telemetry import context_from_grpc
 from meshserve.v1 import common_pb2, executor_pb2, executor_pb2_grpc, scheduler_pb2, scheduler_pb2_grpc
 
@@ -61,16 +63,15 @@ class ExecutorServicer(executor_pb2_grpc.ExecutorServicer):
             raise InvalidArgument("request_id must not be empty")
         if request.request_id in self.active_leases:
             raise AlreadyExists(f"request_id {request.request_id!r} is already in use by an unfinished request")
-        params = from_proto(request.sampling, max_model_len=eng.max_model_len, vocab_size=eng.vocab_size)
-        prompt = list(request.prompt_token_ids)
-        params = eng.check_request(prompt, params)  # INVALID_ARGUMENT before any choice starts
+        # the one check of this request in the executor: INVALID_ARGUMENT before any choice starts
+        checked = eng.check_request(request.prompt_token_ids, params_from_proto(request.sampling))
         spans = ExecuteSpans(context_from_grpc(context), request.request_id, self.executor_id, self.model_id,
-                             len(prompt), params, request.priority)
+                             len(checked.prompt_token_ids), checked.sampling_params, request.priority)
         self.active_leases[request.request_id] = request.lease_id
         failure = None
         try:
-            async with contextlib.aclosing(self._choices(request.request_id, prompt, params,
-                                                         request.priority, spans.context)) as choices:
+            async with contextlib.aclosing(self.engine.generate_choices(request.request_id, checked,
+                                                                        request.priority, spans.context)) as choices:
                 async for index, out in choices:
                     spans.on_output(index, out)
                     yield response_to_proto(index, out)
@@ -83,49 +84,6 @@ class ExecutorServicer(executor_pb2_grpc.ExecutorServicer):
 
     async def Stats(self, request, context) -> executor_pb2.StatsResponse:
         return stats_to_proto(self.engine.stats(), self.model_id)
-
-    async def _choices(self, request_id: str, prompt: list[int], params: SamplingParams, priority: int,
-                       trace_context=None):
-        """Yields ``(choice index, RequestOutput)`` of every choice as they come, until
-        all finished. Closing it (the call was cancelled) aborts every choice."""
-        # Engine ids are always "<request_id>#<choice>": injective, so a caller id
-        # that itself ends in "#<k>" cannot collide with another request's choice.
-        if params.n == 1:
-            async with contextlib.aclosing(self.engine.generate(f"{request_id}#0", prompt, params, priority,
-                                                                trace_context)) as outs:
-                async for out in outs:
-                    yield 0, out
-            return
-        # Bounded: a slow reader backs up into each choice's engine queue, whose own
-        # bound (``AsyncEngine.max_buffered_outputs``) then ends the request.
-        merged: asyncio.Queue = asyncio.Queue(maxsize=params.n)
-
-        async def pump(index: int) -> None:
-            try:
-                # aclosing: a pump cancelled while it waits on ``merged`` closes its engine
-                # stream (aborting the choice) at once, not when the generator is collected
-                async with contextlib.aclosing(self.engine.generate(
-                        f"{request_id}#{index}", prompt, params.for_choice(index), priority, trace_context)) as outs:
-                    async for out in outs:
-                        await merged.put((index, out))
-            except Exception as exc:  # noqa: BLE001 - re-raised by the consumer below
-                await merged.put((index, exc))
-
-        tasks = [asyncio.create_task(pump(i)) for i in range(params.n)]
-        try:
-            unfinished = params.n
-            while unfinished:
-                index, item = await merged.get()
-                if isinstance(item, Exception):
-                    raise item
-                unfinished -= item.finished
-                yield index, item
-        finally:
-            for task in tasks:  # a cancelled pump closes its engine stream, which aborts the choice
-                task.cancel()
-            # every choice's engine stream is closed before the caller frees the request id,
-            # so a retry with the same id is not refused as "in use"
-            await asyncio.gather(*tasks, return_exceptions=True)
 
 
 def response_to_proto(index: int, out: RequestOutput) -> executor_pb2.ExecuteResponse:
@@ -202,20 +160,20 @@ class LinkConfig:
     max_hashes_per_message: int = 8192  # 16 bytes each: 128 KiB messages
 
 
-def lease_num_blocks(num_blocks_by_request, active_leases: dict[str, str]) -> dict[str, int]:
-    """Blocks held per lease: the engine's requests mapped to their leases.
+def lease_num_blocks(num_blocks_by_request: Mapping[str, int], active_leases: dict[str, str]) -> dict[str, int]:
+    """Blocks held per lease: the requests' blocks mapped to their leases.
 
     Args:
-        num_blocks_by_request: ``(engine request id, blocks)`` pairs; a choice of an
-            n > 1 request is ``"<request_id>#<i>"``.
+        num_blocks_by_request: request id → blocks it holds, all its choices together
+            (``AsyncEngine.num_blocks_by_request``).
         active_leases: request id → lease id of the Execute calls in flight.
 
     Returns:
         lease id → blocks of all its requests; leases holding none are absent.
     """
     out: dict[str, int] = {}
-    for rid, blocks in num_blocks_by_request:
-        lease = active_leases.get(rid) or active_leases.get(rid.rpartition("#")[0])
+    for rid, blocks in num_blocks_by_request.items():
+        lease = active_leases.get(rid)
         if lease:
             out[lease] = out.get(lease, 0) + blocks
     return out
@@ -267,7 +225,8 @@ class SchedulerLink(BackgroundTask):
                 num_running=s.num_running,
                 num_waiting=s.num_waiting,
                 lease_ids=[lease for lease in self.servicer.active_leases.values() if lease],
-                lease_num_blocks=lease_num_blocks(s.num_blocks_by_request, self.servicer.active_leases),
+                lease_num_blocks=lease_num_blocks(self.servicer.engine.num_blocks_by_request(s),
+                                                  self.servicer.active_leases),
             )
         )
 

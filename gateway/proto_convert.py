@@ -14,7 +14,7 @@ from typing import Iterable, Sequence
 from gateway.collector import CompletedChoice
 from gateway.events import ChoiceResult, Delta, Event, FinishReason, Queued, TokenLogprob, TopLogprob
 from gateway.request import GenerationRequest
-from meshserve.sampling import from_proto_unvalidated
+from meshserve.sampling import params_from_proto
 from meshserve.v1 import common_pb2, gateway_pb2
 
 FINISH_REASONS = {FinishReason.STOP: common_pb2.FINISH_REASON_STOP,
@@ -57,7 +57,7 @@ def request_from_proto(msg: gateway_pb2.GenerateRequest, default_request_id: str
         prompt=msg.prompt if kind == "prompt" else None,
         chat=tuple((m.role, m.content) for m in msg.chat.messages) if kind == "chat" else None,
         prompt_token_ids=tuple(msg.prompt_token_ids.ids) if kind == "prompt_token_ids" else None,
-        sampling=from_proto_unvalidated(msg.sampling),
+        sampling=params_from_proto(msg.sampling),
         priority=msg.priority if msg.HasField("priority") else None,
         request_id=msg.request_id or default_request_id,
     )

@@ -1,8 +1,9 @@
 """Sampling parameters: one validated, defaulted form shared by gateway and executor.
 
-The gateway validates a request's parameters once against the model's limits and
-the executor checks them again with the same function, so both give the same
-INVALID_ARGUMENT message naming the field.
+Each service validates a request's parameters once, where the request enters it
+(the gateway in ``GatewayCore.prepare``, the executor in ``LLMEngine.check_request``:
+it does not trust its caller), with the same function, so both give the same
+INVALID_ARGUMENT message naming the field. Nothing behind a boundary validates again.
 
 Policies (documented in docs/api.md):
 
@@ -174,12 +175,15 @@ def from_proto(msg, *, max_model_len: int, vocab_size: int) -> SamplingParams:
     Raises:
         InvalidArgument: see ``validate``.
     """
-    return validate(from_proto_unvalidated(msg), max_model_len=max_model_len, vocab_size=vocab_size)
+    return validate(params_from_proto(msg), max_model_len=max_model_len, vocab_size=vocab_size)
 
 
-def from_proto_unvalidated(msg) -> SamplingParams:
-    """``SamplingParams`` as a ``meshserve.v1.SamplingParams`` gives them, unset optional
-    fields defaulted, not yet checked (the caller runs ``validate``)."""
+def params_from_proto(msg) -> SamplingParams:
+    """``SamplingParams`` from a ``meshserve.v1.SamplingParams``, not yet validated (for
+    a boundary that validates them with the prompt, as ``LLMEngine.check_request``).
+
+    Unset optional fields take the defaults above.
+    """
     return SamplingParams(
         max_tokens=msg.max_tokens if msg.HasField("max_tokens") else DEFAULT_MAX_TOKENS,
         temperature=msg.temperature if msg.HasField("temperature") else 1.0,

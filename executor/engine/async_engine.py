@@ -5,15 +5,18 @@
     event loop (gRPC)                         engine thread
     ─────────────────                         ─────────────
     generate(): check_request
+    generate_choices(): (checked by the caller)
                 put ("add") ────┐
-    cancel:     put ("abort") ──┼──▶ _commands ──▶ add_request / abort_request
+    cancel:     put ("abort") ──┼──▶ _commands ──▶ add_checked / abort_request
                 wake ───────────┘                  (in call order, start of each step)
                                                step() ──▶ outputs
     per-request asyncio.Queue ◀── call_soon_threadsafe(_dispatch, outputs, stats)
 
 Only the engine thread touches the ``LLMEngine`` (it is not thread-safe), except
 ``check_request``, which reads immutable limits: the loop calls it first so that
-``InvalidArgument`` is raised by ``generate`` before any output. When there is no
+``InvalidArgument`` is raised by ``generate`` before any output (the thread adds
+it unchecked). ``generate_choices`` runs the ``n`` choices of a request the caller
+checked, merged into one stream (``executor.engine.choices``). When there is no
 work the thread sleeps on an event (no busy loop). ``on_stats`` runs in the loop
 when the counters changed, at most every ``STATS_INTERVAL_S`` (a last change is
 always delivered once the engine goes idle). The engine's prefix-cache events
@@ -39,10 +42,14 @@ import logging
 import queue
 import threading
 import time
+from contextlib import aclosing
+from dataclasses import dataclass
 from typing import AsyncIterator, Callable
 
+from executor.engine.choices import merge_choices
 from executor.engine.llm_engine import LLMEngine
 from executor.engine.outputs import EngineStats, RequestOutput
+from executor.engine.request import CheckedRequest
 from meshserve.errors import InvalidArgument, ResourceExhausted, Unavailable
 from meshserve.sampling import SamplingParams
 
@@ -51,6 +58,14 @@ log = logging.getLogger(__name__)
 STATS_INTERVAL_S = 0.05
 DEFAULT_MAX_BUFFERED_OUTPUTS = 256
 _ABORTED = object()  # in a dispatch: (request_id, _ABORTED), the engine applied an abort of that id
+
+
+@dataclass(eq=False)
+class _Stream:
+    """One engine request's outputs not yet taken, and the caller's request it is of."""
+
+    queue: asyncio.Queue
+    request_id: str
 
 
 class AsyncEngine:
@@ -80,13 +95,13 @@ class AsyncEngine:
         self.max_buffered_seen = 0  # the largest backlog any request's queue reached
         self._on_stats = on_stats
         self._on_kv_events = on_kv_events
-        # ("add", request_id, prompt, params, priority, trace_context) | ("abort", request_id), in call order
+        # ("add", request_id, CheckedRequest, priority, trace_context) | ("abort", request_id), in call order
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._wake = threading.Event()
         self._stopping = False
         self._thread: threading.Thread | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
-        self._streams: dict[str, asyncio.Queue] = {}
+        self._streams: dict[str, _Stream] = {}  # engine request id -> its open stream
         # ids with an abort queued but not yet applied by the engine thread (count per id):
         # outputs for such an id are the old request's, never a new request's of the same id
         self._aborting: dict[str, int] = {}
@@ -112,7 +127,7 @@ class AsyncEngine:
         when the engine runs again. Returns the number of streams ended."""
         error = Unavailable(message)
         for stream in self._streams.values():
-            stream.put_nowait(error)
+            stream.queue.put_nowait(error)
         return len(self._streams)
 
     @property
@@ -143,15 +158,26 @@ class AsyncEngine:
             await asyncio.to_thread(close)
             self.engine.set_kv_connector(None)
         for request_id, stream in list(self._streams.items()):
-            stream.put_nowait(RequestOutput(request_id, [], True, "abort"))
+            stream.queue.put_nowait(RequestOutput(request_id, [], True, "abort"))
 
     def stats(self) -> EngineStats:
         """The latest counters (as of the engine thread's last step or idle moment)."""
         return self._stats
 
+    def num_blocks_by_request(self, stats: EngineStats | None = None) -> dict[str, int]:
+        """KV blocks held per caller's request with an open stream, in ``stats`` (default:
+        the latest); an ``n`` > 1 request's choices are summed under its id."""
+        out: dict[str, int] = {}
+        for engine_id, blocks in (stats or self._stats).num_blocks_by_request:
+            stream = self._streams.get(engine_id)
+            if stream is not None:
+                out[stream.request_id] = out.get(stream.request_id, 0) + blocks
+        return out
+
     async def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                        priority: int = 0, trace_context: object = None) -> AsyncIterator[RequestOutput]:
-        """Adds a request and yields its outputs until one is ``finished``.
+        """Checks a request (``LLMEngine.check_request``), adds it and yields its outputs
+        until one is ``finished``. ``params.n`` is not looked at: one engine request.
 
         ``trace_context`` (an OpenTelemetry context) parents the engine's kvstore spans.
 
@@ -165,30 +191,81 @@ class AsyncEngine:
         Cancelling the consumer (``CancelledError``, ``aclose()``) aborts the request;
         its blocks are freed at the start of the engine's next step.
         """
+        self._check_can_add(request_id)
+        checked = self.engine.check_request(prompt_token_ids, params)
+        stream = self._add(request_id, request_id, checked, priority, trace_context)
+        async with aclosing(self._read(request_id, stream)) as outs:
+            async for out in outs:
+                yield out
+
+    async def generate_choices(self, request_id: str, request: CheckedRequest, priority: int = 0,
+                               trace_context: object = None) -> AsyncIterator[tuple[int, RequestOutput]]:
+        """Runs the ``n`` choices of a request checked by ``LLMEngine.check_request``, one
+        engine request each (``CheckedRequest.for_choice``), and yields ``(choice index,
+        output)`` as they come until every choice finished (``merge_choices``: bounded).
+
+        The choices' engine ids are internal (``"<request_id>#<index>"``, injective: a
+        caller id ending in ``"#<k>"`` cannot take another request's choice).
+
+        Raises:
+            InvalidArgument: an empty request id, or a choice's id in use.
+            Unavailable, ResourceExhausted: as ``generate`` (for any choice).
+
+        Closing it aborts every unfinished choice; once closed, no stream of its choices
+        is left open, so the id may be used again at once.
+        """
+        if not request_id:
+            raise InvalidArgument("request_id must not be empty")
+        engine_ids = [f"{request_id}#{index}" for index in range(request.sampling_params.n)]
+        for engine_id in engine_ids:
+            self._check_can_add(engine_id)
+        streams = [self._add(engine_id, request_id, request.for_choice(index), priority, trace_context)
+                   for index, engine_id in enumerate(engine_ids)]
+        try:
+            async with aclosing(merge_choices([self._read(engine_id, stream)
+                                               for engine_id, stream in zip(engine_ids, streams)])) as outs:
+                async for index, out in outs:
+                    yield index, out
+        finally:
+            for engine_id, stream in zip(engine_ids, streams):
+                self._release(engine_id, stream)  # a choice whose reader never started
+
+    def _check_can_add(self, request_id: str) -> None:
+        """Raises ``Unavailable`` (not running) or ``InvalidArgument`` (empty id, or in use)."""
         if self._thread is None or self._stopping or self._failure is not None:
             raise Unavailable("engine is not running")
         if not request_id:
             raise InvalidArgument("request_id must not be empty")
         if request_id in self._streams:
             raise InvalidArgument(f"request_id {request_id!r} is already in use by an unfinished request")
-        params = self.engine.check_request(prompt_token_ids, params)
-        stream: asyncio.Queue = asyncio.Queue()
-        self._streams[request_id] = stream
-        self._commands.put(("add", request_id, list(prompt_token_ids), params, priority, trace_context))
+
+    def _add(self, engine_id: str, request_id: str, checked: CheckedRequest, priority: int,
+             trace_context: object) -> _Stream:
+        """Opens engine request ``engine_id``'s stream and queues its add for the thread."""
+        stream = self._streams[engine_id] = _Stream(asyncio.Queue(), request_id)
+        self._commands.put(("add", engine_id, checked, priority, trace_context))
         self._wake.set()
+        return stream
+
+    async def _read(self, engine_id: str, stream: _Stream) -> AsyncIterator[RequestOutput]:
+        """Yields the stream's outputs up to a finished one (raises an error put in it)."""
         finished = False
         try:
             while not finished:
-                item = await stream.get()
+                item = await stream.queue.get()
                 if isinstance(item, BaseException):
                     raise item  # the finally aborts it (a no-op for a request the engine refused)
                 finished = item.finished
                 yield item
         finally:
-            if self._streams.get(request_id) is stream:  # else ``_overflow`` already aborted it
-                del self._streams[request_id]
-                if not finished:
-                    self._abort(request_id)
+            self._release(engine_id, stream, finished)
+
+    def _release(self, engine_id: str, stream: _Stream, finished: bool = False) -> None:
+        """Closes ``stream``, aborting its request unless finished; no-op if already closed."""
+        if self._streams.get(engine_id) is stream:
+            del self._streams[engine_id]
+            if not finished:
+                self._abort(engine_id)
 
     # -- event loop side ------------------------------------------------------
 
@@ -212,28 +289,29 @@ class AsyncEngine:
             stream = self._streams.get(request_id)
             if stream is None:
                 continue
+            backlog = stream.queue
             # a finished output ends the request (nothing left to abort): queued, one past the bound
-            if (stream.qsize() >= self.max_buffered_outputs and not isinstance(value, BaseException)
+            if (backlog.qsize() >= self.max_buffered_outputs and not isinstance(value, BaseException)
                     and not value.finished):
-                self._overflow(request_id, stream)
+                self._overflow(request_id, backlog)
                 continue
-            stream.put_nowait(value)
-            self.max_buffered_seen = max(self.max_buffered_seen, stream.qsize())
+            backlog.put_nowait(value)
+            self.max_buffered_seen = max(self.max_buffered_seen, backlog.qsize())
         if stats is not None and self._on_stats is not None:
             try:
                 self._on_stats(stats)
             except Exception:  # noqa: BLE001 - a callback bug must not kill dispatch
                 log.exception("on_stats callback failed")
 
-    def _overflow(self, request_id: str, stream: asyncio.Queue) -> None:
+    def _overflow(self, request_id: str, backlog: asyncio.Queue) -> None:
         """Ends a request whose consumer fell ``max_buffered_outputs`` behind: no more
         outputs are queued for it, its consumer reads ``ResourceExhausted`` after those
         queued, and the engine aborts it (freeing its blocks) at its next step."""
         del self._streams[request_id]
         self.num_overflowed += 1
-        log.warning("request %s: its reader left %d outputs untaken; aborted", request_id, stream.qsize())
-        stream.put_nowait(ResourceExhausted(
-            f"the stream is read too slowly: {stream.qsize()} messages were waiting "
+        log.warning("request %s: its reader left %d outputs untaken; aborted", request_id, backlog.qsize())
+        backlog.put_nowait(ResourceExhausted(
+            f"the stream is read too slowly: {backlog.qsize()} messages were waiting "
             f"(bound {self.max_buffered_outputs}); the request was aborted", retry_after_s=1.0))
         self._abort(request_id)
 
@@ -314,9 +392,9 @@ class AsyncEngine:
                 self.engine.abort_request(command[1])
                 errors.append((command[1], _ABORTED))
                 continue
-            _, request_id, prompt, params, priority, trace_context = command
+            _, request_id, checked, priority, trace_context = command
             try:
-                self.engine.add_request(request_id, prompt, params, priority, trace_context)
+                self.engine.add_checked(request_id, checked, priority, trace_context)
             except InvalidArgument as exc:
                 errors.append((request_id, exc))
         return errors

@@ -30,7 +30,7 @@ from executor.engine.kv_cache_manager import KVCacheManager, cdiv
 from executor.engine.kv_connector import KVConnector
 from executor.engine.model_runner import ModelRunner
 from executor.engine.outputs import EngineStats, RequestOutput
-from executor.engine.request import ExternalKV, Request
+from executor.engine.request import CheckedRequest, ExternalKV, Request
 from executor.model_loader import load_model
 from meshserve.block_hash import (BlockHash, KVLayout, KVStoreFingerprint, ModelFingerprint, hash_full_blocks,
                                   routing_fingerprint)
@@ -94,17 +94,21 @@ class LLMEngine:
 
     # -- requests -------------------------------------------------------------
 
-    def check_request(self, prompt_token_ids: list[int], params: SamplingParams) -> SamplingParams:
-        """Validates a request against the engine's limits; returns normalised params.
+    def check_request(self, prompt_token_ids: list[int], params: SamplingParams) -> CheckedRequest:
+        """Checks a request against the engine's limits, once where it enters the engine
+        (the executor's servicer, ``AsyncEngine.generate``, ``add_request``); returns it
+        with normalised params for ``add_checked``, which does not check again.
 
         Thread-safe (reads only immutable limits). Does not check the request id.
 
         Raises:
-            InvalidArgument: empty prompt, an id outside the vocabulary, a prompt that
-                leaves no room for one generated token within ``max_model_len``, a
-                prompt needing more blocks than the whole cache, a prompt longer than
-                ``max_num_batched_tokens`` with chunked prefill off, or invalid params.
+            InvalidArgument: invalid params (checked first), an empty prompt, an id
+                outside the vocabulary, a prompt that leaves no room for one generated
+                token within ``max_model_len``, a prompt needing more blocks than the
+                whole cache, or a prompt longer than ``max_num_batched_tokens`` with
+                chunked prefill off.
         """
+        params = validate(params, max_model_len=self.max_model_len, vocab_size=self.vocab_size)
         n = len(prompt_token_ids)
         if n == 0:
             raise InvalidArgument("prompt_token_ids must not be empty")
@@ -122,7 +126,7 @@ class LLMEngine:
         if not batch.enable_chunked_prefill and n > batch.max_num_batched_tokens:
             raise InvalidArgument(f"prompt has {n} tokens, more than max_num_batched_tokens "
                                   f"{batch.max_num_batched_tokens} (chunked prefill is off)")
-        return validate(params, max_model_len=self.max_model_len, vocab_size=self.vocab_size)
+        return CheckedRequest(tuple(prompt_token_ids), params)
 
     @property
     def kv_store_fingerprint(self) -> KVStoreFingerprint:
@@ -144,22 +148,40 @@ class LLMEngine:
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                     priority: int = 0, trace_context: object = None) -> None:
-        """Queues a request; it joins the running batch at a following step (after its
-        kvstore fetch, when a connector is set and its prefix is not all cached here).
+        """Checks a request (``check_request``) and queues it (``add_checked``).
+
+        Raises:
+            InvalidArgument: an empty or duplicate request id (checked first); see
+                ``check_request``.
+        """
+        self._check_request_id(request_id)
+        self._queue(request_id, self.check_request(prompt_token_ids, params), priority, trace_context)
+
+    def add_checked(self, request_id: str, request: CheckedRequest, priority: int = 0,
+                    trace_context: object = None) -> None:
+        """Queues a request ``check_request`` accepted (not checked again); it joins the
+        running batch at a following step (after its kvstore fetch, when a connector is
+        set and its prefix is not all cached here).
 
         Args:
             trace_context: OpenTelemetry context, parent of the kvstore spans.
 
         Raises:
-            InvalidArgument: see ``check_request``; also an empty or duplicate request id.
+            InvalidArgument: an empty or duplicate request id.
         """
+        self._check_request_id(request_id)
+        self._queue(request_id, request, priority, trace_context)
+
+    def _check_request_id(self, request_id: str) -> None:
         if not request_id:
             raise InvalidArgument("request_id must not be empty")
         if request_id in self.batch_scheduler.requests:
             raise InvalidArgument(f"request_id {request_id!r} is already in use by an unfinished request")
-        params = self.check_request(prompt_token_ids, params)
+
+    def _queue(self, request_id: str, checked: CheckedRequest, priority: int, trace_context: object) -> None:
         max_len = min(self.max_model_len, self.num_blocks * self.block_size)
-        request = Request(request_id, list(prompt_token_ids), params, priority, next(self._arrivals), max_len)
+        request = Request(request_id, list(checked.prompt_token_ids), checked.sampling_params, priority,
+                          next(self._arrivals), max_len)
         request.trace_context = trace_context
         if not self._start_fetch(request):
             self.batch_scheduler.add_request(request)

@@ -50,6 +50,26 @@ _FINISH_REASONS = {
 }
 
 
+@dataclass(frozen=True)
+class CheckedRequest:
+    """A prompt and its sampling parameters as ``LLMEngine.check_request`` accepted them
+    against that engine's limits: made there, once where a request enters the executor,
+    and taken by ``LLMEngine.add_checked`` without checking again.
+
+    Attributes:
+        prompt_token_ids: the prompt (non-empty, ids in the vocabulary, fits the cache).
+        sampling_params: validated and normalised (``meshserve.sampling.validate``).
+    """
+
+    prompt_token_ids: tuple[int, ...]
+    sampling_params: SamplingParams
+
+    def for_choice(self, index: int) -> "CheckedRequest":
+        """Choice ``index`` of an ``n`` > 1 request (``SamplingParams.for_choice``: seed +
+        index, prompt logprobs on choice 0 only; both keep the params valid)."""
+        return CheckedRequest(self.prompt_token_ids, self.sampling_params.for_choice(index))
+
+
 @dataclass(eq=False)
 class Request:
     """One generation request.

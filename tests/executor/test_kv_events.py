@@ -74,9 +74,11 @@ def test_stored_then_removed_in_one_batch_is_only_removed():
                                                                              "m", "r1"))
 
 
-def test_lease_block_counts_sum_the_choices():
-    active = {"r1": "L1", "r2": "L2", "x#y": "L3"}
-    counts = lease_num_blocks((("r1", 3), ("r2#0", 2), ("r2#1", 4), ("x#y", 1), ("orphan", 9)), active)
+def test_lease_block_counts_sum_the_requests_of_each_lease():
+    """Requests' blocks (their choices already summed by ``AsyncEngine.num_blocks_by_request``)
+    mapped to leases; ids are taken as they are, a request without a lease is left out."""
+    active = {"r1": "L1", "r2": "L2", "r3": "L2", "x#y": "L3"}
+    counts = lease_num_blocks({"r1": 3, "r2": 2, "r3": 4, "x#y": 1, "x": 5, "orphan": 9}, active)
     assert counts == {"L1": 3, "L2": 6, "L3": 1}
 
 

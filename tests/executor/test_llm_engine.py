@@ -36,6 +36,27 @@ def test_add_request_rejects(engine, prompt, params, message):
     assert not engine.has_unfinished_requests()
 
 
+def test_check_request_checks_params_then_prompt_once_and_add_checked_takes_it(engine):
+    """``check_request`` is the one check (params first, as the executor's servicer always
+    reported them); its ``CheckedRequest`` is queued by ``add_checked`` as it is, which
+    checks only the request id."""
+    with pytest.raises(InvalidArgument, match="top_p"):
+        engine.check_request([], SamplingParams(top_p=0.0))
+    checked = engine.check_request([1, 2, 3], SamplingParams(max_tokens=2, temperature=0.0, top_k=-1, n=2))
+    assert checked.prompt_token_ids == (1, 2, 3) and checked.sampling_params.top_k == 0
+    assert checked.for_choice(1).sampling_params == checked.sampling_params.for_choice(1)
+    engine.add_checked("checked", checked)
+    with pytest.raises(InvalidArgument, match="request_id 'checked' is already in use"):
+        engine.add_checked("checked", checked)
+    with pytest.raises(InvalidArgument, match="request_id must not be empty"):
+        engine.add_checked("", checked)
+    outs = []
+    while engine.has_unfinished_requests():
+        outs += engine.step()
+    assert [t for o in outs for t in o.new_token_ids] == engine.generate([[1, 2, 3]], checked.sampling_params)[0]
+    assert outs[-1].finish_reason == "length"
+
+
 def test_duplicate_request_id_and_abort(engine):
     engine.add_request("dup", [1, 2, 3], GREEDY)
     with pytest.raises(InvalidArgument, match="request_id 'dup' is already in use"):

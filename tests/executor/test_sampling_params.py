@@ -14,7 +14,7 @@ import torch
 from executor.engine.request import Request, RequestStatus
 from executor.engine.stop import check_stop
 from meshserve.errors import InvalidArgument
-from meshserve.sampling import MAX_LOGPROBS, MAX_N, SamplingParams, from_proto, to_proto, validate
+from meshserve.sampling import MAX_LOGPROBS, MAX_N, SamplingParams, from_proto, params_from_proto, to_proto, validate
 from meshserve.v1 import common_pb2
 
 VOCAB = 1000
@@ -70,6 +70,23 @@ def test_proto_round_trip_keeps_every_field_and_defaults():
     msg = common_pb2.SamplingParams()
     to_proto(defaults, msg)
     assert not msg.HasField("logprobs") and not msg.HasField("prompt_logprobs")
+
+
+def test_params_from_proto_builds_without_validating_and_from_proto_validates_once():
+    """The executor builds params with ``params_from_proto`` and validates them in its one
+    check (``LLMEngine.check_request``); ``from_proto`` (the gateway's) is the same build
+    plus ``validate``, with the same message."""
+    msg = common_pb2.SamplingParams(top_p=0.0, top_k=-1, n=2)
+    raw = params_from_proto(msg)
+    assert (raw.top_p, raw.top_k, raw.n, raw.max_tokens) == (0.0, -1, 2, 16)
+    with pytest.raises(InvalidArgument, match=r"top_p must be in \(0, 1\], got 0.0") as from_gateway:
+        from_proto(msg, max_model_len=100, vocab_size=VOCAB)
+    with pytest.raises(InvalidArgument) as direct:
+        validate(raw, max_model_len=100, vocab_size=VOCAB)
+    assert str(from_gateway.value) == str(direct.value)
+    msg.top_p = 0.5
+    assert from_proto(msg, max_model_len=100, vocab_size=VOCAB) == validate(params_from_proto(msg), max_model_len=100,
+                                                                             vocab_size=VOCAB)
 
 
 def test_for_choice_offsets_the_seed_and_keeps_prompt_logprobs_on_choice_0():
