@@ -127,6 +127,9 @@ class StepGate:
         self._open = threading.Event()
         self._open.set()
         self._patched = False
+        # (num_steps after the step, ids of the requests it made outputs for), for every
+        # step run through the gate that made outputs
+        self.outputs: list[tuple[int, list[str]]] = []
 
     def __enter__(self) -> StepGate:
         self._own_step = self.engine.__dict__.get("step")  # a hook already there stays under ours
@@ -149,7 +152,10 @@ class StepGate:
             opened = self._open
             self._held.set()
             opened.wait()
-        return self._step()
+        outputs = self._step()
+        if outputs:
+            self.outputs.append((self.engine.num_steps, [o.request_id for o in outputs]))
+        return outputs
 
     async def hold(self, after_steps: int = 0, timeout_s: float = 120.0) -> int:
         """Holds the engine thread before the first step it starts once it has run
