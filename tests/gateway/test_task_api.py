@@ -21,6 +21,7 @@ from meshserve.v1 import gateway_pb2, gateway_pb2_grpc
 from tests.redis_server import free_port
 
 TTL_S = 1.0
+STORE_NOW = [1000.0]  # the task store's fake clock (Unix seconds): its TTL passes when a test says so
 KEY_A, KEY_B = (("x-api-key", "key-a"),), (("x-api-key", "key-b"),)
 
 
@@ -36,7 +37,7 @@ async def gateway(tmp_path_factory):
     path.write_text('[[tenants]]\nname = "a"\napi_keys = ["key-a"]\n\n[[tenants]]\nname = "b"\napi_keys = ["key-b"]\n')
     svc = await start_gateway(tokenizer, info, f"127.0.0.1:{free_port()}", 0,
                               tenants=TenantRegistry.from_file(path),
-                              tasks=TaskRunner(MemoryTaskStore(ttl_s=TTL_S)))
+                              tasks=TaskRunner(MemoryTaskStore(ttl_s=TTL_S, clock=lambda: STORE_NOW[0])))
     ch = channel(svc.address)
     stub = gateway_pb2_grpc.GatewayStub(ch)
     stub.address = svc.address  # for the CLI test
@@ -97,7 +98,9 @@ async def test_finished_tasks_expire_after_the_ttl(gateway):
     handle = await submit_task(gateway, request(), KEY_B)
     status = await wait_task(gateway, handle.task_id, KEY_B, poll_s=0.02, timeout_s=30)
     assert status.state == gateway_pb2.TASK_STATE_FAILED
-    await asyncio.sleep(TTL_S * 1.2)
+    STORE_NOW[0] += TTL_S / 2
+    assert (await get_task(gateway, handle.task_id, KEY_B)).state == gateway_pb2.TASK_STATE_FAILED
+    STORE_NOW[0] += TTL_S / 2
     with pytest.raises(grpc.aio.AioRpcError) as info:
         await get_task(gateway, handle.task_id, KEY_B)
     assert info.value.code() == grpc.StatusCode.NOT_FOUND
