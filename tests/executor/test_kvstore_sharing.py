@@ -212,7 +212,10 @@ def scaled_model(tmp_path_factory, default_model_files):
     return str(out)
 
 
-def test_C06_prefix_cache_keyed_by_model_identity(engines, tokenizer, scaled_model):
+def test_prefix_cache_is_keyed_by_model_identity_and_dtype(engines, tokenizer, scaled_model):
+    """Case C06: another model's weights, or the same model in another dtype, never
+    get this model's blocks from the kvstore (each computes its own, equal to its cold
+    run); the same model on another engine does."""
     a, b = engines
     m2 = make_engine(scaled_model)
     bf16 = make_engine("default", "bfloat16")

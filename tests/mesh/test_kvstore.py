@@ -41,7 +41,11 @@ async def wait_for(predicate, timeout_s: float = 30.0, what: str = "condition") 
         await asyncio.sleep(0.02)
 
 
-async def test_C19_late_kvstore_completions_after_an_abort(tokenizer):
+async def test_late_kvstore_completions_after_an_abort_are_ignored(tokenizer):
+    """Case C19: a request cancelled right after its first token while its block
+    writes wait for their acknowledgements, and one cancelled while loading from
+    the kvstore: late completions are ignored, leases drop to 0, every written block
+    is whole; the canary passes and a later request loads the prefix."""
     store = KVStore(memory_bytes=512 << 20)
     DelayingServicer.put_ack_delay_s = 0.2          # every Put acknowledgement comes 200 ms late
     kv_service = await start_kvstore(store, 0, servicer_cls=DelayingServicer)
