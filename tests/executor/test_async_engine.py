@@ -146,8 +146,9 @@ async def test_request_that_finishes_at_the_bound_is_delivered_whole(engine):
         first = await stream.__anext__()  # starts the request; its first output is taken
         assert first.finished is False
         # the consumer now reads nothing: bound + 1 outputs remain, the last one finished
-        await wait_until(lambda: eng.stats().num_finished >= 1 and eng.stats().num_running == 0)
-        await asyncio.sleep(0.1)  # its outputs dispatched
+        # every output dispatched: the finished one is queued one past the bound
+        await wait_until(lambda: eng.max_buffered_seen == bound + 1)
+        assert eng.stats().num_finished >= 1 and eng.stats().num_running == 0
         outs = [first] + [out async for out in stream]
     finally:
         await eng.stop()
