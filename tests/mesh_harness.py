@@ -43,11 +43,11 @@ class LocalMesh:
         async with channel(self.executors[i][0].address) as ch:
             return await executor_pb2_grpc.ExecutorStub(ch).Stats(executor_pb2.StatsRequest())
 
-    async def wait_idle(self, timeout_s: float = 30.0) -> None:
+    async def wait_idle(self, timeout_s: float = 120.0) -> None:
         """Waits until every engine has no request and every block is free.
 
         Raises:
-            TimeoutError: blocks still held after ``timeout_s``.
+            TimeoutError: blocks still held after ``timeout_s`` (a hang bound).
         """
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout_s
