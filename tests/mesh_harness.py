@@ -75,14 +75,17 @@ class LocalMesh:
 
 
 async def start_local_mesh(engines: list[LLMEngine], tokenizer, tenants=None, kvstore=None,
-                           kvstore_fetch_timeout_s: float = 5.0, step_timeout_s: float = 60.0,
+                           kvstore_fetch_timeout_s: float = 300.0, step_timeout_s: float = 3600.0,
                            metrics: bool = False, max_buffered_outputs: int = 256) -> LocalMesh:
     """Starts scheduler, one executor per engine, and a gateway, on free ports; with
     ``kvstore`` (a ``kvstore.store.KVStore``, or a ready ``Service``) a kvstore service
     too, every executor shares prefix blocks through it, and the scheduler follows its
     placements. With ``metrics`` every service serves Prometheus metrics on a free port
     (``LocalMesh.metrics_urls``). ``max_buffered_outputs``: each executor's bound on a
-    stream's untaken outputs (C27)."""
+    stream's untaken outputs (C27). ``kvstore_fetch_timeout_s`` and ``step_timeout_s``
+    (the step watchdog's bound) are by default past any real fetch or step of a loaded
+    machine and any ``StepGate`` hold: no test's outcome depends on the machine's speed
+    (the deadlines themselves are tested on fake clocks)."""
     from kvstore.server import start_kvstore
     from kvstore.store import KVStore
 
