@@ -108,7 +108,10 @@ class AsyncEngine:
         self._stats = engine.stats()
         self._failure: BaseException | None = None
         self._failure_callbacks: list[Callable[[BaseException], None]] = []
-        self._step_started_at: float | None = None  # monotonic time the running step began
+        self._step_started_at: float | None = None  # ``clock()`` time the running step began
+        # the clock ``step_running_s`` reads (seconds); tests set a fake one to wedge a step
+        # without waiting in real time
+        self.clock: Callable[[], float] = time.monotonic
 
     def on_failure(self, callback: Callable[[BaseException], None]) -> None:
         """Calls ``callback(exc)`` in the event loop if the engine thread dies (a bug
@@ -119,7 +122,7 @@ class AsyncEngine:
         """Seconds the engine's current step has been running (0 between steps);
         a watchdog reads it from the event loop to detect a wedged step."""
         started = self._step_started_at
-        return 0.0 if started is None else time.monotonic() - started
+        return 0.0 if started is None else self.clock() - started
 
     def fail_requests(self, message: str) -> int:
         """Ends every open stream with ``Unavailable(message)`` (a wedged engine:
@@ -129,6 +132,12 @@ class AsyncEngine:
         for stream in self._streams.values():
             stream.queue.put_nowait(error)
         return len(self._streams)
+
+    @property
+    def num_queued_commands(self) -> int:
+        """Adds and aborts queued for the engine thread and not applied yet (it applies
+        them, in call order, at the start of its next step)."""
+        return self._commands.qsize()
 
     @property
     def failure(self) -> BaseException | None:
@@ -343,7 +352,7 @@ class AsyncEngine:
             while not self._stopping:
                 self._wake.clear()
                 errors = self._apply_queues()
-                self._step_started_at = time.monotonic()
+                self._step_started_at = self.clock()
                 try:
                     step_outputs = self.engine.step()
                 finally:

@@ -105,7 +105,7 @@ class BatchScheduler:
         self.num_prompt_tokens = 0
         self.num_generation_tokens = 0
         self.hold_deadline: float | None = None  # monotonic time a held prefill is released
-        self.clock = time.monotonic
+        self.clock = time.monotonic  # arrival times and deadlines (seconds); tests set a fake one
 
     # -- requests in and out --------------------------------------------------
 

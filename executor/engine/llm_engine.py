@@ -198,7 +198,7 @@ class LLMEngine:
         if len(hits) >= max_blocks:
             return False
         hashes = self.kvstore_block_hashes(request, max_blocks)[len(hits):]
-        self.batch_scheduler.add_fetching(request, time.monotonic() + conn.fetch_timeout_s)
+        self.batch_scheduler.add_fetching(request, self.batch_scheduler.clock() + conn.fetch_timeout_s)
         conn.start_fetch(request.request_id, len(hits), hashes, request.trace_context)
         self.kvstore_queried_tokens += len(hashes) * self.block_size
         return True
@@ -263,7 +263,7 @@ class LLMEngine:
         for result in conn.poll():
             external = ExternalKV(result.start_block, result.payloads) if result.payloads else None
             self.batch_scheduler.finish_fetch(result.request_id, external)
-        for request_id in self.batch_scheduler.expired_fetches(time.monotonic()):
+        for request_id in self.batch_scheduler.expired_fetches(self.batch_scheduler.clock()):
             conn.cancel(request_id)
             conn.note_fetch_given_up()
             self.batch_scheduler.finish_fetch(request_id, None)
@@ -294,8 +294,9 @@ class LLMEngine:
             self.kv_connector.publish(blocks, trace_context)
 
     def wake_deadline(self) -> float | None:
-        """Monotonic seconds at which an idle engine must step again: a batching hold's
-        end or the earliest kvstore fetch deadline (None: only new work wakes it)."""
+        """Seconds on the batch scheduler's ``clock`` (monotonic) at which an idle engine
+        must step again: a batching hold's end or the earliest kvstore fetch deadline
+        (None: only new work wakes it)."""
         deadlines = [r.fetch_deadline for r in self.batch_scheduler.fetching.values()]
         if self.batch_scheduler.hold_deadline is not None:
             deadlines.append(self.batch_scheduler.hold_deadline)

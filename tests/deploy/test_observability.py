@@ -1,7 +1,8 @@
 """deploy/observability: the alerting rules pass `promtool test rules`, the scrape
 config passes `promtool check config`, the dashboard's and the rules' PromQL parse
-into metric names, and the OpenTelemetry Collector config receives OTLP and
-exports to Jaeger. (That those names are the ones the services export is checked
+into metric names, and the OpenTelemetry Collector config wires an OTLP receiver
+through its pipeline to an exporter aimed at the compose file's Jaeger (the config
+is read, no collector runs here). (That those names are the ones the services export is checked
 after a real run in tests/mesh/test_metrics.py.)
 
 promtool comes from Debian's ``prometheus`` package, installed by ``make setup``;
@@ -81,7 +82,10 @@ def test_alert_rules_name_meshserve_metrics():
                      "meshserve_engine_preemptions_total", "meshserve_requests_total"}
 
 
-def test_otel_collector_receives_otlp_and_exports_to_jaeger():
+def test_otel_collector_config_wires_an_otlp_receiver_to_the_composed_jaeger():
+    """The collector's config (as the compose file mounts it): OTLP in on 4317/4318,
+    one traces pipeline whose every component is defined, out to ``jaeger:4317``,
+    a service of the same compose file that takes OTLP."""
     config = yaml.safe_load((OBSERVABILITY / "otel-collector.yaml").read_text())
     assert set(config) == {"receivers", "processors", "exporters", "extensions", "service"}
     protocols = config["receivers"]["otlp"]["protocols"]
@@ -97,3 +101,8 @@ def test_otel_collector_receives_otlp_and_exports_to_jaeger():
               if name.split("/")[0] == "otlp" and config["exporters"][name]["endpoint"].startswith("jaeger:")]
     assert jaeger == [{"endpoint": "jaeger:4317", "tls": {"insecure": True}}]
     assert all(ext in config["extensions"] for ext in config["service"]["extensions"])
+    compose = yaml.safe_load((OBSERVABILITY / "docker-compose.yml").read_text())["services"]
+    collector = compose["otel-collector"]
+    assert "./observability/otel-collector.yaml:/etc/otelcol/config.yaml:ro" in collector["volumes"]
+    assert "--config=/etc/otelcol/config.yaml" in collector["command"] and "jaeger" in collector["depends_on"]
+    assert compose["jaeger"]["environment"]["COLLECTOR_OTLP_ENABLED"] == "true"

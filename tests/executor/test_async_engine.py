@@ -98,8 +98,8 @@ async def test_task_cancel_aborts_and_frees_blocks(engine, async_engine):
     assert engine_free == engine.num_blocks
 
 
-async def test_C27_unread_stream_is_bounded_then_ended_and_frees_blocks(engine, tokenizer):
-    """A consumer that stops reading holds at most ``max_buffered_outputs`` outputs;
+async def test_unread_stream_is_bounded_then_ended_and_frees_blocks(engine, tokenizer):
+    """Case C27: a consumer that stops reading holds at most ``max_buffered_outputs`` outputs;
     the next output ends its request (ResourceExhausted after those queued) and
     frees its blocks, while a request read normally runs to the offline result."""
     bound = 3
@@ -132,8 +132,8 @@ def test_max_buffered_outputs_must_be_positive(engine):
         AsyncEngine(engine, max_buffered_outputs=0)
 
 
-async def test_C27_request_that_finishes_at_the_bound_is_delivered_whole(engine):
-    """A slow reader whose request *finished* with one output past the bound gets the
+async def test_request_that_finishes_at_the_bound_is_delivered_whole(engine):
+    """Case C27: a slow reader whose request *finished* with one output past the bound gets the
     whole result: the finished output ends the request (nothing is left to abort), so
     it is queued, not turned into ResourceExhausted, and no slow-reader abort is counted."""
     bound = 3
@@ -146,8 +146,9 @@ async def test_C27_request_that_finishes_at_the_bound_is_delivered_whole(engine)
         first = await stream.__anext__()  # starts the request; its first output is taken
         assert first.finished is False
         # the consumer now reads nothing: bound + 1 outputs remain, the last one finished
-        await wait_until(lambda: eng.stats().num_finished >= 1 and eng.stats().num_running == 0)
-        await asyncio.sleep(0.1)  # its outputs dispatched
+        # every output dispatched: the finished one is queued one past the bound
+        await wait_until(lambda: eng.max_buffered_seen == bound + 1)
+        assert eng.stats().num_finished >= 1 and eng.stats().num_running == 0
         outs = [first] + [out async for out in stream]
     finally:
         await eng.stop()
@@ -157,8 +158,8 @@ async def test_C27_request_that_finishes_at_the_bound_is_delivered_whole(engine)
     assert [t for o in outs for t in o.new_token_ids] == engine.generate([prompt], params)[0]
 
 
-async def test_C27_request_id_reused_after_overflow_gets_only_its_own_outputs(engine):
-    """After a slow reader's request was ended, the same id may be used again at once
+async def test_request_id_reused_after_overflow_gets_only_its_own_outputs(engine):
+    """Case C27: after a slow reader's request was ended, the same id may be used again at once
     (a retry): the new request must not receive outputs the engine produced for the old
     one before it applied the abort."""
     bound = 2

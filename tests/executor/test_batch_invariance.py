@@ -43,7 +43,9 @@ def _companions(tokenizer, rng: random.Random, count: int):
     return out
 
 
-def test_C15_batch_composition_does_not_change_greedy_output(engine, tokenizer):
+def test_batch_composition_does_not_change_greedy_output(engine, tokenizer):
+    """Case C15: P alone gives R; with 7 companions of 5-600 tokens, some joining with
+    P and the rest while it decodes, in 5 companion sets, P gives R every time."""
     prompt = tokenizer.apply_chat_template([{"role": "user", "content": "Explain photosynthesis in two sentences."}],
                                            add_generation_prompt=True, tokenize=True, return_dict=True)["input_ids"]
     [alone] = engine.generate([list(prompt)], P_PARAMS)

@@ -142,8 +142,8 @@ def test_kv_cache_manager_prefix_hits_share_blocks_and_cap_at_num_tokens_minus_o
     assert kv.num_free_blocks == 8
 
 
-def test_C06_different_model_fingerprints_never_share_blocks():
-    """C06 at the block level: model id, revision, dtype and adapter all change the chain."""
+def test_different_model_fingerprints_never_share_blocks():
+    """Case C06 at the block level: model id, revision, dtype and adapter all change the chain."""
     tokens = list(range(32))
     roots = {fp.root_hash for fp in (FP, ModelFingerprint("m2", "r1", "float32"),
                                      ModelFingerprint("m", "r2", "float32"), ModelFingerprint("m", "r1", "bfloat16"),

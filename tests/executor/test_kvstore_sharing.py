@@ -17,7 +17,7 @@ from kvstore.server import KVStoreServicer
 from kvstore.store import KVStore
 from meshserve.block_hash import hash_full_blocks, routing_fingerprint
 from meshserve.sampling import SamplingParams
-from tests.support.served_kvstore import CorruptingStore, DelayingServicer, DroppingStore, ServedKVStore
+from tests.support.served_kvstore import STALL_S, CorruptingStore, DelayingServicer, DroppingStore, ServedKVStore
 
 pytestmark = pytest.mark.model
 
@@ -44,10 +44,13 @@ def prompt_of(tokenizer, n: int, salt: str) -> list[int]:
     return ids
 
 
-def run_one(engine: LLMEngine, request_id: str, prompt: list[int], max_tokens: int = 24):
-    """Runs one greedy request alone; returns (tokens, cached, kvstore tokens, prompt tokens computed)."""
+def run_one(engine: LLMEngine, request_id: str, prompt: list[int] | None, max_tokens: int = 24):
+    """Runs one greedy request alone (``prompt`` None: ``request_id`` was added already);
+    returns (tokens, cached, kvstore tokens, prompt tokens computed)."""
     before = engine.stats().num_prompt_tokens
-    engine.add_request(request_id, prompt, SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True))
+    if prompt is not None:
+        engine.add_request(request_id, prompt, SamplingParams(max_tokens=max_tokens, temperature=0.0,
+                                                              ignore_eos=True))
     tokens, first = [], None
     while engine.has_unfinished_requests():
         outs = engine.step()
@@ -170,24 +173,32 @@ def test_kvstore_down_or_restarted_loses_only_cache(engines, tokenizer):
 
 
 def test_a_late_fetch_is_given_up_and_recomputed(engines, tokenizer):
+    """B's fetch stalls (the store sends one message, then nothing until cancelled);
+    on B's fake clock its deadline passes: B gives the fetch up, cancels it and
+    recomputes the prompt, with A's tokens."""
     a, b = engines
     p = prompt_of(tokenizer, PROMPT_LEN, "late")
-    DelayingServicer.get_delay_s = 1.0               # 18 blocks would take 18 s
+    DelayingServicer.get_delay_s = STALL_S
     shared = Shared(KVStore(memory_bytes=64 << 20), a, b, servicer_cls=DelayingServicer)
+    now = [1000.0]
     try:
         cold, *_ = run_one(a, "a-1", p)
         shared.flush()
-        b.kv_connector.fetch_timeout_s = 0.3         # B gives up long before
-        warm, cached, from_store, computed = run_one(b, "b-1", p)
+        b.batch_scheduler.clock = lambda: now[0]
+        b.add_request("b-1", p, SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True))
+        assert b.step() == [] and b.last_step_was_empty   # waiting for the fetch
+        now[0] += b.kv_connector.fetch_timeout_s          # its deadline passes
+        warm, cached, from_store, computed = run_one(b, "b-1", None)
         assert warm == cold and (cached, from_store, computed) == (0, 0, PROMPT_LEN), b.stats()
         k = b.stats().kvstore
         assert (k.fetch_failures, k.fetches, k.fetched_blocks) == (1, 0, 0)  # cancelled: never finished
-        deadline = time.monotonic() + 30
+        deadline = time.monotonic() + 120
         while shared.served.stats().num_leases:        # the cancelled Get released its leases
             assert time.monotonic() < deadline
             time.sleep(0.01)
         assert b.kv_connector._fetches == {} and b.kv_connector.poll() == []
     finally:
+        b.batch_scheduler.clock = time.monotonic
         DelayingServicer.get_delay_s = 0.0
         shared.close()
 
@@ -212,7 +223,10 @@ def scaled_model(tmp_path_factory, default_model_files):
     return str(out)
 
 
-def test_C06_prefix_cache_keyed_by_model_identity(engines, tokenizer, scaled_model):
+def test_prefix_cache_is_keyed_by_model_identity_and_dtype(engines, tokenizer, scaled_model):
+    """Case C06: another model's weights, or the same model in another dtype, never
+    get this model's blocks from the kvstore (each computes its own, equal to its cold
+    run); the same model on another engine does."""
     a, b = engines
     m2 = make_engine(scaled_model)
     bf16 = make_engine("default", "bfloat16")

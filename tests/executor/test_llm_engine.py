@@ -127,7 +127,8 @@ def test_kv_cache_budget_max_model_len_and_chunked_prefill_off():
     from executor.engine.llm_engine import LLMEngine
 
     block_bytes = 2 * 30 * 16 * 3 * 64 * 4  # K and V, 30 layers, 16 tokens, 3 kv heads, head_dim 64, float32
-    eng = LLMEngine(EngineConfig(cache=CacheConfig(kv_cache_memory_bytes=4 * block_bytes + 5), max_model_len=512,
+    eng = LLMEngine(EngineConfig(dtype="float32", cache=CacheConfig(kv_cache_memory_bytes=4 * block_bytes + 5),
+                                 max_model_len=512,
                                  batch=BatchSchedulerConfig(max_num_batched_tokens=32, enable_chunked_prefill=False)))
     assert eng.num_blocks == 4 and eng.max_model_len == 512
     with pytest.raises(InvalidArgument, match="max_model_len 512"):

@@ -13,8 +13,9 @@ pytestmark = pytest.mark.model
 
 
 def make_engine(budget: int, num_blocks: int = 64, max_num_seqs: int = 8, caching: bool = True) -> LLMEngine:
-    return LLMEngine(EngineConfig(cache=CacheConfig(block_size=16, num_blocks=num_blocks,
-                                                    enable_prefix_caching=caching),
+    """A float32 engine (named: ``auto`` is bfloat16 on CPUs with native bf16)."""
+    return LLMEngine(EngineConfig(dtype="float32",
+                                  cache=CacheConfig(block_size=16, num_blocks=num_blocks, enable_prefix_caching=caching),
                                   batch=BatchSchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=budget)))
 
 
@@ -38,7 +39,9 @@ def prompt_of(tokenizer, n: int, salt: str) -> list[int]:
     return ids
 
 
-def test_C08_chunked_prefill_with_the_prefix_cache(tokenizer):
+def test_chunked_prefill_with_the_prefix_cache_computes_only_uncached_tokens(tokenizer):
+    """Case C08: a warm run reports its cached tokens, computes only the rest (in
+    chunks of the step budget) and gives the cold run's tokens."""
     engine = make_engine(budget=16)
     p40 = prompt_of(tokenizer, 40, "alpha")
     cold, cached, computed = run_one(engine, "a1", p40, 8)
@@ -71,8 +74,8 @@ def test_prefix_caching_off_never_reuses(tokenizer):
     assert engine.stats().prefix_cache_queried_tokens == 200 and engine.stats().prefix_cache_hit_tokens == 0
 
 
-def test_C22_priority_preempts_lower_priority(tokenizer):
-    """max_num_seqs 2: two low-priority streams run; a high-priority request gets its
+def test_higher_priority_preempts_the_latest_lower_priority_request(tokenizer):
+    """Case C22: max_num_seqs 2: two low-priority streams run; a high-priority request gets its
     first token in the step after it arrives, the latest low one is preempted and later
     finishes with exactly its unpreempted tokens; an equal-priority arrival never preempts."""
     greedy = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)

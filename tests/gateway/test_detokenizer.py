@@ -10,7 +10,7 @@ from gateway.detokenizer import IncrementalDetokenizer
 
 pytestmark = pytest.mark.model
 
-C03_TEXT = "Café 你好 🙂🚀 ok"
+MULTIBYTE_TEXT = "Café 你好 🙂🚀 ok"
 MORE_TEXTS = [
     "👩‍👩‍👧‍👦 family, 🇫🇷 flag, 🏳️‍🌈",
     "日本語のテキストと한국어 텍스트, 中文：「你好，世界！」",
@@ -35,33 +35,36 @@ def assert_invariant(tokenizer, ids, pieces, skip_special_tokens=True):
     return full
 
 
-def test_C03_multibyte_text_one_token_at_a_time(tokenizer):
-    ids = tokenizer.encode(C03_TEXT, add_special_tokens=False)
+def test_multibyte_text_one_token_at_a_time(tokenizer):
+    """Case C03: characters split across tokens are never streamed in halves."""
+    ids = tokenizer.encode(MULTIBYTE_TEXT, add_special_tokens=False)
     singles = [tokenizer.decode([i]) for i in ids]
     assert any("\ufffd" in s for s in singles)  # the case is real: some tokens hold partial characters
     pieces = stream(tokenizer, ids)
     assert all("\ufffd" not in p for p in pieces)
-    assert assert_invariant(tokenizer, ids, pieces) == C03_TEXT
+    assert assert_invariant(tokenizer, ids, pieces) == MULTIBYTE_TEXT
 
 
 @pytest.mark.parametrize("text", MORE_TEXTS)
 @pytest.mark.parametrize("chunks", [1, 2, 3])
-def test_C03_emoji_and_cjk(tokenizer, text, chunks):
+def test_emoji_and_cjk_stream_whole_characters(tokenizer, text, chunks):
+    """Case C03: emoji sequences, CJK and other scripts, fed 1-3 tokens at a time."""
     ids = tokenizer.encode(text, add_special_tokens=False)
     pieces = stream(tokenizer, ids, chunks)
     assert all("\ufffd" not in p for p in pieces)
     assert assert_invariant(tokenizer, ids, pieces) == text
 
 
-def test_C03_with_prompt_context(tokenizer):
+def test_multibyte_text_after_a_prompt_context(tokenizer):
+    """Case C03: the same with the prompt's tokens as the decoding context."""
     prompt = tokenizer.apply_chat_template(
         [{"role": "user", "content": "Say hi"}], add_generation_prompt=True, tokenize=False
     )
     prompt_ids = tokenizer.encode(prompt, add_special_tokens=False)
-    ids = tokenizer.encode(C03_TEXT, add_special_tokens=False)
+    ids = tokenizer.encode(MULTIBYTE_TEXT, add_special_tokens=False)
     pieces = stream(tokenizer, ids, prompt_token_ids=prompt_ids)
     assert all("\ufffd" not in p for p in pieces)
-    assert assert_invariant(tokenizer, ids, pieces) == C03_TEXT
+    assert assert_invariant(tokenizer, ids, pieces) == MULTIBYTE_TEXT
 
 
 def test_partial_character_at_the_end_is_flushed_as_replacement(tokenizer):
@@ -105,7 +108,7 @@ def test_window_stays_small(tokenizer):
             return tokenizer.decode(ids, **kwargs)
 
     counting = Counting()
-    ids = tokenizer.encode((C03_TEXT + " ") * 40, add_special_tokens=False)
+    ids = tokenizer.encode((MULTIBYTE_TEXT + " ") * 40, add_special_tokens=False)
     pieces = stream(counting, ids)
     assert len(ids) > 400
     assert counting.longest <= 6
@@ -123,7 +126,8 @@ def test_add_after_finish_raises(tokenizer):
 
 @settings(max_examples=100, deadline=None)
 @given(text=st.text(st.characters(blacklist_categories=("Cs",)), max_size=40), chunks=st.integers(1, 3))
-def test_C03_random_unicode_text(tokenizer, text, chunks):
+def test_random_unicode_text_streams_exactly(tokenizer, text, chunks):
+    """Case C03: any text (hypothesis) streams to exactly its decoding."""
     ids = tokenizer.encode(text, add_special_tokens=False)
     pieces = stream(tokenizer, ids, chunks)
     full = assert_invariant(tokenizer, ids, pieces)

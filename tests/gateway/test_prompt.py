@@ -49,7 +49,9 @@ def count(ids, control_ids) -> int:
     return sum(i in control_ids for i in ids)
 
 
-def test_C05_special_tokens_typed_by_a_user(tokenizer, builder, control_ids):
+def test_special_tokens_typed_by_a_user_stay_text(tokenizer, builder, control_ids):
+    """Case C05: a user's message spelling the template's turn markers adds no control
+    token, yet shows verbatim in the user's turn."""
     attack = injection(tokenizer)
     ids = builder.from_chat([("user", attack)])
     baseline = builder.from_chat([("user", "x")])
@@ -65,7 +67,8 @@ def test_C05_special_tokens_typed_by_a_user(tokenizer, builder, control_ids):
     assert count(reference(tokenizer, [("user", attack)]), control_ids) > count(baseline, control_ids)
 
 
-def test_C05_in_system_and_assistant_turns(tokenizer, builder, control_ids):
+def test_special_tokens_in_system_and_assistant_turns_stay_text(tokenizer, builder, control_ids):
+    """Case C05: the same in system and assistant turns."""
     attack = injection(tokenizer)
     messages = [("system", attack), ("user", "hi " + attack), ("assistant", attack + "!"), ("user", "ok")]
     benign = [("system", "x"), ("user", "hi"), ("assistant", "x"), ("user", "ok")]
@@ -76,8 +79,8 @@ def test_C05_in_system_and_assistant_turns(tokenizer, builder, control_ids):
     )
 
 
-def test_C05_raw_prompt_policy(tokenizer, builder, control_ids):
-    """Raw prompts: the caller owns the format, special-token text IS control
+def test_raw_prompt_policy(tokenizer, builder, control_ids):
+    """Case C05, raw prompts: the caller owns the format, special-token text IS control
     tokens (HF/vLLM default), and this tokenizer adds no BOS."""
     attack = injection(tokenizer)
     ids = builder.from_text(attack)
@@ -133,16 +136,16 @@ def test_chat_template_that_repeats_contents(tokenizer, control_ids, monkeypatch
     assert count(ids, control_ids) == count(builder.from_chat([("user", "x")]), control_ids)
 
 
-def test_C05_forged_markers_do_not_inject(tokenizer, builder, control_ids):
-    """The private-use markers the sanitizer uses cannot be typed to unmark a token."""
+def test_forged_markers_do_not_inject(tokenizer, builder, control_ids):
+    """Case C05: the private-use markers the sanitizer uses cannot be typed to unmark a token."""
     attack = "\U000f0001" + injection(tokenizer) + "\U000f0000"
     ids = builder.from_chat([("user", attack)])
     assert count(ids, control_ids) == count(builder.from_chat([("user", "x")]), control_ids)
     assert injection(tokenizer) in tokenizer.decode(ids)
 
 
-def test_C05_concurrent_threads(tokenizer, builder, control_ids):
-    """Raw prompts (specials parsed) and chats (specials split) from several threads
+def test_concurrent_threads_stay_exact(tokenizer, builder, control_ids):
+    """Case C05: raw prompts (specials parsed) and chats (specials split) from several threads
     stay exact (the tokenizer toggles a shared flag; PromptBuilder serialises encodes)."""
     attack = injection(tokenizer)
     want_chat = builder.from_chat([("user", attack)])
@@ -157,7 +160,8 @@ def test_C05_concurrent_threads(tokenizer, builder, control_ids):
         list(pool.map(work, range(4)))
 
 
-def test_C09_empty_prompts(builder):
+def test_empty_prompts_are_rejected(builder):
+    """Case C09: an empty text, token list or chat is INVALID_ARGUMENT naming it."""
     with pytest.raises(InvalidArgument, match=r"^prompt must not be empty"):
         builder.from_text("")
     with pytest.raises(InvalidArgument, match=r"^prompt_token_ids must not be empty"):

@@ -34,18 +34,21 @@ def reference_cut(text, stop):
     return text, None
 
 
-def test_C02_stop_ending_inside_a_piece():
+def test_stop_ending_inside_a_piece():
+    """Case C02: a stop string that ends inside a streamed piece."""
     pieces = ["The", " capital", " of", " France", " is", " Paris", "."]
     assert run([" Fran"], pieces) == ("The capital of", " Fran", 3)
 
 
-def test_C02_stop_spanning_pieces():
+def test_stop_spanning_pieces():
+    """Case C02: a stop string that spans pieces."""
     pieces = ["The", " capital", " of", " France", " is", " Paris", "."]
     assert run(["of F"], pieces) == ("The capital ", "of F", 3)
     assert run(["al of Fr"], pieces) == ("The capit", "al of Fr", 3)
 
 
-def test_C02_stop_across_single_character_pieces():
+def test_stop_across_single_character_pieces():
+    """Case C02: a stop string over one-character pieces, after a false start."""
     assert run(["abc"], list("xxabxabcd")) == ("xxabx", "abc", 7)
 
 
@@ -90,8 +93,8 @@ def test_empty_stop_string_rejected():
 
 
 @pytest.mark.model
-def test_C02_with_real_token_pieces(tokenizer):
-    """C02's recipe on a fixed answer: S1 = a 4+ character token minus its last
+def test_stop_with_real_token_pieces(tokenizer):
+    """Case C02's recipe on a fixed answer: S1 = a 4+ character token minus its last
     character (ends inside a token); S2 = last 2 characters of the token before +
     first 2 of it (spans tokens). The text is cut at S and the stream stops at
     the token that completed S."""

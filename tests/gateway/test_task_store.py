@@ -3,16 +3,14 @@ redis-server), plus the memory store's bound and the URL parsing."""
 
 from __future__ import annotations
 
-import asyncio
-
 import pytest
 
-from gateway.redis_task_store import RedisTaskStore, decode, encode
+from gateway.redis_task_store import KEY_PREFIX, RedisTaskStore, decode, encode
 from gateway.task_store import UNFINISHED, MemoryTaskStore, TaskRecord, TaskState
 from gateway.task_store_registry import open_task_store
 from meshserve.errors import InvalidArgument, ResourceExhausted
 
-TTL_S = 0.4
+TTL_S = 100.0  # long beside the test's real duration: only the tests' advance() makes it pass
 
 
 class FakeClock:
@@ -25,8 +23,10 @@ class FakeClock:
 
 @pytest.fixture(params=["memory", "redis"])
 async def store_case(request):
-    """(store, advance): ``advance(s)`` lets ``s`` seconds pass for the store's TTLs
-    (a fake clock in memory; real time for Redis, whose own clock expires keys)."""
+    """(store, advance): ``advance(s)`` lets ``s`` seconds pass for the store's TTLs,
+    at once: a fake clock in memory; for Redis, whose own clock expires keys, every
+    task key's remaining time to live is cut by ``s`` (``PEXPIRE`` with a time <= 0
+    deletes the key, as its expiry would)."""
     if request.param == "memory":
         clock = FakeClock()
 
@@ -39,10 +39,18 @@ async def store_case(request):
         await store._redis.flushdb()
 
         async def advance(seconds: float) -> None:
-            await asyncio.sleep(seconds)
+            await advance_redis(store, seconds)
 
     yield store, advance
     await store.close()
+
+
+async def advance_redis(store: RedisTaskStore, seconds: float) -> None:
+    """Lets ``seconds`` pass for the TTLs of the task keys in ``store``'s Redis."""
+    async for key in store._redis.scan_iter(match=KEY_PREFIX + "*"):
+        left_ms = await store._redis.pttl(key)
+        if left_ms >= 0:  # -1: no expiry, -2: already gone
+            await store._redis.pexpire(key, left_ms - int(seconds * 1000))
 
 
 def record(task_id: str, **fields) -> TaskRecord:

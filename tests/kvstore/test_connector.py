@@ -4,6 +4,7 @@ its leases and never reports; a store that is down gives an empty result."""
 
 from __future__ import annotations
 
+import asyncio
 import time
 
 import torch
@@ -11,13 +12,16 @@ import torch
 from executor.kvstore_connector import KVStoreConnector
 from kvstore.store import KVStore
 from meshserve.block_hash import KVLayout, KVStoreFingerprint, ModelFingerprint
-from tests.support.served_kvstore import DelayingServicer, ServedKVStore
+from tests.support.served_kvstore import STALL_S, DelayingServicer, ServedKVStore
 
 FP = KVStoreFingerprint(ModelFingerprint("m", "r", "float32"), KVLayout(4, 2, 2, 8))  # 1 KiB blocks
 SHAPE = (2, 2, 4, 2, 8)
 
 
-def poll_until(connector: KVStoreConnector, timeout_s: float = 10.0):
+HANG_S = 120.0  # the waits' bound: it only stops a hang
+
+
+def poll_until(connector: KVStoreConnector, timeout_s: float = HANG_S):
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         results = connector.poll()
@@ -69,23 +73,33 @@ def test_publish_queue_is_bounded():
         served.stop()
 
 
+def fetch_tasks(connector: KVStoreConnector) -> list:
+    """The connector's fetch coroutines still alive on its I/O loop (a fetch that
+    reports puts its result before it ends)."""
+    async def alive():
+        return [t for t in asyncio.all_tasks() if t.get_coro().__qualname__ == "KVStoreConnector._fetch"]
+    return connector._call(alive())
+
+
+def wait_until(predicate) -> None:
+    deadline = time.monotonic() + HANG_S
+    while not predicate():
+        assert time.monotonic() < deadline, "condition not reached"
+        time.sleep(0.01)
+
+
 def test_cancelled_fetch_releases_leases_and_never_reports():
-    DelayingServicer.get_delay_s = 0.2
+    DelayingServicer.get_delay_s = STALL_S  # the transfer stalls after its first message until cancelled
     served = ServedKVStore(KVStore(memory_bytes=1 << 20), servicer_cls=DelayingServicer)
-    conn = KVStoreConnector(served.address, FP)
+    conn = KVStoreConnector(served.address, FP, fetch_timeout_s=STALL_S)  # no deadline ends it either
     try:
         conn.publish([(h, torch.ones(SHAPE)) for h in range(1, 21)])
         conn.flush()
         conn.start_fetch("req-2", 0, list(range(1, 21)))
-        deadline = time.monotonic() + 10
-        while served.stats().num_leases != 20:
-            assert time.monotonic() < deadline
-            time.sleep(0.01)
+        wait_until(lambda: served.stats().num_leases == 20)
         conn.cancel("req-2")
-        while served.stats().num_leases != 0:
-            assert time.monotonic() < deadline
-            time.sleep(0.01)
-        time.sleep(0.3)
+        wait_until(lambda: served.stats().num_leases == 0)
+        wait_until(lambda: fetch_tasks(conn) == [])  # the fetch ended: nothing is left that could report
         assert conn.poll() == [] and conn.stats().fetches == 0
     finally:
         DelayingServicer.get_delay_s = 0.0

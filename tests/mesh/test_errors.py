@@ -1,5 +1,9 @@
 """Bad input gets INVALID_ARGUMENT naming the field or limit, loses nothing, and the
-mesh keeps serving (cases C09, C11, C12 at the API level)."""
+mesh keeps serving (cases C09, C11, C12 at the API level).
+
+"At once" (C09, C11) is shown by order, not by a stopwatch: the rejection arrives
+while the engine is held before a step (``StepGate``), so it waits for no engine
+step, whatever the machine's speed."""
 
 import asyncio
 import math
@@ -8,6 +12,7 @@ import grpc
 import pytest
 
 from meshserve.client import build_request, generate
+from tests.support.mesh_harness import StepGate
 
 pytestmark = pytest.mark.model
 
@@ -22,9 +27,9 @@ async def expect_code(mesh, request, code, *needles):
 
 
 async def canary(mesh):
-    """chat('Hi'), max_tokens 4, greedy: completes."""
+    """chat('Hi'), max_tokens 4, greedy: completes (the bound only stops a hang)."""
     out = await asyncio.wait_for(
-        generate(mesh.stub, build_request(chat=[("user", "Hi")], max_tokens=4, temperature=0)), 20
+        generate(mesh.stub, build_request(chat=[("user", "Hi")], max_tokens=4, temperature=0)), 300
     )
     assert out.finish_reason in ("stop", "length") and 1 <= len(out.token_ids) <= 4
 
@@ -59,7 +64,9 @@ async def test_invalid_parameters_name_the_field(mesh, kwargs, field):
     await expect_code(mesh, build_request(**kwargs), grpc.StatusCode.INVALID_ARGUMENT, field)
 
 
-async def test_C09_empty_prompt_among_good_ones(mesh):
+async def test_empty_prompt_among_good_ones_is_rejected_alone(mesh):
+    """Case C09: an empty prompt in a batch of good ones gets INVALID_ARGUMENT; the
+    others complete, and so does the canary after it."""
     good = [build_request(f"Count to {i}:", max_tokens=4, temperature=0) for i in range(3)]
     results = await asyncio.gather(
         *(generate(mesh.stub, r) for r in good), generate(mesh.stub, build_request("")), return_exceptions=True
@@ -72,20 +79,24 @@ async def test_C09_empty_prompt_among_good_ones(mesh):
     await mesh.wait_idle()
 
 
-async def test_C11_prompt_longer_than_the_limits(mesh, default_engine):
+async def test_prompt_over_max_model_len_is_rejected_at_once_and_over_length_is_clamped(mesh, default_engine):
+    """Case C11 (a), (b): with 4 requests in flight, (a) a prompt of max_model_len + 1
+    tokens is rejected, naming the limit, while the engine is held before a step (it
+    waits for none); (b) max_model_len - 4 prompt tokens with max_tokens 16 are clamped
+    and finish "length" at max_model_len. The in-flight requests and the canary
+    complete; the rejected request holds no block and no queue slot."""
     max_len = default_engine.max_model_len
     in_flight = [
         asyncio.create_task(generate(mesh.stub, build_request(chat=[("user", f"Story {i}")], max_tokens=24,
                                                               temperature=0, ignore_eos=True)))
         for i in range(4)
     ]
-    await asyncio.sleep(0.2)
-    loop = asyncio.get_running_loop()
-    t0 = loop.time()
-    details = await expect_code(mesh, build_request([7] * (max_len + 1), max_tokens=4),
-                                grpc.StatusCode.INVALID_ARGUMENT, str(max_len))
+    with StepGate(default_engine) as gate:
+        held_at = await gate.hold()  # at the first step with work: none of the 4 can finish while held
+        details = await expect_code(mesh, build_request([7] * (max_len + 1), max_tokens=4),
+                                    grpc.StatusCode.INVALID_ARGUMENT, str(max_len))
+        assert default_engine.num_steps == held_at  # rejected while no engine step could run
     assert "max_model_len" in details
-    assert loop.time() - t0 < 1.0
     # (b) max_model_len - 4 prompt tokens with max_tokens 16: clamped, finishes "length" at max_model_len.
     out = await generate(mesh.stub, build_request([7] * (max_len - 4), max_tokens=16, temperature=0,
                                                   ignore_eos=True), timeout=600)
@@ -99,7 +110,10 @@ async def test_C11_prompt_longer_than_the_limits(mesh, default_engine):
     assert len(mesh.scheduler.servicer.core) == 0
 
 
-async def test_C12_tiny_zero_and_invalid_sampling(mesh):
+async def test_tiny_zero_and_invalid_sampling_parameters(mesh):
+    """Case C12: tiny positive temperature or top_p, top_k 1 and min_p 1 give exactly
+    the greedy tokens; invalid values get INVALID_ARGUMENT naming the field; normal
+    requests in the same batch are unaffected."""
     base = dict(chat=[("user", "Name three colors.")], max_tokens=32)
     greedy_variants = [dict(temperature=1e-4), dict(temperature=1e-6), dict(temperature=0),
                        dict(top_p=1e-4, temperature=1.0, seed=1), dict(top_k=1, temperature=1.0, seed=2),
@@ -158,17 +172,24 @@ async def test_no_executor_is_unavailable(tokenizer, default_engine):
         await scheduler.stop(0.1)
 
 
-async def test_C11_prompt_over_step_budget_without_chunked_prefill(tokenizer):
+async def test_prompt_over_the_step_budget_without_chunked_prefill_is_rejected_at_once(tokenizer):
+    """Case C11 (c): with chunked prefill off, a prompt larger than the per-step token
+    budget is rejected, naming the budget, while the engine is held before a step with
+    a request in flight (it waits for no engine step); the request in flight and the
+    canary complete, and the rejected one holds no lease."""
     from tests.support.engines import make_engine
     from tests.support.mesh_harness import start_local_mesh
 
     engine = make_engine(enable_chunked_prefill=False, max_num_batched_tokens=256, num_blocks=64)
     m = await start_local_mesh([engine], tokenizer)
     try:
-        loop = asyncio.get_running_loop()
-        t0 = loop.time()
-        await expect_code(m, build_request([5] * 300, max_tokens=4), grpc.StatusCode.INVALID_ARGUMENT, "256")
-        assert loop.time() - t0 < 1.0
+        in_flight = asyncio.create_task(generate(m.stub, build_request(chat=[("user", "Story")], max_tokens=24,
+                                                                       temperature=0, ignore_eos=True)))
+        with StepGate(engine) as gate:
+            held_at = await gate.hold()
+            await expect_code(m, build_request([5] * 300, max_tokens=4), grpc.StatusCode.INVALID_ARGUMENT, "256")
+            assert engine.num_steps == held_at  # rejected while no engine step could run
+        assert len((await in_flight).token_ids) == 24
         await canary(m)
         await m.wait_idle()
         assert m.scheduler.servicer.core.num_leases() == 0

@@ -18,7 +18,7 @@ from meshserve.telemetry import memory_exporter, outgoing_metadata
 from meshserve.v1 import common_pb2, executor_pb2, executor_pb2_grpc
 from tests.support.engines import make_engine
 from tests.support.mesh_harness import start_local_mesh
-from tests.support.served_kvstore import DelayingServicer
+from tests.support.served_kvstore import STALL_S, DelayingServicer
 
 pytestmark = pytest.mark.model
 
@@ -32,7 +32,8 @@ def execute_request(request_id: str, prompt: list[int], max_tokens: int) -> exec
     return req
 
 
-async def wait_for(predicate, timeout_s: float = 30.0, what: str = "condition") -> None:
+async def wait_for(predicate, timeout_s: float = 120.0, what: str = "condition") -> None:
+    """Polls the async ``predicate`` until true; ``timeout_s`` only bounds a hang."""
     loop = asyncio.get_running_loop()
     deadline = loop.time() + timeout_s
     while not await predicate():
@@ -41,12 +42,19 @@ async def wait_for(predicate, timeout_s: float = 30.0, what: str = "condition") 
         await asyncio.sleep(0.02)
 
 
-async def test_C19_late_kvstore_completions_after_an_abort(tokenizer):
+async def test_late_kvstore_completions_after_an_abort_are_ignored(tokenizer):
+    """Case C19: a request cancelled right after its first token while its block
+    writes wait for their acknowledgements, and one cancelled while loading from
+    the kvstore: late completions are ignored, leases drop to 0, every written block
+    is whole; the canary passes and a later request loads the prefix."""
     store = KVStore(memory_bytes=512 << 20)
-    DelayingServicer.put_ack_delay_s = 0.2          # every Put acknowledgement comes 200 ms late
+    acks = asyncio.Event()
+    DelayingServicer.put_ack_gate = acks            # Put acknowledgements wait until after the cancel...
+    DelayingServicer.put_ack_delay_s = 0.2          # ...and then come 200 ms late
     kv_service = await start_kvstore(store, 0, servicer_cls=DelayingServicer)
     engines = [make_engine(max_model_len=4096, num_blocks=300, max_num_batched_tokens=2048) for _ in range(2)]
-    m = await start_local_mesh(engines, tokenizer, kvstore=kv_service)
+    # fetches are cancelled by the test, never given up on by a deadline of the machine's speed
+    m = await start_local_mesh(engines, tokenizer, kvstore=kv_service, kvstore_fetch_timeout_s=STALL_S)
     kv = KVStoreClient(kv_service.address)
     prompt = [1000 + (i * 7919) % 40000 for i in range(PROMPT_LEN)]
     try:
@@ -58,6 +66,7 @@ async def test_C19_late_kvstore_completions_after_an_abort(tokenizer):
             call.cancel()
         conn0 = engines[0].kv_connector
         assert conn0._publishes, "block writes should still be in flight at the cancel"
+        acks.set()
         await asyncio.to_thread(conn0.flush)
         stats = await kv.stats()
         assert stats.blocks_stored == PROMPT_LEN // 16 and stats.num_leases == 0
@@ -75,8 +84,9 @@ async def test_C19_late_kvstore_completions_after_an_abort(tokenizer):
             return index.hit_blocks(engines[1].kv_store_fingerprint.namespace, hashes) == PROMPT_LEN // 16
         await wait_for(indexed, what="the scheduler to index the published blocks")
 
-        # 2. executor 1 starts fetching those blocks (slowly); cancel during the load
-        DelayingServicer.get_delay_s = 0.05
+        # 2. executor 1 starts fetching those blocks (the load stalls after its first message); cancel
+        # during the load
+        DelayingServicer.get_delay_s = STALL_S
         memory_exporter().clear()
         async with channel(m.executors[1][0].address) as ch:
             call = executor_pb2_grpc.ExecutorStub(ch).Execute(execute_request("c19-load", prompt, 8),
@@ -120,6 +130,7 @@ async def test_C19_late_kvstore_completions_after_an_abort(tokenizer):
         assert (await kv.stats()).num_leases == 0
     finally:
         DelayingServicer.put_ack_delay_s = DelayingServicer.get_delay_s = 0.0
+        DelayingServicer.put_ack_gate = None
         await kv.close()
         await m.stop()
 

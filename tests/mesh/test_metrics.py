@@ -89,7 +89,8 @@ async def run(tokenizer):
         await generate(m.stub, build_request(list(range(1, 1100)), max_tokens=1), timeout=60)
     await m.wait_idle()
     connector = engine.kv_connector
-    for _ in range(200):  # publishes to the kvstore are asynchronous
+    deadline = asyncio.get_running_loop().time() + 120  # publishes to the kvstore are asynchronous
+    while asyncio.get_running_loop().time() < deadline:
         if connector.stats().published_blocks + connector.stats().publish_dropped_blocks and \
                 m.kvstore.servicer.store.stats().bytes_in == connector.stats().bytes_out:
             break

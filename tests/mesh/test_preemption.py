@@ -26,8 +26,8 @@ async def small_pool(tokenizer):
     await m.stop()
 
 
-async def test_C20_preemption_keeps_outputs_exact(small_pool, mesh, default_engine):
-    """C20 asks for 32 prompts of 250 tokens, n=4, max_tokens 256; on the 2-core CPU this
+async def test_preemption_keeps_outputs_exact(small_pool, mesh, default_engine):
+    """Case C20 asks for 32 prompts of 250 tokens, n=4, max_tokens 256; on the 2-core CPU this
     runs 3 prompts of 250 tokens, n=4, temperature 1.0, max_tokens 140, logprobs 1 (the
     4 choices share the prompt's 15 full blocks through the prefix cache, so one
     request needs 15 + 4 x 10 = 55 blocks by its end: more than the 48-block pool,

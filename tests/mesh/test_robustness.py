@@ -1,25 +1,32 @@
 """Request ids that clash, and an executor whose engine dies, wedges or is cut off (case C24):
-nothing leaked, nothing routed to a dead executor."""
+nothing leaked, nothing routed to a dead executor.
+
+No test here races the engine thread or a stopwatch: a request is kept in flight by
+holding the engine before a step (``StepGate``), a wedged step is a held step whose
+age the test sets on the engine's fake clock, and the deadlines of the waits only
+bound a hang."""
 
 import asyncio
+import logging
 
 import grpc
 import pytest
 
 from meshserve.client import build_request, channel, generate, generate_choices
-from meshserve.grpc_server import wait_serving
 from meshserve.v1 import scheduler_pb2, scheduler_pb2_grpc
+from tests.support.mesh_harness import StepGate
 
 pytestmark = pytest.mark.model
 
 
-async def test_duplicate_request_id_in_flight_is_already_exists(mesh):
+async def test_duplicate_request_id_in_flight_is_already_exists(mesh, default_engine):
     ref = await generate(mesh.stub, build_request("The capital of France is", max_tokens=24, temperature=0))
-    first = asyncio.create_task(generate(mesh.stub, build_request(
-        "The capital of France is", max_tokens=24, temperature=0, request_id="dup")))
-    await asyncio.sleep(0.3)  # the first call is admitted and running
-    with pytest.raises(grpc.aio.AioRpcError) as info:
-        await generate(mesh.stub, build_request("hello", max_tokens=4, request_id="dup"), timeout=30)
+    with StepGate(default_engine) as gate:
+        first = asyncio.create_task(generate(mesh.stub, build_request(
+            "The capital of France is", max_tokens=24, temperature=0, request_id="dup")))
+        await gate.hold()  # the first call reached the engine, which is held: it cannot finish meanwhile
+        with pytest.raises(grpc.aio.AioRpcError) as info:
+            await generate(mesh.stub, build_request("hello", max_tokens=4, request_id="dup"), timeout=HANG_S)
     assert info.value.code() == grpc.StatusCode.ALREADY_EXISTS
     assert "'dup'" in info.value.details()
     out = await asyncio.wait_for(first, 60)
@@ -61,9 +68,12 @@ async def test_caller_ids_never_collide_with_choice_ids(mesh):
     await mesh.wait_idle()
 
 
-async def test_C24_dead_engine_leaves_the_mesh(tokenizer):
-    """The engine thread raises: the caller gets UNAVAILABLE, the executor turns
-    NOT_SERVING and leaves the registry, and later requests are not routed to it."""
+async def test_dead_engine_leaves_the_mesh(tokenizer):
+    """Case C24 (a): the engine thread raises: the caller gets UNAVAILABLE, the
+    executor turns NOT_SERVING and leaves the registry, and later requests are not
+    routed to it."""
+    from grpc_health.v1 import health_pb2
+
     from tests.support.engines import make_engine
     from tests.support.mesh_harness import start_local_mesh
 
@@ -77,20 +87,15 @@ async def test_C24_dead_engine_leaves_the_mesh(tokenizer):
 
         engine.step = broken_step
         with pytest.raises(grpc.aio.AioRpcError) as info:
-            await generate(m.stub, build_request("Hello there", max_tokens=4), timeout=30)
+            await generate(m.stub, build_request("Hello there", max_tokens=4), timeout=HANG_S)
         assert info.value.code() == grpc.StatusCode.UNAVAILABLE
         assert "engine failed: RuntimeError: device lost" in info.value.details()
         svc, async_engine, _ = m.executors[0]
         assert isinstance(async_engine.failure, RuntimeError)
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + 10
-        while len(list(m.scheduler.servicer.core.registry)) and loop.time() < deadline:
-            await asyncio.sleep(0.05)
-        assert list(m.scheduler.servicer.core.registry) == []
-        with pytest.raises(TimeoutError):
-            await wait_serving(svc.address, timeout_s=0.5)
+        await _wait_until(lambda: _empty(m.scheduler.servicer.core), HANG_S)
+        assert await _health(svc.address) == health_pb2.HealthCheckResponse.NOT_SERVING
         with pytest.raises(grpc.aio.AioRpcError) as info:
-            await generate(m.stub, build_request("Hello", max_tokens=2), timeout=30)
+            await generate(m.stub, build_request("Hello", max_tokens=2), timeout=HANG_S)
         assert info.value.code() == grpc.StatusCode.UNAVAILABLE
         assert "no executor" in info.value.details()
         assert m.scheduler.servicer.core.num_leases() == 0
@@ -98,34 +103,39 @@ async def test_C24_dead_engine_leaves_the_mesh(tokenizer):
         await m.stop()
 
 
-async def _wait_until(predicate, timeout_s: float) -> float:
-    """Polls ``predicate`` every 50 ms; returns the seconds it took.
+HANG_S = 120.0  # the waits' bound: it only stops a hang, it never decides on speed
+
+
+async def _wait_until(predicate, timeout_s: float = HANG_S) -> None:
+    """Polls the async ``predicate`` every 50 ms until it is true.
 
     Raises:
-        AssertionError: still false after ``timeout_s``.
+        AssertionError: still false after ``timeout_s`` (a hang).
     """
     loop = asyncio.get_running_loop()
     t0 = loop.time()
     while not await predicate():
         assert loop.time() - t0 < timeout_s, f"not true within {timeout_s} s"
         await asyncio.sleep(0.05)
-    return loop.time() - t0
 
 
 async def _health(address: str) -> int:
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
     async with channel(address) as ch:
-        resp = await health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(), timeout=2)
+        resp = await health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(), timeout=HANG_S)
         return resp.status
 
 
-async def test_C24_wedged_step_turns_not_serving_then_recovers(tokenizer):
-    """A step wedged past --step-timeout-s: in-flight requests end UNAVAILABLE (no
-    hang), the executor is NOT_SERVING and unrouted within 5 s; once the step
-    returns it is SERVING and registered again, and nothing leaked."""
-    import threading
+async def test_wedged_step_turns_not_serving_then_recovers(tokenizer):
+    """Case C24 (b): a step wedged past --step-timeout-s: in-flight requests end
+    UNAVAILABLE (no hang), the executor is NOT_SERVING and unrouted; once the step
+    returns it is SERVING and registered again, and nothing leaked.
 
+    The wedge is a step held by a ``StepGate``; its age is set on the engine's fake
+    clock (1.5 s against a 1 s timeout), so no real step can look wedged on a slow
+    machine and the test waits for no real second. The watchdog acts at its next
+    poll (0.25 s), well within C24's 5 s."""
     from grpc_health.v1 import health_pb2
 
     from tests.support.engines import make_engine
@@ -133,39 +143,28 @@ async def test_C24_wedged_step_turns_not_serving_then_recovers(tokenizer):
 
     engine = make_engine(num_blocks=64)
     m = await start_local_mesh([engine], tokenizer, step_timeout_s=1.0)
-    svc = m.executors[0][0]
+    svc, async_engine, _ = m.executors[0]
     core = m.scheduler.servicer.core
-    release = threading.Event()
-    wedge = threading.Event()
-    real_step = engine.step
-
-    def step_hook():  # the test hook: a step that blocks while wedged
-        if wedge.is_set():
-            release.wait(60)
-        return real_step()
-
-    engine.step = step_hook
+    now = [1000.0]
+    async_engine.clock = lambda: now[0]  # the engine is idle: no step began on the real clock
     try:
         ref = await generate(m.stub, build_request("The capital of France is", max_tokens=8, temperature=0))
-        call = asyncio.create_task(generate(m.stub, build_request("Count: one, two,", max_tokens=200,
-                                                                  ignore_eos=True), timeout=30))
-        await asyncio.sleep(0.5)
-        wedge.set()
-        loop = asyncio.get_running_loop()
-        t0 = loop.time()
-        with pytest.raises(grpc.aio.AioRpcError) as info:
-            await call
-        assert info.value.code() == grpc.StatusCode.UNAVAILABLE
-        assert "step timeout 1 s" in info.value.details()
-        assert loop.time() - t0 < 5
-        await _wait_until(lambda: _is(svc.address, health_pb2.HealthCheckResponse.NOT_SERVING), 5)
-        await _wait_until(lambda: _empty(core), 5)
-        with pytest.raises(grpc.aio.AioRpcError) as info:
-            await generate(m.stub, build_request("Hello", max_tokens=2), timeout=30)
-        assert info.value.code() == grpc.StatusCode.UNAVAILABLE
-
-        release.set()  # the step returns: recovery
-        await _wait_until(lambda: _is(svc.address, health_pb2.HealthCheckResponse.SERVING), 5)
+        with StepGate(engine) as gate:
+            call = asyncio.create_task(generate(m.stub, build_request("Count: one, two,", max_tokens=200,
+                                                                      ignore_eos=True), timeout=HANG_S))
+            await gate.hold()  # a step of the call is wedged from here on...
+            now[0] += 1.5      # ...and has run for 1.5 s
+            with pytest.raises(grpc.aio.AioRpcError) as info:
+                await call
+            assert info.value.code() == grpc.StatusCode.UNAVAILABLE
+            assert "engine step has run for 1.5 s (step timeout 1 s)" in info.value.details()
+            await _wait_until(lambda: _is(svc.address, health_pb2.HealthCheckResponse.NOT_SERVING))
+            await _wait_until(lambda: _empty(core))
+            with pytest.raises(grpc.aio.AioRpcError) as info:
+                await generate(m.stub, build_request("Hello", max_tokens=2), timeout=HANG_S)
+            assert info.value.code() == grpc.StatusCode.UNAVAILABLE
+        # the gate is open: the step returns (recovery)
+        await _wait_until(lambda: _is(svc.address, health_pb2.HealthCheckResponse.SERVING))
         assert [e.executor_id for e in core.registry] == ["executor-0"]
         again = await generate(m.stub, build_request("The capital of France is", max_tokens=8, temperature=0))
         assert again.token_ids == ref.token_ids
@@ -173,7 +172,6 @@ async def test_C24_wedged_step_turns_not_serving_then_recovers(tokenizer):
         assert core.num_leases() == 0
         assert svc.watchdog.num_wedged == 1
     finally:
-        release.set()
         await m.stop()
 
 
@@ -185,11 +183,12 @@ async def _empty(core) -> bool:
     return list(core.registry) == []
 
 
-async def test_C24_unreachable_executor_is_dropped_and_gateway_not_ready(tokenizer):
-    """The executor is alive but its link to the scheduler is partitioned: within
-    5 s the scheduler drops it (no report for executor_timeout_s) and the gateway
-    turns NOT_SERVING (no executor); requests get UNAVAILABLE, not a hang. Healed,
-    the executor re-registers, the gateway is SERVING and requests complete."""
+async def test_unreachable_executor_is_dropped_and_gateway_not_ready(tokenizer, caplog):
+    """Case C24 (c): the executor is alive but its link to the scheduler is
+    partitioned: the scheduler drops it for its silence (no report for
+    executor_timeout_s, 3 s, by the scheduler's own timer: the log says so) and the
+    gateway turns NOT_SERVING (no executor); requests get UNAVAILABLE, not a hang.
+    Healed, the executor re-registers, the gateway is SERVING and requests complete."""
     from grpc_health.v1 import health_pb2
 
     from executor.server import start_executor
@@ -216,17 +215,19 @@ async def test_C24_unreachable_executor_is_dropped_and_gateway_not_ready(tokeniz
             assert await _health(gateway.address) == SERVING
             ref = await generate(stub, build_request("The capital of France is", max_tokens=8, temperature=0))
 
-            proxy.freeze()
-            took = await _wait_until(lambda: _empty(core), 5)
-            assert took >= 2.0  # silence must last executor_timeout_s (3 s), not less
-            await _wait_until(lambda: _is(gateway.address, NOT_SERVING), 2)
+            with caplog.at_level(logging.WARNING, logger="scheduler.server"):
+                proxy.freeze()
+                await _wait_until(lambda: _empty(core))
+            # dropped for its silence (the stream did not end): executor_timeout_s, not less
+            assert "executor executor-0 silent for 3.0 s: dropped as unreachable" in caplog.text
+            await _wait_until(lambda: _is(gateway.address, NOT_SERVING))
             assert await _health(svc.address) == SERVING  # the executor itself is fine
             with pytest.raises(grpc.aio.AioRpcError) as info_:
-                await generate(stub, build_request("Hello", max_tokens=2), timeout=10)
+                await generate(stub, build_request("Hello", max_tokens=2), timeout=HANG_S)
             assert info_.value.code() == grpc.StatusCode.UNAVAILABLE
 
             proxy.thaw()
-            await _wait_until(lambda: _is(gateway.address, SERVING), 15)
+            await _wait_until(lambda: _is(gateway.address, SERVING))
             assert [e.executor_id for e in core.registry] == ["executor-0"]
             again = await generate(stub, build_request("The capital of France is", max_tokens=8, temperature=0))
             assert again.token_ids == ref.token_ids

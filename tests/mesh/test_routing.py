@@ -26,7 +26,7 @@ def prompt(seed: int, length: int = 300) -> list[int]:
     return [1000 + (i * 7919 + seed * 104729) % 40000 for i in range(length)]
 
 
-async def _until(predicate, timeout_s: float = 10.0):
+async def _until(predicate, timeout_s: float = 120.0):
     loop = asyncio.get_running_loop()
     deadline = loop.time() + timeout_s
     while not predicate():

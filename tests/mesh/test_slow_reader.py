@@ -34,6 +34,7 @@ async def _normal_clients(m):
 
 
 async def _wait(predicate, timeout_s: float = 240.0) -> None:
+    """Polls ``predicate()`` until true; ``timeout_s`` only bounds a hang."""
     loop = asyncio.get_running_loop()
     deadline = loop.time() + timeout_s
     while not predicate():
@@ -41,7 +42,10 @@ async def _wait(predicate, timeout_s: float = 240.0) -> None:
         await asyncio.sleep(0.05)
 
 
-async def test_C27_slow_reader_is_bounded_ended_and_frees_kv(tokenizer):
+async def test_slow_reader_is_bounded_ended_and_frees_kv(tokenizer):
+    """Case C27: a reader that stops after its first token: the executor buffers at
+    most the bound for it, then ends it (RESOURCE_EXHAUSTED after what was sent) and
+    frees its KV; normal clients meanwhile get exactly their tokens alone."""
     m = await start_local_mesh([make_engine(max_model_len=4200)], tokenizer, max_buffered_outputs=BOUND)
     slow_channel = grpc.aio.insecure_channel(m.gateway.address, options=SLOW_CLIENT_OPTIONS)
     try:
@@ -72,7 +76,7 @@ async def test_C27_slow_reader_is_bounded_ended_and_frees_kv(tokenizer):
         assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
         assert f"bound {BOUND}" in err.value.details()
         assert BOUND < received < 4000  # what was sent before the bound tripped, not the whole request
-        await _wait(lambda: m.scheduler.servicer.core.num_leases() == 0, 10.0)
+        await _wait(lambda: m.scheduler.servicer.core.num_leases() == 0)
         assert len(m.scheduler.servicer.core) == 0
     finally:
         await slow_channel.close()
@@ -86,8 +90,8 @@ async def _first_delta(call) -> int:
             return len(msg.delta.token_ids)
 
 
-async def test_C27_slow_reader_with_n_choices_and_a_big_first_message_ends_every_choice(tokenizer):
-    """n=3 with prompt logprobs of a long prompt (a first message of ~150 KB): every
+async def test_slow_reader_with_n_choices_and_a_big_first_message_ends_every_choice(tokenizer):
+    """Case C27, n=3 with prompt logprobs of a long prompt (a first message of ~150 KB): every
     choice backs up to the bound and is ended, all KV freed, the caller reads
     RESOURCE_EXHAUSTED; the executor's call and the scheduler's lease end."""
     m = await start_local_mesh([make_engine(max_model_len=4200)], tokenizer, max_buffered_outputs=BOUND)
@@ -112,10 +116,10 @@ async def test_C27_slow_reader_with_n_choices_and_a_big_first_message_ends_every
         assert received < 3 * 2500
         get = m.gateway.servicer.core.metrics.registry.get_sample_value
         labels = {"tenant": "default", "priority": "0"}
-        await _wait(lambda: get("meshserve_gateway_requests_running", labels) == 0, 10.0)
+        await _wait(lambda: get("meshserve_gateway_requests_running", labels) == 0)
         assert get("meshserve_requests_total", {**labels, "outcome": "resource_exhausted"}) == 1
         assert get("meshserve_request_ttft_seconds_count", labels) == 1
-        await _wait(lambda: m.scheduler.servicer.core.num_leases() == 0, 10.0)
+        await _wait(lambda: m.scheduler.servicer.core.num_leases() == 0)
         assert servicer.active_leases == {}
         assert await _normal_clients(m)  # the executor still serves
     finally:
@@ -123,8 +127,8 @@ async def test_C27_slow_reader_with_n_choices_and_a_big_first_message_ends_every
         await m.stop()
 
 
-async def test_C27_cancel_while_n_choices_are_blocked_on_the_merge_queue_frees_kv(tokenizer):
-    """A slow n=3 reader cancels while its backlog fills every queue on the way (the
+async def test_cancel_while_n_choices_are_blocked_on_the_merge_queue_frees_kv(tokenizer):
+    """Case C27: a slow n=3 reader cancels while its backlog fills every queue on the way (the
     executor's choice pumps wait on the bounded merge queue, below the engine's bound):
     every choice is aborted, no slow-reader abort counted, KV and lease freed."""
     m = await start_local_mesh([make_engine(max_model_len=4200)], tokenizer, max_buffered_outputs=100_000)
@@ -143,11 +147,11 @@ async def test_C27_cancel_while_n_choices_are_blocked_on_the_merge_queue_frees_k
         stats = eng.stats()
         assert stats.num_free_blocks == stats.num_blocks and stats.num_aborted == 3
         assert eng.num_overflowed == 0
-        await _wait(lambda: m.scheduler.servicer.core.num_leases() == 0, 10.0)
+        await _wait(lambda: m.scheduler.servicer.core.num_leases() == 0)
         assert eng._streams == {}
         get = m.gateway.servicer.core.metrics.registry.get_sample_value
         labels = {"tenant": "default", "priority": "0"}
-        await _wait(lambda: get("meshserve_gateway_requests_running", labels) == 0, 10.0)
+        await _wait(lambda: get("meshserve_gateway_requests_running", labels) == 0)
         assert get("meshserve_requests_total", {**labels, "outcome": "cancelled"}) == 1
         assert get("meshserve_request_e2e_seconds_count", labels) == 1
         assert get("meshserve_request_ttft_seconds_count", labels) == 1
@@ -156,8 +160,8 @@ async def test_C27_cancel_while_n_choices_are_blocked_on_the_merge_queue_frees_k
         await m.stop()
 
 
-async def test_C27_executor_frees_choice_ids_when_it_frees_the_request_id(tokenizer):
-    """When the executor's Execute call of an n=3 request ends (cancelled while its choice
+async def test_executor_frees_choice_ids_with_the_request_id_so_a_retry_is_accepted(tokenizer):
+    """Case C27: when the executor's Execute call of an n=3 request ends (cancelled while its choice
     pumps wait on the merge queue), the request id is free again only once no engine
     stream of its choices is left: an immediate retry with the same id is accepted."""
     m = await start_local_mesh([make_engine(max_model_len=4200)], tokenizer, max_buffered_outputs=100_000)
@@ -170,9 +174,23 @@ async def test_C27_executor_frees_choice_ids_when_it_frees_the_request_id(tokeni
         await call.read()
         await _wait(lambda: eng.max_buffered_seen >= 20)  # the pumps wait on the merge queue
         call.cancel()
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + 240  # a hang bound; the loop looks at every turn of the event loop
         while "r" in servicer.active_leases:
+            assert loop.time() < deadline, "the request id was never freed"
             await asyncio.sleep(0)
         assert sorted(eng._streams) == []
+        # the retry, at once, with the same id: accepted, and every choice runs whole
+        retry = executor_pb2.ExecuteRequest(request_id="r", lease_id="l2", prompt_token_ids=[7] * 20)
+        to_proto(SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True, n=3), retry.sampling)
+        tokens: dict[int, list[int]] = {0: [], 1: [], 2: []}
+        finished = []
+        async for msg in executor_pb2_grpc.ExecutorStub(slow_channel).Execute(retry):
+            tokens[msg.index] += msg.token_ids
+            if msg.finish_reason:
+                finished.append(msg.index)
+        assert sorted(finished) == [0, 1, 2] and [len(t) for t in tokens.values()] == [2, 2, 2]
+        assert tokens[0] == tokens[1] == tokens[2]  # greedy: the same tokens for every choice
     finally:
         await slow_channel.close()
         await m.stop()

@@ -11,10 +11,14 @@ def decode(tokenizer, ids):
     return tokenizer.decode(ids, skip_special_tokens=True)
 
 
-async def test_C03_streamed_multibyte_text_is_exact(mesh, tokenizer):
+async def test_streamed_multibyte_text_is_exact(mesh, tokenizer):
+    """Case C03: text with characters split across tokens streams as exact UTF-8: the
+    pieces join to the decoded text, no piece holds half a character."""
     req = build_request(chat=[("user", "Reply with exactly: 你好 🙂🚀 Café")], max_tokens=48, temperature=0)
     out = await generate(mesh.stub, req)
     full = decode(tokenizer, out.token_ids)
+    # the case is met: some character of the output is split across tokens
+    assert any("\ufffd" in tokenizer.decode([t]) for t in out.token_ids), full
     assert "".join(out.pieces) == full == out.text
     for piece in out.pieces:
         piece.encode("utf-8")  # valid UTF-8 (no lone surrogates)
@@ -50,7 +54,9 @@ def _completing_index(tokenizer, ids, stop):
     raise AssertionError("stop string never completed")
 
 
-async def test_C02_stop_string_ending_inside_a_token(mesh, tokenizer):
+async def test_stop_string_ending_inside_a_token(mesh, tokenizer):
+    """Case C02: a stop string that ends inside a token, and one that spans two: the
+    text ends before it, the tokens up to the one completing it are sent."""
     ref, text = await _reference(mesh, tokenizer)
     for stop in _stop_cases(tokenizer, ref.token_ids):
         req = build_request(chat=[("user", "What is the capital of France? Answer in one word.")], max_tokens=32,
@@ -75,6 +81,6 @@ async def test_stop_token_ids_and_eos(mesh, tokenizer):
     assert out.finish_reason == "stop"
     eos = tokenizer.eos_token_id
     natural = await generate(mesh.stub, build_request(chat=[("user", "Say OK.")], max_tokens=64, temperature=0))
-    if natural.finish_reason == "stop":
-        assert natural.token_ids[-1] == eos
-        assert tokenizer.eos_token not in natural.text
+    assert natural.finish_reason == "stop", natural.text  # the model's own end, not the length
+    assert natural.token_ids[-1] == eos
+    assert tokenizer.eos_token not in natural.text

@@ -78,16 +78,16 @@ async def test_a_rejected_request_is_one_error_span(mesh):
     assert [e.name for e in spans[0].events] == ["exception"]
 
 
-# C26 -------------------------------------------------------------------------
+# Case C26 ---------------------------------------------------------------------
 
-C26_BLOCKS = 40          # 3 prompts of 200 tokens fit (13 blocks each), their 24 outputs do not (14 each)
+SMALL_POOL_BLOCKS = 40          # 3 prompts of 200 tokens fit (13 blocks each), their 24 outputs do not (14 each)
 LONG_PROMPT = 600        # 3 chunks of max_num_batched_tokens 256; 37 full blocks of 16
 LONG_HIT = (LONG_PROMPT - 1) // 16 * 16   # 592: a full hit still recomputes the last token
 
 
 @pytest_asyncio.fixture(scope="module")
-async def c26_mesh(tokenizer):
-    engine = make_engine(num_blocks=C26_BLOCKS, max_num_batched_tokens=256)
+async def traced_mesh(tokenizer):
+    engine = make_engine(num_blocks=SMALL_POOL_BLOCKS, max_num_batched_tokens=256)
     m = await start_local_mesh([engine], tokenizer, kvstore=KVStore(memory_bytes=256 << 20),
                                kvstore_fetch_timeout_s=120)
     yield m, engine
@@ -98,8 +98,8 @@ def ids_prompt(length: int, seed: int) -> list[int]:
     return [1000 + (i * 7919 + seed * 104729) % 40000 for i in range(length)]
 
 
-async def test_C26_one_trace_across_all_services(c26_mesh):
-    """C26: requests carry a W3C traceparent with their own trace id T and cover a
+async def test_one_trace_across_all_services_through_hits_misses_preemption_and_tasks(traced_mesh):
+    """Case C26: requests carry a W3C traceparent with their own trace id T and cover a
     prefix-cache miss with chunked prefill (3 chunks) whose blocks are published to
     the kvstore, a prefix-cache hit, KV loaded from the kvstore (local cache
     emptied), and preemption (3 concurrent requests that outgrow a 40-block pool).
@@ -112,7 +112,7 @@ async def test_C26_one_trace_across_all_services(c26_mesh):
     spans) is in the submit call's trace, under the ``gateway.submit_task``
     span; every ``gateway.get_task`` poll is in its own caller's trace and
     carries one span link, to the submit span."""
-    m, engine = c26_mesh
+    m, engine = traced_mesh
     conn = engine.kv_connector
     model = engine.model_id
     rng = random.Random(26)

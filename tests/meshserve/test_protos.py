@@ -16,6 +16,8 @@ def test_committed_stubs_match_protos(tmp_path: Path):
 
 
 def test_every_proto_is_versioned_package():
-    for proto in proto_files():
+    protos = proto_files()
+    assert protos, "no .proto file found"
+    for proto in protos:
         text = proto.read_text()
         assert "package meshserve.v1;" in text, proto

@@ -92,12 +92,13 @@ async def test_follower_tracks_a_real_kvstore_and_its_restart():
     sched = await start_scheduler(0, kvstore_address=kv.address)
     index = sched.servicer.core.kvstore_index
 
-    async def until(pred):
-        for _ in range(500):
-            if pred():
-                return True
+    async def until(pred, timeout_s: float = 120.0):  # the bound only stops a hang
+        deadline = asyncio.get_running_loop().time() + timeout_s
+        while not pred():
+            if asyncio.get_running_loop().time() > deadline:
+                return False
             await asyncio.sleep(0.01)
-        return False
+        return True
 
     try:
         hashes = [hash_to_bytes(h) for h in (1, 2, 3)]

@@ -55,7 +55,7 @@ async def test_higher_priority_arrival_displaces_a_queued_request(scheduler):
         await low
     assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "displaced" in info.value.details()
     await stub.Release(pb.ReleaseRequest(lease_id=first[-1].assignment.lease_id))
-    events = await asyncio.wait_for(high, 5)
+    events = await asyncio.wait_for(high, 60)
     assert events[0].queued.position == 0 and events[-1].assignment.lease_id
     await stub.Release(pb.ReleaseRequest(lease_id=events[-1].assignment.lease_id))
 
@@ -81,18 +81,19 @@ class FakeExecutor:
 
     async def close(self):
         self.queue.put_nowait(None)
-        await asyncio.wait_for(self.task, 5)
+        await asyncio.wait_for(self.task, 60)
 
 
 H = [bytes([i]) * 16 for i in range(4)]
 
 
-async def _until(predicate):
-    for _ in range(500):
-        if predicate():
-            return
+async def _until(predicate, timeout_s: float = 120.0):
+    """Polls ``predicate()`` until true; ``timeout_s`` only bounds a hang."""
+    deadline = asyncio.get_running_loop().time() + timeout_s
+    while not predicate():
+        if asyncio.get_running_loop().time() > deadline:
+            raise AssertionError("condition not reached")
         await asyncio.sleep(0.01)
-    raise AssertionError("condition not reached")
 
 
 async def test_kv_events_route_admissions_and_lease_reports_correct_quotas():
@@ -102,7 +103,7 @@ async def test_kv_events_route_admissions_and_lease_reports_correct_quotas():
     stub = scheduler_pb2_grpc.SchedulerStub(channel)
     e0, e1 = FakeExecutor(stub, "e0"), FakeExecutor(stub, "e1")
     try:
-        await asyncio.wait_for(asyncio.gather(e0.registered.wait(), e1.registered.wait()), 5)
+        await asyncio.wait_for(asyncio.gather(e0.registered.wait(), e1.registered.wait()), 60)
         e1.queue.put_nowait(pb.ExecutorMessage(kv_events=pb.KvEvents(reset=True, stored=H[:3])))
         await _until(lambda: core.prefix_index.num_blocks("e1") == 3)
         events = await _events(stub, request_id="r", tenant="a", num_prompt_tokens=70, block_hashes=H,
@@ -137,10 +138,10 @@ async def test_malformed_kv_events_end_the_stream_with_invalid_argument():
     stub = scheduler_pb2_grpc.SchedulerStub(channel)
     e0 = FakeExecutor(stub, "e0")
     try:
-        await asyncio.wait_for(e0.registered.wait(), 5)
+        await asyncio.wait_for(e0.registered.wait(), 60)
         e0.queue.put_nowait(pb.ExecutorMessage(kv_events=pb.KvEvents(stored=[b"x" * 15])))
         with pytest.raises(grpc.aio.AioRpcError) as info:
-            await asyncio.wait_for(e0.task, 5)
+            await asyncio.wait_for(e0.task, 60)
         assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "16 bytes" in info.value.details()
         await _until(lambda: svc.servicer.core.registry.get("e0") is None)
     finally:

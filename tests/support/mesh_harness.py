@@ -4,6 +4,7 @@ talking real gRPC over loopback ports."""
 from __future__ import annotations
 
 import asyncio
+import threading
 from dataclasses import dataclass, field
 
 from executor.engine.async_engine import AsyncEngine
@@ -43,11 +44,11 @@ class LocalMesh:
         async with channel(self.executors[i][0].address) as ch:
             return await executor_pb2_grpc.ExecutorStub(ch).Stats(executor_pb2.StatsRequest())
 
-    async def wait_idle(self, timeout_s: float = 30.0) -> None:
+    async def wait_idle(self, timeout_s: float = 120.0) -> None:
         """Waits until every engine has no request and every block is free.
 
         Raises:
-            TimeoutError: blocks still held after ``timeout_s``.
+            TimeoutError: blocks still held after ``timeout_s`` (a hang bound).
         """
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout_s
@@ -75,14 +76,17 @@ class LocalMesh:
 
 
 async def start_local_mesh(engines: list[LLMEngine], tokenizer, tenants=None, kvstore=None,
-                           kvstore_fetch_timeout_s: float = 5.0, step_timeout_s: float = 60.0,
+                           kvstore_fetch_timeout_s: float = 300.0, step_timeout_s: float = 3600.0,
                            metrics: bool = False, max_buffered_outputs: int = 256) -> LocalMesh:
     """Starts scheduler, one executor per engine, and a gateway, on free ports; with
     ``kvstore`` (a ``kvstore.store.KVStore``, or a ready ``Service``) a kvstore service
     too, every executor shares prefix blocks through it, and the scheduler follows its
     placements. With ``metrics`` every service serves Prometheus metrics on a free port
     (``LocalMesh.metrics_urls``). ``max_buffered_outputs``: each executor's bound on a
-    stream's untaken outputs (C27)."""
+    stream's untaken outputs (C27). ``kvstore_fetch_timeout_s`` and ``step_timeout_s``
+    (the step watchdog's bound) are by default past any real fetch or step of a loaded
+    machine and any ``StepGate`` hold: no test's outcome depends on the machine's speed
+    (the deadlines themselves are tested on fake clocks)."""
     from kvstore.server import start_kvstore
     from kvstore.store import KVStore
 
@@ -107,3 +111,87 @@ async def start_local_mesh(engines: list[LLMEngine], tokenizer, tenants=None, kv
     mesh._channel = channel(gateway.address)
     mesh.stub = gateway_pb2_grpc.GatewayStub(mesh._channel)
     return mesh
+
+
+class StepGate:
+    """A test hook on ``LLMEngine.step``: holds the engine thread before a step while
+    the test acts, then lets it go. What the engine does between two of the test's
+    actions is then fixed (no step runs while held), instead of a race between the
+    test and the engine thread; step counts become exact.
+
+    Use as a context manager around the part of a test that holds the engine; on
+    exit the gate is open and ``engine.step`` is the engine's own again. An idle
+    engine does not step: ``hold`` needs work in flight (or arriving).
+    """
+
+    def __init__(self, engine: LLMEngine):
+        self.engine = engine
+        self._hold_at: int | None = None  # hold before a step once engine.num_steps >= this
+        self._held = threading.Event()
+        self._open = threading.Event()
+        self._open.set()
+        self._patched = False
+        # (num_steps after the step, ids of the requests it made outputs for), for every
+        # step run through the gate that made outputs
+        self.outputs: list[tuple[int, list[str]]] = []
+
+    def __enter__(self) -> StepGate:
+        self._own_step = self.engine.__dict__.get("step")  # a hook already there stays under ours
+        self._step = self.engine.step
+        self.engine.step = self._gated_step
+        self._patched = True
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.release()
+        if self._own_step is None:
+            del self.engine.step
+        else:
+            self.engine.step = self._own_step
+        self._patched = False
+
+    def _gated_step(self):
+        hold_at = self._hold_at
+        if hold_at is not None and self.engine.num_steps >= hold_at:
+            opened = self._open
+            self._held.set()
+            opened.wait()
+        outputs = self._step()
+        if outputs:
+            self.outputs.append((self.engine.num_steps, [o.request_id for o in outputs]))
+        return outputs
+
+    async def hold(self, after_steps: int = 0, timeout_s: float = 120.0) -> int:
+        """Holds the engine thread before the first step it starts once it has run
+        ``after_steps`` forward steps (``num_steps``); returns when it waits there,
+        with the number of steps it has run.
+
+        Raises:
+            TimeoutError: the engine did not reach that step within ``timeout_s``
+                (a hang bound, not a speed check).
+        """
+        assert self._patched, "use StepGate as a context manager"
+        self._held = threading.Event()
+        self._open = threading.Event()
+        self._hold_at = after_steps
+        await wait_for_condition(self._held.is_set, timeout_s, f"the engine held before step {after_steps + 1}")
+        return self.engine.num_steps
+
+    def release(self) -> None:
+        """Lets the held engine thread run its step and every later one."""
+        self._hold_at = None
+        self._open.set()
+
+
+async def wait_for_condition(predicate, timeout_s: float = 120.0, what: str = "condition") -> None:
+    """Polls ``predicate()`` until it is true; ``timeout_s`` only bounds a hang.
+
+    Raises:
+        TimeoutError: still false after ``timeout_s``.
+    """
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout_s
+    while not predicate():
+        if loop.time() > deadline:
+            raise TimeoutError(f"{what} not reached within {timeout_s} s")
+        await asyncio.sleep(0.005)

@@ -67,12 +67,18 @@ class DroppingStore(KVStore):
         return super().put(namespace, block_hash, data, data_checksum)
 
 
+STALL_S = 3600.0  # a delay no test waits out: a call stalled by it ends when it is cancelled
+
+
 class DelayingServicer(KVStoreServicer):
     """The real servicer with delays: ``get_delay_s`` between Get messages and
-    ``put_ack_delay_s`` before each Put acknowledgement."""
+    ``put_ack_delay_s`` before each Put acknowledgement; with ``put_ack_gate`` (an
+    ``asyncio.Event`` of the servicer's own loop) each acknowledgement also waits
+    until the test sets it."""
 
     get_delay_s = 0.0
     put_ack_delay_s = 0.0
+    put_ack_gate: asyncio.Event | None = None
 
     async def Get(self, request, context):
         async for msg in super().Get(request, context):
@@ -82,4 +88,6 @@ class DelayingServicer(KVStoreServicer):
     async def Put(self, request_iterator, context):
         response = await super().Put(request_iterator, context)
         await asyncio.sleep(self.put_ack_delay_s)
+        if self.put_ack_gate is not None:
+            await self.put_ack_gate.wait()
         return response

@@ -36,11 +36,11 @@ async def served_scheduler(config: SchedulerConfig, num_blocks: int = 4):
     stub = scheduler_pb2_grpc.SchedulerStub(channel)
     registered, stop = asyncio.Event(), asyncio.Event()
     task = asyncio.create_task(_fake_executor(stub, num_blocks, registered, stop))
-    await asyncio.wait_for(registered.wait(), 5)
+    await asyncio.wait_for(registered.wait(), 60)
     try:
         yield svc, stub
     finally:
         stop.set()
-        await asyncio.wait_for(task, 5)
+        await asyncio.wait_for(task, 60)
         await channel.close()
         await svc.stop(0.1)

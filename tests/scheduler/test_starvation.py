@@ -1,9 +1,9 @@
-"""C23: no starvation under prefix-aware routing or shortest-job-first order (mesh simulator).
+"""Case C23: no starvation under prefix-aware routing or shortest-job-first order (mesh simulator).
 
 Both runs use the real admission core, prefix index and routing on simulated executors
 (``meshserve.bench.sim.loop``); the times are the simulator's, deterministic, pinned to 1 µs.
 The exact-order version of the second run on the bare core is
-``tests/scheduler/test_queue_policy.py::test_C23_long_request_among_a_stream_of_short_ones_is_served_within_the_bound``.
+``tests/scheduler/test_queue_policy.py::test_long_request_among_a_stream_of_short_ones_is_served_within_the_bound``.
 """
 
 import statistics
@@ -26,7 +26,8 @@ def _outcome(reqs):
             statistics.median(r.first_token - r.arrival for r in stream), max(r.finished for r in stream))
 
 
-def test_C23_cold_prompt_among_a_hot_shared_prefix_stream_is_not_starved():
+def test_cold_prompt_among_a_hot_shared_prefix_stream_is_not_starved():
+    """Case C23, first run: prefix-aware routing, FCFS."""
     # 16 closed-loop clients send the shared prompt + a unique 16-token question (max_tokens 32) faster than
     # 2 executors of 4 sequences each serve them; at t = 2 s one cold request with a unique 512-token prompt.
     jobs = []
@@ -45,7 +46,8 @@ def test_C23_cold_prompt_among_a_hot_shared_prefix_stream_is_not_starved():
     assert reqs[-1].hit_tokens == 0 and all(r.hit_tokens == 512 for r in reqs[:-1] if r.first_token > 1.0)
 
 
-def test_C23_long_request_among_a_stream_of_short_ones_under_sjf_waits_at_most_the_aging_bound():
+def test_long_request_among_a_stream_of_short_ones_under_sjf_waits_at_most_the_aging_bound():
+    """Case C23, second run: shortest job first with an aging bound."""
     # 96 closed-loop clients of 64-token prompts (max_tokens 32) keep the scheduler's queue full; at t = 2 s one
     # 2000-token request (126 blocks of an executor's 160) arrives. SJF puts it last until it has waited the
     # aging bound; then it heads the queue and the walk holds smaller requests back until it fits.
