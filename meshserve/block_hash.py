@@ -82,7 +82,7 @@ class KVLayout:
 
     A block's payload is one contiguous tensor of shape
     ``(num_layers, 2, block_size, num_kv_heads, head_dim)`` (K then V per layer)
-    in the fingerprint's dtype, little-endian, as ``executor.engine.kv_cache``
+    in the fingerprint's dtype, little-endian, as ``executor.worker.kv_cache``
     stores it.
 
     Attributes:

@@ -25,10 +25,10 @@ import torch
 from executor.attention.backend import resolve_backend_name
 from executor.engine.batch_scheduler import BatchScheduler
 from executor.engine.config import EngineConfig
-from executor.engine.kv_cache import bytes_per_block, num_blocks_for_budget
+from executor.worker.kv_cache import bytes_per_block, num_blocks_for_budget
 from executor.engine.kv_cache_manager import KVCacheManager, cdiv
 from executor.engine.kv_connector import KVConnector
-from executor.engine.model_runner import ModelRunner
+from executor.worker.model_runner import ModelRunner
 from executor.engine.outputs import EngineStats, RequestOutput
 from executor.engine.request import ExternalKV, Request
 from executor.model_loader import load_model

@@ -12,7 +12,7 @@ Per step:
    prefill is complete (``ScheduledRequest.sample``) and sample them (with the
    sampled tokens' logprobs when asked);
 5. for requests with ``prompt_logprobs``, compute logits at their prompt
-   positions too, a bounded slice at a time (``executor.engine.logprobs``).
+   positions too, a bounded slice at a time (``executor.worker.logprobs``).
 
 The runner owns the KV cache tensors, the per-request seeded generators and the
 partial prompt logprobs, and nothing of the scheduler's state.
@@ -24,9 +24,9 @@ import numpy as np
 import torch
 
 from executor.attention import build_attention_metadata
-from executor.engine.kv_cache import allocate_kv_storage, layer_views
-from executor.engine.logprobs import PromptLogprobs
-from executor.engine.sampler import Sampler, SamplingBatch
+from executor.worker.kv_cache import allocate_kv_storage, layer_views
+from executor.worker.logprobs import PromptLogprobs
+from executor.worker.sampler import Sampler, SamplingBatch
 from executor.engine.scheduler_output import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
 from executor.model_loader import LoadedModel
 
