@@ -32,8 +32,7 @@ from executor.worker.model_runner import ModelRunner
 from executor.engine.outputs import EngineStats, RequestOutput
 from executor.engine.request import ExternalKV, Request
 from executor.model_loader import load_model
-from meshserve.block_hash import (BlockHash, KVLayout, KVStoreFingerprint, ModelFingerprint, hash_full_blocks,
-                                  routing_fingerprint)
+from meshserve.block_hash import BlockHash, KVLayout, KVStoreFingerprint, ModelFingerprint
 from meshserve.errors import InvalidArgument
 from meshserve.model_files import resolve_model
 from meshserve.sampling import SamplingParams, validate
@@ -73,13 +72,13 @@ class LLMEngine:
                                       layer.head_dim, loaded.dtype)
         self.num_blocks = config.cache.num_blocks or num_blocks_for_budget(config.cache.kv_cache_memory_bytes,
                                                                            block_bytes)
-        self.fingerprint = ModelFingerprint(self.model_id, self.revision, str(loaded.dtype).removeprefix("torch."))
+        self.fingerprint = ModelFingerprint(self.model_id, self.revision)
         self.kv_cache_manager = KVCacheManager(self.num_blocks, self.block_size, config.cache.enable_prefix_caching,
                                                self.fingerprint, config.cache.enable_kv_events)
         self.batch_scheduler = BatchScheduler(config.batch, self.kv_cache_manager, self.eos_token_ids)
         self.model_runner = ModelRunner(loaded, self.num_blocks, self.block_size, config.seed, config.device)
         self.kv_layout = KVLayout(self.block_size, len(loaded.model.attention_layers()), layer.num_kv_heads,
-                                  layer.head_dim)
+                                  layer.head_dim, str(loaded.dtype).removeprefix("torch."))
         self.kv_connector: KVConnector | None = None
         self.kvstore_queried_tokens = 0
         self.num_steps = 0
@@ -175,27 +174,11 @@ class LLMEngine:
         max_blocks = (request.num_tokens - 1) // self.block_size
         if len(hits) >= max_blocks:
             return False
-        hashes = self.kvstore_block_hashes(request, max_blocks)[len(hits):]
+        hashes = self.kv_cache_manager.block_hashes(request)[len(hits):max_blocks]
         self.batch_scheduler.add_fetching(request, time.monotonic() + conn.fetch_timeout_s)
         conn.start_fetch(request.request_id, len(hits), hashes, request.trace_context)
         self.kvstore_queried_tokens += len(hashes) * self.block_size
         return True
-
-    def kvstore_block_hashes(self, request: Request, num_blocks: int) -> list[BlockHash]:
-        """The request's first ``num_blocks`` full-block hashes in the kvstore's chain.
-
-        The kvstore keys a block by its namespace (model identity, dtype and KV
-        layout) and its hash in the *routing* chain (``meshserve.block_hash``: rooted
-        without the dtype, which the namespace carries), the chain the gateway and
-        the scheduler compute, so the scheduler can match a prompt against the
-        kvstore's placement events. Computed incrementally and kept on the request.
-        """
-        hashes = request.kvstore_block_hashes
-        if len(hashes) < num_blocks:
-            parent = hashes[-1] if hashes else routing_fingerprint(self.fingerprint).root_hash
-            hashes.extend(hash_full_blocks(request.all_token_ids[:num_blocks * self.block_size], self.block_size,
-                                           parent, len(hashes)))
-        return hashes[:num_blocks]
 
     def abort_request(self, request_id: str) -> bool:
         """Aborts a request and frees its KV blocks at once (a kvstore fetch in flight
@@ -250,18 +233,7 @@ class LLMEngine:
         """Copies the full blocks cached by this step out of the paged cache (one
         gather) and hands them to the connector, per request (for its trace)."""
         cached, self.batch_scheduler.newly_cached_blocks = self.batch_scheduler.newly_cached_blocks, []
-        keyed = []  # (request, block_id, kvstore chain hash)
-        positions: dict[str, dict[BlockHash, int]] = {}
-        for request, block_id, engine_hash in cached:
-            if request.request_id not in positions:
-                positions[request.request_id] = {
-                    h: i for i, h in enumerate(self.kv_cache_manager.block_hashes(request))}
-            index = positions[request.request_id].get(engine_hash)
-            if index is None:
-                continue
-            store_hash = self.kvstore_block_hashes(request, index + 1)[index]
-            if not self.kv_connector.is_known(store_hash):
-                keyed.append((request, block_id, store_hash))
+        keyed = [(request, block_id, h) for request, block_id, h in cached if not self.kv_connector.is_known(h)]
         if not keyed:
             return
         kv = self.model_runner.read_blocks([block_id for _, block_id, _ in keyed])

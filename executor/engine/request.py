@@ -77,8 +77,6 @@ class Request:
             given up (status ``WAITING_FOR_REMOTE_KVS`` only).
         trace_context: the OpenTelemetry context of the request's span (opaque here),
             the parent of kvstore fetch and publish spans.
-        kvstore_block_hashes: the leading full blocks' hashes in the kvstore's
-            (routing) chain, filled on demand by ``LLMEngine.kvstore_block_hashes``.
     """
 
     request_id: str
@@ -99,7 +97,6 @@ class Request:
     external_kv: "ExternalKV | None" = None
     fetch_deadline: float = 0.0
     trace_context: object = None
-    kvstore_block_hashes: list[int] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         self.all_token_ids = list(self.prompt_token_ids) + list(self.output_token_ids)

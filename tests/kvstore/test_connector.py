@@ -13,7 +13,7 @@ from kvstore.store import KVStore
 from meshserve.block_hash import KVLayout, KVStoreFingerprint, ModelFingerprint
 from tests.kvstore.served import DelayingServicer, ServedKVStore
 
-FP = KVStoreFingerprint(ModelFingerprint("m", "r", "float32"), KVLayout(4, 2, 2, 8))  # 1 KiB blocks
+FP = KVStoreFingerprint(ModelFingerprint("m", "r"), KVLayout(4, 2, 2, 8, "float32"))  # 1 KiB blocks
 SHAPE = (2, 2, 4, 2, 8)
 
 
