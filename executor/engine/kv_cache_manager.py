@@ -35,6 +35,18 @@ def cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
+def num_blocks_for_budget(budget_bytes: int, block_bytes: int) -> int:
+    """Blocks of ``block_bytes`` (all layers, K and V) that fit ``budget_bytes``.
+
+    Raises:
+        ValueError: not even one block fits.
+    """
+    n = budget_bytes // block_bytes
+    if n < 1:
+        raise ValueError(f"kv_cache_memory_bytes {budget_bytes} is less than one block ({block_bytes} bytes)")
+    return n
+
+
 class KVCacheManager:
     """Allocates, shares and frees the blocks of each request.
 

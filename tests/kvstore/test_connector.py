@@ -17,6 +17,11 @@ FP = KVStoreFingerprint(ModelFingerprint("m", "r"), KVLayout(4, 2, 2, 8, "float3
 SHAPE = (2, 2, 4, 2, 8)
 
 
+def payload(kv: torch.Tensor) -> bytes:
+    """A block's payload: its raw bytes (what ``KVConnectorWorker.save_kv`` gives)."""
+    return kv.contiguous().view(-1).view(torch.uint8).numpy().tobytes()
+
+
 def poll_until(connector: KVStoreConnector, timeout_s: float = 10.0):
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
@@ -34,7 +39,7 @@ def test_publish_then_fetch_roundtrip():
     conn.set_waker(lambda: woken.append(1))
     try:
         blocks = [(10 + i, torch.arange(256, dtype=torch.float32).view(SHAPE) * (i + 1)) for i in range(3)]
-        conn.publish(blocks)
+        conn.publish([(h, payload(kv)) for h, kv in blocks])
         conn.flush()
         assert conn.is_known(10) and not conn.is_known(99)
         s = conn.stats()
@@ -58,7 +63,7 @@ def test_publish_queue_is_bounded():
     served = ServedKVStore(KVStore(memory_bytes=1 << 20))
     conn = KVStoreConnector(served.address, FP, max_publish_bytes=2 * FP.block_bytes)
     try:
-        kv = torch.zeros(SHAPE)
+        kv = payload(torch.zeros(SHAPE))
         conn.publish([(1, kv), (2, kv), (3, kv)])   # 3 KiB > 2 KiB: dropped at once, never waits
         conn.publish([(4, kv)])
         conn.flush()
@@ -74,7 +79,7 @@ def test_cancelled_fetch_releases_leases_and_never_reports():
     served = ServedKVStore(KVStore(memory_bytes=1 << 20), servicer_cls=DelayingServicer)
     conn = KVStoreConnector(served.address, FP)
     try:
-        conn.publish([(h, torch.ones(SHAPE)) for h in range(1, 21)])
+        conn.publish([(h, payload(torch.ones(SHAPE))) for h in range(1, 21)])
         conn.flush()
         conn.start_fetch("req-2", 0, list(range(1, 21)))
         deadline = time.monotonic() + 10
