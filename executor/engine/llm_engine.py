@@ -61,6 +61,7 @@ class LLMEngine:
         self.worker_group = worker_group
         spec = worker_group.spec
         self.model_id, self.revision = spec.model_id, spec.revision
+        self.dtype = spec.dtype  # the model's and KV cache's dtype name ("float32", ...)
         self.max_model_len = spec.max_model_len
         self.vocab_size = spec.vocab_size
         self.eos_token_ids = spec.eos_token_ids
