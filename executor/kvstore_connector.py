@@ -30,7 +30,6 @@ from dataclasses import asdict
 from typing import Callable, Sequence
 
 import grpc
-import torch
 from opentelemetry.trace import SpanKind
 
 from executor.engine.kv_connector import FetchResult, KVConnector, KVConnectorStats
@@ -183,7 +182,7 @@ class KVStoreConnector(KVConnector):
 
     # -- publish --------------------------------------------------------------
 
-    def publish(self, blocks: Sequence[tuple[BlockHash, torch.Tensor]], trace_context: object = None) -> None:
+    def publish(self, blocks: Sequence[tuple[BlockHash, bytes]], trace_context: object = None) -> None:
         size = len(blocks) * self._block_bytes
         with self._lock:
             if self._publish_bytes + size > self.max_publish_bytes:
@@ -199,14 +198,12 @@ class KVStoreConnector(KVConnector):
         self._publishes.add(future)
         future.add_done_callback(self._publishes.discard)
 
-    async def _publish(self, blocks: list[tuple[BlockHash, torch.Tensor]], size: int, trace_context) -> None:
+    async def _publish(self, blocks: list[tuple[BlockHash, bytes]], size: int, trace_context) -> None:
         span = _tracer.start_span("executor.kvstore_publish", context=trace_context, kind=SpanKind.CLIENT)
         span.set_attribute("meshserve.kvstore.blocks", len(blocks))
         try:
             async with self._put_slots:
-                payloads = [(h, kv.contiguous().view(-1).view(torch.uint8).numpy().tobytes()) for h, kv in blocks]
-                resp = await self._client.put(self.fingerprint, payloads, metadata=outgoing_metadata(span),
-                                              timeout=60)
+                resp = await self._client.put(self.fingerprint, blocks, metadata=outgoing_metadata(span), timeout=60)
             self._count(published_blocks=resp.num_stored + resp.num_existing, bytes_out=size,
                         publish_dropped_blocks=resp.num_no_space)
             span.set_attributes({"meshserve.kvstore.stored_blocks": resp.num_stored,

@@ -186,7 +186,7 @@ class SchedulerLink(BackgroundTask):
         self.config = config
         self.servicer = servicer
         self.connected = asyncio.Event()
-        self.kv_events = KvEventBatcher(servicer.engine.engine.fingerprint)
+        self.kv_events = KvEventBatcher()
         self._wake = asyncio.Event()
 
     def notify(self) -> None:

@@ -12,7 +12,7 @@ def fingerprint_to_proto(fp: KVStoreFingerprint) -> kvstore_pb2.KVFingerprint:
     """A ``KVStoreFingerprint`` as its proto message."""
     m, lay = fp.model, fp.layout
     return kvstore_pb2.KVFingerprint(
-        model_id=m.model_id, revision=m.revision, dtype=m.dtype, adapter=m.adapter, block_size=lay.block_size,
+        model_id=m.model_id, revision=m.revision, dtype=lay.dtype, adapter=m.adapter, block_size=lay.block_size,
         num_layers=lay.num_layers, num_kv_heads=lay.num_kv_heads, head_dim=lay.head_dim, tp_rank=lay.tp_rank,
         tp_size=lay.tp_size)
 
@@ -28,9 +28,9 @@ def fingerprint_from_proto(msg: kvstore_pb2.KVFingerprint) -> KVStoreFingerprint
         raise InvalidArgument("fingerprint.model_id must not be empty")
     try:
         fp = KVStoreFingerprint(
-            ModelFingerprint(msg.model_id, msg.revision, msg.dtype, msg.adapter),
-            KVLayout(msg.block_size, msg.num_layers, msg.num_kv_heads, msg.head_dim, msg.tp_rank, msg.tp_size or 1))
-        fp.block_bytes  # noqa: B018 - validates the dtype
+            ModelFingerprint(msg.model_id, msg.revision, msg.adapter),
+            KVLayout(msg.block_size, msg.num_layers, msg.num_kv_heads, msg.head_dim, msg.dtype, msg.tp_rank,
+                     msg.tp_size or 1))
     except ValueError as exc:
         raise InvalidArgument(f"fingerprint: {exc}") from None
     return fp

@@ -2,9 +2,9 @@
 
 The scheduler follows the kvstore's placement stream (``scheduler.kvstore_follower``)
 into this index. The kvstore keys a block by its namespace
-(``KVStoreFingerprint.namespace``: model identity, dtype, KV layout) and its hash in
-the *routing* chain (``meshserve.block_hash``), the chain the gateway sends with a
-request (``AdmitRequest.block_hashes``). An executor that shares KV through the
+(``KVStoreFingerprint.namespace``: model identity, dtype, KV layout) and its chain
+hash (``meshserve.block_hash``: the one chain, which the gateway also sends with a
+request, ``AdmitRequest.block_hashes``). An executor that shares KV through the
 kvstore registers its namespace, so for a request the scheduler knows how many
 leading prompt blocks that executor could fetch instead of computing
 (``scheduler.routing``: they are credited at ``kvstore_token_cost``).

@@ -39,14 +39,17 @@ new (never preempted) requests are held until the oldest of them has waited
 ``max_batch_wait_ms``, never longer; ``hold_deadline`` tells the engine loop when
 to look again.
 
-KV from the kvstore (vLLM's KV connector, WAITING_FOR_REMOTE_KVS): a request
-whose prefix blocks are being fetched waits in ``fetching`` (status
-``WAITING_FOR_REMOTE_KVS``) while other requests run; ``finish_fetch`` moves it
-to ``waiting`` with the fetched payloads (``Request.external_kv``). When it is
-scheduled, the payloads that extend its local prefix hit get newly allocated
-blocks, listed in ``SchedulerOutput.kv_loads`` for the runner to copy in, and
-count as computed: the request skips their prefill. Newly cached full blocks
-are collected in ``newly_cached_blocks`` (when not None) for publishing.
+KV from the kvstore (vLLM's KV connector, WAITING_FOR_REMOTE_KVS): with a
+connector's scheduler half set (``set_kv_connector``,
+``executor.engine.kv_connector.KVConnectorScheduler``), a new request whose
+prefix is not all cached here waits in ``fetching`` (status
+``WAITING_FOR_REMOTE_KVS``) while the half fetches its blocks and other requests
+run; a step moves ended fetches to ``waiting``. When such a request is
+scheduled, the fetched blocks that extend its local prefix hit get newly
+allocated blocks, listed in ``SchedulerOutput.kv_loads`` for the worker to copy
+in, and count as computed: the request skips their prefill. The full blocks a
+step computes are listed in ``SchedulerOutput.kv_saves`` and published after it.
+The half owns the fetch state; the scheduler only calls it.
 
 The scheduler owns request status and ``num_computed_tokens``; it advances them
 only in ``update_from_output``.
@@ -60,6 +63,7 @@ from dataclasses import dataclass
 
 from executor.engine.config import BatchSchedulerConfig
 from executor.engine.kv_cache_manager import KVCacheManager
+from executor.engine.kv_connector import KVConnectorScheduler
 from executor.engine.outputs import RequestOutput
 from executor.engine.request import Request, RequestStatus
 from executor.engine.scheduler_output import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
@@ -71,7 +75,6 @@ class _StepState:
     budget: int
     scheduled: dict[str, int]    # request id -> tokens this step (insertion order = batch order)
     preempted: list[str]
-    kv_loads: list               # (block_id, payload) fetched from the kvstore, loaded this step
 
 
 class BatchScheduler:
@@ -92,8 +95,9 @@ class BatchScheduler:
         self.waiting: list[Request] = []   # sorted by Request.sort_key
         self.running: list[Request] = []   # sorted by Request.sort_key
         self.fetching: dict[str, Request] = {}  # WAITING_FOR_REMOTE_KVS, by request id
-        self.newly_cached_blocks: list | None = None  # (request, block_id, hash), when collecting for publishing
+        self.connector: KVConnectorScheduler | None = None
         self.kvstore_hit_tokens = 0
+        self.kvstore_queried_tokens = 0
         self._finished_ids: set[str] = set()
         self.num_preemptions = 0
         self.num_deferred_for_prefix = 0  # times a waiting request waited for a block being computed
@@ -110,43 +114,44 @@ class BatchScheduler:
     # -- requests in and out --------------------------------------------------
 
     def add_request(self, request: Request) -> None:
-        """Queues a validated request (the engine checks ids, lengths and params)."""
+        """Queues a validated request (the engine checks ids, lengths and params). With
+        a connector it may wait in ``fetching`` while its prefix blocks are fetched."""
         if request.request_id in self.requests:
             raise ValueError(f"duplicate request id {request.request_id!r}")
         self.requests[request.request_id] = request
         request.arrival_time = self.clock()
-        bisect.insort(self.waiting, request, key=lambda r: r.sort_key)
+        num_fetched_blocks = self.connector.start_fetch(request, request.arrival_time) if self.connector else 0
+        if num_fetched_blocks:
+            self.kvstore_queried_tokens += num_fetched_blocks * self.kv.block_size
+            request.status = RequestStatus.WAITING_FOR_REMOTE_KVS
+            self.fetching[request.request_id] = request
+        else:
+            bisect.insort(self.waiting, request, key=lambda r: r.sort_key)
 
-    def add_fetching(self, request: Request, deadline: float) -> None:
-        """Queues a validated request whose prefix is being fetched from the kvstore;
-        it is not scheduled before ``finish_fetch`` (or ``deadline``, monotonic seconds)."""
-        if request.request_id in self.requests:
-            raise ValueError(f"duplicate request id {request.request_id!r}")
-        self.requests[request.request_id] = request
-        request.arrival_time = self.clock()
-        request.status = RequestStatus.WAITING_FOR_REMOTE_KVS
-        request.fetch_deadline = deadline
-        self.fetching[request.request_id] = request
+    def set_kv_connector(self, connector: KVConnectorScheduler | None) -> None:
+        """Shares prefix KV through ``connector``'s scheduler half (None: stop sharing).
+        Requests still fetching through the previous one give up and recompute."""
+        for request_id in list(self.fetching):
+            self.connector.request_finished(request_id)
+            self._end_fetch(request_id)
+        self.connector = connector
 
-    def finish_fetch(self, request_id: str, external_kv) -> bool:
-        """Ends a request's fetch: it waits for scheduling with ``external_kv`` (an
-        ``ExternalKV``, or None after a failed or late fetch: it recomputes).
+    def _take_fetches(self) -> None:
+        """Moves requests whose fetch ended (or was given up at its deadline) to waiting."""
+        for request_id in self.connector.finished_fetches(self.clock()):
+            self._end_fetch(request_id)
 
-        Returns:
-            False when the request is not fetching any more (aborted, or given up on
-            at its deadline): a late completion, ignored.
-        """
+    def _end_fetch(self, request_id: str) -> None:
         request = self.fetching.pop(request_id, None)
-        if request is None:
-            return False
-        request.external_kv = external_kv
-        request.status = RequestStatus.WAITING
-        bisect.insort(self.waiting, request, key=lambda r: r.sort_key)
-        return True
+        if request is not None:
+            request.status = RequestStatus.WAITING
+            bisect.insort(self.waiting, request, key=lambda r: r.sort_key)
 
-    def expired_fetches(self, now: float) -> list[str]:
-        """Ids of fetching requests past their deadline."""
-        return [rid for rid, r in self.fetching.items() if r.fetch_deadline <= now]
+    def wake_deadline(self) -> float | None:
+        """When an idle engine must step again (``clock`` seconds): a batching hold's
+        end or the earliest fetch deadline (None: only new work wakes it)."""
+        deadlines = [self.hold_deadline, self.connector.next_deadline() if self.connector else None]
+        return min((d for d in deadlines if d is not None), default=None)
 
     def abort_request(self, request_id: str) -> bool:
         """Finishes the request as aborted and frees its blocks now.
@@ -179,16 +184,21 @@ class BatchScheduler:
 
     def schedule(self) -> SchedulerOutput:
         """Picks this step's batch and allocates its KV slots (see the module doc)."""
-        state = _StepState(self.config.max_num_batched_tokens, {}, [], [])
+        if self.connector is not None:
+            self._take_fetches()
+        state = _StepState(self.config.max_num_batched_tokens, {}, [])
         self.hold_deadline = None
         had_running = bool(self.running)
         self._schedule_running(state, decodes=True)
         self._schedule_running(state, decodes=False)
         if not state.preempted:
             self._schedule_waiting(state, had_running)
-        scheduled = [self._scheduled_request(self.requests[rid], n) for rid, n in state.scheduled.items()]
+        batch = [(self.requests[rid], n) for rid, n in state.scheduled.items()]
+        kv_loads, kv_saves = self.connector.build_connector_meta(batch) if self.connector else ([], [])
+        scheduled = [self._scheduled_request(request, n) for request, n in batch]
         finished, self._finished_ids = self._finished_ids, set()
-        return SchedulerOutput(scheduled, sum(state.scheduled.values()), state.preempted, finished, state.kv_loads)
+        return SchedulerOutput(scheduled, sum(state.scheduled.values()), state.preempted, finished, kv_loads,
+                               kv_saves)
 
     def _schedule_running(self, state: _StepState, decodes: bool) -> None:
         for request in list(self.running):
@@ -258,8 +268,7 @@ class BatchScheduler:
                 return
             # a waiting request holds no block (new, or preempted and freed)
             computed_blocks, num_hit = self.kv.get_computed_blocks(request)
-            external = self._usable_external(request, len(computed_blocks))
-            num_ext = len(external) * self.kv.block_size
+            num_ext = self._num_loadable_blocks(request, len(computed_blocks)) * self.kv.block_size
             if pending and self.kv.next_cacheable_hash(request, num_hit + num_ext) in pending:
                 self.num_deferred_for_prefix += 1
                 index += 1
@@ -274,9 +283,8 @@ class BatchScheduler:
                     continue
                 return  # head-of-line waits for blocks; running requests free them
             self.waiting.pop(index)
-            # the first new blocks receive the fetched payloads (the runner copies them in this step)
-            state.kv_loads.extend(zip(new_blocks[:len(external)], external))
-            request.external_kv = None
+            if self.connector is not None:  # the first new blocks receive the fetched payloads this step
+                self.connector.update_state_after_alloc(request, len(computed_blocks), new_blocks)
             if had_running and request.num_preemptions == 0:
                 self.num_joined_running_batch += 1
             if request.num_preemptions == 0:
@@ -293,12 +301,10 @@ class BatchScheduler:
             if self.kv.enable_caching:
                 pending.update(self.kv.pending_block_hashes(request))
 
-    def _usable_external(self, request: Request, num_hit_blocks: int) -> list:
-        """Fetched payloads that continue the local prefix hit (see ``ExternalKV.usable``),
-        keeping the last prompt token uncomputed like a local hit."""
-        if request.external_kv is None:
-            return []
-        return request.external_kv.usable(num_hit_blocks, (request.num_tokens - 1) // self.kv.block_size)
+    def _num_loadable_blocks(self, request: Request, num_hit_blocks: int) -> int:
+        """Fetched blocks that continue the local prefix hit, keeping the last prompt
+        token uncomputed like a local hit (0 without a connector)."""
+        return self.connector.num_loadable_blocks(request, num_hit_blocks) if self.connector else 0
 
     def _preempt_lower(self, request: Request, state: _StepState) -> bool:
         """Preempts the lowest running request if its priority is strictly lower than
@@ -353,6 +359,8 @@ class BatchScheduler:
         Returns:
             One output per request that got a token this step.
         """
+        if self.connector is not None and runner_output.kv_saved:
+            self.connector.publish(scheduler_output, runner_output, self.requests)
         outputs = []
         for scheduled in scheduler_output.scheduled:
             request = self.requests.get(scheduled.request_id)
@@ -361,9 +369,7 @@ class BatchScheduler:
             start = request.num_computed_tokens
             request.num_computed_tokens += scheduled.num_scheduled_tokens
             self.num_prompt_tokens += max(0, min(request.num_computed_tokens, request.num_prompt_tokens) - start)
-            newly = self.kv.cache_blocks(request, request.num_computed_tokens)
-            if newly and self.newly_cached_blocks is not None:
-                self.newly_cached_blocks.extend((request, block_id, block_hash) for block_id, block_hash in newly)
+            self.kv.cache_blocks(request, request.num_computed_tokens)
             token = runner_output.sampled_token_ids.get(request.request_id)
             if token is None:
                 continue  # a prefill chunk that is not the last
@@ -385,6 +391,8 @@ class BatchScheduler:
     def _finish(self, request: Request, status: RequestStatus) -> None:
         if request.status == RequestStatus.RUNNING:
             self.running.remove(request)
+        if self.connector is not None:
+            self.connector.request_finished(request.request_id)
         self.kv.free(request.request_id)
         request.status = status
         del self.requests[request.request_id]

@@ -14,7 +14,7 @@ class CacheConfig:
     Attributes:
         block_size: tokens per KV block.
         kv_cache_memory_bytes: memory for K and V of all layers (bytes); the number
-            of blocks is ``kv_cache_memory_bytes // bytes_per_block``.
+            of blocks is ``kv_cache_memory_bytes // KVLayout.block_bytes``.
         num_blocks: an explicit number of blocks (overrides the memory budget; tests).
         enable_prefix_caching: reuse the KV of full blocks whose chain hash matches
             (``meshserve.block_hash``); freed cached blocks stay reusable until evicted.

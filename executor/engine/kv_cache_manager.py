@@ -35,6 +35,18 @@ def cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
+def num_blocks_for_budget(budget_bytes: int, block_bytes: int) -> int:
+    """Blocks of ``block_bytes`` (all layers, K and V) that fit ``budget_bytes``.
+
+    Raises:
+        ValueError: not even one block fits.
+    """
+    n = budget_bytes // block_bytes
+    if n < 1:
+        raise ValueError(f"kv_cache_memory_bytes {budget_bytes} is less than one block ({block_bytes} bytes)")
+    return n
+
+
 class KVCacheManager:
     """Allocates, shares and frees the blocks of each request.
 
@@ -42,7 +54,8 @@ class KVCacheManager:
         num_blocks: blocks in the cache.
         block_size: tokens per block.
         enable_caching: prefix caching on.
-        fingerprint: the model identity mixed into every chain hash.
+        fingerprint: the model identity, root of every chain hash (``meshserve.block_hash``:
+            the one chain, also the KV events' and the kvstore's).
         enable_events: record the pool's stored/removed events.
     """
 
@@ -50,7 +63,7 @@ class KVCacheManager:
                  fingerprint: ModelFingerprint | None = None, enable_events: bool = False):
         self.block_size = block_size
         self.enable_caching = enable_caching
-        self.fingerprint = fingerprint or ModelFingerprint("unknown", "", "")
+        self.fingerprint = fingerprint or ModelFingerprint("unknown", "")
         self.root_hash = self.fingerprint.root_hash
         self.block_pool = BlockPool(num_blocks, enable_events)
         self.req_to_blocks: dict[str, list[int]] = {}

@@ -3,15 +3,18 @@
 The step loop is three calls with plain dataclasses between them (vLLM v1)::
 
     SchedulerOutput   = batch_scheduler.schedule()
-    ModelRunnerOutput = model_runner.execute_model(SchedulerOutput)
+    ModelRunnerOutput = worker_group.execute_model(SchedulerOutput)
     [RequestOutput]   = batch_scheduler.update_from_output(SchedulerOutput, ModelRunnerOutput)
+
+The engine never touches the model: it drives a ``WorkerGroup``
+(``executor.engine.worker_group``; by default one in-process worker) through that
+one call, whose inputs are plain picklable data.
 
 Not thread-safe: ``AsyncEngine`` drives it from one thread. ``check_request`` is
 the exception: it reads only immutable limits, so any thread may call it.
 
-With a ``KVConnector`` (``set_kv_connector``), a step starts by taking finished
-kvstore fetches and giving up late ones, and ends by publishing the full blocks
-it cached (see ``executor.engine.kv_connector``).
+With a ``KVConnector`` (``set_kv_connector``), its scheduler half decides what
+each step fetches, loads and publishes (see ``executor.engine.kv_connector``).
 """
 
 from __future__ import annotations
@@ -20,22 +23,16 @@ import itertools
 import logging
 import time
 
-import torch
-
-from executor.attention.registry import resolve_backend_name
 from executor.engine.batch_scheduler import BatchScheduler
 from executor.engine.config import EngineConfig
-from executor.engine.kv_cache import bytes_per_block, num_blocks_for_budget
-from executor.engine.kv_cache_manager import KVCacheManager, cdiv
-from executor.engine.kv_connector import KVConnector
-from executor.engine.model_runner import ModelRunner
+from executor.engine.kv_cache_manager import KVCacheManager, cdiv, num_blocks_for_budget
+from executor.engine.kv_connector import KVConnector, KVConnectorScheduler
 from executor.engine.outputs import EngineStats, RequestOutput
-from executor.engine.request import CheckedRequest, ExternalKV, Request
-from executor.model_loader import load_model
-from meshserve.block_hash import (BlockHash, KVLayout, KVStoreFingerprint, ModelFingerprint, hash_full_blocks,
-                                  routing_fingerprint)
+from executor.engine.request import CheckedRequest, Request
+from executor.engine.worker_group import WorkerGroup
+from executor.worker.group import InProcessWorkerGroup
+from meshserve.block_hash import KVStoreFingerprint, ModelFingerprint
 from meshserve.errors import InvalidArgument
-from meshserve.model_files import resolve_model
 from meshserve.sampling import SamplingParams, validate
 
 log = logging.getLogger(__name__)
@@ -47,6 +44,9 @@ class LLMEngine:
     Args:
         config: engine configuration; the model is resolved with
             ``meshserve.model_files.resolve_model(config.model)``.
+        worker_group: what runs the model (default: an
+            ``executor.worker.group.InProcessWorkerGroup`` of ``config``); the
+            engine allocates its cache and shuts it down.
 
     Raises:
         FileNotFoundError: the model cannot be resolved.
@@ -54,43 +54,37 @@ class LLMEngine:
             than one block, unsupported architecture).
     """
 
-    def __init__(self, config: EngineConfig):
-        if config.num_threads is not None:
-            torch.set_num_threads(config.num_threads)
+    def __init__(self, config: EngineConfig, worker_group: WorkerGroup | None = None):
+        if worker_group is None:
+            worker_group = InProcessWorkerGroup(config)
         self.config = config
-        files = resolve_model(config.model)
-        self.model_id, self.revision = files.model_id, files.revision
-        loaded = load_model(files.path, dtype=config.dtype, max_model_len=config.max_model_len,
-                            attention_backend=resolve_backend_name(config.attention_backend, config.device),
-                            device=config.device)
-        self.dtype = loaded.dtype
-        self.max_model_len = loaded.max_model_len
-        self.vocab_size = loaded.vocab_size
-        self.eos_token_ids = loaded.eos_token_ids
+        self.worker_group = worker_group
+        spec = worker_group.spec
+        self.model_id, self.revision = spec.model_id, spec.revision
+        self.dtype = spec.dtype  # the model's and KV cache's dtype name ("float32", ...)
+        self.max_model_len = spec.max_model_len
+        self.vocab_size = spec.vocab_size
+        self.eos_token_ids = spec.eos_token_ids
+        self.num_params = spec.num_params  # for the MFU estimate
         self.block_size = config.cache.block_size
-        layer = loaded.model.attention_layers()[0]
-        block_bytes = bytes_per_block(len(loaded.model.attention_layers()), self.block_size, layer.num_kv_heads,
-                                      layer.head_dim, loaded.dtype)
+        self.kv_layout = spec.kv_layout(self.block_size)
         self.num_blocks = config.cache.num_blocks or num_blocks_for_budget(config.cache.kv_cache_memory_bytes,
-                                                                           block_bytes)
-        self.fingerprint = ModelFingerprint(self.model_id, self.revision, str(loaded.dtype).removeprefix("torch."))
+                                                                           self.kv_layout.block_bytes)
+        worker_group.initialize_cache(self.num_blocks, self.block_size)
+        self.fingerprint = ModelFingerprint(self.model_id, self.revision)
         self.kv_cache_manager = KVCacheManager(self.num_blocks, self.block_size, config.cache.enable_prefix_caching,
                                                self.fingerprint, config.cache.enable_kv_events)
         self.batch_scheduler = BatchScheduler(config.batch, self.kv_cache_manager, self.eos_token_ids)
-        self.model_runner = ModelRunner(loaded, self.num_blocks, self.block_size, config.seed, config.device)
-        self.kv_layout = KVLayout(self.block_size, len(loaded.model.attention_layers()), layer.num_kv_heads,
-                                  layer.head_dim)
         self.kv_connector: KVConnector | None = None
-        self.kvstore_queried_tokens = 0
         self.num_steps = 0
         self.forward_seconds = 0.0  # wall seconds spent in execute_model (busy fraction, MFU)
         self.num_forward_tokens = 0  # tokens run through the model (prefill chunks + decodes)
-        self.num_params = sum(p.numel() for p in loaded.model.parameters())  # for the MFU estimate
         self.last_step_was_empty = False
         self._arrivals = itertools.count()
         self._generate_ids = itertools.count()
         log.info("engine ready: %s, %d blocks of %d tokens (%.1f MiB), max_model_len %d", self.model_id,
-                 self.num_blocks, self.block_size, self.num_blocks * block_bytes / 2**20, self.max_model_len)
+                 self.num_blocks, self.block_size, self.num_blocks * self.kv_layout.block_bytes / 2**20,
+                 self.max_model_len)
 
     # -- requests -------------------------------------------------------------
 
@@ -144,7 +138,8 @@ class LLMEngine:
             raise ValueError(f"kv connector fingerprint {connector.fingerprint} is not the engine's "
                              f"{self.kv_store_fingerprint}")
         self.kv_connector = connector
-        self.batch_scheduler.newly_cached_blocks = [] if connector is not None else None
+        self.batch_scheduler.set_kv_connector(
+            KVConnectorScheduler(connector, self.kv_cache_manager) if connector is not None else None)
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                     priority: int = 0, trace_context: object = None) -> None:
@@ -161,7 +156,7 @@ class LLMEngine:
                     trace_context: object = None) -> None:
         """Queues a request ``check_request`` accepted (not checked again); it joins the
         running batch at a following step (after its kvstore fetch, when a connector is
-        set and its prefix is not all cached here).
+        set and its prefix is not all cached here: ``BatchScheduler.add_request``).
 
         Args:
             trace_context: OpenTelemetry context, parent of the kvstore spans.
@@ -183,41 +178,7 @@ class LLMEngine:
         request = Request(request_id, list(checked.prompt_token_ids), checked.sampling_params, priority,
                           next(self._arrivals), max_len)
         request.trace_context = trace_context
-        if not self._start_fetch(request):
-            self.batch_scheduler.add_request(request)
-
-    def _start_fetch(self, request: Request) -> bool:
-        """Starts fetching the request's full prompt blocks after its local prefix hit
-        (up to the block before its last token); False when there is nothing to fetch."""
-        conn = self.kv_connector
-        if conn is None or not self.kv_cache_manager.enable_caching or \
-                request.sampling_params.prompt_logprobs is not None:
-            return False
-        hits, _ = self.kv_cache_manager.get_computed_blocks(request)
-        max_blocks = (request.num_tokens - 1) // self.block_size
-        if len(hits) >= max_blocks:
-            return False
-        hashes = self.kvstore_block_hashes(request, max_blocks)[len(hits):]
-        self.batch_scheduler.add_fetching(request, self.batch_scheduler.clock() + conn.fetch_timeout_s)
-        conn.start_fetch(request.request_id, len(hits), hashes, request.trace_context)
-        self.kvstore_queried_tokens += len(hashes) * self.block_size
-        return True
-
-    def kvstore_block_hashes(self, request: Request, num_blocks: int) -> list[BlockHash]:
-        """The request's first ``num_blocks`` full-block hashes in the kvstore's chain.
-
-        The kvstore keys a block by its namespace (model identity, dtype and KV
-        layout) and its hash in the *routing* chain (``meshserve.block_hash``: rooted
-        without the dtype, which the namespace carries), the chain the gateway and
-        the scheduler compute, so the scheduler can match a prompt against the
-        kvstore's placement events. Computed incrementally and kept on the request.
-        """
-        hashes = request.kvstore_block_hashes
-        if len(hashes) < num_blocks:
-            parent = hashes[-1] if hashes else routing_fingerprint(self.fingerprint).root_hash
-            hashes.extend(hash_full_blocks(request.all_token_ids[:num_blocks * self.block_size], self.block_size,
-                                           parent, len(hashes)))
-        return hashes[:num_blocks]
+        self.batch_scheduler.add_request(request)
 
     def abort_request(self, request_id: str) -> bool:
         """Aborts a request and frees its KV blocks at once (a kvstore fetch in flight
@@ -226,8 +187,6 @@ class LLMEngine:
         Returns:
             False when the id is unknown or the request already finished.
         """
-        if self.kv_connector is not None:
-            self.kv_connector.cancel(request_id)
         return self.batch_scheduler.abort_request(request_id)
 
     # -- the step loop --------------------------------------------------------
@@ -239,68 +198,23 @@ class LLMEngine:
             One output per request that got a token (finished ones included); empty
             when nothing is runnable.
         """
-        if self.kv_connector is not None:
-            self._take_fetches()
         scheduler_output = self.batch_scheduler.schedule()
         self.last_step_was_empty = scheduler_output.is_empty
         if scheduler_output.is_empty:
-            self.model_runner.release(scheduler_output.finished_request_ids)
+            if scheduler_output.finished_request_ids:  # the workers drop those requests' state
+                self.worker_group.execute_model(scheduler_output)
             return []
         started = time.perf_counter()
-        runner_output = self.model_runner.execute_model(scheduler_output)
+        runner_output = self.worker_group.execute_model(scheduler_output)
         self.forward_seconds += time.perf_counter() - started
         self.num_forward_tokens += scheduler_output.num_scheduled_tokens
         self.num_steps += 1
-        outputs = self.batch_scheduler.update_from_output(scheduler_output, runner_output)
-        if self.kv_connector is not None:
-            self._publish_cached_blocks()
-        return outputs
-
-    def _take_fetches(self) -> None:
-        """Moves fetched requests to waiting with their payloads; gives up fetches past
-        their deadline (they recompute). Late completions are ignored."""
-        conn = self.kv_connector
-        for result in conn.poll():
-            external = ExternalKV(result.start_block, result.payloads) if result.payloads else None
-            self.batch_scheduler.finish_fetch(result.request_id, external)
-        for request_id in self.batch_scheduler.expired_fetches(self.batch_scheduler.clock()):
-            conn.cancel(request_id)
-            conn.note_fetch_given_up()
-            self.batch_scheduler.finish_fetch(request_id, None)
-
-    def _publish_cached_blocks(self) -> None:
-        """Copies the full blocks cached by this step out of the paged cache (one
-        gather) and hands them to the connector, per request (for its trace)."""
-        cached, self.batch_scheduler.newly_cached_blocks = self.batch_scheduler.newly_cached_blocks, []
-        keyed = []  # (request, block_id, kvstore chain hash)
-        positions: dict[str, dict[BlockHash, int]] = {}
-        for request, block_id, engine_hash in cached:
-            if request.request_id not in positions:
-                positions[request.request_id] = {
-                    h: i for i, h in enumerate(self.kv_cache_manager.block_hashes(request))}
-            index = positions[request.request_id].get(engine_hash)
-            if index is None:
-                continue
-            store_hash = self.kvstore_block_hashes(request, index + 1)[index]
-            if not self.kv_connector.is_known(store_hash):
-                keyed.append((request, block_id, store_hash))
-        if not keyed:
-            return
-        kv = self.model_runner.read_blocks([block_id for _, block_id, _ in keyed])
-        by_request: dict[str, tuple[object, list]] = {}
-        for i, (request, _, block_hash) in enumerate(keyed):
-            by_request.setdefault(request.request_id, (request.trace_context, []))[1].append((block_hash, kv[i]))
-        for trace_context, blocks in by_request.values():
-            self.kv_connector.publish(blocks, trace_context)
+        return self.batch_scheduler.update_from_output(scheduler_output, runner_output)
 
     def wake_deadline(self) -> float | None:
-        """Seconds on the batch scheduler's ``clock`` (monotonic) at which an idle engine
-        must step again: a batching hold's end or the earliest kvstore fetch deadline
-        (None: only new work wakes it)."""
-        deadlines = [r.fetch_deadline for r in self.batch_scheduler.fetching.values()]
-        if self.batch_scheduler.hold_deadline is not None:
-            deadlines.append(self.batch_scheduler.hold_deadline)
-        return min(deadlines) if deadlines else None
+        """Monotonic seconds at which an idle engine must step again: a batching hold's
+        end or the earliest kvstore fetch deadline (None: only new work wakes it)."""
+        return self.batch_scheduler.wake_deadline()
 
     def has_unfinished_requests(self) -> bool:
         return self.batch_scheduler.has_unfinished_requests()
@@ -330,7 +244,7 @@ class LLMEngine:
                                                for rid, blocks in self.kv_cache_manager.req_to_blocks.items()
                                                if blocks)),
             kvstore_hit_tokens=s.kvstore_hit_tokens,
-            kvstore_queried_tokens=self.kvstore_queried_tokens,
+            kvstore_queried_tokens=s.kvstore_queried_tokens,
             kvstore=self.kv_connector.stats() if self.kv_connector is not None else None,
             forward_seconds=self.forward_seconds,
             num_forward_tokens=self.num_forward_tokens,
@@ -356,6 +270,12 @@ class LLMEngine:
         self.kv_cache_manager.check_integrity()
         held = set(self.kv_cache_manager.req_to_blocks)
         assert held <= set(self.batch_scheduler.requests), "blocks held by a request the scheduler forgot"
+
+    def shutdown(self) -> None:
+        """Aborts every request and shuts the worker group down; the engine is unusable after."""
+        for request_id in list(self.batch_scheduler.requests):
+            self.abort_request(request_id)
+        self.worker_group.shutdown()
 
     def generate(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams]) -> list[list[int]]:
         """Offline generation: adds every prompt, steps until all finish.

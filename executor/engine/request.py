@@ -92,13 +92,8 @@ class Request:
         num_cached_tokens: tokens reused from the prefix cache when first scheduled.
         arrival_time: ``time.monotonic()`` seconds when the batch scheduler got it.
         num_kvstore_tokens: of ``num_cached_tokens``, tokens loaded from the kvstore.
-        external_kv: blocks fetched from the kvstore, not yet loaded (see ``ExternalKV``).
-        fetch_deadline: ``time.monotonic()`` seconds after which a fetch in flight is
-            given up (status ``WAITING_FOR_REMOTE_KVS`` only).
         trace_context: the OpenTelemetry context of the request's span (opaque here),
             the parent of kvstore fetch and publish spans.
-        kvstore_block_hashes: the leading full blocks' hashes in the kvstore's
-            (routing) chain, filled on demand by ``LLMEngine.kvstore_block_hashes``.
     """
 
     request_id: str
@@ -116,10 +111,7 @@ class Request:
     num_cached_tokens: int = 0
     arrival_time: float = 0.0
     num_kvstore_tokens: int = 0
-    external_kv: "ExternalKV | None" = None
-    fetch_deadline: float = 0.0
     trace_context: object = None
-    kvstore_block_hashes: list[int] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         self.all_token_ids = list(self.prompt_token_ids) + list(self.output_token_ids)
@@ -147,28 +139,3 @@ class Request:
     def append_output(self, token_id: int) -> None:
         self.output_token_ids.append(token_id)
         self.all_token_ids.append(token_id)
-
-
-@dataclass
-class ExternalKV:
-    """Full blocks of a request's prefix fetched from the kvstore, waiting to be
-    loaded into the paged cache when the request is scheduled.
-
-    Attributes:
-        start_block: logical index of the first fetched block in the request.
-        payloads: one verified payload per block, in order: the raw bytes of a
-            ``(num_layers, 2, block_size, num_kv_heads, head_dim)`` tensor in the
-            cache dtype (``meshserve.block_hash.KVLayout``).
-    """
-
-    start_block: int
-    payloads: list
-
-    def usable(self, num_hit_blocks: int, max_blocks: int) -> list:
-        """Payloads of the blocks right after a local prefix hit of ``num_hit_blocks``
-        blocks, capped so the request keeps at most ``max_blocks`` blocks of hits;
-        empty when the fetched run does not start at or before that block (a gap
-        would leave blocks uncomputed)."""
-        if self.start_block > num_hit_blocks:
-            return []
-        return self.payloads[num_hit_blocks - self.start_block:max(0, max_blocks - self.start_block)]

@@ -1,8 +1,10 @@
-"""What ``BatchScheduler.schedule()`` hands to ``ModelRunner.execute_model()``, and
-what comes back to ``BatchScheduler.update_from_output()``.
+"""What ``BatchScheduler.schedule()`` hands to the worker group's
+``execute_model()``, and what comes back to ``BatchScheduler.update_from_output()``.
 
-Plain data only: the runner never sees a ``Request`` object, so it cannot change
-scheduler state.
+Plain, picklable data only (ints, strings, lists, bytes, frozen parameter
+dataclasses; no ``Request`` object, no tensor): the worker never sees scheduler
+state, so it cannot change it, and a step can be sent to a worker in another
+process as it is (``tests/executor/test_worker.py`` pickles a real step).
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import Sequence
 
 from executor.engine.outputs import TokenLogprob
+from meshserve.block_hash import BlockHash
 from meshserve.sampling import SamplingParams
 
 
@@ -28,9 +31,10 @@ class ScheduledRequest:
         sampling_params: the request's parameters.
         sample: after this step every known token is computed, so the runner
             samples the next one (False for a prefill chunk that is not the last).
-        all_token_ids: the request's prompt + output tokens: a read-only view of
-            the scheduler's list (not a copy), valid until ``update_from_output``;
-            the sampler reads it for penalties and ``min_tokens``.
+        all_token_ids: the request's prompt + output tokens: in process, a read-only
+            view of the scheduler's list (not a copy), valid until
+            ``update_from_output``; a copy once pickled. The sampler reads it for
+            penalties and ``min_tokens``.
         num_prompt_tokens: the prompt's length; ``all_token_ids[num_prompt_tokens:]``
             are the outputs so far.
     """
@@ -54,6 +58,22 @@ class ScheduledRequest:
         return len(self.token_ids)
 
 
+@dataclass(frozen=True)
+class BlockSave:
+    """A full block this step computes, to be copied out after the forward pass and
+    published to the kvstore (``executor.engine.kv_connector``).
+
+    Attributes:
+        block_id: the physical block.
+        block_hash: its chain hash (``meshserve.block_hash``).
+        request_id: the request computing it (its trace parents the publish).
+    """
+
+    block_id: int
+    block_hash: BlockHash
+    request_id: str
+
+
 @dataclass
 class SchedulerOutput:
     """One step's batch.
@@ -65,15 +85,17 @@ class SchedulerOutput:
         finished_request_ids: requests that finished or were aborted since the
             previous ``schedule()``; the runner drops its state for them.
         kv_loads: ``(block_id, payload)`` of blocks fetched from the kvstore that the
-            runner copies into the paged cache before the forward pass (payload:
-            the raw bytes of one block, ``ExternalKV``).
+            worker copies into the paged cache before the forward pass (payload:
+            the raw bytes of one block, ``executor.worker.kv_connector``).
+        kv_saves: blocks the worker copies out after the forward pass, for publishing.
     """
 
     scheduled: list[ScheduledRequest]
     num_scheduled_tokens: int
     preempted_request_ids: list[str] = field(default_factory=list)
     finished_request_ids: set[str] = field(default_factory=set)
-    kv_loads: list[tuple[int, object]] = field(default_factory=list)
+    kv_loads: list[tuple[int, bytes | bytearray]] = field(default_factory=list)
+    kv_saves: list[BlockSave] = field(default_factory=list)
 
     @property
     def is_empty(self) -> bool:
@@ -91,8 +113,10 @@ class ModelRunnerOutput:
             ``SamplingParams.logprobs`` that sampled.
         prompt_logprobs: request id → its whole prompt's logprobs (positions
             1 .. num_prompt - 1), in the step that samples its first token.
+        kv_saved: the payloads of ``SchedulerOutput.kv_saves``, in the same order.
     """
 
     sampled_token_ids: dict[str, int]
     logprobs: dict[str, TokenLogprob] = field(default_factory=dict)
     prompt_logprobs: dict[str, list[TokenLogprob]] = field(default_factory=dict)
+    kv_saved: list[bytes] = field(default_factory=list)

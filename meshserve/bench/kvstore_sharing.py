@@ -157,7 +157,7 @@ def main(argv: list[str] | None = None) -> int:
     proc, address = _start_kvstore(args.kvstore_memory)
     try:
         # SmolLM2-135M's layout: 30 layers, 3 KV heads of 64 channels
-        fp = KVStoreFingerprint(ModelFingerprint("bench", "0", args.dtype), KVLayout(args.block_size, 30, 3, 64))
+        fp = KVStoreFingerprint(ModelFingerprint("bench", "0"), KVLayout(args.block_size, 30, 3, 64, args.dtype))
         report = {"throughput": asyncio.run(_throughput(address, fp, args.blocks, args.blocks_per_stream))}
         if not args.skip_ttft:
             report["ttft"] = _ttft_rounds(address, args)

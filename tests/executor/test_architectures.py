@@ -66,7 +66,7 @@ def test_tiny_model_matches_transformers(kind, tmp_path):
 def test_bfloat16_runs(tmp_path):
     _save_tiny("qwen2", tmp_path)
     engine = LLMEngine(EngineConfig(model=str(tmp_path), dtype="bfloat16", cache=CacheConfig(num_blocks=16)))
-    assert engine.model_runner.kv_caches[0][0].dtype == torch.bfloat16
+    assert engine.worker_group.worker.kv_caches[0][0].dtype == torch.bfloat16
     outputs = engine.generate([[5, 6, 7], [8] * 20], SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True))
     assert [len(o) for o in outputs] == [5, 5]
 

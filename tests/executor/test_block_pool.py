@@ -7,10 +7,10 @@ import pytest
 
 from executor.engine.block_pool import BlockPool, BlockRemoved, BlockStored, NoFreeBlocksError
 from executor.engine.kv_cache_manager import KVCacheManager
-from meshserve.block_hash import ModelFingerprint, hash_block_tokens, hash_full_blocks
+from meshserve.block_hash import KVLayout, KVStoreFingerprint, ModelFingerprint, hash_block_tokens, hash_full_blocks
 from tests.support.engine_steps import make_request
 
-FP = ModelFingerprint("m", "r1", "float32")
+FP = ModelFingerprint("m", "r1")
 
 
 def counts(pool: BlockPool) -> tuple[int, int, int]:
@@ -143,17 +143,25 @@ def test_kv_cache_manager_prefix_hits_share_blocks_and_cap_at_num_tokens_minus_o
 
 
 def test_different_model_fingerprints_never_share_blocks():
-    """Case C06 at the block level: model id, revision, dtype and adapter all change the chain."""
+    """Case C06 at the block level: model id, revision and adapter change the chain (its root);
+    dtype, KV layout and tensor-parallel rank change the kvstore namespace, where the
+    bytes of different executors meet (one engine's own prefix cache has one dtype)."""
     tokens = list(range(32))
-    roots = {fp.root_hash for fp in (FP, ModelFingerprint("m2", "r1", "float32"),
-                                     ModelFingerprint("m", "r2", "float32"), ModelFingerprint("m", "r1", "bfloat16"),
-                                     ModelFingerprint("m", "r1", "float32", adapter="lora-a"))}
-    assert len(roots) == 5
+    fingerprints = (FP, ModelFingerprint("m2", "r1"), ModelFingerprint("m", "r2"),
+                    ModelFingerprint("m", "r1", adapter="lora-a"))
+    roots = {fp.root_hash for fp in fingerprints}
+    assert len(roots) == 4
     chains = {tuple(hash_full_blocks(tokens, 16, r)) for r in roots}
-    assert len(chains) == 5
+    assert len(chains) == 4
+    layouts = [KVLayout(16, 2, 2, 64, dtype) for dtype in ("float32", "bfloat16", "float16")]
+    layouts += [KVLayout(8, 2, 2, 64, "float32"), KVLayout(16, 2, 1, 64, "float32", tp_rank=1, tp_size=2)]
+    namespaces = {KVStoreFingerprint(fp, layout).namespace for fp in fingerprints for layout in layouts}
+    assert len(namespaces) == len(fingerprints) * len(layouts)
     assert hash_full_blocks(tokens, 16, FP.root_hash)[1] == hash_block_tokens(
         hash_block_tokens(FP.root_hash, tokens[:16]), tokens[16:])
     assert hash_full_blocks(tokens[:31], 16, FP.root_hash, 0) == hash_full_blocks(tokens, 16, FP.root_hash)[:1]
+    with pytest.raises(ValueError, match="dtype"):
+        KVLayout(16, 2, 2, 64, "fp8")
 
 
 def test_utilization_counts_shared_blocks_once():

@@ -55,7 +55,7 @@ def test_triton_backend_engine_matches_torch_backend_and_transformers(tmp_path):
                                         attention_backend=backend,
                                         cache=CacheConfig(block_size=16, num_blocks=256),
                                         batch=BatchSchedulerConfig(max_num_seqs=8, max_num_batched_tokens=128)))
-        assert engine.model_runner.attention_backend.name == backend
+        assert engine.worker_group.worker.model_runner.attention_backend.name == backend
         cold = engine.generate(prompts, params)
         warm = engine.generate(prompts, params)           # served from the prefix cache
         assert warm == cold

@@ -1,15 +1,15 @@
-"""KV events on the routing chain: the executor's translation agrees with the gateway's hashes
-(no model: a KVCacheManager with events on, in two dtypes)."""
+"""KV events carry the one chain: the executor's stored hashes are the gateway's
+(no model: a KVCacheManager with events on)."""
 
 from executor.engine.kv_cache_manager import KVCacheManager
 from executor.kv_events import KvEventBatcher
 from executor.server import lease_num_blocks
-from meshserve.block_hash import ModelFingerprint, routing_block_hashes
+from meshserve.block_hash import ModelFingerprint, hash_to_bytes, routing_block_hashes
 from executor.engine.request import Request
 from meshserve.sampling import SamplingParams
 from tests.support.engine_steps import make_request
 
-FP32 = ModelFingerprint("m", "r1", "float32")
+FP = ModelFingerprint("m", "r1")
 
 
 def cached(kv: KVCacheManager, rid: str, num_tokens: int, first_token: int = 0):
@@ -23,26 +23,25 @@ def cached(kv: KVCacheManager, rid: str, num_tokens: int, first_token: int = 0):
     return req
 
 
-def test_executor_events_in_any_dtype_match_the_gateway_hashes():
-    for dtype in ("float32", "bfloat16"):
-        kv = KVCacheManager(num_blocks=16, block_size=4, enable_caching=True,
-                            fingerprint=ModelFingerprint("m", "r1", dtype), enable_events=True)
-        batcher = KvEventBatcher(kv.fingerprint)
-        req = cached(kv, "a", 10)              # two full blocks
-        cached(kv, "b", 14)                     # shares them, adds a third (tokens 8..11)
-        batcher.add(kv.block_pool.take_events())
-        gateway = routing_block_hashes(req.all_token_ids[:10], 4, "m", "r1")
-        assert len(gateway) == 2
-        stored, removed = batcher.take()
-        assert stored == routing_block_hashes(make_request("b", 14).all_token_ids, 4, "m", "r1")
-        assert stored[:2] == gateway and removed == []
+def test_executor_events_match_the_gateway_hashes():
+    kv = KVCacheManager(num_blocks=16, block_size=4, enable_caching=True, fingerprint=FP, enable_events=True)
+    batcher = KvEventBatcher()
+    req = cached(kv, "a", 10)              # two full blocks
+    b = cached(kv, "b", 14)                 # shares them, adds a third (tokens 8..11)
+    batcher.add(kv.block_pool.take_events())
+    gateway = routing_block_hashes(req.all_token_ids[:10], 4, "m", "r1")
+    assert len(gateway) == 2
+    stored, removed = batcher.take()
+    assert stored == routing_block_hashes(make_request("b", 14).all_token_ids, 4, "m", "r1")
+    assert stored[:2] == gateway and removed == []
+    assert stored == [hash_to_bytes(h) for h in kv.block_hashes(b)]   # the engine's own chain, not a translation
     # another revision is another chain
     assert routing_block_hashes(list(range(8)), 4, "m", "r2") != routing_block_hashes(list(range(8)), 4, "m", "r1")
 
 
 def test_batch_is_the_net_effect_and_snapshot_lists_what_is_cached():
-    kv = KVCacheManager(num_blocks=3, block_size=4, enable_caching=True, fingerprint=FP32, enable_events=True)
-    batcher = KvEventBatcher(FP32)
+    kv = KVCacheManager(num_blocks=3, block_size=4, enable_caching=True, fingerprint=FP, enable_events=True)
+    batcher = KvEventBatcher()
     cached(kv, "a", 8)                          # blocks 0, 1 cached
     batcher.add(kv.block_pool.take_events())
     first = batcher.take()[0]
@@ -63,8 +62,8 @@ def test_batch_is_the_net_effect_and_snapshot_lists_what_is_cached():
 
 
 def test_stored_then_removed_in_one_batch_is_only_removed():
-    kv = KVCacheManager(num_blocks=2, block_size=4, enable_caching=True, fingerprint=FP32, enable_events=True)
-    batcher = KvEventBatcher(FP32)
+    kv = KVCacheManager(num_blocks=2, block_size=4, enable_caching=True, fingerprint=FP, enable_events=True)
+    batcher = KvEventBatcher()
     cached(kv, "a", 8)
     kv.free("a")
     kv.block_pool.reset_prefix_cache()
@@ -87,8 +86,7 @@ def test_link_sends_a_reset_snapshot_then_net_batches_in_bounded_messages():
 
     from executor.server import LinkConfig, SchedulerLink
 
-    servicer = SimpleNamespace(engine=SimpleNamespace(engine=SimpleNamespace(fingerprint=FP32)))
-    link = SchedulerLink(LinkConfig("sched:1", "e0", "addr:2", max_hashes_per_message=2), servicer)
+    link = SchedulerLink(LinkConfig("sched:1", "e0", "addr:2", max_hashes_per_message=2), SimpleNamespace())
     h = [bytes([i]) * 16 for i in range(5)]
     msgs = [m.kv_events for m in link._kv_messages(h[:3], [], reset=True)]
     assert [(m.reset, list(m.stored), list(m.removed)) for m in msgs] == [

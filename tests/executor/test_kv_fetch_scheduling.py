@@ -1,91 +1,234 @@
-"""The batch scheduler's side of kvstore fetches, without a model: a request waits
-in WAITING_FOR_REMOTE_KVS, fetched blocks extend its local prefix hit into newly
-allocated blocks (exact ids in ``kv_loads``), a gap or a late completion means
-recompute, and an abort while fetching holds nothing."""
+"""The scheduler half of kvstore transfer driving the batch scheduler, without a
+model, over a real kvstore service: a request waits in WAITING_FOR_REMOTE_KVS,
+fetched blocks extend its local prefix hit into newly allocated blocks (exact ids
+in ``kv_loads``), the blocks a step completes are listed once in ``kv_saves`` and
+published, a capped or gapped fetch loads nothing more, a fetch past its deadline
+(a fake clock) is given up and recomputed, a late completion is ignored, and an
+abort while fetching holds nothing."""
 
 from __future__ import annotations
+
+import threading
+import time
+
+import pytest
 
 from executor.engine.batch_scheduler import BatchScheduler
 from executor.engine.config import BatchSchedulerConfig
 from executor.engine.kv_cache_manager import KVCacheManager
-from executor.engine.request import ExternalKV, RequestStatus
-from tests.support.engine_steps import make_request, run_step, shares
+from executor.engine.kv_connector import FetchResult, KVConnectorScheduler, usable_payloads
+from executor.engine.request import Request, RequestStatus
+from executor.engine.scheduler_output import BlockSave, ModelRunnerOutput
+from executor.kvstore_connector import KVStoreConnector
+from kvstore.store import KVStore
+from meshserve.block_hash import KVLayout, KVStoreFingerprint, ModelFingerprint, hash_full_blocks
+from meshserve.sampling import SamplingParams
+from tests.support.engine_steps import make_request, shares
+from tests.support.served_kvstore import DelayingServicer, ServedKVStore
+
+BS = 4
+FP = KVStoreFingerprint(ModelFingerprint("m", "r"), KVLayout(BS, 1, 1, 2, "float32"))  # 32-byte blocks
 
 
-def make_scheduler(num_blocks=32, block_size=4, budget=64):
-    config = BatchSchedulerConfig(max_num_seqs=4, max_num_batched_tokens=budget)
-    s = BatchScheduler(config, KVCacheManager(num_blocks, block_size, enable_caching=True))
-    s.newly_cached_blocks = []
-    return s
+def payload(i: int) -> bytes:
+    return bytes([i]) * FP.block_bytes
 
 
-def test_fetched_blocks_skip_prefill_and_are_loaded_into_new_blocks():
-    s = make_scheduler()
-    r = make_request("r", 18)               # 4 full blocks + 2 tokens; at most 4 blocks of hits
-    s.add_fetching(r, deadline=1e9)
-    assert r.status == RequestStatus.WAITING_FOR_REMOTE_KVS
-    out, results = run_step(s)
-    assert out.is_empty and results == [] and s.has_unfinished_requests()
-    assert s.finish_fetch("r", ExternalKV(0, [b"p0", b"p1", b"p2"]))
-    out, results = run_step(s)
-    assert shares(out) == {"r": 6} and out.scheduled[0].num_computed_tokens == 12
-    assert out.kv_loads == [(0, b"p0"), (1, b"p1"), (2, b"p2")]
-    assert s.kv.get_block_ids("r") == [0, 1, 2, 3, 4]
-    assert (r.num_cached_tokens, r.num_kvstore_tokens, s.kvstore_hit_tokens) == (12, 12, 12)
-    assert results[0].num_kvstore_tokens == 12 and results[0].num_cached_tokens == 12
-    # every full block got registered, loaded ones included (they hold valid K/V now)
-    assert [(req.request_id, block_id) for req, block_id, _ in s.newly_cached_blocks] == [
-        ("r", 0), ("r", 1), ("r", 2), ("r", 3)]
-    assert s.prefix_cache_hit_tokens == 0   # local hits only
+def chain(request: Request) -> list[int]:
+    return hash_full_blocks(request.all_token_ids, BS, FP.model.root_hash)
+
+
+class Mesh:
+    """A batch scheduler with a connector's scheduler half over a served store, a
+    second connector playing another executor that publishes blocks, and a fake clock."""
+
+    def __init__(self, servicer_cls=None, budget: int = 64, fetch_timeout_s: float = 60.0):
+        kwargs = {"servicer_cls": servicer_cls} if servicer_cls else {}
+        self.served = ServedKVStore(KVStore(memory_bytes=1 << 20), **kwargs)
+        self.connector = KVStoreConnector(self.served.address, FP, fetch_timeout_s=fetch_timeout_s)
+        self.other = KVStoreConnector(self.served.address, FP)
+        self.fetched = threading.Event()
+        self.connector.set_waker(self.fetched.set)
+        kv = KVCacheManager(32, BS, enable_caching=True, fingerprint=FP.model)
+        self.s = BatchScheduler(BatchSchedulerConfig(max_num_seqs=4, max_num_batched_tokens=budget), kv)
+        self.half = KVConnectorScheduler(self.connector, kv)
+        self.s.set_kv_connector(self.half)
+        self.now = [0.0]
+        self.s.clock = lambda: self.now[0]
+
+    def publish_elsewhere(self, request: Request, num_blocks: int) -> None:
+        """Another executor stored the request's first blocks, payload ``i`` for block ``i``."""
+        self.other.publish([(h, payload(i)) for i, h in enumerate(chain(request)[:num_blocks])])
+        self.other.flush()
+
+    def wait_fetched(self) -> None:
+        assert self.fetched.wait(60), "the fetch did not finish"
+        self.fetched.clear()
+
+    def step(self, token: int = 7):
+        """schedule() and update_from_output() with ``token`` sampled and each saved
+        block's payload ``100 + block_id``; checks the KV invariants."""
+        out = self.s.schedule()
+        runner = ModelRunnerOutput({r.request_id: token for r in out.scheduled if r.sample},
+                                   kv_saved=[payload(100 + save.block_id) for save in out.kv_saves])
+        results = self.s.update_from_output(out, runner)
+        self.s.kv.check_integrity()
+        return out, results
+
+    def stored_blocks(self, hashes: list[int]) -> int:
+        """Leading ``hashes`` the store holds (read on its own loop)."""
+        async def lookup():
+            return self.served.store.lookup(FP.namespace, hashes)
+        return self.served.call(lookup())
+
+    def close(self) -> None:
+        self.connector.close()
+        self.other.close()
+        self.served.stop()
+
+
+def test_fetched_blocks_skip_prefill_are_loaded_into_new_blocks_and_completed_ones_published():
+    m = Mesh()
+    try:
+        r = make_request("r", 18)               # 4 full blocks + 2 tokens; at most 4 blocks of hits
+        m.publish_elsewhere(r, 3)
+        m.s.add_request(r)
+        assert r.status == RequestStatus.WAITING_FOR_REMOTE_KVS and m.s.kvstore_queried_tokens == 16
+        m.wait_fetched()
+        out, results = m.step()
+        assert shares(out) == {"r": 6} and out.scheduled[0].num_computed_tokens == 12
+        assert out.kv_loads == [(0, payload(0)), (1, payload(1)), (2, payload(2))]
+        assert m.s.kv.get_block_ids("r") == [0, 1, 2, 3, 4]
+        assert (r.num_cached_tokens, r.num_kvstore_tokens, m.s.kvstore_hit_tokens) == (12, 12, 12)
+        assert results[0].num_kvstore_tokens == 12 and results[0].num_cached_tokens == 12
+        # the step completes block 3 (tokens 12..15): saved once, then published by the half
+        assert out.kv_saves == [BlockSave(3, chain(r)[3], "r")]
+        # every full block got registered, loaded ones included (they hold valid K/V now)
+        assert [m.s.kv.block_pool.get_cached_block(h).block_id for h in chain(r)] == [0, 1, 2, 3]
+        assert m.s.prefix_cache_hit_tokens == 0   # local hits only
+        m.connector.flush()
+        assert m.stored_blocks(chain(r)) == 4 and m.connector.stats().published_blocks == 1
+        out, _ = m.step()                       # a decode completes no block: nothing to save
+        assert out.kv_saves == [] and out.kv_loads == []
+    finally:
+        m.close()
 
 
 def test_fetched_blocks_continue_a_local_hit_and_are_capped():
-    s = make_scheduler()
-    first = make_request("a", 9)             # caches blocks 0, 1 locally
-    s.add_request(first)
-    run_step(s)
-    s.abort_request("a")
-    r = make_request("r", 12)                # 3 full blocks; at most 2 blocks of hits (keep the last token)
-    s.add_fetching(r, deadline=1e9)
-    s.finish_fetch("r", ExternalKV(1, [b"p1", b"p2"]))  # fetched from block 1: block 2 would be the third
-    out, _ = run_step(s)
-    assert out.kv_loads == [] and shares(out) == {"r": 4}  # 2 local blocks, the cap leaves nothing to load
-    assert (r.num_cached_tokens, r.num_kvstore_tokens) == (8, 0)
+    m = Mesh(budget=9)
+    try:
+        r = make_request("r", 12)               # 3 full blocks; at most 2 blocks of hits (keep the last token)
+        m.publish_elsewhere(r, 2)
+        m.s.add_request(r)                      # fetches blocks 0, 1
+        m.wait_fetched()
+        # a computes every prompt position (prompt logprobs: it never fetches) and goes first
+        m.s.add_request(make_request("a", 9, priority=1, prompt_logprobs=0))
+        out, _ = m.step()
+        assert shares(out) == {"a": 9}          # the whole budget: a caches blocks 0, 1 here meanwhile
+        m.s.abort_request("a")
+        out, _ = m.step()
+        assert out.kv_loads == [] and shares(out) == {"r": 4}  # 2 local blocks, the cap leaves nothing to load
+        assert (r.num_cached_tokens, r.num_kvstore_tokens) == (8, 0)
+    finally:
+        m.close()
 
-    g = make_request("g", 24)                # same tokens: r's 3 computed blocks are a local hit
-    s.add_fetching(g, deadline=1e9)
-    s.finish_fetch("g", ExternalKV(4, [b"p4"]))  # the local hit ends at block 3: a gap, nothing usable
-    out, _ = run_step(s)
-    assert out.kv_loads == [] and out.scheduled[-1].num_computed_tokens == 12
-    s.kv.check_integrity()
-
-    s = make_scheduler()
-    s.add_request(make_request("a", 13))     # caches blocks 0-2 here
-    run_step(s)
-    h = make_request("h", 24)
-    s.add_fetching(h, deadline=1e9)
-    s.finish_fetch("h", ExternalKV(2, [b"p2", b"p3", b"p4"]))  # overlaps the local hit by one block
-    out, _ = run_step(s)
-    assert [p for _, p in out.kv_loads] == [b"p3", b"p4"] and out.scheduled[-1].num_computed_tokens == 20
-    assert (h.num_cached_tokens, h.num_kvstore_tokens) == (20, 8)
-    assert [b for b, _ in out.kv_loads] == s.kv.get_block_ids("h")[3:5]
-    s.kv.check_integrity()
+    m = Mesh(budget=13)
+    try:
+        h = make_request("h", 24)               # at most 5 blocks of hits
+        m.publish_elsewhere(h, 5)
+        m.s.add_request(h)                      # fetches blocks 0 .. 4
+        m.wait_fetched()
+        m.s.add_request(make_request("a", 13, priority=1, prompt_logprobs=0))  # caches blocks 0-2 here first
+        out, _ = m.step()
+        assert shares(out) == {"a": 13}
+        out, _ = m.step()                       # the fetched run overlaps the local hit by three blocks
+        assert [p for _, p in out.kv_loads] == [payload(3), payload(4)] and out.scheduled[-1].num_computed_tokens == 20
+        assert (h.num_cached_tokens, h.num_kvstore_tokens) == (20, 8)
+        assert [b for b, _ in out.kv_loads] == m.s.kv.get_block_ids("h")[3:5]
+        m.s.kv.check_integrity()
+    finally:
+        m.close()
 
 
-def test_late_and_expired_fetches_and_aborts():
-    s = make_scheduler()
-    r = make_request("r", 10)
-    s.add_fetching(r, deadline=5.0)
-    assert s.expired_fetches(4.9) == [] and s.expired_fetches(5.0) == ["r"]
-    assert s.finish_fetch("r", None)         # given up: recomputes
-    assert not s.finish_fetch("r", ExternalKV(0, [b"late"]))  # the late completion is ignored
-    out, _ = run_step(s)
-    assert shares(out) == {"r": 10} and out.kv_loads == []
-    q = make_request("q", 10)
-    s.add_fetching(q, deadline=1e9)
-    assert s.abort_request("q") and "q" not in s.fetching and q.status == RequestStatus.FINISHED_ABORTED
-    assert not s.finish_fetch("q", ExternalKV(0, [b"x"]))
-    while s.has_unfinished_requests():
-        run_step(s)
-    assert s.kv.num_free_blocks == s.kv.num_blocks
-    s.kv.check_integrity()
+def test_usable_payloads_continue_the_local_hit_without_gaps():
+    p = [b"p2", b"p3", b"p4"]                   # fetched from block 2
+    assert usable_payloads(2, p, 3, 5) == [b"p3", b"p4"]   # overlaps the local hit by one block
+    assert usable_payloads(2, p, 3, 4) == [b"p3"]          # capped below the last token
+    assert usable_payloads(2, p, 1, 5) == []               # a gap: block 1 is neither cached nor fetched
+    assert usable_payloads(2, p, 5, 5) == []               # the local hit already reaches the cap
+    assert usable_payloads(0, [b"p0", b"p1"], 0, 1) == [b"p0"]
+
+
+def wait_no_leases(m: Mesh) -> None:
+    deadline = time.monotonic() + 60
+    while m.served.stats().num_leases:
+        assert time.monotonic() < deadline, "leases still held"
+        time.sleep(0.01)
+
+
+def test_expired_fetches_late_completions_and_aborts():
+    DelayingServicer.get_delay_s = 3600.0       # a Get never finishes: only its deadline (the fake clock) ends it
+    m = Mesh(servicer_cls=DelayingServicer, fetch_timeout_s=5.0)
+    try:
+        r = make_request("r", 10)
+        m.publish_elsewhere(r, 2)
+        m.s.add_request(r)
+        assert m.s.wake_deadline() == 5.0
+        m.now[0] = 4.9
+        out, results = m.step()
+        assert out.is_empty and results == [] and m.s.has_unfinished_requests()
+        m.now[0] = 5.0
+        out, _ = m.step()                       # given up: recomputes
+        assert shares(out) == {"r": 10} and out.kv_loads == [] and m.s.wake_deadline() is None
+        assert m.connector.stats().fetch_failures == 1
+        assert not m.half.on_fetch_result(FetchResult("r", 0, [payload(0)], 2))  # a late completion is ignored
+        wait_no_leases(m)                       # the cancelled Get released its leases
+        q = Request("q", list(range(50, 60)), SamplingParams(max_tokens=4), 0, 99, 10_000)  # not cached here
+        m.s.add_request(q)
+        assert q.status == RequestStatus.WAITING_FOR_REMOTE_KVS
+        assert m.s.abort_request("q") and "q" not in m.s.fetching and q.status == RequestStatus.FINISHED_ABORTED
+        assert not m.half.on_fetch_result(FetchResult("q", 0, [payload(0)], 2))
+        wait_no_leases(m)
+        while m.s.has_unfinished_requests():
+            m.step()
+        assert m.s.kv.num_free_blocks == m.s.kv.num_blocks
+        assert m.connector.poll() == [] and m.connector._fetches == {}
+    finally:
+        DelayingServicer.get_delay_s = 0.0
+        m.close()
+
+
+def test_dropping_the_connector_while_fetching_recomputes():
+    DelayingServicer.get_delay_s = 3600.0
+    m = Mesh(servicer_cls=DelayingServicer)
+    try:
+        r = make_request("r", 10)
+        m.publish_elsewhere(r, 2)
+        m.s.add_request(r)
+        m.s.set_kv_connector(None)              # the fetch is cancelled; r waits to recompute
+        assert r.status == RequestStatus.WAITING and m.s.fetching == {}
+        out, _ = m.step()
+        assert shares(out) == {"r": 10} and out.kv_loads == [] and out.kv_saves == []
+        wait_no_leases(m)
+    finally:
+        DelayingServicer.get_delay_s = 0.0
+        m.close()
+
+
+@pytest.mark.parametrize("prompt_logprobs", [None, 0])
+def test_nothing_to_fetch_queues_the_request_at_once(prompt_logprobs):
+    m = Mesh()
+    try:
+        a = make_request("a", 9)
+        m.s.add_request(a)                      # the store is empty but the half cannot know: it asks
+        assert a.status == RequestStatus.WAITING_FOR_REMOTE_KVS
+        m.wait_fetched()
+        m.step()
+        assert m.s.kvstore_queried_tokens == 8 and m.s.kvstore_hit_tokens == 0
+        # b's prompt is cached here up to its last block: nothing left to fetch; prompt
+        # logprobs need every position computed: never fetched
+        b = make_request("b", 9, prompt_logprobs=prompt_logprobs)
+        m.s.add_request(b)
+        assert b.status == RequestStatus.WAITING and m.s.kvstore_queried_tokens == 8
+    finally:
+        m.close()

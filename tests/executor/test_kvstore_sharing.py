@@ -2,7 +2,7 @@
 prefix computed on engine A is fetched by engine B, whose output equals the cold
 run token for token; corrupt and missing blocks, a kvstore that is down or
 restarted empty all fall back to recompute with the same output; case C06 (keys
-carry model identity and dtype)."""
+carry model identity and dtype); one chain hash names a block everywhere."""
 
 from __future__ import annotations
 
@@ -12,11 +12,13 @@ import pytest
 
 from executor.engine.config import BatchSchedulerConfig, CacheConfig, EngineConfig
 from executor.engine.llm_engine import LLMEngine
+from executor.kv_events import KvEventBatcher
 from executor.kvstore_connector import KVStoreConnector
 from kvstore.server import KVStoreServicer
 from kvstore.store import KVStore
-from meshserve.block_hash import hash_full_blocks, routing_fingerprint
+from meshserve.block_hash import hash_full_blocks, hash_to_bytes, routing_block_hashes
 from meshserve.sampling import SamplingParams
+from scheduler.prefix_index import PrefixIndex
 from tests.support.served_kvstore import STALL_S, CorruptingStore, DelayingServicer, DroppingStore, ServedKVStore
 
 pytestmark = pytest.mark.model
@@ -117,7 +119,7 @@ def test_prefix_computed_on_A_is_fetched_by_B(engines, tokenizer):
 def test_corrupt_and_missing_blocks_fall_back_to_recompute(engines, tokenizer):
     a, b = engines
     p = prompt_of(tokenizer, PROMPT_LEN, "faults")
-    hashes = hash_full_blocks(p, BLOCK, routing_fingerprint(a.fingerprint).root_hash)  # the kvstore's chain
+    hashes = hash_full_blocks(p, BLOCK, a.fingerprint.root_hash)  # the one chain: the kvstore's keys too
     store = CorruptingStore(memory_bytes=64 << 20)
     store.corrupt = {hashes[5]}
     shared = Shared(store, a, b)
@@ -248,5 +250,32 @@ def test_prefix_cache_is_keyed_by_model_identity_and_dtype(engines, tokenizer, s
         assert (cached, from_store) == (HIT, 0)
         out_b, cached, from_store, _ = run_one(b, "b-1", p, 32)  # and the same model elsewhere, from the kvstore
         assert out_b == out_a and (cached, from_store) == (HIT, HIT)
+    finally:
+        shared.close()
+
+
+def test_one_chain_names_a_block_in_the_engine_events_gateway_scheduler_and_kvstore(tokenizer):
+    """For one prompt, the hashes the engine caches its blocks under, the KV events
+    carry, the gateway sends, the scheduler's prefix index matches and the kvstore
+    keys are the same list (no translation between chains anywhere)."""
+    engine = LLMEngine(EngineConfig(dtype="float32", max_model_len=2048,
+                                    cache=CacheConfig(block_size=BLOCK, num_blocks=32, enable_kv_events=True)))
+    p = prompt_of(tokenizer, 4 * BLOCK + 5, "one-chain")   # 4 full blocks; max_tokens 1 computes only the prompt
+    shared = Shared(KVStore(memory_bytes=64 << 20), engine)
+    try:
+        run_one(engine, "r", p, max_tokens=1)
+        shared.flush()
+        gateway = routing_block_hashes(p, BLOCK, engine.model_id, engine.revision)
+        cached = [hash_to_bytes(h) for h in engine.kv_cache_manager.block_pool.cached_block_hash_to_block]
+        batcher = KvEventBatcher()
+        batcher.add(engine.take_kv_events())
+        events, removed = batcher.take()
+        stored = shared.served.store.lru_order()
+        assert {ns for ns, _ in stored} == {engine.kv_store_fingerprint.namespace}
+        assert len(gateway) == 4 and removed == []
+        assert cached == events == gateway == [hash_to_bytes(h) for _, h in stored]
+        index = PrefixIndex()
+        index.stored("e0", events)
+        assert index.hit_blocks(gateway) == {"e0": 4}
     finally:
         shared.close()

@@ -123,7 +123,7 @@ def test_sampled_generation_is_reproducible_with_seed(engine, tokenizer):
 
 def test_kv_cache_budget_max_model_len_and_chunked_prefill_off():
     from executor.engine.config import BatchSchedulerConfig
-    from executor.engine.kv_cache import num_blocks_for_budget
+    from executor.engine.kv_cache_manager import num_blocks_for_budget
     from executor.engine.llm_engine import LLMEngine
 
     block_bytes = 2 * 30 * 16 * 3 * 64 * 4  # K and V, 30 layers, 16 tokens, 3 kv heads, head_dim 64, float32

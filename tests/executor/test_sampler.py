@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from executor.engine.sampler import Sampler, SamplingBatch
+from executor.worker.sampler import Sampler, SamplingBatch
 from meshserve.sampling import SamplingParams
 
 VOCAB = 1000
@@ -90,7 +90,7 @@ def test_seeded_request_gives_same_tokens_alone_and_in_any_batch():
 
 # -- min_p, penalties, min_tokens, logprobs ------------------------------------------
 
-from executor.engine.sampler import Penalties, _apply_min_p, banned_tokens  # noqa: E402
+from executor.worker.sampler import Penalties, _apply_min_p, banned_tokens  # noqa: E402
 
 
 def test_min_p_masks_exactly_the_tokens_below_the_threshold_after_temperature():

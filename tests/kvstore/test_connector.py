@@ -14,11 +14,16 @@ from kvstore.store import KVStore
 from meshserve.block_hash import KVLayout, KVStoreFingerprint, ModelFingerprint
 from tests.support.served_kvstore import STALL_S, DelayingServicer, ServedKVStore
 
-FP = KVStoreFingerprint(ModelFingerprint("m", "r", "float32"), KVLayout(4, 2, 2, 8))  # 1 KiB blocks
+FP = KVStoreFingerprint(ModelFingerprint("m", "r"), KVLayout(4, 2, 2, 8, "float32"))  # 1 KiB blocks
 SHAPE = (2, 2, 4, 2, 8)
 
 
 HANG_S = 120.0  # the waits' bound: it only stops a hang
+
+
+def payload(kv: torch.Tensor) -> bytes:
+    """A block's payload: its raw bytes (what ``KVConnectorWorker.save_kv`` gives)."""
+    return kv.contiguous().view(-1).view(torch.uint8).numpy().tobytes()
 
 
 def poll_until(connector: KVStoreConnector, timeout_s: float = HANG_S):
@@ -38,7 +43,7 @@ def test_publish_then_fetch_roundtrip():
     conn.set_waker(lambda: woken.append(1))
     try:
         blocks = [(10 + i, torch.arange(256, dtype=torch.float32).view(SHAPE) * (i + 1)) for i in range(3)]
-        conn.publish(blocks)
+        conn.publish([(h, payload(kv)) for h, kv in blocks])
         conn.flush()
         assert conn.is_known(10) and not conn.is_known(99)
         s = conn.stats()
@@ -62,7 +67,7 @@ def test_publish_queue_is_bounded():
     served = ServedKVStore(KVStore(memory_bytes=1 << 20))
     conn = KVStoreConnector(served.address, FP, max_publish_bytes=2 * FP.block_bytes)
     try:
-        kv = torch.zeros(SHAPE)
+        kv = payload(torch.zeros(SHAPE))
         conn.publish([(1, kv), (2, kv), (3, kv)])   # 3 KiB > 2 KiB: dropped at once, never waits
         conn.publish([(4, kv)])
         conn.flush()
@@ -93,7 +98,7 @@ def test_cancelled_fetch_releases_leases_and_never_reports():
     served = ServedKVStore(KVStore(memory_bytes=1 << 20), servicer_cls=DelayingServicer)
     conn = KVStoreConnector(served.address, FP, fetch_timeout_s=STALL_S)  # no deadline ends it either
     try:
-        conn.publish([(h, torch.ones(SHAPE)) for h in range(1, 21)])
+        conn.publish([(h, payload(torch.ones(SHAPE))) for h in range(1, 21)])
         conn.flush()
         conn.start_fetch("req-2", 0, list(range(1, 21)))
         wait_until(lambda: served.stats().num_leases == 20)

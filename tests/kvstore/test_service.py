@@ -16,8 +16,8 @@ from meshserve.kvstore_payload import CHUNK_BYTES
 from meshserve.kvstore_wire import fingerprint_to_proto
 from meshserve.v1 import kvstore_pb2
 
-FP = KVStoreFingerprint(ModelFingerprint("m", "r1", "float32"), KVLayout(16, 2, 2, 64))  # 16 KiB blocks
-BIG = KVStoreFingerprint(ModelFingerprint("m", "r1", "float32"), KVLayout(16, 40, 4, 64))  # 1.25 MiB: 2 chunks
+FP = KVStoreFingerprint(ModelFingerprint("m", "r1"), KVLayout(16, 2, 2, 64, "float32"))  # 16 KiB blocks
+BIG = KVStoreFingerprint(ModelFingerprint("m", "r1"), KVLayout(16, 40, 4, 64, "float32"))  # 1.25 MiB: 2 chunks
 
 
 def payload(i: int, fp: KVStoreFingerprint = FP) -> bytes:
@@ -54,7 +54,7 @@ async def test_put_then_get_roundtrip_in_chunks(served):
 
 async def test_bad_input_is_invalid_argument(served):
     _, client = served
-    bad_fp = KVStoreFingerprint(ModelFingerprint("m", "r1", "float32"), KVLayout(16, 2, 2, 64))
+    bad_fp = KVStoreFingerprint(ModelFingerprint("m", "r1"), KVLayout(16, 2, 2, 64, "float32"))
     req = kvstore_pb2.LookupRequest(block_hashes=[hash_to_bytes(1)])
     with pytest.raises(grpc.aio.AioRpcError) as err:
         await client.stub.Lookup(req)

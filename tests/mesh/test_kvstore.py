@@ -75,7 +75,7 @@ async def test_late_kvstore_completions_after_an_abort_are_ignored(tokenizer):
             data, crc = store.read(ns, block_hash)
             assert len(data) == engines[0].kv_store_fingerprint.block_bytes
         assert store.stats().corrupt_blocks == 0
-        # the scheduler follows the placements: the gateway's routing chain of the prompt finds
+        # the scheduler follows the placements: the gateway's chain hashes of the prompt finds
         # every published block under executor 1's namespace (the same model and layout)
         hashes = routing_block_hashes(prompt, 16, engines[0].model_id, engines[0].revision)
         index = m.scheduler.servicer.core.kvstore_index

@@ -18,7 +18,7 @@ from scheduler.server import start_scheduler
 
 NS, OTHER = b"n" * 16, b"o" * 16
 H = [hash_to_bytes(i) for i in range(1, 9)]
-FP = KVStoreFingerprint(ModelFingerprint("m", "r1", "float32"), KVLayout(16, 2, 2, 64))
+FP = KVStoreFingerprint(ModelFingerprint("m", "r1"), KVLayout(16, 2, 2, 64, "float32"))
 
 
 def test_index_snapshot_then_deltas():

@@ -12,10 +12,11 @@ Per step:
    prefill is complete (``ScheduledRequest.sample``) and sample them (with the
    sampled tokens' logprobs when asked);
 5. for requests with ``prompt_logprobs``, compute logits at their prompt
-   positions too, a bounded slice at a time (``executor.engine.logprobs``).
+   positions too, a bounded slice at a time (``executor.worker.logprobs``).
 
-The runner owns the KV cache tensors, the per-request seeded generators and the
-partial prompt logprobs, and nothing of the scheduler's state.
+The runner owns the per-request seeded generators and the partial prompt
+logprobs, and nothing of the scheduler's state; the worker owns the KV cache
+tensors (bound to the attention layers) and copies fetched blocks in before.
 """
 
 from __future__ import annotations
@@ -24,39 +25,29 @@ import numpy as np
 import torch
 
 from executor.attention import build_attention_metadata
-from executor.engine.kv_cache import allocate_kv_storage, layer_views
-from executor.engine.logprobs import PromptLogprobs
-from executor.engine.sampler import Sampler, SamplingBatch
+from executor.worker.logprobs import PromptLogprobs
+from executor.worker.sampler import Sampler, SamplingBatch
 from executor.engine.scheduler_output import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
 from executor.model_loader import LoadedModel
 
 
 class ModelRunner:
-    """Runs the model over the paged KV cache.
+    """Runs the model over the paged KV cache its attention layers are bound to.
 
     Args:
         loaded: the model and its limits.
-        num_blocks: KV blocks to allocate.
         block_size: tokens per block.
         seed: seed of the sampler's shared generator.
         device: device of the model and cache.
     """
 
-    def __init__(self, loaded: LoadedModel, num_blocks: int, block_size: int, seed: int = 0,
-                 device: torch.device | str = "cpu"):
+    def __init__(self, loaded: LoadedModel, block_size: int, seed: int = 0, device: torch.device | str = "cpu"):
         self.model = loaded.model
         self.vocab_size = loaded.vocab_size
         self.eos_token_ids = loaded.eos_token_ids
         self.device = torch.device(device)
         self.block_size = block_size
-        layers = self.model.attention_layers()
-        first = layers[0]
-        self.kv_storage = allocate_kv_storage(len(layers), num_blocks, block_size, first.num_kv_heads,
-                                              first.head_dim, loaded.dtype, self.device)
-        self.kv_caches = layer_views(self.kv_storage)
-        for layer, kv_cache in zip(layers, self.kv_caches):
-            layer.kv_cache = kv_cache
-        self.attention_backend = first.backend
+        self.attention_backend = self.model.attention_layers()[0].backend
         self.sampler = Sampler(seed, self.device)
         self.generators: dict[str, torch.Generator] = {}
         self.prompt_logprobs = PromptLogprobs()
@@ -69,8 +60,6 @@ class ModelRunner:
             logprobs when asked, and complete prompt logprobs when asked.
         """
         self.release(scheduler_output.finished_request_ids)
-        if scheduler_output.kv_loads:
-            self.load_blocks(scheduler_output.kv_loads)
         scheduled = sorted(scheduler_output.scheduled, key=_batch_order)
         if not scheduled:
             return ModelRunnerOutput({})
@@ -95,35 +84,6 @@ class ModelRunner:
         logprobs = {} if sampled.logprobs is None else {
             rid: lp for rid, lp in zip(ids, sampled.logprobs) if lp is not None}
         return ModelRunnerOutput(dict(zip(ids, sampled.token_ids.tolist())), logprobs, prompt_logprobs)
-
-    @property
-    def block_shape(self) -> tuple[int, ...]:
-        """``(num_layers, 2, block_size, num_kv_heads, head_dim)``: one block of all layers."""
-        shape = self.kv_storage.shape
-        return (shape[0], shape[1], *shape[3:])
-
-    def load_blocks(self, loads: list[tuple[int, object]]) -> None:
-        """Copies fetched payloads into the paged cache.
-
-        Args:
-            loads: ``(block_id, payload)``; a payload is the raw bytes (a writable
-                buffer such as ``bytearray``) of one ``block_shape`` tensor in the
-                cache dtype.
-
-        Raises:
-            ValueError: a payload has the wrong size (the connector checks sizes first).
-        """
-        for block_id, payload in loads:
-            kv = torch.frombuffer(payload, dtype=self.kv_storage.dtype)
-            if kv.numel() != self.kv_storage[:, :, block_id].numel():
-                raise ValueError(f"payload of {len(payload)} bytes does not fit a block of shape {self.block_shape}")
-            self.kv_storage[:, :, block_id].copy_(kv.view(self.block_shape))
-
-    def read_blocks(self, block_ids: list[int]) -> torch.Tensor:
-        """A private CPU copy of blocks: ``(len(block_ids), *block_shape)`` in the cache
-        dtype (one gather; the engine thread calls it right after a step)."""
-        index = torch.tensor(block_ids, dtype=torch.int64, device=self.device)
-        return self.kv_storage.index_select(2, index).permute(2, 0, 1, 3, 4, 5).contiguous().cpu()
 
     def release(self, request_ids: set[str]) -> None:
         """Drops per-request state (seeded generators, prompt logprobs) of finished requests."""

@@ -30,7 +30,7 @@ from typing import Sequence
 
 import torch
 
-from executor.engine.logprobs import token_logprobs
+from executor.worker.logprobs import token_logprobs
 from executor.engine.outputs import TokenLogprob
 from meshserve.sampling import SamplingParams
 
