@@ -162,7 +162,9 @@ def test_kvstore_down_or_restarted_loses_only_cache(engines, tokenizer):
         assert b.stats().kvstore.fetch_failures == 1, b.stats()
         shared.served = ServedKVStore(KVStore(memory_bytes=64 << 20), port)  # back, empty
         for connector in shared.connectors:
-            connector.wait_ready()
+            # when it reconnects is gRPC's back-off after the downtime (up to 120 s + jitter;
+            # the longer the downtime on a loaded machine, the longer): the bound only stops a hang
+            connector.wait_ready(timeout_s=300)
         cold_q, *_ = run_one(b, "b-2", q)
         shared.flush()
         assert shared.served.stats().blocks_stored == 20, (shared.served.stats(), b.stats())
