@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Optional
 
 import typer
 
-from meshserve.cli.options import (OtlpOpt, ResultCacheSizeOpt, SampleOpt, TaskStoreOpt, TracesOpt,
+from meshserve.cli.options import (OtlpOpt, ResultCacheSizeOpt, SampleOpt, TaskStoreOpt, TracesOpt, parse_bytes,
                                    export_trace_settings)
 
 if TYPE_CHECKING:
@@ -62,9 +62,15 @@ def up(
     from gateway.task_store_registry import task_store_kind
     from meshserve.cli.launcher import Mesh
 
-    try:
-        task_store_kind(task_store)  # checked before any service starts
-    except ValueError as exc:  # a usage error, exit code 2
+    from meshserve.cli import processes
+
+    try:  # checked before any service starts: a usage error, exit code 2
+        task_store_kind(task_store)
+        processes.engine_config(model, dtype, kv_cache_memory, block_size=16, max_num_seqs=64,
+                                max_num_batched_tokens=2048, no_chunked_prefill=False, max_model_len=None,
+                                num_threads=None)  # the executors' flags, as each executor checks them
+        parse_bytes(kvstore_memory)
+    except ValueError as exc:
         raise typer.BadParameter(str(exc)) from None
     export_trace_settings(traces, otlp_endpoint, trace_sample_ratio)
     mesh = Mesh(mesh_config(port, executors, model, dtype, kv_cache_memory, [], tenants, log_dir,

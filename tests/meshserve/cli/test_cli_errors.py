@@ -111,6 +111,24 @@ def test_up_rejects_a_bad_task_store_before_starting_anything():
             in " ".join(result.output.replace("│", " ").split()))
 
 
+@pytest.mark.parametrize("args,message", [
+    (["--dtype", "fp8"], "dtype must be auto, float32, bfloat16 or float16, got 'fp8'"),
+    (["--kv-cache-memory", "lots"], "not a byte size: 'lots'"),
+    (["--kvstore", "--kvstore-memory", "1ZB"], "not a byte size: '1ZB'"),
+])
+def test_up_rejects_bad_executor_and_kvstore_flags_before_starting_anything(args, message):
+    """The executors' and the kvstore's flags are checked by ``up`` itself (usage error,
+    exit 2), not by a child process after the scheduler started."""
+    with socket.socket() as busy:  # were the flags not checked first, up would fail on this port with code 1
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        result = runner.invoke(app, ["up", "--port", str(port), *args])
+    assert result.exit_code == 2
+    assert "Traceback" not in result.output
+    assert message in " ".join(result.output.replace("│", " ").split())
+
+
 @pytest.mark.parametrize(
     "args,message",
     [
