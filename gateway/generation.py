@@ -42,7 +42,7 @@ from opentelemetry import trace
 
 from gateway.choices import Choice, RequestTimer
 from gateway.collector import ChoiceCollector, CompletedChoice, replay
-from gateway.events import ChoiceResult, Delta, Event, FinishReason, Queued
+from gateway.events import ChoiceResult, Delta, Event, Queued
 from gateway.mesh import Admission, Assignment, MeshClient
 from gateway.metrics import GatewayMetrics, RequestMetrics
 from gateway.prompt import PromptBuilder
