@@ -21,7 +21,7 @@ Map of the package (one concept per module)::
       block_pool.py           free list and reference counts of physical blocks
       kv_connector.py         KV transfer: the store I/O ABC and the scheduler half (fetch/load/publish)
       scheduler_output.py     SchedulerOutput / ModelRunnerOutput (plain, picklable data)
-      outputs.py              RequestOutput, EngineStats
+      outputs.py              RequestOutput, EngineStats, KVConnectorStats
     worker/                   the model side
       group.py                InProcessWorkerGroup: one Worker in this process
       worker.py               Worker: weights, KV cache tensors, execute_model

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import itertools
 import logging
 import queue
 import threading
@@ -68,8 +69,11 @@ class KVStoreConnector(KVConnector):
         self.fetch_timeout_s = fetch_timeout_s
         self.max_publish_bytes = max_publish_bytes
         self._block_bytes = fingerprint.block_bytes
-        self._done: queue.SimpleQueue = queue.SimpleQueue()
-        self._fetches: dict[str, concurrent.futures.Future] = {}   # engine thread only
+        self._done: queue.SimpleQueue = queue.SimpleQueue()     # (fetch id, FetchResult)
+        # request id -> (fetch id, future) of its current fetch; engine thread only. A result
+        # whose fetch id is not its request's current one was cancelled: never reported
+        self._fetches: dict[str, tuple[int, concurrent.futures.Future]] = {}
+        self._fetch_ids = itertools.count()
         self._known: OrderedDict[BlockHash, None] = OrderedDict()
         self._lock = threading.Lock()                               # _known, _counters, _publish_bytes
         self._counters = KVConnectorStats()
@@ -90,7 +94,7 @@ class KVStoreConnector(KVConnector):
 
     def close(self) -> None:
         """Cancels fetches, drops unsent publishes, closes the channel, stops the thread."""
-        for future in list(self._fetches.values()) + list(self._publishes):
+        for future in [f for _, f in self._fetches.values()] + list(self._publishes):
             future.cancel()
         self._call(self._client.close())
         self._loop.call_soon_threadsafe(self._loop.stop)
@@ -130,23 +134,31 @@ class KVStoreConnector(KVConnector):
 
     def start_fetch(self, request_id: str, start_block: int, block_hashes: Sequence[BlockHash],
                     trace_context: object = None) -> None:
-        self._fetches[request_id] = asyncio.run_coroutine_threadsafe(
-            self._fetch(request_id, start_block, list(block_hashes), trace_context), self._loop)
+        self.cancel(request_id)  # a fetch still in flight under this id is not the request's any more
+        fetch_id = next(self._fetch_ids)
+        self._fetches[request_id] = (fetch_id, asyncio.run_coroutine_threadsafe(
+            self._fetch(fetch_id, request_id, start_block, list(block_hashes), trace_context), self._loop))
 
     def poll(self) -> list[FetchResult]:
+        """Finished fetches; one cancelled after it finished (its result already queued)
+        is dropped here, so a new fetch under the same request id never gets its result."""
         results = []
         while not self._done.empty():
-            result = self._done.get()
-            self._fetches.pop(result.request_id, None)  # finished: nothing left to cancel
+            fetch_id, result = self._done.get()
+            current = self._fetches.get(result.request_id)
+            if current is None or current[0] != fetch_id:
+                continue  # cancelled: the request was aborted, given up or fetches again
+            del self._fetches[result.request_id]  # finished: nothing left to cancel
             results.append(result)
         return results
 
     def cancel(self, request_id: str) -> None:
-        future = self._fetches.pop(request_id, None)
-        if future is not None:
-            future.cancel()  # cancels the Get: the store releases the request's leases
+        fetch = self._fetches.pop(request_id, None)
+        if fetch is not None:
+            fetch[1].cancel()  # cancels the Get: the store releases the request's leases
 
-    async def _fetch(self, request_id: str, start_block: int, hashes: list[BlockHash], trace_context) -> None:
+    async def _fetch(self, fetch_id: int, request_id: str, start_block: int, hashes: list[BlockHash],
+                     trace_context) -> None:
         span = _tracer.start_span("executor.kvstore_fetch", context=trace_context, kind=SpanKind.CLIENT)
         span.set_attributes({"meshserve.request_id": request_id, "meshserve.kvstore.requested_blocks": len(hashes)})
         started = time.monotonic()
@@ -177,7 +189,7 @@ class KVStoreConnector(KVConnector):
             span.set_attribute("meshserve.kvstore.error", name)
             payloads = []
         span.end()
-        self._done.put(FetchResult(request_id, start_block, payloads, len(hashes)))
+        self._done.put((fetch_id, FetchResult(request_id, start_block, payloads, len(hashes))))
         self._wake()
 
     # -- publish --------------------------------------------------------------

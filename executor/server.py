@@ -20,7 +20,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 
@@ -30,9 +29,9 @@ from executor.engine.async_engine import DEFAULT_MAX_BUFFERED_OUTPUTS, AsyncEngi
 from executor.engine.llm_engine import LLMEngine
 from executor.engine.outputs import EngineStats, RequestOutput, TokenLogprob
 from executor.health import StepWatchdog
+from executor.kv_events import KvEventBatcher
 from executor.request_span import ExecuteSpans
 from meshserve.background import BackgroundTask
-from executor.kv_events import KvEventBatcher
 from meshserve.errors import AlreadyExists, InvalidArgument
 from meshserve.grpc_server import CHANNEL_OPTIONS, Service
 from meshserve.sampling import params_from_proto

@@ -12,7 +12,8 @@ Core (plain data, no protobuf, no gRPC; unit-tested directly):
   token (``prepare``, ``run``, ``generate``), spans and metrics included.
 * ``gateway.request``: what goes in (``GenerationRequest``, ``SpanOptions``,
   ``ModelInfo``) and ``Prepared``; ``gateway.events``: what comes out
-  (``Queued``, ``Assigned``, ``Delta``, ``ChoiceResult``; errors are raised as
+  (``Queued``, ``Delta``, ``ChoiceResult``; an adapter learns of the assignment
+  through ``run``'s ``on_assigned``; errors are raised as
   ``meshserve.errors.MeshError``, never yielded).
 * ``gateway.mesh``: the core's view of the scheduler and executors (``MeshClient``).
 * ``gateway.tenants``: API key -> ``Tenant`` (``TenantRegistry``).

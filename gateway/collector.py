@@ -54,7 +54,7 @@ class ChoiceCollector:
         self._parts: dict[int, _Parts] = {}
 
     def feed(self, event: Event) -> None:
-        """Takes one event (queue updates and the assignment are ignored)."""
+        """Takes one event (queue updates are ignored)."""
         if isinstance(event, Delta):
             parts = self._parts.setdefault(event.index, _Parts())
             parts.text.append(event.text)

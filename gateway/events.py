@@ -3,7 +3,6 @@
 ``GatewayCore.run`` / ``generate`` (``gateway.generation``) yield, in order::
 
     Queued*       while the scheduler's admission queue holds the request
-    Assigned      once, when the scheduler has given it an executor (not on a result-cache hit)
     (Delta | ChoiceResult)*   deltas of the n choices interleaved; each choice ends with
                   its own ChoiceResult, and the stream ends after the last one
 
@@ -85,13 +84,6 @@ class Queued:
 
 
 @dataclass(frozen=True, slots=True)
-class Assigned:
-    """The scheduler assigned an executor (the request now runs)."""
-
-    executor_id: str
-
-
-@dataclass(frozen=True, slots=True)
 class Delta:
     """New output of one choice.
 
@@ -139,4 +131,4 @@ class ChoiceResult:
     cached: bool = False
 
 
-Event = Queued | Assigned | Delta | ChoiceResult
+Event = Queued | Delta | ChoiceResult

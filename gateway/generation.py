@@ -42,7 +42,7 @@ from opentelemetry import trace
 
 from gateway.choices import Choice, RequestTimer
 from gateway.collector import ChoiceCollector, CompletedChoice, replay
-from gateway.events import ChoiceResult, Delta, Event, FinishReason, Queued
+from gateway.events import ChoiceResult, Delta, Event, Queued
 from gateway.mesh import Admission, Assignment, MeshClient
 from gateway.metrics import GatewayMetrics, RequestMetrics
 from gateway.prompt import PromptBuilder
@@ -249,25 +249,26 @@ class GatewayCore:
     async def _generate(self, p: Prepared, span: trace.Span, on_assigned: OnAssigned | None
                         ) -> AsyncIterator[Queued | Delta | ChoiceResult]:
         """Admission (queue updates), then the executor's stream; the lease is released
-        however it ends, with the completion tokens when every choice finished."""
-        assignment, queued = None, False
-        async with aclosing(self.mesh.admit(self._admission(p), span)) as events:
-            async for event in events:
-                if isinstance(event, Queued):
-                    if not queued:  # the position at which it joined the queue
-                        queued = True
-                        span.set_attribute(ta.QUEUE_POSITION, event.position)
-                    yield event
-                else:
-                    assignment = event
-        if assignment is None:
-            raise Unavailable("scheduler ended admission without an assignment")
-        p.timer.assigned = time.monotonic()
-        p.metrics.assigned(p.timer.assigned)
-        span.set_attributes({ta.EXECUTOR_ID: assignment.executor_id, ta.QUEUE_WAIT_S: assignment.queue_s})
-        choices = [Choice(i, self.tokenizer, p.prompt_ids, p.params.stop) for i in range(p.params.n)]
-        finished = False
+        however it ends once the scheduler sent it (also while its Admit stream is still
+        ending), with the completion tokens when every choice finished."""
+        assignment, queued, finished = None, False, False
+        choices: list[Choice] = []
         try:
+            async with aclosing(self.mesh.admit(self._admission(p), span)) as events:
+                async for event in events:
+                    if isinstance(event, Queued):
+                        if not queued:  # the position at which it joined the queue
+                            queued = True
+                            span.set_attribute(ta.QUEUE_POSITION, event.position)
+                        yield event
+                    else:
+                        assignment = event
+            if assignment is None:
+                raise Unavailable("scheduler ended admission without an assignment")
+            p.timer.assigned = time.monotonic()
+            p.metrics.assigned(p.timer.assigned)
+            span.set_attributes({ta.EXECUTOR_ID: assignment.executor_id, ta.QUEUE_WAIT_S: assignment.queue_s})
+            choices = [Choice(i, self.tokenizer, p.prompt_ids, p.params.stop) for i in range(p.params.n)]
             if on_assigned is not None:
                 await on_assigned()
             async with aclosing(self._execute(p, assignment, choices, span)) as events:
@@ -275,8 +276,9 @@ class GatewayCore:
                     yield event
             finished = True
         finally:
-            completion_tokens = sum(c.num_tokens for c in choices) if finished else None
-            await self.mesh.release(assignment.lease_id, completion_tokens, span)
+            if assignment is not None:
+                completion_tokens = sum(c.num_tokens for c in choices) if finished else None
+                await self.mesh.release(assignment.lease_id, completion_tokens, span)
 
     async def _execute(self, p: Prepared, assignment: Assignment, choices: list[Choice],
                        span: trace.Span) -> AsyncIterator[Delta | ChoiceResult]:

@@ -28,7 +28,7 @@ them (the executor forwards them to the scheduler's prefix-aware router).
 from __future__ import annotations
 
 from collections import OrderedDict
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Iterable, Sequence
 
 from meshserve.block_hash import BlockHash

@@ -44,6 +44,7 @@ from dataclasses import dataclass
 from typing import Callable, Mapping, Sequence
 
 from executor.engine.kv_cache_manager import KVCacheManager
+from executor.engine.outputs import KVConnectorStats
 from executor.engine.request import Request
 from executor.engine.scheduler_output import BlockSave, ModelRunnerOutput, SchedulerOutput
 from meshserve.block_hash import BlockHash, KVStoreFingerprint
@@ -66,35 +67,6 @@ class FetchResult:
     start_block: int
     payloads: list
     num_requested: int
-
-
-@dataclass(frozen=True)
-class KVConnectorStats:
-    """Counters of a connector (a snapshot).
-
-    Attributes:
-        fetches: fetches finished (any outcome).
-        fetched_blocks: blocks received and verified.
-        bytes_in: payload bytes received (verified or not).
-        fetch_failures: fetches that ended on an error (unreachable store, failed
-            call), a corrupt block, or their deadline (given up by the engine).
-        corrupt_blocks: blocks whose checksum did not match.
-        fetch_seconds: total seconds from start to finish of the finished fetches.
-        published_blocks: blocks the store acknowledged (stored or already there).
-        bytes_out: payload bytes sent by publishes.
-        publish_dropped_blocks: blocks not published because the queue was full,
-            or because the Put failed.
-    """
-
-    fetches: int = 0
-    fetched_blocks: int = 0
-    bytes_in: int = 0
-    fetch_failures: int = 0
-    corrupt_blocks: int = 0
-    fetch_seconds: float = 0.0
-    published_blocks: int = 0
-    bytes_out: int = 0
-    publish_dropped_blocks: int = 0
 
 
 class KVConnector(abc.ABC):

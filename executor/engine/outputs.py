@@ -1,4 +1,5 @@
-"""What the engine hands back: per-request outputs of a step, and engine counters."""
+"""What the engine hands back: per-request outputs of a step, and engine counters
+(its own and its kvstore connector's)."""
 
 from __future__ import annotations
 
@@ -52,6 +53,35 @@ class RequestOutput:
     prompt_logprobs: list[TokenLogprob] | None = None
     num_kvstore_tokens: int = 0
     preempted_at_ns: tuple[int, ...] = ()
+
+
+@dataclass(frozen=True)
+class KVConnectorStats:
+    """Counters of a connector (a snapshot).
+
+    Attributes:
+        fetches: fetches finished (any outcome).
+        fetched_blocks: blocks received and verified.
+        bytes_in: payload bytes received (verified or not).
+        fetch_failures: fetches that ended on an error (unreachable store, failed
+            call), a corrupt block, or their deadline (given up by the engine).
+        corrupt_blocks: blocks whose checksum did not match.
+        fetch_seconds: total seconds from start to finish of the finished fetches.
+        published_blocks: blocks the store acknowledged (stored or already there).
+        bytes_out: payload bytes sent by publishes.
+        publish_dropped_blocks: blocks not published because the queue was full,
+            or because the Put failed.
+    """
+
+    fetches: int = 0
+    fetched_blocks: int = 0
+    bytes_in: int = 0
+    fetch_failures: int = 0
+    corrupt_blocks: int = 0
+    fetch_seconds: float = 0.0
+    published_blocks: int = 0
+    bytes_out: int = 0
+    publish_dropped_blocks: int = 0
 
 
 @dataclass(frozen=True)
@@ -110,7 +140,7 @@ class EngineStats:
     num_blocks_by_request: tuple[tuple[str, int], ...] = ()
     kvstore_hit_tokens: int = 0
     kvstore_queried_tokens: int = 0
-    kvstore: "KVConnectorStats | None" = None  # noqa: F821 - executor.engine.kv_connector
+    kvstore: KVConnectorStats | None = None
     forward_seconds: float = 0.0
     num_forward_tokens: int = 0
 

@@ -3,8 +3,9 @@ model, over a real kvstore service: a request waits in WAITING_FOR_REMOTE_KVS,
 fetched blocks extend its local prefix hit into newly allocated blocks (exact ids
 in ``kv_loads``), the blocks a step completes are listed once in ``kv_saves`` and
 published, a capped or gapped fetch loads nothing more, a fetch past its deadline
-(a fake clock) is given up and recomputed, a late completion is ignored, and an
-abort while fetching holds nothing."""
+(a fake clock) is given up and recomputed, a late completion is ignored, an
+abort while fetching holds nothing, and a retry under an aborted request's id never
+loads that request's fetched blocks."""
 
 from __future__ import annotations
 
@@ -230,5 +231,25 @@ def test_nothing_to_fetch_queues_the_request_at_once(prompt_logprobs):
         b = make_request("b", 9, prompt_logprobs=prompt_logprobs)
         m.s.add_request(b)
         assert b.status == RequestStatus.WAITING and m.s.kvstore_queried_tokens == 8
+    finally:
+        m.close()
+
+
+def test_a_retry_under_the_same_id_never_loads_the_aborted_requests_fetch():
+    m = Mesh()
+    try:
+        old = make_request("r", 18)
+        m.publish_elsewhere(old, 3)
+        m.s.add_request(old)
+        m.wait_fetched()                        # its result waits in the connector, not polled yet
+        assert m.s.abort_request("r")
+        new = Request("r", list(range(50, 68)), SamplingParams(max_tokens=4), 0, 99, 10_000)  # nothing stored
+        m.s.add_request(new)
+        assert new.status == RequestStatus.WAITING_FOR_REMOTE_KVS
+        m.wait_fetched()
+        out, _ = m.step()
+        assert shares(out) == {"r": 18} and out.kv_loads == []
+        assert (new.num_cached_tokens, new.num_kvstore_tokens, m.s.kvstore_hit_tokens) == (0, 0, 0)
+        assert m.connector.poll() == [] and m.connector._fetches == {}
     finally:
         m.close()

@@ -1,15 +1,20 @@
 """gateway.generation.GatewayCore without a transport adapter: ``prepare``'s
 validation (exact error types and messages), the request id's claim and release,
 the metrics of rejected requests, and a run whose scheduler is unreachable (the
-real gRPC mesh client to a closed port). Runs over a real mesh:
-tests/gateway/test_generation_mesh.py."""
+real gRPC mesh client to a closed port), and a caller that goes away between the
+scheduler's assignment and the end of its Admit stream (a fake mesh client). Runs
+over a real mesh: tests/gateway/test_generation_mesh.py."""
 
 from __future__ import annotations
+
+import asyncio
 
 import pytest
 import pytest_asyncio
 
+from gateway.events import Queued
 from gateway.generation import GatewayCore
+from gateway.mesh import Assignment
 from gateway.mesh_client import GrpcMeshClient
 from gateway.request import GenerationRequest, ModelInfo, SpanOptions
 from gateway.result_cache import ResultCache, cache_key
@@ -108,3 +113,47 @@ async def test_a_run_whose_scheduler_is_gone_raises_unavailable_and_ends_once(co
             pass
     assert p.ended and count(core, "meshserve_requests_total", outcome="unavailable") == 2
     assert count(core, "meshserve_gateway_requests_running") == 0
+
+
+class StalledAfterAssignment:
+    """A ``MeshClient`` whose scheduler sends a queue update and the assignment, then
+    holds the Admit stream open (its end never comes); it records each release."""
+
+    def __init__(self) -> None:
+        self.assigned = asyncio.Event()
+        self.releases: list[tuple[str, int | None]] = []
+
+    async def admit(self, admission, span):
+        yield Queued(0, 0.0)
+        yield Assignment("e1", "127.0.0.1:1", "lease-1", 0.0)
+        self.assigned.set()
+        await asyncio.Event().wait()  # the scheduler has not ended the stream yet
+
+    async def execute(self, assignment, request_id, prompt_token_ids, params, priority, span):
+        raise AssertionError("never reached")
+        yield  # an async generator
+
+    async def release(self, lease_id, num_completion_tokens, span):
+        self.releases.append((lease_id, num_completion_tokens))
+
+    async def close(self):
+        pass
+
+
+async def test_a_caller_gone_after_the_assignment_releases_the_lease(tokenizer):
+    mesh = StalledAfterAssignment()
+    core = GatewayCore(tokenizer, MODEL, mesh)
+
+    async def consume():
+        async for _ in core.generate(GenerationRequest(prompt_token_ids=(5, 6, 7), request_id="r3"), TENANT):
+            pass
+
+    task = asyncio.create_task(consume())
+    await mesh.assigned.wait()
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    assert mesh.releases == [("lease-1", None)]
+    assert count(core, "meshserve_requests_total", outcome="cancelled") == 1
+    assert count(core, "meshserve_gateway_requests_running") == 0
+    core.end(core.prepare(GenerationRequest(prompt="Hi", request_id="r3"), TENANT))  # the id is free again

@@ -1,6 +1,7 @@
 """The executor's KVStoreConnector against a real kvstore service, without a model:
 publish then fetch round-trips exact bytes; a fetch cancelled mid-transfer releases
-its leases and never reports; a store that is down gives an empty result."""
+its leases and never reports, nor does one cancelled after it finished (a retry under
+the same id gets only its own result); a store that is down gives an empty result."""
 
 from __future__ import annotations
 
@@ -123,3 +124,24 @@ def test_store_down_means_an_empty_result():
         assert result.payloads == [] and conn.stats().fetch_failures == 1
     finally:
         conn.close()
+
+
+def test_a_fetch_cancelled_after_it_finished_never_reports():
+    served = ServedKVStore(KVStore(memory_bytes=1 << 20))
+    conn = KVStoreConnector(served.address, FP)
+    fetched = []
+    conn.set_waker(lambda: fetched.append(1))
+    try:
+        conn.publish([(h, payload(torch.ones(SHAPE))) for h in (1, 2)])
+        conn.flush()
+        conn.start_fetch("req-3", 0, [1, 2])
+        wait_until(lambda: fetched == [1])      # finished, its result not polled yet
+        conn.cancel("req-3")
+        conn.start_fetch("req-3", 1, [2])       # the same id again (a retry)
+        wait_until(lambda: fetched == [1, 1])
+        [result] = conn.poll()
+        assert (result.request_id, result.start_block, result.num_requested, len(result.payloads)) == ("req-3", 1, 1, 1)
+        assert conn.poll() == [] and conn._fetches == {}
+    finally:
+        conn.close()
+        served.stop()

@@ -56,7 +56,6 @@ async def test_every_request_is_observed_once_and_running_returns_to_zero(tokeni
         hit = await generate(gw, req)
         assert (first.cached, hit.cached, hit.token_ids) == (False, True, first.token_ids)
         # 4. a task cancelled while running, a task refused at submit (its id is in use), a task that fails
-        eng = m.executors[0][1]
         task = await submit_task(gw, build_request("Tell me a story", max_tokens=900, request_id="t-long",
                                                    **GREEDY))
         while get("meshserve_request_ttft_seconds_count") < 4:  # the task streamed its first token
