@@ -1,6 +1,9 @@
 """Triton kernels for the paged KV cache: cache writes, split-K decode, varlen prefill.
 
-Cache layout (``executor/engine/kv_cache.py``): a layer's ``key_cache`` and
+(Over 400 lines: the three kernels share the cache layout and the launch helpers below;
+each kernel is one function.)
+
+Cache layout (``executor/worker/kv_cache.py``): a layer's ``key_cache`` and
 ``value_cache`` are each ``(num_blocks, block_size, num_kv_heads, head_dim)``;
 token ``t`` of a request lives in physical block ``block_table[req, t //
 block_size]`` at offset ``t % block_size``. Every kernel gathers K/V rows through

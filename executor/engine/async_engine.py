@@ -1,5 +1,9 @@
 """AsyncEngine: runs ``LLMEngine.step()`` in one dedicated thread for asyncio servers.
 
+(Over 400 lines: the command queues, the engine thread and the output dispatch keep one
+ordering invariant together — an abort is applied before a reused id's outputs, a
+reader's backlog is bounded — so they stay in one file; the n > 1 merge is in ``choices``.)
+
 ::
 
     event loop (gRPC)                         engine thread

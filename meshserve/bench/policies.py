@@ -1,5 +1,8 @@
 """Scheduler policies on the real mesh: ``python -m meshserve.bench.policies``.
 
+(About 400 lines: the two experiments share the mesh start-up, the client loop and the
+report; their pure parts already live in ``policy_workload``.)
+
 Two experiments, each on a mesh of real processes started with
 ``meshserve.cli.launcher.Mesh`` (scheduler, 2 executors, gateway on loopback),
 driven by concurrent gRPC clients (``meshserve.client``). Every request sets
