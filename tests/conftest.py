@@ -6,6 +6,13 @@ import pytest
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
+import torch  # noqa: E402
+
+if not torch.cuda.is_available():
+    # Triton reads TRITON_INTERPRET when it is imported, and the attention registry imports
+    # it with the first executor module: without CUDA its kernels must run in the interpreter.
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
 from meshserve.telemetry import setup_tracing  # noqa: E402
 
 # Every service started in this process exports its spans here (tests/mesh/test_tracing.py).
