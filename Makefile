@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: setup tools demo up test protos bench bench-compare bench-batching bench-baselines clean
+.PHONY: setup tools demo up test protos bench bench-compare bench-batching bench-baselines bench-revisions clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -115,3 +115,11 @@ bench-baselines: $(STAMP)
 	$(BIN)/meshserve bench --target engine --baseline $(BASELINES) --sweep-concurrency $(BASELINES_SWEEP) \
 	  --num-requests $(BASELINES_REQUESTS) --prompt-len-median 64 --output-len-median 32 --warmup 2 \
 	  --dtype float32 --kv-cache-memory 256MiB --seed 0 --report-dir $(BASELINES_DIR)
+
+# Before/after a change: engine and mesh, the two trees interleaved per round (see docs/benchmarks.md).
+REVISIONS_ROUNDS ?= 3
+AFTER ?= .
+bench-revisions: $(STAMP)
+	test -n "$(BEFORE)" || { echo "usage: make bench-revisions BEFORE=<git revision> [AFTER=<rev or folder>]"; exit 2; }
+	$(BIN)/python -m meshserve.bench.revisions --before $(BEFORE) --after $(AFTER) \
+	  --rounds $(REVISIONS_ROUNDS) --out-dir reports/revisions
