@@ -1,0 +1,22 @@
+"""``meshserve certs DIR``: a development CA and one certificate per role (``meshserve.certs``)."""
+
+from __future__ import annotations
+
+import typer
+
+
+def certs(
+    directory: str = typer.Argument(..., help="Directory to write ca.pem, <role>.pem and <role>-key.pem into."),
+    host: list[str] = typer.Option([], "--host", help="Extra DNS name or IP in every certificate (the names peers "
+                                   "dial, e.g. executor-1.internal); may repeat."),
+    valid_days: int = typer.Option(365, "--valid-days", min=1, help="Days the certificates are valid."),
+) -> None:
+    """Make a development CA and a certificate per role (gateway, scheduler, executor, kvstore, client)."""
+    from meshserve.certs import ROLES, write_certs
+
+    try:
+        written = write_certs(directory, ROLES, host, valid_days)
+    except ValueError as exc:
+        raise typer.BadParameter(str(exc)) from None
+    typer.echo(f"wrote {len(written)} files to {directory}: ca.pem and, for each of {', '.join(ROLES)}, "
+               f"<role>.pem and <role>-key.pem")
