@@ -50,6 +50,7 @@ ROLE_TABLE: Mapping[str, frozenset[str]] = {
     "/meshserve.v1.KVStore/WatchPlacements": frozenset({SCHEDULER}),
     "/grpc.health.v1.Health/Check": PUBLIC,
     "/grpc.health.v1.Health/Watch": PUBLIC,
+    "/grpc.health.v1.Health/List": PUBLIC,
 }
 
 
