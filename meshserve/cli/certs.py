@@ -11,9 +11,13 @@ def certs(
                                    "dial, e.g. executor-1.internal); may repeat."),
     valid_days: int = typer.Option(365, "--valid-days", min=1, help="Days the certificates are valid."),
 ) -> None:
-    """Make a development CA and a certificate per role (gateway, scheduler, executor, kvstore, client)."""
-    from meshserve.certs import ROLES, write_certs
+    """Make a development CA and a certificate per role (gateway, scheduler, executor, kvstore, client);
+    a directory that already holds a complete set is kept as it is."""
+    from meshserve.certs import ROLES, has_certs, write_certs
 
+    if has_certs(directory):
+        typer.echo(f"{directory} already holds a CA and every role's certificate: kept")
+        return
     try:
         written = write_certs(directory, ROLES, host, valid_days)
     except ValueError as exc:
