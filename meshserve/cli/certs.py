@@ -11,8 +11,7 @@ def certs(
                                    "dial, e.g. executor-1.internal); may repeat."),
     valid_days: int = typer.Option(365, "--valid-days", min=1, help="Days the certificates are valid."),
 ) -> None:
-    """Make a development CA and a certificate per role (gateway, scheduler, executor, kvstore, client);
-    a directory that already holds a complete set is kept as it is."""
+    """Make a development CA and one certificate per role (kept if DIR holds a set)."""
     from meshserve.certs import ROLES, has_certs, write_certs
 
     if has_certs(directory):
