@@ -37,6 +37,7 @@ from executor.engine.kv_connector import FetchResult, KVConnector, KVConnectorSt
 from meshserve.block_hash import BlockHash, KVStoreFingerprint
 from meshserve.kvstore_client import KVStoreClient
 from meshserve.telemetry import outgoing_metadata, tracer
+from meshserve.tls import PLAINTEXT, TLSConfig
 
 log = logging.getLogger(__name__)
 _tracer = tracer(__name__)
@@ -53,18 +54,20 @@ class KVStoreConnector(KVConnector):
         fetch_timeout_s: seconds the engine waits for a fetch before recomputing (> 0).
         max_publish_bytes: payload bytes queued or in flight for publishing, at most.
         max_inflight_puts: concurrent Put streams.
+        tls: the executor's TLS settings (role executor), or plaintext.
 
     Raises:
         ValueError: a bad timeout or bound.
     """
 
     def __init__(self, address: str, fingerprint: KVStoreFingerprint, fetch_timeout_s: float = 5.0,
-                 max_publish_bytes: int = 256 << 20, max_inflight_puts: int = 2):
+                 max_publish_bytes: int = 256 << 20, max_inflight_puts: int = 2, tls: TLSConfig = PLAINTEXT):
         if not fetch_timeout_s > 0:
             raise ValueError(f"fetch_timeout_s must be > 0, got {fetch_timeout_s}")
         if max_publish_bytes < 0 or max_inflight_puts < 1:
             raise ValueError("max_publish_bytes must be >= 0 and max_inflight_puts >= 1")
         self.address = address
+        self.tls = tls
         self.fingerprint = fingerprint
         self.fetch_timeout_s = fetch_timeout_s
         self.max_publish_bytes = max_publish_bytes
@@ -87,7 +90,7 @@ class KVStoreConnector(KVConnector):
 
     async def _make_client(self, max_inflight_puts: int) -> KVStoreClient:
         self._put_slots = asyncio.Semaphore(max_inflight_puts)
-        return KVStoreClient(self.address)
+        return KVStoreClient(self.address, self.tls)
 
     def _call(self, coro):
         return asyncio.run_coroutine_threadsafe(coro, self._loop).result()

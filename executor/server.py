@@ -33,9 +33,10 @@ from executor.kv_events import KvEventBatcher
 from executor.request_span import ExecuteSpans
 from meshserve.background import BackgroundTask
 from meshserve.errors import AlreadyExists, InvalidArgument
-from meshserve.grpc_server import CHANNEL_OPTIONS, Service
+from meshserve.grpc_server import CHANNEL_OPTIONS, Service, open_channel
 from meshserve.sampling import params_from_proto
 from meshserve.telemetry import context_from_grpc
+from meshserve.tls import PLAINTEXT, TLSConfig
 from meshserve.v1 import common_pb2, executor_pb2, executor_pb2_grpc, scheduler_pb2, scheduler_pb2_grpc
 
 log = logging.getLogger(__name__)
@@ -157,6 +158,7 @@ class LinkConfig:
     report_interval_s: float = 0.05
     heartbeat_s: float = 1.0  # a report at least this often, changed or not (the scheduler drops silent executors)
     max_hashes_per_message: int = 8192  # 16 bytes each: 128 KiB messages
+    tls: TLSConfig = PLAINTEXT  # the executor's certificate (role executor), or plaintext
 
 
 def lease_num_blocks(num_blocks_by_request: Mapping[str, int], active_leases: dict[str, str]) -> dict[str, int]:
@@ -260,7 +262,7 @@ class SchedulerLink(BackgroundTask):
         backoff = 0.2
         while True:
             try:
-                async with grpc.aio.insecure_channel(self.config.scheduler_address, options=CHANNEL_OPTIONS) as ch:
+                async with open_channel(self.config.scheduler_address, self.config.tls, CHANNEL_OPTIONS) as ch:
                     stub = scheduler_pb2_grpc.SchedulerStub(ch)
                     async for cmd in stub.Connect(self._messages()):
                         if cmd.WhichOneof("kind") == "registered":
@@ -290,6 +292,7 @@ async def start_executor(
     metrics_port: int | None = None,
     peak_flops: float | None = None,
     max_buffered_outputs: int = DEFAULT_MAX_BUFFERED_OUTPUTS,
+    tls: TLSConfig = PLAINTEXT,
 ) -> tuple[Service, AsyncEngine, SchedulerLink | None]:
     """Starts the engine thread, the Executor service and its scheduler link.
 
@@ -309,15 +312,18 @@ async def start_executor(
     ``max_buffered_outputs``: outputs a request's reader may leave untaken before the
     request ends with RESOURCE_EXHAUSTED and is aborted (``AsyncEngine``; case C27).
 
+    ``tls``: the executor's certificate (role executor) for its port and for its
+    channels to the scheduler and the kvstore, or plaintext.
+
     Raises:
         TimeoutError: the scheduler did not accept the registration within 60 s.
     """
-    service = Service("meshserve.v1.Executor", port, host)
+    service = Service("meshserve.v1.Executor", port, host, tls)
     if kvstore_address and engine.kv_connector is None:
         from executor.kvstore_connector import KVStoreConnector
 
         engine.set_kv_connector(KVStoreConnector(kvstore_address, engine.kv_store_fingerprint,
-                                                 fetch_timeout_s=kvstore_fetch_timeout_s))
+                                                 fetch_timeout_s=kvstore_fetch_timeout_s, tls=tls))
     links: list[SchedulerLink] = []
     async_engine = AsyncEngine(engine, on_stats=lambda _stats: [link.notify() for link in links],
                                on_kv_events=lambda events: [link.on_kv_events(events) for link in links],
@@ -337,7 +343,7 @@ async def start_executor(
     if scheduler_address:
         link = SchedulerLink(
             LinkConfig(scheduler_address, executor_id,
-                       advertise_address or service.address, pool),
+                       advertise_address or service.address, pool, tls=tls),
             servicer,
         )
         links.append(link)

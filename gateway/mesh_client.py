@@ -20,9 +20,10 @@ from gateway.events import Queued
 from gateway.mesh import Admission, Assignment, ExecutorOutput
 from gateway.proto_convert import finish_reason_from_proto, logprobs_from_proto
 from meshserve.errors import from_rpc_error
-from meshserve.grpc_server import CHANNEL_OPTIONS, TOKEN_STREAM_CHANNEL_OPTIONS
+from meshserve.grpc_server import CHANNEL_OPTIONS, TOKEN_STREAM_CHANNEL_OPTIONS, open_channel
 from meshserve.sampling import SamplingParams, to_proto
 from meshserve.telemetry import outgoing_metadata
+from meshserve.tls import PLAINTEXT, TLSConfig
 from meshserve.v1 import executor_pb2, executor_pb2_grpc, scheduler_pb2, scheduler_pb2_grpc
 
 log = logging.getLogger(__name__)
@@ -50,13 +51,15 @@ class GrpcMeshClient:
     Args:
         scheduler_address: host:port of the scheduler. Executor channels are
             opened on first use, one per address, and kept until ``close``.
+        tls: the gateway's certificate (role gateway) for every channel, or plaintext.
 
     Attributes:
         scheduler_channel: the channel to the scheduler (the readiness probe uses it too).
     """
 
-    def __init__(self, scheduler_address: str):
-        self.scheduler_channel = grpc.aio.insecure_channel(scheduler_address, options=CHANNEL_OPTIONS)
+    def __init__(self, scheduler_address: str, tls: TLSConfig = PLAINTEXT):
+        self.tls = tls
+        self.scheduler_channel = open_channel(scheduler_address, tls, CHANNEL_OPTIONS)
         self._scheduler = scheduler_pb2_grpc.SchedulerStub(self.scheduler_channel)
         self._executors: dict[str, executor_pb2_grpc.ExecutorStub] = {}
         self._channels: list[grpc.aio.Channel] = [self.scheduler_channel]
@@ -64,7 +67,7 @@ class GrpcMeshClient:
     def _executor(self, address: str) -> executor_pb2_grpc.ExecutorStub:
         stub = self._executors.get(address)
         if stub is None:
-            channel = grpc.aio.insecure_channel(address, options=TOKEN_STREAM_CHANNEL_OPTIONS)
+            channel = open_channel(address, self.tls, TOKEN_STREAM_CHANNEL_OPTIONS)
             self._channels.append(channel)
             stub = self._executors[address] = executor_pb2_grpc.ExecutorStub(channel)
         return stub

@@ -30,6 +30,7 @@ from gateway.task_store import MemoryTaskStore
 from gateway.tenants import TenantRegistry
 from meshserve.grpc_server import Service
 from meshserve.telemetry import context_from_grpc
+from meshserve.tls import PLAINTEXT, TLSConfig
 from meshserve.v1 import gateway_pb2, gateway_pb2_grpc
 
 
@@ -78,6 +79,7 @@ async def start_gateway(
     tokenizer, model: ModelInfo, scheduler_address: str, port: int, host: str = "127.0.0.1",
     tenants: TenantRegistry | None = None, hash_block_size: int = 16,
     result_cache: ResultCache | None = None, tasks: TaskRunner | None = None, metrics_port: int | None = None,
+    tls: TLSConfig = PLAINTEXT,
 ) -> Service:
     """Starts the Gateway service. Its health is SERVING while the scheduler has an
     executor registered (``gateway.readiness``), checked every 0.5 s.
@@ -88,9 +90,12 @@ async def start_gateway(
     runner over its store (None: in memory, defaults).
     ``metrics_port``: serve Prometheus metrics (``gateway.metrics``) there (0: a
     free port; None: none), as ``service.metrics``.
+    ``tls``: the gateway's certificate (role gateway): its public port serves TLS
+    with it (a client certificate is optional there: the API key authenticates)
+    and it is the gateway's identity towards the scheduler and the executors.
     """
-    service = Service("meshserve.v1.Gateway", port, host)
-    mesh = GrpcMeshClient(scheduler_address)
+    service = Service("meshserve.v1.Gateway", port, host, tls, public=True)
+    mesh = GrpcMeshClient(scheduler_address, tls)
     core = GatewayCore(tokenizer, model, mesh, hash_block_size, result_cache)
     tenants = tenants or TenantRegistry.open()
     servicer = GatewayServicer(core, tenants, TaskAPI(core, tenants, tasks or TaskRunner(MemoryTaskStore())))

@@ -26,6 +26,7 @@ from meshserve.grpc_server import Service
 from meshserve.kvstore_payload import chunks
 from meshserve.kvstore_wire import fingerprint_from_proto, hashes_from_proto
 from meshserve.telemetry import context_from_grpc, tracer
+from meshserve.tls import PLAINTEXT, TLSConfig
 from meshserve.v1 import kvstore_pb2, kvstore_pb2_grpc
 
 log = logging.getLogger(__name__)
@@ -164,18 +165,19 @@ class KVStoreServicer(kvstore_pb2_grpc.KVStoreServicer):
 
 async def start_kvstore(store: KVStore, port: int, host: str = "127.0.0.1",
                         servicer_cls: type[KVStoreServicer] = KVStoreServicer,
-                        metrics_port: int | None = None) -> Service:
+                        metrics_port: int | None = None, tls: TLSConfig = PLAINTEXT) -> Service:
     """Starts the KVStore service over ``store``; SERVING at once (nothing to warm).
 
     Args:
         servicer_cls: the servicer class (tests pass a fault-injecting subclass).
         metrics_port: serve Prometheus metrics (``kvstore.metrics``) there as
             ``service.metrics`` (0: a free port; None: none).
+        tls: its certificate (role kvstore), or plaintext.
 
     Raises:
         OSError: the port cannot be bound.
     """
-    service = Service("meshserve.v1.KVStore", port, host)
+    service = Service("meshserve.v1.KVStore", port, host, tls)
     servicer = servicer_cls(store)
     kvstore_pb2_grpc.add_KVStoreServicer_to_server(servicer, service.server)
     service.serve_metrics(servicer.metrics.registry, metrics_port)

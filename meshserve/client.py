@@ -10,7 +10,8 @@ from typing import AsyncIterator, Sequence
 
 import grpc
 
-from meshserve.grpc_server import CHANNEL_OPTIONS
+from meshserve.grpc_server import CHANNEL_OPTIONS, open_channel
+from meshserve.tls import PLAINTEXT, TLSConfig
 from meshserve.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
 
 FINISH_NAMES = {
@@ -230,9 +231,9 @@ async def generate(
     return choices[0] if choices else Completion()
 
 
-def channel(address: str) -> grpc.aio.Channel:
-    """An insecure channel with the mesh's options."""
-    return grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
+def channel(address: str, tls: TLSConfig = PLAINTEXT) -> grpc.aio.Channel:
+    """A channel with the mesh's options: TLS with ``tls`` (``meshserve.tls``), or plaintext."""
+    return open_channel(address, tls, CHANNEL_OPTIONS)
 
 
 # Async tasks ------------------------------------------------------------------

@@ -1,5 +1,7 @@
 """What every service's gRPC server shares: the error interceptor, grpc.health.v1,
-binding, and a clean stop on SIGINT/SIGTERM with a grace period."""
+binding, and a clean stop on SIGINT/SIGTERM with a grace period; and the one
+place where servers' ports and channels get their credentials (``Service`` and
+``open_channel``, from a ``meshserve.tls.TLSConfig``)."""
 
 from __future__ import annotations
 
@@ -12,7 +14,10 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1._async import HealthServicer
 
+from meshserve.authz import GuardInterceptor
 from meshserve.errors import ErrorInterceptor
+from meshserve.roles import ROLE_TABLE
+from meshserve.tls import PLAINTEXT, TLSConfig
 
 log = logging.getLogger(__name__)
 
@@ -52,20 +57,33 @@ SERVER_OPTIONS = _MESSAGE_LIMITS + (
 
 
 class Service:
-    """A grpc.aio server with the error interceptor and a health servicer.
+    """A grpc.aio server with the error interceptor, the guard (roles, malformed
+    requests: ``meshserve.authz``) and a health servicer.
 
     ``health`` starts NOT_SERVING for both the overall status ("") and ``name``;
     the service sets SERVING once warm. ``background`` holds tasks with an async
     ``stop()`` (``meshserve.background.BackgroundTask``) that ``stop`` ends first.
+
+    With ``tls`` enabled the port serves TLS with ``tls``'s certificate and checks
+    every caller's role (``meshserve.roles``); callers must present a certificate
+    from ``tls.ca`` (mutual TLS) unless ``public`` (the gateway's port: a client
+    certificate is optional there, the API key authenticates).
     """
 
-    def __init__(self, name: str, port: int, host: str = "127.0.0.1"):
+    def __init__(self, name: str, port: int, host: str = "127.0.0.1", tls: TLSConfig = PLAINTEXT,
+                 public: bool = False):
         self.name = name
-        self.server = grpc.aio.server(interceptors=[ErrorInterceptor()], options=SERVER_OPTIONS)
+        self.tls = tls
+        guard = GuardInterceptor(ROLE_TABLE if tls.enabled else None)
+        self.server = grpc.aio.server(interceptors=[ErrorInterceptor(), guard], options=SERVER_OPTIONS)
         self.health = HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         try:
-            self.port = self.server.add_insecure_port(f"{host}:{port}")
+            if tls.enabled:
+                creds = tls.server_credentials(require_client_auth=not public)
+                self.port = self.server.add_secure_port(f"{host}:{port}", creds)
+            else:
+                self.port = self.server.add_insecure_port(f"{host}:{port}")
         except RuntimeError:  # grpc's "Failed to bind to address …"
             self.port = 0
         if self.port == 0:
@@ -123,15 +141,25 @@ async def run_until_signal(start: Callable[[], Awaitable[None]], stop: Callable[
     await stop()
 
 
-async def wait_serving(address: str, timeout_s: float = 120.0, service: str = "") -> None:
-    """Polls grpc.health.v1 at ``address`` until SERVING.
+def open_channel(address: str, tls: TLSConfig = PLAINTEXT, options=CHANNEL_OPTIONS) -> grpc.aio.Channel:
+    """A channel to ``address`` (host:port): TLS with ``tls``'s CA and client
+    certificate, or plaintext with ``PLAINTEXT``. The host is checked against the
+    server certificate's SANs."""
+    if tls.enabled:
+        return grpc.aio.secure_channel(address, tls.channel_credentials(), options=options)
+    return grpc.aio.insecure_channel(address, options=options)
+
+
+async def wait_serving(address: str, timeout_s: float = 120.0, service: str = "",
+                       tls: TLSConfig = PLAINTEXT) -> None:
+    """Polls grpc.health.v1 at ``address`` (over ``tls``) until SERVING.
 
     Raises:
         TimeoutError: not SERVING within ``timeout_s`` seconds.
     """
     loop = asyncio.get_running_loop()
     deadline = loop.time() + timeout_s
-    async with grpc.aio.insecure_channel(address) as channel:
+    async with open_channel(address, tls) as channel:
         stub = health_pb2_grpc.HealthStub(channel)
         while True:
             try:

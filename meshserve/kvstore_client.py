@@ -9,10 +9,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import AsyncIterator, Sequence
 
-import grpc
-
 from meshserve.block_hash import KVStoreFingerprint, hash_to_bytes
-from meshserve.grpc_server import CHANNEL_OPTIONS
+from meshserve.grpc_server import CHANNEL_OPTIONS, open_channel
+from meshserve.tls import PLAINTEXT, TLSConfig
 from meshserve.kvstore_payload import checksum, chunks
 from meshserve.kvstore_wire import fingerprint_to_proto
 from meshserve.v1 import kvstore_pb2, kvstore_pb2_grpc
@@ -41,11 +40,12 @@ class KVStoreClient:
 
     Args:
         address: host:port of the KVStore service.
+        tls: the caller's TLS settings (its role's certificate), or plaintext.
     """
 
-    def __init__(self, address: str):
+    def __init__(self, address: str, tls: TLSConfig = PLAINTEXT):
         self.address = address
-        self.channel = grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
+        self.channel = open_channel(address, tls, CHANNEL_OPTIONS)
         self.stub = kvstore_pb2_grpc.KVStoreStub(self.channel)
 
     async def close(self) -> None:

@@ -16,6 +16,7 @@ import grpc
 
 from meshserve.background import BackgroundTask
 from meshserve.kvstore_client import KVStoreClient
+from meshserve.tls import PLAINTEXT, TLSConfig
 from scheduler.kvstore_index import KVStoreIndex
 
 log = logging.getLogger(__name__)
@@ -28,16 +29,18 @@ class KVStoreFollower(BackgroundTask):
         address: host:port of the kvstore.
         index: the index to keep (the admission core's).
         retry_s: seconds between reconnection attempts.
+        tls: the scheduler's TLS settings (plaintext by default).
     """
 
-    def __init__(self, address: str, index: KVStoreIndex, retry_s: float = 1.0):
+    def __init__(self, address: str, index: KVStoreIndex, retry_s: float = 1.0, tls: TLSConfig = PLAINTEXT):
         self.address = address
+        self.tls = tls
         self.index = index
         self.retry_s = retry_s
         self.connected = asyncio.Event()  # set while a stream is open (tests wait on it)
 
     async def _run(self) -> None:
-        client = KVStoreClient(self.address)
+        client = KVStoreClient(self.address, self.tls)
         try:
             while True:
                 try:

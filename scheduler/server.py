@@ -21,6 +21,7 @@ from opentelemetry import trace
 from meshserve import trace_attributes as ta
 from meshserve.errors import InvalidArgument, MeshError, ResourceExhausted, Unavailable
 from meshserve.grpc_server import EXECUTORS_HEALTH_SERVICE, NOT_SERVING, SERVING, Service
+from meshserve.tls import PLAINTEXT, TLSConfig
 from meshserve.telemetry import context_from_grpc, record_error, tracer
 from meshserve.v1 import scheduler_pb2 as pb
 from meshserve.v1 import scheduler_pb2_grpc
@@ -226,8 +227,10 @@ def _check_block_hashes(request: pb.AdmitRequest) -> None:
 
 
 async def start_scheduler(port: int, host: str = "127.0.0.1", config: SchedulerConfig | None = None,
-                          kvstore_address: str | None = None, metrics_port: int | None = None) -> Service:
+                          kvstore_address: str | None = None, metrics_port: int | None = None,
+                          tls: TLSConfig = PLAINTEXT) -> Service:
     """Starts a Scheduler service on ``host:port`` (0 picks a free port); SERVING at once.
+    ``tls``: its certificate (role scheduler) for its port and its kvstore channel, or plaintext.
     With ``metrics_port`` (0: a free one) it serves Prometheus metrics
     (``scheduler.metrics``) as ``service.metrics``.
 
@@ -237,7 +240,7 @@ async def start_scheduler(port: int, host: str = "127.0.0.1", config: SchedulerC
     Its health service also answers for ``EXECUTORS_HEALTH_SERVICE``: SERVING while
     at least one executor is registered (the gateway's readiness follows it).
     """
-    service = Service("meshserve.v1.Scheduler", port, host)
+    service = Service("meshserve.v1.Scheduler", port, host, tls)
 
     def registry_changed(num_executors: int) -> None:
         status = SERVING if num_executors else NOT_SERVING
@@ -247,7 +250,7 @@ async def start_scheduler(port: int, host: str = "127.0.0.1", config: SchedulerC
     scheduler_pb2_grpc.add_SchedulerServicer_to_server(servicer, service.server)
     service.servicer = servicer  # type: ignore[attr-defined]
     if kvstore_address:
-        follower = KVStoreFollower(kvstore_address, servicer.core.kvstore_index)
+        follower = KVStoreFollower(kvstore_address, servicer.core.kvstore_index, tls=tls)
         service.background.append(follower)
         service.kvstore_follower = follower  # type: ignore[attr-defined]
     service.serve_metrics(servicer.metrics.registry, metrics_port)

@@ -43,6 +43,9 @@ class BenchConfig:
         executor_addrs: mesh target with ``addr``: executors whose Stats RPC to sample
             (a launched mesh samples its own executors).
         stats_interval_s: seconds between two samples of the engine counters.
+        tls_dir: mesh target: role certificates (``meshserve certs``) to run the
+            launched mesh over mutual TLS, or to reach ``addr`` over TLS with the
+            client certificate; None: plaintext.
     """
 
     target: str
@@ -63,6 +66,7 @@ class BenchConfig:
     executor_addrs: tuple[str, ...] = ()
     stats_interval_s: float = 0.5
     request_rate: float | None = None
+    tls_dir: str | None = None
 
     def __post_init__(self) -> None:
         if self.target not in TARGETS:

@@ -33,7 +33,8 @@ import grpc
 from meshserve.bench.stats import percentile
 from meshserve.cli.launcher import Mesh, MeshConfig, free_port
 from meshserve.client import build_request, channel, generate
-from meshserve.grpc_server import CHANNEL_OPTIONS
+from meshserve.grpc_server import CHANNEL_OPTIONS, open_channel
+from meshserve.tls import PLAINTEXT
 from meshserve.v1 import executor_pb2, executor_pb2_grpc, gateway_pb2_grpc
 
 log = logging.getLogger(__name__)
@@ -62,7 +63,7 @@ async def normal_clients(stub, max_tokens: int, stop: asyncio.Event) -> list[flo
 
 async def slow_reader(address: str, max_tokens: int, interval_s: float, stop: asyncio.Event) -> dict:
     """Reads one message per ``interval_s`` until ``stop``, then drains; its outcome."""
-    async with grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS + SLOW_CLIENT_OPTIONS) as ch:
+    async with open_channel(address, PLAINTEXT, CHANNEL_OPTIONS + SLOW_CLIENT_OPTIONS) as ch:
         call = gateway_pb2_grpc.GatewayStub(ch).Generate(build_request(
             chat=[("user", "Tell me a very long story.")], max_tokens=max_tokens, temperature=0, ignore_eos=True,
             logprobs=5))

@@ -28,6 +28,7 @@ from meshserve.bench.loop import RequestResult, checked_result
 from meshserve.bench.target import Target, resolve_dtype
 from meshserve.bench.workload import BenchRequest
 from meshserve.cli.launcher import Mesh, MeshConfig, free_port
+from meshserve.tls import PLAINTEXT, TLSConfig
 from meshserve.cli.options import parse_bytes
 from meshserve.client import build_request, channel, generate
 from meshserve.sampling import SamplingParams
@@ -100,11 +101,18 @@ class MeshTarget(Target):
 
     async def start(self) -> None:
         address = self.config.addr or await self._launch()
-        self._channel = channel(address)
+        tls = self._client_tls()
+        self._channel = channel(address, tls)
         self.stub = gateway_pb2_grpc.GatewayStub(self._channel)
         executors = self.mesh.executor_addresses if self.mesh is not None else self.config.executor_addrs
-        self._executor_channels = [channel(a) for a in executors]
+        self._executor_channels = [channel(a, tls) for a in executors]
         self._executor_stubs = [executor_pb2_grpc.ExecutorStub(ch) for ch in self._executor_channels]
+
+    def _client_tls(self) -> TLSConfig:
+        """The client certificate of ``tls_dir`` (mutual TLS), or plaintext."""
+        if self.config.tls_dir is None:
+            return PLAINTEXT
+        return TLSConfig.from_dir(self.config.tls_dir, "client")
 
     async def _launch(self) -> str:
         c = self.config
@@ -116,7 +124,8 @@ class MeshTarget(Target):
             args.append("--no-prefix-caching")
         # --num-threads comes from threads_per_executor
         self.mesh = Mesh(MeshConfig(port=free_port(), executors=c.executors, model=c.model, executor_args=args,
-                                    log_dir=self.log_dir, threads_per_executor=c.threads))
+                                    log_dir=self.log_dir, threads_per_executor=c.threads,
+                                    tls_dir=Path(c.tls_dir) if c.tls_dir else None))
         await self.mesh.start()
         return self.mesh.gateway_address
 

@@ -6,6 +6,7 @@
 | ``mesh.py`` | ``up`` (the whole mesh on loopback), ``demo`` (it answering 8 real chat prompts) |
 | ``client.py`` | ``generate`` (prompts to a gateway), ``task`` (an async task's status) |
 | ``tools.py`` | ``bench`` (throughput and latency), ``sim`` (scheduler simulations) |
+| ``certs.py`` | ``certs`` (a development CA and a certificate per role) |
 | ``options.py`` | the options and start-up helpers the commands share |
 
 What the commands run: ``processes.py`` (each service's process: ``run_scheduler``,
@@ -23,7 +24,7 @@ from __future__ import annotations
 
 import typer
 
-from meshserve.cli import client, mesh, services, tools
+from meshserve.cli import certs, client, mesh, services, tools
 from meshserve.cli.options import MetricsPortOpt, OtlpOpt, ResultCacheSizeOpt, SampleOpt, TaskStoreOpt, TracesOpt
 
 __all__ = ["app", "main", "MetricsPortOpt", "OtlpOpt", "ResultCacheSizeOpt", "SampleOpt", "TaskStoreOpt", "TracesOpt"]
@@ -41,6 +42,7 @@ app.command()(client.generate)
 app.command()(tools.bench)
 app.command()(tools.sim)
 app.command("task")(client.task_command)
+app.command()(certs.certs)
 
 
 def main() -> None:

@@ -3,7 +3,8 @@
 ``generate`` sends prompts (concurrently when several) and prints the answers,
 streamed for one prompt and one choice, or submits them as async tasks
 (``--async``); ``task TASK_ID`` reads, waits for or cancels a task submitted
-earlier. Both exit 1 when a call failed. gRPC and the client library are imported
+earlier. Both exit 1 when a call failed. Both speak plaintext unless given
+``--tls-ca`` (TLS to the gateway; ``--tls-cert``/``--tls-key`` add a client certificate). gRPC and the client library are imported
 when a command runs, so that ``meshserve --help`` stays fast.
 """
 
@@ -15,6 +16,8 @@ import sys
 from typing import Optional
 
 import typer
+
+from meshserve.cli.options import InsecureOpt, TLSCAOpt, TLSCertOpt, TLSKeyOpt, tls_settings
 
 
 def generate(
@@ -42,6 +45,8 @@ def generate(
     as_json: bool = typer.Option(False, "--json", help="One JSON object per prompt and choice, one per line."),
     async_task: bool = typer.Option(False, "--async", help="Submit each prompt as an async task (SubmitTask), "
                                     "poll GetTask until it is done, then print the result."),
+    tls_cert: Optional[str] = TLSCertOpt, tls_key: Optional[str] = TLSKeyOpt, tls_ca: Optional[str] = TLSCAOpt,
+    insecure: bool = InsecureOpt,
 ) -> None:
     """Send prompts to a gateway and print the answers (streamed for one prompt and one choice)."""
     import grpc
@@ -49,9 +54,11 @@ def generate(
     from meshserve.client import TaskFailed, build_request, channel, generate_choices, run_task
     from meshserve.v1 import gateway_pb2_grpc
 
+    tls = tls_settings(tls_cert, tls_key, tls_ca, insecure, client=True)
+
     async def main() -> int:
         metadata = (("x-api-key", api_key),) if api_key else ()
-        async with channel(addr) as ch:
+        async with channel(addr, tls) as ch:
             stub = gateway_pb2_grpc.GatewayStub(ch)
             try:
                 reqs = [build_request(None if chat else p, chat=[("user", p)] if chat else None,
@@ -105,6 +112,8 @@ def task_command(
     cancel: bool = typer.Option(False, "--cancel", help="Cancel the task (CancelTask) instead of reading it."),
     wait: bool = typer.Option(False, "--wait", help="Poll until the task is done."),
     api_key: Optional[str] = typer.Option(None, "--api-key", envvar="MESHSERVE_API_KEY"),
+    tls_cert: Optional[str] = TLSCertOpt, tls_key: Optional[str] = TLSKeyOpt, tls_ca: Optional[str] = TLSCAOpt,
+    insecure: bool = InsecureOpt,
 ) -> None:
     """Print an async task's status (GetTask) as one JSON object; exit 1 when it failed or is unknown."""
     import grpc
@@ -113,9 +122,11 @@ def task_command(
     from meshserve.client import cancel_task, channel, get_task, wait_task
     from meshserve.v1 import gateway_pb2, gateway_pb2_grpc
 
+    tls = tls_settings(tls_cert, tls_key, tls_ca, insecure, client=True)
+
     async def main() -> int:
         metadata = (("x-api-key", api_key),) if api_key else ()
-        async with channel(addr) as ch:
+        async with channel(addr, tls) as ch:
             stub = gateway_pb2_grpc.GatewayStub(ch)
             try:
                 if cancel:

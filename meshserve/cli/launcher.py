@@ -6,6 +6,12 @@ gateway;
 each must report SERVING on grpc.health.v1 before the next starts. ``stop``
 sends SIGTERM to all (gateway first) and kills what is still alive after the
 grace period.
+
+Transport: plaintext on loopback by default (every service is started with
+``--insecure``); with ``MeshConfig.tls_dir`` every service gets its role's
+certificate from that directory (``meshserve certs``; made there when it holds
+none) and the mesh runs mutual TLS; with ``MeshConfig.tls_files`` every service
+gets the same certificate (which must then name every service role).
 """
 
 from __future__ import annotations
@@ -20,7 +26,9 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from meshserve.certs import has_certs, write_certs
 from meshserve.grpc_server import wait_serving
+from meshserve.tls import PLAINTEXT, TLSConfig
 
 
 def default_threads_per_executor(executors: int) -> int:
@@ -73,6 +81,11 @@ class MeshConfig:
             (``Mesh.metrics_addresses``).
         result_cache_size: the gateway's ``--result-cache-size`` (entries; 0: off).
         task_store: the gateway's ``--task-store``: ``memory`` or a ``redis://host:port/db`` URL.
+        tls_dir: run the mesh over mutual TLS with the role certificates of this
+            directory (``meshserve certs``; made at start when it holds none).
+        tls_files: ``(cert, key, ca)``: mutual TLS with one certificate for every
+            service (it must name the roles gateway, scheduler, executor and kvstore).
+            Neither: plaintext on loopback.
     """
 
     port: int = 50051
@@ -88,6 +101,8 @@ class MeshConfig:
     metrics: bool = False
     result_cache_size: int = 0
     task_store: str = "memory"
+    tls_dir: Path | None = None
+    tls_files: tuple[str, str, str] | None = None
 
 
 class Mesh:
@@ -101,6 +116,23 @@ class Mesh:
         self.kvstore_address = ""
         self.executor_addresses: list[str] = []
         self.metrics_addresses: dict[str, str] = {}  # service name -> host:port of its /metrics
+
+    def tls(self, role: str = "client") -> TLSConfig:
+        """The TLS settings of ``role`` in this mesh (plaintext when it runs without
+        TLS); ``client`` is what a caller of the gateway (or a health probe) uses."""
+        c = self.config
+        if c.tls_dir is not None:
+            return TLSConfig.from_dir(c.tls_dir, role)
+        if c.tls_files is not None:
+            return TLSConfig(*c.tls_files).checked()
+        return PLAINTEXT
+
+    def _tls_args(self, role: str) -> list[str]:
+        """``--tls-cert/--tls-key/--tls-ca`` of ``role``, or ``--insecure``."""
+        tls = self.tls(role)
+        if not tls.enabled:
+            return ["--insecure"]
+        return ["--tls-cert", tls.cert, "--tls-key", tls.key, "--tls-ca", tls.ca]
 
     def _metrics_args(self, name: str) -> list[str]:
         """``--metrics-port P`` with a free port for service ``name`` (none when metrics are off)."""
@@ -124,7 +156,7 @@ class Mesh:
         c = self.config
         gw = ["gateway", "--port", str(c.port), "--scheduler", self.scheduler_address, "--model", c.model,
               "--result-cache-size", str(c.result_cache_size), "--task-store", c.task_store,
-              *self._metrics_args("gateway")]
+              *self._metrics_args("gateway"), *self._tls_args("gateway")]
         if c.tenants_file:
             gw += ["--tenants", c.tenants_file]
         if "--block-size" in c.executor_args:  # the gateway hashes prompts in the executors' blocks
@@ -133,7 +165,7 @@ class Mesh:
 
     async def _wait(self, name: str, address: str) -> None:
         proc = dict(self.procs)[name]
-        task = asyncio.create_task(wait_serving(address, self.config.startup_timeout_s))
+        task = asyncio.create_task(wait_serving(address, self.config.startup_timeout_s, tls=self.tls("client")))
         while not task.done():
             if proc.poll() is not None:
                 task.cancel()
@@ -152,18 +184,21 @@ class Mesh:
         c = self.config
         if c.port and not port_is_free(c.port):
             raise OSError(f"port {c.port} on 127.0.0.1 is in use (another meshserve up?); choose one with --port")
+        if c.tls_dir is not None and not has_certs(c.tls_dir):
+            write_certs(c.tls_dir)  # raises ValueError on a directory with a CA but missing role files
         try:
             kv_args = []
             if c.kvstore_memory:
                 kport = free_port()
                 self.kvstore_address = f"127.0.0.1:{kport}"
                 self._spawn("kvstore", ["kvstore", "--port", str(kport), "--memory", c.kvstore_memory,
-                                        *self._metrics_args("kvstore")])
+                                        *self._metrics_args("kvstore"), *self._tls_args("kvstore")])
                 await self._wait("kvstore", self.kvstore_address)
                 kv_args = ["--kvstore", self.kvstore_address]
             sport = free_port()
             self.scheduler_address = f"127.0.0.1:{sport}"
-            sched = ["scheduler", "--port", str(sport), *kv_args, *self._metrics_args("scheduler"), *c.scheduler_args]
+            sched = ["scheduler", "--port", str(sport), *kv_args, *self._metrics_args("scheduler"),
+                     *self._tls_args("scheduler"), *c.scheduler_args]
             if c.tenants_file:
                 sched += ["--tenants", c.tenants_file]  # the scheduler enforces the tenants' KV quotas
             self._spawn("scheduler", sched)
@@ -175,7 +210,8 @@ class Mesh:
                 self._spawn(f"executor-{i}", ["executor", "--port", str(eport), "--scheduler", self.scheduler_address,
                                               "--model", c.model, "--executor-id", f"executor-{i}",
                                               "--num-threads", str(threads), *kv_args,
-                                              *self._metrics_args(f"executor-{i}"), *c.executor_args])
+                                              *self._metrics_args(f"executor-{i}"), *self._tls_args("executor"),
+                                              *c.executor_args])
             for i, address in enumerate(self.executor_addresses):
                 await self._wait(f"executor-{i}", address)
             self._spawn("gateway", self._gateway_args())

@@ -17,8 +17,8 @@ from typing import TYPE_CHECKING, Optional
 
 import typer
 
-from meshserve.cli.options import (OtlpOpt, ResultCacheSizeOpt, SampleOpt, TaskStoreOpt, TracesOpt, parse_bytes,
-                                   export_trace_settings)
+from meshserve.cli.options import (InsecureOpt, OtlpOpt, ResultCacheSizeOpt, SampleOpt, TaskStoreOpt, TLSCAOpt,
+                                   TLSCertOpt, TLSKeyOpt, TracesOpt, parse_bytes, export_trace_settings, tls_settings)
 
 if TYPE_CHECKING:
     from meshserve.cli.launcher import MeshConfig
@@ -26,19 +26,23 @@ if TYPE_CHECKING:
 
 def mesh_config(port: int, executors: int, model: str, dtype: str, kv_cache_memory: str, extra: list[str],
                 tenants: Optional[str], log_dir: Optional[str], kvstore_memory: Optional[str] = None,
-                metrics: bool = False, result_cache_size: int = 0, task_store: str = "memory") -> MeshConfig:
+                metrics: bool = False, result_cache_size: int = 0, task_store: str = "memory",
+                tls_dir: Optional[str] = None, tls_files: Optional[tuple[str, str, str]] = None) -> MeshConfig:
     """The ``MeshConfig`` of ``up``'s flags.
 
     ``dtype``, ``kv_cache_memory`` (bytes, e.g. ``1GiB``) and ``extra`` become the
     executors' flags; ``result_cache_size`` (entries) and ``task_store`` (``memory`` or a
     ``redis://`` URL) go to the gateway; ``kvstore_memory`` None starts no kvstore.
+    ``tls_dir`` (role certificates) or ``tls_files`` (cert, key, CA): mutual TLS;
+    neither: plaintext on loopback.
     """
     from meshserve.cli.launcher import MeshConfig
 
     args = ["--dtype", dtype, "--kv-cache-memory", kv_cache_memory, *extra]
     return MeshConfig(port=port, executors=executors, model=model, executor_args=args, tenants_file=tenants,
                       log_dir=Path(log_dir) if log_dir else None, kvstore_memory=kvstore_memory, metrics=metrics,
-                      result_cache_size=result_cache_size, task_store=task_store)
+                      result_cache_size=result_cache_size, task_store=task_store,
+                      tls_dir=Path(tls_dir) if tls_dir else None, tls_files=tls_files)
 
 
 def up(
@@ -57,8 +61,13 @@ def up(
     task_store: str = TaskStoreOpt,
     traces: Optional[str] = TracesOpt, otlp_endpoint: Optional[str] = OtlpOpt,
     trace_sample_ratio: Optional[float] = SampleOpt,
+    tls_dir: Optional[str] = typer.Option(None, "--tls-dir", help="Run the mesh over mutual TLS with the role "
+                                          "certificates in this directory (made there by `meshserve certs` "
+                                          "when it holds none). Default: plaintext on loopback."),
+    tls_cert: Optional[str] = TLSCertOpt, tls_key: Optional[str] = TLSKeyOpt, tls_ca: Optional[str] = TLSCAOpt,
+    insecure: bool = InsecureOpt,
 ) -> None:
-    """Start the whole mesh on loopback; Ctrl-C stops it cleanly."""
+    """Start the whole mesh on loopback; Ctrl-C stops it cleanly (plaintext unless --tls-dir or --tls-*)."""
     from gateway.task_store_registry import task_store_kind
     from meshserve.cli.launcher import Mesh
 
@@ -72,10 +81,16 @@ def up(
         parse_bytes(kvstore_memory)
     except ValueError as exc:
         raise typer.BadParameter(str(exc)) from None
+    tls_files = None
+    if tls_cert or tls_key or tls_ca or insecure:
+        if tls_dir:
+            raise typer.BadParameter("--tls-dir cannot be combined with --tls-cert/--tls-key/--tls-ca/--insecure")
+        tls = tls_settings(tls_cert, tls_key, tls_ca, insecure)
+        tls_files = (tls.cert, tls.key, tls.ca) if tls.enabled else None
     export_trace_settings(traces, otlp_endpoint, trace_sample_ratio)
     mesh = Mesh(mesh_config(port, executors, model, dtype, kv_cache_memory, [], tenants, log_dir,
                             kvstore_memory if kvstore else None, metrics, result_cache_size=result_cache_size,
-                            task_store=task_store))
+                            task_store=task_store, tls_dir=tls_dir, tls_files=tls_files))
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     failed = False
@@ -84,11 +99,13 @@ def up(
     except KeyboardInterrupt:
         typer.echo("meshserve stopped.")
         return
-    except (OSError, RuntimeError, TimeoutError) as exc:
+    except (OSError, RuntimeError, TimeoutError, ValueError) as exc:
         typer.echo(f"error: {exc}", err=True)
         raise typer.Exit(1) from None
     try:
         kv = f", kvstore {mesh.kvstore_address}" if mesh.kvstore_address else ""
+        if tls_dir:
+            kv += f"; mutual TLS (certificates in {tls_dir}; clients: --tls-ca {tls_dir}/ca.pem)"
         typer.echo(f"meshserve is up: gateway {mesh.gateway_address}, scheduler {mesh.scheduler_address}, "
                    f"executors {', '.join(mesh.executor_addresses)}{kv}. Ctrl-C stops it.")
         for name, address in mesh.metrics_addresses.items():

@@ -89,3 +89,29 @@ def is_address(text: str) -> bool:
     """True when ``text`` is ``HOST:PORT`` with a non-empty host and a port in 1..65535."""
     host, _, port = text.rpartition(":")
     return bool(host) and port.isdigit() and 0 < int(port) < 65536
+
+
+TLSCertOpt = typer.Option(None, "--tls-cert", help="This process's certificate (PEM; its role in a "
+                          "spiffe://meshserve/<role> URI SAN: see `meshserve certs`).")
+TLSKeyOpt = typer.Option(None, "--tls-key", help="The certificate's private key (PEM).")
+TLSCAOpt = typer.Option(None, "--tls-ca", help="CA certificate(s) that peers' certificates must chain to (PEM).")
+InsecureOpt = typer.Option(False, "--insecure", help="Plaintext, no certificates and no role checks (local "
+                           "development only).")
+
+
+def tls_settings(cert: Optional[str], key: Optional[str], ca: Optional[str], insecure: bool, client: bool = False):
+    """The ``meshserve.tls.TLSConfig`` of a command's TLS flags. A service needs
+    ``--tls-cert``, ``--tls-key`` and ``--tls-ca`` (mutual TLS) or ``--insecure``;
+    a client (``client``) speaks plaintext with no flag and TLS with ``--tls-ca``.
+
+    Raises:
+        typer.Exit: code 2 (a usage error) after one line on stderr naming the
+            flag: a missing or conflicting flag, an unreadable file.
+    """
+    from meshserve.tls import TLSConfig  # grpc: only when a command runs
+
+    try:
+        return TLSConfig.from_flags(cert, key, ca, insecure, client=client)
+    except ValueError as exc:
+        typer.echo(f"error: {exc}", err=True)
+        raise typer.Exit(2) from None

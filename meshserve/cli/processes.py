@@ -3,7 +3,8 @@
 ``run_scheduler``, ``run_executor``, ``run_kvstore`` and ``run_gateway`` are what
 ``meshserve scheduler|executor|kvstore|gateway`` run (one service per container); ``meshserve up``
 starts them as separate processes (``meshserve.cli.launcher``). Tests call the
-``start_*`` functions of each service in one process instead.
+``start_*`` functions of each service in one process instead. Each takes the
+process's ``meshserve.tls.TLSConfig`` (``tls``: mutual TLS or plaintext).
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from meshserve.cli.options import parse_bytes
 from meshserve.grpc_server import run_until_signal
 from meshserve.model_files import resolve_model
 from meshserve.telemetry import setup_tracing, shutdown_tracing
+from meshserve.tls import PLAINTEXT, TLSConfig
 from scheduler.admission import SchedulerConfig
 from scheduler.placement import KV_RESERVATIONS
 from scheduler.pools import PoolsConfig
@@ -77,7 +79,8 @@ def scheduler_config(queue_policy: str = "fcfs", max_queue_wait_s: float = 30.0,
 
 
 async def run_scheduler(port: int, host: str = "127.0.0.1", config: SchedulerConfig | None = None,
-                        kvstore_address: str | None = None, metrics_port: int | None = None) -> None:
+                        kvstore_address: str | None = None, metrics_port: int | None = None,
+                        tls: TLSConfig = PLAINTEXT) -> None:
     """Serves the scheduler (``config``: a ``SchedulerConfig``, default settings if None) until SIGINT/SIGTERM;
     with ``kvstore_address`` it follows that kvstore's placements for routing; Prometheus metrics on
     ``metrics_port`` (None: none)."""
@@ -85,7 +88,7 @@ async def run_scheduler(port: int, host: str = "127.0.0.1", config: SchedulerCon
     holder = {}
 
     async def start():
-        holder["svc"] = await start_scheduler(port, host, config, kvstore_address, metrics_port)
+        holder["svc"] = await start_scheduler(port, host, config, kvstore_address, metrics_port, tls)
         log.info("scheduler serving on %s", holder["svc"].address)
 
     async def stop():
@@ -96,7 +99,7 @@ async def run_scheduler(port: int, host: str = "127.0.0.1", config: SchedulerCon
 
 
 async def run_kvstore(port: int, host: str, memory_bytes: int, disk_dir: str | None = None, disk_bytes: int = 0,
-                      max_events: int = 65536, metrics_port: int | None = None) -> None:
+                      max_events: int = 65536, metrics_port: int | None = None, tls: TLSConfig = PLAINTEXT) -> None:
     """Serves a kvstore until SIGINT/SIGTERM (its blocks are a cache: lost at stop); Prometheus
     metrics on ``metrics_port`` (None: none)."""
     setup_tracing("kvstore")
@@ -104,7 +107,7 @@ async def run_kvstore(port: int, host: str, memory_bytes: int, disk_dir: str | N
 
     async def start():
         store = KVStore(memory_bytes, disk_dir, disk_bytes if disk_dir else 0, max_events)
-        holder["svc"] = await start_kvstore(store, port, host, metrics_port=metrics_port)
+        holder["svc"] = await start_kvstore(store, port, host, metrics_port=metrics_port, tls=tls)
         log.info("kvstore serving on %s (memory %d bytes%s)", holder["svc"].address, memory_bytes,
                  f", disk {disk_bytes} bytes under {disk_dir}" if disk_dir else "")
 
@@ -147,7 +150,8 @@ async def run_executor(engine_config: EngineConfig, port: int, host: str, schedu
                        pool: str = "default", advertise_address: str | None = None,
                        step_timeout_s: float = 60.0, kvstore_address: str | None = None,
                        kvstore_fetch_timeout_s: float = 5.0, metrics_port: int | None = None,
-                       peak_flops: float | None = None, max_buffered_outputs: int = 256) -> None:
+                       peak_flops: float | None = None, max_buffered_outputs: int = 256,
+                       tls: TLSConfig = PLAINTEXT) -> None:
     """Loads the model, serves the executor and stays registered until a signal; Prometheus
     metrics on ``metrics_port`` (None: none), the MFU against ``peak_flops`` FLOP/s. A request whose
     reader leaves ``max_buffered_outputs`` messages untaken is ended (RESOURCE_EXHAUSTED)."""
@@ -163,7 +167,7 @@ async def run_executor(engine_config: EngineConfig, port: int, host: str, schedu
         svc, async_engine, link = await start_executor(engine, port, host, scheduler, executor_id, pool,
                                                     advertise_address, step_timeout_s, kvstore_address,
                                                     kvstore_fetch_timeout_s, metrics_port, peak_flops,
-                                                    max_buffered_outputs)
+                                                    max_buffered_outputs, tls)
         async_engine.on_failure(lambda _exc: done.set())  # exit non-zero: the orchestrator restarts us
         holder.update(svc=svc, engine=async_engine, link=link)
         log.info("executor serving on %s (%d KV blocks of %d tokens)", svc.address, engine.num_blocks,
@@ -187,7 +191,7 @@ async def run_executor(engine_config: EngineConfig, port: int, host: str, schedu
 async def run_gateway(model: str, port: int, host: str, scheduler: str, tenants_file: str | None = None,
                       hash_block_size: int = 16, result_cache_size: int = 0, result_cache_ttl_s: float = 600.0,
                       task_store: str = "memory", task_ttl_s: float = 3600.0, max_tasks: int = 10_000,
-                      metrics_port: int | None = None) -> None:
+                      metrics_port: int | None = None, tls: TLSConfig = PLAINTEXT) -> None:
     """Loads the tokenizer, serves the public Gateway until a signal.
 
     ``result_cache_size``: entries of the result cache (0: off), each living
@@ -207,7 +211,7 @@ async def run_gateway(model: str, port: int, host: str, scheduler: str, tenants_
         cache = ResultCache(result_cache_size, result_cache_ttl_s) if result_cache_size > 0 else None
         holder["svc"] = await start_gateway(tokenizer, info, scheduler, port, host, tenants, hash_block_size,
                                             result_cache=cache, tasks=TaskRunner(store),
-                                            metrics_port=metrics_port)
+                                            metrics_port=metrics_port, tls=tls)
         log.info("gateway serving on %s", holder["svc"].address)
 
     async def stop():

@@ -1,5 +1,7 @@
 """``meshserve scheduler|executor|kvstore|gateway``: one service per process (for containers).
 
+Each command speaks mutual TLS (``--tls-cert``, ``--tls-key``, ``--tls-ca``) unless
+``--insecure`` asks for plaintext; with neither it refuses to start (usage error).
 Each command checks its flags (a bad value is a usage error, exit code 2), sets
 up logging and tracing, and serves until SIGTERM; a start-up failure the
 operator can fix is one line and exit code 1 (``options.serve``). What a command
@@ -13,8 +15,9 @@ from typing import Optional
 
 import typer
 
-from meshserve.cli.options import (MetricsPortOpt, OtlpOpt, ResultCacheSizeOpt, SampleOpt, TaskStoreOpt, TracesOpt,
-                                   export_trace_settings, is_address, parse_bytes, serve, setup_logging)
+from meshserve.cli.options import (InsecureOpt, MetricsPortOpt, OtlpOpt, ResultCacheSizeOpt, SampleOpt, TaskStoreOpt,
+                                   TLSCAOpt, TLSCertOpt, TLSKeyOpt, TracesOpt, export_trace_settings, is_address,
+                                   parse_bytes, serve, setup_logging, tls_settings)
 
 
 def scheduler(
@@ -46,12 +49,15 @@ def scheduler(
     traces: Optional[str] = TracesOpt, otlp_endpoint: Optional[str] = OtlpOpt,
     trace_sample_ratio: Optional[float] = SampleOpt,
     metrics_port: Optional[int] = MetricsPortOpt,
+    tls_cert: Optional[str] = TLSCertOpt, tls_key: Optional[str] = TLSKeyOpt, tls_ca: Optional[str] = TLSCAOpt,
+    insecure: bool = InsecureOpt,
     log_level: str = typer.Option("info"),
 ) -> None:
     """Run the global scheduler (executor registry, admission queue, pools and routing)."""
     from meshserve.cli import processes
     from scheduler.routing import RoutingConfig
 
+    tls = tls_settings(tls_cert, tls_key, tls_ca, insecure)
     setup_logging(log_level)
     export_trace_settings(traces, otlp_endpoint, trace_sample_ratio)
     try:
@@ -63,7 +69,7 @@ def scheduler(
                                             tenants, pools, route_cfg, kv_reservation)
     except (ValueError, FileNotFoundError) as exc:
         raise typer.BadParameter(str(exc)) from None
-    serve(processes.run_scheduler(port, host, config, kvstore, metrics_port))
+    serve(processes.run_scheduler(port, host, config, kvstore, metrics_port, tls))
 
 
 def executor(
@@ -102,12 +108,15 @@ def executor(
     max_buffered_outputs: int = typer.Option(256, "--max-buffered-outputs", min=1,
                                              help="Messages a request's reader may leave unread before the request "
                                                   "ends with RESOURCE_EXHAUSTED and its KV is freed."),
+    tls_cert: Optional[str] = TLSCertOpt, tls_key: Optional[str] = TLSKeyOpt, tls_ca: Optional[str] = TLSCAOpt,
+    insecure: bool = InsecureOpt,
     log_level: str = typer.Option("info"),
 ) -> None:
     """Run one executor: a model replica with its continuous-batching engine."""
     from meshserve.cli import processes
     from meshserve.cli.launcher import port_is_free
 
+    tls = tls_settings(tls_cert, tls_key, tls_ca, insecure)  # before the model loads
     setup_logging(log_level)
     export_trace_settings(traces, otlp_endpoint, trace_sample_ratio)
     try:
@@ -127,7 +136,7 @@ def executor(
     serve(processes.run_executor(cfg, port, host, scheduler, executor_id, pool, advertise,
                                  step_timeout_s=step_timeout_s, kvstore_address=kvstore,
                                  kvstore_fetch_timeout_s=kvstore_fetch_timeout, metrics_port=metrics_port,
-                                 peak_flops=peak_flops, max_buffered_outputs=max_buffered_outputs))
+                                 peak_flops=peak_flops, max_buffered_outputs=max_buffered_outputs, tls=tls))
 
 
 def kvstore_cmd(
@@ -140,11 +149,14 @@ def kvstore_cmd(
     traces: Optional[str] = TracesOpt, otlp_endpoint: Optional[str] = OtlpOpt,
     trace_sample_ratio: Optional[float] = SampleOpt,
     metrics_port: Optional[int] = MetricsPortOpt,
+    tls_cert: Optional[str] = TLSCertOpt, tls_key: Optional[str] = TLSKeyOpt, tls_ca: Optional[str] = TLSCAOpt,
+    insecure: bool = InsecureOpt,
     log_level: str = typer.Option("info"),
 ) -> None:
     """Run the kvstore: prefix KV blocks shared by executors."""
     from meshserve.cli import processes
 
+    tls = tls_settings(tls_cert, tls_key, tls_ca, insecure)
     setup_logging(log_level)
     export_trace_settings(traces, otlp_endpoint, trace_sample_ratio)
     try:
@@ -153,7 +165,7 @@ def kvstore_cmd(
             raise ValueError("--memory and --disk must be at least 1 byte")
     except ValueError as exc:
         raise typer.BadParameter(str(exc)) from None
-    serve(processes.run_kvstore(port, host, memory_bytes, disk_dir, disk_bytes, max_events, metrics_port))
+    serve(processes.run_kvstore(port, host, memory_bytes, disk_dir, disk_bytes, max_events, metrics_port, tls))
 
 
 def gateway(
@@ -174,6 +186,8 @@ def gateway(
     traces: Optional[str] = TracesOpt, otlp_endpoint: Optional[str] = OtlpOpt,
     trace_sample_ratio: Optional[float] = SampleOpt,
     metrics_port: Optional[int] = MetricsPortOpt,
+    tls_cert: Optional[str] = TLSCertOpt, tls_key: Optional[str] = TLSKeyOpt, tls_ca: Optional[str] = TLSCAOpt,
+    insecure: bool = InsecureOpt,
     log_level: str = typer.Option("info"),
 ) -> None:
     """Run the public gateway."""
@@ -184,8 +198,9 @@ def gateway(
         task_store_kind(task_store)
     except ValueError as exc:  # a usage error, exit code 2
         raise typer.BadParameter(str(exc)) from None
+    tls = tls_settings(tls_cert, tls_key, tls_ca, insecure)
     setup_logging(log_level)
     export_trace_settings(traces, otlp_endpoint, trace_sample_ratio)
     serve(processes.run_gateway(model, port, host, scheduler, tenants, block_size, result_cache_size,
-                                result_cache_ttl_s, task_store, task_ttl_s, max_tasks, metrics_port))
+                                result_cache_ttl_s, task_store, task_ttl_s, max_tasks, metrics_port, tls))
 

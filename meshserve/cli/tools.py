@@ -66,6 +66,9 @@ def bench(
     warmup: int = typer.Option(2, help="Unmeasured warm-up requests."),
     num_threads: Optional[int] = typer.Option(None, help="torch threads of every target (default: cores - 1, "
                                               "one core left for the other services and the client)."),
+    tls_dir: Optional[str] = typer.Option(None, "--tls-dir", help="mesh target: run the launched mesh over mutual "
+                                          "TLS with the role certificates here (made when none), or reach --addr "
+                                          "with the client certificate here. Default: plaintext."),
     log_level: str = typer.Option("warning"),
 ) -> None:
     """Measure output tokens/s, TTFT, TPOT, e2e latency and KV/prefix-cache use of a target on a seeded workload."""
@@ -86,7 +89,7 @@ def bench(
                           max_num_batched_tokens=max_num_batched_tokens, executors=executors, addr=addr,
                           num_threads=num_threads, block_size=block_size,
                           enable_prefix_caching=not no_prefix_caching, max_batch_wait_ms=max_batch_wait_ms,
-                          executor_addrs=tuple(executor_addr), request_rate=request_rate)
+                          executor_addrs=tuple(executor_addr), request_rate=request_rate, tls_dir=tls_dir)
         points = sweep_points(concurrency, request_rate, parse_values(sweep_concurrency, int),
                               parse_values(sweep_rate, float))
         check_baselines(baselines, open_loop=any(p.request_rate is not None for p in points))

@@ -30,8 +30,9 @@ async def test_every_request_is_observed_once_and_running_returns_to_zero(tokeni
     m = await start_local_mesh([make_engine()], tokenizer)
     e0 = m.engines[0]
     svc = await start_gateway(tokenizer, ModelInfo(e0.model_id, e0.max_model_len, e0.vocab_size, e0.revision),
-                              m.scheduler.address, 0, result_cache=ResultCache(64, ttl_s=600.0))
-    ch = channel(svc.address)
+                              m.scheduler.address, 0, result_cache=ResultCache(64, ttl_s=600.0),
+                              tls=m.tls("gateway"))
+    ch = channel(svc.address, m.tls("client"))
     gw = gateway_pb2_grpc.GatewayStub(ch)
     registry = svc.servicer.core.metrics.registry
 

@@ -19,6 +19,7 @@ from meshserve.v1 import common_pb2, executor_pb2, executor_pb2_grpc
 from tests.support.engines import make_engine
 from tests.support.mesh_harness import start_local_mesh
 from tests.support.served_kvstore import STALL_S, DelayingServicer
+from tests.support.tls import role_tls
 
 pytestmark = pytest.mark.model
 
@@ -51,15 +52,15 @@ async def test_late_kvstore_completions_after_an_abort_are_ignored(tokenizer):
     acks = asyncio.Event()
     DelayingServicer.put_ack_gate = acks            # Put acknowledgements wait until after the cancel...
     DelayingServicer.put_ack_delay_s = 0.2          # ...and then come 200 ms late
-    kv_service = await start_kvstore(store, 0, servicer_cls=DelayingServicer)
+    kv_service = await start_kvstore(store, 0, servicer_cls=DelayingServicer, tls=role_tls("kvstore"))
     engines = [make_engine(max_model_len=4096, num_blocks=300, max_num_batched_tokens=2048) for _ in range(2)]
     # fetches are cancelled by the test, never given up on by a deadline of the machine's speed
     m = await start_local_mesh(engines, tokenizer, kvstore=kv_service, kvstore_fetch_timeout_s=STALL_S)
-    kv = KVStoreClient(kv_service.address)
+    kv = KVStoreClient(kv_service.address, m.tls("client"))  # Stats only: the client role may
     prompt = [1000 + (i * 7919) % 40000 for i in range(PROMPT_LEN)]
     try:
         # 1. executor 0 computes the prompt, publishes its 125 blocks; cancel right after the first token
-        async with channel(m.executors[0][0].address) as ch:
+        async with channel(m.executors[0][0].address, m.tls("gateway")) as ch:
             call = executor_pb2_grpc.ExecutorStub(ch).Execute(execute_request("c19-save", prompt, 64))
             first = await call.read()
             assert len(first.token_ids) == 1 and first.num_kvstore_tokens == 0
@@ -88,7 +89,7 @@ async def test_late_kvstore_completions_after_an_abort_are_ignored(tokenizer):
         # during the load
         DelayingServicer.get_delay_s = STALL_S
         memory_exporter().clear()
-        async with channel(m.executors[1][0].address) as ch:
+        async with channel(m.executors[1][0].address, m.tls("gateway")) as ch:
             call = executor_pb2_grpc.ExecutorStub(ch).Execute(execute_request("c19-load", prompt, 8),
                                                               metadata=outgoing_metadata())
             reader = asyncio.create_task(call.read())
@@ -114,7 +115,7 @@ async def test_late_kvstore_completions_after_an_abort_are_ignored(tokenizer):
         # 3. the canary passes, and a fresh request on executor 1 now loads the prefix
         out = await generate(m.stub, build_request(chat=[("user", "Hi")], max_tokens=4, temperature=0))
         assert len(out.token_ids) == 4
-        async with channel(m.executors[1][0].address) as ch:
+        async with channel(m.executors[1][0].address, m.tls("gateway")) as ch:
             msgs = [msg async for msg in executor_pb2_grpc.ExecutorStub(ch).Execute(
                 execute_request("c19-after", prompt, 4))]
         assert msgs[0].num_kvstore_tokens == msgs[0].num_cached_tokens == BLOCKS * 16

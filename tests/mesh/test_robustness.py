@@ -14,6 +14,7 @@ import pytest
 
 from meshserve.client import build_request, channel, generate, generate_choices
 from meshserve.v1 import scheduler_pb2, scheduler_pb2_grpc
+from meshserve.tls import PLAINTEXT, TLSConfig
 from tests.support.mesh_harness import StepGate
 
 pytestmark = pytest.mark.model
@@ -41,7 +42,7 @@ async def test_duplicate_request_id_in_flight_is_already_exists(mesh, default_en
 
 async def test_scheduler_rejects_a_queued_duplicate(mesh):
     """A direct Admit caller (a second gateway) reusing a leased id gets ALREADY_EXISTS."""
-    async with channel(mesh.scheduler.address) as ch:
+    async with channel(mesh.scheduler.address, mesh.tls("gateway")) as ch:
         stub = scheduler_pb2_grpc.SchedulerStub(ch)
         admit = scheduler_pb2.AdmitRequest(request_id="twice", tenant="default", num_prompt_tokens=5, max_tokens=4)
         events = [e async for e in stub.Admit(admit)]
@@ -93,7 +94,7 @@ async def test_dead_engine_leaves_the_mesh(tokenizer):
         svc, async_engine, _ = m.executors[0]
         assert isinstance(async_engine.failure, RuntimeError)
         await _wait_until(lambda: _empty(m.scheduler.servicer.core), HANG_S)
-        assert await _health(svc.address) == health_pb2.HealthCheckResponse.NOT_SERVING
+        assert await _health(svc.address, m.tls()) == health_pb2.HealthCheckResponse.NOT_SERVING
         with pytest.raises(grpc.aio.AioRpcError) as info:
             await generate(m.stub, build_request("Hello", max_tokens=2), timeout=HANG_S)
         assert info.value.code() == grpc.StatusCode.UNAVAILABLE
@@ -119,10 +120,10 @@ async def _wait_until(predicate, timeout_s: float = HANG_S) -> None:
         await asyncio.sleep(0.05)
 
 
-async def _health(address: str) -> int:
+async def _health(address: str, tls: TLSConfig = PLAINTEXT) -> int:
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-    async with channel(address) as ch:
+    async with channel(address, tls) as ch:
         resp = await health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(), timeout=HANG_S)
         return resp.status
 
@@ -158,13 +159,13 @@ async def test_wedged_step_turns_not_serving_then_recovers(tokenizer):
                 await call
             assert info.value.code() == grpc.StatusCode.UNAVAILABLE
             assert "engine step has run for 1.5 s (step timeout 1 s)" in info.value.details()
-            await _wait_until(lambda: _is(svc.address, health_pb2.HealthCheckResponse.NOT_SERVING))
+            await _wait_until(lambda: _is(svc.address, health_pb2.HealthCheckResponse.NOT_SERVING, m.tls()))
             await _wait_until(lambda: _empty(core))
             with pytest.raises(grpc.aio.AioRpcError) as info:
                 await generate(m.stub, build_request("Hello", max_tokens=2), timeout=HANG_S)
             assert info.value.code() == grpc.StatusCode.UNAVAILABLE
         # the gate is open: the step returns (recovery)
-        await _wait_until(lambda: _is(svc.address, health_pb2.HealthCheckResponse.SERVING))
+        await _wait_until(lambda: _is(svc.address, health_pb2.HealthCheckResponse.SERVING, m.tls()))
         assert [e.executor_id for e in core.registry] == ["executor-0"]
         again = await generate(m.stub, build_request("The capital of France is", max_tokens=8, temperature=0))
         assert again.token_ids == ref.token_ids
@@ -175,8 +176,8 @@ async def test_wedged_step_turns_not_serving_then_recovers(tokenizer):
         await m.stop()
 
 
-async def _is(address: str, status: int) -> bool:
-    return await _health(address) == status
+async def _is(address: str, status: int, tls: TLSConfig = PLAINTEXT) -> bool:
+    return await _health(address, tls) == status
 
 
 async def _empty(core) -> bool:

@@ -15,7 +15,7 @@ import grpc
 import pytest
 
 from meshserve.client import build_request, generate
-from meshserve.grpc_server import CHANNEL_OPTIONS
+from meshserve.grpc_server import CHANNEL_OPTIONS, open_channel
 from meshserve.sampling import SamplingParams, to_proto
 from meshserve.v1 import executor_pb2, executor_pb2_grpc, gateway_pb2_grpc
 from tests.support.engines import make_engine
@@ -47,7 +47,7 @@ async def test_slow_reader_is_bounded_ended_and_frees_kv(tokenizer):
     most the bound for it, then ends it (RESOURCE_EXHAUSTED after what was sent) and
     frees its KV; normal clients meanwhile get exactly their tokens alone."""
     m = await start_local_mesh([make_engine(max_model_len=4200)], tokenizer, max_buffered_outputs=BOUND)
-    slow_channel = grpc.aio.insecure_channel(m.gateway.address, options=SLOW_CLIENT_OPTIONS)
+    slow_channel = open_channel(m.gateway.address, m.tls(), SLOW_CLIENT_OPTIONS)
     try:
         eng = m.executors[0][1]
         alone = await _normal_clients(m)
@@ -95,7 +95,7 @@ async def test_slow_reader_with_n_choices_and_a_big_first_message_ends_every_cho
     choice backs up to the bound and is ended, all KV freed, the caller reads
     RESOURCE_EXHAUSTED; the executor's call and the scheduler's lease end."""
     m = await start_local_mesh([make_engine(max_model_len=4200)], tokenizer, max_buffered_outputs=BOUND)
-    slow_channel = grpc.aio.insecure_channel(m.gateway.address, options=SLOW_CLIENT_OPTIONS)
+    slow_channel = open_channel(m.gateway.address, m.tls(), SLOW_CLIENT_OPTIONS)
     try:
         eng = m.executors[0][1]
         servicer = m.executors[0][0].servicer
@@ -132,7 +132,7 @@ async def test_cancel_while_n_choices_are_blocked_on_the_merge_queue_frees_kv(to
     executor's choice pumps wait on the bounded merge queue, below the engine's bound):
     every choice is aborted, no slow-reader abort counted, KV and lease freed."""
     m = await start_local_mesh([make_engine(max_model_len=4200)], tokenizer, max_buffered_outputs=100_000)
-    slow_channel = grpc.aio.insecure_channel(m.gateway.address, options=SLOW_CLIENT_OPTIONS)
+    slow_channel = open_channel(m.gateway.address, m.tls(), SLOW_CLIENT_OPTIONS)
     try:
         eng = m.executors[0][1]
         slow = gateway_pb2_grpc.GatewayStub(slow_channel).Generate(build_request(
@@ -165,7 +165,7 @@ async def test_executor_frees_choice_ids_with_the_request_id_so_a_retry_is_accep
     pumps wait on the merge queue), the request id is free again only once no engine
     stream of its choices is left: an immediate retry with the same id is accepted."""
     m = await start_local_mesh([make_engine(max_model_len=4200)], tokenizer, max_buffered_outputs=100_000)
-    slow_channel = grpc.aio.insecure_channel(m.executors[0][0].address, options=SLOW_CLIENT_OPTIONS)
+    slow_channel = open_channel(m.executors[0][0].address, m.tls("gateway"), SLOW_CLIENT_OPTIONS)
     try:
         eng, servicer = m.executors[0][1], m.executors[0][0].servicer
         req = executor_pb2.ExecuteRequest(request_id="r", lease_id="l1", prompt_token_ids=[7] * 20)

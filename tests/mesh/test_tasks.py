@@ -19,6 +19,7 @@ from meshserve.client import (build_request, cancel_task, channel, generate, get
                               task_completions, wait_task)
 from meshserve.telemetry import memory_exporter
 from meshserve.v1 import gateway_pb2, gateway_pb2_grpc
+from tests.support.tls import cert_dir
 
 pytestmark = pytest.mark.model
 
@@ -27,8 +28,9 @@ pytestmark = pytest.mark.model
 async def cached_gateway(mesh, tokenizer):
     e0 = mesh.engines[0]
     svc = await start_gateway(tokenizer, ModelInfo(e0.model_id, e0.max_model_len, e0.vocab_size, e0.revision),
-                              mesh.scheduler.address, 0, result_cache=ResultCache(64, ttl_s=600.0))
-    ch = channel(svc.address)
+                              mesh.scheduler.address, 0, result_cache=ResultCache(64, ttl_s=600.0),
+                              tls=mesh.tls("gateway"))
+    ch = channel(svc.address, mesh.tls("client"))
     stub = gateway_pb2_grpc.GatewayStub(ch)
     stub.address = svc.address  # for the CLI test
     stub.servicer = svc.servicer  # for the metrics test
@@ -145,7 +147,7 @@ async def test_cli_generate_async_prints_the_task_result(mesh, cached_gateway):
     proc = await asyncio.create_subprocess_exec(
         sys.executable, "-m", "meshserve.cli", "generate", "--async", "--json", "--addr", cached_gateway.address,
         "--prompt", "The capital of France is", "--max-tokens", "6", "--temperature", "0", "--ignore-eos",
-        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
+        "--tls-ca", str(cert_dir() / "ca.pem"), stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
     out, err = await asyncio.wait_for(proc.communicate(), 300)
     assert proc.returncode == 0, err.decode()
     (line,) = out.decode().splitlines()

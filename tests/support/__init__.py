@@ -2,12 +2,13 @@
 
 | module | what |
 |---|---|
-| ``mesh_harness`` | an in-process mesh: scheduler, executors and gateway over loopback gRPC |
+| ``mesh_harness`` | an in-process mesh: scheduler, executors and gateway over loopback gRPC (mutual TLS by default) |
+| ``tls`` | a test CA and role certificates made once per process (and a foreign CA) |
 | ``engines`` | ``make_engine``: a float32 default-model engine with keyword overrides |
 | ``engine_steps`` | requests and hand-built steps of the executor's batch scheduler |
 | ``reference`` | transformers' greedy reference outputs and the golden prompts |
 | ``served_kvstore`` | a kvstore on its own thread, and fault-injecting store/servicer wrappers |
-| ``served_scheduler`` | a scheduler with one fake executor registered |
+| ``served_scheduler`` | a scheduler over mutual TLS with one fake executor registered |
 | ``net_fault`` | a loopback TCP proxy whose traffic can be frozen (a partition) |
 | ``redis_server`` | a throwaway redis-server on a free port |
 | ``metrics`` | Prometheus exposition text as a dict; a fake NVML module |

@@ -1,5 +1,6 @@
 """An in-process mesh for tests: scheduler, executors and gateway in one event loop,
-talking real gRPC over loopback ports."""
+talking real gRPC over loopback ports, over mutual TLS by default (each service
+with its role's certificate from ``tests.support.tls``)."""
 
 from __future__ import annotations
 
@@ -14,8 +15,10 @@ from gateway.request import ModelInfo
 from gateway.server import start_gateway
 from meshserve.client import channel
 from meshserve.grpc_server import Service
+from meshserve.tls import PLAINTEXT, TLSConfig
 from meshserve.v1 import executor_pb2, executor_pb2_grpc, gateway_pb2_grpc
 from scheduler.server import start_scheduler
+from tests.support.tls import role_tls
 
 
 @dataclass
@@ -28,6 +31,12 @@ class LocalMesh:
     kvstore: Service | None = None
     stub: gateway_pb2_grpc.GatewayStub | None = None
     _channel: object = None
+    secure: bool = True
+
+    def tls(self, role: str = "client") -> TLSConfig:
+        """The TLS settings a caller of this mesh in ``role`` uses (plaintext when
+        the mesh runs without TLS)."""
+        return role_tls(role) if self.secure else PLAINTEXT
 
     def metrics_urls(self) -> dict[str, str]:
         """Service name → its /metrics URL, for the services serving metrics."""
@@ -41,7 +50,7 @@ class LocalMesh:
 
     async def executor_stats(self, i: int = 0) -> executor_pb2.StatsResponse:
         """Stats of executor ``i`` over its gRPC Stats call."""
-        async with channel(self.executors[i][0].address) as ch:
+        async with channel(self.executors[i][0].address, self.tls("client")) as ch:
             return await executor_pb2_grpc.ExecutorStub(ch).Stats(executor_pb2.StatsRequest())
 
     async def wait_idle(self, timeout_s: float = 120.0) -> None:
@@ -77,7 +86,7 @@ class LocalMesh:
 
 async def start_local_mesh(engines: list[LLMEngine], tokenizer, tenants=None, kvstore=None,
                            kvstore_fetch_timeout_s: float = 300.0, step_timeout_s: float = 3600.0,
-                           metrics: bool = False, max_buffered_outputs: int = 256) -> LocalMesh:
+                           metrics: bool = False, max_buffered_outputs: int = 256, tls: bool = True) -> LocalMesh:
     """Starts scheduler, one executor per engine, and a gateway, on free ports; with
     ``kvstore`` (a ``kvstore.store.KVStore``, or a ready ``Service``) a kvstore service
     too, every executor shares prefix blocks through it, and the scheduler follows its
@@ -86,15 +95,20 @@ async def start_local_mesh(engines: list[LLMEngine], tokenizer, tenants=None, kv
     stream's untaken outputs (C27). ``kvstore_fetch_timeout_s`` and ``step_timeout_s``
     (the step watchdog's bound) are by default past any real fetch or step of a loaded
     machine and any ``StepGate`` hold: no test's outcome depends on the machine's speed
-    (the deadlines themselves are tested on fake clocks)."""
+    (the deadlines themselves are tested on fake clocks). ``tls``: mutual TLS with the
+    test CA's role certificates (``LocalMesh.tls`` gives a caller's); False: plaintext.
+    A ready kvstore ``Service`` passed in must speak the same."""
     from kvstore.server import start_kvstore
     from kvstore.store import KVStore
 
     metrics_port = 0 if metrics else None
-    kv_service = await start_kvstore(kvstore, 0, metrics_port=metrics_port) if isinstance(kvstore, KVStore) \
-        else kvstore
+    def role(name: str) -> TLSConfig:
+        return role_tls(name) if tls else PLAINTEXT
+
+    kv_service = await start_kvstore(kvstore, 0, metrics_port=metrics_port, tls=role("kvstore")) \
+        if isinstance(kvstore, KVStore) else kvstore
     scheduler = await start_scheduler(0, kvstore_address=kv_service.address if kv_service else None,
-                                      metrics_port=metrics_port)
+                                      metrics_port=metrics_port, tls=role("scheduler"))
     executors = []
     for i, engine in enumerate(engines):
         svc, async_engine, link = await start_executor(engine, 0, scheduler_address=scheduler.address,
@@ -102,13 +116,15 @@ async def start_local_mesh(engines: list[LLMEngine], tokenizer, tenants=None, kv
                                                        kvstore_address=kv_service.address if kv_service else None,
                                                        kvstore_fetch_timeout_s=kvstore_fetch_timeout_s,
                                                        step_timeout_s=step_timeout_s, metrics_port=metrics_port,
-                                                       max_buffered_outputs=max_buffered_outputs)
+                                                       max_buffered_outputs=max_buffered_outputs,
+                                                       tls=role("executor"))
         executors.append((svc, async_engine, link))
     e0 = engines[0]
     info = ModelInfo(e0.model_id, e0.max_model_len, e0.vocab_size, e0.revision)
-    gateway = await start_gateway(tokenizer, info, scheduler.address, 0, tenants=tenants, metrics_port=metrics_port)
-    mesh = LocalMesh(scheduler, gateway, executors, kv_service)
-    mesh._channel = channel(gateway.address)
+    gateway = await start_gateway(tokenizer, info, scheduler.address, 0, tenants=tenants, metrics_port=metrics_port,
+                                  tls=role("gateway"))
+    mesh = LocalMesh(scheduler, gateway, executors, kv_service, secure=tls)
+    mesh._channel = channel(gateway.address, mesh.tls("client"))
     mesh.stub = gateway_pb2_grpc.GatewayStub(mesh._channel)
     return mesh
 

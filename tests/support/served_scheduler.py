@@ -1,17 +1,18 @@
 """A Scheduler service on a free loopback port with one fake executor registered (its
-Connect stream held open), for tests of the servicer."""
+Connect stream held open), for tests of the servicer; over mutual TLS (the fake
+executor with the executor role's certificate, the yielded stub with the gateway's)."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
 
-import grpc
-
 from meshserve.v1 import scheduler_pb2 as pb
 from meshserve.v1 import scheduler_pb2_grpc
 from scheduler.admission import SchedulerConfig
+from meshserve.grpc_server import open_channel
 from scheduler.server import start_scheduler
+from tests.support.tls import role_tls
 
 
 async def _fake_executor(stub, num_blocks, registered: asyncio.Event, stop: asyncio.Event):
@@ -30,12 +31,14 @@ async def _fake_executor(stub, num_blocks, registered: asyncio.Event, stop: asyn
 @contextlib.asynccontextmanager
 async def served_scheduler(config: SchedulerConfig, num_blocks: int = 4):
     """A scheduler on a free port with one fake executor of ``num_blocks`` registered:
-    yields ``(service, stub)``."""
-    svc = await start_scheduler(0, config=config)
-    channel = grpc.aio.insecure_channel(svc.address)
+    yields ``(service, stub)``, the stub a gateway's."""
+    svc = await start_scheduler(0, config=config, tls=role_tls("scheduler"))
+    channel = open_channel(svc.address, role_tls("gateway"))
+    executor_channel = open_channel(svc.address, role_tls("executor"))
     stub = scheduler_pb2_grpc.SchedulerStub(channel)
     registered, stop = asyncio.Event(), asyncio.Event()
-    task = asyncio.create_task(_fake_executor(stub, num_blocks, registered, stop))
+    task = asyncio.create_task(_fake_executor(scheduler_pb2_grpc.SchedulerStub(executor_channel), num_blocks,
+                                              registered, stop))
     await asyncio.wait_for(registered.wait(), 60)
     try:
         yield svc, stub
@@ -43,4 +46,5 @@ async def served_scheduler(config: SchedulerConfig, num_blocks: int = 4):
         stop.set()
         await asyncio.wait_for(task, 60)
         await channel.close()
+        await executor_channel.close()
         await svc.stop(0.1)

@@ -416,6 +416,7 @@ async def test_tiny_real_run_against_a_running_gateway(tokenizer, default_model_
     from executor.engine.config import CacheConfig, EngineConfig
     from executor.engine.llm_engine import LLMEngine
     from tests.support.mesh_harness import start_local_mesh
+    from tests.support.tls import cert_dir
 
     cache = CacheConfig(kv_cache_memory_bytes=64 << 20)
     engine = LLMEngine(EngineConfig(dtype="float32", max_model_len=1024, cache=cache))
@@ -423,7 +424,7 @@ async def test_tiny_real_run_against_a_running_gateway(tokenizer, default_model_
     try:
         executor = mesh.executors[0][0].address
         cfg = BenchConfig("mesh", concurrency=3, workload=TINY, warmup=0, addr=mesh.gateway.address,
-                          executor_addrs=(executor,), stats_interval_s=0.01)
+                          executor_addrs=(executor,), stats_interval_s=0.01, tls_dir=str(cert_dir()))
         report = await run_bench(cfg)
     finally:
         await mesh.stop()

@@ -14,7 +14,7 @@ from meshserve.cli import app, main
 from meshserve.cli.mesh import mesh_config
 from meshserve.cli.launcher import Mesh, MeshConfig
 
-COMMANDS = ["scheduler", "executor", "kvstore", "gateway", "up", "demo", "generate", "bench", "sim", "task"]
+COMMANDS = ["scheduler", "executor", "kvstore", "gateway", "up", "demo", "generate", "bench", "sim", "task", "certs"]
 
 
 def test_commands_in_help_order():
@@ -51,7 +51,7 @@ def test_up_hands_result_cache_and_task_store_to_the_gateway():
     mesh.scheduler_address = "127.0.0.1:50062"
     assert mesh._gateway_args() == ["gateway", "--port", "50061", "--scheduler", "127.0.0.1:50062",
                                     "--model", "default", "--result-cache-size", "128",
-                                    "--task-store", "redis://127.0.0.1:6390/2"]
+                                    "--task-store", "redis://127.0.0.1:6390/2", "--insecure"]
 
 
 def test_mesh_gateway_defaults_match_the_gateway_command():

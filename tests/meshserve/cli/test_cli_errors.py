@@ -47,7 +47,7 @@ def test_triton_backend_needs_cuda_outside_the_interpreter(monkeypatch):
     ],
 )
 def test_executor_bad_flag_is_a_usage_error(args, message):
-    result = runner.invoke(app, ["executor", "--scheduler", "127.0.0.1:1", *args])
+    result = runner.invoke(app, ["executor", "--scheduler", "127.0.0.1:1", "--insecure", *args])
     assert result.exit_code == 2
     assert "Traceback" not in result.output
     assert message in " ".join(result.output.replace("│", " ").split())  # unwrap typer's error box
@@ -72,7 +72,7 @@ def test_up_on_a_busy_port_is_one_line(tmp_path):
     ],
 )
 def test_kvstore_bad_flag_is_a_usage_error(args, message):
-    result = runner.invoke(app, ["kvstore", *args])
+    result = runner.invoke(app, ["kvstore", "--insecure", *args])
     assert result.exit_code == 2
     assert "Traceback" not in result.output
     assert message in " ".join(result.output.replace("│", " ").split())
@@ -85,7 +85,7 @@ def test_service_on_a_busy_port_is_one_line(service):
         busy.bind(("127.0.0.1", 0))
         busy.listen()
         port = busy.getsockname()[1]
-        result = runner.invoke(app, [*service, "--port", str(port)])
+        result = runner.invoke(app, [*service, "--insecure", "--port", str(port)])
     assert result.exit_code == 1
     assert "Traceback" not in result.output
     assert f"cannot listen on 127.0.0.1:{port} (port in use or not allowed)" in result.output
@@ -139,7 +139,7 @@ def test_up_rejects_bad_executor_and_kvstore_flags_before_starting_anything(args
     ],
 )
 def test_gateway_bad_flag_is_a_usage_error(args, message):
-    result = runner.invoke(app, ["gateway", "--scheduler", "127.0.0.1:1", *args])
+    result = runner.invoke(app, ["gateway", "--scheduler", "127.0.0.1:1", "--insecure", *args])
     assert result.exit_code == 2
     assert "Traceback" not in result.output
     assert message in " ".join(result.output.replace("│", " ").split())
@@ -149,7 +149,7 @@ def test_gateway_with_an_unreachable_redis_is_one_line():
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]   # closed again: nothing listens there
-    result = runner.invoke(app, ["gateway", "--scheduler", "127.0.0.1:1", "--port", "0",
+    result = runner.invoke(app, ["gateway", "--scheduler", "127.0.0.1:1", "--insecure", "--port", "0",
                                  "--task-store", f"redis://127.0.0.1:{port}/0"])
     assert result.exit_code == 1
     assert result.output.startswith(f"error: task store redis://127.0.0.1:{port}/0 cannot be reached: ")

@@ -11,15 +11,19 @@ import pytest
 from meshserve.cli.launcher import Mesh, MeshConfig, free_port
 from meshserve.grpc_server import wait_serving
 from tests.support.metrics import samples
+from tests.support.tls import cert_dir, role_tls
 
 
 @pytest.mark.parametrize("service,args", [("scheduler", []), ("kvstore", ["--memory", "1MiB"])])
 async def test_service_command_serves_metrics_on_its_port(service, args):
     port, metrics_port = free_port(), free_port()
+    d = cert_dir()  # the service command over mutual TLS, as deployed
+    tls = ["--tls-cert", str(d / f"{service}.pem"), "--tls-key", str(d / f"{service}-key.pem"),
+           "--tls-ca", str(d / "ca.pem")]
     proc = subprocess.Popen([sys.executable, "-m", "meshserve.cli", service, "--port", str(port),
-                             "--metrics-port", str(metrics_port), *args])
+                             "--metrics-port", str(metrics_port), *tls, *args])
     try:
-        await wait_serving(f"127.0.0.1:{port}", timeout_s=60)
+        await wait_serving(f"127.0.0.1:{port}", timeout_s=60, tls=role_tls("client"))
         with urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=10) as resp:
             got = samples(resp.read().decode())
         assert got[("meshserve_build_info", (("service", service), ("version", "0.1.0")))] == 1.0
@@ -58,7 +62,8 @@ def test_service_on_a_busy_metrics_port_is_one_line(service):
         busy.bind(("127.0.0.1", 0))
         busy.listen()
         port = busy.getsockname()[1]
-        result = CliRunner().invoke(app, [*service, "--port", str(free_port()), "--metrics-port", str(port)])
+        result = CliRunner().invoke(app, [*service, "--insecure", "--port", str(free_port()), "--metrics-port",
+                                          str(port)])
     assert result.exit_code == 1
     assert "Traceback" not in result.output
     assert f"cannot listen on 127.0.0.1:{port} (port in use or not allowed)" in result.output
