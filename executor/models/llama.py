@@ -31,6 +31,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from executor.attention import Attention, AttentionBackend, AttentionMetadata
+from executor.models.checkpoint import materialize
 from executor.models.embedding import ParallelLMHead, VocabParallelEmbedding
 from executor.models.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from executor.models.norm import RMSNorm
@@ -219,7 +220,7 @@ class LlamaForCausalLM(nn.Module):
             if loader is None:
                 if param.shape != tensor.shape:
                     raise ValueError(f"{name}: checkpoint shape {tuple(tensor.shape)} != {tuple(param.shape)}")
-                param.data.copy_(tensor)
+                param.data.copy_(materialize(tensor))
             else:
                 loader(param, tensor, shard_id)
             loaded.add(name)

@@ -1,18 +1,54 @@
-"""Tensor-parallel group of this executor: rank, world size and the all-reduce.
+"""Tensor-parallel group of this executor: rank, world size, the collectives and
+their byte counts.
 
-World size is 1 today. The parallel layers (``linear.py``, ``embedding.py``)
-already shard their weights by ``rank``/``world_size`` in their
-``weight_loader``s and call ``all_reduce`` where Megatron-LM's scheme needs it
-(after a row-parallel matmul, after a vocab-parallel embedding), so running the
-model over a ``torch.distributed`` group later needs no model rewrite
-(Shoeybi et al., 2019, "Megatron-LM", section 3).
+The parallel layers (``linear.py``, ``embedding.py``) shard their weights by
+``rank``/``world_size`` in their ``weight_loader``s and call ``all_reduce`` where
+Megatron-LM's scheme needs it (after a row-parallel matmul, after a
+vocab-parallel embedding) and ``all_gather_last_dim`` for the LM head's logits
+(Shoeybi et al., 2019, "Megatron-LM", section 3). With world size 1 every
+collective is the identity; with more, they run over ``torch.distributed``'s
+default process group, which ``executor.worker.distributed`` sets up.
+
+Key/value heads: a group larger than the model's KV head count replicates each
+KV head on ``world_size / num_kv_heads`` ranks (vLLM's ``num_kv_head_replicas``),
+so every rank holds at least one KV head (``kv_heads_per_rank``, ``kv_head_start``).
+
+``COMM`` counts the bytes each collective moved from this rank's point of view
+(the payload size, not the algorithm's wire traffic), for the communication
+figures of ``meshserve.bench.parallel``.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
+
+
+@dataclass
+class CommCounter:
+    """Bytes and calls of this process's collectives since the last ``reset``.
+
+    Attributes:
+        all_reduce_bytes: payload bytes all-reduced (tensor size).
+        all_reduce_calls: all-reduce calls.
+        all_gather_bytes: bytes this rank contributed to all-gathers.
+        p2p_bytes: bytes sent point to point (pipeline activations).
+        broadcast_bytes: step inputs broadcast by rank 0 (pickled bytes).
+    """
+
+    all_reduce_bytes: int = 0
+    all_reduce_calls: int = 0
+    all_gather_bytes: int = 0
+    p2p_bytes: int = 0
+    broadcast_bytes: int = 0
+
+    def reset(self) -> None:
+        self.all_reduce_bytes = self.all_reduce_calls = self.all_gather_bytes = 0
+        self.p2p_bytes = self.broadcast_bytes = 0
+
+
+COMM = CommCounter()
 
 
 @dataclass(frozen=True)
@@ -22,10 +58,13 @@ class TensorParallel:
     Attributes:
         rank: this process's index in the group, in [0, world_size).
         world_size: number of processes that shard each layer (1: no sharding).
+        group: the ``torch.distributed`` process group of the collectives (None:
+            the default group).
     """
 
     rank: int = 0
     world_size: int = 1
+    group: object = field(default=None, compare=False, repr=False)
 
     def __post_init__(self) -> None:
         if self.world_size < 1 or not 0 <= self.rank < self.world_size:
@@ -41,10 +80,32 @@ class TensorParallel:
             raise ValueError(f"{what} ({total}) is not divisible by the tensor-parallel world size {self.world_size}")
         return total // self.world_size
 
+    def kv_heads_per_rank(self, num_kv_heads: int) -> int:
+        """KV heads each rank holds: ``num_kv_heads / world_size``, or 1 when the group is
+        larger (each head then replicated on ``world_size / num_kv_heads`` ranks).
+
+        Raises:
+            ValueError: neither divides the other.
+        """
+        if self.world_size <= num_kv_heads:
+            return self.shard_size(num_kv_heads, "num_key_value_heads")
+        if self.world_size % num_kv_heads:
+            raise ValueError(f"the tensor-parallel world size {self.world_size} is larger than num_key_value_heads "
+                             f"({num_kv_heads}) and not a multiple of it")
+        return 1
+
+    def kv_head_start(self, num_kv_heads: int) -> int:
+        """Index of this rank's first KV head in the model's ``num_kv_heads``."""
+        if self.world_size <= num_kv_heads:
+            return self.rank * self.kv_heads_per_rank(num_kv_heads)
+        return self.rank // (self.world_size // num_kv_heads)
+
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         """Sums ``x`` over the group in place; the identity when ``world_size`` is 1."""
         if self.world_size > 1:
-            torch.distributed.all_reduce(x)
+            COMM.all_reduce_bytes += x.numel() * x.element_size()
+            COMM.all_reduce_calls += 1
+            torch.distributed.all_reduce(x, group=self.group)
         return x
 
     def all_gather_last_dim(self, x: torch.Tensor) -> torch.Tensor:
@@ -52,8 +113,9 @@ class TensorParallel:
         ``(..., n * world_size)``); the identity when ``world_size`` is 1."""
         if self.world_size == 1:
             return x
+        COMM.all_gather_bytes += x.numel() * x.element_size()
         parts = [torch.empty_like(x) for _ in range(self.world_size)]
-        torch.distributed.all_gather(parts, x.contiguous())
+        torch.distributed.all_gather(parts, x.contiguous(), group=self.group)
         return torch.cat(parts, dim=-1)
 
 

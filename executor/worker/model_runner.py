@@ -39,9 +39,14 @@ class ModelRunner:
         block_size: tokens per block.
         seed: seed of the sampler's shared generator.
         device: device of the model and cache.
+        driver: this runner samples (rank 0 of a parallel group, or the only rank).
+            The others run the same forward passes and logits (their collectives
+            need every rank) and return no tokens.
     """
 
-    def __init__(self, loaded: LoadedModel, block_size: int, seed: int = 0, device: torch.device | str = "cpu"):
+    def __init__(self, loaded: LoadedModel, block_size: int, seed: int = 0, device: torch.device | str = "cpu",
+                 driver: bool = True):
+        self.driver = driver
         self.model = loaded.model
         self.vocab_size = loaded.vocab_size
         self.eos_token_ids = loaded.eos_token_ids
@@ -74,6 +79,8 @@ class ModelRunner:
                 return ModelRunnerOutput({})
             last = torch.tensor([md.query_start_loc_cpu[i + 1] - 1 for i, _ in sampling], device=self.device)
             logits = self.model.compute_logits(hidden[last])
+            if not self.driver:
+                return ModelRunnerOutput({})
             batch = SamplingBatch.build([s.sampling_params for _, s in sampling],
                                         [self._generator(s) for _, s in sampling], self.vocab_size, self.device,
                                         token_ids=[s.all_token_ids for _, s in sampling],

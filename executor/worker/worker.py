@@ -12,8 +12,10 @@ step per ``execute_model`` call on plain data and never sees a ``Request``::
       3. kv_saves  → KVConnectorWorker.save_kv   (computed blocks to publish)
       → ModelRunnerOutput
 
-A tensor-parallel group will hold one worker per rank, each with its shard of
-the weights and KV heads, behind the same calls.
+A tensor-parallel group (``executor.worker.multiproc_group``) holds one worker
+per rank, each with its shard of the weights and its KV heads, running the same
+calls on the same plain data; only rank 0 samples, and a saved block is
+gathered from every rank's heads on rank 0 (``kv_connector.assemble_blocks``).
 """
 
 from __future__ import annotations
@@ -28,7 +30,10 @@ from executor.engine.scheduler_output import ModelRunnerOutput, SchedulerOutput
 from executor.engine.worker_group import ModelSpec
 from executor.model_loader import load_model
 from executor.worker.kv_cache import allocate_kv_storage, layer_views
-from executor.worker.kv_connector import KVConnectorWorker
+from executor.models.checkpoint import checkpoint_num_params
+from executor.models.parallel import COMM, SINGLE, TensorParallel
+from executor.worker.distributed import rank_device
+from executor.worker.kv_connector import KVConnectorWorker, assemble_blocks, block_payloads
 from executor.worker.model_runner import ModelRunner
 from meshserve.model_files import resolve_model
 
@@ -41,29 +46,38 @@ class Worker:
 
     Args:
         config: the engine's configuration (model, dtype, max_model_len, threads,
-            attention backend, device, sampler seed).
+            attention backend, device, sampler seed, parallel sizes).
+        rank: this worker's rank in ``config.parallel`` (its tensor-parallel rank;
+            rank 0 samples). A group of more than one rank needs the process group
+            set up before the first ``execute_model``, not before construction.
 
     Raises:
         FileNotFoundError: the model cannot be resolved.
         ValueError: bad dtype or max_model_len, or an unsupported architecture.
     """
 
-    def __init__(self, config: EngineConfig):
+    def __init__(self, config: EngineConfig, rank: int = 0):
         if config.num_threads is not None:
             torch.set_num_threads(config.num_threads)
         self.config = config
-        self.device = torch.device(config.device)
+        self.rank = rank
+        size = config.parallel.tensor_parallel_size
+        self.tp = TensorParallel(rank, size) if size > 1 else SINGLE
+        self.device = torch.device(rank_device(config.device, rank) if size > 1 else config.device)
         files = resolve_model(config.model)
         self.loaded = load_model(files.path, dtype=config.dtype, max_model_len=config.max_model_len,
                                  attention_backend=resolve_backend_name(config.attention_backend, self.device),
-                                 device=self.device)
+                                 device=self.device, tp=self.tp)
         layers = self.loaded.model.attention_layers()
+        num_kv_heads = int(self.loaded.hf_config.num_key_value_heads)  # the model's, before sharding
+        self.kv_heads = (self.tp.kv_head_start(num_kv_heads), num_kv_heads)  # (this rank's first, total)
         self.spec = ModelSpec(
             model_id=files.model_id, revision=files.revision, dtype=str(self.loaded.dtype).removeprefix("torch."),
-            num_layers=len(layers), num_kv_heads=layers[0].num_kv_heads, head_dim=layers[0].head_dim,
+            num_layers=len(layers), num_kv_heads=num_kv_heads, head_dim=layers[0].head_dim,
             vocab_size=self.loaded.vocab_size, max_model_len=self.loaded.max_model_len,
             eos_token_ids=self.loaded.eos_token_ids,
-            num_params=sum(p.numel() for p in self.loaded.model.parameters()))
+            num_params=sum(p.numel() for p in self.loaded.model.parameters()) if size == 1
+            else checkpoint_num_params(files.path, self.loaded.model.tie_word_embeddings))
         self.kv_caches: list = []
         self.model_runner: ModelRunner | None = None
         self.kv_connector: KVConnectorWorker | None = None
@@ -78,13 +92,15 @@ class Worker:
         if self.model_runner is not None:
             raise RuntimeError("the KV cache is already allocated")
         spec = self.spec
-        storage = allocate_kv_storage(spec.num_layers, num_blocks, block_size, spec.num_kv_heads, spec.head_dim,
-                                      self.loaded.dtype, self.device)
+        layers = self.loaded.model.attention_layers()
+        storage = allocate_kv_storage(len(layers), num_blocks, block_size, layers[0].num_kv_heads, spec.head_dim,
+                                      self.loaded.dtype, self.device)  # this rank's KV heads only
         self.kv_caches = layer_views(storage)
-        for layer, kv_cache in zip(self.loaded.model.attention_layers(), self.kv_caches):
+        for layer, kv_cache in zip(layers, self.kv_caches):
             layer.kv_cache = kv_cache
-        self.kv_connector = KVConnectorWorker(storage)
-        self.model_runner = ModelRunner(self.loaded, block_size, self.config.seed, self.device)
+        self.kv_connector = KVConnectorWorker(storage, kv_heads=self.kv_heads)
+        self.model_runner = ModelRunner(self.loaded, block_size, self.config.seed, self.device,
+                                        driver=self.rank == 0)
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         """One step (see the module doc).
@@ -98,5 +114,22 @@ class Worker:
             self.kv_connector.load_kv(scheduler_output.kv_loads)
         output = self.model_runner.execute_model(scheduler_output)
         if scheduler_output.kv_saves:
-            output.kv_saved = self.kv_connector.save_kv([save.block_id for save in scheduler_output.kv_saves])
+            block_ids = [save.block_id for save in scheduler_output.kv_saves]
+            if self.tp.world_size == 1:
+                output.kv_saved = self.kv_connector.save_kv(block_ids)
+            else:
+                output.kv_saved = self._gather_saved(block_ids)
         return output
+
+    def _gather_saved(self, block_ids: list[int]) -> list[bytes]:
+        """Whole-model payloads of ``block_ids`` on rank 0, from every rank's KV heads
+        (a ``gather`` to rank 0); an empty list on the other ranks."""
+        local = self.kv_connector.save_local(block_ids, to_cpu=False)
+        parts = [torch.empty_like(local) for _ in range(self.tp.world_size)] if self.rank == 0 else None
+        COMM.all_gather_bytes += local.numel() * local.element_size()
+        torch.distributed.gather(local, parts, dst=0)
+        if self.rank != 0:
+            return []
+        total = self.kv_heads[1]
+        starts = [TensorParallel(r, self.tp.world_size).kv_head_start(total) for r in range(self.tp.world_size)]
+        return block_payloads(assemble_blocks([p.cpu() for p in parts], [0] * len(parts), starts))
