@@ -20,7 +20,7 @@ from torch import nn
 from executor.attention import get_backend
 from executor.models import model_class
 from executor.models.checkpoint import iter_checkpoint
-from executor.models.parallel import SINGLE, TensorParallel
+from executor.models.parallel import SINGLE, PipelineStage, TensorParallel
 
 log = logging.getLogger(__name__)
 
@@ -153,8 +153,11 @@ def check_parallel_sizes(hf_config, tensor_parallel_size: int, pipeline_parallel
 
 def load_model(path: str | Path, *, dtype: str = "auto", max_model_len: int | None = None,
                attention_backend: str = "torch", device: str | torch.device = "cpu",
-               tp: TensorParallel = SINGLE, pack_weights: bool = True) -> LoadedModel:
-    """Builds our model for the folder's config and loads its weights.
+               tp: TensorParallel = SINGLE, pack_weights: bool = True, pp_rank: int = 0,
+               pp_size: int = 1) -> LoadedModel:
+    """Builds our model for the folder's config and loads its weights (only tensor-parallel
+    rank ``tp.rank``'s shard of pipeline stage ``pp_rank`` of ``pp_size``: its layers, and
+    the embedding, final norm and LM head on stage 0).
 
     ``pack_weights``: on CPU, also keep each linear weight packed for oneDNN
     (``executor/models/cpu_gemm.py``): faster decode steps and batch-invariant
@@ -173,9 +176,10 @@ def load_model(path: str | Path, *, dtype: str = "auto", max_model_len: int | No
     torch_dtype = resolve_dtype(dtype, hf_config, device)
     limit = derive_max_model_len(hf_config, max_model_len)
     cls = model_class(hf_config)
-    if tp.world_size > 1:
-        check_parallel_sizes(hf_config, tp.world_size)
-    model = cls(hf_config, get_backend(attention_backend), max_positions=limit, tp=tp, dtype=torch_dtype)
+    if tp.world_size > 1 or pp_size > 1:
+        check_parallel_sizes(hf_config, tp.world_size, pp_size)
+    stage = PipelineStage(pp_rank, pp_size, int(hf_config.num_hidden_layers))
+    model = cls(hf_config, get_backend(attention_backend), max_positions=limit, tp=tp, dtype=torch_dtype, pp=stage)
     loaded = model.load_weights(iter_checkpoint(path))  # each rank reads only its shard
     expected = {n for n, _ in model.named_parameters()}
     missing = sorted(expected - loaded)

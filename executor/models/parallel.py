@@ -20,7 +20,7 @@ figures of ``meshserve.bench.parallel``.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
@@ -58,13 +58,14 @@ class TensorParallel:
     Attributes:
         rank: this process's index in the group, in [0, world_size).
         world_size: number of processes that shard each layer (1: no sharding).
-        group: the ``torch.distributed`` process group of the collectives (None:
-            the default group).
+        ranks: the global ranks of the group when it is a subgroup of the process
+            group (a pipeline stage's ranks); None: the whole default group. The
+            subgroup itself is made after the process group starts (``register_group``).
     """
 
     rank: int = 0
     world_size: int = 1
-    group: object = field(default=None, compare=False, repr=False)
+    ranks: tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
         if self.world_size < 1 or not 0 <= self.rank < self.world_size:
@@ -100,6 +101,11 @@ class TensorParallel:
             return self.rank * self.kv_heads_per_rank(num_kv_heads)
         return self.rank // (self.world_size // num_kv_heads)
 
+    @property
+    def group(self):
+        """The ``torch.distributed`` group of the collectives (None: the default group)."""
+        return None if self.ranks is None else _GROUPS[self.ranks]
+
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         """Sums ``x`` over the group in place; the identity when ``world_size`` is 1."""
         if self.world_size > 1:
@@ -120,3 +126,43 @@ class TensorParallel:
 
 
 SINGLE = TensorParallel()
+
+_GROUPS: dict[tuple[int, ...], object] = {}
+
+
+def register_group(ranks: tuple[int, ...], group: object) -> None:
+    """Makes ``group`` (``torch.distributed.new_group(ranks)``) the group of every
+    ``TensorParallel`` whose ``ranks`` are ``ranks``."""
+    _GROUPS[tuple(ranks)] = group
+
+
+@dataclass(frozen=True)
+class PipelineStage:
+    """The layers one pipeline stage holds (GPipe-style stages; Huang et al., 2019).
+
+    Attributes:
+        stage: this stage's index, in [0, num_stages). Stage 0 also holds the
+            embedding, the final norm and the LM head (rank 0 samples).
+        num_stages: stages of the pipeline (1: no pipeline).
+        num_layers: decoder layers of the whole model.
+    """
+
+    stage: int = 0
+    num_stages: int = 1
+    num_layers: int = 0
+
+    @property
+    def layers(self) -> range:
+        """This stage's layers: an even split, the first ``num_layers % num_stages``
+        stages one layer more."""
+        base, extra = divmod(self.num_layers, self.num_stages)
+        start = self.stage * base + min(self.stage, extra)
+        return range(start, start + base + (self.stage < extra))
+
+    @property
+    def is_first(self) -> bool:
+        return self.stage == 0
+
+    @property
+    def is_last(self) -> bool:
+        return self.stage == self.num_stages - 1

@@ -76,8 +76,11 @@ def make_store(rank: int, world_size: int, port: int, timeout_s: float) -> torch
                                       timeout=timedelta(seconds=timeout_s), wait_for_workers=False)
 
 
-def init_process_group(store, rank: int, world_size: int, device: str, timeout_s: float) -> None:
-    """Joins the default process group (blocks until every rank has joined).
+def init_process_group(store, rank: int, world_size: int, device: str, timeout_s: float,
+                       tensor_parallel_size: int = 1) -> None:
+    """Joins the default process group (blocks until every rank has joined) and, with
+    more than one pipeline stage of ``tensor_parallel_size`` > 1 ranks, makes each
+    stage's tensor-parallel subgroup (``executor.models.parallel.register_group``).
 
     ``timeout_s``: a collective waiting longer than this for a peer raises.
 
@@ -92,6 +95,13 @@ def init_process_group(store, rank: int, world_size: int, device: str, timeout_s
         torch.cuda.set_device(torch.device(device))
     torch.distributed.init_process_group(backend_for(device), store=store, rank=rank, world_size=world_size,
                                          timeout=timedelta(seconds=timeout_s))
+    t = tensor_parallel_size
+    if 1 < t < world_size:  # every rank makes every subgroup, in the same order
+        from executor.models.parallel import register_group
+
+        for stage in range(world_size // t):
+            ranks = tuple(range(stage * t, (stage + 1) * t))
+            register_group(ranks, torch.distributed.new_group(list(ranks)))
 
 
 def encode_frame(message: object) -> bytes:

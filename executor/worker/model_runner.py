@@ -69,10 +69,11 @@ class ModelRunner:
         if not scheduled:
             return ModelRunnerOutput({})
         input_ids, positions, md = self._prepare_inputs(scheduled)
-        self.attention_backend.plan(md)
         sampling = [(i, s) for i, s in enumerate(scheduled) if s.sample]
         with torch.inference_mode():
-            hidden = self.model(input_ids, positions, md)
+            hidden = self._forward(scheduled, input_ids, positions, md)
+            if hidden is None:  # a pipeline stage other than the first: its part is done
+                return ModelRunnerOutput({})
             prompt_logprobs = self.prompt_logprobs.collect(scheduled, md.query_start_loc_cpu, hidden,
                                                            self.model.compute_logits)
             if not sampling:
@@ -91,6 +92,14 @@ class ModelRunner:
         logprobs = {} if sampled.logprobs is None else {
             rid: lp for rid, lp in zip(ids, sampled.logprobs) if lp is not None}
         return ModelRunnerOutput(dict(zip(ids, sampled.token_ids.tolist())), logprobs, prompt_logprobs)
+
+    def _forward(self, scheduled: list[ScheduledRequest], input_ids: torch.Tensor, positions: torch.Tensor,
+                 md) -> torch.Tensor | None:
+        """The forward pass of the whole batch: ``(num_tokens, hidden_size)`` final-normed
+        hidden states (``executor.worker.pipeline.PipelineModelRunner`` runs it as
+        micro-batches over stages, and returns None on stages other than the first)."""
+        self.attention_backend.plan(md)
+        return self.model(input_ids, positions, md)
 
     def release(self, request_ids: set[str]) -> None:
         """Drops per-request state (seeded generators, prompt logprobs) of finished requests."""

@@ -69,8 +69,6 @@ class MultiprocWorkerGroup(WorkerGroup):
         from meshserve.model_files import resolve_model
 
         parallel = config.parallel
-        if parallel.pipeline_parallel_size != 1:
-            raise ValueError("pipeline parallelism is not implemented yet; use --pipeline-parallel-size 1")
         check_parallel_sizes(AutoConfig.from_pretrained(resolve_model(config.model).path),
                              parallel.tensor_parallel_size, parallel.pipeline_parallel_size)
         self.config = config
@@ -94,7 +92,7 @@ class MultiprocWorkerGroup(WorkerGroup):
             self.worker = Worker(config, rank=0)
             self._wait_loaded(parallel.startup_timeout_s)
             distributed.init_process_group(self.store, 0, self.world_size, str(self.worker.device),
-                                           parallel.rank_timeout_s)
+                                           parallel.rank_timeout_s, parallel.tensor_parallel_size)
         except BaseException:
             self._kill_children()
             raise

@@ -38,7 +38,8 @@ def main() -> int:
                                    config.parallel.startup_timeout_s)
     worker = Worker(config, rank=rank)
     store.set(f"loaded/{rank}", "1")
-    distributed.init_process_group(store, rank, world_size, str(worker.device), config.parallel.rank_timeout_s)
+    distributed.init_process_group(store, rank, world_size, str(worker.device), config.parallel.rank_timeout_s,
+                                   config.parallel.tensor_parallel_size)
     while True:
         try:
             message = distributed.read_frame(pipe)
