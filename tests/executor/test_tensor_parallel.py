@@ -1,8 +1,9 @@
-"""Tensor parallelism over gloo on tiny random Llama and Qwen2 models: a group of
-ranks (processes) gives greedy tokens equal to the single-rank engine's, with
-chunked prefill, prefix caching and preemption all at work; KV heads replicated
-when the group has more ranks than the model has KV heads; a killed rank fails
-the group at once and the other ranks exit."""
+"""Tensor and pipeline parallelism over gloo on tiny random Llama and Qwen2 models:
+a group of ranks (processes) gives greedy tokens equal to the single-rank
+engine's, with chunked prefill, prefix caching and preemption all at work; KV
+heads replicated when the group has more ranks than the model has KV heads;
+tensor × pipeline parallel on 4 ranks; a killed rank ends the in-flight request
+with UNAVAILABLE within 5 s and the other ranks exit."""
 
 from __future__ import annotations
 
@@ -18,13 +19,13 @@ from tests.support.parallel import TINY, parallel_config, save_tiny, workload
 pytestmark = pytest.mark.model
 
 
-def _generate_both(path, tensor_parallel_size: int):
+def _generate_both(path, tensor_parallel_size: int, pipeline_parallel_size: int = 1):
     prompts, params = workload(TINY["vocab_size"])
     single = LLMEngine(parallel_config(str(path)))
     expected = single.generate(prompts, params)
     stats = single.stats()
     assert stats.num_preemptions > 0 and stats.prefix_cache_hit_tokens > 0  # the workload exercises both
-    group = LLMEngine(parallel_config(str(path), tensor_parallel_size))
+    group = LLMEngine(parallel_config(str(path), tensor_parallel_size, pipeline_parallel_size=pipeline_parallel_size))
     try:
         assert isinstance(group.worker_group, MultiprocWorkerGroup)
         got = group.generate(prompts, params)
@@ -36,11 +37,11 @@ def _generate_both(path, tensor_parallel_size: int):
     return expected, got
 
 
-@pytest.mark.parametrize("kind,num_kv_heads", [("llama", 2), ("qwen2", 1)],
-                         ids=["llama-kv-heads-split", "qwen2-kv-head-replicated"])
-def test_two_ranks_generate_the_single_rank_tokens(tmp_path, kind, num_kv_heads):
+@pytest.mark.parametrize("kind,num_kv_heads,tp,pp", [("llama", 2, 2, 1), ("qwen2", 1, 2, 1), ("qwen2", 2, 2, 2)],
+                         ids=["llama-tp2-kv-heads-split", "qwen2-tp2-kv-head-replicated", "qwen2-tp2-pp2"])
+def test_parallel_ranks_generate_the_single_rank_tokens(tmp_path, kind, num_kv_heads, tp, pp):
     path = save_tiny(tmp_path / kind, kind, num_kv_heads)
-    expected, got = _generate_both(path, 2)
+    expected, got = _generate_both(path, tp, pp)
     assert got == expected
 
 

@@ -34,15 +34,18 @@ def save_tiny(path: Path, kind: str = "llama", num_kv_heads: int = 2) -> Path:
 
 
 def parallel_config(model: str, tensor_parallel_size: int = 1, num_blocks: int = 14,
-                    max_num_batched_tokens: int = 32, max_model_len: int | None = None) -> EngineConfig:
-    """A float32 engine of ``model`` at ``tensor_parallel_size`` ranks: chunked prefill
+                    max_num_batched_tokens: int = 32, max_model_len: int | None = None,
+                    pipeline_parallel_size: int = 1) -> EngineConfig:
+    """A float32 engine of ``model`` over ``tensor_parallel_size`` × ``pipeline_parallel_size``
+    ranks: chunked prefill
     (prompts longer than ``max_num_batched_tokens``), prefix caching, and a cache of
     ``num_blocks`` blocks of 16 tokens, small enough that ``WORKLOAD`` preempts."""
     return EngineConfig(model=model, dtype="float32", max_model_len=max_model_len,
                         cache=CacheConfig(block_size=16, num_blocks=num_blocks, enable_prefix_caching=True),
                         batch=BatchSchedulerConfig(max_num_seqs=8, max_num_batched_tokens=max_num_batched_tokens,
                                                    enable_chunked_prefill=True),
-                        parallel=ParallelConfig(tensor_parallel_size=tensor_parallel_size, rank_timeout_s=120))
+                        parallel=ParallelConfig(tensor_parallel_size=tensor_parallel_size,
+                                                pipeline_parallel_size=pipeline_parallel_size, rank_timeout_s=300))
 
 
 def workload(vocab_size: int, max_tokens: int = 12, seed: int = 1) -> tuple[list[list[int]], SamplingParams]:
