@@ -1,6 +1,10 @@
-"""MultiprocWorkerGroup: one executor's model over several processes (tensor parallel).
+"""MultiprocWorkerGroup: one executor's model over several processes (tensor and
+pipeline parallel).
 
-Rank 0 is this process: it holds a ``Worker`` of its own, runs the engine (and,
+``config.parallel`` asks for ``T`` tensor-parallel ranks per stage and ``P``
+pipeline stages: rank ``r`` is tensor-parallel rank ``r % T`` of stage ``r // T``
+(``executor.worker.pipeline``). Rank 0 is this process: it holds a ``Worker`` of
+its own (stage 0: embedding, LM head), runs the engine (and,
 in ``meshserve executor``, the gRPC service and the batch scheduler) and is the
 only rank that samples. Ranks 1..W-1 are child processes
 (``executor.worker.rank_main``) with torchrun's environment. Start-up::
@@ -13,7 +17,8 @@ only rank that samples. Ranks 1..W-1 are child processes
 Each step rank 0 writes the plain ``SchedulerOutput`` to every rank's pipe, runs
 its own worker, and returns its ``ModelRunnerOutput``; the ranks meet in the
 layers' collectives (all-reduce after row-parallel layers, all-gather of the
-logits, gather of saved KV blocks).
+logits, gather of saved KV blocks) and, between stages, in point-to-point sends
+of each micro-batch's activations.
 
 Failure: a thread waits on each child. A child that exits unexpectedly (killed,
 crashed, a collective that timed out) marks the group failed, the other children
@@ -57,7 +62,7 @@ class MultiprocWorkerGroup(WorkerGroup):
 
     Raises:
         ValueError: a parallel layout the model cannot be split into (before any
-            process starts), or pipeline parallelism (not implemented).
+            process starts).
         RankFailure: a rank died or did not load within ``startup_timeout_s``.
         FileNotFoundError: the model cannot be resolved.
     """

@@ -65,8 +65,7 @@ def up(
                                              help="Ranks (processes; GPUs on CUDA) each executor's layers are "
                                                   "sharded over."),
     pipeline_parallel_size: int = typer.Option(1, "--pipeline-parallel-size", min=1,
-                                               help="Stages each executor's layers are split into (not implemented "
-                                                    "yet: 1)."),
+                                               help="Pipeline stages each executor's layers are split into."),
     metrics: bool = typer.Option(True, "--metrics/--no-metrics", help="Give every service a free port for its "
                                  "Prometheus /metrics endpoint and print them."),
     result_cache_size: int = ResultCacheSizeOpt,

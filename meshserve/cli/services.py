@@ -87,7 +87,7 @@ def executor(
     tensor_parallel_size: int = typer.Option(1, "--tensor-parallel-size", min=1,
                                              help="Ranks (processes; GPUs on CUDA) that shard every layer."),
     pipeline_parallel_size: int = typer.Option(1, "--pipeline-parallel-size", min=1,
-                                               help="Stages the layers are split into (not implemented yet: 1)."),
+                                               help="Pipeline stages the layers are split into (processes)."),
     executor_id: Optional[str] = typer.Option(None, help="Id in the registry (default executor-PORT)."),
     pool: str = typer.Option("default", help="Instance pool it registers in (see the scheduler's --pools file)."),
     step_timeout_s: float = typer.Option(60.0, "--step-timeout-s", min=0.001,
