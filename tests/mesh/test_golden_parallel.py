@@ -14,8 +14,8 @@ from meshserve.cli.launcher import Mesh, free_port
 from meshserve.cli.mesh import mesh_config, parallel_args
 from meshserve.client import build_request, channel, generate
 from meshserve.v1 import gateway_pb2_grpc
-from tests.mesh.test_golden import MAX_TOKENS, mesh_prompts
-from tests.support.reference import HFReference, assert_greedy_matches, cached_reference
+from tests.support.reference import (MESH_GOLDEN_MAX_TOKENS as MAX_TOKENS, HFReference, assert_greedy_matches,
+                                     cached_reference, mesh_prompts)
 
 pytestmark = pytest.mark.model
 
