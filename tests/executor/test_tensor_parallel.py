@@ -73,7 +73,7 @@ async def test_killed_rank_ends_requests_with_unavailable_and_the_other_ranks_ex
             os.kill(victim.pid, signal.SIGKILL)
 
             async def drain():
-                async for _ in call:
+                while await call.read() is not grpc.aio.EOF:
                     pass
 
             with pytest.raises(grpc.aio.AioRpcError) as info:
