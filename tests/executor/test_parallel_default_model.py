@@ -51,6 +51,7 @@ def test_group_generates_the_single_rank_tokens(single, group):
 
 def test_saved_blocks_are_whole_model_blocks_and_loads_round_trip(single, group):
     """Run after the generation above: both caches hold the same prompts in the same blocks."""
+    assert group.kv_store_fingerprint == single[0].kv_store_fingerprint  # one namespace for every layout
     ours = group.worker_group.execute_model(_saves([0, 1])).kv_saved
     reference = single[0].worker_group.execute_model(_saves([0, 1])).kv_saved
     assert [len(p) for p in ours] == [len(p) for p in reference] == [group.kv_layout.block_bytes] * 2
