@@ -6,7 +6,8 @@ step that has run longer than ``step_timeout_s`` (a hung kernel, a deadlock, a
 stalled device). Then the executor turns NOT_SERVING, leaves the scheduler (its
 link closes, so nothing more is routed here), and ends its in-flight requests with
 UNAVAILABLE instead of letting callers hang. When the step finally returns, the
-executor is SERVING again and re-registers. Like vLLM's
+executor is SERVING again and re-registers. A rank of a parallel worker group
+that dies takes the executor out at once too (``worker_failed``). Like vLLM's
 ``VLLM_ENGINE_ITERATION_TIMEOUT_S``, the bound is per engine step, in seconds.
 """
 
@@ -77,6 +78,13 @@ class StepWatchdog(BackgroundTask):
             elif self.wedged and running_s <= self.step_timeout_s:
                 self.wedged = False
                 await self._rejoin()
+
+    def worker_failed(self, reason: str) -> None:
+        """A rank of the worker group died (called in the event loop): NOT_SERVING, off the
+        scheduler, and every open request ends with UNAVAILABLE now, without waiting for
+        the engine's next step (which fails too: the group is unusable)."""
+        self.engine.fail_requests(f"a worker rank failed: {reason}; retry")
+        asyncio.ensure_future(self._take_out(f"worker rank failed ({reason})"))
 
     async def _take_out(self, reason: str) -> None:
         """NOT_SERVING and off the scheduler (it drops this executor at once)."""

@@ -2,7 +2,8 @@
 
 The folder is what ``meshserve.model_files.resolve_model`` returns: ``config.json``
 (read with ``transformers.AutoConfig``), ``*.safetensors`` weights (read with
-``safetensors``, one tensor at a time, converted to the model dtype while copied),
+``safetensors``, one tensor at a time and only the part this tensor-parallel
+rank holds: ``executor.models.checkpoint``; converted to the model dtype while copied),
 and optionally ``generation_config.json`` (for EOS ids).
 """
 
@@ -18,7 +19,8 @@ from torch import nn
 
 from executor.attention import get_backend
 from executor.models import model_class
-from executor.models.parallel import SINGLE, TensorParallel
+from executor.models.checkpoint import iter_checkpoint
+from executor.models.parallel import SINGLE, PipelineStage, TensorParallel
 
 log = logging.getLogger(__name__)
 
@@ -121,27 +123,41 @@ def eos_token_ids(path: Path, hf_config) -> frozenset[int]:
     return frozenset(ids)
 
 
-def iter_safetensors(path: Path):
-    """Yields ``(name, tensor)`` for every tensor of every ``*.safetensors`` file in ``path``.
+def check_parallel_sizes(hf_config, tensor_parallel_size: int, pipeline_parallel_size: int = 1) -> None:
+    """Refuses a parallel layout the model cannot be split into, before any rank starts.
+
+    Tensor parallel: the size must divide the attention heads, the MLP's
+    ``intermediate_size``, and divide or be a multiple of the KV heads (KV heads
+    are then replicated). Pipeline parallel: at most one stage per layer.
 
     Raises:
-        FileNotFoundError: the folder has no safetensors file.
+        ValueError: with the sizes the model allows.
     """
-    from safetensors import safe_open
-
-    files = sorted(path.glob("*.safetensors"))
-    if not files:
-        raise FileNotFoundError(f"no *.safetensors weights in {path}")
-    for file in files:
-        with safe_open(str(file), framework="pt") as f:
-            for name in f.keys():
-                yield name, f.get_tensor(name)
+    t, p = tensor_parallel_size, pipeline_parallel_size
+    if t < 1 or p < 1:
+        raise ValueError(f"tensor- and pipeline-parallel sizes must be >= 1, got {t} and {p}")
+    heads, kv = int(hf_config.num_attention_heads), int(hf_config.num_key_value_heads)
+    inter = int(hf_config.intermediate_size)
+    allowed = [n for n in range(1, heads + 1)
+               if heads % n == 0 and inter % n == 0 and (kv % n == 0 or n % kv == 0)]
+    if t not in allowed:
+        raise ValueError(f"tensor-parallel size {t} does not split this model ({heads} attention heads, {kv} KV "
+                         f"heads, intermediate_size {inter}); it must divide the attention heads and the "
+                         f"intermediate size, and divide or be a multiple of the KV heads: one of "
+                         f"{', '.join(map(str, allowed))}")
+    layers = int(hf_config.num_hidden_layers)
+    if p > layers:
+        raise ValueError(f"pipeline-parallel size {p} exceeds the model's {layers} layers (one stage per layer "
+                         "at most)")
 
 
 def load_model(path: str | Path, *, dtype: str = "auto", max_model_len: int | None = None,
                attention_backend: str = "torch", device: str | torch.device = "cpu",
-               tp: TensorParallel = SINGLE, pack_weights: bool = True) -> LoadedModel:
-    """Builds our model for the folder's config and loads its weights.
+               tp: TensorParallel = SINGLE, pack_weights: bool = True, pp_rank: int = 0,
+               pp_size: int = 1) -> LoadedModel:
+    """Builds our model for the folder's config and loads its weights (only tensor-parallel
+    rank ``tp.rank``'s shard of pipeline stage ``pp_rank`` of ``pp_size``: its layers, and
+    the embedding, final norm and LM head on stage 0).
 
     ``pack_weights``: on CPU, also keep each linear weight packed for oneDNN
     (``executor/models/cpu_gemm.py``): faster decode steps and batch-invariant
@@ -160,8 +176,11 @@ def load_model(path: str | Path, *, dtype: str = "auto", max_model_len: int | No
     torch_dtype = resolve_dtype(dtype, hf_config, device)
     limit = derive_max_model_len(hf_config, max_model_len)
     cls = model_class(hf_config)
-    model = cls(hf_config, get_backend(attention_backend), max_positions=limit, tp=tp, dtype=torch_dtype)
-    loaded = model.load_weights(iter_safetensors(path))
+    if tp.world_size > 1 or pp_size > 1:
+        check_parallel_sizes(hf_config, tp.world_size, pp_size)
+    stage = PipelineStage(pp_rank, pp_size, int(hf_config.num_hidden_layers))
+    model = cls(hf_config, get_backend(attention_backend), max_positions=limit, tp=tp, dtype=torch_dtype, pp=stage)
+    loaded = model.load_weights(iter_checkpoint(path))  # each rank reads only its shard
     expected = {n for n, _ in model.named_parameters()}
     missing = sorted(expected - loaded)
     if missing:

@@ -304,7 +304,8 @@ async def start_executor(
     If the engine thread dies, health turns NOT_SERVING and the scheduler link
     closes, so no request is routed here any more; a step running longer than
     ``step_timeout_s`` seconds does the same until it returns (``StepWatchdog``,
-    kept as ``service.watchdog``).
+    kept as ``service.watchdog``). A parallel group's rank that dies does the same
+    at once, even while the engine is idle (``StepWatchdog.worker_failed``).
 
     With ``metrics_port`` (0: a free one) it serves Prometheus metrics
     (``executor.metrics``; ``peak_flops``: the MFU's peak FLOP/s) as ``service.metrics``.
@@ -359,6 +360,10 @@ async def start_executor(
     service.servicer = servicer  # type: ignore[attr-defined]
 
     watchdog = StepWatchdog(async_engine, service, link, step_timeout_s)
+    on_rank_failure = getattr(engine.worker_group, "on_failure", None)  # a parallel group (multiproc_group)
+    if on_rank_failure is not None:
+        loop = asyncio.get_running_loop()
+        on_rank_failure(lambda reason: loop.call_soon_threadsafe(watchdog.worker_failed, reason))
     watchdog.start()
     service.watchdog = watchdog  # type: ignore[attr-defined]
     return service, async_engine, link

@@ -4,8 +4,8 @@
 # Needs only python3 with torch (CUDA), triton, numpy and pytest: the test module and
 # what it imports (executor.attention) use nothing else, and --noconftest keeps the
 # suite's conftest files (telemetry, model files) out. Writes to $OUT (default
-# /tmp/out): nvidia-smi.txt, pytest.log, engine.log, nvml.log, kernels.log, kernels.json. Runs every part
-# even if one fails; exits non-zero if any failed. Budget: ~4 minutes
+# /tmp/out): nvidia-smi.txt, pytest.log, engine.log, tensor_parallel.log, nvml.log, kernels.log,
+# kernels.json. Runs every part even if one fails; exits non-zero if any failed. Budget: ~5 minutes
 # (each part is capped with `timeout`; first-time Triton compiles dominate the tests).
 #
 #   bash tests/gpu_check.sh
@@ -29,6 +29,11 @@ timeout 170 python3 -m pytest -v -p no:cacheprovider --noconftest --durations=10
 # the whole engine on CUDA with the triton backend (tiny random Llama; needs transformers)
 timeout 120 python3 -m pytest -v -p no:cacheprovider --noconftest \
     tests/executor/test_cuda_engine.py 2>&1 | tee "$OUT/engine.log" || status=1
+
+# tensor parallel over NCCL: 2 ranks on cuda:0 and cuda:1 (tiny random Llama) equal to one
+# rank; with fewer than 2 GPUs the test is skipped and the log says why
+timeout 180 python3 -m pytest -v -rs -p no:cacheprovider --noconftest \
+    tests/executor/test_cuda_tensor_parallel.py 2>&1 | tee "$OUT/tensor_parallel.log" || status=1
 
 # device metrics through the real NVML (needs prometheus_client and nvidia-ml-py, both
 # pure Python: where the image lacks them, put them on PYTHONPATH)

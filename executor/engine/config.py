@@ -66,6 +66,36 @@ class BatchSchedulerConfig:
 
 
 @dataclass(frozen=True)
+class ParallelConfig:
+    """How many processes one model replica spans (``executor.worker.multiproc_group``).
+
+    Attributes:
+        tensor_parallel_size: ranks that shard every layer (heads, MLP, vocabulary).
+        pipeline_parallel_size: stages the layers are split into.
+        rank_timeout_s: a collective that waits longer than this for another rank
+            (seconds) fails the step: a hung rank takes the executor out.
+        startup_timeout_s: the ranks must have loaded their shards within this (seconds).
+    """
+
+    tensor_parallel_size: int = 1
+    pipeline_parallel_size: int = 1
+    rank_timeout_s: float = 60.0
+    startup_timeout_s: float = 600.0
+
+    def __post_init__(self) -> None:
+        if self.tensor_parallel_size < 1 or self.pipeline_parallel_size < 1:
+            raise ValueError(f"tensor- and pipeline-parallel sizes must be >= 1, got "
+                             f"{self.tensor_parallel_size} and {self.pipeline_parallel_size}")
+        if not self.rank_timeout_s > 0 or not self.startup_timeout_s > 0:
+            raise ValueError("rank_timeout_s and startup_timeout_s must be > 0")
+
+    @property
+    def world_size(self) -> int:
+        """Processes of the replica: ``tensor_parallel_size * pipeline_parallel_size``."""
+        return self.tensor_parallel_size * self.pipeline_parallel_size
+
+
+@dataclass(frozen=True)
 class EngineConfig:
     """Everything an ``LLMEngine`` needs.
 
@@ -79,7 +109,9 @@ class EngineConfig:
         seed: seed of the generator shared by unseeded sampled requests.
         attention_backend: ``auto`` (``triton`` on CUDA when installed, else ``torch``)
             or a registered attention backend name.
-        device: torch device of the model and cache.
+        device: torch device of the model and cache (``cuda``: rank ``r`` of a
+            parallel group uses ``cuda:r``).
+        parallel: tensor and pipeline parallel sizes (1 and 1: one in-process worker).
     """
 
     model: str = "default"
@@ -91,6 +123,7 @@ class EngineConfig:
     seed: int = 0
     attention_backend: str = "auto"
     device: str = "cpu"
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
 
     def __post_init__(self) -> None:
         """Checks what can be checked before the model loads.

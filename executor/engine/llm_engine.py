@@ -30,7 +30,7 @@ from executor.engine.kv_connector import KVConnector, KVConnectorScheduler
 from executor.engine.outputs import EngineStats, RequestOutput
 from executor.engine.request import CheckedRequest, Request
 from executor.engine.worker_group import WorkerGroup
-from executor.worker.group import InProcessWorkerGroup
+from executor.worker.group import make_worker_group
 from meshserve.block_hash import KVStoreFingerprint, ModelFingerprint
 from meshserve.errors import InvalidArgument
 from meshserve.sampling import SamplingParams, validate
@@ -44,8 +44,8 @@ class LLMEngine:
     Args:
         config: engine configuration; the model is resolved with
             ``meshserve.model_files.resolve_model(config.model)``.
-        worker_group: what runs the model (default: an
-            ``executor.worker.group.InProcessWorkerGroup`` of ``config``); the
+        worker_group: what runs the model (default: ``executor.worker.group.make_worker_group(config)``:
+            one in-process worker, or the ranks of ``config.parallel``); the
             engine allocates its cache and shuts it down.
 
     Raises:
@@ -56,7 +56,7 @@ class LLMEngine:
 
     def __init__(self, config: EngineConfig, worker_group: WorkerGroup | None = None):
         if worker_group is None:
-            worker_group = InProcessWorkerGroup(config)
+            worker_group = make_worker_group(config)
         self.config = config
         self.worker_group = worker_group
         spec = worker_group.spec

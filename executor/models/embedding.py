@@ -13,6 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from executor.models import cpu_gemm
+from executor.models.checkpoint import materialize
 from executor.models.parallel import SINGLE, TensorParallel
 
 
@@ -43,7 +44,7 @@ class VocabParallelEmbedding(nn.Module):
             raise ValueError(f"embedding of shape {tuple(loaded.shape)} does not fit "
                              f"({self.num_embeddings}, {param.shape[1]})")
         rows = loaded[self.vocab_start:self.vocab_start + self.rows_per_rank]
-        param.data[: rows.shape[0]].copy_(rows)
+        param.data[: rows.shape[0]].copy_(materialize(rows))
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         if self.tp.world_size == 1:

@@ -13,7 +13,9 @@ Megatron-LM's split of a transformer block over ``world_size`` ranks
 
 Each parameter carries a ``weight_loader(param, loaded, shard_id=None)`` that
 copies this rank's part of a checkpoint tensor into its place, so the model
-loader never needs to know how a layer is sharded. Once all weights are in,
+loader never needs to know how a layer is sharded. ``loaded`` is a tensor or a
+lazy ``checkpoint.CheckpointTensor``: a loader narrows it to this rank's part
+before anything is read, so each rank reads only its shard of the file. Once all weights are in,
 ``process_weights_after_loading()`` packs each weight for the CPU GEMM
 (``cpu_gemm.py``); a layer whose weight cannot be packed keeps using ``F.linear``.
 """
@@ -24,14 +26,15 @@ import torch
 from torch import nn
 
 from executor.models import cpu_gemm
+from executor.models.checkpoint import CheckpointTensor, materialize
 from executor.models.parallel import SINGLE, TensorParallel
 
 
-def _copy(param: nn.Parameter, loaded: torch.Tensor) -> None:
+def _copy(param: nn.Parameter, loaded: torch.Tensor | CheckpointTensor) -> None:
     if param.shape != loaded.shape:
         raise ValueError(f"checkpoint tensor of shape {tuple(loaded.shape)} does not fit parameter "
                          f"{tuple(param.shape)}")
-    param.data.copy_(loaded)
+    param.data.copy_(materialize(loaded))
 
 
 class ColumnParallelLinear(nn.Module):
@@ -104,26 +107,30 @@ class QKVParallelLinear(ColumnParallelLinear):
         num_kv_heads: key/value heads over the group (GQA when fewer than ``num_heads``).
 
     Shapes: ``x`` ``(num_tokens, hidden_size)`` → ``(num_tokens, (q + 2 kv) * head_dim)``
-    with ``q = num_heads / world_size`` and ``kv = num_kv_heads / world_size``
-    (key/value heads are not replicated: ``world_size`` must divide both).
-    ``shard_id`` is ``"q"``, ``"k"`` or ``"v"``.
+    with ``q = num_heads / world_size`` and ``kv = num_kv_heads / world_size``, or
+    ``kv = 1`` when the group has more ranks than KV heads: each KV head is then
+    replicated on ``world_size / num_kv_heads`` ranks (vLLM's ``num_kv_head_replicas``;
+    ``TensorParallel.kv_heads_per_rank``). ``shard_id`` is ``"q"``, ``"k"`` or ``"v"``.
     """
 
     def __init__(self, hidden_size: int, head_dim: int, num_heads: int, num_kv_heads: int,
                  bias: bool = False, tp: TensorParallel = SINGLE, dtype: torch.dtype = torch.float32):
         self.head_dim = head_dim
         self.num_heads = tp.shard_size(num_heads, "num_attention_heads")
-        self.num_kv_heads = tp.shard_size(num_kv_heads, "num_key_value_heads")
+        self.num_kv_heads = tp.kv_heads_per_rank(num_kv_heads)
+        self.kv_head_start = tp.kv_head_start(num_kv_heads)
         self.q_size = self.num_heads * head_dim
         self.kv_size = self.num_kv_heads * head_dim
-        super().__init__(hidden_size, (num_heads + 2 * num_kv_heads) * head_dim, bias, tp, dtype)
+        kv_total = self.num_kv_heads * tp.world_size  # with replicas counted
+        super().__init__(hidden_size, (num_heads + 2 * kv_total) * head_dim, bias, tp, dtype)
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: object = None) -> None:
         """Copies this rank's heads of ``q_proj``/``k_proj``/``v_proj`` (``shard_id``) into place."""
         offsets = {"q": (0, self.q_size), "k": (self.q_size, self.kv_size),
                    "v": (self.q_size + self.kv_size, self.kv_size)}
         offset, size = offsets[shard_id]  # type: ignore[index]
-        _copy_into(param.data.narrow(0, offset, size), loaded.narrow(0, self.tp.rank * size, size))
+        start = self.tp.rank * size if shard_id == "q" else self.kv_head_start * self.head_dim
+        _copy_into(param.data.narrow(0, offset, size), loaded.narrow(0, start, size))
 
 
 class RowParallelLinear(nn.Module):
@@ -165,7 +172,7 @@ class RowParallelLinear(nn.Module):
         return y if self.bias is None else y + self.bias
 
 
-def _copy_into(dst: torch.Tensor, loaded: torch.Tensor) -> None:
+def _copy_into(dst: torch.Tensor, loaded: torch.Tensor | CheckpointTensor) -> None:
     if dst.shape != loaded.shape:
         raise ValueError(f"checkpoint tensor of shape {tuple(loaded.shape)} does not fit slice {tuple(dst.shape)}")
-    dst.copy_(loaded)
+    dst.copy_(materialize(loaded))

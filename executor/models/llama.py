@@ -24,6 +24,7 @@ differently from MKL's, within float32 noise.
 
 from __future__ import annotations
 
+import re
 from typing import Iterable
 
 import torch
@@ -31,11 +32,14 @@ import torch.nn.functional as F
 from torch import nn
 
 from executor.attention import Attention, AttentionBackend, AttentionMetadata
+from executor.models.checkpoint import materialize
 from executor.models.embedding import ParallelLMHead, VocabParallelEmbedding
 from executor.models.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from executor.models.norm import RMSNorm
-from executor.models.parallel import SINGLE, TensorParallel
+from executor.models.parallel import SINGLE, PipelineStage, TensorParallel
 from executor.models.rotary import RotaryEmbedding, head_dim_of, rope_inv_freq
+
+_LAYER = re.compile(r"layers\.(\d+)\.(.*)")
 
 # checkpoint name fragment -> (our parameter fragment, shard id)
 _STACKED = (
@@ -133,24 +137,31 @@ class LlamaForCausalLM(nn.Module):
         config: a ``transformers`` Llama, Qwen2 or Mistral config.
         backend: the attention backend (shared by all layers).
         max_positions: positions supported by the rotary table (``max_model_len``).
-        tp: tensor-parallel group (world size 1 today).
+        tp: tensor-parallel group.
         dtype: parameter and activation dtype (float32 or bfloat16).
+        pp: the pipeline stage this model holds (default: all layers). Only the
+            stage's layers are built and loaded; stage 0 also holds the embedding,
+            the final norm and the LM head, so the last stage sends its output back
+            to stage 0 (``executor.worker.pipeline``).
     """
 
     def __init__(self, config, backend: AttentionBackend, max_positions: int, tp: TensorParallel = SINGLE,
-                 dtype: torch.dtype = torch.float32):
+                 dtype: torch.dtype = torch.float32, pp: PipelineStage | None = None):
         super().__init__()
         self.config = config
+        self.pp = pp or PipelineStage(0, 1, config.num_hidden_layers)
+        self.first_layer = self.pp.layers.start
         inv_freq, scaling = rope_inv_freq(config)
         self.rotary = rotary = RotaryEmbedding(inv_freq, max_positions, scaling, dtype)
-        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, tp, dtype)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(config, rotary, backend, tp, dtype)
-                                    for _ in range(config.num_hidden_layers))
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
+        self.layers = nn.ModuleList(LlamaDecoderLayer(config, rotary, backend, tp, dtype) for _ in self.pp.layers)
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
-        self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, tp, dtype)
-        if self.tie_word_embeddings:
-            self.lm_head.weight = self.embed_tokens.weight
+        self.embed_tokens = self.norm = self.lm_head = None
+        if self.pp.is_first:
+            self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, tp, dtype)
+            self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
+            self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, tp, dtype)
+            if self.tie_word_embeddings:
+                self.lm_head.weight = self.embed_tokens.weight
 
     def attention_layers(self) -> list[Attention]:
         """The attention layer of each decoder layer, in order (for binding KV caches)."""
@@ -167,10 +178,23 @@ class LlamaForCausalLM(nn.Module):
         Returns:
             ``(num_tokens, hidden_size)`` final-normed hidden states, model dtype.
         """
-        x, residual = self.embed_tokens(input_ids), None
+        return self.final_norm(*self.run_layers(self.embed(input_ids), None, positions, md))
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """``(num_tokens,)`` ids → ``(num_tokens, hidden_size)`` embeddings (stage 0)."""
+        return self.embed_tokens(input_ids)
+
+    def run_layers(self, x: torch.Tensor, residual: torch.Tensor | None, positions: torch.Tensor,
+                   md: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+        """This stage's decoder layers over ``x`` (``residual`` None at the first layer
+        of the model): the ``(x, residual)`` pair the next stage continues from."""
         rope = self.rotary.lookup(positions)
         for layer in self.layers:
             x, residual = layer(rope, x, residual, md)
+        return x, residual
+
+    def final_norm(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+        """The last layer's ``(x, residual)`` → final-normed hidden states (stage 0)."""
         return self.norm(x, residual)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -186,6 +210,19 @@ class LlamaForCausalLM(nn.Module):
         for module in self.modules():
             if module is not self and hasattr(module, "process_weights_after_loading"):
                 module.process_weights_after_loading()
+
+    def _stage_name(self, name: str) -> str | None:
+        """A checkpoint name as this stage's parameter name (layer indices made local),
+        or None when another stage holds it."""
+        match = _LAYER.match(name)
+        if match is not None:
+            index = int(match.group(1))
+            if index not in self.pp.layers:
+                return None
+            return f"layers.{index - self.first_layer}.{match.group(2)}"
+        if not self.pp.is_first and name.split(".")[0] in ("embed_tokens", "norm", "lm_head"):
+            return None
+        return name
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         """Loads checkpoint tensors named as in ``transformers`` (``model.layers.0.self_attn.q_proj.weight``…).
@@ -207,6 +244,9 @@ class LlamaForCausalLM(nn.Module):
             if name == "lm_head.weight" and self.tie_word_embeddings:
                 continue  # tied: the embedding is the head
             name = name.removeprefix("model.")
+            name = self._stage_name(name)
+            if name is None:
+                continue  # another pipeline stage's tensor
             shard_id = None
             for ckpt, ours, sid in _STACKED:
                 if ckpt in name:
@@ -219,7 +259,7 @@ class LlamaForCausalLM(nn.Module):
             if loader is None:
                 if param.shape != tensor.shape:
                     raise ValueError(f"{name}: checkpoint shape {tuple(tensor.shape)} != {tuple(param.shape)}")
-                param.data.copy_(tensor)
+                param.data.copy_(materialize(tensor))
             else:
                 loader(param, tensor, shard_id)
             loaded.add(name)

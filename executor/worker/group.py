@@ -1,9 +1,11 @@
 """Worker groups: the implementations of ``executor.engine.worker_group.WorkerGroup``.
 
-``InProcessWorkerGroup`` is today's group: one ``Worker`` in the engine's own
-process and thread, called directly (no copy of the step's data). Groups of
-worker processes (tensor and pipeline parallel) will send the same plain
-``SchedulerOutput`` to every rank and return rank 0's ``ModelRunnerOutput``.
+``InProcessWorkerGroup`` is the default group: one ``Worker`` in the engine's own
+process and thread, called directly (no copy of the step's data).
+``executor.worker.multiproc_group.MultiprocWorkerGroup`` holds the ranks of a
+tensor-parallel replica as processes: it sends the same plain
+``SchedulerOutput`` to every rank and returns rank 0's ``ModelRunnerOutput``.
+``make_worker_group`` picks one by ``EngineConfig.parallel``.
 """
 
 from __future__ import annotations
@@ -45,3 +47,18 @@ class InProcessWorkerGroup(WorkerGroup):
         if self.worker is None:
             raise RuntimeError("the worker group was shut down")
         return self.worker
+
+
+def make_worker_group(config: EngineConfig) -> WorkerGroup:
+    """The worker group ``config.parallel`` asks for: one in-process worker, or a
+    ``MultiprocWorkerGroup`` of ``config.parallel.world_size`` ranks.
+
+    Raises:
+        ValueError: a parallel layout the model cannot be split into.
+        FileNotFoundError: see ``Worker``.
+    """
+    if config.parallel.world_size == 1:
+        return InProcessWorkerGroup(config)
+    from executor.worker.multiproc_group import MultiprocWorkerGroup
+
+    return MultiprocWorkerGroup(config)

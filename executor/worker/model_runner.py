@@ -39,9 +39,14 @@ class ModelRunner:
         block_size: tokens per block.
         seed: seed of the sampler's shared generator.
         device: device of the model and cache.
+        driver: this runner samples (rank 0 of a parallel group, or the only rank).
+            The others run the same forward passes and logits (their collectives
+            need every rank) and return no tokens.
     """
 
-    def __init__(self, loaded: LoadedModel, block_size: int, seed: int = 0, device: torch.device | str = "cpu"):
+    def __init__(self, loaded: LoadedModel, block_size: int, seed: int = 0, device: torch.device | str = "cpu",
+                 driver: bool = True):
+        self.driver = driver
         self.model = loaded.model
         self.vocab_size = loaded.vocab_size
         self.eos_token_ids = loaded.eos_token_ids
@@ -64,16 +69,19 @@ class ModelRunner:
         if not scheduled:
             return ModelRunnerOutput({})
         input_ids, positions, md = self._prepare_inputs(scheduled)
-        self.attention_backend.plan(md)
         sampling = [(i, s) for i, s in enumerate(scheduled) if s.sample]
         with torch.inference_mode():
-            hidden = self.model(input_ids, positions, md)
+            hidden = self._forward(scheduled, input_ids, positions, md)
+            if hidden is None:  # a pipeline stage other than the first: its part is done
+                return ModelRunnerOutput({})
             prompt_logprobs = self.prompt_logprobs.collect(scheduled, md.query_start_loc_cpu, hidden,
                                                            self.model.compute_logits)
             if not sampling:
                 return ModelRunnerOutput({})
             last = torch.tensor([md.query_start_loc_cpu[i + 1] - 1 for i, _ in sampling], device=self.device)
             logits = self.model.compute_logits(hidden[last])
+            if not self.driver:
+                return ModelRunnerOutput({})
             batch = SamplingBatch.build([s.sampling_params for _, s in sampling],
                                         [self._generator(s) for _, s in sampling], self.vocab_size, self.device,
                                         token_ids=[s.all_token_ids for _, s in sampling],
@@ -84,6 +92,14 @@ class ModelRunner:
         logprobs = {} if sampled.logprobs is None else {
             rid: lp for rid, lp in zip(ids, sampled.logprobs) if lp is not None}
         return ModelRunnerOutput(dict(zip(ids, sampled.token_ids.tolist())), logprobs, prompt_logprobs)
+
+    def _forward(self, scheduled: list[ScheduledRequest], input_ids: torch.Tensor, positions: torch.Tensor,
+                 md) -> torch.Tensor | None:
+        """The forward pass of the whole batch: ``(num_tokens, hidden_size)`` final-normed
+        hidden states (``executor.worker.pipeline.PipelineModelRunner`` runs it as
+        micro-batches over stages, and returns None on stages other than the first)."""
+        self.attention_backend.plan(md)
+        return self.model(input_ids, positions, md)
 
     def release(self, request_ids: set[str]) -> None:
         """Drops per-request state (seeded generators, prompt logprobs) of finished requests."""

@@ -12,8 +12,10 @@ step per ``execute_model`` call on plain data and never sees a ``Request``::
       3. kv_saves  → KVConnectorWorker.save_kv   (computed blocks to publish)
       → ModelRunnerOutput
 
-A tensor-parallel group will hold one worker per rank, each with its shard of
-the weights and KV heads, behind the same calls.
+A tensor-parallel group (``executor.worker.multiproc_group``) holds one worker
+per rank, each with its shard of the weights and its KV heads, running the same
+calls on the same plain data; only rank 0 samples, and a saved block is
+gathered from every rank's heads on rank 0 (``kv_connector.assemble_blocks``).
 """
 
 from __future__ import annotations
@@ -28,8 +30,12 @@ from executor.engine.scheduler_output import ModelRunnerOutput, SchedulerOutput
 from executor.engine.worker_group import ModelSpec
 from executor.model_loader import load_model
 from executor.worker.kv_cache import allocate_kv_storage, layer_views
-from executor.worker.kv_connector import KVConnectorWorker
+from executor.models.checkpoint import checkpoint_num_params
+from executor.models.parallel import COMM, SINGLE, TensorParallel
+from executor.worker.distributed import rank_device
+from executor.worker.kv_connector import KVConnectorWorker, assemble_blocks, block_payloads
 from executor.worker.model_runner import ModelRunner
+from executor.worker.pipeline import PipelineModelRunner
 from meshserve.model_files import resolve_model
 
 log = logging.getLogger(__name__)
@@ -41,29 +47,44 @@ class Worker:
 
     Args:
         config: the engine's configuration (model, dtype, max_model_len, threads,
-            attention backend, device, sampler seed).
+            attention backend, device, sampler seed, parallel sizes).
+        rank: this worker's rank in ``config.parallel`` (its tensor-parallel rank;
+            rank 0 samples). A group of more than one rank needs the process group
+            set up before the first ``execute_model``, not before construction.
 
     Raises:
         FileNotFoundError: the model cannot be resolved.
         ValueError: bad dtype or max_model_len, or an unsupported architecture.
     """
 
-    def __init__(self, config: EngineConfig):
+    def __init__(self, config: EngineConfig, rank: int = 0):
         if config.num_threads is not None:
             torch.set_num_threads(config.num_threads)
         self.config = config
-        self.device = torch.device(config.device)
+        self.rank = rank
+        size, stages = config.parallel.tensor_parallel_size, config.parallel.pipeline_parallel_size
+        self.stage, tp_rank = divmod(rank, size)
+        self.num_stages = stages
+        ranks = tuple(self.stage * size + t for t in range(size)) if stages > 1 else None
+        self.tp = TensorParallel(tp_rank, size, ranks) if size > 1 else SINGLE
+        parallel = size * stages > 1
+        self.device = torch.device(rank_device(config.device, rank) if parallel else config.device)
         files = resolve_model(config.model)
         self.loaded = load_model(files.path, dtype=config.dtype, max_model_len=config.max_model_len,
                                  attention_backend=resolve_backend_name(config.attention_backend, self.device),
-                                 device=self.device)
+                                 device=self.device, tp=self.tp, pp_rank=self.stage, pp_size=stages)
         layers = self.loaded.model.attention_layers()
+        hf = self.loaded.hf_config
+        num_kv_heads = int(hf.num_key_value_heads)  # the model's, before sharding
+        self.kv_heads = (self.tp.kv_head_start(num_kv_heads), num_kv_heads)  # (this rank's first, total)
+        self.kv_layers = (self.loaded.model.first_layer, int(hf.num_hidden_layers))  # (this stage's first, total)
         self.spec = ModelSpec(
             model_id=files.model_id, revision=files.revision, dtype=str(self.loaded.dtype).removeprefix("torch."),
-            num_layers=len(layers), num_kv_heads=layers[0].num_kv_heads, head_dim=layers[0].head_dim,
+            num_layers=int(hf.num_hidden_layers), num_kv_heads=num_kv_heads, head_dim=layers[0].head_dim,
             vocab_size=self.loaded.vocab_size, max_model_len=self.loaded.max_model_len,
             eos_token_ids=self.loaded.eos_token_ids,
-            num_params=sum(p.numel() for p in self.loaded.model.parameters()))
+            num_params=sum(p.numel() for p in self.loaded.model.parameters()) if not parallel
+            else checkpoint_num_params(files.path, self.loaded.model.tie_word_embeddings))
         self.kv_caches: list = []
         self.model_runner: ModelRunner | None = None
         self.kv_connector: KVConnectorWorker | None = None
@@ -78,13 +99,19 @@ class Worker:
         if self.model_runner is not None:
             raise RuntimeError("the KV cache is already allocated")
         spec = self.spec
-        storage = allocate_kv_storage(spec.num_layers, num_blocks, block_size, spec.num_kv_heads, spec.head_dim,
-                                      self.loaded.dtype, self.device)
+        layers = self.loaded.model.attention_layers()
+        storage = allocate_kv_storage(len(layers), num_blocks, block_size, layers[0].num_kv_heads, spec.head_dim,
+                                      self.loaded.dtype, self.device)  # this rank's KV heads only
         self.kv_caches = layer_views(storage)
-        for layer, kv_cache in zip(self.loaded.model.attention_layers(), self.kv_caches):
+        for layer, kv_cache in zip(layers, self.kv_caches):
             layer.kv_cache = kv_cache
-        self.kv_connector = KVConnectorWorker(storage)
-        self.model_runner = ModelRunner(self.loaded, block_size, self.config.seed, self.device)
+        self.kv_connector = KVConnectorWorker(storage, layers=self.kv_layers, kv_heads=self.kv_heads)
+        if self.num_stages > 1:
+            self.model_runner = PipelineModelRunner(self.loaded, block_size, self.config.seed, self.device,
+                                                    self.rank == 0, self.rank, self.tp.world_size, self.num_stages)
+        else:
+            self.model_runner = ModelRunner(self.loaded, block_size, self.config.seed, self.device,
+                                            driver=self.rank == 0)
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         """One step (see the module doc).
@@ -98,5 +125,29 @@ class Worker:
             self.kv_connector.load_kv(scheduler_output.kv_loads)
         output = self.model_runner.execute_model(scheduler_output)
         if scheduler_output.kv_saves:
-            output.kv_saved = self.kv_connector.save_kv([save.block_id for save in scheduler_output.kv_saves])
+            block_ids = [save.block_id for save in scheduler_output.kv_saves]
+            if self.tp.world_size * self.num_stages == 1:
+                output.kv_saved = self.kv_connector.save_kv(block_ids)
+            else:
+                output.kv_saved = self._gather_saved(block_ids)
         return output
+
+    def _gather_saved(self, block_ids: list[int]) -> list[bytes]:
+        """Whole-model payloads of ``block_ids`` on rank 0, from every rank's layers and
+        KV heads (a gather to rank 0); an empty list on the other ranks."""
+        local = self.kv_connector.save_local(block_ids, to_cpu=False)
+        COMM.all_gather_bytes += local.numel() * local.element_size()
+        if self.num_stages == 1:  # equal shapes: a tensor gather
+            parts = [torch.empty_like(local) for _ in range(self.tp.world_size)] if self.rank == 0 else None
+            torch.distributed.gather(local, parts, dst=0)
+            layer_starts = [0] * self.tp.world_size
+            head_starts = [TensorParallel(r, self.tp.world_size).kv_head_start(self.kv_heads[1])
+                           for r in range(self.tp.world_size)]
+        else:  # stages may hold different numbers of layers
+            gathered = [None] * torch.distributed.get_world_size() if self.rank == 0 else None
+            torch.distributed.gather_object((local.cpu(), self.kv_layers[0], self.kv_heads[0]), gathered, dst=0)
+            if self.rank == 0:
+                parts, layer_starts, head_starts = zip(*gathered)
+        if self.rank != 0:
+            return []
+        return block_payloads(assemble_blocks([p.cpu() for p in parts], layer_starts, head_starts))

@@ -45,6 +45,16 @@ def mesh_config(port: int, executors: int, model: str, dtype: str, kv_cache_memo
                       tls_dir=Path(tls_dir) if tls_dir else None, tls_files=tls_files)
 
 
+def parallel_args(tensor_parallel_size: int, pipeline_parallel_size: int) -> list[str]:
+    """The executors' parallel flags (none at 1 × 1)."""
+    args = []
+    if tensor_parallel_size != 1:
+        args += ["--tensor-parallel-size", str(tensor_parallel_size)]
+    if pipeline_parallel_size != 1:
+        args += ["--pipeline-parallel-size", str(pipeline_parallel_size)]
+    return args
+
+
 def up(
     port: int = typer.Option(50051, min=0, max=65535, help="Public port of the gateway."),
     executors: int = typer.Option(1, min=1, help="Number of executor processes."),
@@ -55,6 +65,11 @@ def up(
     log_dir: Optional[str] = typer.Option(None, help="Write each service's log here instead of the terminal."),
     kvstore: bool = typer.Option(False, "--kvstore", help="Start one kvstore and connect every executor to it."),
     kvstore_memory: str = typer.Option("1GiB", "--kvstore-memory", help="Memory tier budget of that kvstore."),
+    tensor_parallel_size: int = typer.Option(1, "--tensor-parallel-size", min=1,
+                                             help="Ranks (processes; GPUs on CUDA) each executor's layers are "
+                                                  "sharded over."),
+    pipeline_parallel_size: int = typer.Option(1, "--pipeline-parallel-size", min=1,
+                                               help="Pipeline stages each executor's layers are split into."),
     metrics: bool = typer.Option(True, "--metrics/--no-metrics", help="Give every service a free port for its "
                                  "Prometheus /metrics endpoint and print them."),
     result_cache_size: int = ResultCacheSizeOpt,
@@ -75,9 +90,11 @@ def up(
 
     try:  # checked before any service starts: a usage error, exit code 2
         task_store_kind(task_store)
-        processes.engine_config(model, dtype, kv_cache_memory, block_size=16, max_num_seqs=64,
-                                max_num_batched_tokens=2048, no_chunked_prefill=False, max_model_len=None,
-                                num_threads=None)  # the executors' flags, as each executor checks them
+        cfg = processes.engine_config(model, dtype, kv_cache_memory, block_size=16, max_num_seqs=64,
+                                      max_num_batched_tokens=2048, no_chunked_prefill=False, max_model_len=None,
+                                      num_threads=None, tensor_parallel_size=tensor_parallel_size,
+                                      pipeline_parallel_size=pipeline_parallel_size)  # as each executor checks them
+        processes.check_parallel_layout(cfg)
         parse_bytes(kvstore_memory)
     except ValueError as exc:
         raise typer.BadParameter(str(exc)) from None
@@ -88,7 +105,8 @@ def up(
         tls = tls_settings(tls_cert, tls_key, tls_ca, insecure)
         tls_files = (tls.cert, tls.key, tls.ca) if tls.enabled else None
     export_trace_settings(traces, otlp_endpoint, trace_sample_ratio)
-    mesh = Mesh(mesh_config(port, executors, model, dtype, kv_cache_memory, [], tenants, log_dir,
+    parallel = parallel_args(tensor_parallel_size, pipeline_parallel_size)
+    mesh = Mesh(mesh_config(port, executors, model, dtype, kv_cache_memory, parallel, tenants, log_dir,
                             kvstore_memory if kvstore else None, metrics, result_cache_size=result_cache_size,
                             task_store=task_store, tls_dir=tls_dir, tls_files=tls_files))
     stop = threading.Event()

@@ -122,13 +122,16 @@ def engine_config(model: str, dtype: str, kv_cache_memory: str, block_size: int,
                   max_num_batched_tokens: int, no_chunked_prefill: bool, max_model_len: int | None,
                   num_threads: int | None, no_prefix_caching: bool = False, max_batch_wait_ms: float = 0.0,
                   attention_backend: str = "auto", device: str = "cpu", enable_kv_events: bool = False,
+                  tensor_parallel_size: int = 1, pipeline_parallel_size: int = 1,
                   ) -> EngineConfig:
-    """The executor's ``EngineConfig`` from its flags (``kv_cache_memory`` a byte size such as ``2GiB``).
+    """The executor's ``EngineConfig`` from its flags (``kv_cache_memory`` a byte size such as ``2GiB``;
+    the parallel sizes: the ranks of one replica, ``executor.worker.multiproc_group``).
 
     Raises:
         ValueError: a value ``EngineConfig`` or ``parse_bytes`` rejects.
     """
-    from executor.engine.config import BatchSchedulerConfig, CacheConfig, EngineConfig  # torch: as run_executor
+    from executor.engine.config import (BatchSchedulerConfig, CacheConfig, EngineConfig,  # torch: as run_executor
+                                        ParallelConfig)
 
     return EngineConfig(
         model=model,
@@ -143,7 +146,29 @@ def engine_config(model: str, dtype: str, kv_cache_memory: str, block_size: int,
         batch=BatchSchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
                                    enable_chunked_prefill=not no_chunked_prefill,
                                    max_batch_wait_ms=max_batch_wait_ms),
+        parallel=ParallelConfig(tensor_parallel_size=tensor_parallel_size,
+                                pipeline_parallel_size=pipeline_parallel_size),
     )
+
+
+def check_parallel_layout(engine_config: EngineConfig) -> None:
+    """Refuses, before anything loads, tensor/pipeline-parallel sizes the model cannot be
+    split into (``executor.model_loader.check_parallel_sizes``); nothing to check at 1 × 1.
+
+    Raises:
+        ValueError: with the sizes the model allows.
+        FileNotFoundError: the model cannot be resolved.
+    """
+    parallel = engine_config.parallel
+    if parallel.world_size == 1:
+        return
+    from transformers import AutoConfig
+
+    from executor.model_loader import check_parallel_sizes
+    from meshserve.model_files import resolve_model
+
+    check_parallel_sizes(AutoConfig.from_pretrained(resolve_model(engine_config.model).path),
+                         parallel.tensor_parallel_size, parallel.pipeline_parallel_size)
 
 
 async def run_executor(engine_config: EngineConfig, port: int, host: str, scheduler: str, executor_id: str | None,
@@ -169,6 +194,10 @@ async def run_executor(engine_config: EngineConfig, port: int, host: str, schedu
                                                     kvstore_fetch_timeout_s, metrics_port, peak_flops,
                                                     max_buffered_outputs, tls)
         async_engine.on_failure(lambda _exc: done.set())  # exit non-zero: the orchestrator restarts us
+        on_rank_failure = getattr(engine.worker_group, "on_failure", None)  # a parallel group's ranks
+        if on_rank_failure is not None:
+            loop = asyncio.get_running_loop()
+            on_rank_failure(lambda _reason: loop.call_soon_threadsafe(done.set))
         holder.update(svc=svc, engine=async_engine, link=link)
         log.info("executor serving on %s (%d KV blocks of %d tokens)", svc.address, engine.num_blocks,
                  engine.block_size)
@@ -186,6 +215,9 @@ async def run_executor(engine_config: EngineConfig, port: int, host: str, schedu
     failure = holder["engine"].failure
     if failure is not None:
         raise SystemExit(f"executor stopped: engine thread failed: {type(failure).__name__}: {failure}")
+    rank_failure = getattr(holder["engine"].engine.worker_group, "failure", None)
+    if rank_failure is not None:
+        raise SystemExit(f"executor stopped: {rank_failure}")
 
 
 async def run_gateway(model: str, port: int, host: str, scheduler: str, tenants_file: str | None = None,

@@ -90,6 +90,10 @@ def executor(
     num_threads: Optional[int] = typer.Option(None, help="torch CPU threads."),
     attention_backend: str = typer.Option("auto", help="auto (triton on CUDA, else torch), torch or triton."),
     device: str = typer.Option("cpu", help="torch device of the model and KV cache: cpu, cuda, cuda:1…"),
+    tensor_parallel_size: int = typer.Option(1, "--tensor-parallel-size", min=1,
+                                             help="Ranks (processes; GPUs on CUDA) that shard every layer."),
+    pipeline_parallel_size: int = typer.Option(1, "--pipeline-parallel-size", min=1,
+                                               help="Pipeline stages the layers are split into (processes)."),
     executor_id: Optional[str] = typer.Option(None, help="Id in the registry (default executor-PORT)."),
     pool: str = typer.Option("default", help="Instance pool it registers in (see the scheduler's --pools file)."),
     step_timeout_s: float = typer.Option(60.0, "--step-timeout-s", min=0.001,
@@ -123,7 +127,10 @@ def executor(
         cfg = processes.engine_config(model, dtype, kv_cache_memory, block_size, max_num_seqs,
                                       max_num_batched_tokens, no_chunked_prefill, max_model_len, num_threads,
                                       no_prefix_caching, max_batch_wait_ms, attention_backend, device,
-                                      enable_kv_events=True)  # forwarded for prefix-aware routing
+                                      enable_kv_events=True,  # forwarded for prefix-aware routing
+                                      tensor_parallel_size=tensor_parallel_size,
+                                      pipeline_parallel_size=pipeline_parallel_size)
+        processes.check_parallel_layout(cfg)  # a size that does not split the model: refused before loading
     except ValueError as exc:  # a bad flag value: typer prints usage and the message, exit code 2
         raise typer.BadParameter(str(exc)) from None
     if kvstore is not None and not is_address(kvstore):

@@ -7,34 +7,10 @@ import asyncio
 import pytest
 
 from meshserve.client import build_request, generate
-from tests.support.reference import SENTENCES, HFReference, assert_greedy_matches, cached_reference, golden_lengths
+from tests.support.reference import (MESH_GOLDEN_MAX_TOKENS as MAX_TOKENS, HFReference, assert_greedy_matches,
+                                     cached_reference, mesh_prompts)
 
 pytestmark = pytest.mark.model
-MAX_TOKENS = 64
-
-
-def mesh_prompts(tokenizer):
-    """(request kwargs, expected prompt ids) for 16 prompts of about 5..600 tokens;
-    even indices raw text, odd indices one chat message."""
-    cases = []
-    for i, target in enumerate(golden_lengths(16, 5, 600)):
-        words = " ".join(SENTENCES[(i * 7 + j) % len(SENTENCES)] for j in range(target)).split(" ")
-        lo, hi = 1, len(words)
-        while lo < hi:  # the fewest words whose prompt reaches the target length
-            mid = (lo + hi) // 2
-            text = " ".join(words[:mid])
-            n = len(tokenizer(text).input_ids) if i % 2 == 0 else len(
-                tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
-                                              tokenize=True, return_dict=True)["input_ids"])
-            lo, hi = (mid + 1, hi) if n < target else (lo, mid)
-        text = " ".join(words[:lo])
-        if i % 2 == 0:
-            cases.append((dict(prompt=text), tokenizer(text).input_ids))
-        else:
-            ids = tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
-                                                tokenize=True, return_dict=True)["input_ids"]
-            cases.append((dict(chat=[("user", text)]), list(ids)))
-    return cases
 
 
 async def test_golden_outputs_through_the_mesh(mesh, tokenizer, default_model_files):

@@ -1,0 +1,60 @@
+"""A rank of a parallel executor other than rank 0: ``python -m executor.worker.rank_main``.
+
+Started by ``executor.worker.multiproc_group.MultiprocWorkerGroup`` with the
+torchrun-style environment of ``executor.worker.distributed`` and its stdin as
+the step pipe. Its life::
+
+    read the EngineConfig frame         (pin to MESHSERVE_RANK_CPUS on CPU)
+    load this rank's shard (Worker)     store: loaded/<rank>
+    join the process group
+    loop: read a frame                  ("init_cache", n, b) | ("step", SchedulerOutput) | ("shutdown",)
+          run it on the worker          (outputs are rank 0's; this rank's are dropped)
+
+It exits 0 on ``shutdown``; 3 when the pipe closes (rank 0 died); with the
+exception's traceback and 1 when a step fails (a peer died, a collective timed
+out): rank 0 notices the exit and takes the executor out.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+
+from executor.worker import distributed
+
+
+def main() -> int:
+    rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    logging.basicConfig(level=logging.WARNING, format=f"rank {rank}: %(levelname)s %(name)s: %(message)s")
+    pipe = sys.stdin.buffer
+    config = distributed.read_frame(pipe)
+    cpus = os.environ.get("MESHSERVE_RANK_CPUS")
+    if cpus:
+        distributed.pin_to_cpus([int(c) for c in cpus.split(",")], config.num_threads)
+    from executor.worker.worker import Worker
+
+    store = distributed.make_store(rank, world_size, int(os.environ["MASTER_PORT"]),
+                                   config.parallel.startup_timeout_s)
+    worker = Worker(config, rank=rank)
+    store.set(f"loaded/{rank}", "1")
+    distributed.init_process_group(store, rank, world_size, str(worker.device), config.parallel.rank_timeout_s,
+                                   config.parallel.tensor_parallel_size)
+    while True:
+        try:
+            message = distributed.read_frame(pipe)
+        except EOFError:
+            return 3  # rank 0 is gone
+        kind = message[0]
+        if kind == "shutdown":
+            return 0
+        if kind == "init_cache":
+            worker.initialize_cache(*message[1:])
+        elif kind == "step":
+            worker.execute_model(message[1])
+        else:
+            raise ValueError(f"unknown step-pipe message {kind!r}")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
