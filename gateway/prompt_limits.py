@@ -4,14 +4,19 @@ Tokenizing costs time and memory in proportion to the prompt, so the gateway
 first bounds what it will look at, cheaply, on the event loop:
 
 * ``max_prompt_bytes``: UTF-8 bytes of a raw prompt, or of all chat message
-  contents together (default 4 MiB: the gRPC default message size; a model's
-  whole context is far smaller);
+  contents together (default 1 MiB: about 250,000 tokens of English text, more
+  than any served model's context; a 16 MB prompt is refused here, in
+  microseconds, instead of being tokenized for seconds);
 * ``max_messages``: chat messages (default 1,024);
 * prompt token ids: at most ``max_model_len - 1`` (room for one output token),
   counted before each id is range-checked.
 
 Each refusal is ``InvalidArgument`` naming the field and its cap. What passes
-is tokenized off the event loop (``GatewayCore.prepare_async``).
+is tokenized off the event loop (``GatewayCore.prepare_async``), in a worker
+thread: the fast tokenizer releases the GIL while it encodes, so a prompt at
+the cap stalls the loop for tens of milliseconds at most (measured by
+``tests/gateway/test_prompt_limits.py``), where a larger cap would let the
+final conversion of millions of ids to Python objects hold the GIL for longer.
 """
 
 from __future__ import annotations
@@ -31,7 +36,7 @@ class PromptLimits:
         max_messages: chat messages.
     """
 
-    max_prompt_bytes: int = 4 << 20
+    max_prompt_bytes: int = 1 << 20
     max_messages: int = 1024
 
     def __post_init__(self) -> None:
@@ -48,7 +53,7 @@ class PromptLimits:
                                       f"{self.max_messages}")
             self._check_bytes("chat.messages", [c for _, c in request.chat if isinstance(c, str)])
         if request.prompt_token_ids is not None and len(request.prompt_token_ids) >= max_model_len:
-            raise InvalidArgument(f"prompt_token_ids has {len(request.prompt_token_ids)} ids; max_model_len is "
+            raise InvalidArgument(f"prompt has {len(request.prompt_token_ids)} tokens; max_model_len is "
                                   f"{max_model_len} (prompt + at least 1 output token)")
 
     def _check_bytes(self, field: str, texts: list[str]) -> None:
