@@ -274,6 +274,14 @@ class SchedulerLink(BackgroundTask):
             self._wake.clear()
             await asyncio.sleep(self.config.report_interval_s)
 
+    def _take_lease_key(self, raw: bytes) -> None:
+        """Takes the scheduler's lease key from its RegisterAck (without one, or with a
+        malformed one, every Execute is refused: PERMISSION_DENIED)."""
+        try:
+            self.servicer.leases.set_public_key(raw)
+        except ValueError as exc:
+            log.error("the scheduler sent no usable lease key (%s): every Execute will be refused", exc)
+
     async def _run(self) -> None:
         backoff = 0.2
         while True:
@@ -282,8 +290,7 @@ class SchedulerLink(BackgroundTask):
                     stub = scheduler_pb2_grpc.SchedulerStub(ch)
                     async for cmd in stub.Connect(self._messages()):
                         if cmd.WhichOneof("kind") == "registered":
-                            if cmd.registered.lease_public_key:  # none: every lease is refused
-                                self.servicer.leases.set_public_key(cmd.registered.lease_public_key)
+                            self._take_lease_key(cmd.registered.lease_public_key)
                             log.info("registered with the scheduler as %s", cmd.registered.executor_id)
                             self.connected.set()
                             backoff = 0.2

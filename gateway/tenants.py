@@ -17,7 +17,7 @@ call's metadata to a tenant with a ``TenantRegistry``:
       requests_per_s = 20.0       # optional: admission rate limit (token bucket)
       tokens_per_min = 600000     # optional: prompt + completion tokens per minute
 
-  The scheduler reads the same file (``meshserve scheduler --tenants-file``):
+  The scheduler reads the same file (``meshserve scheduler --tenants``):
   it admits only the tenants listed and applies the ceiling and rate limits
   (``scheduler.tenant_limits``).
 

@@ -1,7 +1,9 @@
 """The scheduler's pure core: the admission queue and dispatch to executors.
 
 No gRPC here: the servicer calls ``submit``, ``dispatch``, ``release`` and the
-registry methods, and turns the results into stream events.
+registry methods, and turns the results into stream events. (Over 400 lines:
+the queue, the lease table and the quota and rate charges change together in
+each call; the policies themselves live in their own modules.)
 
 **Order.** ``dispatch`` walks the queue in the order of its ``QueuePolicy``
 (``scheduler.queue_policy``: fcfs, priority classes, or shortest-job-first on

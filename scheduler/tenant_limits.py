@@ -2,7 +2,7 @@
 
 The scheduler is where every gateway's requests meet, so its limits hold for a
 tenant across all gateways. What the tenants file sets (``meshserve scheduler
---tenants-file``; fields in ``gateway.tenants``) arrives here as
+--tenants``; fields in ``gateway.tenants``) arrives here as
 ``TenantLimits`` per tenant name:
 
 * **Known tenants.** With limits configured, an ``Admit`` for a tenant not
@@ -12,7 +12,8 @@ tenant across all gateways. What the tenants file sets (``meshserve scheduler
   urgency is not the tenant's to choose; the clamped priority is what the
   queue orders by, what displacement compares, and what the signed lease tells
   the executor.
-* **Rate limits** (token buckets, Turner's leaky bucket as a meter;
+* **Rate limits** (token buckets, the classic meter of RFC 2697 without its
+  colours;
   ``requests_per_s`` and ``tokens_per_min``): a request takes one request token
   and its prompt tokens at admission; its completion tokens are taken when its
   lease is released (the bucket may go into debt). A request that finds a
