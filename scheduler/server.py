@@ -146,7 +146,7 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
                 executor = self.core.registry.get(lease.executor_id)
                 queue_s = max(0.0, lease.assigned_at - req.arrival)
                 span.set_attributes({ta.EXECUTOR_ID: lease.executor_id, ta.QUEUE_WAIT_S: queue_s})
-                self.metrics.on_assigned(request.tenant, request.priority, queue_s)
+                self.metrics.on_assigned(request.tenant, req.priority, queue_s)  # the ceiling applied
                 yield pb.AdmitEvent(
                     assignment=pb.Assignment(
                         executor_id=lease.executor_id,

@@ -48,7 +48,7 @@ async def test_execute_refuses_missing_forged_expired_misdirected_and_replayed_l
     async with channel(mesh.executors[0][0].address) as ch:
         stub = executor_pb2_grpc.ExecutorStub(ch)
         used = execute_request("good", signed_lease(mesh, 0, "good"))
-        assert sum(len(m.token_ids) async for m in stub.Execute(used)) == 2
+        assert sum([len(m.token_ids) async for m in stub.Execute(used)]) == 2
         await mesh.wait_idle()
         before = await mesh.executor_stats()
         for what, req in list(bad.items()) + [("replayed", used)]:

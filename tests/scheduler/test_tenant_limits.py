@@ -95,3 +95,29 @@ def test_without_configured_limits_any_tenant_is_admitted():
     core.registry.add(ExecutorState("e0", "addr", "m", 64, 16, 1024))
     core.submit(req("r", "anyone", priority=2**31 - 1))
     assert core.queued()[0].priority == 2**31 - 1
+
+
+def test_scheduler_config_admits_the_tenants_of_the_file_or_default_alone(tmp_path):
+    from meshserve.cli.processes import scheduler_config
+
+    path = tmp_path / "tenants.toml"
+    path.write_text('[[tenants]]\nname = "acme"\napi_keys = ["k"]\nmax_priority = 2\nrequests_per_s = 5\n'
+                    'tokens_per_min = 600\n\n[[tenants]]\nname = "globex"\napi_keys = ["g"]\n')
+    assert scheduler_config(tenants_file=str(path)).tenant_limits == {
+        "acme": TenantLimits(2, 5.0, 600.0), "globex": TenantLimits()}
+    assert scheduler_config().tenant_limits == {"default": TenantLimits()}
+
+
+@pytest.mark.parametrize("line, message", [
+    ("max_priority = 1.5", "'max_priority' must be an integer, got 1.5"),
+    ("requests_per_s = 0", "'requests_per_s' must be a number > 0, got 0"),
+    ("tokens_per_min = true", "'tokens_per_min' must be a number > 0, got True"),
+])
+def test_tenants_file_rejects_bad_limits(tmp_path, line, message):
+    from gateway.tenants import TenantRegistry
+
+    path = tmp_path / "tenants.toml"
+    path.write_text(f'[[tenants]]\nname = "acme"\napi_keys = ["k"]\n{line}\n')
+    with pytest.raises(ValueError) as info:
+        TenantRegistry.from_file(path)
+    assert str(info.value).endswith(message)
