@@ -7,6 +7,13 @@ engine request per choice, merged into one stream) and converts each ``(choice
 index, output)`` into a message; cancelling the call aborts every choice in the
 engine, which frees their blocks at its next step.
 
+Before anything runs, ``Execute`` checks the request's signed lease
+(``meshserve.lease_token.LeaseVerifier``: the scheduler's signature, this
+executor, the request id, the tenant, the expiry, used once): a bad one is
+refused with PERMISSION_DENIED, nothing is allocated. The engine request id is
+``scoped_request_id(tenant, request_id)``, so tenants' ids never collide, and
+the lease's priority (the tenant's ceiling applied) is the one the engine uses.
+
 ``SchedulerLink`` keeps one ``Connect`` stream to the scheduler open: Register,
 a snapshot of the prefix cache (``KvEvents`` with ``reset``), then a capacity
 report (with the blocks each lease's requests hold) whenever the engine's state
@@ -19,6 +26,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -32,8 +40,11 @@ from executor.health import StepWatchdog
 from executor.kv_events import KvEventBatcher
 from executor.request_span import ExecuteSpans
 from meshserve.background import BackgroundTask
+from meshserve.block_hash import cache_salt
 from meshserve.errors import AlreadyExists, InvalidArgument
 from meshserve.grpc_server import CHANNEL_OPTIONS, Service, open_channel
+from meshserve.lease_token import LeaseVerifier
+from meshserve.request_ids import check_request_id, scoped_request_id
 from meshserve.sampling import params_from_proto
 from meshserve.telemetry import context_from_grpc
 from meshserve.tls import PLAINTEXT, TLSConfig
@@ -51,27 +62,34 @@ FINISH_REASONS = {
 class ExecutorServicer(executor_pb2_grpc.ExecutorServicer):
     """Serves Execute and Stats over one ``AsyncEngine``."""
 
-    def __init__(self, engine: AsyncEngine, model_id: str, executor_id: str = ""):
+    def __init__(self, engine: AsyncEngine, model_id: str, executor_id: str = "", prefix_cache_scope: str = "tenant"):
         self.engine = engine
+        cache_salt(prefix_cache_scope, "")  # validates
+        self.prefix_cache_scope = prefix_cache_scope  # tenant: prefix KV shared within the lease's tenant only
         self.model_id = model_id
         self.executor_id = executor_id  # the registry's id (set by start_executor), for spans
-        self.active_leases: dict[str, str] = {}  # request_id -> lease_id
+        self.leases = LeaseVerifier(executor_id)  # its key comes with the scheduler's RegisterAck
+        self.active_leases: dict[str, str] = {}  # scoped request id -> lease_id
 
     async def Execute(self, request: executor_pb2.ExecuteRequest, context: grpc.aio.ServicerContext):
         eng = self.engine.engine
         if not request.request_id:
             raise InvalidArgument("request_id must not be empty")
-        if request.request_id in self.active_leases:
+        check_request_id(request.request_id)
+        claims = self.leases.verify(request.lease, request.request_id, request.tenant)  # PERMISSION_DENIED
+        engine_id = scoped_request_id(request.tenant, request.request_id)
+        if engine_id in self.active_leases:
             raise AlreadyExists(f"request_id {request.request_id!r} is already in use by an unfinished request")
         # the one check of this request in the executor: INVALID_ARGUMENT before any choice starts
         checked = eng.check_request(request.prompt_token_ids, params_from_proto(request.sampling))
+        checked = dataclasses.replace(checked, cache_salt=cache_salt(self.prefix_cache_scope, claims.tenant))
         spans = ExecuteSpans(context_from_grpc(context), request.request_id, self.executor_id, self.model_id,
-                             len(checked.prompt_token_ids), checked.sampling_params, request.priority)
-        self.active_leases[request.request_id] = request.lease_id
+                             len(checked.prompt_token_ids), checked.sampling_params, claims.priority)
+        self.active_leases[engine_id] = claims.lease_id
         failure = None
         try:
-            async with contextlib.aclosing(self.engine.generate_choices(request.request_id, checked,
-                                                                        request.priority, spans.context)) as choices:
+            async with contextlib.aclosing(self.engine.generate_choices(engine_id, checked,
+                                                                        claims.priority, spans.context)) as choices:
                 async for index, out in choices:
                     spans.on_output(index, out)
                     yield response_to_proto(index, out)
@@ -80,7 +98,7 @@ class ExecutorServicer(executor_pb2_grpc.ExecutorServicer):
             raise
         finally:
             spans.end(failure)
-            self.active_leases.pop(request.request_id, None)
+            self.active_leases.pop(engine_id, None)
 
     async def Stats(self, request, context) -> executor_pb2.StatsResponse:
         return stats_to_proto(self.engine.stats(), self.model_id)
@@ -258,6 +276,14 @@ class SchedulerLink(BackgroundTask):
             self._wake.clear()
             await asyncio.sleep(self.config.report_interval_s)
 
+    def _take_lease_key(self, raw: bytes) -> None:
+        """Takes the scheduler's lease key from its RegisterAck (without one, or with a
+        malformed one, every Execute is refused: PERMISSION_DENIED)."""
+        try:
+            self.servicer.leases.set_public_key(raw)
+        except ValueError as exc:
+            log.error("the scheduler sent no usable lease key (%s): every Execute will be refused", exc)
+
     async def _run(self) -> None:
         backoff = 0.2
         while True:
@@ -266,6 +292,7 @@ class SchedulerLink(BackgroundTask):
                     stub = scheduler_pb2_grpc.SchedulerStub(ch)
                     async for cmd in stub.Connect(self._messages()):
                         if cmd.WhichOneof("kind") == "registered":
+                            self._take_lease_key(cmd.registered.lease_public_key)
                             log.info("registered with the scheduler as %s", cmd.registered.executor_id)
                             self.connected.set()
                             backoff = 0.2
@@ -293,6 +320,7 @@ async def start_executor(
     peak_flops: float | None = None,
     max_buffered_outputs: int = DEFAULT_MAX_BUFFERED_OUTPUTS,
     tls: TLSConfig = PLAINTEXT,
+    prefix_cache_scope: str = "tenant",
 ) -> tuple[Service, AsyncEngine, SchedulerLink | None]:
     """Starts the engine thread, the Executor service and its scheduler link.
 
@@ -315,6 +343,8 @@ async def start_executor(
 
     ``tls``: the executor's certificate (role executor) for its port and for its
     channels to the scheduler and the kvstore, or plaintext.
+    ``prefix_cache_scope``: ``tenant`` (prefix KV blocks shared only between requests
+    of the same tenant, the lease's) or ``global`` (``meshserve.block_hash.cache_salt``).
 
     Raises:
         TimeoutError: the scheduler did not accept the registration within 60 s.
@@ -336,10 +366,10 @@ async def start_executor(
                                                 peak_flops, slow_reader_aborts=lambda: async_engine.num_overflowed),
                             metrics_port)
     await async_engine.start()
-    servicer = ExecutorServicer(async_engine, engine.model_id)
+    servicer = ExecutorServicer(async_engine, engine.model_id, prefix_cache_scope=prefix_cache_scope)
     executor_pb2_grpc.add_ExecutorServicer_to_server(servicer, service.server)
     await service.start()
-    executor_id = servicer.executor_id = executor_id or f"executor-{service.port}"
+    executor_id = servicer.executor_id = servicer.leases.executor_id = executor_id or f"executor-{service.port}"
     link = None
     if scheduler_address:
         link = SchedulerLink(

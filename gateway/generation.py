@@ -33,6 +33,7 @@ the scheduler and executor in the mesh client's calls.
 
 from __future__ import annotations
 
+import asyncio
 import time
 import uuid
 from contextlib import aclosing
@@ -43,15 +44,18 @@ from opentelemetry import trace
 from gateway.choices import Choice, RequestTimer
 from gateway.collector import ChoiceCollector, CompletedChoice, replay
 from gateway.events import ChoiceResult, Delta, Event, Queued
+from gateway.lease_renewal import renewing
 from gateway.mesh import Admission, Assignment, MeshClient
 from gateway.metrics import GatewayMetrics, RequestMetrics
 from gateway.prompt import PromptBuilder
+from gateway.prompt_limits import PromptLimits
 from gateway.request import GenerationRequest, ModelInfo, Prepared, SpanOptions
 from gateway.result_cache import ResultCache, cache_key, is_deterministic
 from gateway.tenants import Tenant
 from meshserve import trace_attributes as ta
-from meshserve.block_hash import routing_block_hashes
+from meshserve.block_hash import cache_salt, routing_block_hashes
 from meshserve.errors import AlreadyExists, InvalidArgument, NotFound, Unavailable
+from meshserve.request_ids import check_request_id, scoped_request_id
 from meshserve.sampling import validate
 from meshserve.telemetry import record_error, tracer
 
@@ -76,11 +80,18 @@ class GatewayCore:
             prefix-aware routing (the executors' ``block_size``; 0: none sent).
         result_cache: finished choices of deterministic requests (None: off).
         metrics: the Prometheus metrics (None: a new ``GatewayMetrics``).
+        prompt_limits: size limits checked before tokenizing (``gateway.prompt_limits``).
+        prefix_cache_scope: ``tenant`` or ``global``, as the executors': the routing
+            hashes are salted as they salt their chains (``meshserve.block_hash.cache_salt``).
+
+    Request ids in flight are kept per tenant (``meshserve.request_ids``): one
+    tenant's id never collides with, nor reveals, another's.
     """
 
     def __init__(self, tokenizer, model: ModelInfo, mesh: MeshClient, hash_block_size: int = 16,
                  result_cache: ResultCache[tuple[CompletedChoice, ...]] | None = None,
-                 metrics: GatewayMetrics | None = None):
+                 metrics: GatewayMetrics | None = None, prompt_limits: PromptLimits | None = None,
+                 prefix_cache_scope: str = "tenant"):
         self.tokenizer = tokenizer
         self.model = model
         self.mesh = mesh
@@ -88,7 +99,10 @@ class GatewayCore:
         self.result_cache = result_cache
         self.metrics = metrics or GatewayMetrics()
         self.prompts = PromptBuilder(tokenizer)
-        self._in_flight: set[str] = set()  # request ids of unfinished requests
+        self.prompt_limits = prompt_limits or PromptLimits()
+        cache_salt(prefix_cache_scope, "")  # validates
+        self.prefix_cache_scope = prefix_cache_scope
+        self._in_flight: set[str] = set()  # scoped request ids of unfinished requests
 
     async def close(self) -> None:
         """Closes the mesh client's connections."""
@@ -104,23 +118,57 @@ class GatewayCore:
             NotFound: ``request.model`` is not the model served.
             InvalidArgument: a bad parameter or prompt (the message names it).
         """
-        timer = RequestTimer(received_at)
-        priority = request.priority if request.priority is not None else tenant.default_priority
-        metrics = self.metrics.start(tenant.name, priority, timer.start)
+        timer, priority, metrics = self._start(request, tenant, received_at)
         try:
-            return self._prepare(request, tenant.name, priority, metrics, timer)
+            request_id = self._check_before_tokenizing(request, tenant.name)
+            return self._prepare(request, request_id, tenant.name, priority, metrics, timer,
+                                 self.prompts.from_request(request))
         except BaseException as exc:
             metrics.end(time.monotonic(), exc)
             raise
 
-    def _prepare(self, request: GenerationRequest, tenant: str, priority: int, metrics: RequestMetrics,
-                 timer: RequestTimer) -> Prepared:
+    async def prepare_async(self, request: GenerationRequest, tenant: Tenant,
+                            received_at: float | None = None) -> Prepared:
+        """``prepare`` with the tokenization and chat templating in a worker thread, so a
+        huge prompt never stalls the event loop (other callers, health checks). The size
+        limits are checked before, on the loop (cheap). Raises as ``prepare``."""
+        timer, priority, metrics = self._start(request, tenant, received_at)
+        try:
+            request_id = self._check_before_tokenizing(request, tenant.name)
+            prompt_ids = await asyncio.to_thread(self.prompts.from_request, request)
+            return self._prepare(request, request_id, tenant.name, priority, metrics, timer, prompt_ids)
+        except BaseException as exc:
+            metrics.end(time.monotonic(), exc)
+            raise
+
+    def _start(self, request: GenerationRequest, tenant: Tenant, received_at: float | None):
+        """The request's timer, priority (the tenant's default, under its ceiling) and metrics."""
+        timer = RequestTimer(received_at)
+        priority = request.priority if request.priority is not None else tenant.default_priority
+        if tenant.max_priority is not None:
+            priority = min(priority, tenant.max_priority)
+        return timer, priority, self.metrics.start(tenant.name, priority, timer.start)
+
+    def _check_before_tokenizing(self, request: GenerationRequest, tenant: str) -> str:
+        """The request id (the caller's or a new one) after the checks that need no tokenizer.
+
+        Raises:
+            InvalidArgument: an id too long, a prompt over a size limit.
+            AlreadyExists, NotFound: as ``prepare``.
+        """
         request_id = request.request_id or uuid.uuid4().hex
-        if request_id in self._in_flight:
+        check_request_id(request_id)
+        if scoped_request_id(tenant, request_id) in self._in_flight:
             raise AlreadyExists(f"request_id {request_id!r} is already in use by an unfinished request")
         if request.model is not None and request.model != self.model.model_id:
             raise NotFound(f"model {request.model!r} is not served here (this gateway serves {self.model.model_id!r})")
-        prompt_ids = self.prompts.from_request(request)
+        self.prompt_limits.check(request, self.model.max_model_len)
+        return request_id
+
+    def _prepare(self, request: GenerationRequest, request_id: str, tenant: str, priority: int,
+                 metrics: RequestMetrics, timer: RequestTimer, prompt_ids: list[int]) -> Prepared:
+        if scoped_request_id(tenant, request_id) in self._in_flight:  # claimed while it was tokenized
+            raise AlreadyExists(f"request_id {request_id!r} is already in use by an unfinished request")
         params = validate(request.sampling, max_model_len=self.model.max_model_len, vocab_size=self.model.vocab_size)
         if len(prompt_ids) + 1 > self.model.max_model_len:
             raise InvalidArgument(
@@ -131,7 +179,7 @@ class GatewayCore:
         key = None
         if self.result_cache is not None and is_deterministic(params):
             key = cache_key(self.model.model_id, self.model.revision, prompt_ids, params)
-        self._in_flight.add(request_id)
+        self._in_flight.add(scoped_request_id(tenant, request_id))
         return Prepared(request_id, tenant, ta.operation_name(request.input_kind), prompt_ids, params, priority,
                         metrics, timer, key)
 
@@ -143,7 +191,7 @@ class GatewayCore:
             return
         prepared.ended = True
         prepared.metrics.end(time.monotonic(), error)
-        self._in_flight.discard(prepared.request_id)
+        self._in_flight.discard(scoped_request_id(prepared.tenant, prepared.request_id))
 
     async def generate(self, request: GenerationRequest, tenant: Tenant, options: SpanOptions = SpanOptions(),
                        received_at: float | None = None) -> AsyncIterator[Event]:
@@ -156,7 +204,7 @@ class GatewayCore:
         s = self._start_span(ta.operation_name(request.input_kind), options)
         prepared, error = None, None
         try:
-            prepared = self.prepare(request, tenant, received_at)
+            prepared = await self.prepare_async(request, tenant, received_at)
             async with aclosing(self._events(prepared, s, None)) as events:
                 async for event in events:
                     yield event
@@ -242,7 +290,8 @@ class GatewayCore:
         hashes: tuple[bytes, ...] = ()
         if self.hash_block_size > 0:
             hashes = tuple(routing_block_hashes(p.prompt_ids, self.hash_block_size, self.model.model_id,
-                                                self.model.revision))
+                                                self.model.revision,
+                                                cache_salt=cache_salt(self.prefix_cache_scope, p.tenant)))
         return Admission(p.request_id, p.tenant, p.priority, len(p.prompt_ids), p.params.max_tokens,
                          self.model.model_id, p.params.n, hashes, self.hash_block_size)
 
@@ -269,11 +318,12 @@ class GatewayCore:
             p.metrics.assigned(p.timer.assigned)
             span.set_attributes({ta.EXECUTOR_ID: assignment.executor_id, ta.QUEUE_WAIT_S: assignment.queue_s})
             choices = [Choice(i, self.tokenizer, p.prompt_ids, p.params.stop) for i in range(p.params.n)]
-            if on_assigned is not None:
-                await on_assigned()
-            async with aclosing(self._execute(p, assignment, choices, span)) as events:
-                async for event in events:
-                    yield event
+            async with renewing(self.mesh, assignment, span):
+                if on_assigned is not None:
+                    await on_assigned()
+                async with aclosing(self._execute(p, assignment, choices, span)) as events:
+                    async for event in events:
+                        yield event
             finished = True
         finally:
             if assignment is not None:

@@ -49,12 +49,18 @@ class Assignment:
         executor_id / address: the executor and its gRPC address.
         lease_id: the lease to present to the executor and to release.
         queue_s: the time the request waited in the scheduler's queue (seconds).
+        lease: the scheduler's signed lease, passed to Execute (``meshserve.lease_token``).
+        lease_ttl_s: seconds the lease lives unless renewed (0: it never expires).
+        tenant: the tenant it was admitted for (Execute names it).
     """
 
     executor_id: str
     address: str
     lease_id: str
     queue_s: float
+    lease: bytes = b""
+    lease_ttl_s: float = 0.0
+    tenant: str = ""
 
 
 @dataclass(frozen=True, slots=True)
@@ -100,6 +106,14 @@ class MeshClient(Protocol):
 
         Raises:
             MeshError: the executor's error, with its code.
+        """
+
+    async def renew(self, lease_id: str, span: trace.Span) -> None:
+        """Extends the lease (Scheduler.RenewLease); called while the request streams,
+        only for an ``Assignment`` with ``lease_ttl_s`` > 0.
+
+        Raises:
+            MeshError: the scheduler's error (NOT_FOUND: the lease is gone).
         """
 
     async def release(self, lease_id: str, num_completion_tokens: int | None, span: trace.Span) -> None:

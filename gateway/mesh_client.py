@@ -81,7 +81,8 @@ class GrpcMeshClient:
                     yield Queued(event.queued.position, event.queued.estimated_wait_s)
                 else:
                     a = event.assignment
-                    yield Assignment(a.executor_id, a.address, a.lease_id, a.queue_s)
+                    yield Assignment(a.executor_id, a.address, a.lease_id, a.queue_s, a.lease, a.lease_ttl_s,
+                                     admission.tenant)
         except grpc.aio.AioRpcError as exc:
             raise from_rpc_error(exc, "scheduler") from None
         finally:
@@ -91,7 +92,8 @@ class GrpcMeshClient:
                       params: SamplingParams, priority: int, span: trace.Span) -> AsyncIterator[ExecutorOutput]:
         """Executor.Execute (see ``gateway.mesh.MeshClient``); closing it early cancels the call."""
         request = executor_pb2.ExecuteRequest(request_id=request_id, lease_id=assignment.lease_id,
-                                              prompt_token_ids=prompt_token_ids, priority=priority)
+                                              prompt_token_ids=prompt_token_ids, priority=priority,
+                                              lease=assignment.lease, tenant=assignment.tenant)
         to_proto(params, request.sampling)
         call = self._executor(assignment.address).Execute(request, metadata=outgoing_metadata(span))
         try:
@@ -101,6 +103,14 @@ class GrpcMeshClient:
             raise from_rpc_error(exc, f"executor {assignment.executor_id}") from None
         finally:
             call.cancel()  # no-op when finished; aborts the engine requests otherwise
+
+    async def renew(self, lease_id: str, span: trace.Span) -> None:
+        """Scheduler.RenewLease (see ``gateway.mesh.MeshClient``)."""
+        try:
+            await self._scheduler.RenewLease(scheduler_pb2.RenewLeaseRequest(lease_id=lease_id), timeout=5,
+                                             metadata=outgoing_metadata(span))
+        except grpc.aio.AioRpcError as exc:
+            raise from_rpc_error(exc, "scheduler") from None
 
     async def release(self, lease_id: str, num_completion_tokens: int | None, span: trace.Span) -> None:
         """Scheduler.Release (see ``gateway.mesh.MeshClient``); ``span`` is the parent of the

@@ -20,6 +20,7 @@ import grpc
 
 from gateway.generation import GatewayCore
 from gateway.mesh_client import GrpcMeshClient
+from gateway.prompt_limits import PromptLimits
 from gateway.proto_convert import request_from_proto, response_of
 from gateway.readiness import ReadinessProbe
 from gateway.request import ModelInfo, SpanOptions
@@ -79,7 +80,7 @@ async def start_gateway(
     tokenizer, model: ModelInfo, scheduler_address: str, port: int, host: str = "127.0.0.1",
     tenants: TenantRegistry | None = None, hash_block_size: int = 16,
     result_cache: ResultCache | None = None, tasks: TaskRunner | None = None, metrics_port: int | None = None,
-    tls: TLSConfig = PLAINTEXT,
+    tls: TLSConfig = PLAINTEXT, prompt_limits: PromptLimits | None = None, prefix_cache_scope: str = "tenant",
 ) -> Service:
     """Starts the Gateway service. Its health is SERVING while the scheduler has an
     executor registered (``gateway.readiness``), checked every 0.5 s.
@@ -93,10 +94,13 @@ async def start_gateway(
     ``tls``: the gateway's certificate (role gateway): its public port serves TLS
     with it (a client certificate is optional there: the API key authenticates)
     and it is the gateway's identity towards the scheduler and the executors.
+    ``prompt_limits``: prompt size caps checked before tokenizing (None: the defaults).
+    ``prefix_cache_scope``: ``tenant`` or ``global``, as the executors' (routing hashes).
     """
     service = Service("meshserve.v1.Gateway", port, host, tls, public=True)
     mesh = GrpcMeshClient(scheduler_address, tls)
-    core = GatewayCore(tokenizer, model, mesh, hash_block_size, result_cache)
+    core = GatewayCore(tokenizer, model, mesh, hash_block_size, result_cache, prompt_limits=prompt_limits,
+                       prefix_cache_scope=prefix_cache_scope)
     tenants = tenants or TenantRegistry.open()
     servicer = GatewayServicer(core, tenants, TaskAPI(core, tenants, tasks or TaskRunner(MemoryTaskStore())))
     gateway_pb2_grpc.add_GatewayServicer_to_server(servicer, service.server)

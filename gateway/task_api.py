@@ -103,7 +103,8 @@ class TaskAPI:
         span = _tracer.start_span(ta.SPAN_SUBMIT_TASK, context=context_from_grpc(context), kind=trace.SpanKind.SERVER,
                                   attributes={ta.TASK_ID: task_id, ta.TENANT: tenant.name})
         try:
-            prepared = self.core.prepare(request_from_proto(request, default_request_id=task_id), tenant, received_at)
+            prepared = await self.core.prepare_async(request_from_proto(request, default_request_id=task_id), tenant,
+                                                     received_at)
             span.set_attribute(ta.REQUEST_ID, prepared.request_id)
             record = TaskRecord(task_id, tenant.name, request_id=prepared.request_id, created_at=time.time(),
                                 traceparent=traceparent_of(span))

@@ -13,6 +13,13 @@ call's metadata to a tenant with a ``TenantRegistry``:
       api_keys = ["key-1", "key-2"]
       default_priority = 0        # optional, default 0
       kv_quota_blocks = 4096      # optional, default: no quota
+      max_priority = 5            # optional: higher priorities are clamped to it
+      requests_per_s = 20.0       # optional: admission rate limit (token bucket)
+      tokens_per_min = 600000     # optional: prompt + completion tokens per minute
+
+  The scheduler reads the same file (``meshserve scheduler --tenants``):
+  it admits only the tenants listed and applies the ceiling and rate limits
+  (``scheduler.tenant_limits``).
 
 * **open mode** (``TenantRegistry.open``): no file; every call is tenant
   ``"default"`` (no quota), whatever key it carries.
@@ -33,7 +40,8 @@ from typing import Any, Sequence
 from meshserve.errors import Unauthenticated
 
 DEFAULT_TENANT = "default"
-_TENANT_FIELDS = {"name", "api_keys", "default_priority", "kv_quota_blocks"}
+_TENANT_FIELDS = {"name", "api_keys", "default_priority", "kv_quota_blocks", "max_priority", "requests_per_s",
+                  "tokens_per_min"}
 
 
 @dataclass(frozen=True)
@@ -46,11 +54,17 @@ class Tenant:
             none (larger is more urgent; see the scheduler's admission queue).
         kv_quota_blocks: most KV blocks its running requests may hold together
             across the mesh (blocks), or None for no quota.
+        max_priority: its priority ceiling (higher asks are clamped), or None.
+        requests_per_s: admissions per second, or None for no limit.
+        tokens_per_min: prompt + completion tokens per minute, or None.
     """
 
     name: str
     default_priority: int = 0
     kv_quota_blocks: int | None = None
+    max_priority: int | None = None
+    requests_per_s: float | None = None
+    tokens_per_min: float | None = None
 
 
 def _digest(key: str) -> bytes:
@@ -182,4 +196,13 @@ def _parse_tenant(entry: Any, where: str) -> tuple[Tenant, list[str]]:
     quota = entry.get("kv_quota_blocks")
     if quota is not None and (not isinstance(quota, int) or isinstance(quota, bool) or quota < 1):
         raise ValueError(f"{where}: 'kv_quota_blocks' must be an integer >= 1 (blocks), got {quota!r}")
-    return Tenant(name, priority, quota), api_keys
+    ceiling = entry.get("max_priority")
+    if ceiling is not None and (not isinstance(ceiling, int) or isinstance(ceiling, bool)):
+        raise ValueError(f"{where}: 'max_priority' must be an integer, got {ceiling!r}")
+    rates = {}
+    for field in ("requests_per_s", "tokens_per_min"):
+        rate = entry.get(field)
+        if rate is not None and (not isinstance(rate, (int, float)) or isinstance(rate, bool) or not rate > 0):
+            raise ValueError(f"{where}: '{field}' must be a number > 0, got {rate!r}")
+        rates[field] = float(rate) if rate is not None else None
+    return Tenant(name, priority, quota, ceiling, **rates), api_keys

@@ -5,6 +5,12 @@ payload sizes, checksums: ``INVALID_ARGUMENT``), moves payloads in chunks, ties
 each Get's leases to its stream (released in ``finally``, so a cancelled or
 failed transfer releases them too), and streams placement events. Every call
 opens a span under the caller's trace context.
+
+**Put buffers are bounded.** A block's size is checked against the layout its
+fingerprint names before any of its bytes are taken; a block larger than the
+whole memory tier is refused at once (INVALID_ARGUMENT: it could never be
+stored), and the bytes of blocks being received, over all Put calls together,
+never exceed the memory tier's budget (RESOURCE_EXHAUSTED with a retry delay).
 """
 
 from __future__ import annotations
@@ -21,7 +27,7 @@ from kvstore.events import PlacementKind
 from kvstore.metrics import KVStoreMetrics
 from kvstore.store import KVStore, PutStatus
 from meshserve.block_hash import hash_to_bytes
-from meshserve.errors import InvalidArgument, NotFound
+from meshserve.errors import InvalidArgument, NotFound, ResourceExhausted
 from meshserve.grpc_server import Service
 from meshserve.kvstore_payload import chunks
 from meshserve.kvstore_wire import fingerprint_from_proto, hashes_from_proto
@@ -45,6 +51,8 @@ class KVStoreServicer(kvstore_pb2_grpc.KVStoreServicer):
         self.metrics = KVStoreMetrics(store)
         self._call_ids = itertools.count()
         self._watchers: set[asyncio.Event] = set()
+        self.max_buffered_bytes = store.memory.capacity  # payload bytes of Put blocks in flight, all calls
+        self.buffered_bytes = 0
         store.events.listeners.append(self._notify)
 
     def _notify(self, _event) -> None:
@@ -90,39 +98,64 @@ class KVStoreServicer(kvstore_pb2_grpc.KVStoreServicer):
     async def Put(self, request_iterator, context) -> kvstore_pb2.PutResponse:
         with _tracer.start_as_current_span("kvstore.put", context=context_from_grpc(context),
                                            kind=SpanKind.SERVER) as span:
-            counts = {PutStatus.STORED: 0, PutStatus.EXISTS: 0, PutStatus.NO_SPACE: 0}
-            fp, header, buf = None, None, bytearray()
-            async for msg in request_iterator:
-                if fp is None:
-                    if not msg.HasField("fingerprint"):
-                        raise InvalidArgument("the first Put message must carry the fingerprint")
-                    fp = fingerprint_from_proto(msg.fingerprint)
-                if msg.HasField("header"):
-                    if header is not None:
-                        raise InvalidArgument(f"block {header.block_hash.hex()} ended after {len(buf)} of "
-                                              f"{header.num_bytes} bytes")
-                    header, buf = self._check_header(msg.header, fp.block_bytes), bytearray()
-                elif header is None and msg.data:
-                    raise InvalidArgument("payload data before any block header")
-                if header is not None and not buf and len(msg.data) == header.num_bytes:
-                    buf = msg.data  # the whole block in one message (the usual case): no copy
-                else:
-                    buf += msg.data
-                if header is not None and len(buf) >= header.num_bytes:
-                    if len(buf) > header.num_bytes:
-                        raise InvalidArgument(f"block {header.block_hash.hex()}: more than num_bytes "
-                                              f"{header.num_bytes} of payload")
-                    block_hash = hashes_from_proto([header.block_hash])[0]
-                    data = buf if isinstance(buf, bytes) else bytes(buf)
-                    counts[self.store.put(fp.namespace, block_hash, data, header.checksum)] += 1
-                    header, buf = None, bytearray()
-            if header is not None:
-                raise InvalidArgument(f"block {header.block_hash.hex()} ended after {len(buf)} of "
-                                      f"{header.num_bytes} bytes (not stored)")
-            span.set_attribute("meshserve.kvstore.stored_blocks", counts[PutStatus.STORED])
-            return kvstore_pb2.PutResponse(num_stored=counts[PutStatus.STORED],
-                                           num_existing=counts[PutStatus.EXISTS],
-                                           num_no_space=counts[PutStatus.NO_SPACE])
+            put = _PutState()
+            try:
+                async for msg in request_iterator:
+                    self._put_message(msg, put)
+            finally:
+                self.buffered_bytes -= put.reserved
+            if put.header is not None:
+                raise InvalidArgument(f"block {put.header.block_hash.hex()} ended after {len(put.buf)} of "
+                                      f"{put.header.num_bytes} bytes (not stored)")
+            span.set_attribute("meshserve.kvstore.stored_blocks", put.counts[PutStatus.STORED])
+            return kvstore_pb2.PutResponse(num_stored=put.counts[PutStatus.STORED],
+                                           num_existing=put.counts[PutStatus.EXISTS],
+                                           num_no_space=put.counts[PutStatus.NO_SPACE])
+
+    def _reserve(self, put: _PutState, num_bytes: int) -> None:
+        """Counts ``num_bytes`` of a block about to be received against the buffer budget.
+
+        Raises:
+            InvalidArgument: the block is larger than the memory tier.
+            ResourceExhausted: blocks in flight already hold the budget.
+        """
+        if num_bytes > self.max_buffered_bytes:
+            raise InvalidArgument(f"block of {num_bytes} bytes exceeds the kvstore's memory budget of "
+                                  f"{self.max_buffered_bytes} bytes")
+        if self.buffered_bytes + num_bytes > self.max_buffered_bytes:
+            raise ResourceExhausted(f"kvstore is receiving {self.buffered_bytes} bytes of blocks; its buffer "
+                                    f"budget is {self.max_buffered_bytes} bytes", 1.0)
+        self.buffered_bytes += num_bytes
+        put.reserved += num_bytes
+
+    def _put_message(self, msg: kvstore_pb2.PutRequest, put: _PutState) -> None:
+        """Takes one Put message into ``put``; stores the block it completes."""
+        if put.fp is None:
+            if not msg.HasField("fingerprint"):
+                raise InvalidArgument("the first Put message must carry the fingerprint")
+            put.fp = fingerprint_from_proto(msg.fingerprint)
+        if msg.HasField("header"):
+            if put.header is not None:
+                raise InvalidArgument(f"block {put.header.block_hash.hex()} ended after {len(put.buf)} of "
+                                      f"{put.header.num_bytes} bytes")
+            put.header, put.buf = self._check_header(msg.header, put.fp.block_bytes), bytearray()
+            self._reserve(put, put.header.num_bytes)
+        elif put.header is None and msg.data:
+            raise InvalidArgument("payload data before any block header")
+        header = put.header
+        if header is not None and not put.buf and len(msg.data) == header.num_bytes:
+            put.buf = msg.data  # the whole block in one message (the usual case): no copy
+        else:
+            put.buf += msg.data
+        if header is not None and len(put.buf) >= header.num_bytes:
+            if len(put.buf) > header.num_bytes:
+                raise InvalidArgument(f"block {header.block_hash.hex()}: more than num_bytes "
+                                      f"{header.num_bytes} of payload")
+            block_hash = hashes_from_proto([header.block_hash])[0]
+            data = put.buf if isinstance(put.buf, bytes) else bytes(put.buf)
+            put.counts[self.store.put(put.fp.namespace, block_hash, data, header.checksum)] += 1
+            self.buffered_bytes -= put.reserved
+            put.header, put.buf, put.reserved = None, bytearray(), 0
 
     @staticmethod
     def _check_header(header: kvstore_pb2.BlockHeader, block_bytes: int) -> kvstore_pb2.BlockHeader:
@@ -161,6 +194,19 @@ class KVStoreServicer(kvstore_pb2_grpc.KVStoreServicer):
                     await wake.wait()
         finally:
             self._watchers.discard(wake)
+
+
+@dataclasses.dataclass
+class _PutState:
+    """One Put call's progress: its fingerprint, the block being received, its bytes,
+    the buffer bytes it reserved, and what happened to its blocks so far."""
+
+    fp: object = None
+    header: kvstore_pb2.BlockHeader | None = None
+    buf: bytes | bytearray = dataclasses.field(default_factory=bytearray)
+    reserved: int = 0
+    counts: dict = dataclasses.field(
+        default_factory=lambda: {PutStatus.STORED: 0, PutStatus.EXISTS: 0, PutStatus.NO_SPACE: 0})
 
 
 async def start_kvstore(store: KVStore, port: int, host: str = "127.0.0.1",

@@ -138,6 +138,35 @@ class KVStoreFingerprint:
         return value.to_bytes(_HASH_BYTES, "little")
 
 
+PREFIX_CACHE_SCOPES = ("tenant", "global")
+"""``--prefix-cache-scope`` values: prefix KV shared within a tenant only (the
+default), or across all tenants."""
+
+
+def cache_salt(scope: str, tenant: str) -> str:
+    """A request's ``cache_salt`` under ``scope``: the tenant's name, or "" for ``global``.
+
+    Raises:
+        ValueError: an unknown scope.
+    """
+    if scope not in PREFIX_CACHE_SCOPES:
+        raise ValueError(f"prefix cache scope must be one of {', '.join(PREFIX_CACHE_SCOPES)}, got {scope!r}")
+    return tenant if scope == "tenant" else ""
+
+
+def salted_root(root: BlockHash, cache_salt: str) -> BlockHash:
+    """The chain root of requests carrying ``cache_salt`` (the root itself for "").
+
+    Requests with different salts get different chains for the same tokens, so
+    they never share cached prefix blocks: not in an executor's prefix cache, not
+    in the scheduler's prefix index, not in the kvstore (whose keys are chain
+    hashes). With ``--prefix-cache-scope tenant`` the salt is the tenant's name,
+    which closes the timing side channel of a shared prefix cache (a tenant
+    cannot probe whether another sent a prompt). Source: vLLM's ``cache_salt``.
+    """
+    return root if not cache_salt else _digest_fields("meshserve-cache-salt-v1", root, cache_salt)
+
+
 def _digest_fields(*fields: object) -> int:
     """Truncated SHA-256 of fields joined by NUL: the one identity hash of this module."""
     text = "\x00".join(str(f) for f in fields)
@@ -198,18 +227,19 @@ def hash_full_blocks(token_ids: Sequence[int], block_size: int, parent_hash: Blo
 
 
 def routing_block_hashes(token_ids: Sequence[int], block_size: int, model_id: str, revision: str,
-                         adapter: str = "") -> list[bytes]:
+                         adapter: str = "", cache_salt: str = "") -> list[bytes]:
     """The chain of a prompt's full blocks, in wire form (what the gateway sends for routing).
 
     Args:
         token_ids: the prompt's token ids.
         block_size: tokens per block (>= 1); the executors' ``block_size``.
         model_id, revision, adapter: the model identity (as ``ModelFingerprint``).
+        cache_salt: the request's salt (``salted_root``), as the executor applies it.
 
     Returns:
         One 16-byte hash per full block; the hashes under which an executor serving
         that model (in any dtype) caches, reports (``executor.kv_events``) and
         stores in the kvstore the same tokens.
     """
-    root = ModelFingerprint(model_id, revision, adapter).root_hash
+    root = salted_root(ModelFingerprint(model_id, revision, adapter).root_hash, cache_salt)
     return [hash_to_bytes(h) for h in hash_full_blocks(token_ids, block_size, root)]

@@ -40,6 +40,7 @@ ROLE_TABLE: Mapping[str, frozenset[str]] = {
     "/meshserve.v1.Gateway/CancelTask": PUBLIC,
     "/meshserve.v1.Scheduler/Admit": frozenset({GATEWAY}),
     "/meshserve.v1.Scheduler/Release": frozenset({GATEWAY}),
+    "/meshserve.v1.Scheduler/RenewLease": frozenset({GATEWAY}),
     "/meshserve.v1.Scheduler/Connect": frozenset({EXECUTOR}),
     "/meshserve.v1.Executor/Execute": frozenset({GATEWAY}),
     "/meshserve.v1.Executor/Stats": frozenset({CLIENT, GATEWAY, SCHEDULER}),

@@ -1,7 +1,9 @@
 """The scheduler's pure core: the admission queue and dispatch to executors.
 
 No gRPC here: the servicer calls ``submit``, ``dispatch``, ``release`` and the
-registry methods, and turns the results into stream events.
+registry methods, and turns the results into stream events. (Over 400 lines:
+the queue, the lease table and the quota and rate charges change together in
+each call; the policies themselves live in their own modules.)
 
 **Order.** ``dispatch`` walks the queue in the order of its ``QueuePolicy``
 (``scheduler.queue_policy``: fcfs, priority classes, or shortest-job-first on
@@ -31,6 +33,19 @@ arrival first within it) if that makes room; otherwise the arrival is refused.
 Displaced and refused requests get RESOURCE_EXHAUSTED with a retry delay: the
 estimated wait of the queue's tail (at least ``retry_after_s`` when nothing is
 measured yet).
+
+**Tenants** (``scheduler.tenant_limits``). With ``tenant_limits`` set, only the
+tenants it lists are admitted (PERMISSION_DENIED otherwise), a request's
+priority is clamped to its tenant's ``max_priority``, and its tenant's rate
+limits apply (RESOURCE_EXHAUSTED with the bucket's refill time as the delay).
+
+**Lease lifetime.** A lease expires ``lease_ttl_s`` after its assignment or its
+last ``renew`` (the gateway renews while it streams). ``expire_leases`` releases
+each expired lease that its executor does not list in its last report (the
+request is not running there: its gateway died before Execute, or Execute
+ended); an expired lease its executor still lists is kept while it is listed,
+since its blocks are really held. So a dead gateway's leases come back at most
+``lease_ttl_s`` + one report interval after its last renewal.
 """
 
 from __future__ import annotations
@@ -41,7 +56,7 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Callable, Iterable, Mapping
 
-from meshserve.errors import AlreadyExists, InvalidArgument, ResourceExhausted, Unavailable
+from meshserve.errors import AlreadyExists, InvalidArgument, PermissionDenied, ResourceExhausted, Unavailable
 from scheduler.kvstore_index import KVStoreIndex
 from scheduler.placement import Placer, blocks_needed, fits_ever
 from scheduler.pools import PoolsConfig
@@ -51,6 +66,7 @@ from scheduler.queue_policy import QueuePolicy
 from scheduler.quotas import TenantQuotas
 from scheduler.registry import ExecutorRegistry, ExecutorState, Lease
 from scheduler.routing import RoutingConfig
+from scheduler.tenant_limits import RateLimiter, TenantLimits
 from scheduler.wait_estimate import WaitEstimator
 
 
@@ -81,6 +97,12 @@ class SchedulerConfig:
         executor_timeout_s: an executor silent this long on its Connect stream
             (no report; they come at least every second) is dropped from the
             registry: nothing is routed to an unreachable executor (seconds).
+        lease_ttl_s: a lease not renewed this long, and not listed by its
+            executor, is released (seconds; module docstring).
+        tenant_limits: tenant → its limits (``scheduler.tenant_limits``); None:
+            any tenant is admitted, unlimited (the core's tests); the
+            ``meshserve scheduler`` command always sets it (the tenants file,
+            or the ``default`` tenant alone).
     """
 
     max_queue_len: int = 4096
@@ -96,6 +118,8 @@ class SchedulerConfig:
     max_engine_waiting: int | None = 0
     kv_reservation: str = "prompt"
     executor_timeout_s: float = 3.0
+    lease_ttl_s: float = 10.0
+    tenant_limits: Mapping[str, TenantLimits] | None = None
 
 
 @dataclass
@@ -141,6 +165,7 @@ class AdmissionCore:
         self.predictor = OutputLengthPredictor(self.config.predictor_min_samples)
         self.quotas = TenantQuotas(self.config.tenant_quotas)
         self.waits = WaitEstimator()
+        self.rates = RateLimiter(dict(self.config.tenant_limits or {}))
         self._clock = clock
         self._queue: dict[str, AdmissionRequest] = {}
         self._queued_tokens = 0
@@ -164,7 +189,10 @@ class AdmissionCore:
                 lower priority can make room, or the request alone needs more
                 blocks than its tenant's quota.
             AlreadyExists: a request with the same id is queued or holds a lease.
+            PermissionDenied: a tenant the configured tenants do not list.
         """
+        limits = self._tenant_limits(req.tenant)
+        req.priority = limits.clamp_priority(req.priority)
         if req.request_id in self._queue or req.request_id in self._leased_request_ids:
             raise AlreadyExists(f"request_id {req.request_id!r} is already queued or running")
         executors = self.placer.executors_for(req)
@@ -182,13 +210,28 @@ class AdmissionCore:
                 f"{limit - 1} prompt tokens (max_model_len and KV cache size)"
             )
         self._check_quota_alone(req, fitting)
+        self.rates.check(req.tenant, req.num_prompt_tokens * max(1, req.n), self._clock())
         displaced = self._make_room(req)
+        self.rates.admit(req.tenant, req.num_prompt_tokens * max(1, req.n), self._clock())
         self._predict(req)
         req.arrival = req.arrival or self._clock()
         req.seq = next(self._seq)
         self._queue[req.request_id] = req
         self._queued_tokens += req.queued_tokens
         return displaced
+
+    def _tenant_limits(self, tenant: str) -> TenantLimits:
+        """The tenant's limits (none when no limits are configured).
+
+        Raises:
+            PermissionDenied: limits are configured and do not list the tenant.
+        """
+        if self.config.tenant_limits is None:
+            return TenantLimits()
+        limits = self.config.tenant_limits.get(tenant)
+        if limits is None:
+            raise PermissionDenied(f"unknown tenant {tenant!r}")
+        return limits
 
     def _predict(self, req: AdmissionRequest) -> None:
         prediction = self.predictor.predict(req.tenant, req.num_prompt_tokens, req.max_tokens)
@@ -293,6 +336,7 @@ class AdmissionCore:
                 num_prompt_tokens=req.num_prompt_tokens, n=max(1, req.n),
                 predicted_output_tokens=req.predicted_output_tokens,
                 num_hit_tokens=placement.hit_tokens, reserved_blocks=placement.num_blocks,
+                expires_at=now + self.config.lease_ttl_s,
             )
             placement.executor.leases[lease.lease_id] = lease
             self._leases[lease.lease_id] = lease
@@ -360,6 +404,7 @@ class AdmissionCore:
             executor.leases.pop(lease_id, None)
         self.quotas.free(lease.tenant, lease.num_blocks)
         if num_completion_tokens is not None:
+            self.rates.completed(lease.tenant, num_completion_tokens, self._clock())
             per_choice = round(num_completion_tokens / lease.n)
             self.predictor.observe(lease.tenant, lease.num_prompt_tokens, per_choice, lease.predicted_output_tokens)
             self.waits.on_release(self._clock(), lease.num_prompt_tokens + num_completion_tokens)
@@ -374,6 +419,23 @@ class AdmissionCore:
                 self._leased_request_ids.discard(lease.request_id)
                 self.quotas.free(lease.tenant, lease.num_blocks)
         return leases
+
+    def renew(self, lease_id: str) -> float | None:
+        """Extends a live lease by ``lease_ttl_s`` from now; returns the seconds it now
+        has left, or None for an unknown (released, expired) lease."""
+        lease = self._leases.get(lease_id)
+        if lease is None:
+            return None
+        lease.expires_at = self._clock() + self.config.lease_ttl_s
+        return self.config.lease_ttl_s
+
+    def expire_leases(self) -> list[Lease]:
+        """Releases the expired leases their executors do not list (module docstring)."""
+        now = self._clock()
+        expired = [lease for lease in self._leases.values() if lease.expires_at <= now and not lease.listed]
+        for lease in expired:
+            self.release(lease.lease_id)
+        return expired
 
     def num_leases(self) -> int:
         """Leases currently held."""

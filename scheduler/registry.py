@@ -36,6 +36,8 @@ class Lease:
         reserved_blocks: blocks admission reserved (``num_blocks`` starts
             there and follows the executor's per-lease reports, see
             ``scheduler.admission``).
+        expires_at: clock time at which it expires unless renewed (seconds).
+        listed: its executor listed it in its last report (its request is there).
     """
 
     lease_id: str
@@ -51,6 +53,8 @@ class Lease:
     num_hit_tokens: int = 0
     reported_tokens: int | None = None
     reserved_blocks: int = 0
+    expires_at: float = float("inf")
+    listed: bool = False
 
 
 @dataclass
@@ -111,14 +115,14 @@ class ExecutorRegistry:
     def report(
         self, executor_id: str, num_free_blocks: int, num_running: int, num_waiting: int, lease_ids: set[str]
     ) -> None:
-        """Applies a capacity report: leases it lists become acknowledged."""
+        """Applies a capacity report: leases it lists become acknowledged and listed,
+        the executor's other leases not listed."""
         state = self._executors.get(executor_id)
         if state is None:
             return
         state.num_free_blocks = num_free_blocks
         state.num_running = num_running
         state.num_waiting = num_waiting
-        for lease_id in lease_ids:
-            lease = state.leases.get(lease_id)
-            if lease is not None:
-                lease.acked = True
+        for lease in state.leases.values():
+            lease.listed = lease.lease_id in lease_ids
+            lease.acked = lease.acked or lease.listed

@@ -7,21 +7,31 @@ events (``KvEvents``, for prefix-aware routing); when the stream ends the
 executor is gone at once, from the registry and from the prefix index; so is an
 executor silent for ``executor_timeout_s`` (unreachable). Every state change
 runs ``_dispatch`` which hands leases to waiting ``Admit`` calls.
+
+Leases are signed here (``meshserve.lease_token``: Ed25519, the public key goes
+to each executor in its ``RegisterAck``) and bound to request id, tenant,
+executor, block budget and expiry. ``RenewLease`` keeps a lease alive; every
+capacity report also sweeps the expired leases its executor no longer lists
+(``AdmissionCore.expire_leases``). Request ids are scoped per tenant
+(``meshserve.request_ids``): the core sees ``scoped_request_id(tenant, id)``.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from typing import Callable
 
 import grpc
 from opentelemetry import trace
 
 from meshserve import trace_attributes as ta
-from meshserve.errors import InvalidArgument, MeshError, ResourceExhausted, Unavailable
+from meshserve.errors import InvalidArgument, MeshError, NotFound, ResourceExhausted, Unavailable
 from meshserve.grpc_server import EXECUTORS_HEALTH_SERVICE, NOT_SERVING, SERVING, Service
 from meshserve.tls import PLAINTEXT, TLSConfig
+from meshserve.lease_token import LeaseClaims, LeaseSigner, new_nonce
+from meshserve.request_ids import check_request_id, scoped_request_id
 from meshserve.telemetry import context_from_grpc, record_error, tracer
 from meshserve.v1 import scheduler_pb2 as pb
 from meshserve.v1 import scheduler_pb2_grpc
@@ -38,8 +48,11 @@ QUEUE_UPDATE_INTERVAL_S = 0.5
 class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
     """Serves Admit, Release and Connect over one ``AdmissionCore``."""
 
-    def __init__(self, core: AdmissionCore, on_registry_change: Callable[[int], None] | None = None):
+    def __init__(self, core: AdmissionCore, on_registry_change: Callable[[int], None] | None = None,
+                 signer: LeaseSigner | None = None, wall_clock: Callable[[], float] = time.time):
         self.core = core
+        self.signer = signer or LeaseSigner()
+        self._wall_clock = wall_clock
         self.metrics = SchedulerMetrics(core)
         self._waiters: dict[str, asyncio.Future[Lease]] = {}
         self._on_registry_change = on_registry_change or (lambda _n: None)
@@ -51,6 +64,23 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
                 self.core.release(lease.lease_id)
             else:
                 fut.set_result(lease)
+
+    def sign(self, lease: Lease, request_id: str, priority: int) -> bytes:
+        """The signed lease of ``lease`` for the caller's (unscoped) ``request_id``."""
+        ttl = self.core.config.lease_ttl_s
+        return self.signer.sign(LeaseClaims(
+            lease_id=lease.lease_id, request_id=request_id, tenant=lease.tenant, executor_id=lease.executor_id,
+            num_blocks=lease.num_blocks, expires_at_unix_s=self._wall_clock() + ttl, nonce=new_nonce(),
+            priority=priority))
+
+    def _expire(self) -> None:
+        """Releases expired leases nobody runs (their gateway is gone), then dispatches."""
+        expired = self.core.expire_leases()
+        for lease in expired:
+            log.warning("lease %s of tenant %s expired (not renewed, not running on %s): released",
+                        lease.lease_id, lease.tenant, lease.executor_id)
+        if expired:
+            self._dispatch()
 
     def _fail_orphans(self) -> None:
         """Fails queued requests whose model no executor serves any more."""
@@ -68,6 +98,8 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
     async def Admit(self, request: pb.AdmitRequest, context: grpc.aio.ServicerContext):
         if not request.request_id:
             raise InvalidArgument("request_id must not be empty")
+        check_request_id(request.request_id)
+        scoped_id = scoped_request_id(request.tenant, request.request_id)
         if request.num_prompt_tokens < 0 or request.max_tokens < 0 or request.n < 0:
             raise InvalidArgument("num_prompt_tokens, max_tokens and n must be >= 0")
         _check_block_hashes(request)
@@ -76,7 +108,7 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
             span.set_attributes({ta.REQUEST_ID: request.request_id, ta.TENANT: request.tenant,
                                  ta.PRIORITY: request.priority, ta.REQUEST_MODEL: request.model})
             req = AdmissionRequest(
-                request_id=request.request_id,
+                request_id=scoped_id,
                 tenant=request.tenant,
                 priority=request.priority,
                 num_prompt_tokens=request.num_prompt_tokens,
@@ -91,13 +123,13 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
                     "displaced from the full admission queue by a higher-priority request",
                     self.core.retry_delay_s()))
             fut: asyncio.Future[Lease] = asyncio.get_running_loop().create_future()
-            self._waiters[request.request_id] = fut
+            self._waiters[scoped_id] = fut
             self._dispatch()
             handed_over = False
             try:
                 last_position = None
                 while not fut.done():
-                    position = self.core.position(request.request_id)
+                    position = self.core.position(scoped_id)
                     if position >= 0 and position != last_position:
                         if last_position is None:  # the position at which it joined the queue
                             span.set_attribute(ta.QUEUE_POSITION, position)
@@ -115,20 +147,22 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
                 executor = self.core.registry.get(lease.executor_id)
                 queue_s = max(0.0, lease.assigned_at - req.arrival)
                 span.set_attributes({ta.EXECUTOR_ID: lease.executor_id, ta.QUEUE_WAIT_S: queue_s})
-                self.metrics.on_assigned(request.tenant, request.priority, queue_s)
+                self.metrics.on_assigned(request.tenant, req.priority, queue_s)  # the ceiling applied
                 yield pb.AdmitEvent(
                     assignment=pb.Assignment(
                         executor_id=lease.executor_id,
                         address=executor.address if executor else "",
                         lease_id=lease.lease_id,
                         queue_s=queue_s,
+                        lease=self.sign(lease, request.request_id, req.priority),
+                        lease_ttl_s=self.core.config.lease_ttl_s,
                     )
                 )
                 handed_over = True
             finally:
                 if not fut.done():
-                    self.core.cancel(request.request_id)
-                    self._waiters.pop(request.request_id, None)
+                    self.core.cancel(scoped_id)
+                    self._waiters.pop(scoped_id, None)
                     fut.cancel()
                 elif not handed_over and not fut.cancelled() and fut.exception() is None:
                     self.core.release(fut.result().lease_id)
@@ -151,6 +185,13 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
             if self.core.release(request.lease_id, tokens):
                 self._dispatch()
         return pb.ReleaseResponse()
+
+    async def RenewLease(self, request: pb.RenewLeaseRequest, context: grpc.aio.ServicerContext
+                         ) -> pb.RenewLeaseResponse:
+        left = self.core.renew(request.lease_id)
+        if left is None:
+            raise NotFound(f"no lease {request.lease_id!r} (released, expired or never issued)")
+        return pb.RenewLeaseResponse(expires_in_s=left)
 
     async def Connect(self, request_iterator, context: grpc.aio.ServicerContext):
         first = await anext(aiter(request_iterator), None)
@@ -179,7 +220,8 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
         messages = aiter(request_iterator)
         timeout_s = self.core.config.executor_timeout_s
         try:
-            yield pb.SchedulerCommand(registered=pb.RegisterAck(executor_id=reg.executor_id))
+            yield pb.SchedulerCommand(registered=pb.RegisterAck(executor_id=reg.executor_id,
+                                                                lease_public_key=self.signer.public_key))
             self._dispatch()
             while True:
                 try:
@@ -194,6 +236,7 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
                     cap = msg.capacity
                     self.core.on_capacity(reg.executor_id, cap.num_free_blocks, cap.num_running, cap.num_waiting,
                                           cap.lease_ids, dict(cap.lease_num_blocks))
+                    self._expire()
                     self._dispatch()
                 elif kind == "kv_events":
                     ev = msg.kv_events

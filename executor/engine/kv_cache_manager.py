@@ -27,7 +27,7 @@ from __future__ import annotations
 
 from executor.engine.block_pool import BlockPool
 from executor.engine.request import Request
-from meshserve.block_hash import BlockHash, ModelFingerprint, hash_full_blocks
+from meshserve.block_hash import BlockHash, ModelFingerprint, hash_full_blocks, salted_root
 
 
 def cdiv(a: int, b: int) -> int:
@@ -83,10 +83,11 @@ class KVCacheManager:
 
     def block_hashes(self, request: Request) -> list[BlockHash]:
         """The chain hashes of the request's full blocks (computed incrementally, kept
-        while the request lives)."""
+        while the request lives), rooted at the model's root salted by the request's
+        ``cache_salt``."""
         hashes = self.req_to_block_hashes.setdefault(request.request_id, [])
         if len(hashes) < request.num_tokens // self.block_size:
-            parent = hashes[-1] if hashes else self.root_hash
+            parent = hashes[-1] if hashes else salted_root(self.root_hash, request.cache_salt)
             hashes.extend(hash_full_blocks(request.all_token_ids, self.block_size, parent, len(hashes)))
         return hashes
 

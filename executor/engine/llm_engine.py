@@ -178,6 +178,7 @@ class LLMEngine:
         request = Request(request_id, list(checked.prompt_token_ids), checked.sampling_params, priority,
                           next(self._arrivals), max_len)
         request.trace_context = trace_context
+        request.cache_salt = checked.cache_salt
         self.batch_scheduler.add_request(request)
 
     def abort_request(self, request_id: str) -> bool:

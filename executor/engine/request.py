@@ -59,15 +59,18 @@ class CheckedRequest:
     Attributes:
         prompt_token_ids: the prompt (non-empty, ids in the vocabulary, fits the cache).
         sampling_params: validated and normalised (``meshserve.sampling.validate``).
+        cache_salt: salts the request's chain hashes (``meshserve.block_hash.salted_root``):
+            requests with different salts never share prefix blocks; "" shares with all.
     """
 
     prompt_token_ids: tuple[int, ...]
     sampling_params: SamplingParams
+    cache_salt: str = ""
 
     def for_choice(self, index: int) -> "CheckedRequest":
         """Choice ``index`` of an ``n`` > 1 request (``SamplingParams.for_choice``: seed +
         index, prompt logprobs on choice 0 only; both keep the params valid)."""
-        return CheckedRequest(self.prompt_token_ids, self.sampling_params.for_choice(index))
+        return CheckedRequest(self.prompt_token_ids, self.sampling_params.for_choice(index), self.cache_salt)
 
 
 @dataclass(eq=False)
@@ -94,6 +97,7 @@ class Request:
         num_kvstore_tokens: of ``num_cached_tokens``, tokens loaded from the kvstore.
         trace_context: the OpenTelemetry context of the request's span (opaque here),
             the parent of kvstore fetch and publish spans.
+        cache_salt: salts its chain hashes (``CheckedRequest.cache_salt``).
     """
 
     request_id: str
@@ -112,6 +116,7 @@ class Request:
     arrival_time: float = 0.0
     num_kvstore_tokens: int = 0
     trace_context: object = None
+    cache_salt: str = ""
 
     def __post_init__(self) -> None:
         self.all_token_ids = list(self.prompt_token_ids) + list(self.output_token_ids)

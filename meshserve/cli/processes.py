@@ -13,6 +13,7 @@ import asyncio
 import logging
 from typing import TYPE_CHECKING
 
+from gateway.prompt_limits import PromptLimits
 from gateway.result_cache import ResultCache
 from gateway.request import ModelInfo
 from gateway.server import start_gateway
@@ -32,6 +33,7 @@ from scheduler.pools import PoolsConfig
 from scheduler.queue_policy import QueuePolicy
 from scheduler.routing import RoutingConfig
 from scheduler.server import start_scheduler
+from scheduler.tenant_limits import TenantLimits
 
 if TYPE_CHECKING:
     from executor.engine.config import EngineConfig
@@ -55,8 +57,10 @@ def model_info(model: str):
 def scheduler_config(queue_policy: str = "fcfs", max_queue_wait_s: float = 30.0, max_queue_len: int = 4096,
                      max_queue_tokens: int | None = None, tenants_file: str | None = None,
                      pools_file: str | None = None, routing: RoutingConfig | None = None,
-                     kv_reservation: str = "prompt") -> SchedulerConfig:
-    """The scheduler's ``SchedulerConfig``; tenant KV quotas come from the tenants file,
+                     kv_reservation: str = "prompt", lease_ttl_s: float = 10.0) -> SchedulerConfig:
+    """The scheduler's ``SchedulerConfig``; tenant KV quotas, the tenants admitted, their
+    priority ceilings and rate limits come from the tenants file (without one only the
+    ``default`` tenant is admitted, unlimited); ``lease_ttl_s``: a lease's life unless renewed;
     pools from the pools file (``scheduler.pools``); ``routing`` is a ``RoutingConfig``;
     ``kv_reservation`` is ``prompt`` or ``predicted`` (``scheduler.placement``).
 
@@ -69,13 +73,16 @@ def scheduler_config(queue_policy: str = "fcfs", max_queue_wait_s: float = 30.0,
         raise ValueError(f"unknown kv reservation {kv_reservation!r} (choose from {', '.join(KV_RESERVATIONS)})")
     if max_queue_len < 1 or (max_queue_tokens is not None and max_queue_tokens < 1):
         raise ValueError("max_queue_len and max_queue_tokens must be >= 1")
-    quotas = {}
-    if tenants_file:
-        quotas = {t.name: t.kv_quota_blocks for t in TenantRegistry.from_file(tenants_file).tenants}
+    if lease_ttl_s <= 0:
+        raise ValueError(f"lease_ttl_s must be > 0, got {lease_ttl_s}")
+    tenants = (TenantRegistry.from_file(tenants_file) if tenants_file else TenantRegistry.open()).tenants
+    quotas = {t.name: t.kv_quota_blocks for t in tenants}
+    limits = {t.name: TenantLimits(t.max_priority, t.requests_per_s, t.tokens_per_min) for t in tenants}
     pools = PoolsConfig.from_file(pools_file) if pools_file else None
     return SchedulerConfig(max_queue_len=max_queue_len, max_queue_tokens=max_queue_tokens, queue_policy=queue_policy,
                            max_queue_wait_s=max_queue_wait_s, tenant_quotas=quotas, pools=pools,
-                           routing=routing or RoutingConfig(), kv_reservation=kv_reservation)
+                           routing=routing or RoutingConfig(), kv_reservation=kv_reservation,
+                           lease_ttl_s=lease_ttl_s, tenant_limits=limits)
 
 
 async def run_scheduler(port: int, host: str = "127.0.0.1", config: SchedulerConfig | None = None,
@@ -176,7 +183,7 @@ async def run_executor(engine_config: EngineConfig, port: int, host: str, schedu
                        step_timeout_s: float = 60.0, kvstore_address: str | None = None,
                        kvstore_fetch_timeout_s: float = 5.0, metrics_port: int | None = None,
                        peak_flops: float | None = None, max_buffered_outputs: int = 256,
-                       tls: TLSConfig = PLAINTEXT) -> None:
+                       tls: TLSConfig = PLAINTEXT, prefix_cache_scope: str = "tenant") -> None:
     """Loads the model, serves the executor and stays registered until a signal; Prometheus
     metrics on ``metrics_port`` (None: none), the MFU against ``peak_flops`` FLOP/s. A request whose
     reader leaves ``max_buffered_outputs`` messages untaken is ended (RESOURCE_EXHAUSTED)."""
@@ -192,7 +199,8 @@ async def run_executor(engine_config: EngineConfig, port: int, host: str, schedu
         svc, async_engine, link = await start_executor(engine, port, host, scheduler, executor_id, pool,
                                                     advertise_address, step_timeout_s, kvstore_address,
                                                     kvstore_fetch_timeout_s, metrics_port, peak_flops,
-                                                    max_buffered_outputs, tls)
+                                                    max_buffered_outputs, tls=tls,
+                                                    prefix_cache_scope=prefix_cache_scope)
         async_engine.on_failure(lambda _exc: done.set())  # exit non-zero: the orchestrator restarts us
         on_rank_failure = getattr(engine.worker_group, "on_failure", None)  # a parallel group's ranks
         if on_rank_failure is not None:
@@ -223,8 +231,12 @@ async def run_executor(engine_config: EngineConfig, port: int, host: str, schedu
 async def run_gateway(model: str, port: int, host: str, scheduler: str, tenants_file: str | None = None,
                       hash_block_size: int = 16, result_cache_size: int = 0, result_cache_ttl_s: float = 600.0,
                       task_store: str = "memory", task_ttl_s: float = 3600.0, max_tasks: int = 10_000,
-                      metrics_port: int | None = None, tls: TLSConfig = PLAINTEXT) -> None:
+                      metrics_port: int | None = None, tls: TLSConfig = PLAINTEXT, max_prompt_bytes: int = 1 << 20,
+                      max_messages: int = 1024, prefix_cache_scope: str = "tenant") -> None:
     """Loads the tokenizer, serves the public Gateway until a signal.
+
+    ``max_prompt_bytes`` / ``max_messages``: prompt caps checked before tokenizing
+    (``gateway.prompt_limits``). ``prefix_cache_scope``: as the executors'.
 
     ``result_cache_size``: entries of the result cache (0: off), each living
     ``result_cache_ttl_s`` seconds. ``task_store``: ``memory`` or a Redis URL;
@@ -243,7 +255,9 @@ async def run_gateway(model: str, port: int, host: str, scheduler: str, tenants_
         cache = ResultCache(result_cache_size, result_cache_ttl_s) if result_cache_size > 0 else None
         holder["svc"] = await start_gateway(tokenizer, info, scheduler, port, host, tenants, hash_block_size,
                                             result_cache=cache, tasks=TaskRunner(store),
-                                            metrics_port=metrics_port, tls=tls)
+                                            metrics_port=metrics_port, tls=tls,
+                                            prompt_limits=PromptLimits(max_prompt_bytes, max_messages),
+                                            prefix_cache_scope=prefix_cache_scope)
         log.info("gateway serving on %s", holder["svc"].address)
 
     async def stop():

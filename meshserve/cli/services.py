@@ -19,6 +19,11 @@ from meshserve.cli.options import (InsecureOpt, MetricsPortOpt, OtlpOpt, ResultC
                                    TLSCAOpt, TLSCertOpt, TLSKeyOpt, TracesOpt, export_trace_settings, is_address,
                                    parse_bytes, serve, setup_logging, tls_settings)
 
+PrefixCacheScopeOpt = typer.Option(
+    "tenant", "--prefix-cache-scope",
+    help="tenant: prefix KV blocks are shared only within a tenant (no cross-tenant timing side channel); "
+         "global: shared by all tenants. Gateway and executors must agree.")
+
 
 def scheduler(
     port: int = typer.Option(50052, min=0, max=65535, help="Port of the Scheduler service."),
@@ -29,7 +34,10 @@ def scheduler(
     max_queue_len: int = typer.Option(4096, "--max-queue-len", help="Most queued requests."),
     max_queue_tokens: Optional[int] = typer.Option(None, "--max-queue-tokens", help="Most queued prompt tokens "
                                                    "(default: no bound)."),
-    tenants: Optional[str] = typer.Option(None, help="Tenants TOML file (KV quotas; default: none)."),
+    tenants: Optional[str] = typer.Option(None, help="Tenants TOML file (the tenants admitted, KV quotas, "
+                                          "priority ceilings, rate limits; default: tenant 'default' only)."),
+    lease_ttl_s: float = typer.Option(10.0, "--lease-ttl-s", min=0.001,
+                                      help="Seconds a lease lives unless its gateway renews it."),
     pools: Optional[str] = typer.Option(None, "--pools", help="Pools TOML file: priority classes → executor pools "
                                         "and spill rules (default: any pool)."),
     kvstore: Optional[str] = typer.Option(None, "--kvstore", help="host:port of the kvstore the executors share: "
@@ -66,7 +74,7 @@ def scheduler(
         route_cfg = RoutingConfig(routing, load_weight=routing_load_weight, balance_factor=routing_balance_factor,
                                   balance_abs_tokens=routing_balance_abs_tokens, kvstore_token_cost=kvstore_token_cost)
         config = processes.scheduler_config(queue_policy, max_queue_wait_s, max_queue_len, max_queue_tokens,
-                                            tenants, pools, route_cfg, kv_reservation)
+                                            tenants, pools, route_cfg, kv_reservation, lease_ttl_s)
     except (ValueError, FileNotFoundError) as exc:
         raise typer.BadParameter(str(exc)) from None
     serve(processes.run_scheduler(port, host, config, kvstore, metrics_port, tls))
@@ -114,6 +122,7 @@ def executor(
                                                   "ends with RESOURCE_EXHAUSTED and its KV is freed."),
     tls_cert: Optional[str] = TLSCertOpt, tls_key: Optional[str] = TLSKeyOpt, tls_ca: Optional[str] = TLSCAOpt,
     insecure: bool = InsecureOpt,
+    prefix_cache_scope: str = PrefixCacheScopeOpt,
     log_level: str = typer.Option("info"),
 ) -> None:
     """Run one executor: a model replica with its continuous-batching engine."""
@@ -135,6 +144,7 @@ def executor(
         raise typer.BadParameter(str(exc)) from None
     if kvstore is not None and not is_address(kvstore):
         raise typer.BadParameter(f"--kvstore must be HOST:PORT, got {kvstore!r}")
+    _check_scope(prefix_cache_scope)
     for flag, p in (("--port", port), ("--metrics-port", metrics_port)):
         if p and not port_is_free(p, host):  # checked before the model loads
             typer.echo(f"error: executor: cannot listen on {host}:{p} (port in use or not allowed); "
@@ -143,7 +153,8 @@ def executor(
     serve(processes.run_executor(cfg, port, host, scheduler, executor_id, pool, advertise,
                                  step_timeout_s=step_timeout_s, kvstore_address=kvstore,
                                  kvstore_fetch_timeout_s=kvstore_fetch_timeout, metrics_port=metrics_port,
-                                 peak_flops=peak_flops, max_buffered_outputs=max_buffered_outputs, tls=tls))
+                                 peak_flops=peak_flops, max_buffered_outputs=max_buffered_outputs, tls=tls,
+                                 prefix_cache_scope=prefix_cache_scope))
 
 
 def kvstore_cmd(
@@ -190,6 +201,10 @@ def gateway(
     task_ttl_s: float = typer.Option(3600.0, "--task-ttl-s", min=0.001, help="Seconds a finished task is kept."),
     max_tasks: int = typer.Option(10_000, "--max-tasks", min=1, help="Most tasks the memory store keeps "
                                   "(finished ones are dropped oldest first; then SubmitTask is refused)."),
+    max_prompt_bytes: int = typer.Option(1 << 20, "--max-prompt-bytes", min=1,
+                                         help="Most UTF-8 bytes of a prompt (or of all chat contents)."),
+    max_messages: int = typer.Option(1024, "--max-messages", min=1, help="Most chat messages of a request."),
+    prefix_cache_scope: str = PrefixCacheScopeOpt,
     traces: Optional[str] = TracesOpt, otlp_endpoint: Optional[str] = OtlpOpt,
     trace_sample_ratio: Optional[float] = SampleOpt,
     metrics_port: Optional[int] = MetricsPortOpt,
@@ -203,11 +218,23 @@ def gateway(
 
     try:
         task_store_kind(task_store)
+        _check_scope(prefix_cache_scope)
     except ValueError as exc:  # a usage error, exit code 2
         raise typer.BadParameter(str(exc)) from None
     tls = tls_settings(tls_cert, tls_key, tls_ca, insecure)
     setup_logging(log_level)
     export_trace_settings(traces, otlp_endpoint, trace_sample_ratio)
     serve(processes.run_gateway(model, port, host, scheduler, tenants, block_size, result_cache_size,
-                                result_cache_ttl_s, task_store, task_ttl_s, max_tasks, metrics_port, tls))
+                                result_cache_ttl_s, task_store, task_ttl_s, max_tasks, metrics_port, tls,
+                                max_prompt_bytes, max_messages, prefix_cache_scope))
+
+
+def _check_scope(scope: str) -> None:
+    """Raises ``typer.BadParameter`` for an unknown ``--prefix-cache-scope``."""
+    from meshserve.block_hash import cache_salt
+
+    try:
+        cache_salt(scope, "")
+    except ValueError as exc:
+        raise typer.BadParameter(str(exc)) from None
 

@@ -56,7 +56,8 @@ class ExecutorServicer:
         its tokens as they are sampled. Cancelling the call aborts the request and
         frees its KV blocks at once.
         Errors: INVALID_ARGUMENT (bad parameters, prompt longer than the context or
-        than the whole KV cache), UNAVAILABLE (shutting down).
+        than the whole KV cache), UNAVAILABLE (shutting down), PERMISSION_DENIED
+        (no valid signed lease for this executor, request and tenant).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

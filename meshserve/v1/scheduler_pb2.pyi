@@ -37,16 +37,20 @@ class AdmitQueued(_message.Message):
     def __init__(self, position: _Optional[int] = ..., estimated_wait_s: _Optional[float] = ...) -> None: ...
 
 class Assignment(_message.Message):
-    __slots__ = ("executor_id", "address", "lease_id", "queue_s")
+    __slots__ = ("executor_id", "address", "lease_id", "queue_s", "lease", "lease_ttl_s")
     EXECUTOR_ID_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
     LEASE_ID_FIELD_NUMBER: _ClassVar[int]
     QUEUE_S_FIELD_NUMBER: _ClassVar[int]
+    LEASE_FIELD_NUMBER: _ClassVar[int]
+    LEASE_TTL_S_FIELD_NUMBER: _ClassVar[int]
     executor_id: str
     address: str
     lease_id: str
     queue_s: float
-    def __init__(self, executor_id: _Optional[str] = ..., address: _Optional[str] = ..., lease_id: _Optional[str] = ..., queue_s: _Optional[float] = ...) -> None: ...
+    lease: bytes
+    lease_ttl_s: float
+    def __init__(self, executor_id: _Optional[str] = ..., address: _Optional[str] = ..., lease_id: _Optional[str] = ..., queue_s: _Optional[float] = ..., lease: _Optional[bytes] = ..., lease_ttl_s: _Optional[float] = ...) -> None: ...
 
 class AdmitEvent(_message.Message):
     __slots__ = ("queued", "assignment")
@@ -130,13 +134,55 @@ class ExecutorMessage(_message.Message):
     def __init__(self, register: _Optional[_Union[ExecutorRegister, _Mapping]] = ..., capacity: _Optional[_Union[CapacityReport, _Mapping]] = ..., kv_events: _Optional[_Union[KvEvents, _Mapping]] = ...) -> None: ...
 
 class RegisterAck(_message.Message):
-    __slots__ = ("executor_id",)
+    __slots__ = ("executor_id", "lease_public_key")
     EXECUTOR_ID_FIELD_NUMBER: _ClassVar[int]
+    LEASE_PUBLIC_KEY_FIELD_NUMBER: _ClassVar[int]
     executor_id: str
-    def __init__(self, executor_id: _Optional[str] = ...) -> None: ...
+    lease_public_key: bytes
+    def __init__(self, executor_id: _Optional[str] = ..., lease_public_key: _Optional[bytes] = ...) -> None: ...
 
 class SchedulerCommand(_message.Message):
     __slots__ = ("registered",)
     REGISTERED_FIELD_NUMBER: _ClassVar[int]
     registered: RegisterAck
     def __init__(self, registered: _Optional[_Union[RegisterAck, _Mapping]] = ...) -> None: ...
+
+class LeaseClaims(_message.Message):
+    __slots__ = ("lease_id", "request_id", "tenant", "executor_id", "num_blocks", "expires_at_unix_s", "nonce", "priority")
+    LEASE_ID_FIELD_NUMBER: _ClassVar[int]
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    TENANT_FIELD_NUMBER: _ClassVar[int]
+    EXECUTOR_ID_FIELD_NUMBER: _ClassVar[int]
+    NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    EXPIRES_AT_UNIX_S_FIELD_NUMBER: _ClassVar[int]
+    NONCE_FIELD_NUMBER: _ClassVar[int]
+    PRIORITY_FIELD_NUMBER: _ClassVar[int]
+    lease_id: str
+    request_id: str
+    tenant: str
+    executor_id: str
+    num_blocks: int
+    expires_at_unix_s: float
+    nonce: bytes
+    priority: int
+    def __init__(self, lease_id: _Optional[str] = ..., request_id: _Optional[str] = ..., tenant: _Optional[str] = ..., executor_id: _Optional[str] = ..., num_blocks: _Optional[int] = ..., expires_at_unix_s: _Optional[float] = ..., nonce: _Optional[bytes] = ..., priority: _Optional[int] = ...) -> None: ...
+
+class SignedLease(_message.Message):
+    __slots__ = ("claims", "signature")
+    CLAIMS_FIELD_NUMBER: _ClassVar[int]
+    SIGNATURE_FIELD_NUMBER: _ClassVar[int]
+    claims: bytes
+    signature: bytes
+    def __init__(self, claims: _Optional[bytes] = ..., signature: _Optional[bytes] = ...) -> None: ...
+
+class RenewLeaseRequest(_message.Message):
+    __slots__ = ("lease_id",)
+    LEASE_ID_FIELD_NUMBER: _ClassVar[int]
+    lease_id: str
+    def __init__(self, lease_id: _Optional[str] = ...) -> None: ...
+
+class RenewLeaseResponse(_message.Message):
+    __slots__ = ("expires_in_s",)
+    EXPIRES_IN_S_FIELD_NUMBER: _ClassVar[int]
+    expires_in_s: float
+    def __init__(self, expires_in_s: _Optional[float] = ...) -> None: ...

@@ -50,6 +50,11 @@ class SchedulerStub:
                 request_serializer=meshserve_dot_v1_dot_scheduler__pb2.ExecutorMessage.SerializeToString,
                 response_deserializer=meshserve_dot_v1_dot_scheduler__pb2.SchedulerCommand.FromString,
                 _registered_method=True)
+        self.RenewLease = channel.unary_unary(
+                '/meshserve.v1.Scheduler/RenewLease',
+                request_serializer=meshserve_dot_v1_dot_scheduler__pb2.RenewLeaseRequest.SerializeToString,
+                response_deserializer=meshserve_dot_v1_dot_scheduler__pb2.RenewLeaseResponse.FromString,
+                _registered_method=True)
 
 
 class SchedulerServicer:
@@ -86,6 +91,17 @@ class SchedulerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def RenewLease(self, request, context):
+        """Extends a lease by the scheduler's lease_ttl_s: the gateway calls it while
+        it streams the request (every lease_ttl_s / 4). A lease not renewed for
+        lease_ttl_s, that its executor no longer reports, is released by the
+        scheduler (a dead gateway's blocks come back). Only gateways may call it.
+        Errors: NOT_FOUND (no such lease: released, expired or never issued).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_SchedulerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -103,6 +119,11 @@ def add_SchedulerServicer_to_server(servicer, server):
                     servicer.Connect,
                     request_deserializer=meshserve_dot_v1_dot_scheduler__pb2.ExecutorMessage.FromString,
                     response_serializer=meshserve_dot_v1_dot_scheduler__pb2.SchedulerCommand.SerializeToString,
+            ),
+            'RenewLease': grpc.unary_unary_rpc_method_handler(
+                    servicer.RenewLease,
+                    request_deserializer=meshserve_dot_v1_dot_scheduler__pb2.RenewLeaseRequest.FromString,
+                    response_serializer=meshserve_dot_v1_dot_scheduler__pb2.RenewLeaseResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -187,6 +208,33 @@ class Scheduler:
             '/meshserve.v1.Scheduler/Connect',
             meshserve_dot_v1_dot_scheduler__pb2.ExecutorMessage.SerializeToString,
             meshserve_dot_v1_dot_scheduler__pb2.SchedulerCommand.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def RenewLease(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/meshserve.v1.Scheduler/RenewLease',
+            meshserve_dot_v1_dot_scheduler__pb2.RenewLeaseRequest.SerializeToString,
+            meshserve_dot_v1_dot_scheduler__pb2.RenewLeaseResponse.FromString,
             options,
             channel_credentials,
             insecure,

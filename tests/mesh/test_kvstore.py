@@ -17,6 +17,7 @@ from meshserve.kvstore_client import KVStoreClient
 from meshserve.telemetry import memory_exporter, outgoing_metadata
 from meshserve.v1 import common_pb2, executor_pb2, executor_pb2_grpc
 from tests.support.engines import make_engine
+from tests.support.leases import signed_lease
 from tests.support.mesh_harness import start_local_mesh
 from tests.support.served_kvstore import STALL_S, DelayingServicer
 from tests.support.tls import role_tls
@@ -27,8 +28,10 @@ PROMPT_LEN = 2000
 BLOCKS = (PROMPT_LEN - 1) // 16   # 124 full blocks a second executor can fetch
 
 
-def execute_request(request_id: str, prompt: list[int], max_tokens: int) -> executor_pb2.ExecuteRequest:
-    req = executor_pb2.ExecuteRequest(request_id=request_id, prompt_token_ids=prompt)
+def execute_request(mesh, executor: int, request_id: str, prompt: list[int],
+                    max_tokens: int) -> executor_pb2.ExecuteRequest:
+    req = executor_pb2.ExecuteRequest(request_id=request_id, prompt_token_ids=prompt, tenant="default",
+                                      lease=signed_lease(mesh, executor, request_id))
     req.sampling.CopyFrom(common_pb2.SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True))
     return req
 
@@ -61,7 +64,7 @@ async def test_late_kvstore_completions_after_an_abort_are_ignored(tokenizer):
     try:
         # 1. executor 0 computes the prompt, publishes its 125 blocks; cancel right after the first token
         async with channel(m.executors[0][0].address, m.tls("gateway")) as ch:
-            call = executor_pb2_grpc.ExecutorStub(ch).Execute(execute_request("c19-save", prompt, 64))
+            call = executor_pb2_grpc.ExecutorStub(ch).Execute(execute_request(m, 0, "c19-save", prompt, 64))
             first = await call.read()
             assert len(first.token_ids) == 1 and first.num_kvstore_tokens == 0
             call.cancel()
@@ -78,7 +81,8 @@ async def test_late_kvstore_completions_after_an_abort_are_ignored(tokenizer):
         assert store.stats().corrupt_blocks == 0
         # the scheduler follows the placements: the gateway's chain hashes of the prompt finds
         # every published block under executor 1's namespace (the same model and layout)
-        hashes = routing_block_hashes(prompt, 16, engines[0].model_id, engines[0].revision)
+        hashes = routing_block_hashes(prompt, 16, engines[0].model_id, engines[0].revision,
+                                      cache_salt="default")  # the tenant of its leases (--prefix-cache-scope tenant)
         index = m.scheduler.servicer.core.kvstore_index
 
         async def indexed():
@@ -90,7 +94,7 @@ async def test_late_kvstore_completions_after_an_abort_are_ignored(tokenizer):
         DelayingServicer.get_delay_s = STALL_S
         memory_exporter().clear()
         async with channel(m.executors[1][0].address, m.tls("gateway")) as ch:
-            call = executor_pb2_grpc.ExecutorStub(ch).Execute(execute_request("c19-load", prompt, 8),
+            call = executor_pb2_grpc.ExecutorStub(ch).Execute(execute_request(m, 1, "c19-load", prompt, 8),
                                                               metadata=outgoing_metadata())
             reader = asyncio.create_task(call.read())
 
@@ -117,7 +121,7 @@ async def test_late_kvstore_completions_after_an_abort_are_ignored(tokenizer):
         assert len(out.token_ids) == 4
         async with channel(m.executors[1][0].address, m.tls("gateway")) as ch:
             msgs = [msg async for msg in executor_pb2_grpc.ExecutorStub(ch).Execute(
-                execute_request("c19-after", prompt, 4))]
+                execute_request(m, 1, "c19-after", prompt, 4))]
         assert msgs[0].num_kvstore_tokens == msgs[0].num_cached_tokens == BLOCKS * 16
         s1 = await m.executor_stats(1)
         assert (s1.kvstore_hit_tokens, s1.kvstore_fetched_blocks, s1.kvstore_corrupt_blocks) == (BLOCKS * 16,

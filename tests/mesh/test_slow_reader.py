@@ -16,9 +16,11 @@ import pytest
 
 from meshserve.client import build_request, generate
 from meshserve.grpc_server import CHANNEL_OPTIONS, open_channel
+from meshserve.request_ids import scoped_request_id
 from meshserve.sampling import SamplingParams, to_proto
 from meshserve.v1 import executor_pb2, executor_pb2_grpc, gateway_pb2_grpc
 from tests.support.engines import make_engine
+from tests.support.leases import signed_lease
 from tests.support.mesh_harness import start_local_mesh
 
 pytestmark = pytest.mark.model
@@ -168,7 +170,8 @@ async def test_executor_frees_choice_ids_with_the_request_id_so_a_retry_is_accep
     slow_channel = open_channel(m.executors[0][0].address, m.tls("gateway"), SLOW_CLIENT_OPTIONS)
     try:
         eng, servicer = m.executors[0][1], m.executors[0][0].servicer
-        req = executor_pb2.ExecuteRequest(request_id="r", lease_id="l1", prompt_token_ids=[7] * 20)
+        req = executor_pb2.ExecuteRequest(request_id="r", lease_id="l1", prompt_token_ids=[7] * 20,
+                                          lease=signed_lease(m, 0, "r"), tenant="default")
         to_proto(SamplingParams(max_tokens=4000, temperature=0.0, ignore_eos=True, n=3), req.sampling)
         call = executor_pb2_grpc.ExecutorStub(slow_channel).Execute(req)
         await call.read()
@@ -176,12 +179,13 @@ async def test_executor_frees_choice_ids_with_the_request_id_so_a_retry_is_accep
         call.cancel()
         loop = asyncio.get_running_loop()
         deadline = loop.time() + 240  # a hang bound; the loop looks at every turn of the event loop
-        while "r" in servicer.active_leases:
+        while scoped_request_id("default", "r") in servicer.active_leases:
             assert loop.time() < deadline, "the request id was never freed"
             await asyncio.sleep(0)
         assert sorted(eng._streams) == []
         # the retry, at once, with the same id: accepted, and every choice runs whole
-        retry = executor_pb2.ExecuteRequest(request_id="r", lease_id="l2", prompt_token_ids=[7] * 20)
+        retry = executor_pb2.ExecuteRequest(request_id="r", lease_id="l2", prompt_token_ids=[7] * 20,
+                                            lease=signed_lease(m, 0, "r"), tenant="default")
         to_proto(SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True, n=3), retry.sampling)
         tokens: dict[int, list[int]] = {0: [], 1: [], 2: []}
         finished = []

@@ -86,7 +86,8 @@ class LocalMesh:
 
 async def start_local_mesh(engines: list[LLMEngine], tokenizer, tenants=None, kvstore=None,
                            kvstore_fetch_timeout_s: float = 300.0, step_timeout_s: float = 3600.0,
-                           metrics: bool = False, max_buffered_outputs: int = 256, tls: bool = True) -> LocalMesh:
+                           metrics: bool = False, max_buffered_outputs: int = 256, tls: bool = True,
+                           prefix_cache_scope: str = "tenant", scheduler_config=None) -> LocalMesh:
     """Starts scheduler, one executor per engine, and a gateway, on free ports; with
     ``kvstore`` (a ``kvstore.store.KVStore``, or a ready ``Service``) a kvstore service
     too, every executor shares prefix blocks through it, and the scheduler follows its
@@ -97,7 +98,9 @@ async def start_local_mesh(engines: list[LLMEngine], tokenizer, tenants=None, kv
     machine and any ``StepGate`` hold: no test's outcome depends on the machine's speed
     (the deadlines themselves are tested on fake clocks). ``tls``: mutual TLS with the
     test CA's role certificates (``LocalMesh.tls`` gives a caller's); False: plaintext.
-    A ready kvstore ``Service`` passed in must speak the same."""
+    A ready kvstore ``Service`` passed in must speak the same. ``prefix_cache_scope``: the
+    gateway's and executors' (``tenant`` or ``global``); ``scheduler_config``: a
+    ``SchedulerConfig`` (None: the defaults)."""
     from kvstore.server import start_kvstore
     from kvstore.store import KVStore
 
@@ -107,7 +110,8 @@ async def start_local_mesh(engines: list[LLMEngine], tokenizer, tenants=None, kv
 
     kv_service = await start_kvstore(kvstore, 0, metrics_port=metrics_port, tls=role("kvstore")) \
         if isinstance(kvstore, KVStore) else kvstore
-    scheduler = await start_scheduler(0, kvstore_address=kv_service.address if kv_service else None,
+    scheduler = await start_scheduler(0, config=scheduler_config,
+                                      kvstore_address=kv_service.address if kv_service else None,
                                       metrics_port=metrics_port, tls=role("scheduler"))
     executors = []
     for i, engine in enumerate(engines):
@@ -117,12 +121,12 @@ async def start_local_mesh(engines: list[LLMEngine], tokenizer, tenants=None, kv
                                                        kvstore_fetch_timeout_s=kvstore_fetch_timeout_s,
                                                        step_timeout_s=step_timeout_s, metrics_port=metrics_port,
                                                        max_buffered_outputs=max_buffered_outputs,
-                                                       tls=role("executor"))
+                                                       tls=role("executor"), prefix_cache_scope=prefix_cache_scope)
         executors.append((svc, async_engine, link))
     e0 = engines[0]
     info = ModelInfo(e0.model_id, e0.max_model_len, e0.vocab_size, e0.revision)
     gateway = await start_gateway(tokenizer, info, scheduler.address, 0, tenants=tenants, metrics_port=metrics_port,
-                                  tls=role("gateway"))
+                                  tls=role("gateway"), prefix_cache_scope=prefix_cache_scope)
     mesh = LocalMesh(scheduler, gateway, executors, kv_service, secure=tls)
     mesh._channel = channel(gateway.address, mesh.tls("client"))
     mesh.stub = gateway_pb2_grpc.GatewayStub(mesh._channel)

@@ -1,0 +1,65 @@
+"""Prompt size limits, checked before anything is tokenized or rendered (case C37).
+
+Tokenizing costs time and memory in proportion to the prompt, so the gateway
+first bounds what it will look at, cheaply, on the event loop:
+
+* ``max_prompt_bytes``: UTF-8 bytes of a raw prompt, or of all chat message
+  contents together (default 1 MiB: about 250,000 tokens of English text, more
+  than any served model's context; a 16 MB prompt is refused here, in
+  microseconds, instead of being tokenized for seconds);
+* ``max_messages``: chat messages (default 1,024);
+* prompt token ids: at most ``max_model_len - 1`` (room for one output token),
+  counted before each id is range-checked.
+
+Each refusal is ``InvalidArgument`` naming the field and its cap. What passes
+is tokenized off the event loop (``GatewayCore.prepare_async``), in a worker
+thread: the fast tokenizer releases the GIL while it encodes, so a prompt at
+the cap stalls the loop for tens of milliseconds at most (measured by
+``tests/gateway/test_prompt_limits.py``), where a larger cap would let the
+final conversion of millions of ids to Python objects hold the GIL for longer.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from gateway.request import GenerationRequest
+from meshserve.errors import InvalidArgument
+
+
+@dataclass(frozen=True)
+class PromptLimits:
+    """Caps on a prompt's size.
+
+    Attributes:
+        max_prompt_bytes: UTF-8 bytes of the prompt text or of all chat contents (bytes).
+        max_messages: chat messages.
+    """
+
+    max_prompt_bytes: int = 1 << 20
+    max_messages: int = 1024
+
+    def __post_init__(self) -> None:
+        if self.max_prompt_bytes < 1 or self.max_messages < 1:
+            raise ValueError("max_prompt_bytes and max_messages must be >= 1")
+
+    def check(self, request: GenerationRequest, max_model_len: int) -> None:
+        """Raises ``InvalidArgument`` when the request's prompt is over a cap."""
+        if request.prompt is not None:
+            self._check_bytes("prompt", [request.prompt])
+        if request.chat is not None:
+            if len(request.chat) > self.max_messages:
+                raise InvalidArgument(f"chat.messages has {len(request.chat)} messages; the limit is "
+                                      f"{self.max_messages}")
+            self._check_bytes("chat.messages", [c for _, c in request.chat if isinstance(c, str)])
+        if request.prompt_token_ids is not None and len(request.prompt_token_ids) >= max_model_len:
+            raise InvalidArgument(f"prompt has {len(request.prompt_token_ids)} tokens; max_model_len is "
+                                  f"{max_model_len} (prompt + at least 1 output token)")
+
+    def _check_bytes(self, field: str, texts: list[str]) -> None:
+        chars = sum(len(t) for t in texts)
+        # a character is 1 to 4 UTF-8 bytes: encode only when the count of characters cannot decide
+        size = chars if chars > self.max_prompt_bytes or 4 * chars <= self.max_prompt_bytes else \
+            sum(len(t.encode("utf-8", errors="surrogatepass")) for t in texts)
+        if size > self.max_prompt_bytes:
+            raise InvalidArgument(f"{field} is over the limit of {self.max_prompt_bytes} bytes (UTF-8)")

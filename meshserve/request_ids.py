@@ -1,0 +1,28 @@
+"""Request ids: their length limit and their scope (one tenant's ids are its own).
+
+A caller names its request (``request_id``); two tenants may pick the same
+name, and neither may learn the other's ids by a collision (an "already in
+use" answer) or reach the other's request with it (cancel, lookups). So every
+service that keys state by request id keys it by ``scoped_request_id(tenant,
+request_id)``: the gateway's ids in flight, the scheduler's queue and leases,
+the executor's engine requests. The form is length-prefixed, so no choice of
+tenant name and id can produce another pair's key.
+"""
+
+from __future__ import annotations
+
+from meshserve.errors import InvalidArgument
+
+MAX_REQUEST_ID_LEN = 256
+"""Longest request id accepted, in characters (ids travel in every hop, span and log)."""
+
+
+def check_request_id(request_id: str) -> None:
+    """Raises ``InvalidArgument`` for an id longer than ``MAX_REQUEST_ID_LEN``."""
+    if len(request_id) > MAX_REQUEST_ID_LEN:
+        raise InvalidArgument(f"request_id has {len(request_id)} characters; the limit is {MAX_REQUEST_ID_LEN}")
+
+
+def scoped_request_id(tenant: str, request_id: str) -> str:
+    """The key of ``request_id`` within ``tenant``: ``"<len(tenant)>:<tenant>/<request_id>"``."""
+    return f"{len(tenant)}:{tenant}/{request_id}"

@@ -1,0 +1,80 @@
+"""An executor runs only what the scheduler signed (case C35's bad leases), and with
+``--prefix-cache-scope tenant`` one tenant gets no prefix hit on another's prompt."""
+
+from __future__ import annotations
+
+import time
+import uuid
+
+import grpc
+import pytest
+
+from gateway.tenants import TenantRegistry
+from meshserve.client import build_request, channel, generate
+from meshserve.lease_token import LeaseClaims, LeaseSigner, new_nonce
+from meshserve.sampling import SamplingParams, to_proto
+from meshserve.v1 import executor_pb2, executor_pb2_grpc
+from tests.support.engines import make_engine
+from tests.support.leases import signed_lease
+from tests.support.mesh_harness import start_local_mesh
+
+
+def execute_request(request_id: str, lease: bytes, tenant: str = "default") -> executor_pb2.ExecuteRequest:
+    req = executor_pb2.ExecuteRequest(request_id=request_id, prompt_token_ids=[5, 6, 7, 8] * 5, lease=lease,
+                                      tenant=tenant)
+    to_proto(SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True), req.sampling)
+    return req
+
+
+def claims_for(executor_id: str, request_id: str, tenant: str = "default", ttl_s: float = 60.0) -> LeaseClaims:
+    return LeaseClaims(uuid.uuid4().hex, request_id, tenant, executor_id, 1, time.time() + ttl_s, new_nonce())
+
+
+async def test_execute_refuses_missing_forged_expired_misdirected_and_replayed_leases(mesh):
+    """C35: Execute with no lease, a lease signed by another key, an expired lease, a lease
+    issued to another executor (or request, or tenant), a used (released) lease:
+    PERMISSION_DENIED, the executor's work counters unchanged, no block held."""
+    executor_id = mesh.executors[0][0].servicer.executor_id
+    foreign = LeaseSigner().sign(claims_for(executor_id, "bad"))
+    other_executor = mesh.scheduler.servicer.signer.sign(claims_for("executor-9", "bad"))
+    bad = {
+        "missing": execute_request("bad", b""),
+        "foreign key": execute_request("bad", foreign),
+        "expired": execute_request("bad", signed_lease(mesh, 0, "bad", ttl_s=-1.0)),
+        "another executor": execute_request("bad", other_executor),
+        "another request": execute_request("bad", signed_lease(mesh, 0, "other-id")),
+        "another tenant": execute_request("bad", signed_lease(mesh, 0, "bad"), tenant="acme"),
+    }
+    async with channel(mesh.executors[0][0].address) as ch:
+        stub = executor_pb2_grpc.ExecutorStub(ch)
+        used = execute_request("good", signed_lease(mesh, 0, "good"))
+        assert sum([len(m.token_ids) async for m in stub.Execute(used)]) == 2
+        await mesh.wait_idle()
+        before = await mesh.executor_stats()
+        for what, req in list(bad.items()) + [("replayed", used)]:
+            with pytest.raises(grpc.aio.AioRpcError) as info:
+                [m async for m in stub.Execute(req)]
+            assert info.value.code() == grpc.StatusCode.PERMISSION_DENIED, what
+        after = await mesh.executor_stats()
+    assert (after.num_steps, after.num_prompt_tokens, after.num_finished, after.num_aborted) == \
+        (before.num_steps, before.num_prompt_tokens, before.num_finished, before.num_aborted)
+    assert after.num_free_blocks == after.num_blocks
+
+
+async def test_with_tenant_scope_tenant_b_gets_no_prefix_hit_on_tenant_a_prompt(tokenizer, tmp_path):
+    path = tmp_path / "tenants.toml"
+    path.write_text('[[tenants]]\nname = "a"\napi_keys = ["key-a"]\n\n[[tenants]]\nname = "b"\napi_keys = ["key-b"]\n')
+    m = await start_local_mesh([make_engine()], tokenizer, tenants=TenantRegistry.from_file(path))
+    prompt = [(7 * i) % 900 + 20 for i in range(80)]  # 5 full blocks; 4 reusable (the last token is recomputed)
+    try:
+        async def cached_tokens(key: str) -> int:
+            out = await generate(m.stub, build_request(prompt, max_tokens=1, temperature=0.0),
+                                 metadata=(("x-api-key", key),))
+            return out.usage["cached_tokens"]
+
+        assert await cached_tokens("key-a") == 0
+        assert await cached_tokens("key-b") == 0   # A's blocks are cached, but not for B
+        assert await cached_tokens("key-a") == 64  # A's own repeat hits its 4 blocks
+        assert await cached_tokens("key-b") == 64  # and B now hits its own
+    finally:
+        await m.stop()
