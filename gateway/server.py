@@ -18,6 +18,7 @@ from contextlib import aclosing
 
 import grpc
 
+from gateway.callbacks import CallbackSender
 from gateway.generation import GatewayCore
 from gateway.mesh_client import GrpcMeshClient
 from gateway.proto_convert import request_from_proto, response_of
@@ -28,6 +29,7 @@ from gateway.task_api import TaskAPI
 from gateway.task_runner import TaskRunner
 from gateway.task_store import MemoryTaskStore
 from gateway.tenants import TenantRegistry
+from meshserve.errors import InvalidArgument
 from meshserve.grpc_server import Service
 from meshserve.telemetry import context_from_grpc
 from meshserve.v1 import gateway_pb2, gateway_pb2_grpc
@@ -58,6 +60,8 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
     async def Generate(self, request: gateway_pb2.GenerateRequest, context: grpc.aio.ServicerContext):
         received_at = time.monotonic()
         tenant = self.tenants.authenticate(context.invocation_metadata())
+        if request.callback_url:
+            raise InvalidArgument("callback_url is for SubmitTask only")
         events = self.core.generate(request_from_proto(request), tenant, SpanOptions(parent=context_from_grpc(context)),
                                     received_at)
         async with aclosing(events):
@@ -78,6 +82,7 @@ async def start_gateway(
     tokenizer, model: ModelInfo, scheduler_address: str, port: int, host: str = "127.0.0.1",
     tenants: TenantRegistry | None = None, hash_block_size: int = 16,
     result_cache: ResultCache | None = None, tasks: TaskRunner | None = None, metrics_port: int | None = None,
+    callbacks: CallbackSender | None = None,
 ) -> Service:
     """Starts the Gateway service. Its health is SERVING while the scheduler has an
     executor registered (``gateway.readiness``), checked every 0.5 s.
@@ -85,7 +90,9 @@ async def start_gateway(
     ``hash_block_size``: tokens per block of the prompt chain hashes sent for
     prefix-aware routing (the executors' ``block_size``; 0: none sent).
     ``result_cache``: the result cache (None: off). ``tasks``: the async task
-    runner over its store (None: in memory, defaults).
+    runner over its store (None: in memory, defaults); with a shared store it
+    starts taking over tasks other gateways left. ``callbacks``: the task callback
+    sender with its allow-list (None: callbacks refused).
     ``metrics_port``: serve Prometheus metrics (``gateway.metrics``) there (0: a
     free port; None: none), as ``service.metrics``.
     """
@@ -93,7 +100,8 @@ async def start_gateway(
     mesh = GrpcMeshClient(scheduler_address)
     core = GatewayCore(tokenizer, model, mesh, hash_block_size, result_cache)
     tenants = tenants or TenantRegistry.open()
-    servicer = GatewayServicer(core, tenants, TaskAPI(core, tenants, tasks or TaskRunner(MemoryTaskStore())))
+    task_api = TaskAPI(core, tenants, tasks or TaskRunner(MemoryTaskStore()), callbacks)
+    servicer = GatewayServicer(core, tenants, task_api)
     gateway_pb2_grpc.add_GatewayServicer_to_server(servicer, service.server)
     service.servicer = servicer  # type: ignore[attr-defined]
     service.serve_metrics(core.metrics.registry, metrics_port)
@@ -101,4 +109,5 @@ async def start_gateway(
     servicer.readiness = ReadinessProbe(service, mesh.scheduler_channel)
     await servicer.readiness.check()
     servicer.readiness.start()
+    task_api.runner.start()
     return service
