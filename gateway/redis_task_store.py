@@ -14,6 +14,7 @@ one ``ZRANGEBYSCORE``; it is written in the same transaction as the record.
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import json
 from dataclasses import asdict, fields, replace
@@ -80,7 +81,7 @@ class RedisTaskStore(TaskStore):
 
     async def create(self, record: TaskRecord) -> None:
         try:
-            async with self._redis.pipeline(transaction=True) as pipe:  # record and index together
+            async with self._redis.pipeline(transaction=True) as pipe:  # record and index together (see _update)
                 pipe.set(KEY_PREFIX + record.task_id, encode(record), px=self.unfinished_ttl_ms, nx=True)
                 pipe.zadd(LEASES_KEY, {record.task_id: record.lease_until if record.owner else 0.0}, nx=True)
                 created, _ = await pipe.execute()
@@ -105,7 +106,7 @@ class RedisTaskStore(TaskStore):
                 return None
             return replace(record, state=to_state or record.state, **changes)
 
-        return await self._update(task_id, change)
+        return await asyncio.shield(self._update(task_id, change))
 
     async def claim(self, task_id: str, owner: str, now: float, lease_s: float) -> TaskRecord | None:
         def change(record: TaskRecord) -> TaskRecord | None:
@@ -113,7 +114,7 @@ class RedisTaskStore(TaskStore):
                 return None
             return replace(record, owner=owner, attempt=record.attempt + 1, lease_until=now + lease_s)
 
-        return await self._update(task_id, change)
+        return await asyncio.shield(self._update(task_id, change))
 
     async def claimable(self, now: float, limit: int = 100) -> list[str]:
         try:
@@ -125,7 +126,12 @@ class RedisTaskStore(TaskStore):
     async def _update(self, task_id: str, change) -> TaskRecord | None:
         """Reads the record, applies ``change`` (None: leave it), writes it back, as one
         optimistic transaction (``WATCH``/``MULTI``/``EXEC``, retried when another
-        gateway wrote the key meanwhile); keeps the lease index in step."""
+        gateway wrote the key meanwhile); keeps the lease index in step.
+
+        Callers shield it from cancellation: redis-py (8.1) swallows a task's cancel
+        that lands inside a WATCH pipeline (the task goes on, "cancelling"), and a
+        compare-and-set that was sent should complete anyway; the caller still sees
+        its ``CancelledError`` at once."""
         key = KEY_PREFIX + task_id
         try:
             async with self._redis.pipeline(transaction=True) as pipe:

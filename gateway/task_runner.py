@@ -250,6 +250,9 @@ class TaskRunner:
         try:
             result = await work(TaskHooks(self, task_id, running.attempt))
         except asyncio.CancelledError:
+            # the cancel is ours (close, cancel, a refused renewal) and handled here: a task
+            # left "cancelling" would break the timeouts inside the store's client calls below
+            asyncio.current_task().uncancel()
             if running.lost:
                 return None
             if running.hand_back:
@@ -331,7 +334,7 @@ class TaskRunner:
         task.add_done_callback(self._finals.discard)
 
     async def _every(self, period_s: float, step: Callable[[], Awaitable[None]]) -> None:
-        while True:
+        while not self._closing:  # also checked: a cancel inside a Redis call may come back as a ConnectionError
             await asyncio.sleep(period_s)
             try:
                 await step()
