@@ -48,6 +48,7 @@ from gateway.metrics import GatewayMetrics, RequestMetrics
 from gateway.prompt import PromptBuilder
 from gateway.request import GenerationRequest, ModelInfo, Prepared, SpanOptions
 from gateway.result_cache import ResultCache, cache_key, is_deterministic
+from gateway.result_store import Coalescer, MemoryResultStore, ResultStore
 from gateway.tenants import Tenant
 from meshserve import trace_attributes as ta
 from meshserve.block_hash import routing_block_hashes
@@ -74,25 +75,32 @@ class GatewayCore:
         mesh: the scheduler and executors (``gateway.mesh_client.GrpcMeshClient``).
         hash_block_size: tokens per block of the prompt chain hashes sent for
             prefix-aware routing (the executors' ``block_size``; 0: none sent).
-        result_cache: finished choices of deterministic requests (None: off).
+        result_cache: finished choices of deterministic requests: a ``ResultStore``
+            (``gateway.result_store``: memory or Redis) or a ``ResultCache`` (kept
+            in memory); None: off. Identical requests in flight are coalesced.
         metrics: the Prometheus metrics (None: a new ``GatewayMetrics``).
     """
 
     def __init__(self, tokenizer, model: ModelInfo, mesh: MeshClient, hash_block_size: int = 16,
-                 result_cache: ResultCache[tuple[CompletedChoice, ...]] | None = None,
+                 result_cache: ResultStore | ResultCache[tuple[CompletedChoice, ...]] | None = None,
                  metrics: GatewayMetrics | None = None):
         self.tokenizer = tokenizer
         self.model = model
         self.mesh = mesh
         self.hash_block_size = hash_block_size
+        if isinstance(result_cache, ResultCache):
+            result_cache = MemoryResultStore(result_cache)
         self.result_cache = result_cache
+        self.results = Coalescer(result_cache) if result_cache is not None else None
         self.metrics = metrics or GatewayMetrics()
         self.prompts = PromptBuilder(tokenizer)
         self._in_flight: set[str] = set()  # request ids of unfinished requests
 
     async def close(self) -> None:
-        """Closes the mesh client's connections."""
+        """Closes the mesh client's and the result store's connections."""
         await self.mesh.close()
+        if self.result_cache is not None:
+            await self.result_cache.close()
 
     def prepare(self, request: GenerationRequest, tenant: Tenant, received_at: float | None = None) -> Prepared:
         """Validates the request, claims its request id and starts its metrics. It then
@@ -108,12 +116,12 @@ class GatewayCore:
         priority = request.priority if request.priority is not None else tenant.default_priority
         metrics = self.metrics.start(tenant.name, priority, timer.start)
         try:
-            return self._prepare(request, tenant.name, priority, metrics, timer)
+            return self._prepare(request, tenant, priority, metrics, timer)
         except BaseException as exc:
             metrics.end(time.monotonic(), exc)
             raise
 
-    def _prepare(self, request: GenerationRequest, tenant: str, priority: int, metrics: RequestMetrics,
+    def _prepare(self, request: GenerationRequest, tenant: Tenant, priority: int, metrics: RequestMetrics,
                  timer: RequestTimer) -> Prepared:
         request_id = request.request_id or uuid.uuid4().hex
         if request_id in self._in_flight:
@@ -130,9 +138,9 @@ class GatewayCore:
         metrics.num_prompt_tokens = len(prompt_ids)
         key = None
         if self.result_cache is not None and is_deterministic(params):
-            key = cache_key(self.model.model_id, self.model.revision, prompt_ids, params)
+            key = cache_key(self.model.model_id, self.model.revision, prompt_ids, params, scope=tenant.cache_scope)
         self._in_flight.add(request_id)
-        return Prepared(request_id, tenant, ta.operation_name(request.input_kind), prompt_ids, params, priority,
+        return Prepared(request_id, tenant.name, ta.operation_name(request.input_kind), prompt_ids, params, priority,
                         metrics, timer, key)
 
     def end(self, prepared: Prepared, error: BaseException | None = None) -> None:
@@ -212,21 +220,24 @@ class GatewayCore:
         """The request's events: from the result cache, else from the mesh (then cached)."""
         span.set_attributes({ta.REQUEST_ID: p.request_id, ta.TENANT: p.tenant, ta.PRIORITY: p.priority,
                              ta.USAGE_INPUT_TOKENS: len(p.prompt_ids), **ta.sampling_attributes(p.params)})
-        if p.cache_key is not None:
-            cached = self.result_cache.get(p.cache_key)
-            span.set_attribute(ta.RESULT_CACHE_HIT, cached is not None)
-            if cached is not None:
-                for event in self._replay(p, span, cached):
+        if p.cache_key is None:
+            async with aclosing(self._generate(p, span, on_assigned)) as events:
+                async for event in events:
+                    yield event
+            return
+        async with self.results.flight(p.cache_key) as flight:  # coalesced with identical requests
+            span.set_attribute(ta.RESULT_CACHE_HIT, flight.cached is not None)
+            if flight.cached is not None:
+                for event in self._replay(p, span, flight.cached):
                     yield event
                 return
-        collector = ChoiceCollector() if p.cache_key is not None else None
-        async with aclosing(self._generate(p, span, on_assigned)) as events:
-            async for event in events:
-                if collector is not None:
+            collector = ChoiceCollector()
+            async with aclosing(self._generate(p, span, on_assigned)) as events:
+                async for event in events:
                     collector.feed(event)
-                yield event
-        if collector is not None and collector.complete(p.params.n):
-            self.result_cache.put(p.cache_key, tuple(collector.choices()))
+                    yield event
+            if collector.complete(p.params.n):
+                flight.value = tuple(collector.choices())
 
     def _replay(self, p: Prepared, span: trace.Span, cached: tuple[CompletedChoice, ...]):
         """A result-cache hit's events, observed as a request whose tokens all came at once."""

@@ -13,6 +13,8 @@ call's metadata to a tenant with a ``TenantRegistry``:
       api_keys = ["key-1", "key-2"]
       default_priority = 0        # optional, default 0
       kv_quota_blocks = 4096      # optional, default: no quota
+      result_cache_scope = "acme-group"   # optional: tenants naming the same scope share
+                                          # result-cache entries (default: none shared)
 
 * **open mode** (``TenantRegistry.open``): no file; every call is tenant
   ``"default"`` (no quota), whatever key it carries.
@@ -33,7 +35,7 @@ from typing import Any, Sequence
 from meshserve.errors import Unauthenticated
 
 DEFAULT_TENANT = "default"
-_TENANT_FIELDS = {"name", "api_keys", "default_priority", "kv_quota_blocks"}
+_TENANT_FIELDS = {"name", "api_keys", "default_priority", "kv_quota_blocks", "result_cache_scope"}
 
 
 @dataclass(frozen=True)
@@ -46,11 +48,19 @@ class Tenant:
             none (larger is more urgent; see the scheduler's admission queue).
         kv_quota_blocks: most KV blocks its running requests may hold together
             across the mesh (blocks), or None for no quota.
+        result_cache_scope: a scope shared in the result cache with the tenants
+            naming the same one; None: its entries are its own.
     """
 
     name: str
     default_priority: int = 0
     kv_quota_blocks: int | None = None
+    result_cache_scope: str | None = None
+
+    @property
+    def cache_scope(self) -> str:
+        """The scope of its result-cache entries: ``scope:<result_cache_scope>`` or ``tenant:<name>``."""
+        return f"scope:{self.result_cache_scope}" if self.result_cache_scope else f"tenant:{self.name}"
 
 
 def _digest(key: str) -> bytes:
@@ -182,4 +192,7 @@ def _parse_tenant(entry: Any, where: str) -> tuple[Tenant, list[str]]:
     quota = entry.get("kv_quota_blocks")
     if quota is not None and (not isinstance(quota, int) or isinstance(quota, bool) or quota < 1):
         raise ValueError(f"{where}: 'kv_quota_blocks' must be an integer >= 1 (blocks), got {quota!r}")
-    return Tenant(name, priority, quota), api_keys
+    scope = entry.get("result_cache_scope")
+    if scope is not None and (not isinstance(scope, str) or not scope.strip()):
+        raise ValueError(f"{where}: 'result_cache_scope' must be a non-empty string, got {scope!r}")
+    return Tenant(name, priority, quota, scope), api_keys
