@@ -51,6 +51,7 @@ from gateway.prompt import PromptBuilder
 from gateway.prompt_limits import PromptLimits
 from gateway.request import GenerationRequest, ModelInfo, Prepared, SpanOptions
 from gateway.result_cache import ResultCache, cache_key, is_deterministic
+from gateway.result_store import Coalescer, MemoryResultStore, ResultStore
 from gateway.tenants import Tenant
 from meshserve import trace_attributes as ta
 from meshserve.block_hash import cache_salt, routing_block_hashes
@@ -78,7 +79,9 @@ class GatewayCore:
         mesh: the scheduler and executors (``gateway.mesh_client.GrpcMeshClient``).
         hash_block_size: tokens per block of the prompt chain hashes sent for
             prefix-aware routing (the executors' ``block_size``; 0: none sent).
-        result_cache: finished choices of deterministic requests (None: off).
+        result_cache: finished choices of deterministic requests: a ``ResultStore``
+            (``gateway.result_store``: memory or Redis) or a ``ResultCache`` (kept
+            in memory); None: off. Identical requests in flight are coalesced.
         metrics: the Prometheus metrics (None: a new ``GatewayMetrics``).
         prompt_limits: size limits checked before tokenizing (``gateway.prompt_limits``).
         prefix_cache_scope: ``tenant`` or ``global``, as the executors': the routing
@@ -89,14 +92,17 @@ class GatewayCore:
     """
 
     def __init__(self, tokenizer, model: ModelInfo, mesh: MeshClient, hash_block_size: int = 16,
-                 result_cache: ResultCache[tuple[CompletedChoice, ...]] | None = None,
+                 result_cache: ResultStore | ResultCache[tuple[CompletedChoice, ...]] | None = None,
                  metrics: GatewayMetrics | None = None, prompt_limits: PromptLimits | None = None,
                  prefix_cache_scope: str = "tenant"):
         self.tokenizer = tokenizer
         self.model = model
         self.mesh = mesh
         self.hash_block_size = hash_block_size
+        if isinstance(result_cache, ResultCache):
+            result_cache = MemoryResultStore(result_cache)
         self.result_cache = result_cache
+        self.results = Coalescer(result_cache) if result_cache is not None else None
         self.metrics = metrics or GatewayMetrics()
         self.prompts = PromptBuilder(tokenizer)
         self.prompt_limits = prompt_limits or PromptLimits()
@@ -105,8 +111,10 @@ class GatewayCore:
         self._in_flight: set[str] = set()  # scoped request ids of unfinished requests
 
     async def close(self) -> None:
-        """Closes the mesh client's connections."""
+        """Closes the mesh client's and the result store's connections."""
         await self.mesh.close()
+        if self.result_cache is not None:
+            await self.result_cache.close()
 
     def prepare(self, request: GenerationRequest, tenant: Tenant, received_at: float | None = None) -> Prepared:
         """Validates the request, claims its request id and starts its metrics. It then
@@ -121,7 +129,7 @@ class GatewayCore:
         timer, priority, metrics = self._start(request, tenant, received_at)
         try:
             request_id = self._check_before_tokenizing(request, tenant.name)
-            return self._prepare(request, request_id, tenant.name, priority, metrics, timer,
+            return self._prepare(request, request_id, tenant, priority, metrics, timer,
                                  self.prompts.from_request(request))
         except BaseException as exc:
             metrics.end(time.monotonic(), exc)
@@ -136,7 +144,7 @@ class GatewayCore:
         try:
             request_id = self._check_before_tokenizing(request, tenant.name)
             prompt_ids = await asyncio.to_thread(self.prompts.from_request, request)
-            return self._prepare(request, request_id, tenant.name, priority, metrics, timer, prompt_ids)
+            return self._prepare(request, request_id, tenant, priority, metrics, timer, prompt_ids)
         except BaseException as exc:
             metrics.end(time.monotonic(), exc)
             raise
@@ -165,9 +173,9 @@ class GatewayCore:
         self.prompt_limits.check(request, self.model.max_model_len)
         return request_id
 
-    def _prepare(self, request: GenerationRequest, request_id: str, tenant: str, priority: int,
+    def _prepare(self, request: GenerationRequest, request_id: str, tenant: Tenant, priority: int,
                  metrics: RequestMetrics, timer: RequestTimer, prompt_ids: list[int]) -> Prepared:
-        if scoped_request_id(tenant, request_id) in self._in_flight:  # claimed while it was tokenized
+        if scoped_request_id(tenant.name, request_id) in self._in_flight:  # claimed while it was tokenized
             raise AlreadyExists(f"request_id {request_id!r} is already in use by an unfinished request")
         params = validate(request.sampling, max_model_len=self.model.max_model_len, vocab_size=self.model.vocab_size)
         if len(prompt_ids) + 1 > self.model.max_model_len:
@@ -178,9 +186,9 @@ class GatewayCore:
         metrics.num_prompt_tokens = len(prompt_ids)
         key = None
         if self.result_cache is not None and is_deterministic(params):
-            key = cache_key(self.model.model_id, self.model.revision, prompt_ids, params)
-        self._in_flight.add(scoped_request_id(tenant, request_id))
-        return Prepared(request_id, tenant, ta.operation_name(request.input_kind), prompt_ids, params, priority,
+            key = cache_key(self.model.model_id, self.model.revision, prompt_ids, params, scope=tenant.cache_scope)
+        self._in_flight.add(scoped_request_id(tenant.name, request_id))
+        return Prepared(request_id, tenant.name, ta.operation_name(request.input_kind), prompt_ids, params, priority,
                         metrics, timer, key)
 
     def end(self, prepared: Prepared, error: BaseException | None = None) -> None:
@@ -260,21 +268,24 @@ class GatewayCore:
         """The request's events: from the result cache, else from the mesh (then cached)."""
         span.set_attributes({ta.REQUEST_ID: p.request_id, ta.TENANT: p.tenant, ta.PRIORITY: p.priority,
                              ta.USAGE_INPUT_TOKENS: len(p.prompt_ids), **ta.sampling_attributes(p.params)})
-        if p.cache_key is not None:
-            cached = self.result_cache.get(p.cache_key)
-            span.set_attribute(ta.RESULT_CACHE_HIT, cached is not None)
-            if cached is not None:
-                for event in self._replay(p, span, cached):
+        if p.cache_key is None:
+            async with aclosing(self._generate(p, span, on_assigned)) as events:
+                async for event in events:
+                    yield event
+            return
+        async with self.results.flight(p.cache_key) as flight:  # coalesced with identical requests
+            span.set_attribute(ta.RESULT_CACHE_HIT, flight.cached is not None)
+            if flight.cached is not None:
+                for event in self._replay(p, span, flight.cached):
                     yield event
                 return
-        collector = ChoiceCollector() if p.cache_key is not None else None
-        async with aclosing(self._generate(p, span, on_assigned)) as events:
-            async for event in events:
-                if collector is not None:
+            collector = ChoiceCollector()
+            async with aclosing(self._generate(p, span, on_assigned)) as events:
+                async for event in events:
                     collector.feed(event)
-                yield event
-        if collector is not None and collector.complete(p.params.n):
-            self.result_cache.put(p.cache_key, tuple(collector.choices()))
+                    yield event
+            if collector.complete(p.params.n):
+                flight.value = tuple(collector.choices())
 
     def _replay(self, p: Prepared, span: trace.Span, cached: tuple[CompletedChoice, ...]):
         """A result-cache hit's events, observed as a request whose tokens all came at once."""

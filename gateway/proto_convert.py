@@ -12,7 +12,8 @@ from __future__ import annotations
 from typing import Iterable, Sequence
 
 from gateway.collector import CompletedChoice
-from gateway.events import ChoiceResult, Delta, Event, FinishReason, Queued, TokenLogprob, TopLogprob
+from gateway.events import (ChoiceResult, Delta, Event, FinishReason, Queued, Timings, TokenLogprob, TopLogprob,
+                            Usage)
 from gateway.request import GenerationRequest
 from meshserve.sampling import params_from_proto
 from meshserve.v1 import common_pb2, gateway_pb2
@@ -105,3 +106,27 @@ def task_choice_to_proto(c: CompletedChoice) -> gateway_pb2.TaskChoice:
 def task_result(choices: Sequence[CompletedChoice]) -> bytes:
     """A task's stored result: a serialized ``TaskStatus`` holding only its choices."""
     return gateway_pb2.TaskStatus(choices=[task_choice_to_proto(c) for c in choices]).SerializeToString()
+
+
+def result_from_proto(msg: gateway_pb2.GenerateResult) -> ChoiceResult:
+    """The inverse of ``result_to_proto``."""
+    u, t = msg.usage, msg.timings
+    return ChoiceResult(request_id=msg.request_id, index=msg.index,
+                        finish_reason=finish_reason_from_proto(msg.finish_reason),
+                        usage=Usage(u.prompt_tokens, u.completion_tokens, u.cached_tokens, u.kvstore_tokens),
+                        timings=Timings(t.queue_s, t.ttft_s, t.tpot_s, t.e2e_s),
+                        prompt_token_ids=tuple(msg.prompt_token_ids), executor_id=msg.executor_id,
+                        stop_reason=msg.stop_reason, prompt_logprobs=logprobs_from_proto(msg.prompt_logprobs),
+                        cached=msg.cached)
+
+
+def task_result_choices(data: bytes) -> list[CompletedChoice]:
+    """The inverse of ``task_result``: the finished choices a stored result holds.
+
+    Raises:
+        google.protobuf.message.DecodeError: not a serialized ``TaskStatus``.
+    """
+    status = gateway_pb2.TaskStatus.FromString(data)
+    return [CompletedChoice(c.index, c.text, tuple(c.token_ids), logprobs_from_proto(c.logprobs),
+                            result_from_proto(c.result) if c.HasField("result") else None)
+            for c in status.choices]

@@ -4,16 +4,20 @@ One Redis string per task, ``meshserve:task:<id>``, holding the record as JSON
 (the result base64-encoded). Redis's own key expiry is the TTL: a final
 transition writes the record with ``PX = ttl_s``; unfinished records carry
 ``unfinished_ttl_s`` (a gateway that died mid-task leaves nothing forever).
-``transition`` is a compare-and-set with ``WATCH``/``MULTI``/``EXEC``
+``transition`` and ``claim`` are compare-and-sets with ``WATCH``/``MULTI``/``EXEC``
 (optimistic: retried when another gateway wrote the key meanwhile), so two
-gateways sharing the store agree on one final state per task.
+gateways sharing the store agree on one owner, one attempt and one final state
+per task. A sorted set, ``meshserve:tasks:leases``, indexes the unfinished
+tasks by the end of their owner's lease (0 when unowned), so ``claimable`` is
+one ``ZRANGEBYSCORE``; it is written in the same transaction as the record.
 """
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import json
-from dataclasses import asdict, replace
+from dataclasses import asdict, fields, replace
 from typing import Iterable
 
 import redis.asyncio as aioredis
@@ -23,21 +27,28 @@ from gateway.task_store import TaskRecord, TaskState, TaskStore
 from meshserve.errors import Unavailable
 
 KEY_PREFIX = "meshserve:task:"
+LEASES_KEY = "meshserve:tasks:leases"  # sorted set: unfinished task id -> lease end (Unix s; 0: unowned)
+_FIELDS = {f.name for f in fields(TaskRecord)}
+_BYTES_FIELDS = ("result", "request")
 
 
 def encode(record: TaskRecord) -> str:
-    """The record as a JSON string (result in base64, state as its number)."""
+    """The record as a JSON string (bytes fields in base64, state as its number)."""
     data = asdict(record)
     data["state"] = int(record.state)
-    data["result"] = base64.b64encode(record.result).decode()
+    for name in _BYTES_FIELDS:
+        data[name] = base64.b64encode(data[name]).decode()
     return json.dumps(data, separators=(",", ":"))
 
 
 def decode(text: str | bytes) -> TaskRecord:
-    """The inverse of ``encode``."""
-    data = json.loads(text)
+    """The inverse of ``encode`` (fields this gateway does not know are ignored, so a
+    newer gateway's records stay readable)."""
+    data = {k: v for k, v in json.loads(text).items() if k in _FIELDS}
     data["state"] = TaskState(data["state"])
-    data["result"] = base64.b64decode(data["result"])
+    for name in _BYTES_FIELDS:
+        if name in data:
+            data[name] = base64.b64decode(data[name])
     return TaskRecord(**data)
 
 
@@ -70,8 +81,10 @@ class RedisTaskStore(TaskStore):
 
     async def create(self, record: TaskRecord) -> None:
         try:
-            created = await self._redis.set(KEY_PREFIX + record.task_id, encode(record), px=self.unfinished_ttl_ms,
-                                            nx=True)
+            async with self._redis.pipeline(transaction=True) as pipe:  # record and index together (see _update)
+                pipe.set(KEY_PREFIX + record.task_id, encode(record), px=self.unfinished_ttl_ms, nx=True)
+                pipe.zadd(LEASES_KEY, {record.task_id: record.lease_until if record.owner else 0.0}, nx=True)
+                created, _ = await pipe.execute()
         except RedisError as exc:
             raise Unavailable(f"task store {self.url}: {exc}") from None
         if not created:
@@ -84,10 +97,42 @@ class RedisTaskStore(TaskStore):
             raise Unavailable(f"task store {self.url}: {exc}") from None
         return None if text is None else decode(text)
 
-    async def transition(self, task_id: str, from_states: Iterable[TaskState], to_state: TaskState,
-                         **changes) -> TaskRecord | None:
-        key, allowed = KEY_PREFIX + task_id, tuple(from_states)
-        ttl_ms = max(1, int(self.ttl_s * 1000)) if to_state.finished else None
+    async def transition(self, task_id: str, from_states: Iterable[TaskState], to_state: TaskState | None,
+                         fence: int | None = None, **changes) -> TaskRecord | None:
+        allowed = tuple(from_states)
+
+        def change(record: TaskRecord) -> TaskRecord | None:
+            if record.state not in allowed or (fence is not None and record.attempt != fence):
+                return None
+            return replace(record, state=to_state or record.state, **changes)
+
+        return await asyncio.shield(self._update(task_id, change))
+
+    async def claim(self, task_id: str, owner: str, now: float, lease_s: float) -> TaskRecord | None:
+        def change(record: TaskRecord) -> TaskRecord | None:
+            if not record.claimable(now):
+                return None
+            return replace(record, owner=owner, attempt=record.attempt + 1, lease_until=now + lease_s)
+
+        return await asyncio.shield(self._update(task_id, change))
+
+    async def claimable(self, now: float, limit: int = 100) -> list[str]:
+        try:
+            ids = await self._redis.zrangebyscore(LEASES_KEY, "-inf", now, start=0, num=limit)
+        except RedisError as exc:
+            raise Unavailable(f"task store {self.url}: {exc}") from None
+        return [i.decode() if isinstance(i, bytes) else i for i in ids]
+
+    async def _update(self, task_id: str, change) -> TaskRecord | None:
+        """Reads the record, applies ``change`` (None: leave it), writes it back, as one
+        optimistic transaction (``WATCH``/``MULTI``/``EXEC``, retried when another
+        gateway wrote the key meanwhile); keeps the lease index in step.
+
+        Callers shield it from cancellation: redis-py (8.1) swallows a task's cancel
+        that lands inside a WATCH pipeline (the task goes on, "cancelling"), and a
+        compare-and-set that was sent should complete anyway; the caller still sees
+        its ``CancelledError`` at once."""
+        key = KEY_PREFIX + task_id
         try:
             async with self._redis.pipeline(transaction=True) as pipe:
                 while True:
@@ -95,16 +140,21 @@ class RedisTaskStore(TaskStore):
                         await pipe.watch(key)
                         text = await pipe.get(key)
                         if text is None:
+                            pipe.multi()
+                            pipe.zrem(LEASES_KEY, task_id)  # an unfinished record that expired
+                            await pipe.execute()
                             return None
-                        record = decode(text)
-                        if record.state not in allowed:
+                        record = change(decode(text))
+                        if record is None:
+                            await pipe.unwatch()
                             return None
-                        record = replace(record, state=to_state, **changes)
                         pipe.multi()
-                        if ttl_ms is None:
-                            pipe.set(key, encode(record), keepttl=True)
+                        if record.state.finished:
+                            pipe.set(key, encode(record), px=max(1, int(self.ttl_s * 1000)))
+                            pipe.zrem(LEASES_KEY, task_id)
                         else:
-                            pipe.set(key, encode(record), px=ttl_ms)
+                            pipe.set(key, encode(record), keepttl=True)
+                            pipe.zadd(LEASES_KEY, {task_id: record.lease_until if record.owner else 0.0})
                         await pipe.execute()
                         return record
                     except WatchError:

@@ -6,10 +6,14 @@ prompt and the parameters: greedy sampling (temperature below 1e-3, or
 the same tokens whatever else is in the batch). Only such requests are looked
 up or stored.
 
-The key is a SHA-256 over the model id and revision, the prompt token ids and
-*every* field of the validated ``SamplingParams`` (stop strings, penalties,
-``n``, logprob settings…), so two requests share an entry only when the engine
-would be asked exactly the same thing. Entries are bounded in number (least
+The key is a SHA-256 over the model's fingerprint (id and revision), the
+prompt token ids, *every* field of the validated ``SamplingParams`` (stop
+strings, penalties, ``n``, logprob settings…) and the *scope*: the tenant
+(``tenant:<name>``), unless the tenants file gives tenants a shared
+``result_cache_scope`` (``scope:<name>``). Two requests share an entry only
+when the engine would be asked exactly the same thing for the same scope, so
+tenant B never reads tenant A's answer; the hex key reveals neither prompt nor
+tenant (it is also the Redis key's suffix, ``gateway.result_store``). Entries are bounded in number (least
 recently used goes first) and live ``ttl_s`` seconds after they were stored:
 ``cachetools.TTLCache``.
 
@@ -28,6 +32,7 @@ from typing import Callable, Generic, Sequence, TypeVar
 
 from cachetools import TTLCache
 
+from meshserve.block_hash import ModelFingerprint
 from meshserve.errors import InvalidArgument
 from meshserve.sampling import SamplingParams
 
@@ -40,16 +45,19 @@ def is_deterministic(params: SamplingParams) -> bool:
     return params.greedy or params.seed is not None
 
 
-def cache_key(model_id: str, revision: str, prompt_token_ids: Sequence[int], params: SamplingParams) -> str:
-    """The hex SHA-256 naming one (model, prompt, parameters) combination.
+def cache_key(model_id: str, revision: str, prompt_token_ids: Sequence[int], params: SamplingParams, *,
+              scope: str) -> str:
+    """The hex SHA-256 naming one (model, prompt, parameters, scope) combination.
 
     Args:
         model_id / revision: the model (``ModelInfo``); two revisions never share.
         prompt_token_ids: the prompt as the model sees it (after the chat template).
         params: validated sampling parameters; every field is part of the key.
+        scope: who may share the entry (``Tenant.cache_scope``).
     """
-    body = json.dumps({"model": model_id, "revision": revision, "prompt": list(prompt_token_ids),
-                       "sampling": asdict(params)}, sort_keys=True, separators=(",", ":"))
+    fingerprint = f"{ModelFingerprint(model_id, revision).root_hash:x}"
+    body = json.dumps({"model": fingerprint, "prompt": list(prompt_token_ids), "sampling": asdict(params),
+                       "scope": scope}, sort_keys=True, separators=(",", ":"))
     return hashlib.sha256(body.encode()).hexdigest()
 
 

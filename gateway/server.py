@@ -18,6 +18,7 @@ from contextlib import aclosing
 
 import grpc
 
+from gateway.callbacks import CallbackSender
 from gateway.generation import GatewayCore
 from gateway.mesh_client import GrpcMeshClient
 from gateway.prompt_limits import PromptLimits
@@ -29,6 +30,7 @@ from gateway.task_api import TaskAPI
 from gateway.task_runner import TaskRunner
 from gateway.task_store import MemoryTaskStore
 from gateway.tenants import TenantRegistry
+from meshserve.errors import InvalidArgument
 from meshserve.grpc_server import Service
 from meshserve.telemetry import context_from_grpc
 from meshserve.tls import PLAINTEXT, TLSConfig
@@ -60,6 +62,8 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
     async def Generate(self, request: gateway_pb2.GenerateRequest, context: grpc.aio.ServicerContext):
         received_at = time.monotonic()
         tenant = self.tenants.authenticate(context.invocation_metadata())
+        if request.callback_url:
+            raise InvalidArgument("callback_url is for SubmitTask only")
         events = self.core.generate(request_from_proto(request), tenant, SpanOptions(parent=context_from_grpc(context)),
                                     received_at)
         async with aclosing(events):
@@ -81,6 +85,7 @@ async def start_gateway(
     tenants: TenantRegistry | None = None, hash_block_size: int = 16,
     result_cache: ResultCache | None = None, tasks: TaskRunner | None = None, metrics_port: int | None = None,
     tls: TLSConfig = PLAINTEXT, prompt_limits: PromptLimits | None = None, prefix_cache_scope: str = "tenant",
+    callbacks: CallbackSender | None = None,
 ) -> Service:
     """Starts the Gateway service. Its health is SERVING while the scheduler has an
     executor registered (``gateway.readiness``), checked every 0.5 s.
@@ -88,7 +93,9 @@ async def start_gateway(
     ``hash_block_size``: tokens per block of the prompt chain hashes sent for
     prefix-aware routing (the executors' ``block_size``; 0: none sent).
     ``result_cache``: the result cache (None: off). ``tasks``: the async task
-    runner over its store (None: in memory, defaults).
+    runner over its store (None: in memory, defaults); with a shared store it
+    starts taking over tasks other gateways left. ``callbacks``: the task callback
+    sender with its allow-list (None: callbacks refused).
     ``metrics_port``: serve Prometheus metrics (``gateway.metrics``) there (0: a
     free port; None: none), as ``service.metrics``.
     ``tls``: the gateway's certificate (role gateway): its public port serves TLS
@@ -102,7 +109,8 @@ async def start_gateway(
     core = GatewayCore(tokenizer, model, mesh, hash_block_size, result_cache, prompt_limits=prompt_limits,
                        prefix_cache_scope=prefix_cache_scope)
     tenants = tenants or TenantRegistry.open()
-    servicer = GatewayServicer(core, tenants, TaskAPI(core, tenants, tasks or TaskRunner(MemoryTaskStore())))
+    task_api = TaskAPI(core, tenants, tasks or TaskRunner(MemoryTaskStore()), callbacks)
+    servicer = GatewayServicer(core, tenants, task_api)
     gateway_pb2_grpc.add_GatewayServicer_to_server(servicer, service.server)
     service.servicer = servicer  # type: ignore[attr-defined]
     service.serve_metrics(core.metrics.registry, metrics_port)
@@ -110,4 +118,5 @@ async def start_gateway(
     servicer.readiness = ReadinessProbe(service, mesh.scheduler_channel)
     await servicer.readiness.check()
     servicer.readiness.start()
+    task_api.runner.start()
     return service

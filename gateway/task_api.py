@@ -18,6 +18,7 @@ continues the caller's) and carries a span *link* to the submit span.
 
 from __future__ import annotations
 
+import logging
 import time
 import uuid
 from contextlib import aclosing
@@ -26,18 +27,24 @@ import grpc
 from opentelemetry import trace
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
+from google.protobuf import json_format
+from prometheus_client import Counter
+
+from gateway.callbacks import Attempt, CallbackPolicy, CallbackSender
 from gateway.collector import ChoiceCollector
+from gateway.events import Queued
 from gateway.generation import GatewayCore
 from gateway.proto_convert import request_from_proto, task_result
 from gateway.request import Prepared, SpanOptions
-from gateway.task_runner import MarkRunning, TaskRunner
-from gateway.task_store import TaskRecord
-from gateway.tenants import TenantRegistry
+from gateway.task_runner import TaskHooks, TaskRunner, Work
+from gateway.task_store import FINISHED, TaskRecord
+from gateway.tenants import Tenant, TenantRegistry
 from meshserve import trace_attributes as ta
-from meshserve.errors import InvalidArgument
+from meshserve.errors import InvalidArgument, MeshError
 from meshserve.telemetry import context_from_grpc, record_error, tracer
 from meshserve.v1 import gateway_pb2
 
+log = logging.getLogger(__name__)
 _tracer = tracer(__name__)
 _w3c = TraceContextTextMapPropagator()
 
@@ -66,25 +73,51 @@ def to_status(record: TaskRecord) -> gateway_pb2.TaskStatus:
     status.finished_at_unix_s = record.finished_at
     if record.error_code:
         status.error.code, status.error.message = record.error_code, record.error_message
+    if record.queue_position >= 0:
+        status.queue_position, status.estimated_wait_s = record.queue_position, record.estimated_wait_s
+    status.attempt, status.last_error = record.attempt, record.last_error
+    if record.callback_url:
+        status.callback.url, status.callback.attempts = record.callback_url, record.callback_attempts
+        status.callback.state = _CALLBACK_STATES[record.callback_state or "pending"]
+        status.callback.error = record.callback_error
     return status
+
+
+_CALLBACK_STATES = {"pending": gateway_pb2.CALLBACK_STATE_PENDING, "delivered": gateway_pb2.CALLBACK_STATE_DELIVERED,
+                    "failed": gateway_pb2.CALLBACK_STATE_FAILED}
 
 
 class TaskAPI:
     """SubmitTask, GetTask and CancelTask over a ``GatewayCore``.
 
+    Durable tasks: the submitted ``GenerateRequest`` is stored with the task, and
+    the runner's ``resume`` builds the work again from it (a retry after its
+    executor went away, or a takeover after its gateway did), for the tenant the
+    record names. The runner's ``on_final`` POSTs the callback.
+
     Args:
         core: the gateway core that runs the tasks' generations.
         tenants: API keys → tenants.
-        runner: the task runner over its store.
+        runner: the task runner over its store (its ``resume`` and ``on_final`` are set here).
+        callbacks: the callback sender with its allow-list (None: a task naming a
+            ``callback_url`` is refused).
     """
 
-    def __init__(self, core: GatewayCore, tenants: TenantRegistry, runner: TaskRunner):
+    def __init__(self, core: GatewayCore, tenants: TenantRegistry, runner: TaskRunner,
+                 callbacks: CallbackSender | None = None):
         self.core = core
         self.tenants = tenants
         self.runner = runner
+        self.callbacks = callbacks
+        runner.resume, runner.on_final = self._resume, self._on_final
+        self._posts = Counter("meshserve_task_callback_posts", "Callback POSTs by outcome (delivered, failed)",
+                              ["outcome"], registry=core.metrics.registry)
+        self._callbacks = Counter("meshserve_task_callbacks", "Task callbacks by final outcome (delivered, failed)",
+                                  ["outcome"], registry=core.metrics.registry)
 
     async def close(self) -> None:
-        """Stops every running task (they end FAILED, UNAVAILABLE) and closes the store."""
+        """Stops the runner (running tasks are handed back to a shared store, or end
+        FAILED, UNAVAILABLE in memory) and closes the store."""
         await self.runner.close()
         await self.runner.store.close()
 
@@ -103,15 +136,18 @@ class TaskAPI:
         span = _tracer.start_span(ta.SPAN_SUBMIT_TASK, context=context_from_grpc(context), kind=trace.SpanKind.SERVER,
                                   attributes={ta.TASK_ID: task_id, ta.TENANT: tenant.name})
         try:
+            callback_url = self._check_callback(request.callback_url)
             prepared = await self.core.prepare_async(request_from_proto(request, default_request_id=task_id), tenant,
                                                      received_at)
             span.set_attribute(ta.REQUEST_ID, prepared.request_id)
+            traceparent = traceparent_of(span)
             record = TaskRecord(task_id, tenant.name, request_id=prepared.request_id, created_at=time.time(),
-                                traceparent=traceparent_of(span))
+                                traceparent=traceparent, request=request.SerializeToString(),
+                                callback_url=callback_url, callback_state="pending" if callback_url else "")
             options = SpanOptions(parent=trace.set_span_in_context(span), kind=trace.SpanKind.INTERNAL, stream=False,
                                   attributes={ta.TASK_ID: task_id})
             try:
-                await self.runner.submit(record, lambda mark_running: self._work(prepared, options, mark_running))
+                await self.runner.submit(record, lambda hooks: self._work(prepared, options, hooks))
             except BaseException as exc:
                 self.core.end(prepared, exc)
                 raise
@@ -123,13 +159,68 @@ class TaskAPI:
         finally:
             span.end()
 
-    async def _work(self, prepared: Prepared, options: SpanOptions, mark_running: MarkRunning) -> bytes:
-        """A task's generation: the core's events collected into the task's result."""
+    def _check_callback(self, url: str) -> str:
+        """The task's callback URL ("" for none). Raises InvalidArgument (see ``gateway.callbacks``)."""
+        if not url:
+            return ""
+        if self.callbacks is None:
+            raise InvalidArgument("callback_url: callbacks are off on this gateway (no --callback-allow)")
+        return self.callbacks.policy.check(url)
+
+    @staticmethod
+    def _span_options(task_id: str, traceparent: str) -> SpanOptions:
+        """A resumed generation's span options: INTERNAL, child of the stored submit span."""
+        parent = _w3c.extract({"traceparent": traceparent}) if traceparent else None
+        return SpanOptions(parent=parent, kind=trace.SpanKind.INTERNAL, stream=False, attributes={ta.TASK_ID: task_id})
+
+    async def _work(self, prepared: Prepared, options: SpanOptions, hooks: TaskHooks) -> bytes:
+        """A task's generation: the core's events collected into the task's result;
+        queue updates go to the task's record."""
         collector = ChoiceCollector()
-        async with aclosing(self.core.run(prepared, options, on_assigned=mark_running)) as events:
+        async with aclosing(self.core.run(prepared, options, on_assigned=hooks)) as events:
             async for event in events:
+                if isinstance(event, Queued):
+                    await hooks.queued(event.position, event.estimated_wait_s)
                 collector.feed(event)
         return task_result(collector.choices())
+
+    def _resume(self, record: TaskRecord) -> Work:
+        """The work of a stored task again (a retry or a takeover): its request prepared
+        anew for the record's tenant. Raises MeshError when it cannot be (e.g. no request stored)."""
+        if not record.request:
+            raise InvalidArgument(f"task {record.task_id} has no stored request to run again")
+        tenant = self.tenants.get(record.tenant) or Tenant(record.tenant)
+        message = gateway_pb2.GenerateRequest.FromString(record.request)
+        options = self._span_options(record.task_id, record.traceparent)
+
+        async def work(hooks: TaskHooks) -> bytes:
+            prepared = self.core.prepare(request_from_proto(message, default_request_id=record.task_id), tenant)
+            return await self._work(prepared, options, hooks)
+        return work
+
+    async def _on_final(self, record: TaskRecord) -> None:
+        """POSTs a finished task's status to its callback URL, recording each attempt."""
+        if not record.callback_url or self.callbacks is None:
+            return
+        body = json_format.MessageToJson(to_status(record), indent=None).encode()
+
+        async def on_attempt(attempt: Attempt) -> None:
+            self._posts.labels("delivered" if attempt.delivered else "failed").inc()
+            state = "delivered" if attempt.delivered else "pending"
+            try:
+                await self.runner.store.transition(record.task_id, FINISHED, None, callback_attempts=attempt.number,
+                                                   callback_state=state, callback_error=attempt.error)
+            except MeshError as exc:
+                log.warning("task %s: callback attempt %d not recorded: %s", record.task_id, attempt.number, exc)
+
+        last = await self.callbacks.deliver(record.callback_url, record.task_id, body, on_attempt)
+        self._callbacks.labels("delivered" if last.delivered else "failed").inc()
+        if not last.delivered:
+            try:
+                await self.runner.store.transition(record.task_id, FINISHED, None, callback_state="failed",
+                                                   callback_error=last.error)
+            except MeshError as exc:
+                log.warning("task %s: callback failure not recorded: %s", record.task_id, exc)
 
     async def get(self, query: gateway_pb2.TaskQuery, context: grpc.aio.ServicerContext) -> gateway_pb2.TaskStatus:
         """GetTask. Raises NotFound (unknown, expired or another tenant's), InvalidArgument (empty id)."""

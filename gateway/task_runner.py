@@ -1,22 +1,49 @@
 """Runs async tasks in the background and keeps their records (pure core, no gRPC).
 
-``submit`` stores a QUEUED record and starts the task's *work* — a coroutine
-function the gateway supplies that runs the generation and returns its result
-as bytes — as an asyncio task. The work calls ``mark_running`` once the
-scheduler has assigned an executor. The outcome becomes the final state:
+``submit`` stores a QUEUED record claimed by this gateway (attempt 1) and
+starts the task's *work* — a coroutine function the gateway supplies that runs
+the generation and returns its result as bytes — as an asyncio task. The work
+gets ``TaskHooks``: awaiting ``hooks()`` marks the task RUNNING once the
+scheduler has assigned an executor; ``hooks.queued(position, wait)`` records
+its place in the scheduler's queue. The outcome becomes the final state:
 
     work returns bytes            → SUCCEEDED (result stored)
-    work raises MeshError         → FAILED (its status code name and message)
+    work raises Unavailable       → retried (below), else FAILED UNAVAILABLE
+    work raises another MeshError → FAILED (its status code name and message)
     work raises anything else     → FAILED, INTERNAL (our bug; logged)
     cancel() / a CancelTask seen  → CANCELLED (the work is cancelled: its
                                      executor call is cancelled, KV freed)
-    close() (gateway stopping)    → FAILED, UNAVAILABLE
+    close() (gateway stopping)    → shared store: handed back (QUEUED, unowned)
+                                    for another gateway; memory: FAILED, UNAVAILABLE
 
-Every state change goes through the store's compare-and-set ``transition``, so
-a cancel racing the result gives one final state. With a shared store (Redis)
-a CancelTask may reach another gateway: each running task then checks its
-record every ``cancel_poll_s`` seconds and cancels its work when the record
-says CANCELLED (or is gone).
+**Durable tasks** (a shared store, Redis, and a ``resume`` function that builds
+a task's work again from its stored record):
+
+* *Leases.* The owner renews each running task's lease every ``heartbeat_s``
+  (``TaskStore.renew``); a renewal refused (the task was cancelled elsewhere,
+  or claimed by another gateway after our lease lapsed) cancels the local work
+  without writing anything.
+* *Takeover.* Every ``claim_poll_s`` the runner claims tasks whose lease
+  lapsed (their gateway died, was SIGKILLed or stalled) or that were handed
+  back, and runs them through ``resume``. A task claimed for the
+  ``max_attempts + 1``-th time ends FAILED (UNAVAILABLE, with the last reason).
+* *Retries.* A work that raises ``Unavailable`` (its executor went away, the
+  scheduler had none) runs again after an exponential backoff
+  (``retry_backoff_s`` · 2^k) under the next attempt number, at most
+  ``max_attempts`` attempts in all; the task's caller has seen nothing yet, so
+  a retry is invisible but for ``attempt`` and ``last_error`` in its status.
+* *Exactly one result.* Every write of a holder is fenced by its attempt
+  number (``transition(..., fence=attempt)``): once another attempt owns the
+  task the old holder's writes are refused, so there is one final state, one
+  result and one ``on_final`` call (its callback) per task, whoever ran it.
+
+Why not arq or taskiq: both are at-least-once job queues whose workers import
+the job's function and (arq by default) pickle its arguments; neither fences a
+stale worker's completion by an attempt number, and neither knows that a task
+of ours must keep one record (state, result, queue position, callback state)
+readable by ``GetTask`` on any gateway. What we need is four compare-and-sets
+on that record (create, claim, renew, transition) and a sorted set of leases:
+smaller than an adapter over a job library would be.
 
 Tenancy: ``get`` and ``cancel`` raise ``NotFound`` for another tenant's task,
 with the same message as for an unknown one, so ids leak nothing.
@@ -27,15 +54,58 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+import uuid
+from dataclasses import dataclass, replace
 from typing import Awaitable, Callable
 
 from gateway.task_store import UNFINISHED, TaskRecord, TaskState, TaskStore
-from meshserve.errors import MeshError, NotFound
+from meshserve.errors import MeshError, NotFound, Unavailable
 
 log = logging.getLogger(__name__)
 
-MarkRunning = Callable[[], Awaitable[None]]
-Work = Callable[[MarkRunning], Awaitable[bytes]]
+
+class TaskHooks:
+    """What a task's work reports while it runs (one attempt).
+
+    ``await hooks()`` marks the task RUNNING (an executor was assigned);
+    ``await hooks.queued(position, estimated_wait_s)`` records its place in the
+    scheduler's queue (0-based position; seconds). Both are fenced by
+    ``attempt``: a stale attempt's reports are dropped.
+    """
+
+    def __init__(self, runner: TaskRunner, task_id: str, attempt: int):
+        self._runner, self.task_id, self.attempt = runner, task_id, attempt
+        self._last: tuple[int, float] | None = None
+
+    async def __call__(self) -> None:
+        await self._runner.store.transition(self.task_id, (TaskState.QUEUED,), TaskState.RUNNING, fence=self.attempt,
+                                            started_at=self._runner.clock(), queue_position=-1, estimated_wait_s=0.0)
+
+    async def queued(self, position: int, estimated_wait_s: float) -> None:
+        if self._last == (position, estimated_wait_s):
+            return
+        self._last = (position, estimated_wait_s)
+        await self._runner.store.transition(self.task_id, (TaskState.QUEUED,), None, fence=self.attempt,
+                                            queue_position=position, estimated_wait_s=estimated_wait_s)
+
+
+Work = Callable[[TaskHooks], Awaitable[bytes]]
+MarkRunning = TaskHooks  # what older work functions called their argument
+Resume = Callable[[TaskRecord], Work]  # a task's work again, from its record (raises MeshError when it cannot)
+OnFinal = Callable[[TaskRecord], Awaitable[None]]  # after the one final transition (callbacks)
+
+
+@dataclass
+class _Running:
+    """One task whose work runs here."""
+
+    task: asyncio.Task
+    attempt: int
+    lock: asyncio.Lock  # orders the heartbeat's renewals with the attempt's own writes
+    lost: bool = False  # another attempt owns it, or it was cancelled elsewhere: write nothing
+    hand_back: bool = False  # the gateway stops: give it back, unowned
+    started: bool = False  # its coroutine has begun (a cancel before that would skip its cleanup)
+    cancel_at_start: bool = False
 
 
 class TaskRunner:
@@ -43,20 +113,34 @@ class TaskRunner:
 
     Args:
         store: where records live.
-        clock: Unix time in seconds (the records' timestamps).
-        cancel_poll_s: with a shared store, how often a running task checks its
-            record for a cancel made by another gateway (seconds).
+        clock: Unix time in seconds (the records' timestamps and leases).
+        heartbeat_s: with a shared store, how often the leases of running tasks are
+            renewed (seconds); a cancel served by another gateway is seen within it.
+        owner: this gateway's id in the records (default: ``gateway-<12 hex>``).
+        lease_s: how long a claim lasts without a renewal (seconds; > heartbeat_s).
+        claim_poll_s: how often lapsed or handed-back tasks are looked for (seconds).
+        max_attempts: the most attempts of one task (claims and retries together).
+        retry_backoff_s: the first retry's delay; each next one doubles (seconds).
+        resume: builds a task's work from its record; None: no retries, no takeover.
+        on_final: awaited (in the background) with the record of each final
+            transition this runner made (the callback delivery).
     """
 
-    def __init__(self, store: TaskStore, clock: Callable[[], float] = time.time, cancel_poll_s: float = 1.0):
+    def __init__(self, store: TaskStore, clock: Callable[[], float] = time.time, heartbeat_s: float = 1.0, *,
+                 owner: str | None = None, lease_s: float = 10.0, claim_poll_s: float = 1.0, max_attempts: int = 3,
+                 retry_backoff_s: float = 0.5, resume: Resume | None = None, on_final: OnFinal | None = None):
+        if not lease_s > heartbeat_s > 0 or max_attempts < 1:
+            raise ValueError(f"need lease_s > heartbeat_s > 0 and max_attempts >= 1, got {lease_s}, {heartbeat_s}, "
+                             f"{max_attempts}")
         self.store = store
-        self._clock = clock
-        self.cancel_poll_s = cancel_poll_s
-        self._running: dict[str, asyncio.Task] = {}
-        # tasks whose coroutine has begun: cancelling one before that would skip its
-        # work entirely (no final state, no cleanup), so such a cancel is deferred to its start
-        self._started: set[str] = set()
-        self._cancel_at_start: set[str] = set()
+        self.clock = clock
+        self.heartbeat_s, self.lease_s, self.claim_poll_s = heartbeat_s, lease_s, claim_poll_s
+        self.owner = owner or f"gateway-{uuid.uuid4().hex[:12]}"
+        self.max_attempts, self.retry_backoff_s = max_attempts, retry_backoff_s
+        self.resume, self.on_final = resume, on_final
+        self._running: dict[str, _Running] = {}
+        self._finals: set[asyncio.Task] = set()
+        self._loops: list[asyncio.Task] = []
         self._closing = False
 
     @property
@@ -64,19 +148,32 @@ class TaskRunner:
         """Tasks whose work is running in this gateway."""
         return len(self._running)
 
+    def start(self) -> None:
+        """Starts the heartbeat and (with ``resume``) the takeover loop, for a shared store;
+        idempotent. ``submit`` calls it."""
+        if self._loops or self._closing or not self.store.shared:
+            return
+        self._loops.append(asyncio.create_task(self._every(self.heartbeat_s, self._heartbeat), name="task heartbeat"))
+        if self.resume is not None:
+            self._loops.append(asyncio.create_task(self._every(self.claim_poll_s, self._take_over),
+                                                   name="task takeover"))
+
     async def submit(self, record: TaskRecord, work: Work) -> TaskRecord:
-        """Stores ``record`` (state QUEUED) and starts ``work`` in the background.
+        """Stores ``record`` (state QUEUED, claimed here: attempt 1) and starts ``work``.
 
         Returns:
             The stored record.
 
         Raises:
             ResourceExhausted: the store is full of unfinished tasks.
-            Unavailable: the store cannot be reached.
+            Unavailable: the store cannot be reached, or this gateway is stopping.
         """
+        if self._closing:
+            raise Unavailable("the gateway is stopping")
+        self.start()
+        record = replace(record, owner=self.owner, attempt=1, lease_until=self.clock() + self.lease_s)
         await self.store.create(record)
-        self._running[record.task_id] = asyncio.create_task(self._run(record.task_id, work),
-                                                            name=f"task {record.task_id}")
+        self._launch(record.task_id, 1, work)
         return record
 
     async def get(self, tenant: str, task_id: str) -> TaskRecord:
@@ -99,78 +196,182 @@ class TaskRunner:
         record = await self.get(tenant, task_id)
         if record.state.finished:
             return record
-        cancelled = await self.store.transition(task_id, UNFINISHED, TaskState.CANCELLED, finished_at=self._clock())
+        cancelled = await self.store.transition(task_id, UNFINISHED, TaskState.CANCELLED, finished_at=self.clock(),
+                                                owner="", queue_position=-1)
+        if cancelled is not None:
+            self._final(cancelled)
         self._cancel(task_id)
         return cancelled or await self.get(tenant, task_id)  # it finished meanwhile
 
     async def close(self) -> None:
-        """Cancels every running task (each ends FAILED with UNAVAILABLE) and waits for them."""
+        """Stops claiming; every running task is handed back (shared store) or ends
+        FAILED with UNAVAILABLE (memory); waits for them. Undelivered callbacks stop."""
         self._closing = True
-        tasks = list(self._running.values())
-        for task_id in list(self._running):
+        for loop in self._loops:
+            loop.cancel()
+        await asyncio.gather(*self._loops, return_exceptions=True)
+        tasks = [r.task for r in self._running.values()]
+        for task_id, running in list(self._running.items()):
+            running.hand_back = self.store.shared
             self._cancel(task_id)
         await asyncio.gather(*tasks, return_exceptions=True)
+        for task in list(self._finals):
+            task.cancel()
+        await asyncio.gather(*self._finals, return_exceptions=True)
+
+    def _launch(self, task_id: str, attempt: int, work: Work) -> None:
+        running = _Running(None, attempt, asyncio.Lock())  # type: ignore[arg-type]
+        self._running[task_id] = running
+        running.task = asyncio.create_task(self._run(task_id, running, work), name=f"task {task_id}")
 
     def _cancel(self, task_id: str) -> None:
         """Cancels the task's work; one not started yet is cancelled as it starts, so
         that its work still sees the cancel (and runs its cleanup) and its state is final."""
-        task = self._running.get(task_id)
-        if task is None:
+        running = self._running.get(task_id)
+        if running is None:
             return
-        if task_id in self._started:
-            task.cancel()
+        if running.started:
+            running.task.cancel()
         else:
-            self._cancel_at_start.add(task_id)
+            running.cancel_at_start = True
 
-    async def _run(self, task_id: str, work: Work) -> None:
-        self._started.add(task_id)
-        if task_id in self._cancel_at_start:
-            self._cancel_at_start.discard(task_id)
+    async def _run(self, task_id: str, running: _Running, work: Work) -> None:
+        running.started = True
+        if running.cancel_at_start:
             asyncio.current_task().cancel()  # raised at the work's first await, inside its own try
-
-        async def mark_running() -> None:
-            await self.store.transition(task_id, (TaskState.QUEUED,), TaskState.RUNNING, started_at=self._clock())
-
-        watcher = asyncio.create_task(self._watch(task_id, asyncio.current_task())) if self.store.shared else None
         try:
-            result = await work(mark_running)
-        except asyncio.CancelledError:
-            if self._closing:
-                await self._finish(task_id, TaskState.FAILED, error_code="UNAVAILABLE",
-                                   error_message="the gateway stopped before the task finished")
-            else:
-                await self._finish(task_id, TaskState.CANCELLED)
-        except MeshError as exc:
-            await self._finish(task_id, TaskState.FAILED, error_code=exc.code.name, error_message=str(exc))
-        except Exception as exc:  # noqa: BLE001 - our own bug: recorded as INTERNAL, like a call's
-            log.exception("task %s failed", task_id)
-            await self._finish(task_id, TaskState.FAILED, error_code="INTERNAL",
-                               error_message=f"internal error: {type(exc).__name__}: {exc}")
-        else:
-            await self._finish(task_id, TaskState.SUCCEEDED, result=result)
+            while work is not None:
+                work = await self._attempt(task_id, running, work)
         finally:
             self._running.pop(task_id, None)
-            self._started.discard(task_id)
-            if watcher is not None:
-                watcher.cancel()
 
-    async def _finish(self, task_id: str, state: TaskState, **changes) -> None:
-        """The final transition; a no-op when the task already ended (e.g. cancelled)."""
+    async def _attempt(self, task_id: str, running: _Running, work: Work) -> Work | None:
+        """Runs one attempt; returns the next attempt's work (a retry) or None (done)."""
         try:
-            await self.store.transition(task_id, UNFINISHED, state, finished_at=self._clock(), **changes)
-        except MeshError as exc:  # the store is down: nothing to record the outcome in
-            log.warning("task %s ended %s but its record could not be written: %s", task_id, state.name, exc)
+            result = await work(TaskHooks(self, task_id, running.attempt))
+        except asyncio.CancelledError:
+            # the cancel is ours (close, cancel, a refused renewal) and handled here: a task
+            # left "cancelling" would break the timeouts inside the store's client calls below
+            asyncio.current_task().uncancel()
+            if running.lost:
+                return None
+            if running.hand_back:
+                await self._write(task_id, running, UNFINISHED, TaskState.QUEUED, owner="", lease_until=0.0,
+                                  queue_position=-1, last_error="handed back: its gateway stopped")
+            elif self._closing:
+                await self._finish(task_id, running, TaskState.FAILED, error_code="UNAVAILABLE",
+                                   error_message="the gateway stopped before the task finished")
+            else:
+                await self._finish(task_id, running, TaskState.CANCELLED)
+        except Unavailable as exc:
+            if self.resume is not None and running.attempt < self.max_attempts and not self._closing:
+                return await self._retry(task_id, running, exc)
+            await self._finish(task_id, running, TaskState.FAILED, error_code=exc.code.name, error_message=str(exc))
+        except MeshError as exc:
+            await self._finish(task_id, running, TaskState.FAILED, error_code=exc.code.name, error_message=str(exc))
+        except Exception as exc:  # noqa: BLE001 - our own bug: recorded as INTERNAL, like a call's
+            log.exception("task %s failed", task_id)
+            await self._finish(task_id, running, TaskState.FAILED, error_code="INTERNAL",
+                               error_message=f"internal error: {type(exc).__name__}: {exc}")
+        else:
+            await self._finish(task_id, running, TaskState.SUCCEEDED, result=result)
+        return None
 
-    async def _watch(self, task_id: str, task: asyncio.Task | None) -> None:
-        """Cancels ``task`` once its record is CANCELLED or gone (a CancelTask served
-        by another gateway sharing the store)."""
-        while True:
-            await asyncio.sleep(self.cancel_poll_s)
+    async def _retry(self, task_id: str, running: _Running, exc: MeshError) -> Work | None:
+        """Moves the task to its next attempt (QUEUED again), waits the backoff, and
+        builds the work again; None when the record went on without us."""
+        reason = f"attempt {running.attempt}: {exc.code.name}: {exc}"
+        log.warning("task %s: %s; retrying", task_id, reason)
+        record = await self._write(task_id, running, UNFINISHED, TaskState.QUEUED, attempt=running.attempt + 1,
+                                   last_error=reason, queue_position=-1,
+                                   lease_until=self.clock() + self.lease_s)
+        if record is None:
+            return None
+        running.attempt = record.attempt
+        delay_s = self.retry_backoff_s * 2 ** (record.attempt - 2)
+
+        async def after_backoff(hooks: TaskHooks) -> bytes:  # a cancel while waiting ends it like the work's
+            await asyncio.sleep(delay_s)
+            return await self._work_of(record, running)(hooks)
+        return after_backoff
+
+    def _work_of(self, record: TaskRecord, running: _Running) -> Work:
+        """``resume(record)``, or a work that raises why it cannot be resumed."""
+        try:
+            return self.resume(record)
+        except MeshError as exc:
+            async def failing(_hooks: TaskHooks) -> bytes:
+                raise exc
+            return failing
+
+    async def _write(self, task_id: str, running: _Running, from_states, to_state: TaskState | None,
+                     **changes) -> TaskRecord | None:
+        """A fenced write of the running attempt (None, and ``lost``, when refused);
+        a store that cannot be reached is logged and leaves the record to its lease."""
+        async with running.lock:
             try:
-                record = await self.store.get(task_id)
-            except MeshError:
-                continue  # the store is down for now: keep running
-            if record is None or record.state == TaskState.CANCELLED:
-                if task is not None:
-                    task.cancel()
-                return
+                record = await self.store.transition(task_id, from_states, to_state, fence=running.attempt,
+                                                     **changes)
+            except MeshError as exc:
+                log.warning("task %s: its record could not be written (%s): %s", task_id, to_state, exc)
+                return None
+            running.lost = record is None
+            return record
+
+    async def _finish(self, task_id: str, running: _Running, state: TaskState, **changes) -> None:
+        """The final transition (a no-op when the task already ended or another attempt
+        owns it); the one that succeeds hands the record to ``on_final``."""
+        record = await self._write(task_id, running, UNFINISHED, state, finished_at=self.clock(), owner="",
+                                   queue_position=-1, **changes)
+        if record is not None:
+            self._final(record)
+
+    def _final(self, record: TaskRecord) -> None:
+        if self.on_final is None:
+            return
+        task = asyncio.create_task(self.on_final(record), name=f"task {record.task_id} final")
+        self._finals.add(task)
+        task.add_done_callback(self._finals.discard)
+
+    async def _every(self, period_s: float, step: Callable[[], Awaitable[None]]) -> None:
+        while not self._closing:  # also checked: a cancel inside a Redis call may come back as a ConnectionError
+            await asyncio.sleep(period_s)
+            try:
+                await step()
+            except MeshError as exc:  # the store is down for now: keep running
+                log.warning("task store: %s", exc)
+
+    async def _heartbeat(self) -> None:
+        """Renews every running task's lease; a refused renewal cancels its work."""
+        lease_until = self.clock() + self.lease_s
+        for task_id, running in list(self._running.items()):
+            async with running.lock:
+                if running.lost or not running.started:
+                    continue
+                if not await self.store.renew(task_id, self.owner, running.attempt, lease_until):
+                    running.lost = True
+                    running.task.cancel()
+
+    async def _take_over(self) -> None:
+        """Claims the tasks whose lease lapsed (or that were handed back) and runs them."""
+        now = self.clock()
+        for task_id in await self.store.claimable(now):
+            if self._closing or task_id in self._running:
+                continue
+            record = await self.store.claim(task_id, self.owner, now, self.lease_s)
+            if record is None:
+                continue  # another gateway was quicker
+            log.info("task %s: taken over (attempt %d)", task_id, record.attempt)
+            running = _Running(None, record.attempt, asyncio.Lock())  # type: ignore[arg-type]
+            if record.attempt > self.max_attempts:
+                self._running[task_id] = running
+                try:
+                    await self._finish(task_id, running, TaskState.FAILED, error_code="UNAVAILABLE",
+                                       error_message=f"gave up after {self.max_attempts} attempts "
+                                                     f"({record.last_error or 'its gateway stopped'})")
+                finally:
+                    self._running.pop(task_id, None)
+                continue
+            self._running[task_id] = running
+            running.task = asyncio.create_task(self._run(task_id, running, self._work_of(record, running)),
+                                               name=f"task {task_id}")

@@ -12,7 +12,17 @@ on its state::
        └──────────────────▶ SUCCEEDED | FAILED | CANCELLED
 
 so a task cancelled while its result arrives ends in exactly one final state,
-whichever transition came first. A finished record lives ``ttl_s`` seconds
+whichever transition came first. (One step goes back: a stopping gateway hands
+its RUNNING task back to QUEUED, unowned, for another gateway to claim.)
+
+**Claims and fencing** (durable tasks, ``gateway.task_runner``). An unfinished
+record names its ``owner`` (the gateway running it), an ``attempt`` number and
+a ``lease_until`` (Unix s) that the owner renews (``renew``, its heartbeat).
+``claimable`` lists unfinished records that are unowned or whose lease lapsed;
+``claim`` takes one atomically (``attempt`` + 1, new owner and lease). Every
+write of a holder names its attempt (``transition(..., fence=N)``): once
+another gateway claimed the task, the old holder's writes are refused, so a
+task has exactly one final state and one result, whoever ran it. A finished record lives ``ttl_s`` seconds
 after it finished, then it is gone (``get`` returns None); unfinished records
 never expire in memory (the gateway that runs them is alive) and live
 ``unfinished_ttl_s`` in Redis (a gateway that died mid-task leaves no record
@@ -49,6 +59,8 @@ class TaskState(enum.IntEnum):
 
 
 UNFINISHED = (TaskState.QUEUED, TaskState.RUNNING)
+FINISHED = (TaskState.SUCCEEDED, TaskState.FAILED, TaskState.CANCELLED)
+_SAME = None  # transition's to_state: keep the record's state
 
 
 @dataclass(frozen=True)
@@ -65,6 +77,18 @@ class TaskRecord:
         error_code / error_message: FAILED: a gRPC status code name
             (``"UNAVAILABLE"``) and its message; else empty.
         traceparent: the W3C ``traceparent`` of the submit span ("" when untraced).
+        request: the serialized ``GenerateRequest`` (what a gateway taking the task
+            over runs again); empty when the task cannot be taken over.
+        owner: the gateway running it ("" when unowned: claimable at once).
+        attempt: how many times it was claimed or retried (the fencing token).
+        lease_until: the owner's lease ends (Unix s); past it the task is claimable.
+        queue_position / estimated_wait_s: while it waits in the scheduler's queue,
+            its 0-based position and estimated wait (s); -1 when not queued.
+        last_error: why the previous attempt ended ("" on the first).
+        callback_url: where its result is POSTed when it ends ("" for none).
+        callback_state: "" (none), ``pending``, ``delivered`` or ``failed``.
+        callback_attempts: delivery attempts made.
+        callback_error: the last delivery failure ("" when none).
     """
 
     task_id: str
@@ -78,6 +102,21 @@ class TaskRecord:
     error_code: str = ""
     error_message: str = ""
     traceparent: str = ""
+    request: bytes = b""
+    owner: str = ""
+    attempt: int = 0
+    lease_until: float = 0.0
+    queue_position: int = -1
+    estimated_wait_s: float = 0.0
+    last_error: str = ""
+    callback_url: str = ""
+    callback_state: str = ""
+    callback_attempts: int = 0
+    callback_error: str = ""
+
+    def claimable(self, now: float) -> bool:
+        """Unfinished and unowned, or its owner's lease lapsed by ``now`` (Unix s)."""
+        return not self.state.finished and (not self.owner or self.lease_until <= now)
 
 
 class TaskStore(abc.ABC):
@@ -113,15 +152,37 @@ class TaskStore(abc.ABC):
         """The record, or None when unknown or expired."""
 
     @abc.abstractmethod
-    async def transition(self, task_id: str, from_states: Iterable[TaskState], to_state: TaskState,
-                         **changes) -> TaskRecord | None:
+    async def transition(self, task_id: str, from_states: Iterable[TaskState], to_state: TaskState | None,
+                         fence: int | None = None, **changes) -> TaskRecord | None:
         """Moves the record to ``to_state`` (and sets ``changes``, TaskRecord fields)
-        if its state is one of ``from_states``, atomically; a final state starts
-        its TTL.
+        if its state is one of ``from_states`` and (when ``fence`` is given) its
+        attempt is still ``fence``, atomically; a final state starts its TTL.
+        ``to_state`` None keeps the state (an update of other fields).
 
         Returns:
-            The new record; None if the record is gone or not in ``from_states``.
+            The new record; None if the record is gone, not in ``from_states``, or
+            claimed by another attempt.
         """
+
+    @abc.abstractmethod
+    async def claim(self, task_id: str, owner: str, now: float, lease_s: float) -> TaskRecord | None:
+        """Takes a claimable record (``TaskRecord.claimable``) for ``owner``: attempt + 1,
+        lease until ``now + lease_s``, atomically.
+
+        Returns:
+            The claimed record; None when it is gone, finished or held by a live lease.
+        """
+
+    @abc.abstractmethod
+    async def claimable(self, now: float, limit: int = 100) -> list[str]:
+        """Ids of up to ``limit`` records claimable at ``now`` (Unix s)."""
+
+    async def renew(self, task_id: str, owner: str, attempt: int, lease_until: float) -> bool:
+        """The owner's heartbeat: extends its lease if the record is unfinished and still
+        its attempt. Returns False when it is not (cancelled, finished, taken over, gone)."""
+        changed = await self.transition(task_id, (TaskState.QUEUED, TaskState.RUNNING), _SAME, fence=attempt,
+                                        owner=owner, lease_until=lease_until)
+        return changed is not None
 
     async def check(self) -> None:
         """Checks that the store can be reached (at start; a no-op in memory).
@@ -172,16 +233,29 @@ class MemoryTaskStore(TaskStore):
         self._expire(task_id)
         return self._records.get(task_id)
 
-    async def transition(self, task_id: str, from_states: Iterable[TaskState], to_state: TaskState,
-                         **changes) -> TaskRecord | None:
+    async def transition(self, task_id: str, from_states: Iterable[TaskState], to_state: TaskState | None,
+                         fence: int | None = None, **changes) -> TaskRecord | None:
         self._expire(task_id)
         record = self._records.get(task_id)
         if record is None or record.state not in tuple(from_states):
             return None
-        record = self._records[task_id] = replace(record, state=to_state, **changes)
-        if to_state.finished:
+        if fence is not None and record.attempt != fence:
+            return None
+        record = self._records[task_id] = replace(record, state=to_state or record.state, **changes)
+        if record.state.finished:
             self._expires[task_id] = self._clock() + self.ttl_s
         return record
+
+    async def claim(self, task_id: str, owner: str, now: float, lease_s: float) -> TaskRecord | None:
+        record = await self.get(task_id)
+        if record is None or not record.claimable(now):
+            return None
+        record = self._records[task_id] = replace(record, owner=owner, attempt=record.attempt + 1,
+                                                  lease_until=now + lease_s)
+        return record
+
+    async def claimable(self, now: float, limit: int = 100) -> list[str]:
+        return [t for t, r in self._records.items() if r.claimable(now)][:limit]
 
     def _expire(self, task_id: str) -> None:
         expires = self._expires.get(task_id)

@@ -16,6 +16,8 @@ call's metadata to a tenant with a ``TenantRegistry``:
       max_priority = 5            # optional: higher priorities are clamped to it
       requests_per_s = 20.0       # optional: admission rate limit (token bucket)
       tokens_per_min = 600000     # optional: prompt + completion tokens per minute
+      result_cache_scope = "acme-group"   # optional: tenants naming the same scope share
+                                          # result-cache entries (default: none shared)
 
   The scheduler reads the same file (``meshserve scheduler --tenants``):
   it admits only the tenants listed and applies the ceiling and rate limits
@@ -41,7 +43,7 @@ from meshserve.errors import Unauthenticated
 
 DEFAULT_TENANT = "default"
 _TENANT_FIELDS = {"name", "api_keys", "default_priority", "kv_quota_blocks", "max_priority", "requests_per_s",
-                  "tokens_per_min"}
+                  "tokens_per_min", "result_cache_scope"}
 
 
 @dataclass(frozen=True)
@@ -57,6 +59,8 @@ class Tenant:
         max_priority: its priority ceiling (higher asks are clamped), or None.
         requests_per_s: admissions per second, or None for no limit.
         tokens_per_min: prompt + completion tokens per minute, or None.
+        result_cache_scope: a scope shared in the result cache with the tenants
+            naming the same one; None: its entries are its own.
     """
 
     name: str
@@ -65,6 +69,12 @@ class Tenant:
     max_priority: int | None = None
     requests_per_s: float | None = None
     tokens_per_min: float | None = None
+    result_cache_scope: str | None = None
+
+    @property
+    def cache_scope(self) -> str:
+        """The scope of its result-cache entries: ``scope:<result_cache_scope>`` or ``tenant:<name>``."""
+        return f"scope:{self.result_cache_scope}" if self.result_cache_scope else f"tenant:{self.name}"
 
 
 def _digest(key: str) -> bytes:
@@ -205,4 +215,7 @@ def _parse_tenant(entry: Any, where: str) -> tuple[Tenant, list[str]]:
         if rate is not None and (not isinstance(rate, (int, float)) or isinstance(rate, bool) or not rate > 0):
             raise ValueError(f"{where}: '{field}' must be a number > 0, got {rate!r}")
         rates[field] = float(rate) if rate is not None else None
-    return Tenant(name, priority, quota, ceiling, **rates), api_keys
+    scope = entry.get("result_cache_scope")
+    if scope is not None and (not isinstance(scope, str) or not scope.strip()):
+        raise ValueError(f"{where}: 'result_cache_scope' must be a non-empty string, got {scope!r}")
+    return Tenant(name, priority, quota, ceiling, **rates, result_cache_scope=scope), api_keys

@@ -11,10 +11,13 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from pathlib import Path
 from typing import TYPE_CHECKING
 
+from gateway.callbacks import CallbackPolicy, CallbackSender
 from gateway.prompt_limits import PromptLimits
 from gateway.result_cache import ResultCache
+from gateway.result_store import RedisResultStore
 from gateway.request import ModelInfo
 from gateway.server import start_gateway
 from gateway.task_runner import TaskRunner
@@ -232,7 +235,9 @@ async def run_gateway(model: str, port: int, host: str, scheduler: str, tenants_
                       hash_block_size: int = 16, result_cache_size: int = 0, result_cache_ttl_s: float = 600.0,
                       task_store: str = "memory", task_ttl_s: float = 3600.0, max_tasks: int = 10_000,
                       metrics_port: int | None = None, tls: TLSConfig = PLAINTEXT, max_prompt_bytes: int = 1 << 20,
-                      max_messages: int = 1024, prefix_cache_scope: str = "tenant") -> None:
+                      max_messages: int = 1024, prefix_cache_scope: str = "tenant", result_cache: str = "memory",
+                      callback_allow: list[str] | None = None, callback_secret_file: str | None = None,
+                      task_lease_s: float = 10.0, task_max_attempts: int = 3) -> None:
     """Loads the tokenizer, serves the public Gateway until a signal.
 
     ``max_prompt_bytes`` / ``max_messages``: prompt caps checked before tokenizing
@@ -242,6 +247,11 @@ async def run_gateway(model: str, port: int, host: str, scheduler: str, tenants_
     ``result_cache_ttl_s`` seconds. ``task_store``: ``memory`` or a Redis URL;
     finished tasks live ``task_ttl_s`` seconds; the memory store keeps at most
     ``max_tasks``. An unreachable Redis stops the start with ``ConnectionError``.
+    ``result_cache``: ``memory`` (the LRU of ``result_cache_size`` entries) or a
+    Redis URL (shared by gateways; ``result_cache_ttl_s``). ``callback_allow``:
+    the task callback allow-list, signed with the key in ``callback_secret_file``.
+    ``task_lease_s`` / ``task_max_attempts``: a task claim's lease and the most
+    attempts of one task (``gateway.task_runner``).
     Prometheus metrics on ``metrics_port`` (None: none).
     """
     setup_tracing("gateway")
@@ -252,10 +262,19 @@ async def run_gateway(model: str, port: int, host: str, scheduler: str, tenants_
         await store.check()  # before the tokenizer loads: an unreachable Redis fails fast
         tokenizer, info = await asyncio.to_thread(model_info, model)
         tenants = TenantRegistry.from_file(tenants_file) if tenants_file else TenantRegistry.open()
-        cache = ResultCache(result_cache_size, result_cache_ttl_s) if result_cache_size > 0 else None
+        if result_cache != "memory":
+            cache = RedisResultStore(result_cache, result_cache_ttl_s)
+        else:
+            cache = ResultCache(result_cache_size, result_cache_ttl_s) if result_cache_size > 0 else None
+        callbacks = None
+        if callback_allow:
+            secret = Path(callback_secret_file).read_bytes().strip()
+            callbacks = CallbackSender(CallbackPolicy(callback_allow), secret)
+        runner = TaskRunner(store, heartbeat_s=task_lease_s / 4, lease_s=task_lease_s,
+                            claim_poll_s=min(1.0, task_lease_s / 4), max_attempts=task_max_attempts)
         holder["svc"] = await start_gateway(tokenizer, info, scheduler, port, host, tenants, hash_block_size,
-                                            result_cache=cache, tasks=TaskRunner(store),
-                                            metrics_port=metrics_port, tls=tls,
+                                            result_cache=cache, tasks=runner, metrics_port=metrics_port,
+                                            callbacks=callbacks, tls=tls,
                                             prompt_limits=PromptLimits(max_prompt_bytes, max_messages),
                                             prefix_cache_scope=prefix_cache_scope)
         log.info("gateway serving on %s", holder["svc"].address)

@@ -205,6 +205,16 @@ def gateway(
                                          help="Most UTF-8 bytes of a prompt (or of all chat contents)."),
     max_messages: int = typer.Option(1024, "--max-messages", min=1, help="Most chat messages of a request."),
     prefix_cache_scope: str = PrefixCacheScopeOpt,
+    result_cache: str = typer.Option("memory", "--result-cache", help="Result cache: memory (the LRU of "
+                                     "--result-cache-size entries) or redis://host:port/db (shared by gateways)."),
+    callback_allow: Optional[list[str]] = typer.Option(None, "--callback-allow", help="A URL prefix task callbacks "
+                                                       "may name (repeatable; none: callbacks refused)."),
+    callback_secret_file: Optional[str] = typer.Option(None, "--callback-secret-file", help="File holding the "
+                                                       "HMAC-SHA256 key that signs callbacks (with --callback-allow)."),
+    task_lease_s: float = typer.Option(10.0, "--task-lease-s", min=0.1, help="Seconds a task claim lasts without "
+                                       "a heartbeat; then another gateway sharing the store takes the task over."),
+    task_max_attempts: int = typer.Option(3, "--task-max-attempts", min=1, help="Most attempts of one task "
+                                          "(retries after its executor or gateway went away)."),
     traces: Optional[str] = TracesOpt, otlp_endpoint: Optional[str] = OtlpOpt,
     trace_sample_ratio: Optional[float] = SampleOpt,
     metrics_port: Optional[int] = MetricsPortOpt,
@@ -219,6 +229,14 @@ def gateway(
     try:
         task_store_kind(task_store)
         _check_scope(prefix_cache_scope)
+        if result_cache != "memory" and not result_cache.startswith(("redis://", "rediss://", "unix://")):
+            raise ValueError(f"--result-cache must be 'memory' or a redis://host:port/db URL, got {result_cache!r}")
+        if callback_allow:
+            from gateway.callbacks import CallbackPolicy
+
+            CallbackPolicy(callback_allow)
+            if not callback_secret_file:
+                raise ValueError("--callback-allow needs --callback-secret-file (the key that signs callbacks)")
     except ValueError as exc:  # a usage error, exit code 2
         raise typer.BadParameter(str(exc)) from None
     tls = tls_settings(tls_cert, tls_key, tls_ca, insecure)
@@ -226,7 +244,8 @@ def gateway(
     export_trace_settings(traces, otlp_endpoint, trace_sample_ratio)
     serve(processes.run_gateway(model, port, host, scheduler, tenants, block_size, result_cache_size,
                                 result_cache_ttl_s, task_store, task_ttl_s, max_tasks, metrics_port, tls,
-                                max_prompt_bytes, max_messages, prefix_cache_scope))
+                                max_prompt_bytes, max_messages, prefix_cache_scope, result_cache,
+                                callback_allow, callback_secret_file, task_lease_s, task_max_attempts))
 
 
 def _check_scope(scope: str) -> None:

@@ -16,12 +16,23 @@ class TaskState(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     TASK_STATE_SUCCEEDED: _ClassVar[TaskState]
     TASK_STATE_FAILED: _ClassVar[TaskState]
     TASK_STATE_CANCELLED: _ClassVar[TaskState]
+
+class CallbackState(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    CALLBACK_STATE_UNSPECIFIED: _ClassVar[CallbackState]
+    CALLBACK_STATE_PENDING: _ClassVar[CallbackState]
+    CALLBACK_STATE_DELIVERED: _ClassVar[CallbackState]
+    CALLBACK_STATE_FAILED: _ClassVar[CallbackState]
 TASK_STATE_UNSPECIFIED: TaskState
 TASK_STATE_QUEUED: TaskState
 TASK_STATE_RUNNING: TaskState
 TASK_STATE_SUCCEEDED: TaskState
 TASK_STATE_FAILED: TaskState
 TASK_STATE_CANCELLED: TaskState
+CALLBACK_STATE_UNSPECIFIED: CallbackState
+CALLBACK_STATE_PENDING: CallbackState
+CALLBACK_STATE_DELIVERED: CallbackState
+CALLBACK_STATE_FAILED: CallbackState
 
 class ChatMessage(_message.Message):
     __slots__ = ("role", "content")
@@ -44,20 +55,22 @@ class TokenIds(_message.Message):
     def __init__(self, ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("prompt", "chat", "prompt_token_ids", "sampling", "priority", "request_id")
+    __slots__ = ("prompt", "chat", "prompt_token_ids", "sampling", "priority", "request_id", "callback_url")
     PROMPT_FIELD_NUMBER: _ClassVar[int]
     CHAT_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     PRIORITY_FIELD_NUMBER: _ClassVar[int]
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    CALLBACK_URL_FIELD_NUMBER: _ClassVar[int]
     prompt: str
     chat: ChatMessages
     prompt_token_ids: TokenIds
     sampling: _common_pb2.SamplingParams
     priority: int
     request_id: str
-    def __init__(self, prompt: _Optional[str] = ..., chat: _Optional[_Union[ChatMessages, _Mapping]] = ..., prompt_token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., priority: _Optional[int] = ..., request_id: _Optional[str] = ...) -> None: ...
+    callback_url: str
+    def __init__(self, prompt: _Optional[str] = ..., chat: _Optional[_Union[ChatMessages, _Mapping]] = ..., prompt_token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., priority: _Optional[int] = ..., request_id: _Optional[str] = ..., callback_url: _Optional[str] = ...) -> None: ...
 
 class QueueUpdate(_message.Message):
     __slots__ = ("position", "estimated_wait_s")
@@ -150,7 +163,7 @@ class TaskError(_message.Message):
     def __init__(self, code: _Optional[str] = ..., message: _Optional[str] = ...) -> None: ...
 
 class TaskStatus(_message.Message):
-    __slots__ = ("task_id", "state", "choices", "error", "created_at_unix_s", "started_at_unix_s", "finished_at_unix_s", "request_id")
+    __slots__ = ("task_id", "state", "choices", "error", "created_at_unix_s", "started_at_unix_s", "finished_at_unix_s", "request_id", "queue_position", "estimated_wait_s", "attempt", "last_error", "callback")
     TASK_ID_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
     CHOICES_FIELD_NUMBER: _ClassVar[int]
@@ -159,6 +172,11 @@ class TaskStatus(_message.Message):
     STARTED_AT_UNIX_S_FIELD_NUMBER: _ClassVar[int]
     FINISHED_AT_UNIX_S_FIELD_NUMBER: _ClassVar[int]
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    QUEUE_POSITION_FIELD_NUMBER: _ClassVar[int]
+    ESTIMATED_WAIT_S_FIELD_NUMBER: _ClassVar[int]
+    ATTEMPT_FIELD_NUMBER: _ClassVar[int]
+    LAST_ERROR_FIELD_NUMBER: _ClassVar[int]
+    CALLBACK_FIELD_NUMBER: _ClassVar[int]
     task_id: str
     state: TaskState
     choices: _containers.RepeatedCompositeFieldContainer[TaskChoice]
@@ -167,4 +185,21 @@ class TaskStatus(_message.Message):
     started_at_unix_s: float
     finished_at_unix_s: float
     request_id: str
-    def __init__(self, task_id: _Optional[str] = ..., state: _Optional[_Union[TaskState, str]] = ..., choices: _Optional[_Iterable[_Union[TaskChoice, _Mapping]]] = ..., error: _Optional[_Union[TaskError, _Mapping]] = ..., created_at_unix_s: _Optional[float] = ..., started_at_unix_s: _Optional[float] = ..., finished_at_unix_s: _Optional[float] = ..., request_id: _Optional[str] = ...) -> None: ...
+    queue_position: int
+    estimated_wait_s: float
+    attempt: int
+    last_error: str
+    callback: CallbackDelivery
+    def __init__(self, task_id: _Optional[str] = ..., state: _Optional[_Union[TaskState, str]] = ..., choices: _Optional[_Iterable[_Union[TaskChoice, _Mapping]]] = ..., error: _Optional[_Union[TaskError, _Mapping]] = ..., created_at_unix_s: _Optional[float] = ..., started_at_unix_s: _Optional[float] = ..., finished_at_unix_s: _Optional[float] = ..., request_id: _Optional[str] = ..., queue_position: _Optional[int] = ..., estimated_wait_s: _Optional[float] = ..., attempt: _Optional[int] = ..., last_error: _Optional[str] = ..., callback: _Optional[_Union[CallbackDelivery, _Mapping]] = ...) -> None: ...
+
+class CallbackDelivery(_message.Message):
+    __slots__ = ("url", "state", "attempts", "error")
+    URL_FIELD_NUMBER: _ClassVar[int]
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    ATTEMPTS_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    url: str
+    state: CallbackState
+    attempts: int
+    error: str
+    def __init__(self, url: _Optional[str] = ..., state: _Optional[_Union[CallbackState, str]] = ..., attempts: _Optional[int] = ..., error: _Optional[str] = ...) -> None: ...

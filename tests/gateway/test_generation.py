@@ -91,7 +91,7 @@ async def test_deterministic_requests_get_the_result_cache_key(core):
     p = core.prepare(GenerationRequest(chat=(("user", "Hi"),), sampling=greedy), TENANT)
     assert p.operation == "chat" and len(p.request_id) == 32
     assert p.params == SamplingParams(temperature=0.0, top_k=0, max_tokens=4)  # validated: top_k -1 is off
-    assert p.cache_key == cache_key("test-model", "r1", p.prompt_ids, p.params)
+    assert p.cache_key == cache_key("test-model", "r1", p.prompt_ids, p.params, scope="tenant:acme")
     core.end(p)
 
 

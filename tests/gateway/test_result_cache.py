@@ -42,13 +42,16 @@ CHANGED = {"max_tokens": 17, "temperature": 0.5, "top_p": 0.9, "top_k": 5, "seed
 def test_every_parameter_model_and_prompt_change_the_key():
     assert set(CHANGED) == {f.name for f in fields(SamplingParams)}  # a new field must be added here
     base = SamplingParams(temperature=0.0)
-    key = cache_key("m", "r1", [1, 2, 3], base)
-    assert key == cache_key("m", "r1", [1, 2, 3], SamplingParams(temperature=0.0))
+    a = "tenant:a"
+    key = cache_key("m", "r1", [1, 2, 3], base, scope=a)
+    assert key == cache_key("m", "r1", [1, 2, 3], SamplingParams(temperature=0.0), scope=a)
     assert len(key) == 64
-    keys = {cache_key("m", "r1", [1, 2, 3], replace(base, **{name: value})) for name, value in CHANGED.items()}
-    keys |= {cache_key("m2", "r1", [1, 2, 3], base), cache_key("m", "r2", [1, 2, 3], base),
-             cache_key("m", "r1", [1, 2], base), cache_key("m", "r1", [1, 2, 4], base)}
-    assert len(keys) == len(CHANGED) + 4 and key not in keys
+    keys = {cache_key("m", "r1", [1, 2, 3], replace(base, **{name: value}), scope=a)
+            for name, value in CHANGED.items()}
+    keys |= {cache_key("m2", "r1", [1, 2, 3], base, scope=a), cache_key("m", "r2", [1, 2, 3], base, scope=a),
+             cache_key("m", "r1", [1, 2], base, scope=a), cache_key("m", "r1", [1, 2, 4], base, scope=a),
+             cache_key("m", "r1", [1, 2, 3], base, scope="tenant:b")}
+    assert len(keys) == len(CHANGED) + 5 and key not in keys
 
 
 def test_lru_bound_and_counters():

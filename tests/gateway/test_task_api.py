@@ -130,8 +130,11 @@ async def test_poll_spans_link_to_the_submit_span(gateway):
     assert submit[0].parent.span_id == caller and submit[0].attributes["meshserve.task_id"] == handle.task_id
     run = [s for s in spans if s.attributes.get("meshserve.task_id") == handle.task_id
            and s.name.startswith("text_completion ")]
-    assert len(run) == 1 and run[0].parent.span_id == submit[0].context.span_id
-    assert run[0].context.trace_id == submit_trace and run[0].status.status_code.name == "ERROR"
+    # UNAVAILABLE is retried: each of the 3 attempts has its span, a child of the submit span
+    assert len(run) == 3 and status.attempt == 3 and status.last_error.startswith("attempt 2: UNAVAILABLE: scheduler")
+    for attempt in run:
+        assert attempt.parent.span_id == submit[0].context.span_id
+        assert attempt.context.trace_id == submit_trace and attempt.status.status_code.name == "ERROR"
     polls = [s for s in spans if s.name == "gateway.get_task"]
     assert len(polls) >= 2 and status.state == gateway_pb2.TASK_STATE_FAILED
     for poll in polls:

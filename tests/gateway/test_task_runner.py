@@ -49,7 +49,7 @@ async def test_success_stores_the_result_and_the_times():
     await settle(runner)
     rec = await runner.get("acme", "t1")
     assert (rec.state, rec.result, rec.created_at, rec.started_at, rec.finished_at) == (
-        TaskState.SUCCEEDED, b"tokens", 1.0, 101.0, 102.0)
+        TaskState.SUCCEEDED, b"tokens", 1.0, 102.0, 103.0)  # 101: the lease of the claim
     assert started.is_set()
 
 
@@ -127,7 +127,7 @@ async def test_a_cancel_on_another_gateway_reaches_the_running_work(redis_url):
     within its poll interval."""
     store_a, store_b = RedisTaskStore(redis_url, ttl_s=60), RedisTaskStore(redis_url, ttl_s=60)
     await store_a._redis.flushdb()
-    a, b = TaskRunner(store_a, cancel_poll_s=0.05), TaskRunner(store_b, cancel_poll_s=0.05)
+    a, b = TaskRunner(store_a, heartbeat_s=0.05), TaskRunner(store_b, heartbeat_s=0.05)
     entered, cleaned = asyncio.Event(), asyncio.Event()
 
     async def forever(mark):

@@ -1,0 +1,249 @@
+"""Where the gateway core keeps result-cache entries, and how identical requests in
+flight are computed once (coalesced).
+
+``ResultStore`` is a small async interface with two backends:
+
+* ``MemoryResultStore``: the in-process LRU (``gateway.result_cache.ResultCache``),
+  one gateway (``--result-cache-size N``; the default).
+* ``RedisResultStore``: ``--result-cache redis://host:port/db``, shared by every
+  gateway pointed at it. An entry is ``meshserve:rc:<key>`` (the hex key of
+  ``cache_key``: neither prompt nor tenant can be read from it) holding the
+  choices as a serialized ``TaskStatus`` (protobuf, never pickle), with Redis's
+  own expiry as the TTL (``PX``).
+
+**Coalescing** (``Coalescer.flight``). The first request for a key on a gateway
+*leads*: it computes; later identical requests on the same gateway wait for its
+result (an ``asyncio.Future``). Across gateways the leader also takes a lock
+(``SET meshserve:rc:lock:<key> <owner> NX PX lock_s``); a gateway that finds
+the lock taken polls the entry (5 ms, doubling to 100 ms) until it appears, the
+lock goes away without one (the leader failed: it leads itself), or
+``wait_s`` passes (it computes without the lock). A leader whose output is not
+cacheable (aborted, cancelled, an error) stores nothing; its followers then
+compute (one of them leads again). Followers are answered from the cache
+(``cached`` set), exactly as a later hit would be.
+
+Redis failures never fail a request: a lookup is a miss, a store or a lock is
+skipped (logged, counted in ``errors``).
+"""
+
+from __future__ import annotations
+
+import abc
+import asyncio
+import logging
+import uuid
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from typing import AsyncIterator, Sequence
+
+import redis.asyncio as aioredis
+from google.protobuf.message import DecodeError
+from redis.exceptions import RedisError
+
+from gateway.collector import CompletedChoice
+from gateway.proto_convert import task_result, task_result_choices
+from gateway.result_cache import ResultCache
+
+log = logging.getLogger(__name__)
+
+Choices = tuple[CompletedChoice, ...]
+ENTRY_PREFIX = "meshserve:rc:"
+LOCK_PREFIX = "meshserve:rc:lock:"
+_UNLOCK = "if redis.call('get', KEYS[1]) == ARGV[1] then return redis.call('del', KEYS[1]) end return 0"
+
+
+class ResultStore(abc.ABC):
+    """Finished choices by ``cache_key``; the cross-gateway lock of a key.
+
+    Attributes:
+        hits / misses: lookups that found / did not find an entry.
+    """
+
+    hits = 0
+    misses = 0
+
+    async def get(self, key: str) -> Choices | None:
+        """The entry, or None (absent, expired, or the store unreachable)."""
+        value = await self._get(key)
+        if value is None:
+            self.misses += 1
+        else:
+            self.hits += 1
+        return value
+
+    @abc.abstractmethod
+    async def _get(self, key: str) -> Choices | None: ...
+
+    @abc.abstractmethod
+    async def put(self, key: str, value: Sequence[CompletedChoice]) -> None:
+        """Stores an entry (its TTL starts now)."""
+
+    async def lock(self, key: str, owner: str) -> bool:
+        """Takes the key's computing lock for ``owner``; False when another gateway holds it.
+        (One process needs none: its own futures coalesce.)"""
+        return True
+
+    async def locked(self, key: str) -> bool:
+        """Whether some gateway holds the key's lock."""
+        return False
+
+    async def unlock(self, key: str, owner: str) -> None:
+        """Releases ``owner``'s lock (never another's)."""
+
+    async def close(self) -> None:
+        """Releases connections."""
+
+
+class MemoryResultStore(ResultStore):
+    """The in-process LRU with a TTL (``ResultCache``)."""
+
+    def __init__(self, cache: ResultCache[Choices]):
+        self.cache = cache
+
+    async def _get(self, key: str) -> Choices | None:
+        return self.cache.get(key)
+
+    async def put(self, key: str, value: Sequence[CompletedChoice]) -> None:
+        self.cache.put(key, tuple(value))
+
+
+class RedisResultStore(ResultStore):
+    """Entries in Redis, shared by gateways (see the module docstring).
+
+    Args:
+        url: ``redis://host:port/db``.
+        ttl_s: seconds an entry lives (> 0).
+        lock_s: how long a computing lock lives if its leader dies (seconds).
+    """
+
+    def __init__(self, url: str, ttl_s: float = 600.0, lock_s: float = 120.0):
+        if not ttl_s > 0 or not lock_s > 0:
+            raise ValueError(f"result cache TTL and lock time must be > 0 s, got {ttl_s}, {lock_s}")
+        self.url, self.ttl_ms, self.lock_ms = url, max(1, int(ttl_s * 1000)), max(1, int(lock_s * 1000))
+        self._redis = aioredis.from_url(url)
+        self._unlock = self._redis.register_script(_UNLOCK)
+        self.errors = 0
+
+    def _failed(self, what: str, exc: Exception) -> None:
+        self.errors += 1
+        log.warning("result cache %s: %s failed (bypassed): %s", self.url, what, exc)
+
+    async def _get(self, key: str) -> Choices | None:
+        try:
+            data = await asyncio.shield(self._redis.get(ENTRY_PREFIX + key))
+        except RedisError as exc:
+            self._failed("get", exc)
+            return None
+        if data is None:
+            return None
+        try:
+            return tuple(task_result_choices(data))
+        except DecodeError as exc:
+            self._failed("decode", exc)
+            return None
+
+    async def put(self, key: str, value: Sequence[CompletedChoice]) -> None:
+        try:
+            await asyncio.shield(self._redis.set(ENTRY_PREFIX + key, task_result(value), px=self.ttl_ms))
+        except RedisError as exc:
+            self._failed("put", exc)
+
+    async def lock(self, key: str, owner: str) -> bool:
+        try:
+            return bool(await asyncio.shield(self._redis.set(LOCK_PREFIX + key, owner, nx=True, px=self.lock_ms)))
+        except RedisError as exc:
+            self._failed("lock", exc)
+            return True  # no Redis, no one to coalesce with: compute
+
+    async def locked(self, key: str) -> bool:
+        try:
+            return bool(await asyncio.shield(self._redis.exists(LOCK_PREFIX + key)))
+        except RedisError as exc:
+            self._failed("lock check", exc)
+            return False
+
+    async def unlock(self, key: str, owner: str) -> None:
+        try:
+            await asyncio.shield(self._unlock(keys=[LOCK_PREFIX + key], args=[owner]))
+        except RedisError as exc:
+            self._failed("unlock", exc)
+
+    async def close(self) -> None:
+        await self._redis.aclose()
+
+
+@dataclass
+class Flight:
+    """One request's part in a key's computation.
+
+    Attributes:
+        cached: the answer, when the cache (or a leader) had it: replay it.
+        value: a leader sets the choices it computed, when cacheable.
+    """
+
+    cached: Choices | None = None
+    value: Choices | None = None
+
+
+class Coalescer:
+    """Looks a key up and coalesces identical requests (see the module docstring).
+
+    Args:
+        store: the result store.
+        wait_s: the longest a request waits for another gateway's leader (seconds).
+        poll_s: the first poll interval of that wait (doubling up to 100 ms).
+    """
+
+    def __init__(self, store: ResultStore, wait_s: float = 120.0, poll_s: float = 0.005):
+        self.store, self.wait_s, self.poll_s = store, wait_s, poll_s
+        self.owner = uuid.uuid4().hex
+        self._leaders: dict[str, asyncio.Future] = {}
+        self.computed = 0  # flights this gateway led (computed), for tests and metrics
+
+    @asynccontextmanager
+    async def flight(self, key: str) -> AsyncIterator[Flight]:
+        """Yields a ``Flight``: ``cached`` set (replay it), or this request leads (compute,
+        then set ``value`` when the output may be cached; it is stored on exit)."""
+        while True:
+            cached = await self.store.get(key)
+            if cached is not None:
+                yield Flight(cached=cached)
+                return
+            leader = self._leaders.get(key)
+            if leader is not None:  # the same request runs on this gateway: wait for it
+                value = await asyncio.shield(leader)
+                if value is not None:
+                    yield Flight(cached=value)
+                    return
+                continue  # it stored nothing: look again (and lead)
+            break
+        future = asyncio.get_running_loop().create_future()
+        self._leaders[key] = future
+        flight = Flight()
+        try:
+            if not await self.store.lock(key, self.owner):
+                flight.cached = await self._wait_elsewhere(key)
+            if flight.cached is None:
+                self.computed += 1
+            yield flight
+            if flight.value is not None:
+                await self.store.put(key, flight.value)
+        finally:
+            del self._leaders[key]
+            future.set_result(flight.cached or flight.value)
+            await self.store.unlock(key, self.owner)
+
+    async def _wait_elsewhere(self, key: str) -> Choices | None:
+        """Polls for another gateway's result; None when its lock went away without one
+        (after one more try for the lock) or ``wait_s`` passed."""
+        loop = asyncio.get_running_loop()
+        deadline, delay = loop.time() + self.wait_s, self.poll_s
+        while loop.time() < deadline:
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, 0.1)
+            cached = await self.store.get(key)
+            if cached is not None:
+                return cached
+            if not await self.store.locked(key) and await self.store.lock(key, self.owner):
+                return None  # its leader failed: this one leads now
+        return None
