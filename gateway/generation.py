@@ -51,7 +51,7 @@ from gateway.result_cache import ResultCache, cache_key, is_deterministic
 from gateway.tenants import Tenant
 from meshserve import trace_attributes as ta
 from meshserve.block_hash import routing_block_hashes
-from meshserve.errors import AlreadyExists, InvalidArgument, NotFound, Unavailable
+from meshserve.errors import AlreadyExists, InvalidArgument, ModelNotFound, Unavailable
 from meshserve.sampling import validate
 from meshserve.telemetry import record_error, tracer
 
@@ -101,7 +101,7 @@ class GatewayCore:
 
         Raises:
             AlreadyExists: the request id is in use by an unfinished request.
-            NotFound: ``request.model`` is not the model served.
+            ModelNotFound: ``request.model`` is not one of the served names (``ModelInfo.names``).
             InvalidArgument: a bad parameter or prompt (the message names it).
         """
         timer = RequestTimer(received_at)
@@ -118,8 +118,9 @@ class GatewayCore:
         request_id = request.request_id or uuid.uuid4().hex
         if request_id in self._in_flight:
             raise AlreadyExists(f"request_id {request_id!r} is already in use by an unfinished request")
-        if request.model is not None and request.model != self.model.model_id:
-            raise NotFound(f"model {request.model!r} is not served here (this gateway serves {self.model.model_id!r})")
+        if request.model is not None and request.model not in self.model.names:
+            raise ModelNotFound(f"model {request.model!r} is not served here (this gateway serves "
+                                f"{', '.join(map(repr, self.model.names))})")
         prompt_ids = self.prompts.from_request(request)
         params = validate(request.sampling, max_model_len=self.model.max_model_len, vocab_size=self.model.vocab_size)
         if len(prompt_ids) + 1 > self.model.max_model_len:

@@ -80,6 +80,7 @@ class EngineConfig:
         attention_backend: ``auto`` (``triton`` on CUDA when installed, else ``torch``)
             or a registered attention backend name.
         device: torch device of the model and cache.
+        revision: ``--revision`` of a Hugging Face model id (None: ``main``).
     """
 
     model: str = "default"
@@ -91,6 +92,7 @@ class EngineConfig:
     seed: int = 0
     attention_backend: str = "auto"
     device: str = "cpu"
+    revision: str | None = None
 
     def __post_init__(self) -> None:
         """Checks what can be checked before the model loads.

@@ -53,7 +53,7 @@ class Worker:
             torch.set_num_threads(config.num_threads)
         self.config = config
         self.device = torch.device(config.device)
-        files = resolve_model(config.model)
+        files = resolve_model(config.model, config.revision)
         self.loaded = load_model(files.path, dtype=config.dtype, max_model_len=config.max_model_len,
                                  attention_backend=resolve_backend_name(config.attention_backend, self.device),
                                  device=self.device)

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 from gateway.result_cache import ResultCache
@@ -37,17 +39,46 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 
-def model_info(model: str):
-    """Tokenizer and ``ModelInfo`` for the gateway (limits read from the model config)."""
+@dataclass(frozen=True)
+class ModelSource:
+    """What the gateway serves, as its flags name it (vLLM's spellings).
+
+    Attributes:
+        model: ``--model``: alias, path or Hugging Face id (``meshserve.model_files``).
+        revision: ``--revision`` of a Hugging Face id (None: main).
+        tokenizer: ``--tokenizer``: a folder or Hugging Face id (None: the model's).
+        chat_template: ``--chat-template``: a file, or the Jinja template itself (None: the tokenizer's).
+        served_model_names: ``--served-model-name``s (empty: the model's id).
+    """
+
+    model: str = "default"
+    revision: str | None = None
+    tokenizer: str | None = None
+    chat_template: str | None = None
+    served_model_names: tuple[str, ...] = ()
+
+
+def model_info(model: str | ModelSource):
+    """Tokenizer and ``ModelInfo`` for the gateway (limits read from the model config).
+
+    Raises:
+        FileNotFoundError: the model or tokenizer cannot be found locally.
+    """
     from transformers import AutoConfig, AutoTokenizer  # seconds to import: only when a gateway starts
 
-    files = resolve_model(model)
+    source = model if isinstance(model, ModelSource) else ModelSource(model)
+    files = resolve_model(source.model, source.revision)
     config = AutoConfig.from_pretrained(files.path)
     max_len = config.max_position_embeddings
     if getattr(config, "sliding_window", None) and getattr(config, "use_sliding_window", True):
         max_len = min(max_len, config.sliding_window)
-    tokenizer = AutoTokenizer.from_pretrained(files.path)
-    return tokenizer, ModelInfo(files.model_id, max_len, config.vocab_size, files.revision)
+    tokenizer_path = files.path if source.tokenizer is None else resolve_model(source.tokenizer).path
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_path)
+    if source.chat_template is not None:
+        template = Path(source.chat_template)
+        tokenizer.chat_template = template.read_text(encoding="utf-8") if template.is_file() \
+            else source.chat_template
+    return tokenizer, ModelInfo(files.model_id, max_len, config.vocab_size, files.revision, source.served_model_names)
 
 
 def scheduler_config(queue_policy: str = "fcfs", max_queue_wait_s: float = 30.0, max_queue_len: int = 4096,
@@ -119,7 +150,7 @@ def engine_config(model: str, dtype: str, kv_cache_memory: str, block_size: int,
                   max_num_batched_tokens: int, no_chunked_prefill: bool, max_model_len: int | None,
                   num_threads: int | None, no_prefix_caching: bool = False, max_batch_wait_ms: float = 0.0,
                   attention_backend: str = "auto", device: str = "cpu", enable_kv_events: bool = False,
-                  ) -> EngineConfig:
+                  revision: str | None = None) -> EngineConfig:
     """The executor's ``EngineConfig`` from its flags (``kv_cache_memory`` a byte size such as ``2GiB``).
 
     Raises:
@@ -134,6 +165,7 @@ def engine_config(model: str, dtype: str, kv_cache_memory: str, block_size: int,
         num_threads=num_threads,
         attention_backend=attention_backend,
         device=device,
+        revision=revision,
         cache=CacheConfig(block_size=block_size, kv_cache_memory_bytes=parse_bytes(kv_cache_memory),
                           enable_prefix_caching=not no_prefix_caching,
                           enable_kv_events=enable_kv_events and not no_prefix_caching),
@@ -184,17 +216,18 @@ async def run_executor(engine_config: EngineConfig, port: int, host: str, schedu
         raise SystemExit(f"executor stopped: engine thread failed: {type(failure).__name__}: {failure}")
 
 
-async def run_gateway(model: str, port: int, host: str, scheduler: str, tenants_file: str | None = None,
+async def run_gateway(model: str | ModelSource, port: int, host: str, scheduler: str, tenants_file: str | None = None,
                       hash_block_size: int = 16, result_cache_size: int = 0, result_cache_ttl_s: float = 600.0,
                       task_store: str = "memory", task_ttl_s: float = 3600.0, max_tasks: int = 10_000,
-                      metrics_port: int | None = None) -> None:
+                      metrics_port: int | None = None, http_port: int | None = None) -> None:
     """Loads the tokenizer, serves the public Gateway until a signal.
 
     ``result_cache_size``: entries of the result cache (0: off), each living
     ``result_cache_ttl_s`` seconds. ``task_store``: ``memory`` or a Redis URL;
     finished tasks live ``task_ttl_s`` seconds; the memory store keeps at most
     ``max_tasks``. An unreachable Redis stops the start with ``ConnectionError``.
-    Prometheus metrics on ``metrics_port`` (None: none).
+    Prometheus metrics on ``metrics_port`` (None: none); the OpenAI-compatible HTTP API
+    on ``http_port`` (None: none), in the same event loop.
     """
     setup_tracing("gateway")
     holder = {}
@@ -207,8 +240,9 @@ async def run_gateway(model: str, port: int, host: str, scheduler: str, tenants_
         cache = ResultCache(result_cache_size, result_cache_ttl_s) if result_cache_size > 0 else None
         holder["svc"] = await start_gateway(tokenizer, info, scheduler, port, host, tenants, hash_block_size,
                                             result_cache=cache, tasks=TaskRunner(store),
-                                            metrics_port=metrics_port)
-        log.info("gateway serving on %s", holder["svc"].address)
+                                            metrics_port=metrics_port, http_port=http_port)
+        http = holder["svc"].http
+        log.info("gateway serving on %s%s", holder["svc"].address, f", HTTP on {http.url}" if http else "")
 
     async def stop():
         await holder["svc"].stop()

@@ -13,7 +13,8 @@ from typing import Optional
 
 import typer
 
-from meshserve.cli.options import (MetricsPortOpt, OtlpOpt, ResultCacheSizeOpt, SampleOpt, TaskStoreOpt, TracesOpt,
+from meshserve.cli.options import (ChatTemplateOpt, HttpPortOpt, MetricsPortOpt, OtlpOpt, ResultCacheSizeOpt,
+                                   RevisionOpt, SampleOpt, ServedModelNameOpt, TaskStoreOpt, TokenizerOpt, TracesOpt,
                                    export_trace_settings, is_address, parse_bytes, serve, setup_logging)
 
 
@@ -70,7 +71,9 @@ def executor(
     scheduler: str = typer.Option(..., "--scheduler", help="host:port of the scheduler."),
     port: int = typer.Option(50053, min=0, max=65535, help="Port of the Executor service."),
     host: str = typer.Option("127.0.0.1", help="Interface to listen on (and advertise)."),
-    model: str = typer.Option("default", help="Model alias, .gguf file or safetensors folder."),
+    model: str = typer.Option("default", help="Model alias, .gguf file, safetensors folder or Hugging Face id "
+                              "(from the local Hugging Face cache)."),
+    revision: Optional[str] = RevisionOpt,
     dtype: str = typer.Option("auto", help="auto, float32, bfloat16 or float16."),
     kv_cache_memory: str = typer.Option("1GiB", "--kv-cache-memory", help="KV cache budget in bytes (512MiB, 2GB…)."),
     block_size: int = typer.Option(16, help="Tokens per KV block."),
@@ -114,7 +117,8 @@ def executor(
         cfg = processes.engine_config(model, dtype, kv_cache_memory, block_size, max_num_seqs,
                                       max_num_batched_tokens, no_chunked_prefill, max_model_len, num_threads,
                                       no_prefix_caching, max_batch_wait_ms, attention_backend, device,
-                                      enable_kv_events=True)  # forwarded for prefix-aware routing
+                                      enable_kv_events=True,  # forwarded for prefix-aware routing
+                                      revision=revision)
     except ValueError as exc:  # a bad flag value: typer prints usage and the message, exit code 2
         raise typer.BadParameter(str(exc)) from None
     if kvstore is not None and not is_address(kvstore):
@@ -160,7 +164,12 @@ def gateway(
     scheduler: str = typer.Option(..., "--scheduler", help="host:port of the scheduler."),
     port: int = typer.Option(50051, min=0, max=65535, help="Public port of the Gateway service."),
     host: str = typer.Option("127.0.0.1", help="Interface to listen on."),
-    model: str = typer.Option("default", help="Model alias or path (for the tokenizer and limits)."),
+    model: str = typer.Option("default", help="Model alias, path or Hugging Face id (for the tokenizer and limits)."),
+    revision: Optional[str] = RevisionOpt,
+    tokenizer: Optional[str] = TokenizerOpt,
+    chat_template: Optional[str] = ChatTemplateOpt,
+    served_model_name: Optional[list[str]] = ServedModelNameOpt,
+    http_port: Optional[int] = HttpPortOpt,
     tenants: Optional[str] = typer.Option(None, help="Tenants TOML file (default: open, tenant 'default')."),
     block_size: int = typer.Option(16, "--block-size", min=0, help="Tokens per block of the prompt hashes sent "
                                    "for prefix-aware routing: the executors' --block-size (0: send none)."),
@@ -186,6 +195,7 @@ def gateway(
         raise typer.BadParameter(str(exc)) from None
     setup_logging(log_level)
     export_trace_settings(traces, otlp_endpoint, trace_sample_ratio)
-    serve(processes.run_gateway(model, port, host, scheduler, tenants, block_size, result_cache_size,
-                                result_cache_ttl_s, task_store, task_ttl_s, max_tasks, metrics_port))
+    model_source = processes.ModelSource(model, revision, tokenizer, chat_template, tuple(served_model_name or ()))
+    serve(processes.run_gateway(model_source, port, host, scheduler, tenants, block_size, result_cache_size,
+                                result_cache_ttl_s, task_store, task_ttl_s, max_tasks, metrics_port, http_port))
 

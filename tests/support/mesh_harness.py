@@ -36,6 +36,11 @@ class LocalMesh:
         return {name: svc.metrics.url for name, svc in services if svc is not None and svc.metrics is not None}
 
     @property
+    def http_url(self) -> str:
+        """The gateway's HTTP base URL (``http://127.0.0.1:PORT``; the mesh started with ``http``)."""
+        return self.gateway.http.url
+
+    @property
     def engines(self) -> list[LLMEngine]:
         return [e.engine for _, e, _ in self.executors]
 
@@ -77,7 +82,9 @@ class LocalMesh:
 
 async def start_local_mesh(engines: list[LLMEngine], tokenizer, tenants=None, kvstore=None,
                            kvstore_fetch_timeout_s: float = 300.0, step_timeout_s: float = 3600.0,
-                           metrics: bool = False, max_buffered_outputs: int = 256) -> LocalMesh:
+                           metrics: bool = False, max_buffered_outputs: int = 256,
+                           http: bool = False, served_model_names: tuple[str, ...] = (),
+                           scheduler_config=None) -> LocalMesh:
     """Starts scheduler, one executor per engine, and a gateway, on free ports; with
     ``kvstore`` (a ``kvstore.store.KVStore``, or a ready ``Service``) a kvstore service
     too, every executor shares prefix blocks through it, and the scheduler follows its
@@ -93,7 +100,7 @@ async def start_local_mesh(engines: list[LLMEngine], tokenizer, tenants=None, kv
     metrics_port = 0 if metrics else None
     kv_service = await start_kvstore(kvstore, 0, metrics_port=metrics_port) if isinstance(kvstore, KVStore) \
         else kvstore
-    scheduler = await start_scheduler(0, kvstore_address=kv_service.address if kv_service else None,
+    scheduler = await start_scheduler(0, config=scheduler_config, kvstore_address=kv_service.address if kv_service else None,
                                       metrics_port=metrics_port)
     executors = []
     for i, engine in enumerate(engines):
@@ -105,8 +112,9 @@ async def start_local_mesh(engines: list[LLMEngine], tokenizer, tenants=None, kv
                                                        max_buffered_outputs=max_buffered_outputs)
         executors.append((svc, async_engine, link))
     e0 = engines[0]
-    info = ModelInfo(e0.model_id, e0.max_model_len, e0.vocab_size, e0.revision)
-    gateway = await start_gateway(tokenizer, info, scheduler.address, 0, tenants=tenants, metrics_port=metrics_port)
+    info = ModelInfo(e0.model_id, e0.max_model_len, e0.vocab_size, e0.revision, tuple(served_model_names))
+    gateway = await start_gateway(tokenizer, info, scheduler.address, 0, tenants=tenants, metrics_port=metrics_port,
+                                  http_port=0 if http else None)
     mesh = LocalMesh(scheduler, gateway, executors, kv_service)
     mesh._channel = channel(gateway.address)
     mesh.stub = gateway_pb2_grpc.GatewayStub(mesh._channel)
