@@ -3,7 +3,8 @@
 ``ChatFormat`` builds ``chat.completion`` / ``chat.completion.chunk`` objects and
 ``CompletionFormat`` ``text_completion`` ones (OpenAI's API reference, as vLLM
 serves them; vLLM's ``stop_reason`` is added to each finished choice: the stop
-string that ended it, or null). Choice ``index`` is ``prompt * n + choice``, so
+string that ended it, or null; with vLLM's ``return_token_ids`` each choice also
+carries ``token_ids``: in a chunk its delta's, in a response all of them). Choice ``index`` is ``prompt * n + choice``, so
 with several prompts choice ``i`` belongs to prompt ``i // n``.
 
 Usage: ``prompt_tokens`` counts each prompt once (not once per choice),
@@ -41,11 +42,19 @@ class _Format:
     object_name = ""
     chunk_object_name = ""
 
-    def __init__(self, response_id: str, model: str, n: int, tokenizer, logprobs: bool):
+    def __init__(self, response_id: str, model: str, n: int, tokenizer, logprobs: bool,
+                 return_token_ids: bool = False):
         self.id, self.model, self.n = response_id, model, n
         self.created = int(time.time())
         self.logprobs = logprobs
+        self.return_token_ids = return_token_ids
         self.texts = TokenTexts(tokenizer)
+
+    def _with_ids(self, choice: dict, token_ids) -> dict:
+        """``choice`` with vLLM's ``token_ids`` when the request asked for them."""
+        if self.return_token_ids:
+            choice["token_ids"] = list(token_ids)
+        return choice
 
     def index(self, prompt: int, choice: int) -> int:
         """The response's choice index of choice ``choice`` of prompt ``prompt``."""
@@ -80,7 +89,8 @@ class ChatFormat(_Format):
         if not delta.text and not (self.logprobs and delta.token_ids):
             return None
         logprobs = chat_logprobs(delta.logprobs, self.texts) if self.logprobs else None
-        return {"index": index, "delta": {"content": delta.text}, "logprobs": logprobs, "finish_reason": None}
+        return self._with_ids({"index": index, "delta": {"content": delta.text}, "logprobs": logprobs,
+                               "finish_reason": None}, delta.token_ids)
 
     def finish_choice(self, index: int, result: ChoiceResult) -> dict:
         """The last chunk's choice of ``index``: its finish reason."""
@@ -89,10 +99,10 @@ class ChatFormat(_Format):
 
     def full_choice(self, index: int, c: CompletedChoice) -> dict:
         """A choice of the non-streamed response."""
-        return {"index": index, "message": {"role": "assistant", "content": c.text},
-                "logprobs": chat_logprobs(c.logprobs, self.texts) if self.logprobs else None,
-                "finish_reason": _finish_reason(c.result),
-                "stop_reason": (c.result.stop_reason or None) if c.result else None}
+        return self._with_ids({"index": index, "message": {"role": "assistant", "content": c.text},
+                               "logprobs": chat_logprobs(c.logprobs, self.texts) if self.logprobs else None,
+                               "finish_reason": _finish_reason(c.result),
+                               "stop_reason": (c.result.stop_reason or None) if c.result else None}, c.token_ids)
 
 
 class CompletionFormat(_Format):
@@ -100,8 +110,9 @@ class CompletionFormat(_Format):
 
     object_name = chunk_object_name = "text_completion"
 
-    def __init__(self, response_id: str, model: str, n: int, tokenizer, logprobs: bool):
-        super().__init__(response_id, model, n, tokenizer, logprobs)
+    def __init__(self, response_id: str, model: str, n: int, tokenizer, logprobs: bool,
+                 return_token_ids: bool = False):
+        super().__init__(response_id, model, n, tokenizer, logprobs, return_token_ids)
         self._offsets: dict[int, int] = {}  # index -> text offset of its next token (logprobs)
 
     def role_choice(self, index: int) -> None:
@@ -116,14 +127,15 @@ class CompletionFormat(_Format):
             offset = self._offsets.get(index, 0)
             logprobs = completion_logprobs(delta.logprobs, self.texts, offset)
             self._offsets[index] = offset + sum(len(t) for t in logprobs["tokens"])
-        return {"index": index, "text": delta.text, "logprobs": logprobs, "finish_reason": None}
+        return self._with_ids({"index": index, "text": delta.text, "logprobs": logprobs, "finish_reason": None},
+                              delta.token_ids)
 
     def finish_choice(self, index: int, result: ChoiceResult) -> dict:
         return {"index": index, "text": "", "logprobs": None, "finish_reason": _finish_reason(result),
                 "stop_reason": result.stop_reason or None}
 
     def full_choice(self, index: int, c: CompletedChoice) -> dict:
-        return {"index": index, "text": c.text,
-                "logprobs": completion_logprobs(c.logprobs, self.texts) if self.logprobs else None,
-                "finish_reason": _finish_reason(c.result),
-                "stop_reason": (c.result.stop_reason or None) if c.result else None}
+        return self._with_ids({"index": index, "text": c.text,
+                               "logprobs": completion_logprobs(c.logprobs, self.texts) if self.logprobs else None,
+                               "finish_reason": _finish_reason(c.result),
+                               "stop_reason": (c.result.stop_reason or None) if c.result else None}, c.token_ids)

@@ -91,7 +91,7 @@ class OpenAIRoutes:
         request_id = body.request_id or uuid.uuid4().hex
         requests = completion_requests(body, request_id)
         fmt = CompletionFormat(f"cmpl-{request_id}", body.model or self.served_name, body.n, self.core.tokenizer,
-                               body.logprobs is not None)
+                               body.logprobs is not None, body.return_token_ids)
         return await self._serve(request, body, tenant, requests, fmt, received_at)
 
     async def chat_completions(self, body: ChatCompletionRequest, request: Request) -> Response:
@@ -101,7 +101,7 @@ class OpenAIRoutes:
         request_id = body.request_id or uuid.uuid4().hex
         gen = chat_request(body, self.core.model.max_model_len, request_id)
         fmt = ChatFormat(f"chatcmpl-{request_id}", body.model or self.served_name, body.n, self.core.tokenizer,
-                         body.logprobs)
+                         body.logprobs, body.return_token_ids)
         return await self._serve(request, body, tenant, [gen], fmt, received_at)
 
     async def _serve(self, request: Request, body: SamplingFields, tenant: Tenant,

@@ -57,6 +57,7 @@ class SamplingFields(BaseModel):
     stop_token_ids: list[int] | None = None
     priority: int | None = None
     request_id: str | None = None
+    return_token_ids: bool = False  # vLLM's: token ids beside the text (each chunk: its delta's)
 
     def stop_strings(self) -> tuple[str, ...]:
         """``stop`` as a tuple of strings (one string is one stop string)."""
