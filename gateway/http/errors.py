@@ -111,6 +111,9 @@ def http_error(exc: BaseException) -> HttpError:
 def validation_error(errors: list[dict]) -> HttpError:
     """A body pydantic refused (400), naming the first bad field as ``param``."""
     first = errors[0] if errors else {}
+    if first.get("type") == "json_invalid":  # its loc is a character offset, not a field
+        return HttpError(400, f"the body is not valid JSON: {first.get('ctx', {}).get('error', '')}",
+                         "invalid_request_error", "invalid_value")
     loc = [str(p) for p in first.get("loc", ()) if p != "body"]
     param = ".".join(loc) or None
     message = f"{param}: {first.get('msg', 'invalid request body')}" if param else first.get("msg", "invalid body")

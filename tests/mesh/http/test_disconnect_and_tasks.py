@@ -8,7 +8,7 @@ import httpx2 as httpx
 import pytest
 
 from meshserve.client import build_request, generate
-from tests.mesh.http.conftest import KEY_A, KEY_B, SERVED
+from tests.support.http_mesh import KEY_A, KEY_B, SERVED
 from tests.support.mesh_harness import wait_for_condition
 
 pytestmark = pytest.mark.model

@@ -6,7 +6,7 @@ import httpx2 as httpx
 import openai
 import pytest
 
-from tests.mesh.http.conftest import KEY_A, KEY_QUOTA, SERVED
+from tests.support.http_mesh import KEY_A, KEY_QUOTA, SERVED
 
 pytestmark = pytest.mark.model
 CHAT = [{"role": "user", "content": "Hi"}]

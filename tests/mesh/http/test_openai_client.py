@@ -13,7 +13,7 @@ import openai
 import pytest
 
 from meshserve.client import build_request, generate
-from tests.mesh.http.conftest import KEY_A, SERVED
+from tests.support.http_mesh import KEY_A, SERVED
 
 pytestmark = pytest.mark.model
 GRPC_KEY = (("x-api-key", KEY_A),)
