@@ -55,7 +55,7 @@ from gateway.result_store import Coalescer, MemoryResultStore, ResultStore
 from gateway.tenants import Tenant
 from meshserve import trace_attributes as ta
 from meshserve.block_hash import cache_salt, routing_block_hashes
-from meshserve.errors import AlreadyExists, InvalidArgument, NotFound, Unavailable
+from meshserve.errors import AlreadyExists, InvalidArgument, ModelNotFound, Unavailable
 from meshserve.request_ids import check_request_id, scoped_request_id
 from meshserve.sampling import validate
 from meshserve.telemetry import record_error, tracer
@@ -123,7 +123,7 @@ class GatewayCore:
 
         Raises:
             AlreadyExists: the request id is in use by an unfinished request.
-            NotFound: ``request.model`` is not the model served.
+            ModelNotFound: ``request.model`` is not one of the served names (``ModelInfo.names``).
             InvalidArgument: a bad parameter or prompt (the message names it).
         """
         timer, priority, metrics = self._start(request, tenant, received_at)
@@ -162,14 +162,15 @@ class GatewayCore:
 
         Raises:
             InvalidArgument: an id too long, a prompt over a size limit.
-            AlreadyExists, NotFound: as ``prepare``.
+            AlreadyExists, ModelNotFound: as ``prepare``.
         """
         request_id = request.request_id or uuid.uuid4().hex
         check_request_id(request_id)
         if scoped_request_id(tenant, request_id) in self._in_flight:
             raise AlreadyExists(f"request_id {request_id!r} is already in use by an unfinished request")
-        if request.model is not None and request.model != self.model.model_id:
-            raise NotFound(f"model {request.model!r} is not served here (this gateway serves {self.model.model_id!r})")
+        if request.model is not None and request.model not in self.model.names:
+            raise ModelNotFound(f"model {request.model!r} is not served here (this gateway serves "
+                                f"{', '.join(map(repr, self.model.names))})")
         self.prompt_limits.check(request, self.model.max_model_len)
         return request_id
 

@@ -15,7 +15,7 @@ from gateway.collector import CompletedChoice
 from gateway.events import (ChoiceResult, Delta, Event, FinishReason, Queued, Timings, TokenLogprob, TopLogprob,
                             Usage)
 from gateway.request import GenerationRequest
-from meshserve.sampling import params_from_proto
+from meshserve.sampling import params_from_proto, to_proto
 from meshserve.v1 import common_pb2, gateway_pb2
 
 FINISH_REASONS = {FinishReason.STOP: common_pb2.FINISH_REASON_STOP,
@@ -61,7 +61,27 @@ def request_from_proto(msg: gateway_pb2.GenerateRequest, default_request_id: str
         sampling=params_from_proto(msg.sampling),
         priority=msg.priority if msg.HasField("priority") else None,
         request_id=msg.request_id or default_request_id,
+        model=msg.model if msg.HasField("model") else None,
     )
+
+
+def request_to_proto(r: GenerationRequest) -> gateway_pb2.GenerateRequest:
+    """A ``GenerationRequest`` as the ``GenerateRequest`` message (the inverse of
+    ``request_from_proto``; every sampling field is written)."""
+    msg = gateway_pb2.GenerateRequest(request_id=r.request_id)
+    if r.chat is not None:
+        msg.chat.messages.extend(gateway_pb2.ChatMessage(role=role, content=c) for role, c in r.chat)
+    elif r.prompt is not None:
+        msg.prompt = r.prompt
+    elif r.prompt_token_ids is not None:
+        msg.prompt_token_ids.ids.extend(r.prompt_token_ids)
+        msg.prompt_token_ids.SetInParent()
+    to_proto(r.sampling, msg.sampling)
+    if r.priority is not None:
+        msg.priority = r.priority
+    if r.model is not None:
+        msg.model = r.model
+    return msg
 
 
 def result_to_proto(r: ChoiceResult) -> gateway_pb2.GenerateResult:

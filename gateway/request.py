@@ -27,12 +27,20 @@ class ModelInfo:
         revision: the weights' revision (``meshserve.model_files``); with the
             model id it roots the prompt's routing chain hashes, so it must be
             the executors' (both resolve the same model files).
+        served_model_names: the names callers may pass as ``model``
+            (``--served-model-name``, as vLLM spells it); empty: the model id.
     """
 
     model_id: str
     max_model_len: int
     vocab_size: int
     revision: str = ""
+    served_model_names: tuple[str, ...] = ()
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        """The names a request's ``model`` may take; the first is the one responses carry."""
+        return self.served_model_names or (self.model_id,)
 
 
 @dataclass(frozen=True)

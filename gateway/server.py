@@ -5,7 +5,9 @@
 (``gateway.generation``) as a child of the caller's trace context, and send each
 event as a ``GenerateResponse`` (queue update, delta, one result per choice).
 ``SubmitTask``/``GetTask``/``CancelTask`` are the task adapter's
-(``gateway.task_api``) over the same core. The core raises domain errors; the
+(``gateway.task_api``) over the same core; ``ListModels`` names the served models
+(``ModelInfo.names``). ``start_gateway`` also starts the HTTP adapter
+(``gateway.http``) over the same core when given an HTTP port. The core raises domain errors; the
 server's one ``ErrorInterceptor`` (``meshserve.errors``) maps them to status codes.
 A caller that goes away cancels the call's task: the core's stream is closed, which
 cancels the executor call and releases the lease.
@@ -79,13 +81,19 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
     async def CancelTask(self, request: gateway_pb2.TaskQuery, context: grpc.aio.ServicerContext):
         return await self.tasks.cancel(request, context)
 
+    async def ListModels(self, request: gateway_pb2.ListModelsRequest, context: grpc.aio.ServicerContext):
+        self.tenants.authenticate(context.invocation_metadata())
+        info = self.core.model
+        return gateway_pb2.ListModelsResponse(models=[
+            gateway_pb2.ModelCard(id=name, root=info.model_id, max_model_len=info.max_model_len) for name in info.names])
+
 
 async def start_gateway(
     tokenizer, model: ModelInfo, scheduler_address: str, port: int, host: str = "127.0.0.1",
     tenants: TenantRegistry | None = None, hash_block_size: int = 16,
     result_cache: ResultCache | None = None, tasks: TaskRunner | None = None, metrics_port: int | None = None,
     tls: TLSConfig = PLAINTEXT, prompt_limits: PromptLimits | None = None, prefix_cache_scope: str = "tenant",
-    callbacks: CallbackSender | None = None,
+    callbacks: CallbackSender | None = None, http_port: int | None = None,
 ) -> Service:
     """Starts the Gateway service. Its health is SERVING while the scheduler has an
     executor registered (``gateway.readiness``), checked every 0.5 s.
@@ -103,6 +111,9 @@ async def start_gateway(
     and it is the gateway's identity towards the scheduler and the executors.
     ``prompt_limits``: prompt size caps checked before tokenizing (None: the defaults).
     ``prefix_cache_scope``: ``tenant`` or ``global``, as the executors' (routing hashes).
+    ``http_port``: serve the OpenAI-compatible HTTP API (``gateway.http``) there, in
+    this event loop over the same core (0: a free port; None: none), as
+    ``service.http`` (an ``HttpServer``); ``service.stop`` stops it first.
     """
     service = Service("meshserve.v1.Gateway", port, host, tls, public=True)
     mesh = GrpcMeshClient(scheduler_address, tls)
@@ -119,4 +130,19 @@ async def start_gateway(
     await servicer.readiness.check()
     servicer.readiness.start()
     task_api.runner.start()
+    service.http = None  # type: ignore[attr-defined]
+    if http_port is not None:
+        from gateway.http.app import create_app  # FastAPI: imported only when HTTP is served
+        from gateway.http.server import HttpServer
+
+        probe = servicer.readiness
+        app = create_app(core, tenants, task_api, lambda: bool(probe.ready), core.metrics.registry)
+        service.http = HttpServer(app, http_port, host)  # type: ignore[attr-defined]
+        try:
+            await service.http.start()
+        except BaseException:
+            await service.stop(0)
+            await servicer.close()
+            raise
+        service.background.append(service.http)
     return service

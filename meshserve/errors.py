@@ -67,6 +67,10 @@ class NotFound(MeshError):
     code = grpc.StatusCode.NOT_FOUND
 
 
+class ModelNotFound(NotFound):
+    """The request names a model the gateway does not serve (OpenAI's ``model_not_found``)."""
+
+
 async def _abort(context: grpc.aio.ServicerContext, exc: BaseException) -> None:
     if isinstance(exc, MeshError):
         if isinstance(exc, ResourceExhausted):
@@ -147,7 +151,7 @@ def from_rpc_error(exc: grpc.aio.AioRpcError, service: str) -> MeshError:
     """Re-raises an upstream call's failure with the same status code and message.
 
     Codes without a domain class (DEADLINE_EXCEEDED, INTERNAL…) keep their code;
-    a lost connection stays UNAVAILABLE.
+    a lost connection stays UNAVAILABLE; RESOURCE_EXHAUSTED keeps its retry delay.
     """
     cls = _BY_CODE.get(exc.code())
     message = f"{service}: {exc.details()}"
@@ -155,4 +159,17 @@ def from_rpc_error(exc: grpc.aio.AioRpcError, service: str) -> MeshError:
         err = MeshError(message)
         err.code = exc.code()
         return err
+    if cls is ResourceExhausted:
+        return ResourceExhausted(message, _retry_after_s(exc))
     return cls(message)
+
+
+def _retry_after_s(exc: grpc.aio.AioRpcError) -> float:
+    """The ``retry-after-s`` trailing metadata of a RESOURCE_EXHAUSTED call (1 s when absent)."""
+    for key, value in exc.trailing_metadata() or ():
+        if key == "retry-after-s":
+            try:
+                return float(value)
+            except ValueError:
+                break
+    return 1.0

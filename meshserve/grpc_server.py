@@ -13,6 +13,7 @@ from typing import Awaitable, Callable
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1._async import HealthServicer
+from grpc_reflection.v1alpha import reflection
 
 from meshserve.authz import GuardInterceptor
 from meshserve.errors import ErrorInterceptor
@@ -68,6 +69,9 @@ class Service:
     every caller's role (``meshserve.roles``); callers must present a certificate
     from ``tls.ca`` (mutual TLS) unless ``public`` (the gateway's port: a client
     certificate is optional there, the API key authenticates).
+    Server reflection (grpc.reflection.v1alpha, ``grpcurl list``) names ``name``,
+    health and reflection itself; a service with more servicers adds their full
+    names to ``reflected`` before ``start``.
     """
 
     def __init__(self, name: str, port: int, host: str = "127.0.0.1", tls: TLSConfig = PLAINTEXT,
@@ -92,6 +96,7 @@ class Service:
         self.background: list = []
         self.host = host
         self.metrics = None  # a meshserve.metrics.MetricsServer once serve_metrics ran
+        self.reflected: list[str] = [name]
 
     def serve_metrics(self, registry, port: int | None) -> None:
         """Serves ``registry`` (Prometheus) at ``http://host:port/metrics`` until ``stop``;
@@ -106,7 +111,9 @@ class Service:
             self.metrics = MetricsServer(registry, port, self.host)
 
     async def start(self) -> None:
-        """Starts listening (health still NOT_SERVING)."""
+        """Starts listening (health still NOT_SERVING), with server reflection."""
+        reflection.enable_server_reflection((*self.reflected, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
+                                             reflection.SERVICE_NAME), self.server)
         await self.health.set("", NOT_SERVING)
         await self.health.set(self.name, NOT_SERVING)
         await self.server.start()

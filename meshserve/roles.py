@@ -38,6 +38,7 @@ ROLE_TABLE: Mapping[str, frozenset[str]] = {
     "/meshserve.v1.Gateway/SubmitTask": PUBLIC,
     "/meshserve.v1.Gateway/GetTask": PUBLIC,
     "/meshserve.v1.Gateway/CancelTask": PUBLIC,
+    "/meshserve.v1.Gateway/ListModels": PUBLIC,
     "/meshserve.v1.Scheduler/Admit": frozenset({GATEWAY}),
     "/meshserve.v1.Scheduler/Release": frozenset({GATEWAY}),
     "/meshserve.v1.Scheduler/RenewLease": frozenset({GATEWAY}),
@@ -52,6 +53,8 @@ ROLE_TABLE: Mapping[str, frozenset[str]] = {
     "/grpc.health.v1.Health/Check": PUBLIC,
     "/grpc.health.v1.Health/Watch": PUBLIC,
     "/grpc.health.v1.Health/List": PUBLIC,
+    "/grpc.reflection.v1alpha.ServerReflection/ServerReflectionInfo": PUBLIC,
+    "/grpc.reflection.v1.ServerReflection/ServerReflectionInfo": PUBLIC,
 }
 
 

@@ -112,6 +112,7 @@ class EngineConfig:
         device: torch device of the model and cache (``cuda``: rank ``r`` of a
             parallel group uses ``cuda:r``).
         parallel: tensor and pipeline parallel sizes (1 and 1: one in-process worker).
+        revision: ``--revision`` of a Hugging Face model id (None: ``main``).
     """
 
     model: str = "default"
@@ -124,6 +125,7 @@ class EngineConfig:
     attention_backend: str = "auto"
     device: str = "cpu"
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    revision: str | None = None
 
     def __post_init__(self) -> None:
         """Checks what can be checked before the model loads.

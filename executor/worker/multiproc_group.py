@@ -74,7 +74,7 @@ class MultiprocWorkerGroup(WorkerGroup):
         from meshserve.model_files import resolve_model
 
         parallel = config.parallel
-        check_parallel_sizes(AutoConfig.from_pretrained(resolve_model(config.model).path),
+        check_parallel_sizes(AutoConfig.from_pretrained(resolve_model(config.model, config.revision).path),
                              parallel.tensor_parallel_size, parallel.pipeline_parallel_size)
         self.config = config
         self.world_size = parallel.world_size

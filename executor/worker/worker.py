@@ -69,7 +69,7 @@ class Worker:
         self.tp = TensorParallel(tp_rank, size, ranks) if size > 1 else SINGLE
         parallel = size * stages > 1
         self.device = torch.device(rank_device(config.device, rank) if parallel else config.device)
-        files = resolve_model(config.model)
+        files = resolve_model(config.model, config.revision)
         self.loaded = load_model(files.path, dtype=config.dtype, max_model_len=config.max_model_len,
                                  attention_backend=resolve_backend_name(config.attention_backend, self.device),
                                  device=self.device, tp=self.tp, pp_rank=self.stage, pp_size=stages)

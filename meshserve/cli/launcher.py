@@ -60,6 +60,12 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def _last_value(args: list[str], flag: str) -> str | None:
+    """The value of the last ``flag VALUE`` in ``args`` (None when absent)."""
+    values = [args[i + 1] for i, a in enumerate(args[:-1]) if a == flag]
+    return values[-1] if values else None
+
+
 @dataclass
 class MeshConfig:
     """What ``meshserve up`` starts.
@@ -86,6 +92,9 @@ class MeshConfig:
         tls_files: ``(cert, key, ca)``: mutual TLS with one certificate for every
             service (it must name the roles gateway, scheduler, executor and kvstore).
             Neither: plaintext on loopback.
+        http_port: the gateway's ``--http-port`` (its OpenAI-compatible HTTP API; 0: a free
+            port; None: no HTTP).
+        gateway_args / kvstore_args: extra ``meshserve gateway`` / ``kvstore`` flags.
     """
 
     port: int = 50051
@@ -103,6 +112,9 @@ class MeshConfig:
     task_store: str = "memory"
     tls_dir: Path | None = None
     tls_files: tuple[str, str, str] | None = None
+    http_port: int | None = None
+    gateway_args: list[str] = field(default_factory=list)
+    kvstore_args: list[str] = field(default_factory=list)
 
 
 class Mesh:
@@ -116,6 +128,7 @@ class Mesh:
         self.kvstore_address = ""
         self.executor_addresses: list[str] = []
         self.metrics_addresses: dict[str, str] = {}  # service name -> host:port of its /metrics
+        self.http_address = ""  # host:port of the gateway's HTTP API ("" when off)
 
     def tls(self, role: str = "client") -> TLSConfig:
         """The TLS settings of ``role`` in this mesh (plaintext when it runs without
@@ -152,16 +165,30 @@ class Mesh:
         self.procs.append((name, subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT if out else None, env=env)))
 
     def _gateway_args(self) -> list[str]:
-        """The ``meshserve gateway`` arguments, once the scheduler's address is known."""
+        """The ``meshserve gateway`` arguments, once the scheduler's address is known
+        (``gateway_args`` before ``up``'s own flags, which win; an HTTP port 0 becomes a
+        free port, so that ``http_address`` is known)."""
         c = self.config
         gw = ["gateway", "--port", str(c.port), "--scheduler", self.scheduler_address, "--model", c.model,
               "--result-cache-size", str(c.result_cache_size), "--task-store", c.task_store,
-              *self._metrics_args("gateway"), *self._tls_args("gateway")]
+              *self._metrics_args("gateway"), *self._tls_args("gateway"), *c.gateway_args]
         if c.tenants_file:
             gw += ["--tenants", c.tenants_file]
-        if "--block-size" in c.executor_args:  # the gateway hashes prompts in the executors' blocks
-            gw += ["--block-size", c.executor_args[c.executor_args.index("--block-size") + 1]]
+        block_size = _last_value(c.executor_args, "--block-size")
+        if block_size is not None:  # the gateway hashes prompts in the executors' blocks
+            gw += ["--block-size", block_size]
+        if c.http_port is not None:
+            gw += ["--http-port", str(c.http_port)]
+        http_port = _last_value(gw, "--http-port")
+        if http_port is not None:
+            port = int(http_port) or free_port()
+            self.http_address = f"127.0.0.1:{port}"
+            gw += ["--http-port", str(port)]
         return gw
+
+    def command_lines(self) -> dict[str, list[str]]:
+        """Service name → the ``meshserve`` arguments it was started with."""
+        return {name: list(proc.args[3:]) for name, proc in self.procs}
 
     async def _wait(self, name: str, address: str) -> None:
         proc = dict(self.procs)[name]
@@ -192,7 +219,8 @@ class Mesh:
                 kport = free_port()
                 self.kvstore_address = f"127.0.0.1:{kport}"
                 self._spawn("kvstore", ["kvstore", "--port", str(kport), "--memory", c.kvstore_memory,
-                                        *self._metrics_args("kvstore"), *self._tls_args("kvstore")])
+                                        *self._metrics_args("kvstore"), *self._tls_args("kvstore"),
+                                        *c.kvstore_args])
                 await self._wait("kvstore", self.kvstore_address)
                 kv_args = ["--kvstore", self.kvstore_address]
             sport = free_port()

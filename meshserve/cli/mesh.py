@@ -17,32 +17,53 @@ from typing import TYPE_CHECKING, Optional
 
 import typer
 
-from meshserve.cli.options import (InsecureOpt, OtlpOpt, ResultCacheSizeOpt, SampleOpt, TaskStoreOpt, TLSCAOpt,
-                                   TLSCertOpt, TLSKeyOpt, TracesOpt, parse_bytes, export_trace_settings, tls_settings)
+from meshserve.cli.options import (ChatTemplateOpt, InsecureOpt, OtlpOpt, ResultCacheSizeOpt, SampleOpt,
+                                   ServedModelNameOpt, TaskStoreOpt, TLSCAOpt, TLSCertOpt, TLSKeyOpt, TokenizerOpt,
+                                   TracesOpt, export_trace_settings, parse_bytes, tls_settings)
 
 if TYPE_CHECKING:
     from meshserve.cli.launcher import MeshConfig
 
 
-def mesh_config(port: int, executors: int, model: str, dtype: str, kv_cache_memory: str, extra: list[str],
+def service_flags(**values) -> list[str]:
+    """Command-line flags of the values given: ``name=value`` → ``--name value`` (``_`` as
+    ``-``), None left out, True a bare flag, a list or tuple one flag per item."""
+    out: list[str] = []
+    for name, value in values.items():
+        flag = "--" + name.replace("_", "-")
+        for v in value if isinstance(value, (list, tuple)) else [value]:
+            if v is True:
+                out.append(flag)
+            elif v is not None and v is not False:
+                out += [flag, str(v)]
+    return out
+
+
+def mesh_config(port: int, executors: int, model: str, dtype: str | None, kv_cache_memory: str, extra: list[str],
                 tenants: Optional[str], log_dir: Optional[str], kvstore_memory: Optional[str] = None,
                 metrics: bool = False, result_cache_size: int = 0, task_store: str = "memory",
-                tls_dir: Optional[str] = None, tls_files: Optional[tuple[str, str, str]] = None) -> MeshConfig:
+                tls_dir: Optional[str] = None, tls_files: Optional[tuple[str, str, str]] = None,
+                http_port: int | None = None, scheduler_args: list[str] | None = None,
+                gateway_args: list[str] | None = None, kvstore_args: list[str] | None = None) -> MeshConfig:
     """The ``MeshConfig`` of ``up``'s flags.
 
-    ``dtype``, ``kv_cache_memory`` (bytes, e.g. ``1GiB``) and ``extra`` become the
-    executors' flags; ``result_cache_size`` (entries) and ``task_store`` (``memory`` or a
-    ``redis://`` URL) go to the gateway; ``kvstore_memory`` None starts no kvstore.
+    ``dtype`` (None: the executor's default), ``kv_cache_memory`` (bytes, e.g. ``1GiB``)
+    and ``extra`` become the executors' flags; ``result_cache_size`` (entries),
+    ``task_store`` (``memory`` or a ``redis://`` URL) and ``http_port`` (None: no HTTP)
+    go to the gateway; ``kvstore_memory`` None starts no kvstore; ``scheduler_args``,
+    ``gateway_args`` and ``kvstore_args`` are further flags of those services.
     ``tls_dir`` (role certificates) or ``tls_files`` (cert, key, CA): mutual TLS;
     neither: plaintext on loopback.
     """
     from meshserve.cli.launcher import MeshConfig
 
-    args = ["--dtype", dtype, "--kv-cache-memory", kv_cache_memory, *extra]
+    args = [*service_flags(dtype=dtype), "--kv-cache-memory", kv_cache_memory, *extra]
     return MeshConfig(port=port, executors=executors, model=model, executor_args=args, tenants_file=tenants,
                       log_dir=Path(log_dir) if log_dir else None, kvstore_memory=kvstore_memory, metrics=metrics,
                       result_cache_size=result_cache_size, task_store=task_store,
-                      tls_dir=Path(tls_dir) if tls_dir else None, tls_files=tls_files)
+                      tls_dir=Path(tls_dir) if tls_dir else None, tls_files=tls_files, http_port=http_port,
+                      scheduler_args=list(scheduler_args or ()), gateway_args=list(gateway_args or ()),
+                      kvstore_args=list(kvstore_args or ()))
 
 
 def parallel_args(tensor_parallel_size: int, pipeline_parallel_size: int) -> list[str]:
@@ -55,13 +76,40 @@ def parallel_args(tensor_parallel_size: int, pipeline_parallel_size: int) -> lis
     return args
 
 
+_FOR = "Passed to the {}."
+
+
 def up(
-    port: int = typer.Option(50051, min=0, max=65535, help="Public port of the gateway."),
+    port: int = typer.Option(50051, min=0, max=65535, help="Public gRPC port of the gateway."),
+    http_port: Optional[int] = typer.Option(8000, "--http-port", min=0, max=65535,
+                                            help="The gateway's OpenAI-compatible HTTP port (0: a free one)."),
     executors: int = typer.Option(1, min=1, help="Number of executor processes."),
-    model: str = typer.Option("default", help="Model alias, .gguf file or safetensors folder."),
-    dtype: str = typer.Option("auto", help="auto, float32, bfloat16 or float16."),
+    model: str = typer.Option("default", help="Model alias, .gguf file, safetensors folder or Hugging Face id "
+                              "(from the local Hugging Face cache)."),
+    revision: Optional[str] = typer.Option(None, "--revision", help="Revision of a Hugging Face model id (default: "
+                                           "main). " + _FOR.format("executors and the gateway")),
+    tokenizer: Optional[str] = TokenizerOpt,
+    chat_template: Optional[str] = ChatTemplateOpt,
+    served_model_name: Optional[list[str]] = ServedModelNameOpt,
+    dtype: Optional[str] = typer.Option(None, help="auto, float32, bfloat16 or float16 (default auto). "
+                                        + _FOR.format("executors")),
+    device: Optional[str] = typer.Option(None, help="torch device: cpu, cuda, cuda:1… (default cpu). "
+                                         + _FOR.format("executors")),
     kv_cache_memory: str = typer.Option("1GiB", "--kv-cache-memory", help="KV cache budget of each executor."),
-    tenants: Optional[str] = typer.Option(None, help="Tenants TOML file."),
+    block_size: Optional[int] = typer.Option(None, "--block-size", min=1, help="Tokens per KV block (default 16). "
+                                             + _FOR.format("executors and the gateway")),
+    max_num_seqs: Optional[int] = typer.Option(None, "--max-num-seqs", min=1, help="Most requests in an executor's "
+                                               "running batch (default 64)."),
+    max_batch_wait_ms: Optional[float] = typer.Option(None, "--max-batch-wait-ms", min=0.0,
+                                                      help="Hold a new prefill up to this long to batch it "
+                                                      "(default 0). " + _FOR.format("executors")),
+    queue_policy: Optional[str] = typer.Option(None, "--queue-policy", help="fcfs, priority or sjf (default fcfs). "
+                                               + _FOR.format("scheduler")),
+    pools: Optional[str] = typer.Option(None, "--pools", help="Pools TOML file. " + _FOR.format("scheduler")),
+    tenants: Optional[str] = typer.Option(None, help="Tenants TOML file (keys for the gateway, KV quotas for the "
+                                          "scheduler)."),
+    config: Optional[str] = typer.Option(None, "--config", help="Mesh config TOML: per-service flags in "
+                                         "\\[scheduler], \\[executor], \\[gateway], \\[kvstore] sections (up's own flags win)."),
     log_dir: Optional[str] = typer.Option(None, help="Write each service's log here instead of the terminal."),
     kvstore: bool = typer.Option(False, "--kvstore", help="Start one kvstore and connect every executor to it."),
     kvstore_memory: str = typer.Option("1GiB", "--kvstore-memory", help="Memory tier budget of that kvstore."),
@@ -85,18 +133,25 @@ def up(
     """Start the whole mesh on loopback; Ctrl-C stops it cleanly (plaintext unless --tls-dir or --tls-*)."""
     from gateway.task_store_registry import task_store_kind
     from meshserve.cli.launcher import Mesh
+    from meshserve.cli.mesh_file import read_mesh_file
 
     from meshserve.cli import processes
 
     try:  # checked before any service starts: a usage error, exit code 2
         task_store_kind(task_store)
-        cfg = processes.engine_config(model, dtype, kv_cache_memory, block_size=16, max_num_seqs=64,
-                                      max_num_batched_tokens=2048, no_chunked_prefill=False, max_model_len=None,
-                                      num_threads=None, tensor_parallel_size=tensor_parallel_size,
+        cfg = processes.engine_config(model, dtype or "auto", kv_cache_memory, block_size=block_size or 16,
+                                      max_num_seqs=max_num_seqs or 64, max_num_batched_tokens=2048,
+                                      no_chunked_prefill=False, max_model_len=None, num_threads=None,
+                                      max_batch_wait_ms=max_batch_wait_ms or 0.0, device=device or "cpu",
+                                      tensor_parallel_size=tensor_parallel_size,
                                       pipeline_parallel_size=pipeline_parallel_size)  # as each executor checks them
         processes.check_parallel_layout(cfg)
+        if queue_policy is not None:
+            processes.scheduler_config(queue_policy, pools_file=pools)
         parse_bytes(kvstore_memory)
-    except ValueError as exc:
+        file_args = read_mesh_file(config) if config else {s: [] for s in ("scheduler", "executor", "gateway",
+                                                                            "kvstore")}
+    except (ValueError, FileNotFoundError) as exc:
         raise typer.BadParameter(str(exc)) from None
     tls_files = None
     if tls_cert or tls_key or tls_ca or insecure:
@@ -105,10 +160,29 @@ def up(
         tls = tls_settings(tls_cert, tls_key, tls_ca, insecure)
         tls_files = (tls.cert, tls.key, tls.ca) if tls.enabled else None
     export_trace_settings(traces, otlp_endpoint, trace_sample_ratio)
-    parallel = parallel_args(tensor_parallel_size, pipeline_parallel_size)
-    mesh = Mesh(mesh_config(port, executors, model, dtype, kv_cache_memory, parallel, tenants, log_dir,
-                            kvstore_memory if kvstore else None, metrics, result_cache_size=result_cache_size,
-                            task_store=task_store, tls_dir=tls_dir, tls_files=tls_files))
+    executor_flags = service_flags(device=device, block_size=block_size, max_num_seqs=max_num_seqs,
+                                   max_batch_wait_ms=max_batch_wait_ms, revision=revision)
+    executor_flags += parallel_args(tensor_parallel_size, pipeline_parallel_size)
+    gateway_flags = service_flags(revision=revision, tokenizer=tokenizer, chat_template=chat_template,
+                                  served_model_name=served_model_name)
+    mesh = Mesh(mesh_config(port, executors, model, dtype, kv_cache_memory, [*file_args["executor"], *executor_flags],
+                            tenants, log_dir, kvstore_memory if kvstore else None, metrics,
+                            result_cache_size=result_cache_size, task_store=task_store,
+                            tls_dir=tls_dir, tls_files=tls_files, http_port=http_port,
+                            scheduler_args=[*file_args["scheduler"], *service_flags(queue_policy=queue_policy,
+                                                                                    pools=pools)],
+                            gateway_args=[*file_args["gateway"], *gateway_flags],
+                            kvstore_args=file_args["kvstore"]))
+    run_mesh(mesh, tls_dir)
+
+
+def run_mesh(mesh, tls_dir: str | None = None) -> None:
+    """Starts ``mesh``, prints its addresses, waits for Ctrl-C or SIGTERM, stops it.
+    ``tls_dir``: where its certificates are (printed for clients), or None.
+
+    Raises:
+        typer.Exit: code 1 when it cannot start or a service exits.
+    """
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     failed = False
@@ -124,7 +198,8 @@ def up(
         kv = f", kvstore {mesh.kvstore_address}" if mesh.kvstore_address else ""
         if tls_dir:
             kv += f"; mutual TLS (certificates in {tls_dir}; clients: --tls-ca {tls_dir}/ca.pem)"
-        typer.echo(f"meshserve is up: gateway {mesh.gateway_address}, scheduler {mesh.scheduler_address}, "
+        http = f", HTTP http://{mesh.http_address}/v1" if mesh.http_address else ""
+        typer.echo(f"meshserve is up: gateway {mesh.gateway_address}{http}, scheduler {mesh.scheduler_address}, "
                    f"executors {', '.join(mesh.executor_addresses)}{kv}. Ctrl-C stops it.")
         for name, address in mesh.metrics_addresses.items():
             typer.echo(f"  metrics {name}: http://{address}/metrics")

@@ -28,6 +28,18 @@ MetricsPortOpt = typer.Option(None, "--metrics-port", min=0, max=65535,
                                    "default: off).")
 ResultCacheSizeOpt = typer.Option(0, "--result-cache-size", min=0, help="Entries of the result cache of "
                                   "deterministic requests (greedy or seeded), LRU; 0: off.")
+HttpPortOpt = typer.Option(None, "--http-port", min=0, max=65535,
+                           help="Serve the OpenAI-compatible HTTP API (/v1/chat/completions, /v1/completions, "
+                                "/v1/models, /v1/tasks, /health, /ready, /metrics, /version) on this port "
+                                "(0: a free one; default: off).")
+ServedModelNameOpt = typer.Option(None, "--served-model-name",
+                                  help="Name(s) callers pass as `model` (repeat for several; the first is the one "
+                                       "responses carry; default: the model's id).")
+RevisionOpt = typer.Option(None, "--revision", help="Revision (branch, tag or commit) of a Hugging Face model id, "
+                           "read from the local Hugging Face cache (default: main).")
+TokenizerOpt = typer.Option(None, "--tokenizer", help="Tokenizer folder or Hugging Face id (default: the model's).")
+ChatTemplateOpt = typer.Option(None, "--chat-template", help="Jinja chat template: a file, or the template "
+                               "itself (default: the tokenizer's).")
 TaskStoreOpt = typer.Option("memory", "--task-store", help="Async task store: memory, or "
                             "redis://host:port/db (shared by gateways).")
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -44,17 +45,46 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 
-def model_info(model: str):
-    """Tokenizer and ``ModelInfo`` for the gateway (limits read from the model config)."""
+@dataclass(frozen=True)
+class ModelSource:
+    """What the gateway serves, as its flags name it (vLLM's spellings).
+
+    Attributes:
+        model: ``--model``: alias, path or Hugging Face id (``meshserve.model_files``).
+        revision: ``--revision`` of a Hugging Face id (None: main).
+        tokenizer: ``--tokenizer``: a folder or Hugging Face id (None: the model's).
+        chat_template: ``--chat-template``: a file, or the Jinja template itself (None: the tokenizer's).
+        served_model_names: ``--served-model-name``s (empty: the model's id).
+    """
+
+    model: str = "default"
+    revision: str | None = None
+    tokenizer: str | None = None
+    chat_template: str | None = None
+    served_model_names: tuple[str, ...] = ()
+
+
+def model_info(model: str | ModelSource):
+    """Tokenizer and ``ModelInfo`` for the gateway (limits read from the model config).
+
+    Raises:
+        FileNotFoundError: the model or tokenizer cannot be found locally.
+    """
     from transformers import AutoConfig, AutoTokenizer  # seconds to import: only when a gateway starts
 
-    files = resolve_model(model)
+    source = model if isinstance(model, ModelSource) else ModelSource(model)
+    files = resolve_model(source.model, source.revision)
     config = AutoConfig.from_pretrained(files.path)
     max_len = config.max_position_embeddings
     if getattr(config, "sliding_window", None) and getattr(config, "use_sliding_window", True):
         max_len = min(max_len, config.sliding_window)
-    tokenizer = AutoTokenizer.from_pretrained(files.path)
-    return tokenizer, ModelInfo(files.model_id, max_len, config.vocab_size, files.revision)
+    tokenizer_path = files.path if source.tokenizer is None else resolve_model(source.tokenizer).path
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_path)
+    if source.chat_template is not None:
+        template = Path(source.chat_template)
+        tokenizer.chat_template = template.read_text(encoding="utf-8") if template.is_file() \
+            else source.chat_template
+    return tokenizer, ModelInfo(files.model_id, max_len, config.vocab_size, files.revision, source.served_model_names)
 
 
 def scheduler_config(queue_policy: str = "fcfs", max_queue_wait_s: float = 30.0, max_queue_len: int = 4096,
@@ -133,7 +163,7 @@ def engine_config(model: str, dtype: str, kv_cache_memory: str, block_size: int,
                   num_threads: int | None, no_prefix_caching: bool = False, max_batch_wait_ms: float = 0.0,
                   attention_backend: str = "auto", device: str = "cpu", enable_kv_events: bool = False,
                   tensor_parallel_size: int = 1, pipeline_parallel_size: int = 1,
-                  ) -> EngineConfig:
+                  revision: str | None = None) -> EngineConfig:
     """The executor's ``EngineConfig`` from its flags (``kv_cache_memory`` a byte size such as ``2GiB``;
     the parallel sizes: the ranks of one replica, ``executor.worker.multiproc_group``).
 
@@ -150,6 +180,7 @@ def engine_config(model: str, dtype: str, kv_cache_memory: str, block_size: int,
         num_threads=num_threads,
         attention_backend=attention_backend,
         device=device,
+        revision=revision,
         cache=CacheConfig(block_size=block_size, kv_cache_memory_bytes=parse_bytes(kv_cache_memory),
                           enable_prefix_caching=not no_prefix_caching,
                           enable_kv_events=enable_kv_events and not no_prefix_caching),
@@ -177,7 +208,7 @@ def check_parallel_layout(engine_config: EngineConfig) -> None:
     from executor.model_loader import check_parallel_sizes
     from meshserve.model_files import resolve_model
 
-    check_parallel_sizes(AutoConfig.from_pretrained(resolve_model(engine_config.model).path),
+    check_parallel_sizes(AutoConfig.from_pretrained(resolve_model(engine_config.model, engine_config.revision).path),
                          parallel.tensor_parallel_size, parallel.pipeline_parallel_size)
 
 
@@ -231,13 +262,13 @@ async def run_executor(engine_config: EngineConfig, port: int, host: str, schedu
         raise SystemExit(f"executor stopped: {rank_failure}")
 
 
-async def run_gateway(model: str, port: int, host: str, scheduler: str, tenants_file: str | None = None,
+async def run_gateway(model: str | ModelSource, port: int, host: str, scheduler: str, tenants_file: str | None = None,
                       hash_block_size: int = 16, result_cache_size: int = 0, result_cache_ttl_s: float = 600.0,
                       task_store: str = "memory", task_ttl_s: float = 3600.0, max_tasks: int = 10_000,
                       metrics_port: int | None = None, tls: TLSConfig = PLAINTEXT, max_prompt_bytes: int = 1 << 20,
                       max_messages: int = 1024, prefix_cache_scope: str = "tenant", result_cache: str = "memory",
                       callback_allow: list[str] | None = None, callback_secret_file: str | None = None,
-                      task_lease_s: float = 10.0, task_max_attempts: int = 3) -> None:
+                      task_lease_s: float = 10.0, task_max_attempts: int = 3, http_port: int | None = None) -> None:
     """Loads the tokenizer, serves the public Gateway until a signal.
 
     ``max_prompt_bytes`` / ``max_messages``: prompt caps checked before tokenizing
@@ -252,7 +283,8 @@ async def run_gateway(model: str, port: int, host: str, scheduler: str, tenants_
     the task callback allow-list, signed with the key in ``callback_secret_file``.
     ``task_lease_s`` / ``task_max_attempts``: a task claim's lease and the most
     attempts of one task (``gateway.task_runner``).
-    Prometheus metrics on ``metrics_port`` (None: none).
+    Prometheus metrics on ``metrics_port`` (None: none); the OpenAI-compatible HTTP API
+    on ``http_port`` (None: none), in the same event loop.
     """
     setup_tracing("gateway")
     holder = {}
@@ -276,8 +308,9 @@ async def run_gateway(model: str, port: int, host: str, scheduler: str, tenants_
                                             result_cache=cache, tasks=runner, metrics_port=metrics_port,
                                             callbacks=callbacks, tls=tls,
                                             prompt_limits=PromptLimits(max_prompt_bytes, max_messages),
-                                            prefix_cache_scope=prefix_cache_scope)
-        log.info("gateway serving on %s", holder["svc"].address)
+                                            prefix_cache_scope=prefix_cache_scope, http_port=http_port)
+        http = holder["svc"].http
+        log.info("gateway serving on %s%s", holder["svc"].address, f", HTTP on {http.url}" if http else "")
 
     async def stop():
         await holder["svc"].stop()

@@ -15,9 +15,10 @@ from typing import Optional
 
 import typer
 
-from meshserve.cli.options import (InsecureOpt, MetricsPortOpt, OtlpOpt, ResultCacheSizeOpt, SampleOpt, TaskStoreOpt,
-                                   TLSCAOpt, TLSCertOpt, TLSKeyOpt, TracesOpt, export_trace_settings, is_address,
-                                   parse_bytes, serve, setup_logging, tls_settings)
+from meshserve.cli.options import (ChatTemplateOpt, HttpPortOpt, InsecureOpt, MetricsPortOpt, OtlpOpt,
+                                   ResultCacheSizeOpt, RevisionOpt, SampleOpt, ServedModelNameOpt, TaskStoreOpt,
+                                   TLSCAOpt, TLSCertOpt, TLSKeyOpt, TokenizerOpt, TracesOpt, export_trace_settings,
+                                   is_address, parse_bytes, serve, setup_logging, tls_settings)
 
 PrefixCacheScopeOpt = typer.Option(
     "tenant", "--prefix-cache-scope",
@@ -84,7 +85,9 @@ def executor(
     scheduler: str = typer.Option(..., "--scheduler", help="host:port of the scheduler."),
     port: int = typer.Option(50053, min=0, max=65535, help="Port of the Executor service."),
     host: str = typer.Option("127.0.0.1", help="Interface to listen on (and advertise)."),
-    model: str = typer.Option("default", help="Model alias, .gguf file or safetensors folder."),
+    model: str = typer.Option("default", help="Model alias, .gguf file, safetensors folder or Hugging Face id "
+                              "(from the local Hugging Face cache)."),
+    revision: Optional[str] = RevisionOpt,
     dtype: str = typer.Option("auto", help="auto, float32, bfloat16 or float16."),
     kv_cache_memory: str = typer.Option("1GiB", "--kv-cache-memory", help="KV cache budget in bytes (512MiB, 2GB…)."),
     block_size: int = typer.Option(16, help="Tokens per KV block."),
@@ -138,7 +141,7 @@ def executor(
                                       no_prefix_caching, max_batch_wait_ms, attention_backend, device,
                                       enable_kv_events=True,  # forwarded for prefix-aware routing
                                       tensor_parallel_size=tensor_parallel_size,
-                                      pipeline_parallel_size=pipeline_parallel_size)
+                                      pipeline_parallel_size=pipeline_parallel_size, revision=revision)
         processes.check_parallel_layout(cfg)  # a size that does not split the model: refused before loading
     except ValueError as exc:  # a bad flag value: typer prints usage and the message, exit code 2
         raise typer.BadParameter(str(exc)) from None
@@ -190,7 +193,12 @@ def gateway(
     scheduler: str = typer.Option(..., "--scheduler", help="host:port of the scheduler."),
     port: int = typer.Option(50051, min=0, max=65535, help="Public port of the Gateway service."),
     host: str = typer.Option("127.0.0.1", help="Interface to listen on."),
-    model: str = typer.Option("default", help="Model alias or path (for the tokenizer and limits)."),
+    model: str = typer.Option("default", help="Model alias, path or Hugging Face id (for the tokenizer and limits)."),
+    revision: Optional[str] = RevisionOpt,
+    tokenizer: Optional[str] = TokenizerOpt,
+    chat_template: Optional[str] = ChatTemplateOpt,
+    served_model_name: Optional[list[str]] = ServedModelNameOpt,
+    http_port: Optional[int] = HttpPortOpt,
     tenants: Optional[str] = typer.Option(None, help="Tenants TOML file (default: open, tenant 'default')."),
     block_size: int = typer.Option(16, "--block-size", min=0, help="Tokens per block of the prompt hashes sent "
                                    "for prefix-aware routing: the executors' --block-size (0: send none)."),
@@ -242,10 +250,11 @@ def gateway(
     tls = tls_settings(tls_cert, tls_key, tls_ca, insecure)
     setup_logging(log_level)
     export_trace_settings(traces, otlp_endpoint, trace_sample_ratio)
-    serve(processes.run_gateway(model, port, host, scheduler, tenants, block_size, result_cache_size,
+    model_source = processes.ModelSource(model, revision, tokenizer, chat_template, tuple(served_model_name or ()))
+    serve(processes.run_gateway(model_source, port, host, scheduler, tenants, block_size, result_cache_size,
                                 result_cache_ttl_s, task_store, task_ttl_s, max_tasks, metrics_port, tls,
                                 max_prompt_bytes, max_messages, prefix_cache_scope, result_cache,
-                                callback_allow, callback_secret_file, task_lease_s, task_max_attempts))
+                                callback_allow, callback_secret_file, task_lease_s, task_max_attempts, http_port))
 
 
 def _check_scope(scope: str) -> None:

@@ -57,6 +57,11 @@ class GatewayStub:
                 request_serializer=meshserve_dot_v1_dot_gateway__pb2.TaskQuery.SerializeToString,
                 response_deserializer=meshserve_dot_v1_dot_gateway__pb2.TaskStatus.FromString,
                 _registered_method=True)
+        self.ListModels = channel.unary_unary(
+                '/meshserve.v1.Gateway/ListModels',
+                request_serializer=meshserve_dot_v1_dot_gateway__pb2.ListModelsRequest.SerializeToString,
+                response_deserializer=meshserve_dot_v1_dot_gateway__pb2.ListModelsResponse.FromString,
+                _registered_method=True)
 
 
 class GatewayServicer:
@@ -107,6 +112,14 @@ class GatewayServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ListModels(self, request, context):
+        """The models this gateway serves (its --served-model-name names, or the
+        model's own id). Callers: clients (role client). Errors: UNAUTHENTICATED.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_GatewayServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -129,6 +142,11 @@ def add_GatewayServicer_to_server(servicer, server):
                     servicer.CancelTask,
                     request_deserializer=meshserve_dot_v1_dot_gateway__pb2.TaskQuery.FromString,
                     response_serializer=meshserve_dot_v1_dot_gateway__pb2.TaskStatus.SerializeToString,
+            ),
+            'ListModels': grpc.unary_unary_rpc_method_handler(
+                    servicer.ListModels,
+                    request_deserializer=meshserve_dot_v1_dot_gateway__pb2.ListModelsRequest.FromString,
+                    response_serializer=meshserve_dot_v1_dot_gateway__pb2.ListModelsResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -242,6 +260,33 @@ class Gateway:
             '/meshserve.v1.Gateway/CancelTask',
             meshserve_dot_v1_dot_gateway__pb2.TaskQuery.SerializeToString,
             meshserve_dot_v1_dot_gateway__pb2.TaskStatus.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ListModels(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/meshserve.v1.Gateway/ListModels',
+            meshserve_dot_v1_dot_gateway__pb2.ListModelsRequest.SerializeToString,
+            meshserve_dot_v1_dot_gateway__pb2.ListModelsResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -19,7 +19,7 @@ from gateway.mesh_client import GrpcMeshClient
 from gateway.request import GenerationRequest, ModelInfo, SpanOptions
 from gateway.result_cache import ResultCache, cache_key
 from gateway.tenants import Tenant
-from meshserve.errors import AlreadyExists, InvalidArgument, NotFound, Unavailable
+from meshserve.errors import AlreadyExists, InvalidArgument, ModelNotFound, Unavailable
 from meshserve.sampling import SamplingParams
 from meshserve.telemetry import memory_exporter
 from tests.support.redis_server import free_port
@@ -56,7 +56,7 @@ def count(core: GatewayCore, name: str, **labels) -> float:
      "max_tokens must be in [1, 64] (max_model_len), got 65"),
     (GenerationRequest(prompt_token_ids=tuple(range(64))), InvalidArgument,
      "prompt has 64 tokens; max_model_len is 64 (prompt + at least 1 output token)"),
-    (GenerationRequest(prompt="Hi", model="other"), NotFound,
+    (GenerationRequest(prompt="Hi", model="other"), ModelNotFound,
      "model 'other' is not served here (this gateway serves 'test-model')"),
 ])
 async def test_prepare_rejects_with_the_exact_error(core, request_, error, message):

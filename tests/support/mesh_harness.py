@@ -45,6 +45,11 @@ class LocalMesh:
         return {name: svc.metrics.url for name, svc in services if svc is not None and svc.metrics is not None}
 
     @property
+    def http_url(self) -> str:
+        """The gateway's HTTP base URL (``http://127.0.0.1:PORT``; the mesh started with ``http``)."""
+        return self.gateway.http.url
+
+    @property
     def engines(self) -> list[LLMEngine]:
         return [e.engine for _, e, _ in self.executors]
 
@@ -87,7 +92,8 @@ class LocalMesh:
 async def start_local_mesh(engines: list[LLMEngine], tokenizer, tenants=None, kvstore=None,
                            kvstore_fetch_timeout_s: float = 300.0, step_timeout_s: float = 3600.0,
                            metrics: bool = False, max_buffered_outputs: int = 256, tls: bool = True,
-                           prefix_cache_scope: str = "tenant", scheduler_config=None) -> LocalMesh:
+                           prefix_cache_scope: str = "tenant", scheduler_config=None,
+                           http: bool = False, served_model_names: tuple[str, ...] = ()) -> LocalMesh:
     """Starts scheduler, one executor per engine, and a gateway, on free ports; with
     ``kvstore`` (a ``kvstore.store.KVStore``, or a ready ``Service``) a kvstore service
     too, every executor shares prefix blocks through it, and the scheduler follows its
@@ -124,9 +130,10 @@ async def start_local_mesh(engines: list[LLMEngine], tokenizer, tenants=None, kv
                                                        tls=role("executor"), prefix_cache_scope=prefix_cache_scope)
         executors.append((svc, async_engine, link))
     e0 = engines[0]
-    info = ModelInfo(e0.model_id, e0.max_model_len, e0.vocab_size, e0.revision)
+    info = ModelInfo(e0.model_id, e0.max_model_len, e0.vocab_size, e0.revision, tuple(served_model_names))
     gateway = await start_gateway(tokenizer, info, scheduler.address, 0, tenants=tenants, metrics_port=metrics_port,
-                                  tls=role("gateway"), prefix_cache_scope=prefix_cache_scope)
+                                  tls=role("gateway"), prefix_cache_scope=prefix_cache_scope,
+                                  http_port=0 if http else None)
     mesh = LocalMesh(scheduler, gateway, executors, kv_service, secure=tls)
     mesh._channel = channel(gateway.address, mesh.tls("client"))
     mesh.stub = gateway_pb2_grpc.GatewayStub(mesh._channel)

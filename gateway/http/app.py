@@ -1,0 +1,134 @@
+"""The gateway's HTTP application (FastAPI): the OpenAI routes, the task routes,
+and what operators and load balancers read on the same port.
+
+=====================  =========================================================
+route                  answer
+=====================  =========================================================
+GET  /health           200 ``{"status": "ok"}`` while the process serves (liveness)
+GET  /ready            200 while an executor serves, else 503 (readiness, as the
+                       gateway's grpc.health.v1: ``gateway.readiness``)
+GET  /metrics          the gateway's Prometheus metrics (text exposition format)
+GET  /version          ``{"version": meshserve's version}``
+/v1/models, /v1/completions, /v1/chat/completions   ``gateway.http.openai_routes``
+/v1/tasks…             ``gateway.http.task_routes``
+=====================  =========================================================
+
+Every error is OpenAI's JSON error body (``gateway.http.errors``); a body over
+``max_body_bytes`` is refused with 413 before it is read whole (case C37).
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+from pydantic import ValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from gateway.generation import GatewayCore
+from gateway.http.errors import HttpError, http_error, validation_error
+from gateway.http.openai_routes import OpenAIRoutes
+from gateway.http.task_routes import TaskRoutes
+from gateway.task_api import TaskAPI
+from gateway.tenants import TenantRegistry
+from meshserve import __version__
+
+MAX_BODY_BYTES = 8 << 20  # a request body's most bytes (8 MiB)
+
+
+class BodyLimit:
+    """ASGI middleware: a request whose body is larger than ``max_bytes`` gets 413
+    (by its Content-Length at once, else as soon as the bytes received pass it)."""
+
+    def __init__(self, app, max_bytes: int):
+        self.app, self.max_bytes = app, max_bytes
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        length = dict(scope["headers"]).get(b"content-length")
+        if length is not None and length.isdigit() and int(length) > self.max_bytes:
+            return await self._too_large(scope, receive, send)
+        received = 0
+
+        async def limited():
+            nonlocal received
+            message = await receive()
+            if message["type"] == "http.request":
+                received += len(message.get("body", b""))
+                if received > self.max_bytes:
+                    raise _TooLarge()
+            return message
+
+        try:
+            await self.app(scope, limited, send)
+        except _TooLarge:
+            await self._too_large(scope, receive, send)
+
+    async def _too_large(self, scope, receive, send):
+        error = HttpError(413, f"request body is larger than {self.max_bytes} bytes", "invalid_request_error",
+                          "request_too_large")
+        await error.response()(scope, receive, send)
+
+
+class _TooLarge(Exception):
+    pass
+
+
+def create_app(core: GatewayCore, tenants: TenantRegistry, tasks: TaskAPI, ready: Callable[[], bool],
+               registry: CollectorRegistry, max_body_bytes: int = MAX_BODY_BYTES) -> FastAPI:
+    """The application over a core.
+
+    Args:
+        core: the gateway core (shared with the gRPC adapter).
+        tenants: API keys → tenants.
+        tasks: the task adapter (shared with the gRPC adapter).
+        ready: True while an executor serves (``ReadinessProbe.ready``).
+        registry: the Prometheus registry ``/metrics`` serves.
+        max_body_bytes: a request body's most bytes.
+    """
+    app = FastAPI(title="meshserve", version=__version__, docs_url=None, redoc_url=None, openapi_url=None)
+    app.include_router(OpenAIRoutes(core, tenants).router)
+    app.include_router(TaskRoutes(tasks).router)
+
+    @app.get("/health")
+    async def health() -> dict:
+        return {"status": "ok"}
+
+    @app.get("/ready")
+    async def ready_route() -> JSONResponse:
+        if ready():
+            return JSONResponse({"status": "ready"})
+        return HttpError(503, "no executor serves", "service_unavailable_error", "service_unavailable",
+                         retry_after_s=1).response()
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/version")
+    async def version() -> dict:
+        return {"version": __version__}
+
+    @app.exception_handler(RequestValidationError)
+    async def on_bad_body(_: Request, exc: RequestValidationError) -> JSONResponse:
+        return validation_error(list(exc.errors())).response()
+
+    @app.exception_handler(ValidationError)
+    async def on_bad_task_body(_: Request, exc: ValidationError) -> JSONResponse:
+        return validation_error(list(exc.errors())).response()
+
+    @app.exception_handler(StarletteHTTPException)
+    async def on_http(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+        code = "not_found" if exc.status_code == 404 else None
+        return HttpError(exc.status_code, str(exc.detail), "invalid_request_error", code).response()
+
+    @app.exception_handler(Exception)
+    async def on_error(_: Request, exc: Exception) -> JSONResponse:
+        return http_error(exc).response()
+
+    app.add_middleware(BodyLimit, max_bytes=max_body_bytes)
+    return app

@@ -1,0 +1,101 @@
+"""OpenAI request bodies (``gateway.http.schemas``) → the core's ``GenerationRequest``.
+
+One ``GenerationRequest`` per prompt: a chat request is one, a completions
+request with a list of prompts is one per prompt (each with its own ``n``
+choices). Unset OpenAI fields leave meshserve's defaults (``meshserve.sampling``);
+the core validates every value and names the field when one is out of range.
+
+Mappings that are not one-to-one:
+
+* chat ``max_completion_tokens`` wins over ``max_tokens``; with neither, the output
+  may run to the context (``max_tokens`` = ``max_model_len``, clamped by the engine).
+* chat ``logprobs: true`` → ``logprobs`` = ``top_logprobs`` (0: the token's own only);
+  completions ``logprobs: k`` → ``logprobs`` = k.
+* ``priority`` is meshserve's priority class (higher runs first; vLLM's runs lower
+  first) and is capped by nothing here: the scheduler applies the tenant's rules.
+"""
+
+from __future__ import annotations
+
+from meshserve.errors import InvalidArgument
+from meshserve.sampling import DEFAULT_MAX_TOKENS, SamplingParams
+
+from gateway.http.schemas import MAX_PROMPTS, ChatCompletionRequest, CompletionRequest, SamplingFields
+from gateway.request import GenerationRequest
+
+
+def _refuse_unsupported(body: SamplingFields) -> None:
+    """Fields meshserve does not implement are refused (400 naming them), never ignored."""
+    if body.logit_bias:
+        raise InvalidArgument("logit_bias is not supported")
+    if isinstance(body, CompletionRequest):
+        if body.echo:
+            raise InvalidArgument("echo is not supported")
+        if body.suffix:
+            raise InvalidArgument("suffix is not supported")
+        if body.best_of is not None and body.best_of != body.n:
+            raise InvalidArgument("best_of must equal n (meshserve returns every choice it generates)")
+    if isinstance(body, ChatCompletionRequest):
+        if body.tools:
+            raise InvalidArgument("tools are not supported")
+        if body.response_format and body.response_format.get("type", "text") != "text":
+            raise InvalidArgument("response_format: only {'type': 'text'} is supported")
+
+
+def _sampling(body: SamplingFields, max_tokens: int, logprobs: int | None) -> SamplingParams:
+    """The request's ``SamplingParams`` (unvalidated: the core validates)."""
+    given = {name: getattr(body, name) for name in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty",
+                                                    "presence_penalty", "frequency_penalty", "min_tokens")
+             if getattr(body, name) is not None}
+    return SamplingParams(max_tokens=max_tokens, seed=body.seed, stop=body.stop_strings(),
+                          stop_token_ids=tuple(body.stop_token_ids or ()), ignore_eos=body.ignore_eos, n=body.n,
+                          logprobs=logprobs, **given)
+
+
+def chat_request(body: ChatCompletionRequest, max_model_len: int, request_id: str) -> GenerationRequest:
+    """A chat body as one ``GenerationRequest``.
+
+    Raises:
+        InvalidArgument: a field meshserve does not implement.
+    """
+    _refuse_unsupported(body)
+    max_tokens = body.max_completion_tokens or body.max_tokens or max_model_len
+    logprobs = (body.top_logprobs or 0) if body.logprobs else None
+    if body.top_logprobs and not body.logprobs:
+        raise InvalidArgument("top_logprobs needs logprobs: true")
+    return GenerationRequest(chat=tuple((m.role, m.text()) for m in body.messages),
+                             sampling=_sampling(body, max_tokens, logprobs), priority=body.priority,
+                             request_id=request_id, model=body.model)
+
+
+def _prompts(prompt) -> list[str | tuple[int, ...]]:
+    """``prompt`` as a list of prompts (text or token ids)."""
+    if isinstance(prompt, str):
+        return [prompt]
+    if not prompt:
+        raise InvalidArgument("prompt must not be empty")
+    if all(isinstance(p, int) for p in prompt):
+        return [tuple(prompt)]
+    return [p if isinstance(p, str) else tuple(p) for p in prompt]
+
+
+def completion_requests(body: CompletionRequest, request_id: str) -> list[GenerationRequest]:
+    """A completions body as one ``GenerationRequest`` per prompt (ids ``request_id``
+    with ``-i`` appended when there are several).
+
+    Raises:
+        InvalidArgument: no prompt, more than ``MAX_PROMPTS``, or a field meshserve
+            does not implement.
+    """
+    _refuse_unsupported(body)
+    prompts = _prompts(body.prompt)
+    if len(prompts) > MAX_PROMPTS:
+        raise InvalidArgument(f"prompt takes at most {MAX_PROMPTS} prompts, got {len(prompts)}")
+    params = _sampling(body, body.max_tokens or DEFAULT_MAX_TOKENS, body.logprobs)
+    out = []
+    for i, p in enumerate(prompts):
+        rid = request_id if len(prompts) == 1 else f"{request_id}-{i}"
+        text, ids = (p, None) if isinstance(p, str) else (None, p)
+        out.append(GenerationRequest(prompt=text, prompt_token_ids=ids, sampling=params, priority=body.priority,
+                                     request_id=rid, model=body.model))
+    return out

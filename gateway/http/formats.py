@@ -1,0 +1,141 @@
+"""OpenAI's response and chunk objects from the core's events, for chat and completions.
+
+``ChatFormat`` builds ``chat.completion`` / ``chat.completion.chunk`` objects and
+``CompletionFormat`` ``text_completion`` ones (OpenAI's API reference, as vLLM
+serves them; vLLM's ``stop_reason`` is added to each finished choice: the stop
+string that ended it, or null; with vLLM's ``return_token_ids`` each choice also
+carries ``token_ids``: in a chunk its delta's, in a response all of them). Choice ``index`` is ``prompt * n + choice``, so
+with several prompts choice ``i`` belongs to prompt ``i // n``.
+
+Usage: ``prompt_tokens`` counts each prompt once (not once per choice),
+``completion_tokens`` every choice's tokens, ``prompt_tokens_details.cached_tokens``
+the prompt tokens whose KV was reused.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Sequence
+
+from gateway.collector import CompletedChoice
+from gateway.events import ChoiceResult, Delta
+from gateway.http.logprobs import TokenTexts, chat_logprobs, completion_logprobs
+
+
+def usage_of(results: Sequence[ChoiceResult]) -> dict:
+    """OpenAI's ``usage`` of the results of every choice (choice 0 of each prompt
+    carries that prompt's counts)."""
+    prompt = sum(r.usage.prompt_tokens for r in results if r.index == 0)
+    cached = sum(r.usage.cached_tokens for r in results if r.index == 0)
+    completion = sum(r.usage.completion_tokens for r in results)
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+            "prompt_tokens_details": {"cached_tokens": cached}}
+
+
+def _finish_reason(result: ChoiceResult | None) -> str | None:
+    return result.finish_reason.value if result is not None and result.finish_reason is not None else None
+
+
+class _Format:
+    """What both shapes share: the response id, model name, creation time, ``n``."""
+
+    object_name = ""
+    chunk_object_name = ""
+
+    def __init__(self, response_id: str, model: str, n: int, tokenizer, logprobs: bool,
+                 return_token_ids: bool = False):
+        self.id, self.model, self.n = response_id, model, n
+        self.created = int(time.time())
+        self.logprobs = logprobs
+        self.return_token_ids = return_token_ids
+        self.texts = TokenTexts(tokenizer)
+
+    def _with_ids(self, choice: dict, token_ids) -> dict:
+        """``choice`` with vLLM's ``token_ids`` when the request asked for them."""
+        if self.return_token_ids:
+            choice["token_ids"] = list(token_ids)
+        return choice
+
+    def index(self, prompt: int, choice: int) -> int:
+        """The response's choice index of choice ``choice`` of prompt ``prompt``."""
+        return prompt * self.n + choice
+
+    def chunk(self, choices: list[dict], usage: dict | None = None, with_usage: bool = False) -> dict:
+        """One stream chunk (``usage`` key present when the caller asked for usage)."""
+        out = {"id": self.id, "object": self.chunk_object_name, "created": self.created, "model": self.model,
+               "choices": choices}
+        if with_usage:
+            out["usage"] = usage
+        return out
+
+    def response(self, choices: list[dict], results: Sequence[ChoiceResult]) -> dict:
+        """The whole (non-streamed) response."""
+        return {"id": self.id, "object": self.object_name, "created": self.created, "model": self.model,
+                "choices": choices, "usage": usage_of(results)}
+
+
+class ChatFormat(_Format):
+    """``chat.completion`` objects."""
+
+    object_name, chunk_object_name = "chat.completion", "chat.completion.chunk"
+
+    def role_choice(self, index: int) -> dict:
+        """The first chunk's choice of ``index``: it announces the assistant role."""
+        return {"index": index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                "finish_reason": None}
+
+    def delta_choice(self, index: int, delta: Delta) -> dict | None:
+        """A chunk's choice for ``delta`` (None when it carries nothing to send)."""
+        if not delta.text and not (self.logprobs and delta.token_ids):
+            return None
+        logprobs = chat_logprobs(delta.logprobs, self.texts) if self.logprobs else None
+        return self._with_ids({"index": index, "delta": {"content": delta.text}, "logprobs": logprobs,
+                               "finish_reason": None}, delta.token_ids)
+
+    def finish_choice(self, index: int, result: ChoiceResult) -> dict:
+        """The last chunk's choice of ``index``: its finish reason."""
+        return {"index": index, "delta": {}, "logprobs": None, "finish_reason": _finish_reason(result),
+                "stop_reason": result.stop_reason or None}
+
+    def full_choice(self, index: int, c: CompletedChoice) -> dict:
+        """A choice of the non-streamed response."""
+        return self._with_ids({"index": index, "message": {"role": "assistant", "content": c.text},
+                               "logprobs": chat_logprobs(c.logprobs, self.texts) if self.logprobs else None,
+                               "finish_reason": _finish_reason(c.result),
+                               "stop_reason": (c.result.stop_reason or None) if c.result else None}, c.token_ids)
+
+
+class CompletionFormat(_Format):
+    """``text_completion`` objects."""
+
+    object_name = chunk_object_name = "text_completion"
+
+    def __init__(self, response_id: str, model: str, n: int, tokenizer, logprobs: bool,
+                 return_token_ids: bool = False):
+        super().__init__(response_id, model, n, tokenizer, logprobs, return_token_ids)
+        self._offsets: dict[int, int] = {}  # index -> text offset of its next token (logprobs)
+
+    def role_choice(self, index: int) -> None:
+        return None  # completions announce no role
+
+    def delta_choice(self, index: int, delta: Delta) -> dict | None:
+        """A chunk's choice for ``delta`` (None when it carries nothing to send)."""
+        if not delta.text and not (self.logprobs and delta.token_ids):
+            return None
+        logprobs = None
+        if self.logprobs:
+            offset = self._offsets.get(index, 0)
+            logprobs = completion_logprobs(delta.logprobs, self.texts, offset)
+            self._offsets[index] = offset + sum(len(t) for t in logprobs["tokens"])
+        return self._with_ids({"index": index, "text": delta.text, "logprobs": logprobs, "finish_reason": None},
+                              delta.token_ids)
+
+    def finish_choice(self, index: int, result: ChoiceResult) -> dict:
+        return {"index": index, "text": "", "logprobs": None, "finish_reason": _finish_reason(result),
+                "stop_reason": result.stop_reason or None}
+
+    def full_choice(self, index: int, c: CompletedChoice) -> dict:
+        return self._with_ids({"index": index, "text": c.text,
+                               "logprobs": completion_logprobs(c.logprobs, self.texts) if self.logprobs else None,
+                               "finish_reason": _finish_reason(c.result),
+                               "stop_reason": (c.result.stop_reason or None) if c.result else None}, c.token_ids)

@@ -1,0 +1,167 @@
+"""The OpenAI-compatible routes: ``GET /v1/models``, ``POST /v1/completions``,
+``POST /v1/chat/completions``, streamed (server-sent events) and not.
+
+A request: authenticate (``Authorization: Bearer KEY`` or ``x-api-key`` → the
+tenant, exactly as the gRPC API key), convert the body (``gateway.http.convert``),
+run one core stream per prompt (``GatewayCore.generate``) in an ``EventPump``,
+await its first event (so an error before any output gets its HTTP status), then:
+
+* not streamed: collect every choice (``ChoiceCollector``) and answer one object;
+* streamed: ``text/event-stream``, one ``data: <json>`` event per chunk: the
+  assistant role once per choice index (chat), each delta, one chunk with the
+  finish reason per index, with ``stream_options.include_usage`` a last chunk
+  with the usage and no choices, then ``data: [DONE]``. An error after the
+  stream started is one ``data: {"error": …}`` event before ``[DONE]``.
+
+A client that disconnects cancels the core's streams at once, as a cancelled gRPC
+call does: the executor call is cancelled (the engine frees the request's KV
+blocks) and the lease is released. The response then is 499 (the client closed
+the request; what an access log records).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from typing import AsyncIterator
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from gateway.collector import ChoiceCollector
+from gateway.events import ChoiceResult, Delta
+from gateway.generation import GatewayCore
+from gateway.http.convert import chat_request, completion_requests
+from gateway.http.errors import http_error
+from gateway.http.formats import ChatFormat, CompletionFormat, usage_of
+from gateway.http.schemas import ChatCompletionRequest, CompletionRequest, SamplingFields
+from gateway.http.streams import ClientDisconnected, EventPump, until_disconnect
+from gateway.request import GenerationRequest, SpanOptions
+from gateway.tenants import Tenant, TenantRegistry
+from meshserve.telemetry import context_from_metadata
+
+CLIENT_CLOSED = 499  # nginx's "client closed request"
+
+
+def headers_of(request: Request) -> list[tuple[str, str]]:
+    """The request's headers as (lower-case name, value) pairs: the metadata the
+    tenant registry and the trace context read."""
+    return [(k.decode("latin-1"), v.decode("latin-1")) for k, v in request.scope["headers"]]
+
+
+def _sse(data: dict | str) -> bytes:
+    """One server-sent event."""
+    return f"data: {data if isinstance(data, str) else json.dumps(data, separators=(',', ':'))}\n\n".encode()
+
+
+class OpenAIRoutes:
+    """The routes over one core.
+
+    Args:
+        core: the gateway core.
+        tenants: API keys → tenants.
+    """
+
+    def __init__(self, core: GatewayCore, tenants: TenantRegistry):
+        self.core = core
+        self.tenants = tenants
+        self.router = APIRouter()
+        self.router.add_api_route("/v1/models", self.models, methods=["GET"])
+        self.router.add_api_route("/v1/completions", self.completions, methods=["POST"])
+        self.router.add_api_route("/v1/chat/completions", self.chat_completions, methods=["POST"])
+
+    @property
+    def served_name(self) -> str:
+        """The model name responses carry."""
+        return self.core.model.names[0]
+
+    async def models(self, request: Request) -> dict:
+        """``GET /v1/models``: every served name, as OpenAI's model list."""
+        self.tenants.authenticate(headers_of(request))
+        info = self.core.model
+        return {"object": "list", "data": [
+            {"id": name, "object": "model", "created": 0, "owned_by": "meshserve", "root": info.model_id,
+             "max_model_len": info.max_model_len} for name in info.names]}
+
+    async def completions(self, body: CompletionRequest, request: Request) -> Response:
+        """``POST /v1/completions``."""
+        received_at = time.monotonic()
+        tenant = self.tenants.authenticate(headers_of(request))
+        request_id = body.request_id or uuid.uuid4().hex
+        requests = completion_requests(body, request_id)
+        fmt = CompletionFormat(f"cmpl-{request_id}", body.model or self.served_name, body.n, self.core.tokenizer,
+                               body.logprobs is not None, body.return_token_ids)
+        return await self._serve(request, body, tenant, requests, fmt, received_at)
+
+    async def chat_completions(self, body: ChatCompletionRequest, request: Request) -> Response:
+        """``POST /v1/chat/completions``."""
+        received_at = time.monotonic()
+        tenant = self.tenants.authenticate(headers_of(request))
+        request_id = body.request_id or uuid.uuid4().hex
+        gen = chat_request(body, self.core.model.max_model_len, request_id)
+        fmt = ChatFormat(f"chatcmpl-{request_id}", body.model or self.served_name, body.n, self.core.tokenizer,
+                         body.logprobs, body.return_token_ids)
+        return await self._serve(request, body, tenant, [gen], fmt, received_at)
+
+    async def _serve(self, request: Request, body: SamplingFields, tenant: Tenant,
+                     requests: list[GenerationRequest], fmt: ChatFormat | CompletionFormat,
+                     received_at: float) -> Response:
+        options = SpanOptions(parent=context_from_metadata(headers_of(request)), stream=body.stream,
+                              attributes={"enduser.id": body.user} if body.user else {})
+        pump = EventPump([self.core.generate(r, tenant, options, received_at) for r in requests])
+        try:
+            if not body.stream:
+                return JSONResponse(await until_disconnect(request, self._collect(pump, fmt, len(requests))))
+            first = await until_disconnect(request, pump.next())
+        except ClientDisconnected:
+            pump.cancel()
+            return Response(status_code=CLIENT_CLOSED)
+        except BaseException:
+            pump.cancel()
+            raise
+        include_usage = bool(body.stream_options and body.stream_options.include_usage)
+        return StreamingResponse(self._stream(pump, first, fmt, len(requests), include_usage),
+                                 media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+
+    async def _collect(self, pump: EventPump, fmt: ChatFormat | CompletionFormat, num_prompts: int) -> dict:
+        """The non-streamed response: every event collected, choice by choice."""
+        collectors = [ChoiceCollector() for _ in range(num_prompts)]
+        while (item := await pump.next()) is not None:
+            collectors[item[0]].feed(item[1])
+        choices, results = [], []
+        for p, collector in enumerate(collectors):
+            for c in collector.choices():
+                choices.append(fmt.full_choice(fmt.index(p, c.index), c))
+                if c.result is not None:
+                    results.append(c.result)
+        return fmt.response(choices, results)
+
+    async def _stream(self, pump: EventPump, first, fmt: ChatFormat | CompletionFormat, num_prompts: int,
+                      include_usage: bool) -> AsyncIterator[bytes]:
+        """The SSE body; closing it (the client went away) cancels the pump."""
+        results: list[ChoiceResult] = []
+        try:
+            for index in range(num_prompts * fmt.n):
+                role = fmt.role_choice(index)
+                if role is not None:
+                    yield _sse(fmt.chunk([role], with_usage=include_usage))
+            item = first
+            while item is not None:
+                p, event = item
+                choice = None
+                if isinstance(event, Delta):
+                    choice = fmt.delta_choice(fmt.index(p, event.index), event)
+                elif isinstance(event, ChoiceResult):
+                    results.append(event)
+                    choice = fmt.finish_choice(fmt.index(p, event.index), event)
+                if choice is not None:
+                    yield _sse(fmt.chunk([choice], with_usage=include_usage))
+                item = await pump.next()
+            if include_usage:
+                yield _sse(fmt.chunk([], usage_of(results), with_usage=True))
+        except Exception as exc:  # noqa: BLE001 - the status is sent: the error is an event
+            yield _sse(http_error(exc).body())
+        finally:
+            pump.cancel()
+        yield _sse("[DONE]")

@@ -1,0 +1,119 @@
+"""The request bodies of the OpenAI-compatible routes, as pydantic models.
+
+Field names, types and defaults follow OpenAI's API reference for
+``POST /v1/completions`` and ``POST /v1/chat/completions``, plus the extra
+sampling fields vLLM accepts that clients send (``top_k``, ``min_p``,
+``min_tokens``, ``repetition_penalty``, ``ignore_eos``, ``stop_token_ids``,
+``priority``). Unknown fields are ignored, as OpenAI's servers and vLLM do.
+Ranges are checked once, by ``meshserve.sampling.validate`` in the core; what is
+checked here is only what the core cannot see (types, the OpenAI-only caps such
+as ``max_tokens`` >= 1 and ``top_logprobs`` <= 20, and fields meshserve does not
+implement, which are refused rather than silently ignored).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+# What one request body may carry before any work is done (case C37): the core's
+# own caps bound each field; these bound what arrives before the core sees it.
+MAX_PROMPTS = 64  # prompts of one /v1/completions request
+MAX_MESSAGES = 4096  # messages of one chat request
+
+
+class StreamOptions(BaseModel):
+    """``stream_options``: with ``include_usage`` a last chunk carries the usage
+    (``choices`` empty) and every other chunk ``"usage": null``."""
+
+    include_usage: bool = False
+    continuous_usage_stats: bool = False
+
+
+class SamplingFields(BaseModel):
+    """The fields both routes share (OpenAI's, then vLLM's extras)."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    model: str | None = None
+    n: int = Field(1, ge=1)
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    stop: str | list[str] | None = None
+    seed: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None
+    user: str | None = None
+    # vLLM's extra sampling fields
+    top_k: int | None = None
+    min_p: float | None = None
+    min_tokens: int | None = Field(None, ge=0)
+    repetition_penalty: float | None = None
+    ignore_eos: bool = False
+    stop_token_ids: list[int] | None = None
+    priority: int | None = None
+    request_id: str | None = None
+    return_token_ids: bool = False  # vLLM's: token ids beside the text (each chunk: its delta's)
+
+    def stop_strings(self) -> tuple[str, ...]:
+        """``stop`` as a tuple of strings (one string is one stop string)."""
+        if self.stop is None:
+            return ()
+        return (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
+
+
+class CompletionRequest(SamplingFields):
+    """``POST /v1/completions``: ``prompt`` is a string, a list of strings, a list of
+    token ids, or a list of token-id lists; each prompt gets ``n`` choices, choice
+    ``i`` of the response belonging to prompt ``i // n``."""
+
+    prompt: str | list[str] | list[int] | list[list[int]]
+    max_tokens: int | None = Field(16, ge=1)
+    logprobs: int | None = Field(None, ge=0, le=20)
+    echo: bool = False
+    best_of: int | None = None
+    suffix: str | None = None
+
+
+class TextPart(BaseModel):
+    """A text part of a message's content (other part types are refused)."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(BaseModel):
+    """One message: ``content`` a string, a list of text parts, or null."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    role: str
+    content: str | list[TextPart] | None = None
+
+    def text(self) -> str:
+        """The message's text (text parts joined)."""
+        if self.content is None:
+            return ""
+        if isinstance(self.content, str):
+            return self.content
+        return "".join(part.text for part in self.content)
+
+
+class ChatCompletionRequest(SamplingFields):
+    """``POST /v1/chat/completions``. ``max_completion_tokens`` wins over the older
+    ``max_tokens`` when both are set; with neither, the output may run to the
+    model's context (``max_model_len``), as in OpenAI's API and vLLM."""
+
+    messages: list[ChatMessage] = Field(min_length=1, max_length=MAX_MESSAGES)
+    max_tokens: int | None = Field(None, ge=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0, le=20)
+    tools: list[Any] | None = None
+    response_format: dict[str, Any] | None = None

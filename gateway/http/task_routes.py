@@ -1,0 +1,91 @@
+"""The async task API over HTTP, next to the OpenAI routes: a thin adapter over
+``gateway.task_api.TaskAPI`` (the same calls, tenants and errors as the gRPC
+``SubmitTask``/``GetTask``/``CancelTask``).
+
+* ``POST /v1/tasks``: a chat body (``messages``) or a completions body with one
+  ``prompt``, as the OpenAI routes take them (``stream`` is ignored) → 202 and the
+  task's handle ``{"task_id", "state"}``.
+* ``GET /v1/tasks/{task_id}``: its ``TaskStatus`` (state, timestamps, then its
+  choices or its error) as JSON with the proto's field names; 404 when unknown or
+  another tenant's.
+* ``POST /v1/tasks/{task_id}/cancel`` (or ``DELETE /v1/tasks/{task_id}``): cancels it,
+  answers its status.
+
+The task runs in the gateway, not in the HTTP request: a client that goes away
+after the submit leaves it running (case C31).
+"""
+
+from __future__ import annotations
+
+import uuid
+from typing import Any
+
+from fastapi import APIRouter, Body, Request
+from fastapi.responses import JSONResponse
+from google.protobuf.json_format import MessageToDict
+
+from gateway.http.convert import chat_request, completion_requests
+from gateway.http.openai_routes import headers_of
+from gateway.http.schemas import ChatCompletionRequest, CompletionRequest
+from gateway.proto_convert import request_to_proto
+from gateway.task_api import TaskAPI
+from meshserve.errors import InvalidArgument
+from meshserve.v1 import gateway_pb2
+
+
+class HttpCallContext:
+    """What ``TaskAPI`` reads of a call's context, for an HTTP request: its metadata
+    (the headers: API key, ``traceparent``)."""
+
+    def __init__(self, request: Request):
+        self._metadata = headers_of(request)
+
+    def invocation_metadata(self) -> list[tuple[str, str]]:
+        return self._metadata
+
+
+def _json(message) -> dict:
+    """A message as JSON with the proto's field names, enums by name, every field present."""
+    return MessageToDict(message, preserving_proto_field_name=True, always_print_fields_with_no_presence=True)
+
+
+class TaskRoutes:
+    """The task routes over one ``TaskAPI``.
+
+    Args:
+        tasks: the task adapter (its core, tenants and runner).
+    """
+
+    def __init__(self, tasks: TaskAPI):
+        self.tasks = tasks
+        self.router = APIRouter()
+        self.router.add_api_route("/v1/tasks", self.submit, methods=["POST"], status_code=202)
+        self.router.add_api_route("/v1/tasks/{task_id}", self.get, methods=["GET"])
+        self.router.add_api_route("/v1/tasks/{task_id}/cancel", self.cancel, methods=["POST"])
+        self.router.add_api_route("/v1/tasks/{task_id}", self.cancel, methods=["DELETE"])
+
+    def _generate_request(self, body: dict[str, Any]) -> gateway_pb2.GenerateRequest:
+        """The body as the ``GenerateRequest`` SubmitTask takes (pydantic errors become 400)."""
+        request_id = body.get("request_id") or ""
+        if "messages" in body:
+            gen = chat_request(ChatCompletionRequest.model_validate(body), self.tasks.core.model.max_model_len,
+                               request_id)
+        else:
+            gens = completion_requests(CompletionRequest.model_validate(body), request_id)
+            if len(gens) != 1:
+                raise InvalidArgument("prompt: a task takes one prompt")
+            gen = gens[0]
+        return request_to_proto(gen)
+
+    async def submit(self, request: Request, body: dict[str, Any] = Body(...)) -> JSONResponse:
+        """``POST /v1/tasks``."""
+        handle = await self.tasks.submit(self._generate_request(body), HttpCallContext(request))
+        return JSONResponse(_json(handle), status_code=202)
+
+    async def get(self, task_id: str, request: Request) -> dict:
+        """``GET /v1/tasks/{task_id}``."""
+        return _json(await self.tasks.get(gateway_pb2.TaskQuery(task_id=task_id), HttpCallContext(request)))
+
+    async def cancel(self, task_id: str, request: Request) -> dict:
+        """``POST /v1/tasks/{task_id}/cancel`` and ``DELETE /v1/tasks/{task_id}``."""
+        return _json(await self.tasks.cancel(gateway_pb2.TaskQuery(task_id=task_id), HttpCallContext(request)))

@@ -1,0 +1,91 @@
+"""The HTTP adapter's pure parts, without a mesh: OpenAI bodies → ``GenerationRequest``
+and domain errors → OpenAI's error shape and status."""
+
+import grpc
+import pytest
+
+from gateway.http.convert import chat_request, completion_requests
+from gateway.http.errors import http_error, validation_error
+from gateway.http.schemas import ChatCompletionRequest, CompletionRequest
+from meshserve.errors import (AlreadyExists, InvalidArgument, MeshError, ModelNotFound, NotFound, ResourceExhausted,
+                              Unauthenticated, Unavailable)
+from meshserve.sampling import SamplingParams
+
+CHAT = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": [{"type": "text", "text": "Hi"},
+                                                                                {"type": "text", "text": "!"}]}]
+
+
+def test_chat_fields_map_to_sampling_params():
+    body = ChatCompletionRequest(messages=CHAT, model="smol", n=2, seed=3, stop="END", temperature=0.5, top_p=0.9,
+                                 presence_penalty=0.1, frequency_penalty=0.2, logprobs=True, top_logprobs=4,
+                                 top_k=5, min_p=0.1, min_tokens=2, repetition_penalty=1.1, ignore_eos=True,
+                                 stop_token_ids=[7], priority=2, max_tokens=50, max_completion_tokens=9)
+    r = chat_request(body, max_model_len=1024, request_id="r1")
+    assert r.chat == (("system", "Be brief."), ("user", "Hi!"))
+    assert (r.model, r.priority, r.request_id) == ("smol", 2, "r1")
+    assert r.sampling == SamplingParams(max_tokens=9, temperature=0.5, top_p=0.9, top_k=5, seed=3, stop=("END",),
+                                        stop_token_ids=(7,), ignore_eos=True, min_p=0.1, repetition_penalty=1.1,
+                                        presence_penalty=0.1, frequency_penalty=0.2, min_tokens=2, n=2, logprobs=4)
+
+
+def test_chat_without_a_cap_may_run_to_the_context_and_completions_default_to_16():
+    assert chat_request(ChatCompletionRequest(messages=CHAT), 1024, "r").sampling.max_tokens == 1024
+    assert completion_requests(CompletionRequest(prompt="Hi"), "r")[0].sampling.max_tokens == 16
+
+
+def test_completion_prompts_of_every_form():
+    assert [(r.prompt, r.prompt_token_ids, r.request_id) for r in completion_requests(
+        CompletionRequest(prompt=["a", "b"]), "r")] == [("a", None, "r-0"), ("b", None, "r-1")]
+    assert completion_requests(CompletionRequest(prompt=[1, 2, 3]), "r")[0].prompt_token_ids == (1, 2, 3)
+    assert [r.prompt_token_ids for r in completion_requests(CompletionRequest(prompt=[[1], [2, 3]]), "r")] == \
+        [(1,), (2, 3)]
+    assert completion_requests(CompletionRequest(prompt="x", logprobs=0), "r")[0].sampling.logprobs == 0
+
+
+@pytest.mark.parametrize("body,field", [
+    (CompletionRequest(prompt="x", logit_bias={"1": 2.0}), "logit_bias"),
+    (CompletionRequest(prompt="x", echo=True), "echo"),
+    (CompletionRequest(prompt="x", best_of=3), "best_of"),
+    (CompletionRequest(prompt=[]), "prompt"),
+    (ChatCompletionRequest(messages=CHAT, tools=[{"type": "function"}]), "tools"),
+    (ChatCompletionRequest(messages=CHAT, top_logprobs=3), "top_logprobs"),
+])
+def test_what_is_not_implemented_is_refused_naming_the_field(body, field):
+    with pytest.raises(InvalidArgument) as err:
+        chat_request(body, 1024, "r") if isinstance(body, ChatCompletionRequest) else completion_requests(body, "r")
+    assert str(err.value).startswith(field)
+    assert http_error(err.value).param == field
+
+
+@pytest.mark.parametrize("exc,status,code", [
+    (InvalidArgument("top_p must be in (0, 1], got 0"), 400, "invalid_value"),
+    (Unauthenticated("unknown API key"), 401, "invalid_api_key"),
+    (ModelNotFound("model 'x' is not served here"), 404, "model_not_found"),
+    (NotFound("task not found"), 404, "not_found"),
+    (AlreadyExists("request_id in use"), 409, "conflict"),
+    (ResourceExhausted("queue full", retry_after_s=2.2), 429, "rate_limit_exceeded"),
+    (Unavailable("no executor"), 503, "service_unavailable"),
+])
+def test_domain_errors_map_to_openai_status_and_code(exc, status, code):
+    e = http_error(exc)
+    assert (e.status, e.code, e.message) == (status, code, str(exc))
+    assert e.body() == {"error": {"message": str(exc), "type": e.type, "param": e.param, "code": code}}
+
+
+def test_retry_after_is_whole_seconds_rounded_up():
+    assert http_error(ResourceExhausted("full", retry_after_s=2.2)).response().headers["retry-after"] == "3"
+    assert http_error(ResourceExhausted("full", retry_after_s=0.1)).response().headers["retry-after"] == "1"
+
+
+def test_upstream_codes_without_a_class_keep_their_meaning():
+    err = MeshError("executor: deadline")
+    err.code = grpc.StatusCode.DEADLINE_EXCEEDED
+    assert http_error(err).status == 504
+    assert http_error(RuntimeError("bug")).status == 500
+
+
+def test_body_validation_names_the_field():
+    with pytest.raises(Exception) as err:
+        ChatCompletionRequest.model_validate({"messages": CHAT, "max_completion_tokens": 0})
+    e = validation_error(err.value.errors())
+    assert (e.status, e.param) == (400, "max_completion_tokens")

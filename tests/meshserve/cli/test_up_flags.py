@@ -1,0 +1,83 @@
+"""``meshserve up`` speaks for the services: its flags and a mesh config file reach the
+command lines of the services it starts (the mesh is not started: ``run_mesh`` is
+replaced by a recorder)."""
+
+import pytest
+from typer.testing import CliRunner
+
+from meshserve.cli import app
+from meshserve.cli import mesh as mesh_cli
+from meshserve.cli.mesh_file import read_mesh_file
+
+
+@pytest.fixture
+def started(monkeypatch):
+    meshes = []
+    monkeypatch.setattr(mesh_cli, "run_mesh", meshes.append)
+    return meshes
+
+
+def _up(*args):
+    result = CliRunner().invoke(app, ["up", *args])
+    return result
+
+
+def test_up_flags_reach_each_service(started, tmp_path):
+    pools = tmp_path / "pools.toml"
+    pools.write_text('[[pools]]\nname = "default"\n')
+    result = _up("--queue-policy", "sjf", "--device", "cpu", "--dtype", "float32", "--max-batch-wait-ms", "2.5",
+                 "--block-size", "32", "--max-num-seqs", "8", "--http-port", "0", "--served-model-name", "smol",
+                 "--served-model-name", "gpt-x", "--chat-template", "{{ messages }}", "--kvstore",
+                 "--kvstore-memory", "256MiB")
+    assert result.exit_code == 0, result.output
+    [mesh] = started
+    c = mesh.config
+    assert c.scheduler_args == ["--queue-policy", "sjf"]
+    assert c.executor_args == ["--dtype", "float32", "--kv-cache-memory", "1GiB", "--device", "cpu",
+                               "--block-size", "32", "--max-num-seqs", "8", "--max-batch-wait-ms", "2.5"]
+    assert c.kvstore_memory == "256MiB"
+    mesh.scheduler_address = "127.0.0.1:1"
+    gw = mesh._gateway_args()
+    assert gw[gw.index("--block-size") + 1] == "32"  # the gateway hashes prompts in the executors' blocks
+    assert [gw[i + 1] for i, a in enumerate(gw) if a == "--served-model-name"] == ["smol", "gpt-x"]
+    assert gw[gw.index("--chat-template") + 1] == "{{ messages }}"
+    http_port = int(gw[len(gw) - 1])
+    assert gw[-2] == "--http-port" and http_port > 0 and mesh.http_address == f"127.0.0.1:{http_port}"
+
+
+def test_mesh_config_file_names_each_service_and_up_flags_win(started, tmp_path):
+    config = tmp_path / "mesh.toml"
+    config.write_text('[scheduler]\nqueue-policy = "priority"\nmax-queue-len = 64\n'
+                      '[executor]\ndevice = "cpu"\nno-prefix-caching = true\nmax-num-seqs = 4\n'
+                      '[gateway]\nhttp-port = 0\nserved-model-name = ["a", "b"]\n'
+                      '[kvstore]\nmax-events = 100\n')
+    result = _up("--config", str(config), "--max-num-seqs", "16", "--queue-policy", "fcfs", "--kvstore")
+    assert result.exit_code == 0, result.output
+    c = started[0].config
+    assert c.scheduler_args == ["--queue-policy", "priority", "--max-queue-len", "64", "--queue-policy", "fcfs"]
+    assert c.executor_args[2:] == ["--device", "cpu", "--no-prefix-caching", "--max-num-seqs", "4",
+                                   "--max-num-seqs", "16"]
+    assert c.kvstore_args == ["--max-events", "100"]
+    assert c.gateway_args == ["--http-port", "0", "--served-model-name", "a", "--served-model-name", "b"]
+
+
+def test_bad_mesh_config_file_is_a_usage_error(started, tmp_path):
+    config = tmp_path / "mesh.toml"
+    config.write_text("[router]\nx = 1\n")
+    result = _up("--config", str(config))
+    assert result.exit_code == 2 and "unknown sections ['router']" in result.output
+    assert started == []
+
+
+def test_mesh_file_values_become_flags(tmp_path):
+    config = tmp_path / "mesh.toml"
+    config.write_text('[executor]\nenable = false\nratio = 0.5\n')
+    assert read_mesh_file(config) == {"scheduler": [], "executor": ["--ratio", "0.5"], "gateway": [], "kvstore": []}
+
+
+def test_up_help_shows_the_service_flags():
+    result = CliRunner().invoke(app, ["up", "--help"], env={"COLUMNS": "200"})
+    for flag in ("--queue-policy", "--pools", "--tenants", "--device", "--dtype", "--max-batch-wait-ms",
+                 "--block-size", "--max-num-seqs", "--kvstore", "--http-port", "--served-model-name", "--config",
+                 "--revision", "--tokenizer", "--chat-template"):
+        assert flag in result.output, flag
