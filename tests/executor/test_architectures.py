@@ -122,12 +122,37 @@ def test_packed_cpu_gemm_matches_f_linear_and_is_batch_invariant():
     assert cpu_gemm.linear(x, weight, None, None).equal(F.linear(x, weight))
 
 
-def test_auto_dtype_on_cpu_follows_native_bf16(monkeypatch):
-    from executor import model_loader
+def test_auto_dtype_on_cpu_is_float32_without_native_bf16_and_never_the_slower_with_it(monkeypatch):
+    from types import SimpleNamespace
 
-    cpu = torch.device("cpu")
-    monkeypatch.setattr(model_loader, "cpu_has_native_bf16", lambda: False)
-    assert model_loader.resolve_dtype("auto", None, cpu) == torch.float32
-    monkeypatch.setattr(model_loader, "cpu_has_native_bf16", lambda: True)
-    assert model_loader.resolve_dtype("auto", None, cpu) == torch.bfloat16
-    assert model_loader.resolve_dtype("float32", None, cpu) == torch.float32
+    from executor import model_loader
+    from executor.models import cpu_dtype
+
+    cpu, config = torch.device("cpu"), SimpleNamespace(hidden_size=64, intermediate_size=128)
+    probes = []
+
+    def probe(hidden, intermediate):
+        probes.append((hidden, intermediate))
+        return timings
+
+    monkeypatch.setattr(cpu_dtype, "probe_matmul_ms", probe)
+    monkeypatch.setattr(cpu_dtype, "cpu_has_native_bf16", lambda: False)
+    cpu_dtype.choose_cpu_dtype.cache_clear()
+    assert model_loader.resolve_dtype("auto", config, cpu) == torch.float32
+    assert probes == []  # no native bfloat16: nothing measured
+    monkeypatch.setattr(cpu_dtype, "cpu_has_native_bf16", lambda: True)
+    for timings, expected in (((10.0, 6.0), torch.bfloat16), ((10.0, 9.0), torch.float32),
+                              ((10.0, 14.0), torch.float32)):
+        cpu_dtype.choose_cpu_dtype.cache_clear()
+        assert model_loader.resolve_dtype("auto", config, cpu) == expected, timings
+    assert probes == [(64, 128)] * 3
+    cpu_dtype.choose_cpu_dtype.cache_clear()
+    assert model_loader.resolve_dtype("float32", config, cpu) == torch.float32
+    assert model_loader.resolve_dtype("bfloat16", config, cpu) == torch.bfloat16
+
+
+def test_dtype_probe_measures_both_dtypes_on_this_cpu():
+    from executor.models import cpu_dtype
+
+    f32, bf16 = cpu_dtype.probe_matmul_ms(64, 128, repeat=1)
+    assert f32 > 0 and bf16 > 0
