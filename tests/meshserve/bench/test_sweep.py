@@ -104,8 +104,13 @@ def test_cli_reports_a_bad_workload_line_with_its_number(tmp_path):
 @pytest.mark.parametrize("args, message", [
     (["--sweep-concurrency", "1,4", "--request-rate", "2"], "--sweep-concurrency runs the closed loop"),
     (["--sweep-concurrency", "1,x"], "expected comma-separated ints, got '1,x'"),
-    (["--baseline", "vllm"], "--baseline must be one of hf-generate, hf-static, hf-continuous, got 'vllm'"),
-    (["--baseline", "hf-generate,vllm"], "--baseline must be one of hf-generate, hf-static, hf-continuous, got 'vllm'"),
+    (["--baseline", "sglang"], "--baseline must be one of hf-generate, hf-static, hf-continuous, vllm (each may add "
+                               "@DTYPE; engine@DTYPE: the engine in another dtype), got 'sglang'"),
+    (["--baseline", "hf-generate,engine"], "--baseline must be one of hf-generate, hf-static, hf-continuous, vllm"),
+    (["--baseline", "vllm@int8"], "--baseline 'vllm@int8': the dtype must be one of auto, float32, bfloat16"),
+    (["--baseline", "vllm"], "the vllm baseline needs --vllm-python PATH"),
+    (["--baseline", "vllm", "--vllm-python", "/x/python", "--request-rate", "2"],
+     "the vllm baseline runs the closed loop only"),
     (["--baseline", "hf-static", "--sweep-rate", "1,2"], "hf-static runs static batches and has no open loop"),
     (["--baseline", "hf-generate,hf-static", "--request-rate", "2"], "hf-static runs static batches and has no open"),
     (["--baseline", "hf-static,hf-continuous,hf-static"], "--baseline names hf-static more than once"),
