@@ -144,7 +144,7 @@ def _profiled(trace: str | None, label: str, index: int):
 
 
 def run(dtype: str, batch: int, context: int, prefill: int, threads: int, steps: int, model: str,
-        trace: str | None, compile_mode: str = "off") -> dict:
+        trace: str | None) -> dict:
     """Profiles ``steps`` decode steps and ``steps`` mixed steps; returns the medians."""
     import torch
 
@@ -158,8 +158,6 @@ def run(dtype: str, batch: int, context: int, prefill: int, threads: int, steps:
     config = EngineConfig(model=model, dtype=dtype, num_threads=threads, cache=CacheConfig(num_blocks=blocks),
                           batch=BatchSchedulerConfig(max_num_seqs=batch,
                                                      max_num_batched_tokens=max(2048, max(contexts), prefill + batch)))
-    if compile_mode != "off":
-        config = _with_compile(config, compile_mode)
     engine = LLMEngine(config)
     instrument(engine)
     gen = torch.Generator().manual_seed(1)
@@ -203,19 +201,13 @@ def run(dtype: str, batch: int, context: int, prefill: int, threads: int, steps:
         return out
 
     return {"dtype": dtype, "batch": batch, "context": context, "prefill": prefill, "threads": threads,
-            "steps": steps, "torch": torch.__version__, "compile": compile_mode,
+            "steps": steps, "torch": torch.__version__,
             "decode": summary(decode), "mixed": summary(mixed)}
-
-
-def _with_compile(config, mode: str):
-    from dataclasses import replace
-
-    return replace(config, compile=mode)
 
 
 def print_report(report: dict) -> None:
     print(f"{report['dtype']}  batch {report['batch']}  context ~{report['context']}  prefill {report['prefill']}  "
-          f"threads {report['threads']}  compile {report['compile']}  torch {report['torch']}  "
+          f"threads {report['threads']}  torch {report['torch']}  "
           f"(medians of {report['steps']} steps, ms)")
     print(f"{'part':18s} {'decode':>9s} {'%':>5s} {'mixed':>9s} {'%':>5s}")
     for part in PARTS:
@@ -234,14 +226,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--threads", type=int, default=1, help="torch CPU threads")
     parser.add_argument("--steps", type=int, default=8, help="profiled steps of each kind (median)")
     parser.add_argument("--model", default="default", help="model, as resolve_model takes it")
-    parser.add_argument("--compile", default="off", choices=["off", "on"], help="the engine's --compile")
     parser.add_argument("--json", help="also write the medians to this JSON file")
     parser.add_argument("--trace", help="write a Chrome trace of every profiled step into this folder")
     args = parser.parse_args(argv)
     if min(args.batch, args.context, args.prefill, args.threads, args.steps) < 1:
         parser.error("--batch, --context, --prefill, --threads and --steps must be >= 1")
     report = run(args.dtype, args.batch, args.context, args.prefill, args.threads, args.steps, args.model,
-                 args.trace, args.compile)
+                 args.trace)
     print_report(report)
     if args.json:
         with open(args.json, "w") as f:
