@@ -161,7 +161,8 @@ def run(dtype: str, batch: int, context: int, prefill: int, threads: int, steps:
     engine = LLMEngine(config)
     instrument(engine)
     gen = torch.Generator().manual_seed(1)
-    params = SamplingParams(max_tokens=10_000, temperature=0.0, ignore_eos=True)
+    params = SamplingParams(max_tokens=min(1024, engine.max_model_len - max(contexts + [prefill])), temperature=0.0,
+                            ignore_eos=True)
     ids = [f"r{i}" for i in range(batch)]
     for rid, c in zip(ids, contexts):
         engine.add_request(rid, torch.randint(10, engine.vocab_size, (c,), generator=gen).tolist(), params)
