@@ -24,10 +24,12 @@ serving code) and, inside the model, by the op:
 * ``metadata``: the ModelRunner's input building (``_prepare_inputs``: token ids,
   positions, slot mapping, block tables);
 * ``sampling``: building the sampling batch and the sampler;
-* ``python``: the rest of the step's wall time — the engine's scheduling and
-  bookkeeping (``BatchScheduler.schedule`` / ``update_from_output``) and the
-  Python between ops that no op accounts for, the interpreter's share of the
-  model's forward pass included (``model python`` below).
+* ``scheduling``: the engine's ``BatchScheduler.schedule`` and
+  ``update_from_output`` (which requests run, blocks, outputs, stop checks);
+* ``model python``: the model's forward pass minus its ops' own time (the
+  interpreter between ops, module calls);
+* ``python``: the rest of the step's wall time (the ModelRunner's glue, the
+  worker, the engine's step).
 
 The op times are the profiler's self CPU times, which add its own overhead
 (about 1-2 µs an op); the step's wall time is measured with the profiler on, so
@@ -47,12 +49,12 @@ from contextlib import contextmanager
 
 from meshserve.sampling import SamplingParams
 
-PARTS = ("gemm", "attention", "norm/elementwise", "model python", "metadata", "sampling", "python")
+PARTS = ("gemm", "attention", "norm/elementwise", "model python", "metadata", "sampling", "scheduling", "python")
 _GEMM_OPS = ("mkldnn::_linear_pointwise", "aten::mm", "aten::addmm", "aten::bmm", "aten::linear", "aten::matmul")
 _ATTN_OPS = ("aten::index_copy_", "aten::index_select", "aten::scaled_dot_product_attention",
              "aten::_scaled_dot_product_flash_attention_for_cpu", "aten::_scaled_dot_product_attention_math")
 _REGIONS = {"ms.prepare_inputs": "metadata", "ms.plan": "attention", "ms.model": "model",
-            "ms.logits": "model", "ms.sampling": "sampling"}
+            "ms.logits": "model", "ms.sampling": "sampling", "ms.schedule": "scheduling"}
 
 
 def _wrap(obj, name: str, label: str):
@@ -70,6 +72,8 @@ def _wrap(obj, name: str, label: str):
 
 def instrument(engine) -> None:
     """Wraps the in-process worker's ModelRunner calls in named profiler ranges."""
+    _wrap(engine.batch_scheduler, "schedule", "ms.schedule")
+    _wrap(engine.batch_scheduler, "update_from_output", "ms.schedule")
     runner = engine.worker_group.worker.model_runner
     _wrap(runner, "_prepare_inputs", "ms.prepare_inputs")
     _wrap(runner.attention_backend, "plan", "ms.plan")
@@ -127,7 +131,7 @@ def breakdown(events, wall_us: float) -> dict[str, float]:
             parts[kind] += self_us
     model_total = region_total["ms.model"] + region_total["ms.logits"]
     parts["model python"] = max(0.0, model_total - region_ops["ms.model"] - region_ops["ms.logits"])
-    for name in ("ms.prepare_inputs", "ms.plan", "ms.sampling"):  # their Python counts with them
+    for name in ("ms.prepare_inputs", "ms.plan", "ms.sampling", "ms.schedule"):  # their Python counts with them
         parts[_REGIONS[name]] += max(0.0, region_total[name] - region_ops[name])
     parts["python"] = max(0.0, wall_us - sum(parts.values()))
     return dict(parts)
