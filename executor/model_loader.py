@@ -20,6 +20,7 @@ from torch import nn
 from executor.attention import get_backend
 from executor.models import model_class
 from executor.models.checkpoint import iter_checkpoint
+from executor.models.cpu_dtype import choose_cpu_dtype
 from executor.models.parallel import SINGLE, PipelineStage, TensorParallel
 
 log = logging.getLogger(__name__)
@@ -48,40 +49,18 @@ class LoadedModel:
     eos_token_ids: frozenset[int]
 
 
-def cpu_has_native_bf16() -> bool:
-    """Whether this CPU multiplies bfloat16 in hardware (AVX512-BF16 or AMX-BF16).
-
-    Without it, torch's bfloat16 matmuls fall back to slow generic code: on one AVX2
-    core a SmolLM2-135M decode step at 32 requests takes 3.7x as long in bfloat16 as
-    in float32, a 512-token prefill 5.7x (``meshserve.bench.ceiling``).
-    """
-    # torch.backends.cpu.get_cpu_capability() names the vector width only ("AVX2",
-    # "AVX512"), not bfloat16 support; torch.cpu's private probe (cpuinfo) does, and
-    # every AMX CPU so far also has AVX512-BF16.
-    probe = getattr(torch.cpu, "_is_avx512_bf16_supported", None)
-    if probe is not None and probe():
-        return True
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("flags"):
-                    flags = set(line.split(":", 1)[1].split())
-                    return bool(flags & {"avx512_bf16", "amx_bf16"})
-    except OSError:
-        pass
-    return False
-
-
 def resolve_dtype(name: str, hf_config, device: torch.device) -> torch.dtype:
-    """``"auto"``: on CPU bfloat16 when the CPU has native bfloat16 (``cpu_has_native_bf16``),
-    else float32; on an accelerator the checkpoint's 16-bit dtype, else bfloat16.
+    """``"auto"``: on CPU the faster of float32 and bfloat16 on this CPU for this model's
+    sizes (``executor/models/cpu_dtype.py``: float32 without native bfloat16, else a
+    measured matmul probe; the choice and its reason are logged); on an accelerator
+    the checkpoint's 16-bit dtype, else bfloat16.
 
     Raises:
         ValueError: an unknown dtype name.
     """
     if name == "auto":
         if device.type == "cpu":
-            return torch.bfloat16 if cpu_has_native_bf16() else torch.float32
+            return choose_cpu_dtype(int(hf_config.hidden_size), int(hf_config.intermediate_size)).dtype
         saved = getattr(hf_config, "dtype", None) or getattr(hf_config, "torch_dtype", None)
         return saved if saved in (torch.float16, torch.bfloat16) else torch.bfloat16
     if name not in _DTYPES:

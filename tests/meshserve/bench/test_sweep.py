@@ -104,8 +104,13 @@ def test_cli_reports_a_bad_workload_line_with_its_number(tmp_path):
 @pytest.mark.parametrize("args, message", [
     (["--sweep-concurrency", "1,4", "--request-rate", "2"], "--sweep-concurrency runs the closed loop"),
     (["--sweep-concurrency", "1,x"], "expected comma-separated ints, got '1,x'"),
-    (["--baseline", "vllm"], "--baseline must be one of hf-generate, hf-static, hf-continuous, got 'vllm'"),
-    (["--baseline", "hf-generate,vllm"], "--baseline must be one of hf-generate, hf-static, hf-continuous, got 'vllm'"),
+    (["--baseline", "sglang"], "--baseline must be one of hf-generate, hf-static, hf-continuous, vllm (each may add "
+                               "@DTYPE; engine@DTYPE: the engine in another dtype), got 'sglang'"),
+    (["--baseline", "hf-generate,engine"], "--baseline must be one of hf-generate, hf-static, hf-continuous, vllm"),
+    (["--baseline", "vllm@int8"], "--baseline 'vllm@int8': the dtype must be one of auto, float32, bfloat16"),
+    (["--baseline", "vllm"], "the vllm baseline needs --vllm-python PATH"),
+    (["--baseline", "vllm", "--vllm-python", "/x/python", "--request-rate", "2"],
+     "the vllm baseline runs the closed loop only"),
     (["--baseline", "hf-static", "--sweep-rate", "1,2"], "hf-static runs static batches and has no open loop"),
     (["--baseline", "hf-generate,hf-static", "--request-rate", "2"], "hf-static runs static batches and has no open"),
     (["--baseline", "hf-static,hf-continuous,hf-static"], "--baseline names hf-static more than once"),
@@ -274,6 +279,48 @@ def test_baselines_parse_in_order_and_are_checked_each():
     check_baselines(["hf-static"], open_loop=False)
     with pytest.raises(ValueError, match="hf-static runs static batches and has no open loop"):
         check_baselines(["hf-generate", "hf-static"], open_loop=True)
+
+
+def test_a_baseline_may_name_its_dtype_and_vllm_runs_in_the_named_python(tmp_path):
+    from pathlib import Path
+
+    from meshserve.bench.sweep import _baseline_config
+    from meshserve.bench.vllm_target import RUNNER, VLLMTarget
+
+    assert parse_baselines("vllm,vllm@bfloat16,engine@bfloat16") == ["vllm", "vllm@bfloat16", "engine@bfloat16"]
+    with pytest.raises(ValueError, match="got 'engine'"):
+        parse_baselines("engine")  # the engine in the run's own dtype is the target itself
+    with pytest.raises(ValueError, match="names vllm@float32 more than once"):
+        parse_baselines("vllm@float32,vllm@float32")
+    with pytest.raises(ValueError, match="the vllm baseline runs the closed loop only"):
+        check_baselines(["vllm@bfloat16"], open_loop=True)
+    run = BenchConfig("engine", 8, WorkloadSpec(num_requests=1), dtype="float32", kv_cache_memory="1536MiB",
+                      num_threads=1, vllm_python="/opt/v/bin/python", enable_prefix_caching=False)
+    cfg = _baseline_config(run, "vllm@bfloat16")
+    assert (cfg.target, cfg.dtype, cfg.vllm_python) == ("vllm", "bfloat16", "/opt/v/bin/python")
+    assert _baseline_config(run, "vllm").dtype == "float32"
+    assert _baseline_config(run, "engine@bfloat16").target == "engine"
+    assert VLLMTarget(cfg, Path("/models/m")).command() == [
+        "/opt/v/bin/python", str(RUNNER), "--model", "/models/m", "--dtype", "bfloat16", "--threads", "1",
+        "--max-num-seqs", "64", "--max-num-batched-tokens", "2048", "--block-size", "16", "--kv-cache-gib", "2",
+        "--no-prefix-caching"]
+    with pytest.raises(ValueError, match="needs --vllm-python"):
+        BenchConfig("vllm", 1, WorkloadSpec(num_requests=1))
+
+
+def test_the_vllm_runner_imports_nothing_of_meshserve():
+    """It runs in vLLM's environment, which need not have meshserve's dependencies."""
+    import ast
+
+    from meshserve.bench.vllm_target import RUNNER
+
+    tree = ast.parse(RUNNER.read_text())
+    imported = {alias.name.split(".")[0] for node in ast.walk(tree) if isinstance(node, ast.Import)
+                for alias in node.names}
+    imported |= {node.module.split(".")[0] for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)
+                 and node.module}
+    assert imported == {"__future__", "argparse", "json", "os", "sys", "time", "vllm"}
+    assert 'if __name__ == "__main__":' in RUNNER.read_text()
 
 
 def test_hf_targets_refuse_sampled_requests_and_static_open_loop():

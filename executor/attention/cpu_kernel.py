@@ -1,0 +1,143 @@
+"""The CPU paged decode-attention kernel (``cpu_paged_attention.c``): built once, cached
+on disk, called through ``ctypes``.
+
+Why a kernel: on CPU the torch backend's decode attention gathers every request's
+blocks into a padded copy and runs SDPA over it, so each key and value is read,
+written and read again; at 32 requests of ~150-280 tokens that was the largest
+part of a SmolLM2-135M decode step on one AVX2 core, more than the matmuls
+(``python -m meshserve.bench.profile``). The kernel reads each key and value once,
+straight from the paged cache, with no padding and no mask.
+
+Build: plain C with no torch headers, compiled by the system C compiler
+(``$CC``, else ``cc``/``gcc``) with ``-O3 -march=native -ffast-math`` into
+``$MESHSERVE_CACHE_DIR/kernels/`` (default ``~/.cache/meshserve/kernels/``),
+named by a hash of the source, the compiler's version and this CPU's flags, so a
+second start loads the cached library (about a millisecond) instead of
+compiling (about a second). Where no compiler works, ``load`` returns ``None``
+once, logs why, and the backend keeps its torch path: nothing else changes.
+``MESHSERVE_CPU_ATTENTION_KERNEL=0`` turns the kernel off.
+
+The kernel runs on one thread; ``TorchAttentionBackend`` calls it only when torch
+itself runs on one thread (more threads: SDPA, which parallelises).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import shutil
+import subprocess
+import tempfile
+import threading
+from pathlib import Path
+
+import torch
+
+from meshserve.model_files import cache_dir
+
+log = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).with_name("cpu_paged_attention.c")
+FLAGS = ("-O3", "-march=native", "-ffast-math", "-fPIC", "-shared", "-std=c11")
+_lock = threading.Lock()
+_loaded: dict[str, object] = {}
+
+
+def _compiler() -> str | None:
+    for name in (os.environ.get("CC"), "cc", "gcc"):
+        if name and shutil.which(name):
+            return name
+    return None
+
+
+def _cpu_flags() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return torch.backends.cpu.get_cpu_capability()
+
+
+def library_path(compiler: str) -> Path:
+    """Where the library built by ``compiler`` for this source and CPU is cached."""
+    version = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=30).stdout
+    key = hashlib.sha256("\0".join([SOURCE.read_text(), version, _cpu_flags(), *FLAGS]).encode()).hexdigest()[:16]
+    return cache_dir() / "kernels" / f"cpu_paged_attention-{key}.so"
+
+
+def build(compiler: str, target: Path) -> None:
+    """Compiles the source into ``target`` (atomically: a temporary file renamed).
+
+    Raises:
+        subprocess.CalledProcessError, OSError: the compiler failed or is missing.
+    """
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
+        out = Path(tmp) / target.name
+        subprocess.run([compiler, *FLAGS, str(SOURCE), "-o", str(out), "-lm"], check=True, capture_output=True,
+                       text=True, timeout=300)
+        os.replace(out, target)
+
+
+def load():
+    """The kernel's ``ctypes`` function, built if needed; ``None`` where it cannot be
+    (no compiler, a failed build, or ``MESHSERVE_CPU_ATTENTION_KERNEL=0``). Once per process."""
+    with _lock:
+        if "fn" in _loaded:
+            return _loaded["fn"]
+        fn = None
+        if os.environ.get("MESHSERVE_CPU_ATTENTION_KERNEL", "1") == "0":
+            log.info("CPU attention kernel off (MESHSERVE_CPU_ATTENTION_KERNEL=0): torch decode attention")
+        elif (compiler := _compiler()) is None:
+            log.warning("no C compiler ($CC, cc, gcc): torch decode attention instead of the CPU kernel")
+        else:
+            try:
+                path = library_path(compiler)
+                if not path.exists():
+                    log.info("building the CPU attention kernel into %s", path)
+                    build(compiler, path)
+                lib = ctypes.CDLL(str(path))
+                fn = lib.paged_decode_attention
+                fn.restype = ctypes.c_int
+                fn.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p] + \
+                    [ctypes.c_int64] * 5 + [ctypes.c_float, ctypes.c_int]
+            except (OSError, subprocess.SubprocessError, AttributeError) as err:
+                detail = getattr(err, "stderr", "") or err
+                log.warning("the CPU attention kernel could not be built (%s): torch decode attention", detail)
+                fn = None
+        _loaded["fn"] = fn
+        return fn
+
+
+def supports(q: torch.Tensor, key_cache: torch.Tensor) -> bool:
+    """Whether the kernel can run on these tensors (CPU, float32 or bfloat16, contiguous
+    cache) and torch runs on one thread."""
+    return (q.device.type == "cpu" and q.dtype in (torch.float32, torch.bfloat16) and key_cache.dtype == q.dtype
+            and key_cache.is_contiguous() and torch.get_num_threads() == 1)
+
+
+def decode_attention(fn, q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+                     block_table: torch.Tensor, seq_lens: torch.Tensor, scale: float) -> torch.Tensor:
+    """Attention of ``q`` ``(n, num_heads, head_dim)`` (one query token per request) over
+    each request's ``seq_lens[i]`` cached keys; ``block_table`` ``(n, max_blocks)`` int32
+    and ``seq_lens`` ``(n,)`` int32, contiguous. Returns ``(n, num_heads, head_dim)`` in
+    ``q``'s dtype.
+
+    Raises:
+        MemoryError: the kernel could not allocate its scratch memory.
+    """
+    q = q.contiguous()
+    n, num_heads, head_dim = q.shape
+    num_blocks, block_size, num_kv_heads, _ = key_cache.shape
+    out = torch.empty_like(q)
+    rc = fn(q.data_ptr(), key_cache.data_ptr(), value_cache.data_ptr(), block_table.data_ptr(),
+            block_table.stride(0), seq_lens.data_ptr(), out.data_ptr(), n, num_heads, num_kv_heads, head_dim,
+            block_size, scale, int(q.dtype == torch.bfloat16))
+    if rc:
+        raise MemoryError("the CPU attention kernel could not allocate its scratch memory")
+    return out

@@ -1,0 +1,121 @@
+"""The CPU paged decode-attention kernel against the padded SDPA path it replaces."""
+
+import pytest
+import torch
+
+from executor.attention import build_attention_metadata, cpu_kernel
+from executor.attention.torch_backend import TorchAttentionBackend
+
+
+@pytest.fixture
+def one_thread():
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture
+def kernel(tmp_path, monkeypatch):
+    monkeypatch.setenv("MESHSERVE_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(cpu_kernel, "_loaded", {})
+    fn = cpu_kernel.load()
+    if fn is None:
+        pytest.skip("no C compiler on this host: the backend keeps its SDPA path")
+    return fn
+
+
+def _batch(query_lens, contexts, num_heads, num_kv_heads, head_dim, block_size, dtype, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    need = [-(-(c + q) // block_size) for c, q in zip(contexts, query_lens)]
+    perm = torch.randperm(sum(need) + 3, generator=gen).tolist()  # scattered blocks
+    block_ids, i = [], 0
+    for n in need:
+        block_ids.append(perm[i:i + n])
+        i += n
+    shape = (len(perm), block_size, num_kv_heads, head_dim)
+    cache = (torch.randn(shape, generator=gen).to(dtype), torch.randn(shape, generator=gen).to(dtype))
+    md = build_attention_metadata(query_lens, contexts, block_ids, block_size)
+    tokens = sum(query_lens)
+    q = torch.randn(tokens, num_heads, head_dim, generator=gen).to(dtype)
+    k = torch.randn(tokens, num_kv_heads, head_dim, generator=gen).to(dtype)
+    v = torch.randn(tokens, num_kv_heads, head_dim, generator=gen).to(dtype)
+    return q, k, v, cache, md
+
+
+@pytest.mark.parametrize("num_heads, num_kv_heads, head_dim, block_size", [(9, 3, 64, 16), (4, 4, 32, 1),
+                                                                           (8, 2, 16, 5)])
+def test_kernel_equals_the_padded_sdpa_path_in_float32(kernel, num_heads, num_kv_heads, head_dim, block_size):
+    contexts = [0, 1, 15, 16, 17, 40, 99, 3]
+    q, k, v, cache, md = _batch([1] * len(contexts), contexts, num_heads, num_kv_heads, head_dim, block_size,
+                                torch.float32)
+    want = TorchAttentionBackend().forward(q, k, v, cache, md, 0.3)  # threads > 1 or not: writes the cache too
+    got = cpu_kernel.decode_attention(kernel, q, *cache, md.block_table, md.seq_lens, 0.3)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_kernel_in_bfloat16_is_the_float32_result_rounded(kernel):
+    contexts = [5, 30, 64, 130]
+    q, k, v, cache, md = _batch([1] * 4, contexts, 9, 3, 64, 16, torch.float32, seed=1)
+    TorchAttentionBackend().forward(q, k, v, cache, md, 0.125)  # fills this step's keys into the cache
+    exact = cpu_kernel.decode_attention(kernel, q.bfloat16().float(), cache[0].bfloat16().float(),
+                                        cache[1].bfloat16().float(), md.block_table, md.seq_lens, 0.125)
+    got = cpu_kernel.decode_attention(kernel, q.bfloat16(), cache[0].bfloat16(), cache[1].bfloat16(),
+                                      md.block_table, md.seq_lens, 0.125)
+    assert got.dtype == torch.bfloat16
+    torch.testing.assert_close(got.float(), exact.bfloat16().float(), rtol=0, atol=2 ** -7)
+
+
+def test_kernel_is_batch_invariant(kernel):
+    q, k, v, cache, md = _batch([1] * 6, [3, 50, 7, 120, 16, 33], 9, 3, 64, 16, torch.float32, seed=2)
+    TorchAttentionBackend().forward(q, k, v, cache, md, 0.125)
+    together = cpu_kernel.decode_attention(kernel, q, *cache, md.block_table, md.seq_lens, 0.125)
+    for i in range(6):
+        alone = cpu_kernel.decode_attention(kernel, q[i:i + 1], *cache, md.block_table[i:i + 1],
+                                            md.seq_lens[i:i + 1], 0.125)
+        assert torch.equal(alone[0], together[i])
+
+
+def test_backend_on_one_thread_runs_decodes_in_the_kernel_and_prefills_in_sdpa(kernel, one_thread, monkeypatch):
+    query_lens, contexts = [1, 1, 1, 7, 20], [40, 17, 2, 0, 9]
+    q, k, v, cache, md = _batch(query_lens, contexts, 9, 3, 64, 16, torch.float32, seed=3)
+    ref_cache = (cache[0].clone(), cache[1].clone())
+    backend = TorchAttentionBackend()
+    backend.plan(md)
+    assert md.plan.decodes is None and md.plan.num_decodes == 3  # the kernel's
+    got = backend.forward(q, k, v, cache, md, 0.125)
+    monkeypatch.setenv("MESHSERVE_CPU_ATTENTION_KERNEL", "0")
+    monkeypatch.setattr(cpu_kernel, "_loaded", {})
+    _, _, _, _, md_ref = _batch(query_lens, contexts, 9, 3, 64, 16, torch.float32, seed=3)
+    reference = TorchAttentionBackend()
+    reference.plan(md_ref)
+    assert len(md_ref.plan.decodes) >= 1  # the padded SDPA path
+    want = reference.forward(q, k, v, ref_cache, md_ref, 0.125)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    assert torch.equal(got[3:], want[3:])  # prefills: the same SDPA calls
+    assert torch.equal(cache[0], ref_cache[0]) and torch.equal(cache[1], ref_cache[1])
+
+
+def test_no_working_compiler_keeps_the_sdpa_path(tmp_path, monkeypatch, one_thread):
+    monkeypatch.setenv("MESHSERVE_CACHE_DIR", str(tmp_path))
+    monkeypatch.setenv("CC", "false")  # a "compiler" that always fails
+    monkeypatch.setattr(cpu_kernel, "_loaded", {})
+    assert cpu_kernel.load() is None
+    assert not (tmp_path / "kernels").exists() or not any((tmp_path / "kernels").glob("*.so"))
+    q, k, v, cache, md = _batch([1, 1], [4, 30], 4, 2, 16, 16, torch.float32)
+    backend = TorchAttentionBackend()
+    backend.plan(md)
+    assert md.plan.decodes is not None
+    assert backend.forward(q, k, v, cache, md, 0.25).shape == (2, 4, 16)
+
+
+def test_the_built_kernel_is_cached_on_disk(tmp_path, monkeypatch):
+    monkeypatch.setenv("MESHSERVE_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(cpu_kernel, "_loaded", {})
+    if cpu_kernel.load() is None:
+        pytest.skip("no C compiler on this host")
+    [built] = (tmp_path / "kernels").glob("cpu_paged_attention-*.so")
+    monkeypatch.setattr(cpu_kernel, "_loaded", {})
+    monkeypatch.setattr(cpu_kernel, "build", lambda *a: pytest.fail("rebuilt a cached kernel"))
+    assert cpu_kernel.load() is not None
+    assert list((tmp_path / "kernels").glob("cpu_paged_attention-*.so")) == [built]
