@@ -20,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 
@@ -157,6 +158,7 @@ class LinkConfig:
     report_interval_s: float = 0.05
     heartbeat_s: float = 1.0  # a report at least this often, changed or not (the scheduler drops silent executors)
     max_hashes_per_message: int = 8192  # 16 bytes each: 128 KiB messages
+    started_at: float | None = None  # time.monotonic() when the process began (cold start = register - this)
 
 
 def lease_num_blocks(num_blocks_by_request: Mapping[str, int], active_leases: dict[str, str]) -> dict[str, int]:
@@ -187,9 +189,17 @@ class SchedulerLink(BackgroundTask):
         self.connected = asyncio.Event()
         self.kv_events = KvEventBatcher()
         self._wake = asyncio.Event()
+        self.draining_grace_s: float | None = None  # set by ``begin_drain`` (executor.drain)
+        self.drain_acked = asyncio.Event()  # the scheduler routes nothing new here
+        self.drained = asyncio.Event()  # the scheduler holds no lease of ours: we may leave
 
     def notify(self) -> None:
         """Asks for a capacity report soon (called when the engine state changes)."""
+        self._wake.set()
+
+    def begin_drain(self, grace_s: float) -> None:
+        """Tells the scheduler (now, and again after a reconnection) that this executor drains."""
+        self.draining_grace_s = grace_s
         self._wake.set()
 
     def on_kv_events(self, events: list) -> None:
@@ -213,6 +223,7 @@ class SchedulerLink(BackgroundTask):
                 max_model_len=eng.max_model_len,
                 pool=self.config.pool,
                 kvstore_namespace=(eng.kv_store_fingerprint.namespace if eng.kv_connector is not None else b""),
+                startup_s=(time.monotonic() - self.config.started_at) if self.config.started_at is not None else 0.0,
             )
         )
 
@@ -244,7 +255,12 @@ class SchedulerLink(BackgroundTask):
         yield self._register()
         for msg in self._kv_messages(self.kv_events.snapshot(), [], reset=True):
             yield msg
+        drain_sent = False
         while True:
+            if self.draining_grace_s is not None and not drain_sent:
+                drain_sent = True
+                yield scheduler_pb2.ExecutorMessage(
+                    draining=scheduler_pb2.ExecutorDraining(grace_s=self.draining_grace_s))
             if self.kv_events.pending():
                 for msg in self._kv_messages(*self.kv_events.take()):
                     yield msg
@@ -263,10 +279,13 @@ class SchedulerLink(BackgroundTask):
                 async with grpc.aio.insecure_channel(self.config.scheduler_address, options=CHANNEL_OPTIONS) as ch:
                     stub = scheduler_pb2_grpc.SchedulerStub(ch)
                     async for cmd in stub.Connect(self._messages()):
-                        if cmd.WhichOneof("kind") == "registered":
+                        kind = cmd.WhichOneof("kind")
+                        if kind == "registered":
                             log.info("registered with the scheduler as %s", cmd.registered.executor_id)
                             self.connected.set()
                             backoff = 0.2
+                        elif kind == "drain_ack":
+                            (self.drained if cmd.drain_ack.done else self.drain_acked).set()
             except asyncio.CancelledError:
                 raise
             except grpc.aio.AioRpcError as exc:
@@ -290,6 +309,7 @@ async def start_executor(
     metrics_port: int | None = None,
     peak_flops: float | None = None,
     max_buffered_outputs: int = DEFAULT_MAX_BUFFERED_OUTPUTS,
+    started_at: float | None = None,
 ) -> tuple[Service, AsyncEngine, SchedulerLink | None]:
     """Starts the engine thread, the Executor service and its scheduler link.
 
@@ -308,6 +328,9 @@ async def start_executor(
 
     ``max_buffered_outputs``: outputs a request's reader may leave untaken before the
     request ends with RESOURCE_EXHAUSTED and is aborted (``AsyncEngine``; case C27).
+    ``started_at``: ``time.monotonic()`` when the process began; the registration
+    reports the cold start from it (``ExecutorRegister.startup_s``). To stop it
+    gracefully, ``executor.drain.drain`` before stopping.
 
     Raises:
         TimeoutError: the scheduler did not accept the registration within 60 s.
@@ -337,7 +360,7 @@ async def start_executor(
     if scheduler_address:
         link = SchedulerLink(
             LinkConfig(scheduler_address, executor_id,
-                       advertise_address or service.address, pool),
+                       advertise_address or service.address, pool, started_at=started_at),
             servicer,
         )
         links.append(link)

@@ -133,6 +133,24 @@ class Decision:
     lead_s: float
 
 
+@dataclass(frozen=True)
+class History:
+    """A copy of the planner's history: per-interval token loads (tokens/s) and arrival
+    rates (requests/s), oldest first, and how many intervals to forecast."""
+
+    tokens: list[float]
+    requests: list[float]
+    steps: int
+
+
+@dataclass(frozen=True)
+class Forecast:
+    """The largest forecast values within the lead (tokens/s, requests/s)."""
+
+    tokens_per_s: float
+    requests_per_s: float
+
+
 class Planner:
     """History, capacity and cold-start measurements, and the decision (module docstring)."""
 
@@ -204,9 +222,36 @@ class Planner:
             self._bucket_end += cfg.interval_s
 
     # -- the decision ----------------------------------------------------------
-    def decide(self, now: float, num_queued_tokens: int = 0) -> Decision:
-        """The desired executor count at ``now`` (see the module docstring);
-        ``num_queued_tokens``: prompt tokens waiting in the admission queue."""
+    def snapshot(self, now: float) -> History:
+        """Closes the intervals ended by ``now`` and copies the history (for ``forecast``,
+        which may then run in another thread)."""
+        self._roll(now)
+        steps = max(1, math.ceil((self.cold_start_s + self.config.interval_s) / self.config.interval_s))
+        return History(list(self.tokens_history), list(self.requests_history), steps)
+
+    def forecast(self, history: History) -> Forecast | None:
+        """The largest forecast load and arrival rate over ``history.steps`` intervals, or
+        None (predictive off, or under two seasons of history). Touches only the
+        forecasters: safe in a worker thread while the planner observes."""
+        if not self.config.predictive:
+            return None
+        tokens = self._tokens_forecaster.forecast(history.tokens, history.steps)
+        if tokens is None:
+            return None
+        requests = self._requests_forecaster.forecast(history.requests, history.steps)
+        return Forecast(float(tokens.max()), float(requests.max()) if requests is not None else 0.0)
+
+    def decide(self, now: float, num_queued_tokens: int = 0, forecast: Forecast | None | bool = True) -> Decision:
+        """The desired executor count at ``now`` (see the module docstring).
+
+        Args:
+            now: clock time (seconds).
+            num_queued_tokens: prompt tokens waiting in the admission queue.
+            forecast: a ``forecast`` computed from ``snapshot(now)`` (or None: no
+                forecast); True computes it here.
+        """
+        if forecast is True:
+            forecast = self.forecast(self.snapshot(now))
         self._roll(now)
         cfg = self.config
         per_executor = self.capacity_tokens_per_s * cfg.target_utilization
@@ -214,14 +259,9 @@ class Planner:
         load = self.tokens_history[-1] if self.tokens_history else 0.0
         reactive = math.ceil((load + num_queued_tokens / cfg.interval_s) / per_executor - 1e-9)
         predictive, f_tokens, f_requests = None, 0.0, 0.0
-        if cfg.predictive:
-            steps = max(1, math.ceil(lead / cfg.interval_s))
-            tokens = self._tokens_forecaster.forecast(self.tokens_history, steps)
-            if tokens is not None:
-                f_tokens = float(tokens.max())
-                predictive = math.ceil(f_tokens / per_executor - 1e-9)
-                requests = self._requests_forecaster.forecast(self.requests_history, steps)
-                f_requests = float(requests.max()) if requests is not None else 0.0
+        if forecast is not None:
+            f_tokens, f_requests = forecast.tokens_per_s, forecast.requests_per_s
+            predictive = math.ceil(f_tokens / per_executor - 1e-9)
         raw = max(reactive, predictive or 0)
         raw = min(cfg.max_executors, max(cfg.min_executors, raw))
         self._stabilize(now, raw)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from typing import TYPE_CHECKING
 
 from gateway.result_cache import ResultCache
@@ -147,10 +148,15 @@ async def run_executor(engine_config: EngineConfig, port: int, host: str, schedu
                        pool: str = "default", advertise_address: str | None = None,
                        step_timeout_s: float = 60.0, kvstore_address: str | None = None,
                        kvstore_fetch_timeout_s: float = 5.0, metrics_port: int | None = None,
-                       peak_flops: float | None = None, max_buffered_outputs: int = 256) -> None:
+                       peak_flops: float | None = None, max_buffered_outputs: int = 256,
+                       drain_grace_s: float = 30.0) -> None:
     """Loads the model, serves the executor and stays registered until a signal; Prometheus
     metrics on ``metrics_port`` (None: none), the MFU against ``peak_flops`` FLOP/s. A request whose
-    reader leaves ``max_buffered_outputs`` messages untaken is ended (RESOURCE_EXHAUSTED)."""
+    reader leaves ``max_buffered_outputs`` messages untaken is ended (RESOURCE_EXHAUSTED).
+    On SIGTERM/SIGINT it drains first (``executor.drain``: nothing new is routed here, what runs
+    finishes) for at most ``drain_grace_s`` seconds, then stops."""
+    started_at = time.monotonic()
+    from executor.drain import drain
     from executor.engine.llm_engine import LLMEngine  # torch: imported only when an executor starts
     from executor.server import start_executor
 
@@ -163,7 +169,7 @@ async def run_executor(engine_config: EngineConfig, port: int, host: str, schedu
         svc, async_engine, link = await start_executor(engine, port, host, scheduler, executor_id, pool,
                                                     advertise_address, step_timeout_s, kvstore_address,
                                                     kvstore_fetch_timeout_s, metrics_port, peak_flops,
-                                                    max_buffered_outputs)
+                                                    max_buffered_outputs, started_at)
         async_engine.on_failure(lambda _exc: done.set())  # exit non-zero: the orchestrator restarts us
         holder.update(svc=svc, engine=async_engine, link=link)
         log.info("executor serving on %s (%d KV blocks of %d tokens)", svc.address, engine.num_blocks,
@@ -171,6 +177,8 @@ async def run_executor(engine_config: EngineConfig, port: int, host: str, schedu
 
     async def stop():
         await holder["svc"].watchdog.stop()
+        if holder["engine"].failure is None:
+            await drain(holder["svc"], holder["svc"].servicer, holder.get("link"), drain_grace_s)
         await holder["svc"].set_serving(False)
         if holder.get("link"):
             await holder["link"].stop()  # leave the registry first: no new assignments

@@ -102,6 +102,9 @@ def executor(
     max_buffered_outputs: int = typer.Option(256, "--max-buffered-outputs", min=1,
                                              help="Messages a request's reader may leave unread before the request "
                                                   "ends with RESOURCE_EXHAUSTED and its KV is freed."),
+    drain_grace_s: float = typer.Option(30.0, "--drain-grace-s", min=0.0,
+                                        help="On SIGTERM: seconds to finish the requests it runs (nothing new is "
+                                             "routed to it) before it exits."),
     log_level: str = typer.Option("info"),
 ) -> None:
     """Run one executor: a model replica with its continuous-batching engine."""
@@ -127,7 +130,8 @@ def executor(
     serve(processes.run_executor(cfg, port, host, scheduler, executor_id, pool, advertise,
                                  step_timeout_s=step_timeout_s, kvstore_address=kvstore,
                                  kvstore_fetch_timeout_s=kvstore_fetch_timeout, metrics_port=metrics_port,
-                                 peak_flops=peak_flops, max_buffered_outputs=max_buffered_outputs))
+                                 peak_flops=peak_flops, max_buffered_outputs=max_buffered_outputs,
+                                 drain_grace_s=drain_grace_s))
 
 
 def kvstore_cmd(
