@@ -28,6 +28,7 @@ import asyncio
 import contextlib
 import dataclasses
 import logging
+import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 
@@ -177,6 +178,7 @@ class LinkConfig:
     heartbeat_s: float = 1.0  # a report at least this often, changed or not (the scheduler drops silent executors)
     max_hashes_per_message: int = 8192  # 16 bytes each: 128 KiB messages
     tls: TLSConfig = PLAINTEXT  # the executor's certificate (role executor), or plaintext
+    started_at: float | None = None  # time.monotonic() when the process began (cold start = register - this)
 
 
 def lease_num_blocks(num_blocks_by_request: Mapping[str, int], active_leases: dict[str, str]) -> dict[str, int]:
@@ -207,9 +209,17 @@ class SchedulerLink(BackgroundTask):
         self.connected = asyncio.Event()
         self.kv_events = KvEventBatcher()
         self._wake = asyncio.Event()
+        self.draining_grace_s: float | None = None  # set by ``begin_drain`` (executor.drain)
+        self.drain_acked = asyncio.Event()  # the scheduler routes nothing new here
+        self.drained = asyncio.Event()  # the scheduler holds no lease of ours: we may leave
 
     def notify(self) -> None:
         """Asks for a capacity report soon (called when the engine state changes)."""
+        self._wake.set()
+
+    def begin_drain(self, grace_s: float) -> None:
+        """Tells the scheduler (now, and again after a reconnection) that this executor drains."""
+        self.draining_grace_s = grace_s
         self._wake.set()
 
     def on_kv_events(self, events: list) -> None:
@@ -233,6 +243,7 @@ class SchedulerLink(BackgroundTask):
                 max_model_len=eng.max_model_len,
                 pool=self.config.pool,
                 kvstore_namespace=(eng.kv_store_fingerprint.namespace if eng.kv_connector is not None else b""),
+                startup_s=(time.monotonic() - self.config.started_at) if self.config.started_at is not None else 0.0,
             )
         )
 
@@ -264,7 +275,12 @@ class SchedulerLink(BackgroundTask):
         yield self._register()
         for msg in self._kv_messages(self.kv_events.snapshot(), [], reset=True):
             yield msg
+        drain_sent = False
         while True:
+            if self.draining_grace_s is not None and not drain_sent:
+                drain_sent = True
+                yield scheduler_pb2.ExecutorMessage(
+                    draining=scheduler_pb2.ExecutorDraining(grace_s=self.draining_grace_s))
             if self.kv_events.pending():
                 for msg in self._kv_messages(*self.kv_events.take()):
                     yield msg
@@ -291,11 +307,14 @@ class SchedulerLink(BackgroundTask):
                 async with open_channel(self.config.scheduler_address, self.config.tls, CHANNEL_OPTIONS) as ch:
                     stub = scheduler_pb2_grpc.SchedulerStub(ch)
                     async for cmd in stub.Connect(self._messages()):
-                        if cmd.WhichOneof("kind") == "registered":
+                        kind = cmd.WhichOneof("kind")
+                        if kind == "registered":
                             self._take_lease_key(cmd.registered.lease_public_key)
                             log.info("registered with the scheduler as %s", cmd.registered.executor_id)
                             self.connected.set()
                             backoff = 0.2
+                        elif kind == "drain_ack":
+                            (self.drained if cmd.drain_ack.done else self.drain_acked).set()
             except asyncio.CancelledError:
                 raise
             except grpc.aio.AioRpcError as exc:
@@ -321,6 +340,7 @@ async def start_executor(
     max_buffered_outputs: int = DEFAULT_MAX_BUFFERED_OUTPUTS,
     tls: TLSConfig = PLAINTEXT,
     prefix_cache_scope: str = "tenant",
+    started_at: float | None = None,
 ) -> tuple[Service, AsyncEngine, SchedulerLink | None]:
     """Starts the engine thread, the Executor service and its scheduler link.
 
@@ -340,6 +360,9 @@ async def start_executor(
 
     ``max_buffered_outputs``: outputs a request's reader may leave untaken before the
     request ends with RESOURCE_EXHAUSTED and is aborted (``AsyncEngine``; case C27).
+    ``started_at``: ``time.monotonic()`` when the process began; the registration
+    reports the cold start from it (``ExecutorRegister.startup_s``). To stop it
+    gracefully, ``executor.drain.drain`` before stopping.
 
     ``tls``: the executor's certificate (role executor) for its port and for its
     channels to the scheduler and the kvstore, or plaintext.
@@ -374,7 +397,7 @@ async def start_executor(
     if scheduler_address:
         link = SchedulerLink(
             LinkConfig(scheduler_address, executor_id,
-                       advertise_address or service.address, pool, tls=tls),
+                       advertise_address or service.address, pool, tls=tls, started_at=started_at),
             servicer,
         )
         links.append(link)

@@ -410,6 +410,15 @@ class AdmissionCore:
             self.waits.on_release(self._clock(), lease.num_prompt_tokens + num_completion_tokens)
         return True
 
+    def drain_executor(self, executor_id: str) -> bool:
+        """Routes nothing new to an executor any more (it finishes its leases, then
+        leaves); False if it is unknown. Its leases stay valid until it disconnects."""
+        executor = self.registry.get(executor_id)
+        if executor is None:
+            return False
+        executor.draining = True
+        return True
+
     def remove_executor(self, executor_id: str) -> list[Lease]:
         """Drops an executor and voids its leases."""
         leases = self.registry.remove(executor_id)
@@ -436,6 +445,13 @@ class AdmissionCore:
         for lease in expired:
             self.release(lease.lease_id)
         return expired
+    def clock(self) -> float:
+        """The core's clock now (seconds)."""
+        return self._clock()
+
+    def lease(self, lease_id: str) -> Lease | None:
+        """A held lease, or None."""
+        return self._leases.get(lease_id)
 
     def num_leases(self) -> int:
         """Leases currently held."""

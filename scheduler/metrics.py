@@ -16,6 +16,13 @@ meshserve_scheduler_executors                    gauge      executors registered
 meshserve_scheduler_executor_free_blocks         gauge      free KV blocks the executors reported
 meshserve_scheduler_predictor_observed_total     counter    finished choices the predictor learnt
 meshserve_scheduler_predictor_abs_error_tokens   gauge      mean |predicted − actual| output tokens
+meshserve_scheduler_desired_executors            gauge      the planner's executor count (KEDA/HPA
+                                                            scale on it; ``scheduler.planner``)
+meshserve_scheduler_forecast_tokens_per_second   gauge      largest forecast token load in the lead
+meshserve_scheduler_forecast_requests_per_second gauge      largest forecast arrival rate in the lead
+meshserve_scheduler_executor_capacity_tokens_per_second  gauge  one executor's measured capacity
+meshserve_scheduler_cold_start_seconds           gauge      the cold start the planner leads by
+meshserve_scheduler_executors_draining           gauge      executors draining now
 ===============================================  =========  ==========================================
 """
 
@@ -30,6 +37,7 @@ from prometheus_client.registry import Collector
 from meshserve.metrics import (DEFAULT_MAX_PRIORITY_LABELS, DEFAULT_MAX_TENANT_LABELS, LATENCY_BUCKETS, BoundedLabel,
                                new_registry, snapshot)
 from scheduler.admission import AdmissionCore
+from scheduler.planner import Planner
 
 LABELS = ("tenant", "priority")
 
@@ -43,11 +51,14 @@ class SchedulerMetrics(Collector):
             thread: only lengths and sums of its containers are read).
         registry: where to register (default: a new ``new_registry("scheduler")``).
         max_tenants, max_priorities: distinct label values kept; the rest are ``other``.
+        planner: the planner whose last decision is exported (None: no planner metrics).
     """
 
     def __init__(self, core: AdmissionCore, registry: CollectorRegistry | None = None,
-                 max_tenants: int = DEFAULT_MAX_TENANT_LABELS, max_priorities: int = DEFAULT_MAX_PRIORITY_LABELS):
+                 max_tenants: int = DEFAULT_MAX_TENANT_LABELS, max_priorities: int = DEFAULT_MAX_PRIORITY_LABELS,
+                 planner: Planner | None = None):
         self.core = core
+        self.planner = planner
         self.registry = registry if registry is not None else new_registry("scheduler")
         self.tenant_label = BoundedLabel(max_tenants)
         self.priority_label = BoundedLabel(max_priorities)
@@ -102,4 +113,25 @@ class SchedulerMetrics(Collector):
         yield GaugeMetricFamily("meshserve_scheduler_predictor_abs_error_tokens", "Mean absolute error of the "
                                 "output-length predictions (tokens; 0 before any).",
                                 value=stats["mean_abs_error_tokens"] or 0.0)
+        yield GaugeMetricFamily("meshserve_scheduler_executors_draining", "Executors draining now.",
+                                value=sum(e.draining for e in executors))
+        yield from self._planner_metrics()
+
+    def _planner_metrics(self) -> Iterator:
+        decision = self.planner.last if self.planner is not None else None
+        if decision is None:
+            return
+        yield GaugeMetricFamily("meshserve_scheduler_desired_executors", "Executors the planner wants now "
+                                "(forecast led by the cold start, reactive floor, stabilized).", value=decision.desired)
+        yield GaugeMetricFamily("meshserve_scheduler_forecast_tokens_per_second", "Largest forecast token load "
+                                "within the planner's lead (0 without a forecast).",
+                                value=decision.forecast_tokens_per_s)
+        yield GaugeMetricFamily("meshserve_scheduler_forecast_requests_per_second", "Largest forecast arrival "
+                                "rate within the planner's lead (0 without a forecast).",
+                                value=decision.forecast_requests_per_s)
+        yield GaugeMetricFamily("meshserve_scheduler_executor_capacity_tokens_per_second", "One executor's "
+                                "capacity the planner uses (measured when saturated).",
+                                value=decision.capacity_tokens_per_s)
+        yield GaugeMetricFamily("meshserve_scheduler_cold_start_seconds", "Executor cold start the planner "
+                                "leads by (measured at registration).", value=decision.cold_start_s)
 

@@ -4,7 +4,7 @@ Pure, no gRPC. For one request the admission core asks ``choose``:
 
 1. **executors of its model** that could ever hold it (prompt + 1 token within
    ``max_model_len`` and one choice's blocks within the whole cache);
-2. **room**: available blocks (reported free minus pending promises, see
+2. **room**: not draining (an executor that stops takes nothing new), available blocks (reported free minus pending promises, see
    ``scheduler.registry``) >= the blocks the request needs, and no more than
    ``max_engine_waiting`` requests (default 0) waiting inside its engine — an
    engine that already queues work (batch full, KV short) gets no more, so the
@@ -178,6 +178,8 @@ class Placer:
     def choose(self, req: Placeable, now: float) -> tuple[Placement | None, PoolChoice]:
         """The executor for ``req`` now, or None (wait), and the pool choice behind it."""
         def has_room(e: ExecutorState) -> bool:
+            if e.draining:
+                return False  # it finishes what it holds and leaves
             if self.max_engine_waiting is not None and e.num_waiting > self.max_engine_waiting:
                 return False  # its engine already queues work: keep the queue here, where the policy orders it
             if not fits_ever(e, req):

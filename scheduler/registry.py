@@ -73,6 +73,7 @@ class ExecutorState:
     num_running: int = 0
     num_waiting: int = 0
     leases: dict[str, Lease] = field(default_factory=dict)
+    draining: bool = False  # asked to stop: nothing new is routed to it (scheduler.placement)
 
     def pending_blocks(self, now: float, pending_timeout_s: float) -> int:
         """Blocks of leases assigned here that its last report did not include yet."""

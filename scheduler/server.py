@@ -14,6 +14,12 @@ executor, block budget and expiry. ``RenewLease`` keeps a lease alive; every
 capacity report also sweeps the expired leases its executor no longer lists
 (``AdmissionCore.expire_leases``). Request ids are scoped per tenant
 (``meshserve.request_ids``): the core sees ``scoped_request_id(tenant, id)``.
+An executor that stops (SIGTERM, scaled down) sends ``draining`` on its stream:
+from then on nothing new is routed to it, and the scheduler answers
+``drain_ack``; its leases stay valid until it disconnects (case C42). The
+planner (``scheduler.planner``, run by ``scheduler.planner_loop``) learns from
+every admitted request, every released lease and every executor's cold start
+(``ExecutorRegister.startup_s``).
 """
 
 from __future__ import annotations
@@ -38,6 +44,8 @@ from meshserve.v1 import scheduler_pb2_grpc
 from scheduler.admission import AdmissionCore, AdmissionRequest, SchedulerConfig
 from scheduler.kvstore_follower import KVStoreFollower
 from scheduler.metrics import SchedulerMetrics
+from scheduler.planner import Planner, PlannerConfig
+from scheduler.planner_loop import PlannerLoop, ready_executors
 from scheduler.registry import ExecutorState, Lease
 
 log = logging.getLogger(__name__)
@@ -49,15 +57,19 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
     """Serves Admit, Release and Connect over one ``AdmissionCore``."""
 
     def __init__(self, core: AdmissionCore, on_registry_change: Callable[[int], None] | None = None,
-                 signer: LeaseSigner | None = None, wall_clock: Callable[[], float] = time.time):
+                 signer: LeaseSigner | None = None, wall_clock: Callable[[], float] = time.time,
+                 planner: Planner | None = None):
         self.core = core
         self.signer = signer or LeaseSigner()
         self._wall_clock = wall_clock
-        self.metrics = SchedulerMetrics(core)
+        self.planner = planner or Planner(PlannerConfig(), start=core.clock())
+        self.planner_loop = PlannerLoop(self.planner, core, core.clock)
+        self.metrics = SchedulerMetrics(core, planner=self.planner)
         self._waiters: dict[str, asyncio.Future[Lease]] = {}
         self._on_registry_change = on_registry_change or (lambda _n: None)
 
     def _dispatch(self) -> None:
+        self.planner_loop.observe()
         for req, lease in self.core.dispatch():
             fut = self._waiters.pop(req.request_id, None)
             if fut is None or fut.done():
@@ -122,6 +134,7 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
                 self._fail(victim.request_id, ResourceExhausted(
                     "displaced from the full admission queue by a higher-priority request",
                     self.core.retry_delay_s()))
+            self.planner.on_arrival(self.core.clock(), int(req.cost))
             fut: asyncio.Future[Lease] = asyncio.get_running_loop().create_future()
             self._waiters[scoped_id] = fut
             self._dispatch()
@@ -182,6 +195,10 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
         with _tracer.start_as_current_span("scheduler.release", context=context_from_grpc(context),
                                            kind=trace.SpanKind.SERVER,
                                            attributes={"meshserve.lease_id": request.lease_id}):
+            lease = self.core.lease(request.lease_id)
+            if lease is not None:
+                done = tokens if tokens is not None else lease.n * (lease.predicted_output_tokens or 0)
+                self.planner.on_served(self.core.clock(), lease.num_prompt_tokens + done)
             if self.core.release(request.lease_id, tokens):
                 self._dispatch()
         return pb.ReleaseResponse()
@@ -215,9 +232,12 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
             kvstore_namespace=bytes(reg.kvstore_namespace),
         )
         self.core.registry.add(state)
+        if reg.startup_s > 0:
+            self.planner.on_cold_start(reg.startup_s)
         self._on_registry_change(len(list(self.core.registry)))
         log.info("executor %s registered at %s (%d blocks)", reg.executor_id, reg.address, reg.num_blocks)
         messages = aiter(request_iterator)
+        drained = False
         timeout_s = self.core.config.executor_timeout_s
         try:
             yield pb.SchedulerCommand(registered=pb.RegisterAck(executor_id=reg.executor_id,
@@ -242,6 +262,15 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
                     ev = msg.kv_events
                     _check_hashes(list(ev.stored) + list(ev.removed), "kv_events")
                     self.core.on_kv_events(reg.executor_id, ev.stored, ev.removed, ev.reset)
+                elif kind == "draining":
+                    self.core.drain_executor(reg.executor_id)
+                    self._on_registry_change(len(list(self.core.registry)))
+                    log.info("executor %s draining (grace %.1f s): no new requests routed to it",
+                             reg.executor_id, msg.draining.grace_s)
+                    yield pb.SchedulerCommand(drain_ack=pb.DrainAck(executor_id=reg.executor_id))
+                if state.draining and not state.leases and not drained:
+                    drained = True  # every lease routed to it is released: it may leave
+                    yield pb.SchedulerCommand(drain_ack=pb.DrainAck(executor_id=reg.executor_id, done=True))
         finally:
             lost = self.core.remove_executor(reg.executor_id)
             self._on_registry_change(len(list(self.core.registry)))
@@ -271,7 +300,7 @@ def _check_block_hashes(request: pb.AdmitRequest) -> None:
 
 async def start_scheduler(port: int, host: str = "127.0.0.1", config: SchedulerConfig | None = None,
                           kvstore_address: str | None = None, metrics_port: int | None = None,
-                          tls: TLSConfig = PLAINTEXT) -> Service:
+                          tls: TLSConfig = PLAINTEXT, planner: PlannerConfig | None = None) -> Service:
     """Starts a Scheduler service on ``host:port`` (0 picks a free port); SERVING at once.
     ``tls``: its certificate (role scheduler) for its port and its kvstore channel, or plaintext.
     With ``metrics_port`` (0: a free one) it serves Prometheus metrics
@@ -281,21 +310,25 @@ async def start_scheduler(port: int, host: str = "127.0.0.1", config: SchedulerC
     (``scheduler.kvstore_follower``) and routes with its blocks (``scheduler.routing``).
 
     Its health service also answers for ``EXECUTORS_HEALTH_SERVICE``: SERVING while
-    at least one executor is registered (the gateway's readiness follows it).
+    at least one executor is registered and not draining (the gateway's readiness
+    follows it). ``planner``: the autoscaling planner's settings (default
+    ``PlannerConfig()``); its loop runs with the service.
     """
     service = Service("meshserve.v1.Scheduler", port, host, tls)
 
-    def registry_changed(num_executors: int) -> None:
-        status = SERVING if num_executors else NOT_SERVING
+    def registry_changed(_num_executors: int) -> None:
+        status = SERVING if ready_executors(servicer.core) else NOT_SERVING
         asyncio.ensure_future(service.health.set(EXECUTORS_HEALTH_SERVICE, status))
 
-    servicer = SchedulerServicer(AdmissionCore(config), registry_changed)
+    core = AdmissionCore(config)
+    servicer = SchedulerServicer(core, registry_changed, planner=Planner(planner or PlannerConfig(), start=core.clock()))
     scheduler_pb2_grpc.add_SchedulerServicer_to_server(servicer, service.server)
     service.servicer = servicer  # type: ignore[attr-defined]
     if kvstore_address:
         follower = KVStoreFollower(kvstore_address, servicer.core.kvstore_index, tls=tls)
         service.background.append(follower)
         service.kvstore_follower = follower  # type: ignore[attr-defined]
+    service.background.append(servicer.planner_loop)
     service.serve_metrics(servicer.metrics.registry, metrics_port)
     await service.start()
     for task in service.background:

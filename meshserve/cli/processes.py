@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -217,10 +218,15 @@ async def run_executor(engine_config: EngineConfig, port: int, host: str, schedu
                        step_timeout_s: float = 60.0, kvstore_address: str | None = None,
                        kvstore_fetch_timeout_s: float = 5.0, metrics_port: int | None = None,
                        peak_flops: float | None = None, max_buffered_outputs: int = 256,
-                       tls: TLSConfig = PLAINTEXT, prefix_cache_scope: str = "tenant") -> None:
+                       tls: TLSConfig = PLAINTEXT, prefix_cache_scope: str = "tenant",
+                       drain_grace_s: float = 30.0) -> None:
     """Loads the model, serves the executor and stays registered until a signal; Prometheus
     metrics on ``metrics_port`` (None: none), the MFU against ``peak_flops`` FLOP/s. A request whose
-    reader leaves ``max_buffered_outputs`` messages untaken is ended (RESOURCE_EXHAUSTED)."""
+    reader leaves ``max_buffered_outputs`` messages untaken is ended (RESOURCE_EXHAUSTED).
+    On SIGTERM/SIGINT it drains first (``executor.drain``: nothing new is routed here, what runs
+    finishes) for at most ``drain_grace_s`` seconds, then stops."""
+    started_at = time.monotonic()
+    from executor.drain import drain
     from executor.engine.llm_engine import LLMEngine  # torch: imported only when an executor starts
     from executor.server import start_executor
 
@@ -234,7 +240,7 @@ async def run_executor(engine_config: EngineConfig, port: int, host: str, schedu
                                                     advertise_address, step_timeout_s, kvstore_address,
                                                     kvstore_fetch_timeout_s, metrics_port, peak_flops,
                                                     max_buffered_outputs, tls=tls,
-                                                    prefix_cache_scope=prefix_cache_scope)
+                                                    prefix_cache_scope=prefix_cache_scope, started_at=started_at)
         async_engine.on_failure(lambda _exc: done.set())  # exit non-zero: the orchestrator restarts us
         on_rank_failure = getattr(engine.worker_group, "on_failure", None)  # a parallel group's ranks
         if on_rank_failure is not None:
@@ -246,6 +252,8 @@ async def run_executor(engine_config: EngineConfig, port: int, host: str, schedu
 
     async def stop():
         await holder["svc"].watchdog.stop()
+        if holder["engine"].failure is None:
+            await drain(holder["svc"], holder["svc"].servicer, holder.get("link"), drain_grace_s)
         await holder["svc"].set_serving(False)
         if holder.get("link"):
             await holder["link"].stop()  # leave the registry first: no new assignments

@@ -126,6 +126,9 @@ def executor(
     tls_cert: Optional[str] = TLSCertOpt, tls_key: Optional[str] = TLSKeyOpt, tls_ca: Optional[str] = TLSCAOpt,
     insecure: bool = InsecureOpt,
     prefix_cache_scope: str = PrefixCacheScopeOpt,
+    drain_grace_s: float = typer.Option(30.0, "--drain-grace-s", min=0.0,
+                                        help="On SIGTERM: seconds to finish the requests it runs (nothing new is "
+                                             "routed to it) before it exits."),
     log_level: str = typer.Option("info"),
 ) -> None:
     """Run one executor: a model replica with its continuous-batching engine."""
@@ -157,7 +160,7 @@ def executor(
                                  step_timeout_s=step_timeout_s, kvstore_address=kvstore,
                                  kvstore_fetch_timeout_s=kvstore_fetch_timeout, metrics_port=metrics_port,
                                  peak_flops=peak_flops, max_buffered_outputs=max_buffered_outputs, tls=tls,
-                                 prefix_cache_scope=prefix_cache_scope))
+                                 prefix_cache_scope=prefix_cache_scope, drain_grace_s=drain_grace_s))
 
 
 def kvstore_cmd(

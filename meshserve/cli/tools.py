@@ -111,7 +111,7 @@ def bench(
     sys.exit(code)
 
 
-SIM_WORKLOADS = ("heavy-tail", "prefix-routing", "quota-isolation")
+SIM_WORKLOADS = ("heavy-tail", "prefix-routing", "quota-isolation", "diurnal")
 
 
 def sim(
@@ -130,10 +130,15 @@ def sim(
     routing: str = typer.Option("prefix", "--routing", help="prefix or least-loaded (prefix-routing)."),
     kv_reservation: str = typer.Option("predicted", "--kv-reservation", help="prompt or predicted: the scheduler's "
                                        "room check (heavy-tail; see `meshserve scheduler --kv-reservation`)."),
+    autoscaler: str = typer.Option("predictive", "--autoscaler", help="predictive or reactive (diurnal; both run "
+                                   "on the same trace, the other is the baseline)."),
+    days: int = typer.Option(9, "--days", min=3, help="Simulated days (diurnal; the first two train the forecaster)."),
+    plot_path: Optional[str] = typer.Option(None, "--plot", help="diurnal: write the predictive-vs-reactive "
+                                            "figure (PNG) here."),
     report_json: Optional[str] = typer.Option(None, "--report-json", help="Write the JSON report here."),
 ) -> None:
     """Discrete-event simulations on the scheduler's own core (no model, no gRPC)."""
-    from meshserve.bench.sim import heavy_tail, prefix_routing, quota_isolation
+    from meshserve.bench.sim import autoscaling, heavy_tail, prefix_routing, quota_isolation
     from scheduler.queue_policy import QueuePolicy
     from scheduler.routing import RoutingConfig
 
@@ -144,6 +149,8 @@ def sim(
         RoutingConfig(routing)
         if kv_reservation not in ("prompt", "predicted"):
             raise ValueError(f"unknown kv reservation {kv_reservation!r} (choose from prompt, predicted)")
+        if autoscaler not in autoscaling.AUTOSCALERS:
+            raise ValueError(f"unknown autoscaler {autoscaler!r} (choose from predictive, reactive)")
     except ValueError as exc:
         raise typer.BadParameter(str(exc)) from None
     if workload == "heavy-tail":
@@ -158,6 +165,13 @@ def sim(
                       mesh=replace(cfg.mesh, routing=routing, num_executors=executors or cfg.mesh.num_executors))
         report = prefix_routing.compare(cfg)
         keys = ("hit_rate", "ideal_hit_rate", "hit_rate_vs_ideal", "busiest_over_mean", "ttft_p50_s", "ttft_p99_s")
+    elif workload == "diurnal":
+        report = autoscaling.compare(autoscaling.DiurnalSimConfig(autoscaler=autoscaler, seed=seed, days=days))
+        if plot_path:
+            Path(plot_path).parent.mkdir(parents=True, exist_ok=True)
+            autoscaling.plot(report, plot_path)
+        keys = ("slo_violations", "slo_violation_rate", "executor_hours", "cold_starts", "ttft_p99_s",
+                "slo_violations_ratio", "executor_hours_ratio")
     else:
         cfg = quota_isolation.IsolationSimConfig(seed=seed, num_b_requests=num_requests or 400)
         cfg = replace(cfg, b_rate=rate or cfg.b_rate,

@@ -73,7 +73,7 @@ class ReleaseResponse(_message.Message):
     def __init__(self) -> None: ...
 
 class ExecutorRegister(_message.Message):
-    __slots__ = ("executor_id", "address", "model", "num_blocks", "block_size", "max_model_len", "pool", "kvstore_namespace")
+    __slots__ = ("executor_id", "address", "model", "num_blocks", "block_size", "max_model_len", "pool", "kvstore_namespace", "startup_s")
     EXECUTOR_ID_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
@@ -82,6 +82,7 @@ class ExecutorRegister(_message.Message):
     MAX_MODEL_LEN_FIELD_NUMBER: _ClassVar[int]
     POOL_FIELD_NUMBER: _ClassVar[int]
     KVSTORE_NAMESPACE_FIELD_NUMBER: _ClassVar[int]
+    STARTUP_S_FIELD_NUMBER: _ClassVar[int]
     executor_id: str
     address: str
     model: str
@@ -90,7 +91,8 @@ class ExecutorRegister(_message.Message):
     max_model_len: int
     pool: str
     kvstore_namespace: bytes
-    def __init__(self, executor_id: _Optional[str] = ..., address: _Optional[str] = ..., model: _Optional[str] = ..., num_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., max_model_len: _Optional[int] = ..., pool: _Optional[str] = ..., kvstore_namespace: _Optional[bytes] = ...) -> None: ...
+    startup_s: float
+    def __init__(self, executor_id: _Optional[str] = ..., address: _Optional[str] = ..., model: _Optional[str] = ..., num_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., max_model_len: _Optional[int] = ..., pool: _Optional[str] = ..., kvstore_namespace: _Optional[bytes] = ..., startup_s: _Optional[float] = ...) -> None: ...
 
 class CapacityReport(_message.Message):
     __slots__ = ("num_free_blocks", "num_running", "num_waiting", "lease_ids", "lease_num_blocks")
@@ -124,14 +126,16 @@ class KvEvents(_message.Message):
     def __init__(self, reset: _Optional[bool] = ..., stored: _Optional[_Iterable[bytes]] = ..., removed: _Optional[_Iterable[bytes]] = ...) -> None: ...
 
 class ExecutorMessage(_message.Message):
-    __slots__ = ("register", "capacity", "kv_events")
+    __slots__ = ("register", "capacity", "kv_events", "draining")
     REGISTER_FIELD_NUMBER: _ClassVar[int]
     CAPACITY_FIELD_NUMBER: _ClassVar[int]
     KV_EVENTS_FIELD_NUMBER: _ClassVar[int]
+    DRAINING_FIELD_NUMBER: _ClassVar[int]
     register: ExecutorRegister
     capacity: CapacityReport
     kv_events: KvEvents
-    def __init__(self, register: _Optional[_Union[ExecutorRegister, _Mapping]] = ..., capacity: _Optional[_Union[CapacityReport, _Mapping]] = ..., kv_events: _Optional[_Union[KvEvents, _Mapping]] = ...) -> None: ...
+    draining: ExecutorDraining
+    def __init__(self, register: _Optional[_Union[ExecutorRegister, _Mapping]] = ..., capacity: _Optional[_Union[CapacityReport, _Mapping]] = ..., kv_events: _Optional[_Union[KvEvents, _Mapping]] = ..., draining: _Optional[_Union[ExecutorDraining, _Mapping]] = ...) -> None: ...
 
 class RegisterAck(_message.Message):
     __slots__ = ("executor_id", "lease_public_key")
@@ -142,10 +146,12 @@ class RegisterAck(_message.Message):
     def __init__(self, executor_id: _Optional[str] = ..., lease_public_key: _Optional[bytes] = ...) -> None: ...
 
 class SchedulerCommand(_message.Message):
-    __slots__ = ("registered",)
+    __slots__ = ("registered", "drain_ack")
     REGISTERED_FIELD_NUMBER: _ClassVar[int]
+    DRAIN_ACK_FIELD_NUMBER: _ClassVar[int]
     registered: RegisterAck
-    def __init__(self, registered: _Optional[_Union[RegisterAck, _Mapping]] = ...) -> None: ...
+    drain_ack: DrainAck
+    def __init__(self, registered: _Optional[_Union[RegisterAck, _Mapping]] = ..., drain_ack: _Optional[_Union[DrainAck, _Mapping]] = ...) -> None: ...
 
 class LeaseClaims(_message.Message):
     __slots__ = ("lease_id", "request_id", "tenant", "executor_id", "num_blocks", "expires_at_unix_s", "nonce", "priority")
@@ -186,3 +192,17 @@ class RenewLeaseResponse(_message.Message):
     EXPIRES_IN_S_FIELD_NUMBER: _ClassVar[int]
     expires_in_s: float
     def __init__(self, expires_in_s: _Optional[float] = ...) -> None: ...
+
+class ExecutorDraining(_message.Message):
+    __slots__ = ("grace_s",)
+    GRACE_S_FIELD_NUMBER: _ClassVar[int]
+    grace_s: float
+    def __init__(self, grace_s: _Optional[float] = ...) -> None: ...
+
+class DrainAck(_message.Message):
+    __slots__ = ("executor_id", "done")
+    EXECUTOR_ID_FIELD_NUMBER: _ClassVar[int]
+    DONE_FIELD_NUMBER: _ClassVar[int]
+    executor_id: str
+    done: bool
+    def __init__(self, executor_id: _Optional[str] = ..., done: _Optional[bool] = ...) -> None: ...

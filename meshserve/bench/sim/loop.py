@@ -28,10 +28,17 @@ pools, prefix index, routing cost) with a simulated clock, against
 * **times**: TTFT is arrival → the step that samples the first token; an
   executor's busy time is the sum of its step durations.
 
+* an optional **autoscaler** (``Scaler``): every ``tick_s`` it names the
+  executor count it wants; a new executor registers ``cold_start_s`` after it
+  was asked for (counted from then in ``Fleet``); a surplus one is cancelled if
+  still starting, else drained (``AdmissionCore.drain_executor``: nothing new is
+  routed to it) and removed once it holds no request. The scaler learns every
+  admitted request's cost and every finished request's tokens.
+
 Jobs arrive open-loop (a fixed arrival time) or closed-loop (a client sends its
 next job when the previous one finishes). The workloads and their reports are
-the sibling modules: ``heavy_tail`` (queue policies), ``prefix_routing`` and
-``quota_isolation``.
+the sibling modules: ``heavy_tail`` (queue policies), ``prefix_routing``,
+``quota_isolation`` and ``autoscaling``.
 """
 
 from __future__ import annotations
@@ -40,7 +47,7 @@ import heapq
 import math
 from collections import OrderedDict
 from dataclasses import dataclass, field
-from typing import Mapping
+from typing import Mapping, Protocol
 
 from scheduler.admission import AdmissionCore, AdmissionRequest, SchedulerConfig
 from scheduler.registry import ExecutorState
@@ -240,18 +247,50 @@ class SimExecutor:
         return done
 
 
+class Scaler(Protocol):
+    """An autoscaler the loop consults (``meshserve.bench.sim.autoscaling``)."""
+
+    tick_s: float  # seconds between two ``target`` calls
+    cold_start_s: float  # seconds from asking for an executor to its registration
+
+    def on_arrival(self, now: float, num_tokens: int) -> None: ...
+
+    def on_served(self, now: float, num_tokens: int) -> None: ...
+
+    def target(self, now: float, num_ready: int, num_queued: int, queued_tokens: int) -> int: ...
+
+
+@dataclass
+class Fleet:
+    """Executor lifetimes under a ``Scaler`` (seconds): eid → [asked, ready or None, gone or None]."""
+
+    lives: dict[str, list[float | None]] = field(default_factory=dict)
+
+    def executor_seconds(self, start: float, end: float) -> float:
+        """Executor-seconds (starting, ready or draining) within [start, end)."""
+        return sum(max(0.0, min(end, gone if gone is not None else end) - max(start, asked))
+                   for asked, _ready, gone in self.lives.values())
+
+    def cold_starts(self, start: float, end: float) -> int:
+        """Executors asked for within [start, end)."""
+        return sum(start <= asked < end for asked, _ready, _gone in self.lives.values())
+
+
 def _request(rid: int, job: Job, arrival: float) -> SimRequest:
     return SimRequest(rid, job.tenant, arrival, job.prompt_len, job.output, job=job)
 
 
 def simulate(cfg: MeshSimConfig, jobs: list[Job], until_open_loop_done: bool = False,
-             steps: list[tuple[float, int]] | None = None,
+             steps: list[tuple[float, int]] | None = None, scaler: Scaler | None = None,
+             fleet: Fleet | None = None,
              ) -> tuple[list[SimRequest | None], dict[str, SimExecutor], AdmissionCore]:
     """Runs ``jobs``; returns the requests (in job order; None: never sent), the executors
     and the core. It runs to completion, or with ``until_open_loop_done`` until every
     open-loop job has finished (closed-loop clients are then background load).
     ``steps`` collects (end time, useful tokens) of every executor step: its tokens less
-    those a preemption in it threw away (they are computed again later)."""
+    those a preemption in it threw away (they are computed again later). With a
+    ``scaler`` the ``cfg.num_executors`` executors are the start and it adds and drains
+    executors (module docstring); ``fleet`` collects their lifetimes."""
     clock = [0.0]
     core = AdmissionCore(SchedulerConfig(queue_policy=cfg.queue_policy, max_queue_wait_s=cfg.max_queue_wait_s,
                                          max_queue_len=10 ** 9, tenant_quotas=dict(cfg.tenant_quotas),
@@ -260,6 +299,9 @@ def simulate(cfg: MeshSimConfig, jobs: list[Job], until_open_loop_done: bool = F
     executors = {f"e{i}": SimExecutor(f"e{i}", cfg, core) for i in range(cfg.num_executors)}
     for e in executors.values():
         core.registry.add(ExecutorState(e.eid, e.eid, MODEL, cfg.num_blocks, cfg.block_size, 10 ** 9))
+    fleet = fleet if fleet is not None else Fleet()
+    fleet.lives.update({eid: [0.0, 0.0, None] for eid in executors})
+    starting: list[str] = []  # asked for, not registered yet (oldest first)
     reqs: list[SimRequest | None] = [None] * len(jobs)
     backlog: dict[int, list[int]] = {}  # closed-loop client → its next job indices
     events: list[tuple[float, int, int, str]] = []
@@ -273,6 +315,35 @@ def simulate(cfg: MeshSimConfig, jobs: list[Job], until_open_loop_done: bool = F
     heapq.heapify(events)
     seq = len(jobs)
     open_left = sum(job.client is None for job in jobs)
+    arrivals_left = len(events)
+    if scaler is not None:
+        heapq.heappush(events, (scaler.tick_s, 2, -1, ""))
+
+    def scale() -> None:
+        nonlocal seq
+        ready = [e for e in executors if not core.registry.get(e).draining]
+        queued = core.queued()
+        want = scaler.target(clock[0], len(ready), len(queued), sum(r.queued_tokens for r in queued))
+        for _ in range(want - len(ready) - len(starting)):
+            eid = f"e{len(fleet.lives)}"
+            fleet.lives[eid] = [clock[0], None, None]
+            starting.append(eid)
+            seq += 1
+            heapq.heappush(events, (clock[0] + scaler.cold_start_s, 3, seq, eid))
+        surplus = len(ready) + len(starting) - want
+        while surplus > 0 and starting:  # a starting executor goes first (C44)
+            fleet.lives[starting.pop()][2] = clock[0]
+            surplus -= 1
+        for eid in sorted(ready, key=lambda x: len(executors[x].running) + len(executors[x].waiting))[:surplus]:
+            core.drain_executor(eid)
+            leave_if_idle(executors[eid])
+
+    def leave_if_idle(e: SimExecutor) -> None:
+        state = core.registry.get(e.eid)
+        if state is not None and state.draining and not state.leases and not e.running and not e.waiting:
+            core.remove_executor(e.eid)
+            del executors[e.eid]
+            fleet.lives[e.eid][2] = clock[0]
 
     def report(e: SimExecutor) -> None:
         held = {r.lease_id: e.blocks(r) for r in e.running}
@@ -298,12 +369,26 @@ def simulate(cfg: MeshSimConfig, jobs: list[Job], until_open_loop_done: bool = F
 
     while events:
         clock[0], kind, key, eid = heapq.heappop(events)
-        if kind == 1:
+        if kind == 2:
+            scale()
+            if arrivals_left or open_left:
+                heapq.heappush(events, (clock[0] + scaler.tick_s, 2, -1, ""))
+        elif kind == 3:
+            if eid in starting:  # (not cancelled meanwhile)
+                starting.remove(eid)
+                fleet.lives[eid][1] = clock[0]
+                executors[eid] = SimExecutor(eid, cfg, core)
+                core.registry.add(ExecutorState(eid, eid, MODEL, cfg.num_blocks, cfg.block_size, 10 ** 9))
+        elif kind == 1:
             job = jobs[key]
+            arrivals_left -= job.client is None
             reqs[key] = _request(key, job, clock[0])
-            core.submit(AdmissionRequest(str(key), job.tenant, job.priority, job.prompt_len, job.max_tokens, MODEL,
-                                         arrival=clock[0], block_hashes=tuple(job.block_hashes),
-                                         hash_block_size=cfg.block_size))
+            areq = AdmissionRequest(str(key), job.tenant, job.priority, job.prompt_len, job.max_tokens, MODEL,
+                                    arrival=clock[0], block_hashes=tuple(job.block_hashes),
+                                    hash_block_size=cfg.block_size)
+            core.submit(areq)
+            if scaler is not None:
+                scaler.on_arrival(clock[0], int(areq.cost))
         else:
             e = executors[eid]
             e.busy = False
@@ -320,11 +405,14 @@ def simulate(cfg: MeshSimConfig, jobs: list[Job], until_open_loop_done: bool = F
                 r.finished = clock[0]
                 open_left -= r.job.client is None
                 core.release(r.lease_id, r.generated)
+                if scaler is not None:
+                    scaler.on_served(clock[0], r.prompt + r.generated)
                 client = r.job.client
                 if client is not None and backlog.get(client):
                     heapq.heappush(events, (clock[0], 1, backlog[client].pop(0), ""))
             e.admit_waiting()
             report(e)
+            leave_if_idle(e)
             if until_open_loop_done and open_left == 0:
                 break
         dispatch_and_start()

@@ -1,0 +1,54 @@
+"""The planner's loop in the scheduler service: one decision per interval.
+
+Thin: ``PlannerLoop`` feeds ``scheduler.planner.Planner`` the mesh's state from
+the admission core (ready executors: registered and not draining; queued
+requests and tokens) and calls ``decide`` every ``interval_s``; the decision is
+exported as ``meshserve_scheduler_desired_executors`` (``scheduler.metrics``),
+which KEDA or an HPA (deploy/k8s) and ``meshserve up --autoscale`` act on. The
+servicer reports arrivals, served tokens and cold starts to the planner itself.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import Awaitable, Callable
+
+from meshserve.background import BackgroundTask
+from scheduler.admission import AdmissionCore
+from scheduler.planner import Decision, Planner
+
+
+def ready_executors(core: AdmissionCore) -> int:
+    """Registered executors that are not draining."""
+    return sum(not e.draining for e in core.registry)
+
+
+class PlannerLoop(BackgroundTask):
+    """Runs ``tick`` every ``planner.config.interval_s`` seconds of ``clock``."""
+
+    def __init__(self, planner: Planner, core: AdmissionCore, clock: Callable[[], float] = time.monotonic,
+                 sleep: Callable[[float], Awaitable[None]] = asyncio.sleep):
+        self.planner = planner
+        self.core = core
+        self.clock = clock
+        self.sleep = sleep
+
+    def observe(self) -> None:
+        """Samples the mesh's state (saturation) now; cheap, called on every dispatch too."""
+        self.planner.observe(self.clock(), ready_executors(self.core), len(self.core))
+
+    async def tick(self) -> Decision:
+        """One decision now; the forecast (a Holt-Winters fit, up to about a second)
+        runs in a worker thread, off the event loop."""
+        self.observe()
+        history = self.planner.snapshot(self.clock())
+        forecast = await asyncio.to_thread(self.planner.forecast, history)
+        self.observe()
+        queued_tokens = sum(r.queued_tokens for r in self.core.queued())
+        return self.planner.decide(self.clock(), queued_tokens, forecast)
+
+    async def _run(self) -> None:
+        while True:
+            await self.tick()
+            await self.sleep(self.planner.config.interval_s)
