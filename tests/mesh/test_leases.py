@@ -45,7 +45,7 @@ async def test_execute_refuses_missing_forged_expired_misdirected_and_replayed_l
         "another request": execute_request("bad", signed_lease(mesh, 0, "other-id")),
         "another tenant": execute_request("bad", signed_lease(mesh, 0, "bad"), tenant="acme"),
     }
-    async with channel(mesh.executors[0][0].address) as ch:
+    async with channel(mesh.executors[0][0].address, mesh.tls("gateway")) as ch:
         stub = executor_pb2_grpc.ExecutorStub(ch)
         used = execute_request("good", signed_lease(mesh, 0, "good"))
         assert sum([len(m.token_ids) async for m in stub.Execute(used)]) == 2
