@@ -54,7 +54,6 @@ ROLE_TABLE: Mapping[str, frozenset[str]] = {
     "/grpc.health.v1.Health/Watch": PUBLIC,
     "/grpc.health.v1.Health/List": PUBLIC,
     "/grpc.reflection.v1alpha.ServerReflection/ServerReflectionInfo": PUBLIC,
-    "/grpc.reflection.v1.ServerReflection/ServerReflectionInfo": PUBLIC,
 }
 
 

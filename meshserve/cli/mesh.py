@@ -173,12 +173,12 @@ def up(
                                                                                     pools=pools)],
                             gateway_args=[*file_args["gateway"], *gateway_flags],
                             kvstore_args=file_args["kvstore"]))
-    run_mesh(mesh, tls_dir)
+    run_mesh(mesh)
 
 
-def run_mesh(mesh, tls_dir: str | None = None) -> None:
-    """Starts ``mesh``, prints its addresses, waits for Ctrl-C or SIGTERM, stops it.
-    ``tls_dir``: where its certificates are (printed for clients), or None.
+def run_mesh(mesh) -> None:
+    """Starts ``mesh``, prints its addresses (and where its certificates are, for
+    clients, under ``--tls-dir``), waits for Ctrl-C or SIGTERM, stops it.
 
     Raises:
         typer.Exit: code 1 when it cannot start or a service exits.
@@ -196,6 +196,7 @@ def run_mesh(mesh, tls_dir: str | None = None) -> None:
         raise typer.Exit(1) from None
     try:
         kv = f", kvstore {mesh.kvstore_address}" if mesh.kvstore_address else ""
+        tls_dir = mesh.config.tls_dir
         if tls_dir:
             kv += f"; mutual TLS (certificates in {tls_dir}; clients: --tls-ca {tls_dir}/ca.pem)"
         http = f", HTTP http://{mesh.http_address}/v1" if mesh.http_address else ""

@@ -8,6 +8,7 @@ import logging
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2
+from grpc_reflection.v1alpha import reflection_pb2
 
 from kvstore.server import start_kvstore
 from kvstore.store import KVStore
@@ -18,12 +19,12 @@ from meshserve.v1 import executor_pb2, gateway_pb2, kvstore_pb2, scheduler_pb2
 from scheduler.server import start_scheduler
 from tests.support.tls import role_tls
 
-PROTO_MODULES = (gateway_pb2, scheduler_pb2, executor_pb2, kvstore_pb2, health_pb2)
+PROTO_MODULES = (gateway_pb2, scheduler_pb2, executor_pb2, kvstore_pb2, health_pb2, reflection_pb2)
 GARBAGE = b"\x0a\xff\xff\xff\xff\x0f"  # field 1, length-delimited, a length far past the end
 
 
 def rpcs_of_the_protos() -> dict[str, tuple[bool, bool]]:
-    """Every RPC of the mesh's services (and grpc.health.v1): ``/pkg.Service/Method`` →
+    """Every RPC of the mesh's services (and grpc.health.v1, server reflection): ``/pkg.Service/Method`` →
     (client streaming, server streaming)."""
     return {f"/{service.full_name}/{m.name}": (m.client_streaming, m.server_streaming)
             for module in PROTO_MODULES for service in module.DESCRIPTOR.services_by_name.values()
@@ -85,7 +86,7 @@ async def test_malformed_request_bytes_are_invalid_argument_with_one_log_line(se
     by_name, secure = services
     name = method.split("/")[1].split(".")[-1]
     service = by_name.get(name, by_name["Scheduler"])
-    role = CALLER_ROLE.get(method, "executor")
+    role = CALLER_ROLE.get(method) or sorted(ROLE_TABLE[method] - PUBLIC or {"client"})[0]
     caplog.set_level(logging.WARNING)
     async with open_channel(service.address, role_tls(role) if secure else PLAINTEXT) as ch:
         with pytest.raises(grpc.aio.AioRpcError) as err:

@@ -3,6 +3,8 @@ to the scheduler and the kvstore, with which certificate, and what each role may
 
 from __future__ import annotations
 
+import asyncio
+
 import grpc
 import pytest
 
@@ -78,11 +80,18 @@ async def test_a_certificate_of_another_role_cannot_register_as_an_executor(sche
 
 async def test_an_executor_certificate_registers(scheduler):
     """The executor role may connect: the registration is acknowledged."""
+    done = asyncio.Event()
+
+    async def messages():  # the stream stays open (a closed one deregisters) until the check
+        yield register("e1")
+        await done.wait()
+
     async with open_channel(scheduler.address, role_tls("executor")) as ch:
-        call = scheduler_pb2_grpc.SchedulerStub(ch).Connect(iter([register("e1")]))
+        call = scheduler_pb2_grpc.SchedulerStub(ch).Connect(messages())
         first = await call.read()
         assert first.registered.executor_id == "e1"
         assert [e.executor_id for e in scheduler.servicer.core.registry] == ["e1"]
+        done.set()
         call.cancel()
 
 

@@ -143,9 +143,9 @@ def test_scheduler_config_reads_the_pools_file_and_cli_rejects_a_bad_one(tmp_pat
     config = scheduler_config(pools_file=str(path))
     assert config.pools.pool_of(5) == "gold" and config.routing.policy == "prefix"
     path.write_text('[pools.gold]\nspill_to = ["silver"]\n')
-    result = CliRunner().invoke(app, ["scheduler", "--pools", str(path)])
+    result = CliRunner().invoke(app, ["scheduler", "--pools", str(path), "--insecure"])
     assert result.exit_code == 2 and "spill_to names 'silver'" in result.output
-    result = CliRunner().invoke(app, ["scheduler", "--routing", "random"])
+    result = CliRunner().invoke(app, ["scheduler", "--routing", "random", "--insecure"])
     assert result.exit_code == 2 and "unknown routing policy" in result.output
 
 
