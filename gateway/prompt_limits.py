@@ -4,9 +4,9 @@ Tokenizing costs time and memory in proportion to the prompt, so the gateway
 first bounds what it will look at, cheaply, on the event loop:
 
 * ``max_prompt_bytes``: UTF-8 bytes of a raw prompt, or of all chat message
-  contents together (default 1 MiB: about 250,000 tokens of English text, more
-  than any served model's context; a 16 MB prompt is refused here, in
-  microseconds, instead of being tokenized for seconds);
+  contents together (default 256 KiB: about 64,000 tokens of English text; a
+  16 MB prompt is refused here, in microseconds, instead of being tokenized for
+  seconds; raise it for models whose context is longer);
 * ``max_messages``: chat messages (default 1,024);
 * prompt token ids: at most ``max_model_len - 1`` (room for one output token),
   counted before each id is range-checked.
@@ -15,8 +15,9 @@ Each refusal is ``InvalidArgument`` naming the field and its cap. What passes
 is tokenized off the event loop (``GatewayCore.prepare_async``), in a worker
 thread: the fast tokenizer releases the GIL while it encodes, so a prompt at
 the cap stalls the loop for tens of milliseconds at most (measured by
-``tests/gateway/test_prompt_limits.py``), where a larger cap would let the
-final conversion of millions of ids to Python objects hold the GIL for longer.
+``tests/gateway/test_prompt_limits.py``). The stalls grow with the prompt (the
+tokenizer holds the GIL for part of its work): measured on a loaded 2-core
+machine, about 6 ms at 64 KiB, 15-25 ms at 256 KiB, 30-110 ms at 1 MiB.
 """
 
 from __future__ import annotations
@@ -36,7 +37,7 @@ class PromptLimits:
         max_messages: chat messages.
     """
 
-    max_prompt_bytes: int = 1 << 20
+    max_prompt_bytes: int = 256 << 10
     max_messages: int = 1024
 
     def __post_init__(self) -> None:

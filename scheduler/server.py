@@ -33,7 +33,7 @@ import grpc
 from opentelemetry import trace
 
 from meshserve import trace_attributes as ta
-from meshserve.errors import InvalidArgument, MeshError, NotFound, ResourceExhausted, Unavailable
+from meshserve.errors import AlreadyExists, InvalidArgument, MeshError, NotFound, ResourceExhausted, Unavailable
 from meshserve.grpc_server import EXECUTORS_HEALTH_SERVICE, NOT_SERVING, SERVING, Service
 from meshserve.tls import PLAINTEXT, TLSConfig
 from meshserve.lease_token import LeaseClaims, LeaseSigner, new_nonce
@@ -130,7 +130,11 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
                 block_hashes=tuple(request.block_hashes),
                 hash_block_size=request.hash_block_size,
             )
-            for victim in self.core.submit(req):
+            try:
+                displaced = self.core.submit(req)
+            except AlreadyExists:  # the core names the scoped id: name the caller's
+                raise AlreadyExists(f"request_id {request.request_id!r} is already queued or running") from None
+            for victim in displaced:
                 self._fail(victim.request_id, ResourceExhausted(
                     "displaced from the full admission queue by a higher-priority request",
                     self.core.retry_delay_s()))

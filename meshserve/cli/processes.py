@@ -273,7 +273,7 @@ async def run_executor(engine_config: EngineConfig, port: int, host: str, schedu
 async def run_gateway(model: str | ModelSource, port: int, host: str, scheduler: str, tenants_file: str | None = None,
                       hash_block_size: int = 16, result_cache_size: int = 0, result_cache_ttl_s: float = 600.0,
                       task_store: str = "memory", task_ttl_s: float = 3600.0, max_tasks: int = 10_000,
-                      metrics_port: int | None = None, tls: TLSConfig = PLAINTEXT, max_prompt_bytes: int = 1 << 20,
+                      metrics_port: int | None = None, tls: TLSConfig = PLAINTEXT, max_prompt_bytes: int = 256 << 10,
                       max_messages: int = 1024, prefix_cache_scope: str = "tenant", result_cache: str = "memory",
                       callback_allow: list[str] | None = None, callback_secret_file: str | None = None,
                       task_lease_s: float = 10.0, task_max_attempts: int = 3, http_port: int | None = None) -> None:

@@ -212,7 +212,7 @@ def gateway(
     task_ttl_s: float = typer.Option(3600.0, "--task-ttl-s", min=0.001, help="Seconds a finished task is kept."),
     max_tasks: int = typer.Option(10_000, "--max-tasks", min=1, help="Most tasks the memory store keeps "
                                   "(finished ones are dropped oldest first; then SubmitTask is refused)."),
-    max_prompt_bytes: int = typer.Option(1 << 20, "--max-prompt-bytes", min=1,
+    max_prompt_bytes: int = typer.Option(256 << 10, "--max-prompt-bytes", min=1,
                                          help="Most UTF-8 bytes of a prompt (or of all chat contents)."),
     max_messages: int = typer.Option(1024, "--max-messages", min=1, help="Most chat messages of a request."),
     prefix_cache_scope: str = PrefixCacheScopeOpt,

@@ -110,7 +110,7 @@ async def test_a_16_mb_prompt_is_refused_by_the_byte_cap_without_stalling_the_lo
     probe = LoopLagProbe()
     probe.start()
     try:
-        with pytest.raises(InvalidArgument, match=f"prompt is over the limit of {1 << 20} bytes"):
+        with pytest.raises(InvalidArgument, match=f"prompt is over the limit of {256 << 10} bytes"):
             await core.prepare_async(GenerationRequest(prompt="x" * (16 << 20)), ACME)
         await asyncio.sleep(0.05)  # let the probe tick after the check
     finally:
@@ -120,14 +120,14 @@ async def test_a_16_mb_prompt_is_refused_by_the_byte_cap_without_stalling_the_lo
 
 
 async def test_a_prompt_at_the_byte_cap_is_tokenized_off_the_event_loop(tokenizer):
-    """C37: the largest prompt the default cap lets through (1 MiB) is tokenized in a
+    """C37: the largest prompt the default cap lets through (256 KiB) is tokenized in a
     worker thread: the event loop's longest stall while it is tokenized stays under
     100 ms, so another caller's health check is answered meanwhile (an event-loop-lag
     probe measures it; tokenized on the loop, the loop would stall for the whole
-    tokenization, about a second)."""
+    tokenization, about half a second)."""
     core = GatewayCore(tokenizer, MODEL, GrpcMeshClient(f"127.0.0.1:{free_port()}"))
     sentence = "the quick brown fox jumps over the lazy dog. "
-    prompt = sentence * ((1 << 20) // len(sentence))
+    prompt = sentence * ((256 << 10) // len(sentence))
     probe = LoopLagProbe()
     probe.start()
     started = time.monotonic()
@@ -137,7 +137,7 @@ async def test_a_prompt_at_the_byte_cap_is_tokenized_off_the_event_loop(tokenize
     finally:
         probe.stop()
         await core.close()
-    print(f"1 MiB prompt: tokenized in {time.monotonic() - started:.2f} s; event-loop max lag "
+    print(f"256 KiB prompt: tokenized in {time.monotonic() - started:.2f} s; event-loop max lag "
           f"{probe.max_lag_s * 1000:.1f} ms over {probe.num_ticks} ticks")
     assert probe.num_ticks > 0
     assert probe.max_lag_s < 0.100

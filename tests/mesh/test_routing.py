@@ -46,7 +46,8 @@ async def test_repeated_prompts_go_back_to_the_executor_holding_their_prefix(two
     # the gateway's hashes of each prompt (model id + revision, no dtype) are what its executor reported
     fp = engines[0].fingerprint
     for p, first in ((a, first_a), (b, first_b)):
-        hashes = routing_block_hashes(p, 16, fp.model_id, fp.revision)
+        # salted by the tenant of the leases, as with `--prefix-cache-scope tenant` (the default)
+        hashes = routing_block_hashes(p, 16, fp.model_id, fp.revision, cache_salt="default")
         assert len(hashes) == 18  # 300 // 16 full blocks
         await _until(lambda h=hashes, e=first.executor_id: index.hit_blocks(h).get(e) == 18)
     await m.wait_idle()

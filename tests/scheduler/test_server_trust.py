@@ -99,6 +99,7 @@ async def test_request_ids_are_scoped_per_tenant():
         with pytest.raises(grpc.aio.AioRpcError) as info:
             await admit(stub, request_id="same", tenant="acme")
         assert info.value.code() == grpc.StatusCode.ALREADY_EXISTS
+        assert info.value.details() == "request_id 'same' is already queued or running"
 
 
 async def test_request_id_over_the_length_limit_is_invalid_argument():
