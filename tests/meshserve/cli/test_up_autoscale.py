@@ -68,7 +68,10 @@ async def test_up_autoscale_adds_an_executor_before_the_ramp_peak_and_drains_it_
             peak = time.monotonic()
             results = await asyncio.gather(*calls)
         assert all(len(r.token_ids) == 8 for r in results)
-        await wait_for_condition(lambda: any(e.kind == "exit" for e in scaler.events), 300, "executor-1 drained")
+        try:
+            await wait_for_condition(lambda: any(e.kind == "exit" for e in scaler.events), 300, "executor-1 drained")
+        finally:
+            print("autoscaler events:", [(e.kind, e.name, round(e.time - start, 1)) for e in scaler.events])
         kinds = [(e.kind, e.name) for e in scaler.events]
         assert kinds == [("start", "executor-1"), ("ready", "executor-1"), ("drain", "executor-1"),
                          ("exit", "executor-1")]
