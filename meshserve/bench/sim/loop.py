@@ -262,9 +262,11 @@ class Scaler(Protocol):
 
 @dataclass
 class Fleet:
-    """Executor lifetimes under a ``Scaler`` (seconds): eid → [asked, ready or None, gone or None]."""
+    """Executor lifetimes under a ``Scaler`` (seconds): eid → [asked, ready or None, gone or None];
+    ``initial``: the executors there from the start (no cold start)."""
 
     lives: dict[str, list[float | None]] = field(default_factory=dict)
+    initial: set[str] = field(default_factory=set)
 
     def executor_seconds(self, start: float, end: float) -> float:
         """Executor-seconds (starting, ready or draining) within [start, end)."""
@@ -272,8 +274,8 @@ class Fleet:
                    for asked, _ready, gone in self.lives.values())
 
     def cold_starts(self, start: float, end: float) -> int:
-        """Executors asked for within [start, end)."""
-        return sum(start <= asked < end for asked, _ready, _gone in self.lives.values())
+        """Executors the scaler asked for within [start, end)."""
+        return sum(start <= life[0] < end for eid, life in self.lives.items() if eid not in self.initial)
 
 
 def _request(rid: int, job: Job, arrival: float) -> SimRequest:
@@ -301,6 +303,7 @@ def simulate(cfg: MeshSimConfig, jobs: list[Job], until_open_loop_done: bool = F
         core.registry.add(ExecutorState(e.eid, e.eid, MODEL, cfg.num_blocks, cfg.block_size, 10 ** 9))
     fleet = fleet if fleet is not None else Fleet()
     fleet.lives.update({eid: [0.0, 0.0, None] for eid in executors})
+    fleet.initial.update(executors)
     starting: list[str] = []  # asked for, not registered yet (oldest first)
     reqs: list[SimRequest | None] = [None] * len(jobs)
     backlog: dict[int, list[int]] = {}  # closed-loop client → its next job indices
