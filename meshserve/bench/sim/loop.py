@@ -39,6 +39,10 @@ Jobs arrive open-loop (a fixed arrival time) or closed-loop (a client sends its
 next job when the previous one finishes). The workloads and their reports are
 the sibling modules: ``heavy_tail`` (queue policies), ``prefix_routing``,
 ``quota_isolation`` and ``autoscaling``.
+
+This file is a little over 400 lines because it is the one event loop of every
+simulator (STYLE: one of each helper): the autoscaler's events share its heap
+and its executors, so they live in it rather than in a second loop.
 """
 
 from __future__ import annotations
