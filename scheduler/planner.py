@@ -13,8 +13,8 @@ the requests that arrived in it) and arrival rate (requests/s) to the history
 kept.
 
 **Capacity of one executor** (tokens/s). An interval in which requests waited
-in the admission queue (the mesh was saturated) gives a sample: tokens served in
-it / (``interval_s`` × executors); the capacity is the mean of the last
+in the admission queue (the mesh was saturated) and some finished gives a
+sample: tokens served in it / (``interval_s`` × executors); the capacity is the mean of the last
 ``CAPACITY_SAMPLES`` samples, ``capacity_tokens_per_s`` until there is one.
 
 **Cold start** (seconds): the largest of the last ``COLD_START_SAMPLES``
@@ -215,7 +215,7 @@ class Planner:
         while now >= self._bucket_end:
             self.tokens_history.append(self._tokens / cfg.interval_s)
             self.requests_history.append(self._requests / cfg.interval_s)
-            if self._saturated and self._executors > 0:
+            if self._saturated and self._executors > 0 and self._served > 0:
                 self._capacity.append(self._served / (cfg.interval_s * self._executors))
             self._tokens, self._requests, self._served = 0.0, 0, 0.0
             self._saturated, self._executors = False, 0

@@ -11,12 +11,15 @@ servicer reports arrivals, served tokens and cold starts to the planner itself.
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from typing import Awaitable, Callable
 
 from meshserve.background import BackgroundTask
 from scheduler.admission import AdmissionCore
 from scheduler.planner import Decision, Planner
+
+log = logging.getLogger(__name__)
 
 
 def ready_executors(core: AdmissionCore) -> int:
@@ -50,5 +53,8 @@ class PlannerLoop(BackgroundTask):
 
     async def _run(self) -> None:
         while True:
-            await self.tick()
+            try:
+                await self.tick()
+            except Exception:  # noqa: BLE001 - a bad decision must not stop the next ones
+                log.exception("planner decision failed; the last desired count stays")
             await self.sleep(self.planner.config.interval_s)

@@ -95,6 +95,8 @@ class MeshConfig:
         http_port: the gateway's ``--http-port`` (its OpenAI-compatible HTTP API; 0: a free
             port; None: no HTTP).
         gateway_args / kvstore_args: extra ``meshserve gateway`` / ``kvstore`` flags.
+        autoscale: ``(min, max)`` executors for ``meshserve up --autoscale`` (run by
+            ``meshserve.cli.autoscale.LocalAutoscaler``), or None: a fixed count.
     """
 
     port: int = 50051
@@ -113,6 +115,7 @@ class MeshConfig:
     tls_dir: Path | None = None
     tls_files: tuple[str, str, str] | None = None
     http_port: int | None = None
+    autoscale: tuple[int, int] | None = None
     gateway_args: list[str] = field(default_factory=list)
     kvstore_args: list[str] = field(default_factory=list)
 
@@ -129,6 +132,10 @@ class Mesh:
         self.executor_addresses: list[str] = []
         self.metrics_addresses: dict[str, str] = {}  # service name -> host:port of its /metrics
         self.http_address = ""  # host:port of the gateway's HTTP API ("" when off)
+        self.executor_names: list[str] = []  # started executors, oldest first (drained ones removed)
+        self.drained: set[str] = set()  # executors asked to stop (SIGTERM: they drain, then exit 0)
+        self._kv_args: list[str] = []
+        self._num_started = 0
 
     def tls(self, role: str = "client") -> TLSConfig:
         """The TLS settings of ``role`` in this mesh (plaintext when it runs without
@@ -231,22 +238,38 @@ class Mesh:
                 sched += ["--tenants", c.tenants_file]  # the scheduler enforces the tenants' KV quotas
             self._spawn("scheduler", sched)
             await self._wait("scheduler", self.scheduler_address)
-            threads = c.threads_per_executor or default_threads_per_executor(c.executors)
-            for i in range(c.executors):
-                eport = free_port()
-                self.executor_addresses.append(f"127.0.0.1:{eport}")
-                self._spawn(f"executor-{i}", ["executor", "--port", str(eport), "--scheduler", self.scheduler_address,
-                                              "--model", c.model, "--executor-id", f"executor-{i}",
-                                              "--num-threads", str(threads), *kv_args,
-                                              *self._metrics_args(f"executor-{i}"), *self._tls_args("executor"),
-                                              *c.executor_args])
-            for i, address in enumerate(self.executor_addresses):
-                await self._wait(f"executor-{i}", address)
+            self._kv_args = kv_args
+            for _ in range(c.executors):
+                self.add_executor()
+            for name, address in zip(list(self.executor_names), list(self.executor_addresses)):
+                await self._wait(name, address)
             self._spawn("gateway", self._gateway_args())
             await self._wait("gateway", self.gateway_address)
         except BaseException:
             self.stop()
             raise
+
+    def add_executor(self) -> tuple[str, str]:
+        """Starts one more executor process (``executor-N``, N counting every one started);
+        returns its name and address. It registers with the scheduler once loaded."""
+        c = self.config
+        name, eport = f"executor-{self._num_started}", free_port()
+        self._num_started += 1
+        threads = c.threads_per_executor or default_threads_per_executor(c.executors)
+        self.executor_names.append(name)
+        self.executor_addresses.append(f"127.0.0.1:{eport}")
+        self._spawn(name, ["executor", "--port", str(eport), "--scheduler", self.scheduler_address,
+                           "--model", c.model, "--executor-id", name, "--num-threads", str(threads),
+                           *self._kv_args, *self._metrics_args(name), *self._tls_args("executor"),
+                           *c.executor_args])
+        return name, self.executor_addresses[-1]
+
+    def drain_executor(self, name: str) -> None:
+        """SIGTERM to one executor: it drains (``executor.drain``) and exits on its own."""
+        i = self.executor_names.index(name)
+        del self.executor_names[i], self.executor_addresses[i]
+        self.drained.add(name)
+        dict(self.procs)[name].send_signal(signal.SIGTERM)
 
     def stop(self, grace_s: float = 10.0) -> None:
         """SIGTERM to every service (gateway first), SIGKILL after ``grace_s``."""
@@ -262,6 +285,11 @@ class Mesh:
                 proc.wait()
         self.procs.clear()
 
+    def exit_code(self, name: str) -> int | None:
+        """A service's exit code, or None while it runs."""
+        return dict(self.procs)[name].poll()
+
     def exited(self) -> list[str]:
-        """Names of services that have exited."""
-        return [name for name, proc in self.procs if proc.poll() is not None]
+        """Names of services that have exited, less drained executors that exited cleanly (0)."""
+        return [name for name, proc in self.procs
+                if proc.poll() is not None and not (name in self.drained and proc.returncode == 0)]

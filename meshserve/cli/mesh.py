@@ -122,6 +122,16 @@ def up(
                                  "Prometheus /metrics endpoint and print them."),
     result_cache_size: int = ResultCacheSizeOpt,
     task_store: str = TaskStoreOpt,
+    autoscale: Optional[str] = typer.Option(None, "--autoscale", help="MIN..MAX: start and drain executor processes "
+                                            "as the scheduler's planner says (--executors is then MIN)."),
+    planner_interval_s: float = typer.Option(60.0, "--planner-interval-s", help="With --autoscale: the planner's "
+                                             "interval (seconds; see `meshserve scheduler`)."),
+    planner_season_s: float = typer.Option(86400.0, "--planner-season-s", help="With --autoscale: the load's "
+                                           "season (seconds)."),
+    executor_capacity: float = typer.Option(2000.0, "--executor-capacity-tokens-per-s", help="With --autoscale: "
+                                            "one executor's capacity until measured (tokens/s)."),
+    scale_down_cooldown_s: float = typer.Option(300.0, "--scale-down-cooldown-s", help="With --autoscale: seconds "
+                                                "of lower load before one executor less."),
     traces: Optional[str] = TracesOpt, otlp_endpoint: Optional[str] = OtlpOpt,
     trace_sample_ratio: Optional[float] = SampleOpt,
     tls_dir: Optional[str] = typer.Option(None, "--tls-dir", help="Run the mesh over mutual TLS with the role "
@@ -151,6 +161,20 @@ def up(
         parse_bytes(kvstore_memory)
         file_args = read_mesh_file(config) if config else {s: [] for s in ("scheduler", "executor", "gateway",
                                                                             "kvstore")}
+        scale = None
+        if autoscale is not None:
+            from meshserve.cli.autoscale import parse_range
+            from scheduler.planner import PlannerConfig
+
+            scale = parse_range(autoscale)
+            executors, metrics = max(1, scale[0]), True  # the planner's metric is read from /metrics
+            planner_args = ["--planner-interval-s", str(planner_interval_s), "--planner-season-s",
+                            str(planner_season_s), "--min-executors", str(scale[0]), "--max-executors",
+                            str(scale[1]), "--executor-capacity-tokens-per-s", str(executor_capacity),
+                            "--scale-down-cooldown-s", str(scale_down_cooldown_s)]
+            PlannerConfig(interval_s=planner_interval_s, season_s=planner_season_s, min_executors=scale[0],
+                          max_executors=scale[1], capacity_tokens_per_s=executor_capacity,
+                          scale_down_cooldown_s=scale_down_cooldown_s)  # checked here: a usage error
     except (ValueError, FileNotFoundError) as exc:
         raise typer.BadParameter(str(exc)) from None
     tls_files = None
@@ -165,24 +189,30 @@ def up(
     executor_flags += parallel_args(tensor_parallel_size, pipeline_parallel_size)
     gateway_flags = service_flags(revision=revision, tokenizer=tokenizer, chat_template=chat_template,
                                   served_model_name=served_model_name)
-    mesh = Mesh(mesh_config(port, executors, model, dtype, kv_cache_memory, [*file_args["executor"], *executor_flags],
-                            tenants, log_dir, kvstore_memory if kvstore else None, metrics,
-                            result_cache_size=result_cache_size, task_store=task_store,
-                            tls_dir=tls_dir, tls_files=tls_files, http_port=http_port,
-                            scheduler_args=[*file_args["scheduler"], *service_flags(queue_policy=queue_policy,
-                                                                                    pools=pools)],
-                            gateway_args=[*file_args["gateway"], *gateway_flags],
-                            kvstore_args=file_args["kvstore"]))
-    run_mesh(mesh)
+    config = mesh_config(port, executors, model, dtype, kv_cache_memory, [*file_args["executor"], *executor_flags],
+                         tenants, log_dir, kvstore_memory if kvstore else None, metrics,
+                         result_cache_size=result_cache_size, task_store=task_store,
+                         tls_dir=tls_dir, tls_files=tls_files, http_port=http_port,
+                         scheduler_args=[*file_args["scheduler"], *service_flags(queue_policy=queue_policy,
+                                                                                 pools=pools)],
+                         gateway_args=[*file_args["gateway"], *gateway_flags],
+                         kvstore_args=file_args["kvstore"])
+    if scale is not None:
+        config.scheduler_args += planner_args
+        config.autoscale = scale
+    run_mesh(Mesh(config))
 
 
 def run_mesh(mesh) -> None:
     """Starts ``mesh``, prints its addresses (and where its certificates are, for
-    clients, under ``--tls-dir``), waits for Ctrl-C or SIGTERM, stops it.
+    clients, under ``--tls-dir``), waits for Ctrl-C or SIGTERM (with
+    ``config.autoscale``, starting and draining executors as the planner says),
+    stops it.
 
     Raises:
         typer.Exit: code 1 when it cannot start or a service exits.
     """
+    scale = mesh.config.autoscale
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     failed = False
@@ -204,11 +234,18 @@ def run_mesh(mesh) -> None:
                    f"executors {', '.join(mesh.executor_addresses)}{kv}. Ctrl-C stops it.")
         for name, address in mesh.metrics_addresses.items():
             typer.echo(f"  metrics {name}: http://{address}/metrics")
-        while not stop.wait(0.5):
-            if mesh.exited():
-                typer.echo(f"service(s) exited: {', '.join(mesh.exited())}; stopping the mesh", err=True)
-                failed = True
-                break
+        if scale is not None:
+            from meshserve.cli.autoscale import LocalAutoscaler
+
+            typer.echo(f"autoscaling executors within {scale[0]}..{scale[1]}")
+            gone = asyncio.run(LocalAutoscaler(mesh, *scale).run(stop))
+        else:
+            while not stop.wait(0.5) and not mesh.exited():
+                pass
+            gone = mesh.exited()
+        if gone:
+            typer.echo(f"service(s) exited: {', '.join(gone)}; stopping the mesh", err=True)
+            failed = True
     except KeyboardInterrupt:
         pass
     finally:

@@ -121,15 +121,15 @@ def scheduler_config(queue_policy: str = "fcfs", max_queue_wait_s: float = 30.0,
 
 async def run_scheduler(port: int, host: str = "127.0.0.1", config: SchedulerConfig | None = None,
                         kvstore_address: str | None = None, metrics_port: int | None = None,
-                        tls: TLSConfig = PLAINTEXT) -> None:
+                        tls: TLSConfig = PLAINTEXT, planner=None) -> None:
     """Serves the scheduler (``config``: a ``SchedulerConfig``, default settings if None) until SIGINT/SIGTERM;
     with ``kvstore_address`` it follows that kvstore's placements for routing; Prometheus metrics on
-    ``metrics_port`` (None: none)."""
+    ``metrics_port`` (None: none); ``planner``: the autoscaling planner's ``PlannerConfig`` (None: defaults)."""
     setup_tracing("scheduler")
     holder = {}
 
     async def start():
-        holder["svc"] = await start_scheduler(port, host, config, kvstore_address, metrics_port, tls)
+        holder["svc"] = await start_scheduler(port, host, config, kvstore_address, metrics_port, tls, planner)
         log.info("scheduler serving on %s", holder["svc"].address)
 
     async def stop():

@@ -60,6 +60,21 @@ def scheduler(
     metrics_port: Optional[int] = MetricsPortOpt,
     tls_cert: Optional[str] = TLSCertOpt, tls_key: Optional[str] = TLSKeyOpt, tls_ca: Optional[str] = TLSCAOpt,
     insecure: bool = InsecureOpt,
+    planner_interval_s: float = typer.Option(60.0, "--planner-interval-s", help="Autoscaling planner: one load "
+                                             "sample and one decision per interval (seconds)."),
+    planner_season_s: float = typer.Option(86400.0, "--planner-season-s", help="Planner: the load's season "
+                                           "(a day), a multiple of the interval (seconds)."),
+    min_executors: int = typer.Option(1, "--min-executors", min=0, help="Planner: fewest executors desired."),
+    max_executors: int = typer.Option(8, "--max-executors", min=1, help="Planner: most executors desired."),
+    executor_capacity: float = typer.Option(2000.0, "--executor-capacity-tokens-per-s", help="Planner: one "
+                                            "executor's capacity until measured (tokens/s)."),
+    cold_start_s: float = typer.Option(60.0, "--cold-start-s", help="Planner: an executor's cold start until "
+                                       "measured (seconds)."),
+    target_utilization: float = typer.Option(0.8, "--target-utilization", help="Planner: fraction of capacity "
+                                             "planned for."),
+    scale_down_cooldown_s: float = typer.Option(300.0, "--scale-down-cooldown-s", help="Planner: load below the "
+                                                "count this long before one executor less (seconds)."),
+    no_forecast: bool = typer.Option(False, "--no-forecast", help="Planner: reactive only (no Holt-Winters)."),
     log_level: str = typer.Option("info"),
 ) -> None:
     """Run the global scheduler (executor registry, admission queue, pools and routing)."""
@@ -76,9 +91,16 @@ def scheduler(
                                   balance_abs_tokens=routing_balance_abs_tokens, kvstore_token_cost=kvstore_token_cost)
         config = processes.scheduler_config(queue_policy, max_queue_wait_s, max_queue_len, max_queue_tokens,
                                             tenants, pools, route_cfg, kv_reservation, lease_ttl_s)
+        from scheduler.planner import PlannerConfig
+
+        planner = PlannerConfig(interval_s=planner_interval_s, season_s=planner_season_s,
+                                min_executors=min_executors, max_executors=max_executors,
+                                capacity_tokens_per_s=executor_capacity, cold_start_s=cold_start_s,
+                                target_utilization=target_utilization, scale_down_cooldown_s=scale_down_cooldown_s,
+                                predictive=not no_forecast)
     except (ValueError, FileNotFoundError) as exc:
         raise typer.BadParameter(str(exc)) from None
-    serve(processes.run_scheduler(port, host, config, kvstore, metrics_port, tls))
+    serve(processes.run_scheduler(port, host, config, kvstore, metrics_port, tls, planner))
 
 
 def executor(

@@ -51,10 +51,13 @@ def test_promtool_accepts_the_scrape_config_and_its_rules():
     done = promtool("check", "config", "prometheus.yml")
     assert done.returncode == 0, done.stdout + done.stderr
     assert "SUCCESS: 1 rule files found" in done.stdout + done.stderr
-    jobs = {j["job_name"]: j["static_configs"][0]["targets"]
+    jobs = {j["job_name"]: j.get("static_configs", j.get("dns_sd_configs"))[0]
             for j in yaml.safe_load((OBSERVABILITY / "prometheus.yml").read_text())["scrape_configs"]}
-    assert jobs == {"meshserve-gateway": ["gateway:9400"], "meshserve-scheduler": ["scheduler:9401"],
-                    "meshserve-executor": ["executor:9402"], "meshserve-kvstore": ["kvstore:9403"]}
+    assert jobs == {"meshserve-gateway": {"targets": ["gateway:9400"]},
+                    "meshserve-scheduler": {"targets": ["scheduler:9401"]},
+                    # every container of the scaled executor service, by DNS
+                    "meshserve-executor": {"names": ["executor"], "type": "A", "port": 9402},
+                    "meshserve-kvstore": {"targets": ["kvstore:9403"]}}
 
 
 def test_metric_names_of_promql():

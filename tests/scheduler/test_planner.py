@@ -99,6 +99,8 @@ def test_capacity_is_measured_in_saturated_intervals():
     planner.on_served(15.0, 6000)  # saturated with 2 executors: 6000 / (10 s * 2)
     planner.decide(20.0)
     assert planner.capacity_tokens_per_s == 300.0
+    planner.observe(21.0, 2, 5)  # saturated, but nothing finished in it: no sample (never a capacity of 0)
+    assert planner.decide(30.0).capacity_tokens_per_s == 300.0
 
 
 def run_c43(loads: list[tuple[float, float]], until: float):

