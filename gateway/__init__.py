@@ -4,7 +4,7 @@ A transport-free core and thin adapters over it::
 
     gRPC adapter (gateway.server)  ─┐
     task adapter (gateway.task_api) ┼─▶ GatewayCore (gateway.generation) ─▶ MeshClient (gateway.mesh)
-    (an HTTP adapter, later)       ─┘     prepare → run → events              └ gateway.mesh_client: gRPC
+    HTTP adapter (gateway.http)    ─┘     prepare → run → events              └ gateway.mesh_client: gRPC
 
 Core (plain data, no protobuf, no gRPC; unit-tested directly):
 
@@ -33,6 +33,9 @@ Core (plain data, no protobuf, no gRPC; unit-tested directly):
   ``gateway.redis_task_store``: Redis; ``gateway.task_store_registry``: the
   store a URL names); ``gateway.task_runner``: runs tasks in the background over
   a store (``TaskRunner``).
+
+HTTP: ``gateway.http`` (OpenAI-compatible routes, the task routes, health, readiness,
+metrics and version, served by uvicorn in the gateway's event loop).
 
 gRPC: ``gateway.server`` (the servicer, ``start_gateway``), ``gateway.task_api``
 (its task RPCs), ``gateway.proto_convert`` (plain data ↔ messages),

@@ -35,6 +35,7 @@ from gateway.http.task_routes import TaskRoutes
 from gateway.task_api import TaskAPI
 from gateway.tenants import TenantRegistry
 from meshserve import __version__
+from meshserve.errors import MeshError
 
 MAX_BODY_BYTES = 8 << 20  # a request body's most bytes (8 MiB)
 
@@ -126,7 +127,11 @@ def create_app(core: GatewayCore, tenants: TenantRegistry, tasks: TaskAPI, ready
         code = "not_found" if exc.status_code == 404 else None
         return HttpError(exc.status_code, str(exc.detail), "invalid_request_error", code).response()
 
-    @app.exception_handler(Exception)
+    @app.exception_handler(MeshError)  # a domain error: answered, not re-raised as a server error
+    async def on_mesh_error(_: Request, exc: MeshError) -> JSONResponse:
+        return http_error(exc).response()
+
+    @app.exception_handler(Exception)  # our bug: 500 (Starlette logs it)
     async def on_error(_: Request, exc: Exception) -> JSONResponse:
         return http_error(exc).response()
 

@@ -50,6 +50,12 @@ class _Format:
         self.return_token_ids = return_token_ids
         self.texts = TokenTexts(tokenizer)
 
+    def _carries(self, delta: Delta) -> bool:
+        """True when ``delta`` has something to send: text, or tokens whose logprobs or
+        ids were asked for (a delta whose text is held back, e.g. half a UTF-8
+        character, still carries its tokens)."""
+        return bool(delta.text) or bool(delta.token_ids and (self.logprobs or self.return_token_ids))
+
     def _with_ids(self, choice: dict, token_ids) -> dict:
         """``choice`` with vLLM's ``token_ids`` when the request asked for them."""
         if self.return_token_ids:
@@ -86,7 +92,7 @@ class ChatFormat(_Format):
 
     def delta_choice(self, index: int, delta: Delta) -> dict | None:
         """A chunk's choice for ``delta`` (None when it carries nothing to send)."""
-        if not delta.text and not (self.logprobs and delta.token_ids):
+        if not self._carries(delta):
             return None
         logprobs = chat_logprobs(delta.logprobs, self.texts) if self.logprobs else None
         return self._with_ids({"index": index, "delta": {"content": delta.text}, "logprobs": logprobs,
@@ -120,7 +126,7 @@ class CompletionFormat(_Format):
 
     def delta_choice(self, index: int, delta: Delta) -> dict | None:
         """A chunk's choice for ``delta`` (None when it carries nothing to send)."""
-        if not delta.text and not (self.logprobs and delta.token_ids):
+        if not self._carries(delta):
             return None
         logprobs = None
         if self.logprobs:

@@ -89,3 +89,16 @@ def test_body_validation_names_the_field():
         ChatCompletionRequest.model_validate({"messages": CHAT, "max_completion_tokens": 0})
     e = validation_error(err.value.errors())
     assert (e.status, e.param) == (400, "max_completion_tokens")
+
+
+def test_a_delta_with_held_back_text_still_sends_its_token_ids_and_logprobs(tokenizer):
+    """A delta whose text is held back (half a UTF-8 character) carries its tokens: with
+    ``return_token_ids`` or logprobs its chunk is sent, else it is skipped."""
+    from gateway.events import Delta, TokenLogprob
+    from gateway.http.formats import ChatFormat, CompletionFormat
+
+    held = Delta(0, "", (1234,), (TokenLogprob(1234, -0.5),))
+    assert CompletionFormat("c", "m", 1, tokenizer, False, return_token_ids=True).delta_choice(0, held)["token_ids"] \
+        == [1234]
+    assert ChatFormat("c", "m", 1, tokenizer, True).delta_choice(0, held)["logprobs"]["content"][0]["logprob"] == -0.5
+    assert CompletionFormat("c", "m", 1, tokenizer, False).delta_choice(0, held) is None
