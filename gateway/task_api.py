@@ -31,7 +31,7 @@ from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapProp
 from google.protobuf import json_format
 from prometheus_client import Counter
 
-from gateway.callbacks import Attempt, CallbackPolicy, CallbackSender
+from gateway.callbacks import Attempt, CallbackSender
 from gateway.collector import ChoiceCollector
 from gateway.events import Queued
 from gateway.generation import GatewayCore

@@ -300,8 +300,10 @@ class TaskRunner:
         try:
             return self.resume(record)
         except MeshError as exc:
+            error = exc  # the except block unbinds exc
+
             async def failing(_hooks: TaskHooks) -> bytes:
-                raise exc
+                raise error
             return failing
 
     async def _write(self, task_id: str, running: _Running, from_states, to_state: TaskState | None,

@@ -73,6 +73,7 @@ class MeshConfig:
             (``Mesh.metrics_addresses``).
         result_cache_size: the gateway's ``--result-cache-size`` (entries; 0: off).
         task_store: the gateway's ``--task-store``: ``memory`` or a ``redis://host:port/db`` URL.
+        gateway_args: extra ``meshserve gateway`` flags (``--result-cache``…).
     """
 
     port: int = 50051
@@ -88,6 +89,7 @@ class MeshConfig:
     metrics: bool = False
     result_cache_size: int = 0
     task_store: str = "memory"
+    gateway_args: list[str] = field(default_factory=list)
 
 
 class Mesh:
@@ -124,7 +126,7 @@ class Mesh:
         c = self.config
         gw = ["gateway", "--port", str(c.port), "--scheduler", self.scheduler_address, "--model", c.model,
               "--result-cache-size", str(c.result_cache_size), "--task-store", c.task_store,
-              *self._metrics_args("gateway")]
+              *self._metrics_args("gateway"), *c.gateway_args]
         if c.tenants_file:
             gw += ["--tenants", c.tenants_file]
         if "--block-size" in c.executor_args:  # the gateway hashes prompts in the executors' blocks
