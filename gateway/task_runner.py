@@ -172,9 +172,26 @@ class TaskRunner:
             raise Unavailable("the gateway is stopping")
         self.start()
         record = replace(record, owner=self.owner, attempt=1, lease_until=self.clock() + self.lease_s)
-        await self.store.create(record)
+        try:
+            await self.store.create(record)
+        except Unavailable:
+            # the write may still land once the store answers again (it was sent): end that
+            # record, so a task whose caller was told UNAVAILABLE is never run by a takeover
+            self._background(self._void(record.task_id), f"task {record.task_id} void")
+            raise
         self._launch(record.task_id, 1, work)
         return record
+
+    async def _void(self, task_id: str, tries: int = 10) -> None:
+        """Ends a record whose submit failed (FAILED, UNAVAILABLE), retrying while the store is down."""
+        for _ in range(tries):
+            try:
+                await self.store.transition(task_id, UNFINISHED, TaskState.FAILED, fence=1, owner="",
+                                            finished_at=self.clock(), error_code="UNAVAILABLE",
+                                            error_message="its submit failed: the task store did not answer")
+                return
+            except MeshError:
+                await asyncio.sleep(self.heartbeat_s)
 
     async def get(self, tenant: str, task_id: str) -> TaskRecord:
         """The tenant's task.
@@ -329,9 +346,12 @@ class TaskRunner:
             self._final(record)
 
     def _final(self, record: TaskRecord) -> None:
-        if self.on_final is None:
-            return
-        task = asyncio.create_task(self.on_final(record), name=f"task {record.task_id} final")
+        if self.on_final is not None:
+            self._background(self.on_final(record), f"task {record.task_id} final")
+
+    def _background(self, coro, name: str) -> None:
+        """Runs ``coro`` in the background; ``close`` cancels what is left."""
+        task = asyncio.create_task(coro, name=name)
         self._finals.add(task)
         task.add_done_callback(self._finals.discard)
 
