@@ -8,7 +8,8 @@ scheduler has assigned an executor; ``hooks.queued(position, wait)`` records
 its place in the scheduler's queue. The outcome becomes the final state:
 
     work returns bytes            → SUCCEEDED (result stored)
-    work raises Unavailable       → retried (below), else FAILED UNAVAILABLE
+    work raises Unavailable (or an
+      upstream CANCELLED)         → retried (below), else FAILED with its code
     work raises another MeshError → FAILED (its status code name and message)
     work raises anything else     → FAILED, INTERNAL (our bug; logged)
     cancel() / a CancelTask seen  → CANCELLED (the work is cancelled: its
@@ -62,6 +63,10 @@ from gateway.task_store import UNFINISHED, TaskRecord, TaskState, TaskStore
 from meshserve.errors import MeshError, NotFound, Unavailable
 
 log = logging.getLogger(__name__)
+
+# upstream failures a task runs again after: its executor or scheduler went away (a
+# CANCELLED from upstream is an executor shutting down; our own cancel is CancelledError)
+RETRIED_CODES = ("UNAVAILABLE", "CANCELLED")
 
 
 class TaskHooks:
@@ -280,11 +285,10 @@ class TaskRunner:
                                    error_message="the gateway stopped before the task finished")
             else:
                 await self._finish(task_id, running, TaskState.CANCELLED)
-        except Unavailable as exc:
-            if self.resume is not None and running.attempt < self.max_attempts and not self._closing:
-                return await self._retry(task_id, running, exc)
-            await self._finish(task_id, running, TaskState.FAILED, error_code=exc.code.name, error_message=str(exc))
         except MeshError as exc:
+            retryable = exc.code.name in RETRIED_CODES
+            if retryable and self.resume is not None and running.attempt < self.max_attempts and not self._closing:
+                return await self._retry(task_id, running, exc)
             await self._finish(task_id, running, TaskState.FAILED, error_code=exc.code.name, error_message=str(exc))
         except Exception as exc:  # noqa: BLE001 - our own bug: recorded as INTERNAL, like a call's
             log.exception("task %s failed", task_id)

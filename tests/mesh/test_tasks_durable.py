@@ -194,3 +194,50 @@ async def task_keys(redis_url: str) -> set[bytes]:
         return set(await r.keys("meshserve:task:*"))
     finally:
         await r.aclose()
+
+
+@pytest_asyncio.fixture(scope="module")
+async def two_executors(tokenizer):
+    """A mesh of its own with two executors (one is killed)."""
+    from tests.support.engines import make_engine
+    from tests.support.mesh_harness import start_local_mesh
+
+    m = await start_local_mesh([make_engine(), make_engine()], tokenizer)
+    yield m
+    await m.stop()
+
+
+async def test_a_task_whose_executor_is_killed_succeeds_on_the_other(two_executors):
+    """The executor running a task goes away mid-task (its server stops, its link to the
+    scheduler closes): the task runs again on the other executor, and its output equals
+    a cold run's."""
+    m = two_executors
+    req = build_request("Explain why the sky is blue.", max_tokens=12, temperature=0, ignore_eos=True)
+    ref = await generate(m.stub, req)
+    engines = m.engines
+    gates = [StepGate(e) for e in engines]
+    for g in gates:
+        g.__enter__()
+    try:
+        holds = [asyncio.create_task(g.hold(after_steps=e.num_steps + 1)) for g, e in zip(gates, engines)]
+        handle = await submit_task(m.stub, req)
+        done, _ = await asyncio.wait(holds, return_when=asyncio.FIRST_COMPLETED)
+        victim = holds.index(done.pop())                 # held after its first step of the task
+        for h in holds:
+            h.cancel()
+        svc, eng, link = m.executors[victim]
+        await svc.watchdog.stop()
+        await svc.stop(0)                                # the executor goes away mid-task
+        await link.stop()
+        gates[victim].release()
+        status = await wait_task(m.stub, handle.task_id, poll_s=0.05, timeout_s=600)
+    finally:
+        for g in gates:
+            g.__exit__(None, None, None)
+    assert status.state == gateway_pb2.TASK_STATE_SUCCEEDED, status
+    (choice,) = status.choices
+    assert list(choice.token_ids) == ref.token_ids and choice.text == ref.text
+    assert status.attempt == 2 and status.last_error.startswith("attempt 1: ")
+    assert choice.result.executor_id == f"executor-{1 - victim}"
+    await eng.stop()
+    m.executors.pop(victim)
