@@ -226,10 +226,15 @@ async def test_a_task_whose_executor_is_killed_succeeds_on_the_other(two_executo
         for h in holds:
             h.cancel()
         svc, eng, link = m.executors[victim]
-        await svc.watchdog.stop()
-        await svc.stop(0)                                # the executor goes away mid-task
-        await link.stop()
+        await link.stop()                                # the executor goes away mid-task: the scheduler
+        await svc.watchdog.stop()                        # forgets it, its server stops (its handler ends
+        stopping = asyncio.create_task(svc.stop(0))      # once the held engine runs again)
+        for _ in range(60_000):                          # a hang bound: the gateway saw the call fail
+            if (await get_task(m.stub, handle.task_id)).attempt >= 2:
+                break
+            await asyncio.sleep(0.01)
         gates[victim].release()
+        await stopping
         status = await wait_task(m.stub, handle.task_id, poll_s=0.05, timeout_s=600)
     finally:
         for g in gates:
