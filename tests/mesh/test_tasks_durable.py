@@ -225,6 +225,7 @@ async def test_a_task_whose_executor_is_killed_succeeds_on_the_other(two_executo
         victim = holds.index(done.pop())                 # held after its first step of the task
         for h in holds:
             h.cancel()
+        gates[1 - victim].release()                      # the other engine runs freely
         svc, eng, link = m.executors[victim]
         await link.stop()                                # the executor goes away mid-task: the scheduler
         await svc.watchdog.stop()                        # forgets it, its server stops (its handler ends
