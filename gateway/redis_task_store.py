@@ -21,12 +21,34 @@ from dataclasses import asdict, fields, replace
 from typing import Iterable
 
 import redis.asyncio as aioredis
+from redis.asyncio.retry import Retry
+from redis.backoff import ExponentialBackoff
+from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import RedisError, WatchError
 
 from gateway.task_store import TaskRecord, TaskState, TaskStore
 from meshserve.errors import Unavailable
 
 KEY_PREFIX = "meshserve:task:"
+# a Redis that does not answer (a blocked port) fails a call within these, as UNAVAILABLE (C39)
+REDIS_CONNECT_TIMEOUT_S = 2.0
+REDIS_TIMEOUT_S = 4.0
+
+
+def redis_client(url: str) -> aioredis.Redis:
+    """A client with bounded calls (the timeouts above) that reconnects once more on a
+    dropped connection (a killed client, a restarted server) before failing."""
+    return aioredis.from_url(url, socket_connect_timeout=REDIS_CONNECT_TIMEOUT_S, socket_timeout=REDIS_TIMEOUT_S,
+                             retry=Retry(ExponentialBackoff(cap=0.2, base=0.02), 2),
+                             retry_on_error=[RedisConnectionError])
+
+
+async def shielded(coro):
+    """Awaits ``coro`` shielded from the caller's cancellation (it completes anyway;
+    an error it ends with after the caller left is retrieved, not reported as lost)."""
+    task = asyncio.ensure_future(coro)
+    task.add_done_callback(lambda t: t.cancelled() or t.exception())
+    return await asyncio.shield(task)
 LEASES_KEY = "meshserve:tasks:leases"  # sorted set: unfinished task id -> lease end (Unix s; 0: unowned)
 _FIELDS = {f.name for f in fields(TaskRecord)}
 _BYTES_FIELDS = ("result", "request")
@@ -67,7 +89,7 @@ class RedisTaskStore(TaskStore):
         super().__init__(ttl_s)
         self.url = url
         self.unfinished_ttl_ms = max(1, int(unfinished_ttl_s * 1000))
-        self._redis = aioredis.from_url(url)
+        self._redis = redis_client(url)
 
     @property
     def shared(self) -> bool:
@@ -106,7 +128,7 @@ class RedisTaskStore(TaskStore):
                 return None
             return replace(record, state=to_state or record.state, **changes)
 
-        return await asyncio.shield(self._update(task_id, change))
+        return await shielded(self._update(task_id, change))
 
     async def claim(self, task_id: str, owner: str, now: float, lease_s: float) -> TaskRecord | None:
         def change(record: TaskRecord) -> TaskRecord | None:
@@ -114,7 +136,7 @@ class RedisTaskStore(TaskStore):
                 return None
             return replace(record, owner=owner, attempt=record.attempt + 1, lease_until=now + lease_s)
 
-        return await asyncio.shield(self._update(task_id, change))
+        return await shielded(self._update(task_id, change))
 
     async def claimable(self, now: float, limit: int = 100) -> list[str]:
         try:

@@ -36,12 +36,12 @@ from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from typing import AsyncIterator, Sequence
 
-import redis.asyncio as aioredis
 from google.protobuf.message import DecodeError
 from redis.exceptions import RedisError
 
 from gateway.collector import CompletedChoice
 from gateway.proto_convert import task_result, task_result_choices
+from gateway.redis_task_store import redis_client, shielded
 from gateway.result_cache import ResultCache
 
 log = logging.getLogger(__name__)
@@ -120,7 +120,7 @@ class RedisResultStore(ResultStore):
         if not ttl_s > 0 or not lock_s > 0:
             raise ValueError(f"result cache TTL and lock time must be > 0 s, got {ttl_s}, {lock_s}")
         self.url, self.ttl_ms, self.lock_ms = url, max(1, int(ttl_s * 1000)), max(1, int(lock_s * 1000))
-        self._redis = aioredis.from_url(url)
+        self._redis = redis_client(url)
         self._unlock = self._redis.register_script(_UNLOCK)
         self.errors = 0
 
@@ -130,7 +130,7 @@ class RedisResultStore(ResultStore):
 
     async def _get(self, key: str) -> Choices | None:
         try:
-            data = await asyncio.shield(self._redis.get(ENTRY_PREFIX + key))
+            data = await shielded(self._redis.get(ENTRY_PREFIX + key))
         except RedisError as exc:
             self._failed("get", exc)
             return None
@@ -144,27 +144,27 @@ class RedisResultStore(ResultStore):
 
     async def put(self, key: str, value: Sequence[CompletedChoice]) -> None:
         try:
-            await asyncio.shield(self._redis.set(ENTRY_PREFIX + key, task_result(value), px=self.ttl_ms))
+            await shielded(self._redis.set(ENTRY_PREFIX + key, task_result(value), px=self.ttl_ms))
         except RedisError as exc:
             self._failed("put", exc)
 
     async def lock(self, key: str, owner: str) -> bool:
         try:
-            return bool(await asyncio.shield(self._redis.set(LOCK_PREFIX + key, owner, nx=True, px=self.lock_ms)))
+            return bool(await shielded(self._redis.set(LOCK_PREFIX + key, owner, nx=True, px=self.lock_ms)))
         except RedisError as exc:
             self._failed("lock", exc)
             return True  # no Redis, no one to coalesce with: compute
 
     async def locked(self, key: str) -> bool:
         try:
-            return bool(await asyncio.shield(self._redis.exists(LOCK_PREFIX + key)))
+            return bool(await shielded(self._redis.exists(LOCK_PREFIX + key)))
         except RedisError as exc:
             self._failed("lock check", exc)
             return False
 
     async def unlock(self, key: str, owner: str) -> None:
         try:
-            await asyncio.shield(self._unlock(keys=[LOCK_PREFIX + key], args=[owner]))
+            await shielded(self._unlock(keys=[LOCK_PREFIX + key], args=[owner]))
         except RedisError as exc:
             self._failed("unlock", exc)
 
@@ -211,7 +211,7 @@ class Coalescer:
                 return
             leader = self._leaders.get(key)
             if leader is not None:  # the same request runs on this gateway: wait for it
-                value = await asyncio.shield(leader)
+                value = await shielded(leader)
                 if value is not None:
                     yield Flight(cached=value)
                     return

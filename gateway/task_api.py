@@ -18,6 +18,7 @@ continues the caller's) and carries a span *link* to the submit span.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 import uuid
@@ -30,7 +31,7 @@ from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapProp
 from google.protobuf import json_format
 from prometheus_client import Counter
 
-from gateway.callbacks import Attempt, CallbackPolicy, CallbackSender
+from gateway.callbacks import Attempt, CallbackSender
 from gateway.collector import ChoiceCollector
 from gateway.events import Queued
 from gateway.generation import GatewayCore
@@ -193,8 +194,13 @@ class TaskAPI:
         message = gateway_pb2.GenerateRequest.FromString(record.request)
         options = self._span_options(record.task_id, record.traceparent)
 
+        # attempt n > 1 runs as "<request id>.attempt<n>": the scheduler may still hold the
+        # lease of an earlier attempt (its gateway died holding it) under the plain id
+        request_id = f"{message.request_id or record.task_id}.attempt{record.attempt}"
+
         async def work(hooks: TaskHooks) -> bytes:
-            prepared = self.core.prepare(request_from_proto(message, default_request_id=record.task_id), tenant)
+            request = dataclasses.replace(request_from_proto(message), request_id=request_id)
+            prepared = self.core.prepare(request, tenant)
             return await self._work(prepared, options, hooks)
         return work
 

@@ -8,7 +8,8 @@ scheduler has assigned an executor; ``hooks.queued(position, wait)`` records
 its place in the scheduler's queue. The outcome becomes the final state:
 
     work returns bytes            → SUCCEEDED (result stored)
-    work raises Unavailable       → retried (below), else FAILED UNAVAILABLE
+    work raises Unavailable (or an
+      upstream CANCELLED)         → retried (below), else FAILED with its code
     work raises another MeshError → FAILED (its status code name and message)
     work raises anything else     → FAILED, INTERNAL (our bug; logged)
     cancel() / a CancelTask seen  → CANCELLED (the work is cancelled: its
@@ -62,6 +63,10 @@ from gateway.task_store import UNFINISHED, TaskRecord, TaskState, TaskStore
 from meshserve.errors import MeshError, NotFound, Unavailable
 
 log = logging.getLogger(__name__)
+
+# upstream failures a task runs again after: its executor or scheduler went away (a
+# CANCELLED from upstream is an executor shutting down; our own cancel is CancelledError)
+RETRIED_CODES = ("UNAVAILABLE", "CANCELLED")
 
 
 class TaskHooks:
@@ -172,9 +177,26 @@ class TaskRunner:
             raise Unavailable("the gateway is stopping")
         self.start()
         record = replace(record, owner=self.owner, attempt=1, lease_until=self.clock() + self.lease_s)
-        await self.store.create(record)
+        try:
+            await self.store.create(record)
+        except Unavailable:
+            # the write may still land once the store answers again (it was sent): end that
+            # record, so a task whose caller was told UNAVAILABLE is never run by a takeover
+            self._background(self._void(record.task_id), f"task {record.task_id} void")
+            raise
         self._launch(record.task_id, 1, work)
         return record
+
+    async def _void(self, task_id: str, tries: int = 10) -> None:
+        """Ends a record whose submit failed (FAILED, UNAVAILABLE), retrying while the store is down."""
+        for _ in range(tries):
+            try:
+                await self.store.transition(task_id, UNFINISHED, TaskState.FAILED, fence=1, owner="",
+                                            finished_at=self.clock(), error_code="UNAVAILABLE",
+                                            error_message="its submit failed: the task store did not answer")
+                return
+            except MeshError:
+                await asyncio.sleep(self.heartbeat_s)
 
     async def get(self, tenant: str, task_id: str) -> TaskRecord:
         """The tenant's task.
@@ -263,11 +285,10 @@ class TaskRunner:
                                    error_message="the gateway stopped before the task finished")
             else:
                 await self._finish(task_id, running, TaskState.CANCELLED)
-        except Unavailable as exc:
-            if self.resume is not None and running.attempt < self.max_attempts and not self._closing:
-                return await self._retry(task_id, running, exc)
-            await self._finish(task_id, running, TaskState.FAILED, error_code=exc.code.name, error_message=str(exc))
         except MeshError as exc:
+            retryable = exc.code.name in RETRIED_CODES
+            if retryable and self.resume is not None and running.attempt < self.max_attempts and not self._closing:
+                return await self._retry(task_id, running, exc)
             await self._finish(task_id, running, TaskState.FAILED, error_code=exc.code.name, error_message=str(exc))
         except Exception as exc:  # noqa: BLE001 - our own bug: recorded as INTERNAL, like a call's
             log.exception("task %s failed", task_id)
@@ -300,8 +321,10 @@ class TaskRunner:
         try:
             return self.resume(record)
         except MeshError as exc:
+            error = exc  # the except block unbinds exc
+
             async def failing(_hooks: TaskHooks) -> bytes:
-                raise exc
+                raise error
             return failing
 
     async def _write(self, task_id: str, running: _Running, from_states, to_state: TaskState | None,
@@ -327,9 +350,12 @@ class TaskRunner:
             self._final(record)
 
     def _final(self, record: TaskRecord) -> None:
-        if self.on_final is None:
-            return
-        task = asyncio.create_task(self.on_final(record), name=f"task {record.task_id} final")
+        if self.on_final is not None:
+            self._background(self.on_final(record), f"task {record.task_id} final")
+
+    def _background(self, coro, name: str) -> None:
+        """Runs ``coro`` in the background; ``close`` cancels what is left."""
+        task = asyncio.create_task(coro, name=name)
         self._finals.add(task)
         task.add_done_callback(self._finals.discard)
 

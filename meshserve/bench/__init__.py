@@ -33,7 +33,8 @@ Modules, in the order data flows through them:
 Separate programs (``python -m meshserve.bench.NAME``): ``policies`` (the
 scheduler's queue policies and tenant quotas on a launched 2-executor mesh; its
 pure parts in ``policy_workload``), ``slow_reader`` (a reader that stops reading),
-``kvstore_sharing`` (what a prefix shared through a kvstore saves), ``ceiling``
+``kvstore_sharing`` (what a prefix shared through a kvstore saves), ``task_cache``
+(cached-answer latency with the Redis result cache, task submit rate), ``ceiling``
 and ``kernels`` (the model's and the attention kernels' speed). ``sim``: the
 scheduler simulations of ``meshserve sim`` (one event loop, three workloads).
 

@@ -254,3 +254,49 @@ async def test_queue_position_is_in_the_record_while_waiting(pair):
     go.set()
     done = await final_state(a.store, "q")
     assert (done.state, done.queue_position, done.result) == (TaskState.SUCCEEDED, -1, b"done")
+
+
+def test_the_status_shows_queue_position_attempts_and_callback_delivery():
+    from gateway.task_api import to_status
+    from meshserve.v1 import gateway_pb2
+
+    waiting = TaskRecord("t", "acme", state=TaskState.QUEUED, queue_position=2, estimated_wait_s=0.75, attempt=2,
+                         last_error="attempt 1: UNAVAILABLE: executor gone", callback_url="https://h.example.com/x",
+                         callback_state="pending")
+    status = to_status(waiting)
+    assert (status.queue_position, status.estimated_wait_s, status.attempt, status.last_error) == (
+        2, 0.75, 2, "attempt 1: UNAVAILABLE: executor gone")
+    assert (status.callback.url, status.callback.state, status.callback.attempts) == (
+        "https://h.example.com/x", gateway_pb2.CALLBACK_STATE_PENDING, 0)
+    running = to_status(TaskRecord("t", "acme", state=TaskState.RUNNING, attempt=1))
+    assert not running.HasField("queue_position") and not running.HasField("estimated_wait_s")
+    assert not running.HasField("callback")
+    failed = to_status(TaskRecord("t", "acme", state=TaskState.SUCCEEDED, callback_url="https://h.example.com/x",
+                                  callback_state="failed", callback_attempts=5, callback_error="HTTP 503"))
+    assert (failed.callback.state, failed.callback.attempts, failed.callback.error) == (
+        gateway_pb2.CALLBACK_STATE_FAILED, 5, "HTTP 503")
+
+
+async def test_a_task_that_cannot_be_resumed_fails_with_its_reason(redis_url):
+    """A taken-over record whose request cannot be run again ends FAILED with the reason."""
+    from meshserve.errors import InvalidArgument
+
+    clock, finals = FakeClock(), []
+    a, b = (Gateway(redis_url, clock, name, finals) for name in ("gw-a", "gw-b"))
+    await a.store._redis.flushdb()
+
+    def unresumable(record):
+        raise InvalidArgument(f"task {record.task_id} has no stored request to run again")
+
+    b.runner.resume = unresumable
+    await a.runner.submit(new("lost"), blocked)
+    await wait_for_condition(lambda: a.runner.num_running == 1)
+    a.crash()
+    b.runner.start()
+    clock.now += LEASE_S + 0.1
+    record = await final_state(b.store, "lost")
+    assert (record.state, record.error_code, record.error_message, record.attempt) == (
+        TaskState.FAILED, "INVALID_ARGUMENT", "task lost has no stored request to run again", 2)
+    for gw in (a, b):
+        await gw.runner.close()
+        await gw.store.close()

@@ -7,6 +7,7 @@ saved to disk. Tests that need it skip when the binary is absent.
 from __future__ import annotations
 
 import shutil
+import signal
 import socket
 import subprocess
 import time
@@ -21,8 +22,29 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+class RedisProcess:
+    """A redis-server the test controls: ``pause`` (SIGSTOP: its port accepts but never
+    answers, like a blocked network) and ``resume`` (SIGCONT)."""
+
+    def __init__(self, proc: subprocess.Popen, url: str):
+        self.proc, self.url = proc, url
+
+    def pause(self) -> None:
+        self.proc.send_signal(signal.SIGSTOP)
+
+    def resume(self) -> None:
+        self.proc.send_signal(signal.SIGCONT)
+
+
 @contextmanager
-def redis_server(timeout_s: float = 10.0) -> Iterator[str]:
+def redis_process(timeout_s: float = 10.0) -> Iterator[RedisProcess]:
+    """As ``redis_server``, yielding a ``RedisProcess``."""
+    with redis_server(timeout_s, _process=True) as handle:
+        yield handle
+
+
+@contextmanager
+def redis_server(timeout_s: float = 10.0, _process: bool = False) -> Iterator[str]:
     """Runs ``redis-server`` on a free loopback port; yields its ``redis://127.0.0.1:PORT/0`` URL.
 
     Raises:
@@ -48,7 +70,9 @@ def redis_server(timeout_s: float = 10.0) -> Iterator[str]:
             if proc.poll() is not None or time.monotonic() > deadline:
                 raise TimeoutError(f"redis-server on port {port} did not start")
             time.sleep(0.05)
-        yield f"redis://127.0.0.1:{port}/0"
+        url = f"redis://127.0.0.1:{port}/0"
+        yield RedisProcess(proc, url) if _process else url
     finally:
+        proc.send_signal(signal.SIGCONT)
         proc.terminate()
         proc.wait(timeout=10)

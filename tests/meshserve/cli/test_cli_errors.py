@@ -136,6 +136,11 @@ def test_up_rejects_bad_executor_and_kvstore_flags_before_starting_anything(args
         (["--task-ttl-s", "0"], "--task-ttl-s"),
         (["--result-cache-size", "-1"], "--result-cache-size"),
         (["--max-tasks", "0"], "--max-tasks"),
+        (["--result-cache", "memcached://x"], "--result-cache must be 'memory' or a redis://host:port/db URL"),
+        (["--callback-allow", "https://hooks.example.com/"], "--callback-allow needs --callback-secret-file"),
+        (["--callback-allow", "ftp://x/", "--callback-secret-file", "k"], "expected http(s)://host[:port][/path]"),
+        (["--task-lease-s", "0"], "--task-lease-s"),
+        (["--task-max-attempts", "0"], "--task-max-attempts"),
     ],
 )
 def test_gateway_bad_flag_is_a_usage_error(args, message):
