@@ -128,7 +128,8 @@ class MultiprocWorkerGroup(WorkerGroup):
         try:
             return self._live().execute_model(scheduler_output)
         except RuntimeError as exc:  # gloo/NCCL: a peer closed its connection or timed out
-            self._fail(f"the step failed on rank 0: {exc}")
+            dead = self._dead_rank(wait_s=2.0)  # a peer's exit closes its sockets just before it is reaped
+            self._fail(dead or f"the step failed on rank 0: {exc}")
             raise RankFailure(self.failure) from exc
 
     def shutdown(self) -> None:
@@ -173,6 +174,18 @@ class MultiprocWorkerGroup(WorkerGroup):
         code = proc.wait()
         if not self._stopping:
             self._fail(f"rank {rank} (pid {proc.pid}) exited with code {code}")
+
+    def _dead_rank(self, wait_s: float) -> str | None:
+        """``"rank r (pid p) exited with code c"`` for the first rank found exited within
+        ``wait_s`` seconds, or None (a live rank failed its step, or one hangs)."""
+        deadline = time.monotonic() + wait_s
+        while True:
+            for rank, proc in enumerate(self.procs, start=1):
+                if proc.poll() is not None:
+                    return f"rank {rank} (pid {proc.pid}) exited with code {proc.returncode}"
+            if time.monotonic() > deadline:
+                return None
+            time.sleep(0.01)
 
     def _kill_children(self) -> None:
         for proc in self.procs:

@@ -12,10 +12,12 @@ step per ``execute_model`` call on plain data and never sees a ``Request``::
       3. kv_saves  → KVConnectorWorker.save_kv   (computed blocks to publish)
       → ModelRunnerOutput
 
-A tensor-parallel group (``executor.worker.multiproc_group``) holds one worker
-per rank, each with its shard of the weights and its KV heads, running the same
-calls on the same plain data; only rank 0 samples, and a saved block is
-gathered from every rank's heads on rank 0 (``kv_connector.assemble_blocks``).
+A tensor/pipeline-parallel group (``executor.worker.multiproc_group``) holds one
+worker per rank, each with its shard of the weights and its KV heads of its
+stage's layers, running the same calls on the same plain data (a stage runs
+``executor.worker.pipeline.PipelineModelRunner``); only rank 0 samples, and a
+saved block is gathered from every rank's heads and layers on rank 0
+(``kv_connector.assemble_blocks``).
 """
 
 from __future__ import annotations

@@ -259,6 +259,7 @@ async def run_executor(engine_config: EngineConfig, port: int, host: str, schedu
             await holder["link"].stop()  # leave the registry first: no new assignments
         await holder["svc"].stop()
         await holder["engine"].stop()
+        await asyncio.to_thread(holder["engine"].engine.shutdown)  # a parallel group's ranks exit
         shutdown_tracing()
 
     await run_until_signal(start, stop, done)

@@ -90,3 +90,4 @@ async def test_killed_rank_ends_requests_with_unavailable_and_the_other_ranks_ex
         await svc.watchdog.stop()
         await svc.stop(0.2)
         await async_engine.stop()
+        engine.shutdown()
