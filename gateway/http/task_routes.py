@@ -17,7 +17,6 @@ after the submit leaves it running (case C31).
 
 from __future__ import annotations
 
-import uuid
 from typing import Any
 
 from fastapi import APIRouter, Body, Request

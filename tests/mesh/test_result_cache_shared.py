@@ -60,9 +60,9 @@ async def gateways(mesh, tokenizer, redis_url, tmp_path_factory):
     for cache in (RedisResultStore(redis_url, ttl_s=600), RedisResultStore(redis_url, ttl_s=600),
                   ResultCache(64, ttl_s=600)):
         svc = await start_gateway(tokenizer, info, mesh.scheduler.address, 0, tenants=TenantRegistry.from_file(path),
-                                  result_cache=cache)
+                                  result_cache=cache, tls=mesh.tls("gateway"))
         services.append(svc)
-        channels.append(channel(svc.address))
+        channels.append(channel(svc.address, mesh.tls("client")))
         stubs.append(gateway_pb2_grpc.GatewayStub(channels[-1]))
     yield stubs
     for ch, svc in zip(channels, services):

@@ -29,6 +29,7 @@ from meshserve.v1 import gateway_pb2, gateway_pb2_grpc
 from tests.support.http_receiver import Receiver
 from tests.support.mesh_harness import StepGate, wait_for_condition
 from tests.support.redis_server import free_port, redis_server
+from tests.support.tls import role_tls
 
 pytestmark = pytest.mark.model
 
@@ -45,6 +46,11 @@ def redis_url():
         pytest.skip(str(exc))
 
 
+def tls_flags(role: str) -> list[str]:
+    t = role_tls(role)
+    return ["--tls-cert", t.cert, "--tls-key", t.key, "--tls-ca", t.ca]
+
+
 class GatewayProcess:
     """One ``meshserve gateway`` process and a stub of it."""
 
@@ -53,13 +59,14 @@ class GatewayProcess:
         self.log = open(log_path, "w")  # noqa: SIM115 - closed in stop()
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "meshserve.cli", "gateway", "--scheduler", scheduler, "--port", str(self.port),
-             "--task-store", redis_url, "--task-lease-s", str(LEASE_S), "--log-level", "warning", *extra],
+             "--task-store", redis_url, "--task-lease-s", str(LEASE_S), "--log-level", "warning",
+             *tls_flags("gateway"), *extra],  # the shared mesh runs mutual TLS
             stdout=self.log, stderr=subprocess.STDOUT, env=dict(os.environ, PYTHONUNBUFFERED="1"))
-        self.channel = channel(f"127.0.0.1:{self.port}")
+        self.channel = channel(f"127.0.0.1:{self.port}", role_tls("client"))
         self.stub = gateway_pb2_grpc.GatewayStub(self.channel)
 
     async def ready(self) -> GatewayProcess:
-        await wait_serving(f"127.0.0.1:{self.port}", 300)
+        await wait_serving(f"127.0.0.1:{self.port}", 300, tls=role_tls("client"))
         return self
 
     async def stop(self) -> None:
@@ -128,14 +135,11 @@ async def test_a_sigkilled_gateways_tasks_finish_once_on_another_gateway(mesh, s
         await finish_on(survivor, handles, refs, ended, "SIGKILL")
     finally:
         await doomed.stop()
-    # the killed gateway never released its scheduler leases (no lease expiry in the scheduler
-    # yet): release them here, so the shared mesh's later tests start clean
+    # the killed gateway never released its scheduler leases: they expire (lease_ttl_s after the
+    # last renewal, once the executor no longer lists them), so the shared mesh's later tests start clean
     core = mesh.scheduler.servicer.core
-    ids = {h.task_id for h in handles}
-    for lease in [lease for lease in core._leases.values() if lease.request_id in ids]:
-        core.release(lease.lease_id)
+    await wait_for_condition(lambda: core.num_leases() == 0, timeout_s=120, what="the killed gateway's leases")
     await mesh.wait_idle()
-    assert core.num_leases() == 0
 
 
 async def test_a_sigtermed_gateway_hands_its_tasks_over(mesh, survivor, redis_url, tmp_path):

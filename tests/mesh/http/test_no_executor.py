@@ -4,7 +4,6 @@ reflection lists the gateway's services. No model is loaded."""
 
 import grpc
 import httpx2 as httpx
-import pytest
 import pytest_asyncio
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
