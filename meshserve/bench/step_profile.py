@@ -1,4 +1,4 @@
-"""``python -m meshserve.bench.profile --dtype float32 --batch 32 --threads 1 [--json FILE] [--trace DIR]``:
+"""``python -m meshserve.bench.step_profile --dtype float32 --batch 32 --threads 1 [--json FILE] [--trace DIR]``:
 where one engine step spends its time, by part (CPU).
 
 It builds an ``LLMEngine`` with ``--batch`` requests of about ``--context``
@@ -18,7 +18,8 @@ serving code) and, inside the model, by the op:
 * ``gemm``: the linear layers and the LM head (``mkldnn::_linear_pointwise``,
   ``aten::mm``/``addmm``/``linear``);
 * ``attention``: the KV cache writes, block gathers and SDPA inside the model,
-  plus the backend's per-step ``plan``;
+  the CPU decode kernel's calls (``cpu_kernel.decode_attention``, C code the
+  profiler sees as one range), plus the backend's per-step ``plan``;
 * ``norm/elementwise``: everything else inside the model (RMSNorm, rotary,
   SiLU·mul, residual adds, embedding, copies);
 * ``metadata``: the ModelRunner's input building (``_prepare_inputs``: token ids,
@@ -54,7 +55,8 @@ _GEMM_OPS = ("mkldnn::_linear_pointwise", "aten::mm", "aten::addmm", "aten::bmm"
 _ATTN_OPS = ("aten::index_copy_", "aten::index_select", "aten::scaled_dot_product_attention",
              "aten::_scaled_dot_product_flash_attention_for_cpu", "aten::_scaled_dot_product_attention_math")
 _REGIONS = {"ms.prepare_inputs": "metadata", "ms.plan": "attention", "ms.model": "model",
-            "ms.logits": "model", "ms.sampling": "sampling", "ms.schedule": "scheduling"}
+            "ms.logits": "model", "ms.sampling": "sampling", "ms.schedule": "scheduling",
+            "ms.attention_kernel": "attention"}
 
 
 def _wrap(obj, name: str, label: str):
@@ -80,6 +82,9 @@ def instrument(engine) -> None:
     _wrap(runner.model, "forward", "ms.model")
     _wrap(runner.model, "compute_logits", "ms.logits")
     _wrap(runner, "sampler", "ms.sampling")
+    from executor.attention import cpu_kernel
+
+    _wrap(cpu_kernel, "decode_attention", "ms.attention_kernel")  # a C call: no aten op inside
     import executor.worker.model_runner as mr
 
     build = mr.SamplingBatch.build
@@ -104,6 +109,14 @@ def _region_of(event) -> str | None:
     return None
 
 
+def _inside(event, name: str) -> bool:
+    while event is not None:
+        if event.name == name:
+            return True
+        event = event.cpu_parent
+    return False
+
+
 def breakdown(events, wall_us: float) -> dict[str, float]:
     """Microseconds per part of one profiled step (``events``: ``prof.events()``)."""
     parts: dict[str, float] = defaultdict(float)
@@ -111,7 +124,7 @@ def breakdown(events, wall_us: float) -> dict[str, float]:
     region_ops: dict[str, float] = defaultdict(float)
     for ev in events:
         if ev.name in _REGIONS:
-            if _region_of(ev.cpu_parent) is None:  # outermost range of its kind
+            if not _inside(ev.cpu_parent, ev.name):  # outermost range of its name
                 region_total[ev.name] += ev.cpu_time_total
             continue
         region = _region_of(ev)
@@ -129,9 +142,10 @@ def breakdown(events, wall_us: float) -> dict[str, float]:
                 parts["norm/elementwise"] += self_us
         else:
             parts[kind] += self_us
-    model_total = region_total["ms.model"] + region_total["ms.logits"]
+    model_total = region_total["ms.model"] + region_total["ms.logits"] - region_total["ms.attention_kernel"]
     parts["model python"] = max(0.0, model_total - region_ops["ms.model"] - region_ops["ms.logits"])
-    for name in ("ms.prepare_inputs", "ms.plan", "ms.sampling", "ms.schedule"):  # their Python counts with them
+    for name in ("ms.prepare_inputs", "ms.plan", "ms.sampling", "ms.schedule",
+                 "ms.attention_kernel"):  # their Python (and C) counts with them
         parts[_REGIONS[name]] += max(0.0, region_total[name] - region_ops[name])
     parts["python"] = max(0.0, wall_us - sum(parts.values()))
     return dict(parts)
@@ -223,7 +237,7 @@ def print_report(report: dict) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m meshserve.bench.profile", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m meshserve.bench.step_profile", description=__doc__.split("\n\n")[0])
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "auto"])
     parser.add_argument("--batch", type=int, default=32, help="requests in the batch")
     parser.add_argument("--context", type=int, default=150, help="prompt tokens per request (±20%%)")
