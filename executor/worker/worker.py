@@ -22,6 +22,7 @@ import logging
 
 import torch
 
+from executor.attention import cpu_kernel
 from executor.attention.registry import resolve_backend_name
 from executor.engine.config import EngineConfig
 from executor.engine.scheduler_output import ModelRunnerOutput, SchedulerOutput
@@ -58,6 +59,8 @@ class Worker:
                                  attention_backend=resolve_backend_name(config.attention_backend, self.device),
                                  device=self.device)
         layers = self.loaded.model.attention_layers()
+        if self.device.type == "cpu" and torch.get_num_threads() == 1:
+            cpu_kernel.load()  # build (or load) the CPU decode kernel now, not in the first request's step
         self.spec = ModelSpec(
             model_id=files.model_id, revision=files.revision, dtype=str(self.loaded.dtype).removeprefix("torch."),
             num_layers=len(layers), num_kv_heads=layers[0].num_kv_heads, head_dim=layers[0].head_dim,
