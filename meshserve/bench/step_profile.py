@@ -34,7 +34,10 @@ serving code) and, inside the model, by the op:
 
 The op times are the profiler's self CPU times, which add its own overhead
 (about 1-2 µs an op); the step's wall time is measured with the profiler on, so
-the parts sum to it. Medians of ``--steps`` steps. ``--trace DIR`` also writes
+the parts sum to it. Medians of ``--steps`` steps. The step's thread CPU time
+is printed too: on a shared machine, wall time over CPU time says how much other
+processes stretched the step (the parts' shares stay comparable; their
+milliseconds do not). ``--trace DIR`` also writes
 Chrome traces (open in ``chrome://tracing`` or Perfetto).
 """
 
@@ -82,9 +85,12 @@ def instrument(engine) -> None:
     _wrap(runner.model, "forward", "ms.model")
     _wrap(runner.model, "compute_logits", "ms.logits")
     _wrap(runner, "sampler", "ms.sampling")
-    from executor.attention import cpu_kernel
-
-    _wrap(cpu_kernel, "decode_attention", "ms.attention_kernel")  # a C call: no aten op inside
+    try:
+        from executor.attention import cpu_kernel
+    except ImportError:  # a tree without the CPU kernel (profiling an older version)
+        cpu_kernel = None
+    if cpu_kernel is not None:
+        _wrap(cpu_kernel, "decode_attention", "ms.attention_kernel")  # a C call: no aten op inside
     import executor.worker.model_runner as mr
 
     build = mr.SamplingBatch.build
@@ -196,10 +202,12 @@ def run(dtype: str, batch: int, context: int, prefill: int, threads: int, steps:
             if before:
                 before(i)
             with _profiled(trace, label, i) as prof:
-                start = time.perf_counter()
+                start, cpu_start = time.perf_counter(), time.thread_time()
                 outputs = engine.step()
                 wall_us = (time.perf_counter() - start) * 1e6
-            results.append({"wall": wall_us, "tokens": len(outputs), **breakdown(prof.events(), wall_us)})
+                cpu_us = (time.thread_time() - cpu_start) * 1e6
+            results.append({"wall": wall_us, "cpu": cpu_us, "tokens": len(outputs),
+                            **breakdown(prof.events(), wall_us)})
         return results
 
     decode = profile_steps("decode")
@@ -214,7 +222,8 @@ def run(dtype: str, batch: int, context: int, prefill: int, threads: int, steps:
     engine.shutdown()
 
     def summary(rows: list[dict]) -> dict:
-        out = {"wall_ms": round(statistics.median(r["wall"] for r in rows) / 1e3, 3)}
+        out = {"wall_ms": round(statistics.median(r["wall"] for r in rows) / 1e3, 3),
+               "thread_cpu_ms": round(statistics.median(r["cpu"] for r in rows) / 1e3, 3)}
         for part in PARTS:
             out[part + "_ms"] = round(statistics.median(r.get(part, 0.0) for r in rows) / 1e3, 3)
         return out
@@ -234,6 +243,8 @@ def print_report(report: dict) -> None:
         print(f"{part:18s} {d:9.2f} {100 * d / report['decode']['wall_ms']:5.1f} "
               f"{m:9.2f} {100 * m / report['mixed']['wall_ms']:5.1f}")
     print(f"{'step wall':18s} {report['decode']['wall_ms']:9.2f} {'':5s} {report['mixed']['wall_ms']:9.2f}")
+    print(f"{'step thread CPU':18s} {report['decode']['thread_cpu_ms']:9.2f} {'':5s} "
+          f"{report['mixed']['thread_cpu_ms']:9.2f}  (wall over CPU: how much other load stretched the step)")
 
 
 def main(argv: list[str] | None = None) -> int:
