@@ -5,7 +5,7 @@ Why a kernel: on CPU the torch backend's decode attention gathers every request'
 blocks into a padded copy and runs SDPA over it, so each key and value is read,
 written and read again; at 32 requests of ~150-280 tokens that was the largest
 part of a SmolLM2-135M decode step on one AVX2 core, more than the matmuls
-(``python -m meshserve.bench.profile``). The kernel reads each key and value once,
+(``python -m meshserve.bench.step_profile``). The kernel reads each key and value once,
 straight from the paged cache, with no padding and no mask.
 
 Build: plain C with no torch headers, compiled by the system C compiler

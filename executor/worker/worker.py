@@ -26,6 +26,7 @@ import logging
 
 import torch
 
+from executor.attention import cpu_kernel
 from executor.attention.registry import resolve_backend_name
 from executor.engine.config import EngineConfig
 from executor.engine.scheduler_output import ModelRunnerOutput, SchedulerOutput
@@ -80,6 +81,8 @@ class Worker:
         num_kv_heads = int(hf.num_key_value_heads)  # the model's, before sharding
         self.kv_heads = (self.tp.kv_head_start(num_kv_heads), num_kv_heads)  # (this rank's first, total)
         self.kv_layers = (self.loaded.model.first_layer, int(hf.num_hidden_layers))  # (this stage's first, total)
+        if self.device.type == "cpu" and torch.get_num_threads() == 1:
+            cpu_kernel.load()  # build (or load) the CPU decode kernel now, not in the first request's step
         self.spec = ModelSpec(
             model_id=files.model_id, revision=files.revision, dtype=str(self.loaded.dtype).removeprefix("torch."),
             num_layers=int(hf.num_hidden_layers), num_kv_heads=num_kv_heads, head_dim=layers[0].head_dim,

@@ -19,7 +19,8 @@ answers one JSON line::
     {"results": [{"id", "submit", "token_times": [...], "end"}], "wall_s": ...}
 
 with ``time.monotonic()`` times (one clock for every process of the machine on
-Linux, so the parent's report reads them as its own). An empty line or EOF ends
+Linux, so the parent's report reads them as its own). Only these lines go to
+stdout: anything vLLM or torch prints goes to stderr. An empty line or EOF ends
 it. Errors go to stderr and end the process with status 1.
 """
 
@@ -33,11 +34,12 @@ import time
 
 
 def build_engine(args):
-    """vLLM's in-process offline engine for ``args``."""
+    """vLLM's in-process offline engine for ``args``; its block size is its own (its CPU
+    attention refuses 16, the engine's default: it needs a multiple of 32)."""
     from vllm import EngineArgs, LLMEngine
 
     engine_args = EngineArgs(model=args.model, dtype=args.dtype, max_num_seqs=args.max_num_seqs,
-                             max_num_batched_tokens=args.max_num_batched_tokens, block_size=args.block_size,
+                             max_num_batched_tokens=args.max_num_batched_tokens,
                              enable_prefix_caching=args.enable_prefix_caching, seed=0,
                              max_model_len=args.max_model_len, disable_log_stats=True)
     return LLMEngine.from_engine_args(engine_args)
@@ -85,7 +87,6 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-num-seqs", type=int, default=64)
     parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
     parser.add_argument("--max-model-len", type=int, default=2048)
-    parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--kv-cache-gib", type=int, default=1)
     parser.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_false")
     args = parser.parse_args(argv)
@@ -93,15 +94,22 @@ def main(argv: list[str] | None = None) -> int:
     os.environ["VLLM_CPU_OMP_THREADS_BIND"] = "0" if args.threads == 1 else f"0-{args.threads - 1}"
     os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(max(1, args.kv_cache_gib))
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+    answers = os.fdopen(os.dup(1), "w")  # the protocol's own copy of stdout ...
+    os.dup2(2, 1)  # ... and whatever vLLM or torch print (banners, warnings) goes to stderr
     import vllm
 
     engine = build_engine(args)
-    print(json.dumps({"ready": True, "vllm": vllm.__version__}), flush=True)
+
+    def answer(obj: dict) -> None:
+        answers.write(json.dumps(obj) + "\n")
+        answers.flush()
+
+    answer({"ready": True, "vllm": vllm.__version__})
     for line in sys.stdin:
         if not line.strip():
             break
         job = json.loads(line)
-        print(json.dumps(run_closed_loop(engine, job["requests"], int(job["concurrency"]))), flush=True)
+        answer(run_closed_loop(engine, job["requests"], int(job["concurrency"])))
     return 0
 
 

@@ -5,8 +5,7 @@ vLLM is never a dependency of meshserve: ``start`` runs ``vllm_runner.py`` (a
 standalone script, standard library and vLLM only) with that interpreter as a
 child process, on the same model folder (the safetensors folder meshserve
 resolved, e.g. under ``~/.cache/meshserve/models/``), dtype, torch threads
-(``VLLM_CPU_OMP_THREADS_BIND`` = cores ``0..threads-1``), batch limits, block
-size, KV budget (whole GiB, at least 1) and prefix caching. Each ``run`` sends the
+(``VLLM_CPU_OMP_THREADS_BIND`` = cores ``0..threads-1``), batch limits, KV budget (whole GiB, at least 1) and prefix caching. Each ``run`` sends the
 requests and the concurrency as one JSON line and reads the token times back
 (see ``vllm_runner``): the closed loop runs inside the child, against vLLM's
 ``LLMEngine.step``, so vLLM pays no IPC per token. It has no open loop.
@@ -30,6 +29,8 @@ from meshserve.bench.workload import BenchRequest
 from meshserve.cli.options import parse_bytes
 
 RUNNER = Path(__file__).with_name("vllm_runner.py")
+"""Run with ``-I`` (isolated): neither this folder nor ``$PYTHONPATH`` goes on its
+``sys.path``, so no module of meshserve can shadow one of the standard library's."""
 _START_TIMEOUT_S = 900.0
 
 
@@ -48,9 +49,9 @@ class VLLMTarget(Target):
         c = self.config
         if not c.vllm_python:
             raise ValueError("the vllm baseline needs --vllm-python PATH (a Python with vllm-cpu installed)")
-        return [c.vllm_python, str(RUNNER), "--model", str(self.model_path), "--dtype", resolve_dtype(c.dtype),
+        return [c.vllm_python, "-I", str(RUNNER), "--model", str(self.model_path), "--dtype", resolve_dtype(c.dtype),
                 "--threads", str(c.threads), "--max-num-seqs", str(c.max_num_seqs),
-                "--max-num-batched-tokens", str(c.max_num_batched_tokens), "--block-size", str(c.block_size),
+                "--max-num-batched-tokens", str(c.max_num_batched_tokens),
                 "--kv-cache-gib", str(max(1, math.ceil(parse_bytes(c.kv_cache_memory) / 2**30)))] + (
                     [] if c.enable_prefix_caching else ["--no-prefix-caching"])
 

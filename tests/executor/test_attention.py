@@ -100,9 +100,13 @@ def test_decode_groups_trade_padding_for_calls():
     assert decode_groups([3, 2, 1], 16, group_cost_keys=0) == [0, 1, 2, 3]
 
 
-def test_decode_output_does_not_depend_on_its_group():
+def test_decode_output_does_not_depend_on_its_group(monkeypatch):
     """A decode's output is the same alone and padded in a group with longer requests:
-    the padded keys (garbage here) get weight exactly 0; only SDPA's rounding may differ."""
+    the padded keys (garbage here) get weight exactly 0; only SDPA's rounding may differ.
+    (The padded SDPA path, whatever torch's thread count: the CPU kernel is kept off.)"""
+    from executor.attention import cpu_kernel
+
+    monkeypatch.setattr(cpu_kernel, "_loaded", {"fn": None})
     torch.manual_seed(0)
     block_size, num_kv_heads, num_heads = 16, 2, 6
     seqs = [120, 100, 77]  # the request under test is the last, 5 blocks; the first pads it to 8

@@ -301,8 +301,8 @@ def test_a_baseline_may_name_its_dtype_and_vllm_runs_in_the_named_python(tmp_pat
     assert _baseline_config(run, "vllm").dtype == "float32"
     assert _baseline_config(run, "engine@bfloat16").target == "engine"
     assert VLLMTarget(cfg, Path("/models/m")).command() == [
-        "/opt/v/bin/python", str(RUNNER), "--model", "/models/m", "--dtype", "bfloat16", "--threads", "1",
-        "--max-num-seqs", "64", "--max-num-batched-tokens", "2048", "--block-size", "16", "--kv-cache-gib", "2",
+        "/opt/v/bin/python", "-I", str(RUNNER), "--model", "/models/m", "--dtype", "bfloat16", "--threads", "1",
+        "--max-num-seqs", "64", "--max-num-batched-tokens", "2048", "--kv-cache-gib", "2",
         "--no-prefix-caching"]
     with pytest.raises(ValueError, match="needs --vllm-python"):
         BenchConfig("vllm", 1, WorkloadSpec(num_requests=1))

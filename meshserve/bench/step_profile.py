@@ -1,4 +1,4 @@
-"""``python -m meshserve.bench.profile --dtype float32 --batch 32 --threads 1 [--json FILE] [--trace DIR]``:
+"""``python -m meshserve.bench.step_profile --dtype float32 --batch 32 --threads 1 [--json FILE] [--trace DIR]``:
 where one engine step spends its time, by part (CPU).
 
 It builds an ``LLMEngine`` with ``--batch`` requests of about ``--context``
@@ -18,7 +18,8 @@ serving code) and, inside the model, by the op:
 * ``gemm``: the linear layers and the LM head (``mkldnn::_linear_pointwise``,
   ``aten::mm``/``addmm``/``linear``);
 * ``attention``: the KV cache writes, block gathers and SDPA inside the model,
-  plus the backend's per-step ``plan``;
+  the CPU decode kernel's calls (``cpu_kernel.decode_attention``, C code the
+  profiler sees as one range), plus the backend's per-step ``plan``;
 * ``norm/elementwise``: everything else inside the model (RMSNorm, rotary,
   SiLU·mul, residual adds, embedding, copies);
 * ``metadata``: the ModelRunner's input building (``_prepare_inputs``: token ids,
@@ -33,7 +34,10 @@ serving code) and, inside the model, by the op:
 
 The op times are the profiler's self CPU times, which add its own overhead
 (about 1-2 µs an op); the step's wall time is measured with the profiler on, so
-the parts sum to it. Medians of ``--steps`` steps. ``--trace DIR`` also writes
+the parts sum to it. Medians of ``--steps`` steps. The step's thread CPU time
+is printed too: on a shared machine, wall time over CPU time says how much other
+processes stretched the step (the parts' shares stay comparable; their
+milliseconds do not). ``--trace DIR`` also writes
 Chrome traces (open in ``chrome://tracing`` or Perfetto).
 """
 
@@ -54,7 +58,8 @@ _GEMM_OPS = ("mkldnn::_linear_pointwise", "aten::mm", "aten::addmm", "aten::bmm"
 _ATTN_OPS = ("aten::index_copy_", "aten::index_select", "aten::scaled_dot_product_attention",
              "aten::_scaled_dot_product_flash_attention_for_cpu", "aten::_scaled_dot_product_attention_math")
 _REGIONS = {"ms.prepare_inputs": "metadata", "ms.plan": "attention", "ms.model": "model",
-            "ms.logits": "model", "ms.sampling": "sampling", "ms.schedule": "scheduling"}
+            "ms.logits": "model", "ms.sampling": "sampling", "ms.schedule": "scheduling",
+            "ms.attention_kernel": "attention"}
 
 
 def _wrap(obj, name: str, label: str):
@@ -80,6 +85,12 @@ def instrument(engine) -> None:
     _wrap(runner.model, "forward", "ms.model")
     _wrap(runner.model, "compute_logits", "ms.logits")
     _wrap(runner, "sampler", "ms.sampling")
+    try:
+        from executor.attention import cpu_kernel
+    except ImportError:  # a tree without the CPU kernel (profiling an older version)
+        cpu_kernel = None
+    if cpu_kernel is not None:
+        _wrap(cpu_kernel, "decode_attention", "ms.attention_kernel")  # a C call: no aten op inside
     import executor.worker.model_runner as mr
 
     build = mr.SamplingBatch.build
@@ -104,6 +115,14 @@ def _region_of(event) -> str | None:
     return None
 
 
+def _inside(event, name: str) -> bool:
+    while event is not None:
+        if event.name == name:
+            return True
+        event = event.cpu_parent
+    return False
+
+
 def breakdown(events, wall_us: float) -> dict[str, float]:
     """Microseconds per part of one profiled step (``events``: ``prof.events()``)."""
     parts: dict[str, float] = defaultdict(float)
@@ -111,7 +130,7 @@ def breakdown(events, wall_us: float) -> dict[str, float]:
     region_ops: dict[str, float] = defaultdict(float)
     for ev in events:
         if ev.name in _REGIONS:
-            if _region_of(ev.cpu_parent) is None:  # outermost range of its kind
+            if not _inside(ev.cpu_parent, ev.name):  # outermost range of its name
                 region_total[ev.name] += ev.cpu_time_total
             continue
         region = _region_of(ev)
@@ -129,9 +148,10 @@ def breakdown(events, wall_us: float) -> dict[str, float]:
                 parts["norm/elementwise"] += self_us
         else:
             parts[kind] += self_us
-    model_total = region_total["ms.model"] + region_total["ms.logits"]
+    model_total = region_total["ms.model"] + region_total["ms.logits"] - region_total["ms.attention_kernel"]
     parts["model python"] = max(0.0, model_total - region_ops["ms.model"] - region_ops["ms.logits"])
-    for name in ("ms.prepare_inputs", "ms.plan", "ms.sampling", "ms.schedule"):  # their Python counts with them
+    for name in ("ms.prepare_inputs", "ms.plan", "ms.sampling", "ms.schedule",
+                 "ms.attention_kernel"):  # their Python (and C) counts with them
         parts[_REGIONS[name]] += max(0.0, region_total[name] - region_ops[name])
     parts["python"] = max(0.0, wall_us - sum(parts.values()))
     return dict(parts)
@@ -182,10 +202,12 @@ def run(dtype: str, batch: int, context: int, prefill: int, threads: int, steps:
             if before:
                 before(i)
             with _profiled(trace, label, i) as prof:
-                start = time.perf_counter()
+                start, cpu_start = time.perf_counter(), time.thread_time()
                 outputs = engine.step()
                 wall_us = (time.perf_counter() - start) * 1e6
-            results.append({"wall": wall_us, "tokens": len(outputs), **breakdown(prof.events(), wall_us)})
+                cpu_us = (time.thread_time() - cpu_start) * 1e6
+            results.append({"wall": wall_us, "cpu": cpu_us, "tokens": len(outputs),
+                            **breakdown(prof.events(), wall_us)})
         return results
 
     decode = profile_steps("decode")
@@ -200,7 +222,8 @@ def run(dtype: str, batch: int, context: int, prefill: int, threads: int, steps:
     engine.shutdown()
 
     def summary(rows: list[dict]) -> dict:
-        out = {"wall_ms": round(statistics.median(r["wall"] for r in rows) / 1e3, 3)}
+        out = {"wall_ms": round(statistics.median(r["wall"] for r in rows) / 1e3, 3),
+               "thread_cpu_ms": round(statistics.median(r["cpu"] for r in rows) / 1e3, 3)}
         for part in PARTS:
             out[part + "_ms"] = round(statistics.median(r.get(part, 0.0) for r in rows) / 1e3, 3)
         return out
@@ -220,10 +243,12 @@ def print_report(report: dict) -> None:
         print(f"{part:18s} {d:9.2f} {100 * d / report['decode']['wall_ms']:5.1f} "
               f"{m:9.2f} {100 * m / report['mixed']['wall_ms']:5.1f}")
     print(f"{'step wall':18s} {report['decode']['wall_ms']:9.2f} {'':5s} {report['mixed']['wall_ms']:9.2f}")
+    print(f"{'step thread CPU':18s} {report['decode']['thread_cpu_ms']:9.2f} {'':5s} "
+          f"{report['mixed']['thread_cpu_ms']:9.2f}  (wall over CPU: how much other load stretched the step)")
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m meshserve.bench.profile", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m meshserve.bench.step_profile", description=__doc__.split("\n\n")[0])
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "auto"])
     parser.add_argument("--batch", type=int, default=32, help="requests in the batch")
     parser.add_argument("--context", type=int, default=150, help="prompt tokens per request (±20%%)")
