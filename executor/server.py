@@ -341,6 +341,7 @@ async def start_executor(
     tls: TLSConfig = PLAINTEXT,
     prefix_cache_scope: str = "tenant",
     started_at: float | None = None,
+    health_port: int | None = None,
 ) -> tuple[Service, AsyncEngine, SchedulerLink | None]:
     """Starts the engine thread, the Executor service and its scheduler link.
 
@@ -368,11 +369,12 @@ async def start_executor(
     channels to the scheduler and the kvstore, or plaintext.
     ``prefix_cache_scope``: ``tenant`` (prefix KV blocks shared only between requests
     of the same tenant, the lease's) or ``global`` (``meshserve.block_hash.cache_salt``).
+    ``health_port``: a plaintext health-only port (``Service``; None: none).
 
     Raises:
         TimeoutError: the scheduler did not accept the registration within 60 s.
     """
-    service = Service("meshserve.v1.Executor", port, host, tls)
+    service = Service("meshserve.v1.Executor", port, host, tls, health_port=health_port)
     if kvstore_address and engine.kv_connector is None:
         from executor.kvstore_connector import KVStoreConnector
 

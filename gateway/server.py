@@ -93,7 +93,7 @@ async def start_gateway(
     tenants: TenantRegistry | None = None, hash_block_size: int = 16,
     result_cache: ResultCache | None = None, tasks: TaskRunner | None = None, metrics_port: int | None = None,
     tls: TLSConfig = PLAINTEXT, prompt_limits: PromptLimits | None = None, prefix_cache_scope: str = "tenant",
-    callbacks: CallbackSender | None = None, http_port: int | None = None,
+    callbacks: CallbackSender | None = None, http_port: int | None = None, health_port: int | None = None,
 ) -> Service:
     """Starts the Gateway service. Its health is SERVING while the scheduler has an
     executor registered (``gateway.readiness``), checked every 0.5 s.
@@ -114,8 +114,9 @@ async def start_gateway(
     ``http_port``: serve the OpenAI-compatible HTTP API (``gateway.http``) there, in
     this event loop over the same core (0: a free port; None: none), as
     ``service.http`` (an ``HttpServer``); ``service.stop`` stops it first.
+    ``health_port``: a plaintext health-only port (``Service``; None: none).
     """
-    service = Service("meshserve.v1.Gateway", port, host, tls, public=True)
+    service = Service("meshserve.v1.Gateway", port, host, tls, public=True, health_port=health_port)
     mesh = GrpcMeshClient(scheduler_address, tls)
     core = GatewayCore(tokenizer, model, mesh, hash_block_size, result_cache, prompt_limits=prompt_limits,
                        prefix_cache_scope=prefix_cache_scope)

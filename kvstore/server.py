@@ -211,7 +211,8 @@ class _PutState:
 
 async def start_kvstore(store: KVStore, port: int, host: str = "127.0.0.1",
                         servicer_cls: type[KVStoreServicer] = KVStoreServicer,
-                        metrics_port: int | None = None, tls: TLSConfig = PLAINTEXT) -> Service:
+                        metrics_port: int | None = None, tls: TLSConfig = PLAINTEXT,
+                        health_port: int | None = None) -> Service:
     """Starts the KVStore service over ``store``; SERVING at once (nothing to warm).
 
     Args:
@@ -219,11 +220,12 @@ async def start_kvstore(store: KVStore, port: int, host: str = "127.0.0.1",
         metrics_port: serve Prometheus metrics (``kvstore.metrics``) there as
             ``service.metrics`` (0: a free port; None: none).
         tls: its certificate (role kvstore), or plaintext.
+        health_port: a plaintext health-only port (``Service``; None: none).
 
     Raises:
         OSError: the port cannot be bound.
     """
-    service = Service("meshserve.v1.KVStore", port, host, tls)
+    service = Service("meshserve.v1.KVStore", port, host, tls, health_port=health_port)
     servicer = servicer_cls(store)
     kvstore_pb2_grpc.add_KVStoreServicer_to_server(servicer, service.server)
     service.serve_metrics(servicer.metrics.registry, metrics_port)

@@ -72,10 +72,16 @@ class Service:
     Server reflection (grpc.reflection.v1alpha, ``grpcurl list``) names ``name``,
     health and reflection itself; a service with more servicers adds their full
     names to ``reflected`` before ``start``.
+
+    With ``health_port`` (None: none; 0: a free one, ``health_address``) a second,
+    plaintext server on ``host`` serves only grpc.health.v1 from the same
+    servicer (the same statuses): for probes that cannot speak mutual TLS, such as
+    Kubernetes' native gRPC probes. Every other method there is UNIMPLEMENTED, and
+    it has no reflection.
     """
 
     def __init__(self, name: str, port: int, host: str = "127.0.0.1", tls: TLSConfig = PLAINTEXT,
-                 public: bool = False):
+                 public: bool = False, health_port: int | None = None):
         self.name = name
         self.tls = tls
         guard = GuardInterceptor(ROLE_TABLE if tls.enabled else None)
@@ -93,10 +99,31 @@ class Service:
         if self.port == 0:
             raise OSError(f"{name}: cannot listen on {host}:{port} (port in use or not allowed); choose one with --port")
         self.address = f"{host}:{self.port}"
+        self.health_server: grpc.aio.Server | None = None
+        self.health_address: str | None = None
+        if health_port is not None:
+            self._add_health_server(host, health_port)
         self.background: list = []
         self.host = host
         self.metrics = None  # a meshserve.metrics.MetricsServer once serve_metrics ran
         self.reflected: list[str] = [name]
+
+    def _add_health_server(self, host: str, port: int) -> None:
+        """Binds the plaintext health-only server (``health_port`` above).
+
+        Raises:
+            OSError: the port cannot be bound.
+        """
+        self.health_server = grpc.aio.server(interceptors=[ErrorInterceptor()], options=SERVER_OPTIONS)
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, self.health_server)
+        try:
+            bound = self.health_server.add_insecure_port(f"{host}:{port}")
+        except RuntimeError:  # grpc's "Failed to bind to address …"
+            bound = 0
+        if bound == 0:
+            raise OSError(f"{self.name}: cannot listen on {host}:{port} for health (port in use or not allowed); "
+                          "choose one with --health-port")
+        self.health_address = f"{host}:{bound}"
 
     def serve_metrics(self, registry, port: int | None) -> None:
         """Serves ``registry`` (Prometheus) at ``http://host:port/metrics`` until ``stop``;
@@ -117,6 +144,8 @@ class Service:
         await self.health.set("", NOT_SERVING)
         await self.health.set(self.name, NOT_SERVING)
         await self.server.start()
+        if self.health_server is not None:
+            await self.health_server.start()
 
     async def set_serving(self, serving: bool = True) -> None:
         """Reports SERVING or NOT_SERVING on grpc.health.v1."""
@@ -131,6 +160,8 @@ class Service:
             await task.stop()
         await self.health.enter_graceful_shutdown()
         await self.server.stop(grace_s)
+        if self.health_server is not None:
+            await self.health_server.stop(grace_s)
         if self.metrics is not None:
             self.metrics.stop()
 

@@ -304,7 +304,8 @@ def _check_block_hashes(request: pb.AdmitRequest) -> None:
 
 async def start_scheduler(port: int, host: str = "127.0.0.1", config: SchedulerConfig | None = None,
                           kvstore_address: str | None = None, metrics_port: int | None = None,
-                          tls: TLSConfig = PLAINTEXT, planner: PlannerConfig | None = None) -> Service:
+                          tls: TLSConfig = PLAINTEXT, planner: PlannerConfig | None = None,
+                          health_port: int | None = None) -> Service:
     """Starts a Scheduler service on ``host:port`` (0 picks a free port); SERVING at once.
     ``tls``: its certificate (role scheduler) for its port and its kvstore channel, or plaintext.
     With ``metrics_port`` (0: a free one) it serves Prometheus metrics
@@ -317,8 +318,9 @@ async def start_scheduler(port: int, host: str = "127.0.0.1", config: SchedulerC
     at least one executor is registered and not draining (the gateway's readiness
     follows it). ``planner``: the autoscaling planner's settings (default
     ``PlannerConfig()``); its loop runs with the service.
+    ``health_port``: a plaintext health-only port (``Service``; None: none).
     """
-    service = Service("meshserve.v1.Scheduler", port, host, tls)
+    service = Service("meshserve.v1.Scheduler", port, host, tls, health_port=health_port)
 
     def registry_changed(_num_executors: int) -> None:
         status = SERVING if ready_executors(servicer.core) else NOT_SERVING

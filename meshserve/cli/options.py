@@ -3,7 +3,7 @@
 An option object here is the default of a parameter in several commands, so
 that its flag, default and help text are the same wherever it appears
 (``--result-cache-size`` and ``--task-store`` on ``gateway`` and ``up``, the
-tracing and metrics options on every service).
+tracing, metrics and health-port options on every service).
 """
 
 from __future__ import annotations
@@ -26,6 +26,9 @@ SampleOpt = typer.Option(None, "--trace-sample-ratio", min=0.0, max=1.0,
 MetricsPortOpt = typer.Option(None, "--metrics-port", min=0, max=65535,
                               help="Serve Prometheus metrics at http://HOST:PORT/metrics (0: a free port, logged; "
                                    "default: off).")
+HealthPortOpt = typer.Option(None, "--health-port", min=0, max=65535,
+                             help="Also serve grpc.health.v1 alone, in plaintext, on this port (for probes that "
+                                  "cannot speak mutual TLS, e.g. Kubernetes' gRPC probes; default: off).")
 ResultCacheSizeOpt = typer.Option(0, "--result-cache-size", min=0, help="Entries of the result cache of "
                                   "deterministic requests (greedy or seeded), LRU; 0: off.")
 HttpPortOpt = typer.Option(None, "--http-port", min=0, max=65535,

@@ -119,18 +119,25 @@ def scheduler_config(queue_policy: str = "fcfs", max_queue_wait_s: float = 30.0,
                            lease_ttl_s=lease_ttl_s, tenant_limits=limits)
 
 
+def _health_note(service) -> str:
+    """``, health on HOST:PORT`` for a start-up log line, when the service has a health-only port."""
+    return f", health on {service.health_address}" if service.health_address else ""
+
+
 async def run_scheduler(port: int, host: str = "127.0.0.1", config: SchedulerConfig | None = None,
                         kvstore_address: str | None = None, metrics_port: int | None = None,
-                        tls: TLSConfig = PLAINTEXT, planner=None) -> None:
+                        tls: TLSConfig = PLAINTEXT, planner=None, health_port: int | None = None) -> None:
     """Serves the scheduler (``config``: a ``SchedulerConfig``, default settings if None) until SIGINT/SIGTERM;
     with ``kvstore_address`` it follows that kvstore's placements for routing; Prometheus metrics on
-    ``metrics_port`` (None: none); ``planner``: the autoscaling planner's ``PlannerConfig`` (None: defaults)."""
+    ``metrics_port`` (None: none); ``planner``: the autoscaling planner's ``PlannerConfig`` (None: defaults);
+    plaintext grpc.health.v1 alone on ``health_port`` (None: none)."""
     setup_tracing("scheduler")
     holder = {}
 
     async def start():
-        holder["svc"] = await start_scheduler(port, host, config, kvstore_address, metrics_port, tls, planner)
-        log.info("scheduler serving on %s", holder["svc"].address)
+        holder["svc"] = await start_scheduler(port, host, config, kvstore_address, metrics_port, tls, planner,
+                                              health_port=health_port)
+        log.info("scheduler serving on %s%s", holder["svc"].address, _health_note(holder["svc"]))
 
     async def stop():
         await holder["svc"].stop()
@@ -140,17 +147,19 @@ async def run_scheduler(port: int, host: str = "127.0.0.1", config: SchedulerCon
 
 
 async def run_kvstore(port: int, host: str, memory_bytes: int, disk_dir: str | None = None, disk_bytes: int = 0,
-                      max_events: int = 65536, metrics_port: int | None = None, tls: TLSConfig = PLAINTEXT) -> None:
+                      max_events: int = 65536, metrics_port: int | None = None, tls: TLSConfig = PLAINTEXT,
+                      health_port: int | None = None) -> None:
     """Serves a kvstore until SIGINT/SIGTERM (its blocks are a cache: lost at stop); Prometheus
-    metrics on ``metrics_port`` (None: none)."""
+    metrics on ``metrics_port`` (None: none); plaintext grpc.health.v1 alone on ``health_port`` (None: none)."""
     setup_tracing("kvstore")
     holder = {}
 
     async def start():
         store = KVStore(memory_bytes, disk_dir, disk_bytes if disk_dir else 0, max_events)
-        holder["svc"] = await start_kvstore(store, port, host, metrics_port=metrics_port, tls=tls)
-        log.info("kvstore serving on %s (memory %d bytes%s)", holder["svc"].address, memory_bytes,
-                 f", disk {disk_bytes} bytes under {disk_dir}" if disk_dir else "")
+        holder["svc"] = await start_kvstore(store, port, host, metrics_port=metrics_port, tls=tls,
+                                            health_port=health_port)
+        log.info("kvstore serving on %s (memory %d bytes%s)%s", holder["svc"].address, memory_bytes,
+                 f", disk {disk_bytes} bytes under {disk_dir}" if disk_dir else "", _health_note(holder["svc"]))
 
     async def stop():
         await holder["svc"].stop()
@@ -219,12 +228,13 @@ async def run_executor(engine_config: EngineConfig, port: int, host: str, schedu
                        kvstore_fetch_timeout_s: float = 5.0, metrics_port: int | None = None,
                        peak_flops: float | None = None, max_buffered_outputs: int = 256,
                        tls: TLSConfig = PLAINTEXT, prefix_cache_scope: str = "tenant",
-                       drain_grace_s: float = 30.0) -> None:
+                       drain_grace_s: float = 30.0, health_port: int | None = None) -> None:
     """Loads the model, serves the executor and stays registered until a signal; Prometheus
     metrics on ``metrics_port`` (None: none), the MFU against ``peak_flops`` FLOP/s. A request whose
     reader leaves ``max_buffered_outputs`` messages untaken is ended (RESOURCE_EXHAUSTED).
     On SIGTERM/SIGINT it drains first (``executor.drain``: nothing new is routed here, what runs
-    finishes) for at most ``drain_grace_s`` seconds, then stops."""
+    finishes) for at most ``drain_grace_s`` seconds, then stops. Plaintext grpc.health.v1 alone on
+    ``health_port`` (None: none)."""
     started_at = time.monotonic()
     from executor.drain import drain
     from executor.engine.llm_engine import LLMEngine  # torch: imported only when an executor starts
@@ -240,15 +250,16 @@ async def run_executor(engine_config: EngineConfig, port: int, host: str, schedu
                                                     advertise_address, step_timeout_s, kvstore_address,
                                                     kvstore_fetch_timeout_s, metrics_port, peak_flops,
                                                     max_buffered_outputs, tls=tls,
-                                                    prefix_cache_scope=prefix_cache_scope, started_at=started_at)
+                                                    prefix_cache_scope=prefix_cache_scope, started_at=started_at,
+                                                    health_port=health_port)
         async_engine.on_failure(lambda _exc: done.set())  # exit non-zero: the orchestrator restarts us
         on_rank_failure = getattr(engine.worker_group, "on_failure", None)  # a parallel group's ranks
         if on_rank_failure is not None:
             loop = asyncio.get_running_loop()
             on_rank_failure(lambda _reason: loop.call_soon_threadsafe(done.set))
         holder.update(svc=svc, engine=async_engine, link=link)
-        log.info("executor serving on %s (%d KV blocks of %d tokens)", svc.address, engine.num_blocks,
-                 engine.block_size)
+        log.info("executor serving on %s (%d KV blocks of %d tokens)%s", svc.address, engine.num_blocks,
+                 engine.block_size, _health_note(svc))
 
     async def stop():
         await holder["svc"].watchdog.stop()
@@ -277,7 +288,8 @@ async def run_gateway(model: str | ModelSource, port: int, host: str, scheduler:
                       metrics_port: int | None = None, tls: TLSConfig = PLAINTEXT, max_prompt_bytes: int = 256 << 10,
                       max_messages: int = 1024, prefix_cache_scope: str = "tenant", result_cache: str = "memory",
                       callback_allow: list[str] | None = None, callback_secret_file: str | None = None,
-                      task_lease_s: float = 10.0, task_max_attempts: int = 3, http_port: int | None = None) -> None:
+                      task_lease_s: float = 10.0, task_max_attempts: int = 3, http_port: int | None = None,
+                      health_port: int | None = None) -> None:
     """Loads the tokenizer, serves the public Gateway until a signal.
 
     ``max_prompt_bytes`` / ``max_messages``: prompt caps checked before tokenizing
@@ -293,7 +305,8 @@ async def run_gateway(model: str | ModelSource, port: int, host: str, scheduler:
     ``task_lease_s`` / ``task_max_attempts``: a task claim's lease and the most
     attempts of one task (``gateway.task_runner``).
     Prometheus metrics on ``metrics_port`` (None: none); the OpenAI-compatible HTTP API
-    on ``http_port`` (None: none), in the same event loop.
+    on ``http_port`` (None: none), in the same event loop; plaintext grpc.health.v1 alone on
+    ``health_port`` (None: none).
     """
     setup_tracing("gateway")
     holder = {}
@@ -317,9 +330,11 @@ async def run_gateway(model: str | ModelSource, port: int, host: str, scheduler:
                                             result_cache=cache, tasks=runner, metrics_port=metrics_port,
                                             callbacks=callbacks, tls=tls,
                                             prompt_limits=PromptLimits(max_prompt_bytes, max_messages),
-                                            prefix_cache_scope=prefix_cache_scope, http_port=http_port)
+                                            prefix_cache_scope=prefix_cache_scope, http_port=http_port,
+                                            health_port=health_port)
         http = holder["svc"].http
-        log.info("gateway serving on %s%s", holder["svc"].address, f", HTTP on {http.url}" if http else "")
+        log.info("gateway serving on %s%s%s", holder["svc"].address, f", HTTP on {http.url}" if http else "",
+                 _health_note(holder["svc"]))
 
     async def stop():
         await holder["svc"].stop()

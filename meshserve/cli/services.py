@@ -15,7 +15,7 @@ from typing import Optional
 
 import typer
 
-from meshserve.cli.options import (ChatTemplateOpt, HttpPortOpt, InsecureOpt, MetricsPortOpt, OtlpOpt,
+from meshserve.cli.options import (ChatTemplateOpt, HealthPortOpt, HttpPortOpt, InsecureOpt, MetricsPortOpt, OtlpOpt,
                                    ResultCacheSizeOpt, RevisionOpt, SampleOpt, ServedModelNameOpt, TaskStoreOpt,
                                    TLSCAOpt, TLSCertOpt, TLSKeyOpt, TokenizerOpt, TracesOpt, export_trace_settings,
                                    is_address, parse_bytes, serve, setup_logging, tls_settings)
@@ -58,6 +58,7 @@ def scheduler(
     traces: Optional[str] = TracesOpt, otlp_endpoint: Optional[str] = OtlpOpt,
     trace_sample_ratio: Optional[float] = SampleOpt,
     metrics_port: Optional[int] = MetricsPortOpt,
+    health_port: Optional[int] = HealthPortOpt,
     tls_cert: Optional[str] = TLSCertOpt, tls_key: Optional[str] = TLSKeyOpt, tls_ca: Optional[str] = TLSCAOpt,
     insecure: bool = InsecureOpt,
     planner_interval_s: float = typer.Option(60.0, "--planner-interval-s", help="Autoscaling planner: one load "
@@ -100,7 +101,7 @@ def scheduler(
                                 predictive=not no_forecast)
     except (ValueError, FileNotFoundError) as exc:
         raise typer.BadParameter(str(exc)) from None
-    serve(processes.run_scheduler(port, host, config, kvstore, metrics_port, tls, planner))
+    serve(processes.run_scheduler(port, host, config, kvstore, metrics_port, tls, planner, health_port))
 
 
 def executor(
@@ -139,6 +140,7 @@ def executor(
     traces: Optional[str] = TracesOpt, otlp_endpoint: Optional[str] = OtlpOpt,
     trace_sample_ratio: Optional[float] = SampleOpt,
     metrics_port: Optional[int] = MetricsPortOpt,
+    health_port: Optional[int] = HealthPortOpt,
     peak_flops: Optional[float] = typer.Option(None, "--peak-flops", min=1.0,
                                                help="Peak FLOP/s of the device for the MFU metric (default: by GPU "
                                                     "name, e.g. H100 989e12; CPU 1e12)."),
@@ -173,7 +175,7 @@ def executor(
     if kvstore is not None and not is_address(kvstore):
         raise typer.BadParameter(f"--kvstore must be HOST:PORT, got {kvstore!r}")
     _check_scope(prefix_cache_scope)
-    for flag, p in (("--port", port), ("--metrics-port", metrics_port)):
+    for flag, p in (("--port", port), ("--metrics-port", metrics_port), ("--health-port", health_port)):
         if p and not port_is_free(p, host):  # checked before the model loads
             typer.echo(f"error: executor: cannot listen on {host}:{p} (port in use or not allowed); "
                        f"choose one with {flag}", err=True)
@@ -182,7 +184,8 @@ def executor(
                                  step_timeout_s=step_timeout_s, kvstore_address=kvstore,
                                  kvstore_fetch_timeout_s=kvstore_fetch_timeout, metrics_port=metrics_port,
                                  peak_flops=peak_flops, max_buffered_outputs=max_buffered_outputs, tls=tls,
-                                 prefix_cache_scope=prefix_cache_scope, drain_grace_s=drain_grace_s))
+                                 prefix_cache_scope=prefix_cache_scope, drain_grace_s=drain_grace_s,
+                                 health_port=health_port))
 
 
 def kvstore_cmd(
@@ -195,6 +198,7 @@ def kvstore_cmd(
     traces: Optional[str] = TracesOpt, otlp_endpoint: Optional[str] = OtlpOpt,
     trace_sample_ratio: Optional[float] = SampleOpt,
     metrics_port: Optional[int] = MetricsPortOpt,
+    health_port: Optional[int] = HealthPortOpt,
     tls_cert: Optional[str] = TLSCertOpt, tls_key: Optional[str] = TLSKeyOpt, tls_ca: Optional[str] = TLSCAOpt,
     insecure: bool = InsecureOpt,
     log_level: str = typer.Option("info"),
@@ -211,7 +215,8 @@ def kvstore_cmd(
             raise ValueError("--memory and --disk must be at least 1 byte")
     except ValueError as exc:
         raise typer.BadParameter(str(exc)) from None
-    serve(processes.run_kvstore(port, host, memory_bytes, disk_dir, disk_bytes, max_events, metrics_port, tls))
+    serve(processes.run_kvstore(port, host, memory_bytes, disk_dir, disk_bytes, max_events, metrics_port, tls,
+                                health_port))
 
 
 def gateway(
@@ -251,6 +256,7 @@ def gateway(
     traces: Optional[str] = TracesOpt, otlp_endpoint: Optional[str] = OtlpOpt,
     trace_sample_ratio: Optional[float] = SampleOpt,
     metrics_port: Optional[int] = MetricsPortOpt,
+    health_port: Optional[int] = HealthPortOpt,
     tls_cert: Optional[str] = TLSCertOpt, tls_key: Optional[str] = TLSKeyOpt, tls_ca: Optional[str] = TLSCAOpt,
     insecure: bool = InsecureOpt,
     log_level: str = typer.Option("info"),
@@ -279,7 +285,8 @@ def gateway(
     serve(processes.run_gateway(model_source, port, host, scheduler, tenants, block_size, result_cache_size,
                                 result_cache_ttl_s, task_store, task_ttl_s, max_tasks, metrics_port, tls,
                                 max_prompt_bytes, max_messages, prefix_cache_scope, result_cache,
-                                callback_allow, callback_secret_file, task_lease_s, task_max_attempts, http_port))
+                                callback_allow, callback_secret_file, task_lease_s, task_max_attempts, http_port,
+                                health_port))
 
 
 def _check_scope(scope: str) -> None:
