@@ -19,6 +19,7 @@ ROOT = Path(__file__).parents[2]
 DEPLOY = ROOT / "deploy"
 K8S = DEPLOY / "k8s"
 SERVICES = ("kvstore", "scheduler", "executor", "gateway")
+HEALTH_PORT = 8086  # each service's plaintext health-only port (--health-port)
 
 
 def tool(name: str) -> str:
@@ -168,7 +169,7 @@ def test_strict_validation_rejects_an_unknown_field(tmp_path):
 
 
 @pytest.mark.parametrize("overlay", ["cpu", "gpu"])
-def test_services_have_native_grpc_probes_tls_secret_and_configmap(overlay):
+def test_services_have_native_grpc_probes_on_the_health_port_tls_secret_and_configmap(overlay):
     objects = render(K8S / "overlays" / overlay)
     deployments, services = by_kind(objects, "Deployment"), by_kind(objects, "Service")
     assert set(deployments) == set(services) == {*SERVICES, "redis"}
@@ -177,8 +178,13 @@ def test_services_have_native_grpc_probes_tls_secret_and_configmap(overlay):
     for name in SERVICES:
         pod = deployments[name]["spec"]["template"]["spec"]
         container = pod["containers"][0]
-        port = container["ports"][0]["containerPort"]
-        assert container["readinessProbe"]["grpc"] == container["livenessProbe"]["grpc"] == {"port": port}
+        # kubelet's gRPC probes cannot speak mutual TLS: they ask the plaintext health-only port
+        assert {"name": "health", "containerPort": HEALTH_PORT} in container["ports"]
+        args = container["args"]
+        assert args[args.index("--health-port") + 1] == str(HEALTH_PORT)
+        assert container["readinessProbe"]["grpc"] == container["livenessProbe"]["grpc"] == {"port": HEALTH_PORT}
+        assert container.get("startupProbe", container["readinessProbe"])["grpc"] == {"port": HEALTH_PORT}
+        assert HEALTH_PORT not in [p["port"] for p in services[name]["spec"]["ports"]]  # kubelet only
         assert {"name": "certs", "secret": {"secretName": "meshserve-tls"}} in pod["volumes"]
         assert pod["securityContext"]["runAsNonRoot"] is True
         assert f"/certs/{name}.pem" in container["args"]
