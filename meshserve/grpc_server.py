@@ -27,6 +27,10 @@ NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
 # The scheduler's health answers for this name: SERVING while an executor is
 # registered. The gateway is ready (SERVING) only while it is.
 EXECUTORS_HEALTH_SERVICE = "meshserve.v1.Executor"
+# Liveness: SERVING from the moment a service listens until it stops, whatever its
+# readiness ("" and its own name: NOT_SERVING while it cannot serve, e.g. a gateway with
+# no executor). Kubernetes' liveness probes name it; readiness probes use "".
+LIVENESS_SERVICE = "meshserve.liveness"
 
 # Long token streams and the executors' long-lived Connect streams: clients ping
 # every 20 s, and servers must accept that (gRPC's server default allows one ping
@@ -138,7 +142,7 @@ class Service:
             self.metrics = MetricsServer(registry, port, self.host)
 
     async def start(self) -> None:
-        """Starts listening (health still NOT_SERVING), with server reflection."""
+        """Starts listening (health still NOT_SERVING, liveness SERVING), with server reflection."""
         reflection.enable_server_reflection((*self.reflected, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
                                              reflection.SERVICE_NAME), self.server)
         await self.health.set("", NOT_SERVING)
@@ -146,6 +150,7 @@ class Service:
         await self.server.start()
         if self.health_server is not None:
             await self.health_server.start()
+        await self.health.set(LIVENESS_SERVICE, SERVING)
 
     async def set_serving(self, serving: bool = True) -> None:
         """Reports SERVING or NOT_SERVING on grpc.health.v1."""

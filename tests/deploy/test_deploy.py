@@ -19,6 +19,7 @@ ROOT = Path(__file__).parents[2]
 DEPLOY = ROOT / "deploy"
 K8S = DEPLOY / "k8s"
 SERVICES = ("kvstore", "scheduler", "executor", "gateway")
+LIVENESS_SERVICE = "meshserve.liveness"  # meshserve.grpc_server.LIVENESS_SERVICE
 HEALTH_PORT = 8086  # each service's plaintext health-only port (--health-port)
 
 
@@ -182,7 +183,9 @@ def test_services_have_native_grpc_probes_on_the_health_port_tls_secret_and_conf
         assert {"name": "health", "containerPort": HEALTH_PORT} in container["ports"]
         args = container["args"]
         assert args[args.index("--health-port") + 1] == str(HEALTH_PORT)
-        assert container["readinessProbe"]["grpc"] == container["livenessProbe"]["grpc"] == {"port": HEALTH_PORT}
+        assert container["readinessProbe"]["grpc"] == {"port": HEALTH_PORT}  # "": ready to serve
+        # liveness asks the service that is SERVING while the process listens, ready or not
+        assert container["livenessProbe"]["grpc"] == {"port": HEALTH_PORT, "service": LIVENESS_SERVICE}
         assert container.get("startupProbe", container["readinessProbe"])["grpc"] == {"port": HEALTH_PORT}
         assert HEALTH_PORT not in [p["port"] for p in services[name]["spec"]["ports"]]  # kubelet only
         assert {"name": "certs", "secret": {"secretName": "meshserve-tls"}} in pod["volumes"]

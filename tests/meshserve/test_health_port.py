@@ -10,7 +10,8 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from meshserve.grpc_server import EXECUTORS_HEALTH_SERVICE, NOT_SERVING, SERVING, Service, open_channel
+from meshserve.grpc_server import (EXECUTORS_HEALTH_SERVICE, LIVENESS_SERVICE, NOT_SERVING, SERVING, Service,
+                                   open_channel)
 from meshserve.tls import PLAINTEXT
 from meshserve.v1 import kvstore_pb2, scheduler_pb2
 from scheduler.server import start_scheduler
@@ -74,13 +75,18 @@ async def test_the_health_port_serves_nothing_but_health(scheduler, method):
 
 async def test_the_health_port_follows_the_service_from_start_to_stop():
     """NOT_SERVING on both ports until the service turns SERVING, then SERVING on
-    both; after stop the health port is gone too."""
+    both, with liveness SERVING throughout; after stop the health port is gone too."""
     svc = Service("meshserve.v1.KVStore", 0, tls=role_tls("kvstore"), health_port=0)
     await svc.start()
     try:
         for name in ("", "meshserve.v1.KVStore"):
             assert await check(svc.health_address, PLAINTEXT, name) == NOT_SERVING
             assert await check(svc.address, role_tls("executor"), name) == NOT_SERVING
+        # liveness (Kubernetes' liveness probes) is SERVING as soon as the service listens, and
+        # stays so while it is not ready (a gateway with no executor must not be restarted)
+        assert await check(svc.health_address, PLAINTEXT, LIVENESS_SERVICE) == SERVING
+        await svc.set_serving(False)
+        assert await check(svc.health_address, PLAINTEXT, LIVENESS_SERVICE) == SERVING
         await svc.set_serving()
         for name in ("", "meshserve.v1.KVStore"):
             assert await check(svc.health_address, PLAINTEXT, name) == SERVING
