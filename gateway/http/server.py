@@ -50,7 +50,11 @@ class HttpServer:
         Raises:
             OSError: the port cannot be bound.
         """
-        sock = socket.socket(socket.AF_INET6 if ":" in self.host else socket.AF_INET)
+        # proto IPPROTO_TCP (not the default 0): asyncio turns Nagle off (TCP_NODELAY) only on
+        # accepted sockets whose proto says TCP, and uvicorn writes a response's head and body
+        # apart, so with Nagle on each keep-alive response waited ~40 ms for the client's delayed ACK.
+        sock = socket.socket(socket.AF_INET6 if ":" in self.host else socket.AF_INET, socket.SOCK_STREAM,
+                             socket.IPPROTO_TCP)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:  # bound here, so a busy port is an OSError (uvicorn would exit the process)
             sock.bind((self.host, self.port))
