@@ -45,7 +45,8 @@ class PromptLimits:
             raise ValueError("max_prompt_bytes and max_messages must be >= 1")
 
     def check(self, request: GenerationRequest, max_model_len: int) -> None:
-        """Raises ``InvalidArgument`` when the request's prompt is over a cap."""
+        """Raises ``InvalidArgument`` when the request's prompt is over a cap or is not
+        valid Unicode (a lone surrogate, which JSON can carry and UTF-8 cannot)."""
         if request.prompt is not None:
             self._check_bytes("prompt", [request.prompt])
         if request.chat is not None:
@@ -64,3 +65,10 @@ class PromptLimits:
             sum(len(t.encode("utf-8", errors="surrogatepass")) for t in texts)
         if size > self.max_prompt_bytes:
             raise InvalidArgument(f"{field} is over the limit of {self.max_prompt_bytes} bytes (UTF-8)")
+        for text in texts:  # JSON may carry a lone surrogate ("\ud800"): no tokenizer takes it
+            if not text.isascii():
+                try:
+                    text.encode("utf-8")
+                except UnicodeEncodeError as exc:
+                    raise InvalidArgument(f"{field} is not valid Unicode: a lone surrogate at character "
+                                          f"{exc.start}") from None

@@ -24,6 +24,7 @@ Policies (documented in docs/api.md):
   (unless ``ignore_eos``) and ``stop_token_ids`` cannot be sampled or stop.
 * ``n`` in [1, MAX_N]: choices generated from one prompt; with a seed, choice
   ``i`` uses ``seed + i`` (vLLM's rule).
+* ``seed`` an int64 (and ``seed + n - 1`` too); stop strings valid Unicode.
 * ``logprobs`` / ``prompt_logprobs`` in [0, MAX_LOGPROBS] or None (off): the top-k
   entries per generated / prompt position, besides the chosen token's own
   logprob, from the model's raw distribution (``log_softmax`` of the logits
@@ -46,6 +47,7 @@ MAX_STOP_STRINGS = 16
 MAX_STOP_STRING_CHARS = 256
 MAX_STOP_TOKEN_IDS = 64
 MAX_N = 16
+INT64_MIN, INT64_MAX = -(1 << 63), (1 << 63) - 1  # the wire's seed (int64)
 MAX_LOGPROBS = 20
 MAX_PENALTY = 2.0  # |presence_penalty| and |frequency_penalty| (OpenAI's range)
 
@@ -137,7 +139,11 @@ def validate(params: SamplingParams, *, max_model_len: int, vocab_size: int) -> 
         f"stop takes at most {MAX_STOP_STRINGS} strings, got {len(params.stop)}",
     )
     for s in params.stop:
-        _check(0 < len(s) <= MAX_STOP_STRING_CHARS, f"each stop string must have 1 to {MAX_STOP_STRING_CHARS} characters")
+        _check(0 < len(s) <= MAX_STOP_STRING_CHARS,
+               f"stop strings must have 1 to {MAX_STOP_STRING_CHARS} characters each")
+        _check(_is_unicode(s), "stop strings must be valid Unicode (no lone surrogates)")
+    _check(params.seed is None or INT64_MIN <= params.seed <= INT64_MAX - (params.n - 1),
+           f"seed must be in [{INT64_MIN}, {INT64_MAX} - (n - 1)] (choice i uses seed + i), got {params.seed}")
     _check(
         len(params.stop_token_ids) <= MAX_STOP_TOKEN_IDS,
         f"stop_token_ids takes at most {MAX_STOP_TOKEN_IDS} ids, got {len(params.stop_token_ids)}",
@@ -146,6 +152,15 @@ def validate(params: SamplingParams, *, max_model_len: int, vocab_size: int) -> 
         _check(0 <= tid < vocab_size, f"stop_token_ids entry {tid} is outside the vocabulary [0, {vocab_size})")
     _validate_extras(params)
     return replace(params, top_k=0) if params.top_k == -1 else params
+
+
+def _is_unicode(text: str) -> bool:
+    """False for a string holding a lone surrogate (JSON can carry one; UTF-8 cannot)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 def _validate_extras(params: SamplingParams) -> None:

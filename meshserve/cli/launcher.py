@@ -44,8 +44,10 @@ def default_threads_per_executor(executors: int) -> int:
 
 
 def port_is_free(port: int, host: str = "127.0.0.1") -> bool:
-    """True when a TCP listener could bind ``host:port`` now."""
+    """True when a TCP listener could bind ``host:port`` now (as gRPC's servers bind:
+    with SO_REUSEADDR, so the TIME-WAIT connections of a mesh just stopped do not count)."""
     with socket.socket() as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             s.bind((host, port))
         except OSError:

@@ -42,6 +42,10 @@ def check(**kwargs) -> SamplingParams:
     (dict(logprobs=-1), ["logprobs", "20"]),
     (dict(logprobs=VOCAB), ["logprobs", "20"]),
     (dict(prompt_logprobs=21), ["prompt_logprobs", "20"]),
+    (dict(seed=1 << 63), ["seed must be in [-9223372036854775808, 9223372036854775807 - (n - 1)]"]),
+    (dict(seed=-(1 << 63) - 1), ["seed must be in"]),
+    (dict(seed=(1 << 63) - 1, n=2), ["seed must be in", "got 9223372036854775807"]),  # choice 1: seed + 1
+    (dict(stop=("\ud800",)), ["stop strings must be valid Unicode (no lone surrogates)"]),
 ])
 def test_invalid_values_name_the_field_and_the_limit(kwargs, needles):
     with pytest.raises(InvalidArgument) as info:
@@ -53,7 +57,9 @@ def test_invalid_values_name_the_field_and_the_limit(kwargs, needles):
 def test_valid_edges_pass():
     for kwargs in (dict(min_p=0.0), dict(min_p=1.0), dict(repetition_penalty=1e-3), dict(presence_penalty=-2.0),
                    dict(frequency_penalty=2.0), dict(max_tokens=8, min_tokens=8), dict(n=1), dict(n=MAX_N),
-                   dict(logprobs=0), dict(logprobs=MAX_LOGPROBS), dict(prompt_logprobs=0)):
+                   dict(logprobs=0), dict(logprobs=MAX_LOGPROBS), dict(prompt_logprobs=0),
+                   dict(seed=(1 << 63) - 1), dict(seed=-(1 << 63)), dict(seed=(1 << 63) - 2, n=2),
+                   dict(stop=("é😀",))):
         check(**kwargs)
 
 

@@ -2,6 +2,8 @@
 ``openai`` client (status and body) and raw ``httpx`` (headers, bodies the client
 would refuse to send)."""
 
+import json
+
 import httpx2 as httpx
 import openai
 import pytest
@@ -90,6 +92,23 @@ async def test_huge_fields_are_400_naming_field_and_cap(http_mesh, field, value,
                             json={"model": SERVED, "prompt": "Hi", field: value})
     error = _check_shape(r, 400, "invalid_value", field)
     assert cap in error["message"]
+    assert engine.num_steps == steps
+
+
+@pytest.mark.parametrize("field,value,param", [("prompt", "\ud800", "prompt"), ("stop", ["\ud800"], "stop"),
+                                               ("seed", 1 << 63, "seed")])
+async def test_lone_surrogates_and_out_of_range_seeds_are_400(http_mesh, field, value, param):
+    """JSON can carry what the wire cannot: a lone surrogate ("\\ud800") in a prompt or
+    stop string, a seed past int64. Each is 400 (was 500), and the executor does no work."""
+    engine = http_mesh.engines[0]
+    steps = engine.num_steps
+    body = {"model": SERVED, "prompt": "Hi", "max_tokens": 1, field: value}
+    async with httpx.AsyncClient(base_url=http_mesh.http_url) as http:
+        r = await http.post("/v1/completions", headers={"authorization": f"Bearer {KEY_A}",
+                                                        "content-type": "application/json"},
+                            content=json.dumps(body).encode())  # json.dumps escapes the surrogate
+    error = _check_shape(r, 400, "invalid_value", param)
+    assert "Unicode" in error["message"] or "seed must be in" in error["message"]
     assert engine.num_steps == steps
 
 
