@@ -182,12 +182,12 @@ def test_a_late_fetch_is_given_up_and_recomputed(engines, tokenizer):
     recomputes the prompt, with A's tokens."""
     a, b = engines
     p = prompt_of(tokenizer, PROMPT_LEN, "late")
-    DelayingServicer.get_delay_s = STALL_S
     shared = Shared(KVStore(memory_bytes=64 << 20), a, b, servicer_cls=DelayingServicer)
     now = [1000.0]
     try:
         cold, *_ = run_one(a, "a-1", p)
         shared.flush()
+        DelayingServicer.get_delay_s = STALL_S  # only B's fetch stalls (A's own lookup would wait its deadline)
         b.batch_scheduler.clock = lambda: now[0]
         b.add_request("b-1", p, SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True))
         assert b.step() == [] and b.last_step_was_empty   # waiting for the fetch
