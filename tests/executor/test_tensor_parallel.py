@@ -57,13 +57,15 @@ async def test_killed_rank_ends_requests_with_unavailable_and_the_other_ranks_ex
     from executor.server import start_executor
     from meshserve.client import channel
     from meshserve.v1 import common_pb2, executor_pb2, executor_pb2_grpc
+    from tests.support.leases import standalone_lease
 
     path = save_tiny(tmp_path / "llama", "llama", 1)  # 6 heads, 1 KV head: 3 ranks
     engine = LLMEngine(parallel_config(str(path), 3, num_blocks=64, max_model_len=256))
     group = engine.worker_group
     svc, async_engine, _ = await start_executor(engine, 0)
     try:
-        request = executor_pb2.ExecuteRequest(request_id="long", prompt_token_ids=[5, 6, 7])
+        request = executor_pb2.ExecuteRequest(request_id="long", prompt_token_ids=[5, 6, 7], tenant="default",
+                                              lease=standalone_lease(svc, "long"))
         request.sampling.CopyFrom(common_pb2.SamplingParams(max_tokens=240, temperature=0.0, ignore_eos=True))
         async with channel(svc.address) as ch:
             call = executor_pb2_grpc.ExecutorStub(ch).Execute(request)

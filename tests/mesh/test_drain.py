@@ -28,7 +28,7 @@ async def test_draining_executor_finishes_in_flight_work_and_new_requests_go_els
             in_flight = asyncio.create_task(generate(m.stub, build_request(PROMPT, **GREEDY), timeout=600))
             await held  # x has run the first step of the request and is held before the next
             svc_y, async_y, link_y = await start_executor(engine_y, 0, scheduler_address=m.scheduler.address,
-                                                          executor_id="executor-1")
+                                                          executor_id="executor-1", tls=m.tls("executor"))
             m.executors.append((svc_y, async_y, link_y))
             draining = asyncio.create_task(drain(svc_x, svc_x.servicer, link_x, grace_s=600.0))
             await wait_for_condition(link_x.drain_acked.is_set, 60, "drain acknowledged")

@@ -151,8 +151,9 @@ async def test_a_sigtermed_gateway_hands_its_tasks_over(mesh, survivor, redis_ur
         await finish_on(survivor, handles, refs, ended, "SIGTERM")
     finally:
         await doomed.stop()
+    core = mesh.scheduler.servicer.core  # the stopping gateway's leases are released (or expire)
+    await wait_for_condition(lambda: core.num_leases() == 0, timeout_s=120, what="the stopped gateway's leases")
     await mesh.wait_idle()
-    assert mesh.scheduler.servicer.core.num_leases() == 0  # the stopping gateway released its leases
 
 
 async def test_a_task_callback_is_delivered_once_signed(mesh, survivor, receiver):

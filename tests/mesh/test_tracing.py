@@ -10,6 +10,7 @@ import pytest_asyncio
 
 from kvstore.store import KVStore
 from meshserve.client import build_request, generate, get_task, submit_task
+from meshserve.request_ids import scoped_request_id
 from meshserve.telemetry import memory_exporter
 from meshserve.v1 import gateway_pb2
 from tests.support.engines import make_engine
@@ -135,7 +136,9 @@ async def test_one_trace_across_all_services_through_hits_misses_preemption_and_
         assert root.name == f"text_completion {model}" and root.attributes["meshserve.request_id"] == request_id
         for s in spans:   # the engine's and the executor's spans name the request too
             if "meshserve.request_id" in s.attributes:
-                assert s.attributes["meshserve.request_id"] in (request_id, f"{request_id}#0"), s.name
+                scoped = scoped_request_id("default", request_id)  # the executor's id of the request
+                assert s.attributes["meshserve.request_id"] in (request_id, f"{request_id}#0", scoped,
+                                                                f"{scoped}#0"), s.name
         by_name: dict[str, list] = {}
         for s in spans:
             by_name.setdefault(s.name, []).append(s)
