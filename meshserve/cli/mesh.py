@@ -17,7 +17,8 @@ from typing import TYPE_CHECKING, Optional
 
 import typer
 
-from meshserve.cli.options import (ChatTemplateOpt, InsecureOpt, OtlpOpt, ResultCacheSizeOpt, SampleOpt,
+from meshserve.cli.options import (ChatTemplateOpt, ExecutorCapacityOpt, InsecureOpt, OtlpOpt, PlannerIntervalOpt,
+                                   PlannerSeasonOpt, ResultCacheSizeOpt, SampleOpt, ScaleDownCooldownOpt,
                                    ServedModelNameOpt, TaskStoreOpt, TLSCAOpt, TLSCertOpt, TLSKeyOpt, TokenizerOpt,
                                    TracesOpt, export_trace_settings, parse_bytes, tls_settings)
 
@@ -124,14 +125,10 @@ def up(
     task_store: str = TaskStoreOpt,
     autoscale: Optional[str] = typer.Option(None, "--autoscale", help="MIN..MAX: start and drain executor processes "
                                             "as the scheduler's planner says (--executors is then MIN)."),
-    planner_interval_s: float = typer.Option(60.0, "--planner-interval-s", help="With --autoscale: the planner's "
-                                             "interval (seconds; see `meshserve scheduler`)."),
-    planner_season_s: float = typer.Option(86400.0, "--planner-season-s", help="With --autoscale: the load's "
-                                           "season (seconds)."),
-    executor_capacity: float = typer.Option(2000.0, "--executor-capacity-tokens-per-s", help="With --autoscale: "
-                                            "one executor's capacity until measured (tokens/s)."),
-    scale_down_cooldown_s: float = typer.Option(300.0, "--scale-down-cooldown-s", help="With --autoscale: seconds "
-                                                "of lower load before one executor less."),
+    planner_interval_s: float = PlannerIntervalOpt,
+    planner_season_s: float = PlannerSeasonOpt,
+    executor_capacity: float = ExecutorCapacityOpt,
+    scale_down_cooldown_s: float = ScaleDownCooldownOpt,
     traces: Optional[str] = TracesOpt, otlp_endpoint: Optional[str] = OtlpOpt,
     trace_sample_ratio: Optional[float] = SampleOpt,
     tls_dir: Optional[str] = typer.Option(None, "--tls-dir", help="Run the mesh over mutual TLS with the role "
@@ -168,10 +165,10 @@ def up(
 
             scale = parse_range(autoscale)
             executors, metrics = max(1, scale[0]), True  # the planner's metric is read from /metrics
-            planner_args = ["--planner-interval-s", str(planner_interval_s), "--planner-season-s",
-                            str(planner_season_s), "--min-executors", str(scale[0]), "--max-executors",
-                            str(scale[1]), "--executor-capacity-tokens-per-s", str(executor_capacity),
-                            "--scale-down-cooldown-s", str(scale_down_cooldown_s)]
+            planner_args = service_flags(planner_interval_s=planner_interval_s, planner_season_s=planner_season_s,
+                                         min_executors=scale[0], max_executors=scale[1],
+                                         executor_capacity_tokens_per_s=executor_capacity,
+                                         scale_down_cooldown_s=scale_down_cooldown_s)
             PlannerConfig(interval_s=planner_interval_s, season_s=planner_season_s, min_executors=scale[0],
                           max_executors=scale[1], capacity_tokens_per_s=executor_capacity,
                           scale_down_cooldown_s=scale_down_cooldown_s)  # checked here: a usage error

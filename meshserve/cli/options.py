@@ -130,3 +130,14 @@ def tls_settings(cert: Optional[str], key: Optional[str], ca: Optional[str], ins
     except ValueError as exc:
         typer.echo(f"error: {exc}", err=True)
         raise typer.Exit(2) from None
+
+# The autoscaling planner's settings: `meshserve scheduler` takes them, and `meshserve up
+# --autoscale` passes them on to its scheduler.
+PlannerIntervalOpt = typer.Option(60.0, "--planner-interval-s", help="Autoscaling planner: one load sample and "
+                                  "one decision per interval (seconds).")
+PlannerSeasonOpt = typer.Option(86400.0, "--planner-season-s", help="Planner: the load's season (a day), a "
+                                "multiple of the interval (seconds).")
+ExecutorCapacityOpt = typer.Option(2000.0, "--executor-capacity-tokens-per-s", help="Planner: one executor's "
+                                   "capacity until measured (tokens/s).")
+ScaleDownCooldownOpt = typer.Option(300.0, "--scale-down-cooldown-s", help="Planner: load below the count this "
+                                    "long before one executor less (seconds).")

@@ -15,8 +15,9 @@ from typing import Optional
 
 import typer
 
-from meshserve.cli.options import (ChatTemplateOpt, HealthPortOpt, HttpPortOpt, InsecureOpt, MetricsPortOpt, OtlpOpt,
-                                   ResultCacheSizeOpt, RevisionOpt, SampleOpt, ServedModelNameOpt, TaskStoreOpt,
+from meshserve.cli.options import (ChatTemplateOpt, ExecutorCapacityOpt, HealthPortOpt, HttpPortOpt, InsecureOpt,
+                                   MetricsPortOpt, OtlpOpt, PlannerIntervalOpt, PlannerSeasonOpt, ResultCacheSizeOpt,
+                                   RevisionOpt, SampleOpt, ScaleDownCooldownOpt, ServedModelNameOpt, TaskStoreOpt,
                                    TLSCAOpt, TLSCertOpt, TLSKeyOpt, TokenizerOpt, TracesOpt, export_trace_settings,
                                    is_address, parse_bytes, serve, setup_logging, tls_settings)
 
@@ -61,20 +62,16 @@ def scheduler(
     health_port: Optional[int] = HealthPortOpt,
     tls_cert: Optional[str] = TLSCertOpt, tls_key: Optional[str] = TLSKeyOpt, tls_ca: Optional[str] = TLSCAOpt,
     insecure: bool = InsecureOpt,
-    planner_interval_s: float = typer.Option(60.0, "--planner-interval-s", help="Autoscaling planner: one load "
-                                             "sample and one decision per interval (seconds)."),
-    planner_season_s: float = typer.Option(86400.0, "--planner-season-s", help="Planner: the load's season "
-                                           "(a day), a multiple of the interval (seconds)."),
+    planner_interval_s: float = PlannerIntervalOpt,
+    planner_season_s: float = PlannerSeasonOpt,
     min_executors: int = typer.Option(1, "--min-executors", min=0, help="Planner: fewest executors desired."),
     max_executors: int = typer.Option(8, "--max-executors", min=1, help="Planner: most executors desired."),
-    executor_capacity: float = typer.Option(2000.0, "--executor-capacity-tokens-per-s", help="Planner: one "
-                                            "executor's capacity until measured (tokens/s)."),
+    executor_capacity: float = ExecutorCapacityOpt,
     cold_start_s: float = typer.Option(60.0, "--cold-start-s", help="Planner: an executor's cold start until "
                                        "measured (seconds)."),
     target_utilization: float = typer.Option(0.8, "--target-utilization", help="Planner: fraction of capacity "
                                              "planned for."),
-    scale_down_cooldown_s: float = typer.Option(300.0, "--scale-down-cooldown-s", help="Planner: load below the "
-                                                "count this long before one executor less (seconds)."),
+    scale_down_cooldown_s: float = ScaleDownCooldownOpt,
     no_forecast: bool = typer.Option(False, "--no-forecast", help="Planner: reactive only (no Holt-Winters)."),
     log_level: str = typer.Option("info"),
 ) -> None:
