@@ -29,10 +29,6 @@ def control_ids(tokenizer) -> frozenset[int]:
 @pytest.fixture(scope="session")
 def redis_url():
     """The URL of a redis-server started for this test session (skips when not installed)."""
-    from tests.support.redis_server import redis_server
+    from tests.support.redis_server import redis_url_or_skip
 
-    try:
-        with redis_server() as url:
-            yield url
-    except FileNotFoundError as exc:
-        pytest.skip(str(exc))
+    yield from redis_url_or_skip()

@@ -18,7 +18,7 @@ from gateway.server import start_gateway
 from gateway.tenants import TenantRegistry
 from meshserve.client import build_request, channel, generate
 from meshserve.v1 import gateway_pb2_grpc
-from tests.support.redis_server import redis_server
+from tests.support.redis_server import redis_url_or_skip
 
 pytestmark = pytest.mark.model
 
@@ -42,11 +42,7 @@ result_cache_scope = "group-ac"
 
 @pytest.fixture(scope="module")
 def redis_url():
-    try:
-        with redis_server() as url:
-            yield url
-    except FileNotFoundError as exc:
-        pytest.skip(str(exc))
+    yield from redis_url_or_skip()
 
 
 @pytest_asyncio.fixture(scope="module")

@@ -28,7 +28,7 @@ from meshserve.grpc_server import wait_serving
 from meshserve.v1 import gateway_pb2, gateway_pb2_grpc
 from tests.support.http_receiver import Receiver
 from tests.support.mesh_harness import StepGate, wait_for_condition
-from tests.support.redis_server import free_port, redis_server
+from tests.support.redis_server import free_port, redis_url_or_skip
 from tests.support.tls import role_tls
 
 pytestmark = pytest.mark.model
@@ -39,11 +39,7 @@ SECRET = b"durable-test-secret"
 
 @pytest.fixture(scope="module")
 def redis_url():
-    try:
-        with redis_server() as url:
-            yield url
-    except FileNotFoundError as exc:
-        pytest.skip(str(exc))
+    yield from redis_url_or_skip()
 
 
 def tls_flags(role: str) -> list[str]:

@@ -14,6 +14,8 @@ import time
 from contextlib import contextmanager
 from typing import Iterator
 
+import pytest
+
 
 def free_port() -> int:
     """A TCP port free on 127.0.0.1 right now."""
@@ -76,3 +78,13 @@ def redis_server(timeout_s: float = 10.0, _process: bool = False) -> Iterator[st
         proc.send_signal(signal.SIGCONT)
         proc.terminate()
         proc.wait(timeout=10)
+
+
+def redis_url_or_skip() -> Iterator[str]:
+    """For a fixture (``yield from``): the URL of a redis-server started for it, stopped
+    afterwards; skips the test when redis-server is not installed."""
+    try:
+        with redis_server() as url:
+            yield url
+    except FileNotFoundError as exc:
+        pytest.skip(str(exc))
