@@ -59,16 +59,18 @@ class PromptLimits:
                                   f"{max_model_len} (prompt + at least 1 output token)")
 
     def _check_bytes(self, field: str, texts: list[str]) -> None:
-        chars = sum(len(t) for t in texts)
-        # a character is 1 to 4 UTF-8 bytes: encode only when the count of characters cannot decide
-        size = chars if chars > self.max_prompt_bytes or 4 * chars <= self.max_prompt_bytes else \
-            sum(len(t.encode("utf-8", errors="surrogatepass")) for t in texts)
+        over = f"{field} is over the limit of {self.max_prompt_bytes} bytes (UTF-8)"
+        if sum(len(t) for t in texts) > self.max_prompt_bytes:  # a character is 1 to 4 UTF-8 bytes
+            raise InvalidArgument(over)
+        size = 0
+        for text in texts:  # encoded once: its size, and JSON's lone surrogates ("\ud800") no tokenizer takes
+            if text.isascii():
+                size += len(text)
+                continue
+            try:
+                size += len(text.encode("utf-8"))
+            except UnicodeEncodeError as exc:
+                raise InvalidArgument(f"{field} is not valid Unicode: a lone surrogate at character "
+                                      f"{exc.start}") from None
         if size > self.max_prompt_bytes:
-            raise InvalidArgument(f"{field} is over the limit of {self.max_prompt_bytes} bytes (UTF-8)")
-        for text in texts:  # JSON may carry a lone surrogate ("\ud800"): no tokenizer takes it
-            if not text.isascii():
-                try:
-                    text.encode("utf-8")
-                except UnicodeEncodeError as exc:
-                    raise InvalidArgument(f"{field} is not valid Unicode: a lone surrogate at character "
-                                          f"{exc.start}") from None
+            raise InvalidArgument(over)
