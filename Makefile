@@ -34,7 +34,7 @@ up: $(STAMP)
 	$(BIN)/meshserve up
 
 test: $(STAMP) tools
-	$(BIN)/python -m pytest -q tests
+	$(BIN)/python -m pytest -q --durations=40 tests
 
 protos: $(STAMP)
 	$(BIN)/python -m meshserve.gen_protos

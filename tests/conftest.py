@@ -19,6 +19,17 @@ from meshserve.telemetry import setup_tracing  # noqa: E402
 setup_tracing("tests", "memory")
 
 
+@pytest.fixture(autouse=True)
+def restore_torch_threads():
+    """Puts torch's thread count back after each test: an engine built with
+    ``num_threads`` (``torch.set_num_threads``) changes it for the whole process,
+    and every later test would run on that many cores."""
+    threads = torch.get_num_threads()
+    yield
+    if torch.get_num_threads() != threads:
+        torch.set_num_threads(threads)
+
+
 @pytest.fixture(scope="session")
 def default_model_files():
     """The default model's cached safetensors folder (converted from GGUF once)."""

@@ -98,12 +98,13 @@ async def test_the_health_port_follows_the_service_from_start_to_stop():
     assert err.value.code() == grpc.StatusCode.UNAVAILABLE
 
 
-def test_without_a_health_port_there_is_no_second_server():
+async def test_without_a_health_port_there_is_no_second_server():
     svc = Service("meshserve.v1.KVStore", 0, tls=role_tls("kvstore"))
     assert (svc.health_server, svc.health_address) == (None, None)
 
 
-def test_a_busy_health_port_is_refused_naming_the_flag():
+async def test_a_busy_health_port_is_refused_naming_the_flag():
+    """(async: a grpc.aio server is made in the running event loop)"""
     with socket.socket() as busy:
         busy.bind(("127.0.0.1", 0))
         busy.listen()

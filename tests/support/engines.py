@@ -17,5 +17,4 @@ def make_engine(**overrides) -> LLMEngine:
         enable_chunked_prefill=overrides.pop("enable_chunked_prefill", True),
     )
     overrides.setdefault("max_model_len", 1024)  # keeps limit tests (C11) fast on a CPU
-    overrides.setdefault("num_threads", 1)  # as an executor on a 2-core host: decodes in the CPU attention kernel
     return LLMEngine(EngineConfig(model="default", dtype="float32", cache=cache, batch=batch, **overrides))
