@@ -220,6 +220,10 @@ class Mesh:
         c = self.config
         if c.port and not port_is_free(c.port):
             raise OSError(f"port {c.port} on 127.0.0.1 is in use (another meshserve up?); choose one with --port")
+        http_port = c.http_port if c.http_port is not None else _last_value(c.gateway_args, "--http-port")
+        if http_port and not port_is_free(int(http_port)):  # checked now, not after the model loads
+            raise OSError(f"HTTP port {http_port} on 127.0.0.1 is in use (another meshserve up?); "
+                          "choose one with --http-port")
         if c.tls_dir is not None and not has_certs(c.tls_dir):
             write_certs(c.tls_dir)  # raises ValueError on a directory with a CA but missing role files
         try:

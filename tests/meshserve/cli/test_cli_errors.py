@@ -63,6 +63,18 @@ def test_up_on_a_busy_port_is_one_line(tmp_path):
     assert result.output.strip() == f"error: port {port} on 127.0.0.1 is in use (another meshserve up?); choose one with --port"
 
 
+def test_up_on_a_busy_http_port_is_one_line_before_anything_starts(tmp_path):
+    """The HTTP port is checked with the gRPC port, not after the executor loaded its model."""
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        result = runner.invoke(app, ["up", "--port", "0", "--http-port", str(port)])
+    assert result.exit_code == 1
+    assert result.output.strip() == (f"error: HTTP port {port} on 127.0.0.1 is in use (another meshserve up?); "
+                                     "choose one with --http-port")
+
+
 @pytest.mark.parametrize(
     "args,message",
     [
