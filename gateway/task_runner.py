@@ -38,6 +38,16 @@ a task's work again from its stored record):
   task the old holder's writes are refused, so there is one final state, one
   result and one ``on_final`` call (its callback) per task, whoever ran it.
 
+**Durable callbacks.** A final transition of a task with a callback names
+this gateway its ``callback_owner`` with a lease (``lease_s``); ``on_final``
+delivers it while the heartbeat renews that lease (``TaskStore.claim_callback``).
+A gateway that dies mid-delivery leaves the callback ``pending``: once its
+lease lapses, another gateway's takeover loop claims it
+(``TaskStore.claimable_callbacks``) and calls ``on_final`` again, which POSTs
+it anew (the receiver deduplicates by task id). A stopping gateway hands its
+deliveries back (unowned) so another one takes them at once. Only a runner
+with ``delivers_callbacks`` claims deliveries.
+
 Why not arq or taskiq: both are at-least-once job queues whose workers import
 the job's function and (arq by default) pickle its arguments; neither fences a
 stale worker's completion by an attempt number, and neither knows that a task
@@ -59,7 +69,7 @@ import uuid
 from dataclasses import dataclass, replace
 from typing import Awaitable, Callable
 
-from gateway.task_store import UNFINISHED, TaskRecord, TaskState, TaskStore
+from gateway.task_store import FINISHED, UNFINISHED, TaskRecord, TaskState, TaskStore
 from meshserve.errors import MeshError, NotFound, Unavailable
 
 log = logging.getLogger(__name__)
@@ -128,12 +138,15 @@ class TaskRunner:
         retry_backoff_s: the first retry's delay; each next one doubles (seconds).
         resume: builds a task's work from its record; None: no retries, no takeover.
         on_final: awaited (in the background) with the record of each final
-            transition this runner made (the callback delivery).
+            transition this runner made (the callback delivery), and of each
+            pending callback it took over from a dead gateway.
+        delivers_callbacks: whether this gateway delivers callbacks (claims them).
     """
 
     def __init__(self, store: TaskStore, clock: Callable[[], float] = time.time, heartbeat_s: float = 1.0, *,
                  owner: str | None = None, lease_s: float = 10.0, claim_poll_s: float = 1.0, max_attempts: int = 3,
-                 retry_backoff_s: float = 0.5, resume: Resume | None = None, on_final: OnFinal | None = None):
+                 retry_backoff_s: float = 0.5, resume: Resume | None = None, on_final: OnFinal | None = None,
+                 delivers_callbacks: bool = True):
         if not lease_s > heartbeat_s > 0 or max_attempts < 1:
             raise ValueError(f"need lease_s > heartbeat_s > 0 and max_attempts >= 1, got {lease_s}, {heartbeat_s}, "
                              f"{max_attempts}")
@@ -142,8 +155,9 @@ class TaskRunner:
         self.heartbeat_s, self.lease_s, self.claim_poll_s = heartbeat_s, lease_s, claim_poll_s
         self.owner = owner or f"gateway-{uuid.uuid4().hex[:12]}"
         self.max_attempts, self.retry_backoff_s = max_attempts, retry_backoff_s
-        self.resume, self.on_final = resume, on_final
+        self.resume, self.on_final, self.delivers_callbacks = resume, on_final, delivers_callbacks
         self._running: dict[str, _Running] = {}
+        self._delivering: dict[str, asyncio.Task] = {}  # task id -> its callback delivery (held here)
         self._finals: set[asyncio.Task] = set()
         self._loops: list[asyncio.Task] = []
         self._closing = False
@@ -193,7 +207,8 @@ class TaskRunner:
             try:
                 await self.store.transition(task_id, UNFINISHED, TaskState.FAILED, fence=1, owner="",
                                             finished_at=self.clock(), error_code="UNAVAILABLE",
-                                            error_message="its submit failed: the task store did not answer")
+                                            error_message="its submit failed: the task store did not answer",
+                                            callback_state="failed", callback_error="its submit failed")
                 return
             except MeshError:
                 await asyncio.sleep(self.heartbeat_s)
@@ -219,7 +234,7 @@ class TaskRunner:
         if record.state.finished:
             return record
         cancelled = await self.store.transition(task_id, UNFINISHED, TaskState.CANCELLED, finished_at=self.clock(),
-                                                owner="", queue_position=-1)
+                                                owner="", queue_position=-1, **self._callback_claim())
         if cancelled is not None:
             self._final(cancelled)
         self._cancel(task_id)
@@ -237,9 +252,16 @@ class TaskRunner:
             running.hand_back = self.store.shared
             self._cancel(task_id)
         await asyncio.gather(*tasks, return_exceptions=True)
+        delivering = list(self._delivering)
         for task in list(self._finals):
             task.cancel()
         await asyncio.gather(*self._finals, return_exceptions=True)
+        for task_id in delivering if self.store.shared else ():  # another gateway delivers them at once
+            try:
+                await self.store.transition(task_id, FINISHED, None, callback_fence=self.owner, callback_owner="",
+                                            callback_lease_until=0.0)
+            except MeshError as exc:
+                log.warning("task %s: callback not handed back (its lease will lapse): %s", task_id, exc)
 
     def _launch(self, task_id: str, attempt: int, work: Work) -> None:
         running = _Running(None, attempt, asyncio.Lock())  # type: ignore[arg-type]
@@ -345,19 +367,30 @@ class TaskRunner:
         """The final transition (a no-op when the task already ended or another attempt
         owns it); the one that succeeds hands the record to ``on_final``."""
         record = await self._write(task_id, running, UNFINISHED, state, finished_at=self.clock(), owner="",
-                                   queue_position=-1, **changes)
+                                   queue_position=-1, **changes, **self._callback_claim())
         if record is not None:
             self._final(record)
 
-    def _final(self, record: TaskRecord) -> None:
-        if self.on_final is not None:
-            self._background(self.on_final(record), f"task {record.task_id} final")
+    def _callback_claim(self) -> dict:
+        """The fields of a final transition that make this gateway its callback's deliverer."""
+        if not self.delivers_callbacks:
+            return {}
+        return {"callback_owner": self.owner, "callback_lease_until": self.clock() + self.lease_s}
 
-    def _background(self, coro, name: str) -> None:
+    def _final(self, record: TaskRecord) -> None:
+        if self.on_final is None:
+            return
+        task = self._background(self.on_final(record), f"task {record.task_id} final")
+        if record.callback_pending and record.callback_owner == self.owner:
+            self._delivering[record.task_id] = task
+            task.add_done_callback(lambda _t, task_id=record.task_id: self._delivering.pop(task_id, None))
+
+    def _background(self, coro, name: str) -> asyncio.Task:
         """Runs ``coro`` in the background; ``close`` cancels what is left."""
         task = asyncio.create_task(coro, name=name)
         self._finals.add(task)
         task.add_done_callback(self._finals.discard)
+        return task
 
     async def _every(self, period_s: float, step: Callable[[], Awaitable[None]]) -> None:
         while not self._closing:  # also checked: a cancel inside a Redis call may come back as a ConnectionError
@@ -368,7 +401,13 @@ class TaskRunner:
                 log.warning("task store: %s", exc)
 
     async def _heartbeat(self) -> None:
-        """Renews every running task's lease; a refused renewal cancels its work."""
+        """Renews every running task's lease and every delivery's; a refused renewal
+        cancels its work (or its delivery: another gateway took it over)."""
+        now = self.clock()
+        for task_id, delivery in list(self._delivering.items()):
+            if await self.store.claim_callback(task_id, self.owner, now, self.lease_s) is None:
+                self._delivering.pop(task_id, None)
+                delivery.cancel()
         lease_until = self.clock() + self.lease_s
         for task_id, running in list(self._running.items()):
             async with running.lock:
@@ -379,7 +418,21 @@ class TaskRunner:
                     running.task.cancel()
 
     async def _take_over(self) -> None:
-        """Claims the tasks whose lease lapsed (or that were handed back) and runs them."""
+        """Claims the tasks whose lease lapsed (or that were handed back) and runs them;
+        then the pending callbacks whose delivery lease lapsed, and delivers them."""
+        await self._take_over_tasks()
+        if self.delivers_callbacks and self.on_final is not None:
+            now = self.clock()
+            for task_id in await self.store.claimable_callbacks(now):
+                if self._closing or task_id in self._delivering:
+                    continue
+                record = await self.store.claim_callback(task_id, self.owner, now, self.lease_s)
+                if record is not None:
+                    log.info("task %s: callback delivery taken over (%d attempts made)", task_id,
+                             record.callback_attempts)
+                    self._final(record)
+
+    async def _take_over_tasks(self) -> None:
         now = self.clock()
         for task_id in await self.store.claimable(now):
             if self._closing or task_id in self._running:
