@@ -23,6 +23,7 @@ import logging
 import time
 import uuid
 from contextlib import aclosing
+from typing import Callable
 
 import grpc
 from opentelemetry import trace
@@ -41,7 +42,7 @@ from gateway.task_runner import TaskHooks, TaskRunner, Work
 from gateway.task_store import TaskRecord
 from gateway.tenants import Tenant, TenantRegistry
 from meshserve import trace_attributes as ta
-from meshserve.errors import InvalidArgument
+from meshserve.errors import InvalidArgument, Unavailable
 from meshserve.telemetry import context_from_grpc, record_error, tracer
 from meshserve.v1 import gateway_pb2
 
@@ -110,6 +111,7 @@ class TaskAPI:
         self.tenants = tenants
         self.runner = runner
         self.callbacks = callbacks
+        self.store_ready: Callable[[], bool] = lambda: True  # the task store answers (``TaskStoreProbe``)
         posts = Counter("meshserve_task_callback_posts", "Callback POSTs by outcome (delivered, failed)",
                         ["outcome"], registry=core.metrics.registry)
         outcomes = Counter("meshserve_task_callbacks", "Task callbacks by final outcome (delivered, failed)",
@@ -132,7 +134,8 @@ class TaskAPI:
         Raises:
             Unauthenticated, InvalidArgument, AlreadyExists: as Generate, before anything is stored.
             ResourceExhausted: the memory store is full of unfinished tasks.
-            Unavailable: the Redis store cannot be reached.
+            Unavailable: the Redis store cannot be reached (at once while the task
+                path is not ready: ``gateway.task_readiness``).
         """
         received_at = time.monotonic()
         tenant = self.tenants.authenticate(context.invocation_metadata())
@@ -151,6 +154,9 @@ class TaskAPI:
             options = SpanOptions(parent=trace.set_span_in_context(span), kind=trace.SpanKind.INTERNAL, stream=False,
                                   attributes={ta.TASK_ID: task_id})
             try:
+                if not self.store_ready():
+                    raise Unavailable("the task store does not answer; retry later (synchronous Generate still "
+                                      "serves)")
                 await self.runner.submit(record, lambda hooks: self._work(prepared, options, hooks))
             except BaseException as exc:
                 self.core.end(prepared, exc)

@@ -141,12 +141,14 @@ class TaskRunner:
             transition this runner made (the callback delivery), and of each
             pending callback it took over from a dead gateway.
         delivers_callbacks: whether this gateway delivers callbacks (claims them).
+        submit_timeout_s: the bound of a submit's store write (seconds); past it the
+            submit is UNAVAILABLE (and its record, should it land, is ended).
     """
 
     def __init__(self, store: TaskStore, clock: Callable[[], float] = time.time, heartbeat_s: float = 1.0, *,
                  owner: str | None = None, lease_s: float = 10.0, claim_poll_s: float = 1.0, max_attempts: int = 3,
                  retry_backoff_s: float = 0.5, resume: Resume | None = None, on_final: OnFinal | None = None,
-                 delivers_callbacks: bool = True):
+                 delivers_callbacks: bool = True, submit_timeout_s: float = 3.0):
         if not lease_s > heartbeat_s > 0 or max_attempts < 1:
             raise ValueError(f"need lease_s > heartbeat_s > 0 and max_attempts >= 1, got {lease_s}, {heartbeat_s}, "
                              f"{max_attempts}")
@@ -156,6 +158,7 @@ class TaskRunner:
         self.owner = owner or f"gateway-{uuid.uuid4().hex[:12]}"
         self.max_attempts, self.retry_backoff_s = max_attempts, retry_backoff_s
         self.resume, self.on_final, self.delivers_callbacks = resume, on_final, delivers_callbacks
+        self.submit_timeout_s = submit_timeout_s
         self._running: dict[str, _Running] = {}
         self._delivering: dict[str, asyncio.Task] = {}  # task id -> its callback delivery (held here)
         self._finals: set[asyncio.Task] = set()
@@ -192,7 +195,10 @@ class TaskRunner:
         self.start()
         record = replace(record, owner=self.owner, attempt=1, lease_until=self.clock() + self.lease_s)
         try:
-            await self.store.create(record)
+            try:
+                await asyncio.wait_for(self.store.create(record), self.submit_timeout_s)
+            except asyncio.TimeoutError:
+                raise Unavailable(f"the task store did not answer within {self.submit_timeout_s} s") from None
         except Unavailable:
             # the write may still land once the store answers again (it was sent): end that
             # record, so a task whose caller was told UNAVAILABLE is never run by a takeover
@@ -365,11 +371,19 @@ class TaskRunner:
 
     async def _finish(self, task_id: str, running: _Running, state: TaskState, **changes) -> None:
         """The final transition (a no-op when the task already ended or another attempt
-        owns it); the one that succeeds hands the record to ``on_final``."""
-        record = await self._write(task_id, running, UNFINISHED, state, finished_at=self.clock(), owner="",
-                                   queue_position=-1, **changes, **self._callback_claim())
-        if record is not None:
-            self._final(record)
+        owns it); the one that succeeds hands the record to ``on_final``. While the
+        store does not answer it is tried again every ``heartbeat_s`` for one
+        ``lease_s`` (the outcome is not thrown away over a short outage; past the
+        lease another gateway may run the task again, and the fence keeps one result)."""
+        for _ in range(max(1, round(self.lease_s / self.heartbeat_s))):
+            record = await self._write(task_id, running, UNFINISHED, state, finished_at=self.clock(), owner="",
+                                       queue_position=-1, **changes, **self._callback_claim())
+            if record is not None:
+                self._final(record)
+                return
+            if running.lost or self._closing:
+                return
+            await asyncio.sleep(self.heartbeat_s)
 
     def _callback_claim(self) -> dict:
         """The fields of a final transition that make this gateway its callback's deliverer."""
