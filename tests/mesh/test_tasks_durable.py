@@ -13,10 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 import signal
-import subprocess
-import sys
 import time
 
 import grpc
@@ -24,13 +21,12 @@ import pytest
 import pytest_asyncio
 
 from gateway.callbacks import verify
-from meshserve.client import build_request, channel, generate, get_task, submit_task, wait_task
-from meshserve.grpc_server import wait_serving
-from meshserve.v1 import gateway_pb2, gateway_pb2_grpc
+from meshserve.client import build_request, generate, get_task, submit_task, wait_task
+from meshserve.v1 import gateway_pb2
+from tests.support.gateway_process import GatewayProcess
 from tests.support.http_receiver import Receiver
 from tests.support.mesh_harness import StepGate, wait_for_condition
-from tests.support.redis_server import free_port, redis_url_or_skip
-from tests.support.tls import role_tls
+from tests.support.redis_server import redis_url_or_skip
 
 pytestmark = pytest.mark.model
 
@@ -41,37 +37,6 @@ SECRET = b"durable-test-secret"
 @pytest.fixture(scope="module")
 def redis_url():
     yield from redis_url_or_skip()
-
-
-def tls_flags(role: str) -> list[str]:
-    t = role_tls(role)
-    return ["--tls-cert", t.cert, "--tls-key", t.key, "--tls-ca", t.ca]
-
-
-class GatewayProcess:
-    """One ``meshserve gateway`` process and a stub of it."""
-
-    def __init__(self, scheduler: str, redis_url: str, log_path, extra: tuple[str, ...] = ()):
-        self.port = free_port()
-        self.log = open(log_path, "w")  # noqa: SIM115 - closed in stop()
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "meshserve.cli", "gateway", "--scheduler", scheduler, "--port", str(self.port),
-             "--task-store", redis_url, "--task-lease-s", str(LEASE_S), "--log-level", "warning",
-             *tls_flags("gateway"), *extra],  # the shared mesh runs mutual TLS
-            stdout=self.log, stderr=subprocess.STDOUT, env=dict(os.environ, PYTHONUNBUFFERED="1"))
-        self.channel = channel(f"127.0.0.1:{self.port}", role_tls("client"))
-        self.stub = gateway_pb2_grpc.GatewayStub(self.channel)
-
-    async def ready(self) -> GatewayProcess:
-        await wait_serving(f"127.0.0.1:{self.port}", 300, tls=role_tls("client"))
-        return self
-
-    async def stop(self) -> None:
-        await self.channel.close()
-        if self.proc.poll() is None:
-            self.proc.kill()
-        await asyncio.to_thread(self.proc.wait, 60)
-        self.log.close()
 
 
 @pytest_asyncio.fixture(scope="module")
