@@ -148,8 +148,9 @@ class RedisResultStore(ResultStore):
             self.bypassed += 1
             return failed
         try:
-            return await asyncio.wait_for(shielded(call()), self.op_timeout_s)
-        except (RedisError, asyncio.TimeoutError) as exc:
+            async with asyncio.timeout(self.op_timeout_s):  # no extra task, unlike wait_for
+                return await shielded(call())
+        except (RedisError, TimeoutError) as exc:
             self._failed(what, exc)
             return failed
 
