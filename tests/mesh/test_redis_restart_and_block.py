@@ -4,7 +4,8 @@ run it) that is restarted 3 times within 3 s, has its client connections
 killed, and then stops answering (its port blocked).
 
 Scaled down (the property is the same): the port is blocked for
-``BLOCK_S`` = 3 task leases (6 s) instead of 20 s. What 20 s exercises is a block
+``BLOCK_S`` = 3 task leases (6 s; longer if the checks made during it take
+longer) instead of 20 s. What 20 s exercises is a block
 longer than the gateway's task lease (its leases lapse, so the tasks it holds
 must be re-claimed without a second result), longer than its probe's detection
 (0.5 s polls) and longer than one Redis call's bounds; 6 s with a 2 s lease does
@@ -109,8 +110,8 @@ async def test_redis_restarts_and_a_blocked_port_lose_no_task_and_keep_generate_
                 assert (await http.get("/ready/tasks")).status_code == 503
             during = await generate(gw.stub, sync_req, timeout=30)   # synchronous Generate serves, uncached
             assert (during.token_ids, during.cached) == (sync_ref.token_ids, False)
-            assert time.monotonic() - blocked_at < BLOCK_S, "the checks outlasted the block: raise BLOCK_S"
-            await asyncio.sleep(BLOCK_S - (time.monotonic() - blocked_at))  # the block's length is the setting
+            # the block lasts BLOCK_S at least (the setting; longer when the checks above took longer)
+            await asyncio.sleep(max(0.0, BLOCK_S - (time.monotonic() - blocked_at)))
         finally:
             redis.resume()
         resumed_at = time.monotonic()
