@@ -120,10 +120,15 @@ class RedisResultStore(ResultStore):
         url: ``redis://host:port/db``.
         ttl_s: seconds an entry lives (> 0).
         lock_s: how long a computing lock lives if its leader dies (seconds).
+        op_timeout_s: one Redis call's bound (seconds): far above a healthy call on a
+            loaded machine (a false timeout costs a recomputation), far below the
+            client's own socket timeouts and retries.
+        bypass_s: after a failed call, how long the cache is skipped (seconds).
+        clock: monotonic seconds (tests pass a fake one).
     """
 
-    def __init__(self, url: str, ttl_s: float = 600.0, lock_s: float = 120.0, op_timeout_s: float = 0.5,
-                 bypass_s: float = 1.0, clock: Callable[[], float] = time.monotonic):
+    def __init__(self, url: str, ttl_s: float = 600.0, lock_s: float = 120.0, op_timeout_s: float = 2.0,
+                 bypass_s: float = 3.0, clock: Callable[[], float] = time.monotonic):
         if not ttl_s > 0 or not lock_s > 0 or not op_timeout_s > 0 or bypass_s < 0:
             raise ValueError(f"result cache TTL, lock time and call timeout must be > 0 s, got {ttl_s}, {lock_s}, "
                              f"{op_timeout_s}")
