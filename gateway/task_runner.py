@@ -58,6 +58,12 @@ smaller than an adapter over a job library would be.
 
 Tenancy: ``get`` and ``cancel`` raise ``NotFound`` for another tenant's task,
 with the same message as for an unknown one, so ids leak nothing.
+
+Length: over the 400-line guide because claims, heartbeats, takeover, retries,
+hand-back and delivery leases are one state machine over one record, whose
+interleavings (a cancel during a retry, a renewal racing a final write) are
+easier to check in one place; the callback POST itself lives in
+``gateway.callback_delivery``.
 """
 
 from __future__ import annotations
