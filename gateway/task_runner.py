@@ -170,6 +170,7 @@ class TaskRunner:
         self._finals: set[asyncio.Task] = set()
         self._loops: list[asyncio.Task] = []
         self._closing = False
+        self._stopping = asyncio.Event()  # set by close: the loops stop between steps
 
     @property
     def num_running(self) -> int:
@@ -256,7 +257,11 @@ class TaskRunner:
         """Stops claiming; every running task is handed back (shared store) or ends
         FAILED with UNAVAILABLE (memory); waits for them. Undelivered callbacks stop."""
         self._closing = True
-        for loop in self._loops:
+        # the loops end after their current step: a renewal cancelled mid-way would still
+        # land (its store call is shielded) after the hand-back below and re-own the task
+        self._stopping.set()
+        _, late = await asyncio.wait(self._loops, timeout=self.lease_s) if self._loops else ((), ())
+        for loop in late:
             loop.cancel()
         await asyncio.gather(*self._loops, return_exceptions=True)
         tasks = [r.task for r in self._running.values()]
@@ -414,7 +419,12 @@ class TaskRunner:
 
     async def _every(self, period_s: float, step: Callable[[], Awaitable[None]]) -> None:
         while not self._closing:  # also checked: a cancel inside a Redis call may come back as a ConnectionError
-            await asyncio.sleep(period_s)
+            try:
+                await asyncio.wait_for(self._stopping.wait(), period_s)  # the period, or until close
+            except asyncio.TimeoutError:
+                pass
+            if self._closing:
+                return
             try:
                 await step()
             except MeshError as exc:  # the store is down for now: keep running
