@@ -27,6 +27,14 @@ A 2xx answer delivers it; a connection error, a timeout, 408, 429 or 5xx is
 retried after ``backoff_s`` · 2^k (k = 0, 1, …), at most ``max_attempts``
 POSTs; any other answer fails it at once. A receiver verifies the signature
 over the raw body and refuses old timestamps (replays).
+
+Delivery is at least once: a POST whose answer is lost (a timeout, or the
+delivering gateway killed mid-POST, whose pending delivery another gateway then
+takes over, ``gateway.task_runner``) is sent again, with the same body (the
+task's final status; its ``callback`` field is left out, so every gateway sends
+the same bytes) and possibly the same attempt number. ``X-Meshserve-Task-Id``
+is the idempotency key: a task has one final status, so a receiver that has
+processed a task id drops any later POST of it (answering 2xx).
 """
 
 from __future__ import annotations
@@ -187,11 +195,13 @@ class CallbackSender:
         self.max_attempts, self.backoff_s, self.timeout_s, self.clock = max_attempts, backoff_s, timeout_s, clock
 
     async def deliver(self, url: str, task_id: str, body: bytes,
-                      on_attempt: Callable[[Attempt], Awaitable[None]]) -> Attempt:
+                      on_attempt: Callable[[Attempt], Awaitable[None]], first: int = 1) -> Attempt:
         """POSTs ``body`` until delivered, refused for good, or out of attempts; awaits
-        ``on_attempt`` after each POST. Returns the last attempt."""
-        attempt = Attempt(0, 0, "not attempted")
-        for number in range(1, self.max_attempts + 1):
+        ``on_attempt`` after each POST. ``first``: the first attempt's number (a
+        delivery taken over goes on from the attempts recorded). Returns the last
+        attempt (number 0, not delivered, when ``first`` is past ``max_attempts``)."""
+        attempt = Attempt(0, 0, f"gave up: {first - 1} attempts made")
+        for number in range(first, self.max_attempts + 1):
             timestamp = int(self.clock())
             headers = {"Content-Type": "application/json", "X-Meshserve-Timestamp": str(timestamp),
                        "X-Meshserve-Signature": sign(self.secret, timestamp, body), "X-Meshserve-Task-Id": task_id,

@@ -48,6 +48,7 @@ from gateway.lease_renewal import renewing
 from gateway.mesh import Admission, Assignment, MeshClient
 from gateway.metrics import GatewayMetrics, RequestMetrics
 from gateway.prompt import PromptBuilder
+from gateway.prompt_memo import PromptMemo
 from gateway.prompt_limits import PromptLimits
 from gateway.request import GenerationRequest, ModelInfo, Prepared, SpanOptions
 from gateway.result_cache import ResultCache, cache_key, is_deterministic
@@ -105,6 +106,7 @@ class GatewayCore:
         self.results = Coalescer(result_cache) if result_cache is not None else None
         self.metrics = metrics or GatewayMetrics()
         self.prompts = PromptBuilder(tokenizer)
+        self.prompt_memo = PromptMemo(self.prompts)
         self.prompt_limits = prompt_limits or PromptLimits()
         cache_salt(prefix_cache_scope, "")  # validates
         self.prefix_cache_scope = prefix_cache_scope
@@ -130,7 +132,7 @@ class GatewayCore:
         try:
             request_id = self._check_before_tokenizing(request, tenant.name)
             return self._prepare(request, request_id, tenant, priority, metrics, timer,
-                                 self.prompts.from_request(request))
+                                 self.prompt_memo.lookup(request) or self.prompt_memo.build(request))
         except BaseException as exc:
             metrics.end(time.monotonic(), exc)
             raise
@@ -143,7 +145,9 @@ class GatewayCore:
         timer, priority, metrics = self._start(request, tenant, received_at)
         try:
             request_id = self._check_before_tokenizing(request, tenant.name)
-            prompt_ids = await asyncio.to_thread(self.prompts.from_request, request)
+            prompt_ids = self.prompt_memo.lookup(request)  # a repeated prompt: no thread, no tokenizer
+            if prompt_ids is None:
+                prompt_ids = await asyncio.to_thread(self.prompt_memo.build, request)
             return self._prepare(request, request_id, tenant, priority, metrics, timer, prompt_ids)
         except BaseException as exc:
             metrics.end(time.monotonic(), exc)

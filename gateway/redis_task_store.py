@@ -10,6 +10,14 @@ gateways sharing the store agree on one owner, one attempt and one final state
 per task. A sorted set, ``meshserve:tasks:leases``, indexes the unfinished
 tasks by the end of their owner's lease (0 when unowned), so ``claimable`` is
 one ``ZRANGEBYSCORE``; it is written in the same transaction as the record.
+A second sorted set, ``meshserve:tasks:callbacks``, indexes the finished tasks
+whose callback is pending by the end of their delivery lease (0 when unowned),
+so a delivery whose gateway died is found the same way (``claimable_callbacks``).
+
+Durability across a Redis restart is Redis's own: the server must run with
+``appendonly yes`` and ``appendfsync always`` (``deploy/compose`` and
+``deploy/k8s`` ship that configuration), so an acknowledged SubmitTask's record
+survives a restart (C39).
 """
 
 from __future__ import annotations
@@ -50,6 +58,7 @@ async def shielded(coro):
     task.add_done_callback(lambda t: t.cancelled() or t.exception())
     return await asyncio.shield(task)
 LEASES_KEY = "meshserve:tasks:leases"  # sorted set: unfinished task id -> lease end (Unix s; 0: unowned)
+CALLBACKS_KEY = "meshserve:tasks:callbacks"  # sorted set: task id with a pending callback -> delivery lease end
 _FIELDS = {f.name for f in fields(TaskRecord)}
 _BYTES_FIELDS = ("result", "request")
 
@@ -120,11 +129,12 @@ class RedisTaskStore(TaskStore):
         return None if text is None else decode(text)
 
     async def transition(self, task_id: str, from_states: Iterable[TaskState], to_state: TaskState | None,
-                         fence: int | None = None, **changes) -> TaskRecord | None:
+                         fence: int | None = None, callback_fence: str | None = None,
+                         **changes) -> TaskRecord | None:
         allowed = tuple(from_states)
 
         def change(record: TaskRecord) -> TaskRecord | None:
-            if record.state not in allowed or (fence is not None and record.attempt != fence):
+            if not record.allows(allowed, fence, callback_fence):
                 return None
             return replace(record, state=to_state or record.state, **changes)
 
@@ -141,6 +151,21 @@ class RedisTaskStore(TaskStore):
     async def claimable(self, now: float, limit: int = 100) -> list[str]:
         try:
             ids = await self._redis.zrangebyscore(LEASES_KEY, "-inf", now, start=0, num=limit)
+        except RedisError as exc:
+            raise Unavailable(f"task store {self.url}: {exc}") from None
+        return [i.decode() if isinstance(i, bytes) else i for i in ids]
+
+    async def claim_callback(self, task_id: str, owner: str, now: float, lease_s: float) -> TaskRecord | None:
+        def change(record: TaskRecord) -> TaskRecord | None:
+            if not record.callback_claimable(now, owner):
+                return None
+            return replace(record, callback_owner=owner, callback_lease_until=now + lease_s)
+
+        return await shielded(self._update(task_id, change))
+
+    async def claimable_callbacks(self, now: float, limit: int = 100) -> list[str]:
+        try:
+            ids = await self._redis.zrangebyscore(CALLBACKS_KEY, "-inf", now, start=0, num=limit)
         except RedisError as exc:
             raise Unavailable(f"task store {self.url}: {exc}") from None
         return [i.decode() if isinstance(i, bytes) else i for i in ids]
@@ -163,7 +188,8 @@ class RedisTaskStore(TaskStore):
                         text = await pipe.get(key)
                         if text is None:
                             pipe.multi()
-                            pipe.zrem(LEASES_KEY, task_id)  # an unfinished record that expired
+                            pipe.zrem(LEASES_KEY, task_id)  # a record that expired
+                            pipe.zrem(CALLBACKS_KEY, task_id)
                             await pipe.execute()
                             return None
                         record = change(decode(text))
@@ -177,6 +203,11 @@ class RedisTaskStore(TaskStore):
                         else:
                             pipe.set(key, encode(record), keepttl=True)
                             pipe.zadd(LEASES_KEY, {task_id: record.lease_until if record.owner else 0.0})
+                        if record.callback_pending:
+                            pipe.zadd(CALLBACKS_KEY, {task_id: record.callback_lease_until
+                                                      if record.callback_owner else 0.0})
+                        else:
+                            pipe.zrem(CALLBACKS_KEY, task_id)
                         await pipe.execute()
                         return record
                     except WatchError:

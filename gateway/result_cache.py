@@ -23,11 +23,12 @@ and never runs anything itself.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import threading
 import time
-from dataclasses import asdict
+from dataclasses import fields
 from typing import Callable, Generic, Sequence, TypeVar
 
 from cachetools import TTLCache
@@ -55,10 +56,21 @@ def cache_key(model_id: str, revision: str, prompt_token_ids: Sequence[int], par
         params: validated sampling parameters; every field is part of the key.
         scope: who may share the entry (``Tenant.cache_scope``).
     """
-    fingerprint = f"{ModelFingerprint(model_id, revision).root_hash:x}"
-    body = json.dumps({"model": fingerprint, "prompt": list(prompt_token_ids), "sampling": asdict(params),
-                       "scope": scope}, sort_keys=True, separators=(",", ":"))
+    # the same JSON as json.dumps(asdict(params)) (every field is a scalar or a flat tuple),
+    # without asdict's recursive copy: keys stay equal to older gateways' (a shared Redis)
+    sampling = {name: getattr(params, name) for name in _SAMPLING_FIELDS}
+    body = json.dumps({"model": _fingerprint(model_id, revision), "prompt": list(prompt_token_ids),
+                       "sampling": sampling, "scope": scope}, sort_keys=True, separators=(",", ":"))
     return hashlib.sha256(body.encode()).hexdigest()
+
+
+_SAMPLING_FIELDS = tuple(f.name for f in fields(SamplingParams))
+
+
+@functools.lru_cache(maxsize=64)
+def _fingerprint(model_id: str, revision: str) -> str:
+    """The model fingerprint's root hash in hex (a gateway serves one model: computed once)."""
+    return f"{ModelFingerprint(model_id, revision).root_hash:x}"
 
 
 class ResultCache(Generic[V]):

@@ -23,7 +23,12 @@ compute (one of them leads again). Followers are answered from the cache
 (``cached`` set), exactly as a later hit would be.
 
 Redis failures never fail a request: a lookup is a miss, a store or a lock is
-skipped (logged, counted in ``errors``).
+skipped (logged, counted in ``errors``). Each Redis call is bounded by
+``op_timeout_s`` (a Redis that does not answer, e.g. a blocked port, costs a
+request at most that); after a failure the cache is bypassed outright for
+``bypass_s`` (no call is made; counted in ``bypassed``), then tried again, so
+during an outage synchronous requests run uncached at full speed and the cache
+resumes by itself once Redis answers (case C39).
 """
 
 from __future__ import annotations
@@ -31,10 +36,11 @@ from __future__ import annotations
 import abc
 import asyncio
 import logging
+import time
 import uuid
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
-from typing import AsyncIterator, Sequence
+from typing import AsyncIterator, Awaitable, Callable, Sequence
 
 from google.protobuf.message import DecodeError
 from redis.exceptions import RedisError
@@ -114,26 +120,47 @@ class RedisResultStore(ResultStore):
         url: ``redis://host:port/db``.
         ttl_s: seconds an entry lives (> 0).
         lock_s: how long a computing lock lives if its leader dies (seconds).
+        op_timeout_s: one Redis call's bound (seconds): far above a healthy call on a
+            loaded machine (a false timeout costs a recomputation), far below the
+            client's own socket timeouts and retries.
+        bypass_s: after a failed call, how long the cache is skipped (seconds).
+        clock: monotonic seconds (tests pass a fake one).
     """
 
-    def __init__(self, url: str, ttl_s: float = 600.0, lock_s: float = 120.0):
-        if not ttl_s > 0 or not lock_s > 0:
-            raise ValueError(f"result cache TTL and lock time must be > 0 s, got {ttl_s}, {lock_s}")
+    def __init__(self, url: str, ttl_s: float = 600.0, lock_s: float = 120.0, op_timeout_s: float = 2.0,
+                 bypass_s: float = 3.0, clock: Callable[[], float] = time.monotonic):
+        if not ttl_s > 0 or not lock_s > 0 or not op_timeout_s > 0 or bypass_s < 0:
+            raise ValueError(f"result cache TTL, lock time and call timeout must be > 0 s, got {ttl_s}, {lock_s}, "
+                             f"{op_timeout_s}")
         self.url, self.ttl_ms, self.lock_ms = url, max(1, int(ttl_s * 1000)), max(1, int(lock_s * 1000))
+        self.op_timeout_s, self.bypass_s, self.clock = op_timeout_s, bypass_s, clock
         self._redis = redis_client(url)
         self._unlock = self._redis.register_script(_UNLOCK)
         self.errors = 0
+        self.bypassed = 0
+        self._bypass_until = float("-inf")
 
     def _failed(self, what: str, exc: Exception) -> None:
         self.errors += 1
-        log.warning("result cache %s: %s failed (bypassed): %s", self.url, what, exc)
+        self._bypass_until = self.clock() + self.bypass_s
+        log.warning("result cache %s: %s failed (bypassed for %.1f s): %s", self.url, what, self.bypass_s,
+                    f"{type(exc).__name__}: {exc}")
+
+    async def _call(self, what: str, call: Callable[[], Awaitable], failed):
+        """``await call()`` bounded by ``op_timeout_s``; ``failed`` (and the bypass
+        window) when it fails, or at once inside the window."""
+        if self.clock() < self._bypass_until:
+            self.bypassed += 1
+            return failed
+        try:
+            async with asyncio.timeout(self.op_timeout_s):  # no extra task, unlike wait_for
+                return await shielded(call())
+        except (RedisError, TimeoutError) as exc:
+            self._failed(what, exc)
+            return failed
 
     async def _get(self, key: str) -> Choices | None:
-        try:
-            data = await shielded(self._redis.get(ENTRY_PREFIX + key))
-        except RedisError as exc:
-            self._failed("get", exc)
-            return None
+        data = await self._call("get", lambda: self._redis.get(ENTRY_PREFIX + key), None)
         if data is None:
             return None
         try:
@@ -143,30 +170,19 @@ class RedisResultStore(ResultStore):
             return None
 
     async def put(self, key: str, value: Sequence[CompletedChoice]) -> None:
-        try:
-            await shielded(self._redis.set(ENTRY_PREFIX + key, task_result(value), px=self.ttl_ms))
-        except RedisError as exc:
-            self._failed("put", exc)
+        data = task_result(value)
+        await self._call("put", lambda: self._redis.set(ENTRY_PREFIX + key, data, px=self.ttl_ms), None)
 
     async def lock(self, key: str, owner: str) -> bool:
-        try:
-            return bool(await shielded(self._redis.set(LOCK_PREFIX + key, owner, nx=True, px=self.lock_ms)))
-        except RedisError as exc:
-            self._failed("lock", exc)
-            return True  # no Redis, no one to coalesce with: compute
+        # failed: no Redis, no one to coalesce with: compute
+        return bool(await self._call("lock", lambda: self._redis.set(LOCK_PREFIX + key, owner, nx=True,
+                                                                    px=self.lock_ms), True))
 
     async def locked(self, key: str) -> bool:
-        try:
-            return bool(await shielded(self._redis.exists(LOCK_PREFIX + key)))
-        except RedisError as exc:
-            self._failed("lock check", exc)
-            return False
+        return bool(await self._call("lock check", lambda: self._redis.exists(LOCK_PREFIX + key), False))
 
     async def unlock(self, key: str, owner: str) -> None:
-        try:
-            await shielded(self._unlock(keys=[LOCK_PREFIX + key], args=[owner]))
-        except RedisError as exc:
-            self._failed("unlock", exc)
+        await self._call("unlock", lambda: self._unlock(keys=[LOCK_PREFIX + key], args=[owner]), None)
 
     async def close(self) -> None:
         await self._redis.aclose()

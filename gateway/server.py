@@ -29,11 +29,12 @@ from gateway.readiness import ReadinessProbe
 from gateway.request import ModelInfo, SpanOptions
 from gateway.result_cache import ResultCache
 from gateway.task_api import TaskAPI
+from gateway.task_readiness import TASKS_HEALTH_SERVICE, TaskStoreProbe
 from gateway.task_runner import TaskRunner
 from gateway.task_store import MemoryTaskStore
 from gateway.tenants import TenantRegistry
 from meshserve.errors import InvalidArgument
-from meshserve.grpc_server import Service
+from meshserve.grpc_server import NOT_SERVING, SERVING, Service
 from meshserve.telemetry import context_from_grpc
 from meshserve.tls import PLAINTEXT, TLSConfig
 from meshserve.v1 import gateway_pb2, gateway_pb2_grpc
@@ -96,7 +97,9 @@ async def start_gateway(
     callbacks: CallbackSender | None = None, http_port: int | None = None, health_port: int | None = None,
 ) -> Service:
     """Starts the Gateway service. Its health is SERVING while the scheduler has an
-    executor registered (``gateway.readiness``), checked every 0.5 s.
+    executor registered (``gateway.readiness``), checked every 0.5 s; the task
+    path's, ``meshserve.v1.Gateway.Tasks``, while the task store answers
+    (``gateway.task_readiness``).
 
     ``hash_block_size``: tokens per block of the prompt chain hashes sent for
     prefix-aware routing (the executors' ``block_size``; 0: none sent).
@@ -131,13 +134,21 @@ async def start_gateway(
     await servicer.readiness.check()
     servicer.readiness.start()
     task_api.runner.start()
+    store_probe = TaskStoreProbe(task_api.runner.store.check, lambda ready: service.health.set(
+        TASKS_HEALTH_SERVICE, SERVING if ready else NOT_SERVING))
+    await store_probe.check()
+    store_probe.start()
+    service.background.append(store_probe)
+    servicer.task_store_probe = store_probe
+    task_api.store_ready = lambda: store_probe.ready is not False
     service.http = None  # type: ignore[attr-defined]
     if http_port is not None:
         from gateway.http.app import create_app  # FastAPI: imported only when HTTP is served
         from gateway.http.server import HttpServer
 
         probe = servicer.readiness
-        app = create_app(core, tenants, task_api, lambda: bool(probe.ready), core.metrics.registry)
+        app = create_app(core, tenants, task_api, lambda: bool(probe.ready), core.metrics.registry,
+                         tasks_ready=task_api.store_ready)
         service.http = HttpServer(app, http_port, host)  # type: ignore[attr-defined]
         try:
             await service.http.start()

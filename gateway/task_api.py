@@ -23,25 +23,26 @@ import logging
 import time
 import uuid
 from contextlib import aclosing
+from typing import Callable
 
 import grpc
 from opentelemetry import trace
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
-from google.protobuf import json_format
 from prometheus_client import Counter
 
-from gateway.callbacks import Attempt, CallbackSender
+from gateway.callback_delivery import CallbackDelivery
+from gateway.callbacks import CallbackSender
 from gateway.collector import ChoiceCollector
 from gateway.events import Queued
 from gateway.generation import GatewayCore
 from gateway.proto_convert import request_from_proto, task_result
 from gateway.request import Prepared, SpanOptions
 from gateway.task_runner import TaskHooks, TaskRunner, Work
-from gateway.task_store import FINISHED, TaskRecord
+from gateway.task_store import TaskRecord
 from gateway.tenants import Tenant, TenantRegistry
 from meshserve import trace_attributes as ta
-from meshserve.errors import InvalidArgument, MeshError
+from meshserve.errors import InvalidArgument, Unavailable
 from meshserve.telemetry import context_from_grpc, record_error, tracer
 from meshserve.v1 import gateway_pb2
 
@@ -94,7 +95,7 @@ class TaskAPI:
     Durable tasks: the submitted ``GenerateRequest`` is stored with the task, and
     the runner's ``resume`` builds the work again from it (a retry after its
     executor went away, or a takeover after its gateway did), for the tenant the
-    record names. The runner's ``on_final`` POSTs the callback.
+    record names. The runner's ``on_final`` POSTs the callback (``gateway.callback_delivery``).
 
     Args:
         core: the gateway core that runs the tasks' generations.
@@ -110,11 +111,15 @@ class TaskAPI:
         self.tenants = tenants
         self.runner = runner
         self.callbacks = callbacks
-        runner.resume, runner.on_final = self._resume, self._on_final
-        self._posts = Counter("meshserve_task_callback_posts", "Callback POSTs by outcome (delivered, failed)",
-                              ["outcome"], registry=core.metrics.registry)
-        self._callbacks = Counter("meshserve_task_callbacks", "Task callbacks by final outcome (delivered, failed)",
-                                  ["outcome"], registry=core.metrics.registry)
+        self.store_ready: Callable[[], bool] = lambda: True  # the task store answers (``TaskStoreProbe``)
+        posts = Counter("meshserve_task_callback_posts", "Callback POSTs by outcome (delivered, failed)",
+                        ["outcome"], registry=core.metrics.registry)
+        outcomes = Counter("meshserve_task_callbacks", "Task callbacks by final outcome (delivered, failed)",
+                           ["outcome"], registry=core.metrics.registry)
+        runner.resume = self._resume
+        runner.delivers_callbacks = callbacks is not None
+        if callbacks is not None:
+            runner.on_final = CallbackDelivery(runner.store, callbacks, runner.owner, to_status, posts, outcomes)
 
     async def close(self) -> None:
         """Stops the runner (running tasks are handed back to a shared store, or end
@@ -129,7 +134,8 @@ class TaskAPI:
         Raises:
             Unauthenticated, InvalidArgument, AlreadyExists: as Generate, before anything is stored.
             ResourceExhausted: the memory store is full of unfinished tasks.
-            Unavailable: the Redis store cannot be reached.
+            Unavailable: the Redis store cannot be reached (at once while the task
+                path is not ready: ``gateway.task_readiness``).
         """
         received_at = time.monotonic()
         tenant = self.tenants.authenticate(context.invocation_metadata())
@@ -148,6 +154,9 @@ class TaskAPI:
             options = SpanOptions(parent=trace.set_span_in_context(span), kind=trace.SpanKind.INTERNAL, stream=False,
                                   attributes={ta.TASK_ID: task_id})
             try:
+                if not self.store_ready():
+                    raise Unavailable("the task store does not answer; retry later (synchronous Generate still "
+                                      "serves)")
                 await self.runner.submit(record, lambda hooks: self._work(prepared, options, hooks))
             except BaseException as exc:
                 self.core.end(prepared, exc)
@@ -203,30 +212,6 @@ class TaskAPI:
             prepared = self.core.prepare(request, tenant)
             return await self._work(prepared, options, hooks)
         return work
-
-    async def _on_final(self, record: TaskRecord) -> None:
-        """POSTs a finished task's status to its callback URL, recording each attempt."""
-        if not record.callback_url or self.callbacks is None:
-            return
-        body = json_format.MessageToJson(to_status(record), indent=None).encode()
-
-        async def on_attempt(attempt: Attempt) -> None:
-            self._posts.labels("delivered" if attempt.delivered else "failed").inc()
-            state = "delivered" if attempt.delivered else "pending"
-            try:
-                await self.runner.store.transition(record.task_id, FINISHED, None, callback_attempts=attempt.number,
-                                                   callback_state=state, callback_error=attempt.error)
-            except MeshError as exc:
-                log.warning("task %s: callback attempt %d not recorded: %s", record.task_id, attempt.number, exc)
-
-        last = await self.callbacks.deliver(record.callback_url, record.task_id, body, on_attempt)
-        self._callbacks.labels("delivered" if last.delivered else "failed").inc()
-        if not last.delivered:
-            try:
-                await self.runner.store.transition(record.task_id, FINISHED, None, callback_state="failed",
-                                                   callback_error=last.error)
-            except MeshError as exc:
-                log.warning("task %s: callback failure not recorded: %s", record.task_id, exc)
 
     async def get(self, query: gateway_pb2.TaskQuery, context: grpc.aio.ServicerContext) -> gateway_pb2.TaskStatus:
         """GetTask. Raises NotFound (unknown, expired or another tenant's), InvalidArgument (empty id)."""

@@ -38,6 +38,16 @@ a task's work again from its stored record):
   task the old holder's writes are refused, so there is one final state, one
   result and one ``on_final`` call (its callback) per task, whoever ran it.
 
+**Durable callbacks.** A final transition of a task with a callback names
+this gateway its ``callback_owner`` with a lease (``lease_s``); ``on_final``
+delivers it while the heartbeat renews that lease (``TaskStore.claim_callback``).
+A gateway that dies mid-delivery leaves the callback ``pending``: once its
+lease lapses, another gateway's takeover loop claims it
+(``TaskStore.claimable_callbacks``) and calls ``on_final`` again, which POSTs
+it anew (the receiver deduplicates by task id). A stopping gateway hands its
+deliveries back (unowned) so another one takes them at once. Only a runner
+with ``delivers_callbacks`` claims deliveries.
+
 Why not arq or taskiq: both are at-least-once job queues whose workers import
 the job's function and (arq by default) pickle its arguments; neither fences a
 stale worker's completion by an attempt number, and neither knows that a task
@@ -48,6 +58,12 @@ smaller than an adapter over a job library would be.
 
 Tenancy: ``get`` and ``cancel`` raise ``NotFound`` for another tenant's task,
 with the same message as for an unknown one, so ids leak nothing.
+
+Length: over the 400-line guide because claims, heartbeats, takeover, retries,
+hand-back and delivery leases are one state machine over one record, whose
+interleavings (a cancel during a retry, a renewal racing a final write) are
+easier to check in one place; the callback POST itself lives in
+``gateway.callback_delivery``.
 """
 
 from __future__ import annotations
@@ -59,7 +75,7 @@ import uuid
 from dataclasses import dataclass, replace
 from typing import Awaitable, Callable
 
-from gateway.task_store import UNFINISHED, TaskRecord, TaskState, TaskStore
+from gateway.task_store import FINISHED, UNFINISHED, TaskRecord, TaskState, TaskStore
 from meshserve.errors import MeshError, NotFound, Unavailable
 
 log = logging.getLogger(__name__)
@@ -128,12 +144,17 @@ class TaskRunner:
         retry_backoff_s: the first retry's delay; each next one doubles (seconds).
         resume: builds a task's work from its record; None: no retries, no takeover.
         on_final: awaited (in the background) with the record of each final
-            transition this runner made (the callback delivery).
+            transition this runner made (the callback delivery), and of each
+            pending callback it took over from a dead gateway.
+        delivers_callbacks: whether this gateway delivers callbacks (claims them).
+        submit_timeout_s: the bound of a submit's store write (seconds); past it the
+            submit is UNAVAILABLE (and its record, should it land, is ended).
     """
 
     def __init__(self, store: TaskStore, clock: Callable[[], float] = time.time, heartbeat_s: float = 1.0, *,
                  owner: str | None = None, lease_s: float = 10.0, claim_poll_s: float = 1.0, max_attempts: int = 3,
-                 retry_backoff_s: float = 0.5, resume: Resume | None = None, on_final: OnFinal | None = None):
+                 retry_backoff_s: float = 0.5, resume: Resume | None = None, on_final: OnFinal | None = None,
+                 delivers_callbacks: bool = True, submit_timeout_s: float = 3.0):
         if not lease_s > heartbeat_s > 0 or max_attempts < 1:
             raise ValueError(f"need lease_s > heartbeat_s > 0 and max_attempts >= 1, got {lease_s}, {heartbeat_s}, "
                              f"{max_attempts}")
@@ -142,11 +163,14 @@ class TaskRunner:
         self.heartbeat_s, self.lease_s, self.claim_poll_s = heartbeat_s, lease_s, claim_poll_s
         self.owner = owner or f"gateway-{uuid.uuid4().hex[:12]}"
         self.max_attempts, self.retry_backoff_s = max_attempts, retry_backoff_s
-        self.resume, self.on_final = resume, on_final
+        self.resume, self.on_final, self.delivers_callbacks = resume, on_final, delivers_callbacks
+        self.submit_timeout_s = submit_timeout_s
         self._running: dict[str, _Running] = {}
+        self._delivering: dict[str, asyncio.Task] = {}  # task id -> its callback delivery (held here)
         self._finals: set[asyncio.Task] = set()
         self._loops: list[asyncio.Task] = []
         self._closing = False
+        self._stopping = asyncio.Event()  # set by close: the loops stop between steps
 
     @property
     def num_running(self) -> int:
@@ -178,7 +202,10 @@ class TaskRunner:
         self.start()
         record = replace(record, owner=self.owner, attempt=1, lease_until=self.clock() + self.lease_s)
         try:
-            await self.store.create(record)
+            try:
+                await asyncio.wait_for(self.store.create(record), self.submit_timeout_s)
+            except asyncio.TimeoutError:
+                raise Unavailable(f"the task store did not answer within {self.submit_timeout_s} s") from None
         except Unavailable:
             # the write may still land once the store answers again (it was sent): end that
             # record, so a task whose caller was told UNAVAILABLE is never run by a takeover
@@ -193,7 +220,8 @@ class TaskRunner:
             try:
                 await self.store.transition(task_id, UNFINISHED, TaskState.FAILED, fence=1, owner="",
                                             finished_at=self.clock(), error_code="UNAVAILABLE",
-                                            error_message="its submit failed: the task store did not answer")
+                                            error_message="its submit failed: the task store did not answer",
+                                            callback_state="failed", callback_error="its submit failed")
                 return
             except MeshError:
                 await asyncio.sleep(self.heartbeat_s)
@@ -219,7 +247,7 @@ class TaskRunner:
         if record.state.finished:
             return record
         cancelled = await self.store.transition(task_id, UNFINISHED, TaskState.CANCELLED, finished_at=self.clock(),
-                                                owner="", queue_position=-1)
+                                                owner="", queue_position=-1, **self._callback_claim())
         if cancelled is not None:
             self._final(cancelled)
         self._cancel(task_id)
@@ -229,7 +257,11 @@ class TaskRunner:
         """Stops claiming; every running task is handed back (shared store) or ends
         FAILED with UNAVAILABLE (memory); waits for them. Undelivered callbacks stop."""
         self._closing = True
-        for loop in self._loops:
+        # the loops end after their current step: a renewal cancelled mid-way would still
+        # land (its store call is shielded) after the hand-back below and re-own the task
+        self._stopping.set()
+        _, late = await asyncio.wait(self._loops, timeout=self.lease_s) if self._loops else ((), ())
+        for loop in late:
             loop.cancel()
         await asyncio.gather(*self._loops, return_exceptions=True)
         tasks = [r.task for r in self._running.values()]
@@ -237,9 +269,16 @@ class TaskRunner:
             running.hand_back = self.store.shared
             self._cancel(task_id)
         await asyncio.gather(*tasks, return_exceptions=True)
+        delivering = list(self._delivering)
         for task in list(self._finals):
             task.cancel()
         await asyncio.gather(*self._finals, return_exceptions=True)
+        for task_id in delivering if self.store.shared else ():  # another gateway delivers them at once
+            try:
+                await self.store.transition(task_id, FINISHED, None, callback_fence=self.owner, callback_owner="",
+                                            callback_lease_until=0.0)
+            except MeshError as exc:
+                log.warning("task %s: callback not handed back (its lease will lapse): %s", task_id, exc)
 
     def _launch(self, task_id: str, attempt: int, work: Work) -> None:
         running = _Running(None, attempt, asyncio.Lock())  # type: ignore[arg-type]
@@ -343,32 +382,62 @@ class TaskRunner:
 
     async def _finish(self, task_id: str, running: _Running, state: TaskState, **changes) -> None:
         """The final transition (a no-op when the task already ended or another attempt
-        owns it); the one that succeeds hands the record to ``on_final``."""
-        record = await self._write(task_id, running, UNFINISHED, state, finished_at=self.clock(), owner="",
-                                   queue_position=-1, **changes)
-        if record is not None:
-            self._final(record)
+        owns it); the one that succeeds hands the record to ``on_final``. While the
+        store does not answer it is tried again every ``heartbeat_s`` for one
+        ``lease_s`` (the outcome is not thrown away over a short outage; past the
+        lease another gateway may run the task again, and the fence keeps one result)."""
+        for _ in range(max(1, round(self.lease_s / self.heartbeat_s))):
+            record = await self._write(task_id, running, UNFINISHED, state, finished_at=self.clock(), owner="",
+                                       queue_position=-1, **changes, **self._callback_claim())
+            if record is not None:
+                self._final(record)
+                return
+            if running.lost or self._closing:
+                return
+            await asyncio.sleep(self.heartbeat_s)
+
+    def _callback_claim(self) -> dict:
+        """The fields of a final transition that make this gateway its callback's deliverer."""
+        if not self.delivers_callbacks:
+            return {}
+        return {"callback_owner": self.owner, "callback_lease_until": self.clock() + self.lease_s}
 
     def _final(self, record: TaskRecord) -> None:
-        if self.on_final is not None:
-            self._background(self.on_final(record), f"task {record.task_id} final")
+        if self.on_final is None:
+            return
+        task = self._background(self.on_final(record), f"task {record.task_id} final")
+        if record.callback_pending and record.callback_owner == self.owner:
+            self._delivering[record.task_id] = task
+            task.add_done_callback(lambda _t, task_id=record.task_id: self._delivering.pop(task_id, None))
 
-    def _background(self, coro, name: str) -> None:
+    def _background(self, coro, name: str) -> asyncio.Task:
         """Runs ``coro`` in the background; ``close`` cancels what is left."""
         task = asyncio.create_task(coro, name=name)
         self._finals.add(task)
         task.add_done_callback(self._finals.discard)
+        return task
 
     async def _every(self, period_s: float, step: Callable[[], Awaitable[None]]) -> None:
         while not self._closing:  # also checked: a cancel inside a Redis call may come back as a ConnectionError
-            await asyncio.sleep(period_s)
+            try:
+                await asyncio.wait_for(self._stopping.wait(), period_s)  # the period, or until close
+            except asyncio.TimeoutError:
+                pass
+            if self._closing:
+                return
             try:
                 await step()
             except MeshError as exc:  # the store is down for now: keep running
                 log.warning("task store: %s", exc)
 
     async def _heartbeat(self) -> None:
-        """Renews every running task's lease; a refused renewal cancels its work."""
+        """Renews every running task's lease and every delivery's; a refused renewal
+        cancels its work (or its delivery: another gateway took it over)."""
+        now = self.clock()
+        for task_id, delivery in list(self._delivering.items()):
+            if await self.store.claim_callback(task_id, self.owner, now, self.lease_s) is None:
+                self._delivering.pop(task_id, None)
+                delivery.cancel()
         lease_until = self.clock() + self.lease_s
         for task_id, running in list(self._running.items()):
             async with running.lock:
@@ -379,7 +448,21 @@ class TaskRunner:
                     running.task.cancel()
 
     async def _take_over(self) -> None:
-        """Claims the tasks whose lease lapsed (or that were handed back) and runs them."""
+        """Claims the tasks whose lease lapsed (or that were handed back) and runs them;
+        then the pending callbacks whose delivery lease lapsed, and delivers them."""
+        await self._take_over_tasks()
+        if self.delivers_callbacks and self.on_final is not None:
+            now = self.clock()
+            for task_id in await self.store.claimable_callbacks(now):
+                if self._closing or task_id in self._delivering:
+                    continue
+                record = await self.store.claim_callback(task_id, self.owner, now, self.lease_s)
+                if record is not None:
+                    log.info("task %s: callback delivery taken over (%d attempts made)", task_id,
+                             record.callback_attempts)
+                    self._final(record)
+
+    async def _take_over_tasks(self) -> None:
         now = self.clock()
         for task_id in await self.store.claimable(now):
             if self._closing or task_id in self._running:

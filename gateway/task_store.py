@@ -22,7 +22,18 @@ a ``lease_until`` (Unix s) that the owner renews (``renew``, its heartbeat).
 ``claim`` takes one atomically (``attempt`` + 1, new owner and lease). Every
 write of a holder names its attempt (``transition(..., fence=N)``): once
 another gateway claimed the task, the old holder's writes are refused, so a
-task has exactly one final state and one result, whoever ran it. A finished record lives ``ttl_s`` seconds
+task has exactly one final state and one result, whoever ran it.
+
+**Callback deliveries** are claimed the same way. The final transition of a
+task with a ``callback_url`` names a ``callback_owner`` (the gateway that will
+POST it) and a ``callback_lease_until``; the owner renews it while it delivers
+(``claim_callback`` by the same owner), and writes each attempt fenced by its
+name (``transition(..., callback_fence=owner)``). A finished record whose
+callback is still ``pending`` and whose delivery lease lapsed (its gateway died
+mid-delivery) is listed by ``claimable_callbacks`` and taken over by another
+gateway with ``claim_callback``.
+
+A finished record lives ``ttl_s`` seconds
 after it finished, then it is gone (``get`` returns None); unfinished records
 never expire in memory (the gateway that runs them is alive) and live
 ``unfinished_ttl_s`` in Redis (a gateway that died mid-task leaves no record
@@ -89,6 +100,8 @@ class TaskRecord:
         callback_state: "" (none), ``pending``, ``delivered`` or ``failed``.
         callback_attempts: delivery attempts made.
         callback_error: the last delivery failure ("" when none).
+        callback_owner: the gateway delivering its callback ("" when none does).
+        callback_lease_until: that gateway's delivery lease ends (Unix s).
     """
 
     task_id: str
@@ -113,10 +126,27 @@ class TaskRecord:
     callback_state: str = ""
     callback_attempts: int = 0
     callback_error: str = ""
+    callback_owner: str = ""
+    callback_lease_until: float = 0.0
 
     def claimable(self, now: float) -> bool:
         """Unfinished and unowned, or its owner's lease lapsed by ``now`` (Unix s)."""
         return not self.state.finished and (not self.owner or self.lease_until <= now)
+
+    @property
+    def callback_pending(self) -> bool:
+        """Finished with a callback not yet delivered nor given up."""
+        return self.state.finished and bool(self.callback_url) and self.callback_state == "pending"
+
+    def callback_claimable(self, now: float, owner: str) -> bool:
+        """Its callback is pending and unowned, held by ``owner`` (a renewal), or its
+        delivery lease lapsed by ``now`` (Unix s)."""
+        return self.callback_pending and (self.callback_owner in ("", owner) or self.callback_lease_until <= now)
+
+    def allows(self, from_states: tuple[TaskState, ...], fence: int | None, callback_fence: str | None) -> bool:
+        """Whether a ``transition`` with these conditions applies to this record."""
+        return (self.state in from_states and (fence is None or self.attempt == fence)
+                and (callback_fence is None or self.callback_owner == callback_fence))
 
 
 class TaskStore(abc.ABC):
@@ -153,10 +183,12 @@ class TaskStore(abc.ABC):
 
     @abc.abstractmethod
     async def transition(self, task_id: str, from_states: Iterable[TaskState], to_state: TaskState | None,
-                         fence: int | None = None, **changes) -> TaskRecord | None:
+                         fence: int | None = None, callback_fence: str | None = None,
+                         **changes) -> TaskRecord | None:
         """Moves the record to ``to_state`` (and sets ``changes``, TaskRecord fields)
-        if its state is one of ``from_states`` and (when ``fence`` is given) its
-        attempt is still ``fence``, atomically; a final state starts its TTL.
+        if its state is one of ``from_states``, (when ``fence`` is given) its
+        attempt is still ``fence`` and (when ``callback_fence`` is given) its
+        ``callback_owner`` is still that gateway, atomically; a final state starts its TTL.
         ``to_state`` None keeps the state (an update of other fields).
 
         Returns:
@@ -176,6 +208,21 @@ class TaskStore(abc.ABC):
     @abc.abstractmethod
     async def claimable(self, now: float, limit: int = 100) -> list[str]:
         """Ids of up to ``limit`` records claimable at ``now`` (Unix s)."""
+
+    @abc.abstractmethod
+    async def claim_callback(self, task_id: str, owner: str, now: float, lease_s: float) -> TaskRecord | None:
+        """Takes (or, by its owner, renews) the delivery of a pending callback
+        (``TaskRecord.callback_claimable``): owner and lease until ``now + lease_s``, atomically.
+
+        Returns:
+            The record; None when it is gone, its callback is no longer pending, or
+            another gateway holds a live delivery lease.
+        """
+
+    @abc.abstractmethod
+    async def claimable_callbacks(self, now: float, limit: int = 100) -> list[str]:
+        """Ids of up to ``limit`` finished records whose pending callback is unowned or
+        whose delivery lease lapsed by ``now`` (Unix s)."""
 
     async def renew(self, task_id: str, owner: str, attempt: int, lease_until: float) -> bool:
         """The owner's heartbeat: extends its lease if the record is unfinished and still
@@ -234,12 +281,11 @@ class MemoryTaskStore(TaskStore):
         return self._records.get(task_id)
 
     async def transition(self, task_id: str, from_states: Iterable[TaskState], to_state: TaskState | None,
-                         fence: int | None = None, **changes) -> TaskRecord | None:
+                         fence: int | None = None, callback_fence: str | None = None,
+                         **changes) -> TaskRecord | None:
         self._expire(task_id)
         record = self._records.get(task_id)
-        if record is None or record.state not in tuple(from_states):
-            return None
-        if fence is not None and record.attempt != fence:
+        if record is None or not record.allows(tuple(from_states), fence, callback_fence):
             return None
         record = self._records[task_id] = replace(record, state=to_state or record.state, **changes)
         if record.state.finished:
@@ -256,6 +302,17 @@ class MemoryTaskStore(TaskStore):
 
     async def claimable(self, now: float, limit: int = 100) -> list[str]:
         return [t for t, r in self._records.items() if r.claimable(now)][:limit]
+
+    async def claim_callback(self, task_id: str, owner: str, now: float, lease_s: float) -> TaskRecord | None:
+        record = await self.get(task_id)
+        if record is None or not record.callback_claimable(now, owner):
+            return None
+        record = self._records[task_id] = replace(record, callback_owner=owner, callback_lease_until=now + lease_s)
+        return record
+
+    async def claimable_callbacks(self, now: float, limit: int = 100) -> list[str]:
+        return [t for t, r in self._records.items()
+                if r.callback_pending and (not r.callback_owner or r.callback_lease_until <= now)][:limit]
 
     def _expire(self, task_id: str) -> None:
         expires = self._expires.get(task_id)

@@ -7,6 +7,8 @@ route                  answer
 GET  /health           200 ``{"status": "ok"}`` while the process serves (liveness)
 GET  /ready            200 while an executor serves, else 503 (readiness, as the
                        gateway's grpc.health.v1: ``gateway.readiness``)
+GET  /ready/tasks      200 while the task store answers, else 503 (the task path's
+                       readiness: ``gateway.task_readiness``)
 GET  /metrics          the gateway's Prometheus metrics (text exposition format)
 GET  /version          ``{"version": meshserve's version}``
 /v1/models, /v1/completions, /v1/chat/completions   ``gateway.http.openai_routes``
@@ -80,7 +82,8 @@ class _TooLarge(Exception):
 
 
 def create_app(core: GatewayCore, tenants: TenantRegistry, tasks: TaskAPI, ready: Callable[[], bool],
-               registry: CollectorRegistry, max_body_bytes: int = MAX_BODY_BYTES) -> FastAPI:
+               registry: CollectorRegistry, max_body_bytes: int = MAX_BODY_BYTES,
+               tasks_ready: Callable[[], bool] = lambda: True) -> FastAPI:
     """The application over a core.
 
     Args:
@@ -90,6 +93,7 @@ def create_app(core: GatewayCore, tenants: TenantRegistry, tasks: TaskAPI, ready
         ready: True while an executor serves (``ReadinessProbe.ready``).
         registry: the Prometheus registry ``/metrics`` serves.
         max_body_bytes: a request body's most bytes.
+        tasks_ready: True while the task store answers (``TaskStoreProbe``).
     """
     app = FastAPI(title="meshserve", version=__version__, docs_url=None, redoc_url=None, openapi_url=None)
     app.include_router(OpenAIRoutes(core, tenants).router)
@@ -104,6 +108,13 @@ def create_app(core: GatewayCore, tenants: TenantRegistry, tasks: TaskAPI, ready
         if ready():
             return JSONResponse({"status": "ready"})
         return HttpError(503, "no executor serves", "service_unavailable_error", "service_unavailable",
+                         retry_after_s=1).response()
+
+    @app.get("/ready/tasks")
+    async def tasks_ready_route() -> JSONResponse:
+        if tasks_ready():
+            return JSONResponse({"status": "ready"})
+        return HttpError(503, "the task store does not answer", "service_unavailable_error", "service_unavailable",
                          retry_after_s=1).response()
 
     @app.get("/metrics")

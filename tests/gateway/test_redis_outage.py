@@ -2,7 +2,8 @@
 answers), then comes back; its client connections are killed. SubmitTask is
 UNAVAILABLE while it is gone (bounded by the store's socket timeouts), the result
 cache is bypassed, and afterwards every task is consumed and terminal, none lost
-or duplicated."""
+or duplicated; the task path's readiness probe follows Redis; an acknowledged task
+survives Redis restarts when Redis runs append-only (as deployments must)."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ import redis.asyncio as aioredis
 
 from gateway.redis_task_store import RedisTaskStore
 from gateway.result_store import Coalescer, RedisResultStore
+from gateway.task_readiness import TaskStoreProbe
 from gateway.task_runner import TaskRunner
 from gateway.task_store import TaskRecord, TaskState
 from meshserve.errors import Unavailable
@@ -82,3 +84,51 @@ async def test_redis_outage_refuses_submits_bypasses_the_cache_and_loses_no_task
     await runner.close()
     await store.close()
     await cache.close()
+
+
+async def test_the_task_path_is_not_ready_while_redis_does_not_answer_and_ready_after(redis):
+    """C39 (the readiness half): the probe reports NOT_SERVING once a ping goes
+    unanswered past its bound, SERVING once Redis answers again; only changes are reported."""
+    store = RedisTaskStore(redis.url, ttl_s=600)
+    reports = []
+
+    async def report(ready: bool) -> None:
+        reports.append(ready)
+    probe = TaskStoreProbe(store.check, report, timeout_s=0.2)
+    assert await probe.check() is True
+    redis.pause()
+    try:
+        assert await probe.check() is False
+        assert await probe.check() is False
+    finally:
+        redis.resume()
+    assert await probe.check() is True
+    assert reports == [True, False, True]
+    await store.close()
+
+
+async def test_an_acknowledged_task_survives_redis_restarts(tmp_path):
+    """C39 (the durability half): with append-only persistence and an fsync per write
+    (what the deployments ship), a task acknowledged before Redis is killed and
+    restarted three times is still there, still claimable, and runs once."""
+    try:
+        with redis_process(persist_dir=str(tmp_path)) as server:
+            store = RedisTaskStore(server.url, ttl_s=600)
+            runner = TaskRunner(store, heartbeat_s=0.05, lease_s=30.0, claim_poll_s=0.05)
+            go = asyncio.Event()
+
+            async def work(hooks) -> bytes:
+                await go.wait()
+                return b"done"
+            await runner.submit(TaskRecord("kept", "acme"), work)
+            for _ in range(3):
+                server.restart()
+            record = await store.get("kept")     # the client reconnects by itself
+            assert (record.state, record.owner, record.attempt) == (TaskState.QUEUED, runner.owner, 1)
+            go.set()
+            done = await until_final(store, "kept")
+            assert (done.state, done.result, done.attempt) == (TaskState.SUCCEEDED, b"done", 1)
+            await runner.close()
+            await store.close()
+    except FileNotFoundError as exc:
+        pytest.skip(str(exc))

@@ -84,3 +84,19 @@ def test_bad_bounds_are_invalid_arguments():
         ResultCache(0)
     with pytest.raises(InvalidArgument, match="TTL"):
         ResultCache(4, ttl_s=0.0)
+
+
+def test_the_key_is_the_documented_sha256_so_gateways_of_other_versions_share_entries():
+    """The key is SHA-256 over the canonical JSON of model fingerprint, prompt ids, every
+    sampling field (``asdict``) and scope: gateways sharing a Redis cache must agree on it."""
+    import hashlib
+    import json
+    from dataclasses import asdict
+
+    from meshserve.block_hash import ModelFingerprint
+
+    params = SamplingParams(max_tokens=9, temperature=0.0, stop=("\n", "END"), stop_token_ids=(2, 7), seed=5,
+                            logprobs=2)
+    body = json.dumps({"model": f"{ModelFingerprint('m', 'r1').root_hash:x}", "prompt": [1, 2, 3],
+                       "sampling": asdict(params), "scope": "tenant:acme"}, sort_keys=True, separators=(",", ":"))
+    assert cache_key("m", "r1", (1, 2, 3), params, scope="tenant:acme") == hashlib.sha256(body.encode()).hexdigest()

@@ -81,10 +81,40 @@ async def test_a_leader_that_stores_nothing_lets_one_follower_compute():
 
 
 async def test_an_unreachable_redis_is_bypassed():
-    store = RedisResultStore(f"redis://127.0.0.1:{free_port()}/0")
+    """C39: one failed call opens the bypass window: the rest of the request and later
+    ones make no Redis call until it ends; then Redis is tried again."""
+    now = [100.0]
+    store = RedisResultStore(f"redis://127.0.0.1:{free_port()}/0", bypass_s=1.0, clock=lambda: now[0])
     c = Coalescer(store)
     async with c.flight("k") as flight:
         assert flight.cached is None
         flight.value = CHOICES
-    assert await store.get("k") is None and store.errors >= 4 and c.computed == 1
+    assert await store.get("k") is None and c.computed == 1
+    assert (store.errors, store.bypassed) == (1, 4)      # get failed; lock, put, unlock, get bypassed
+    now[0] += 1.0                                          # the window ended: tried (and failed) again
+    assert await store.get("k") is None
+    assert (store.errors, store.bypassed) == (2, 4)
     await store.close()
+
+
+async def test_a_redis_that_does_not_answer_costs_a_call_at_most_its_timeout():
+    """C39 (a blocked port: connections accepted, nothing answered): a lookup is a miss
+    after ``op_timeout_s``, not after the client's socket timeouts and retries."""
+    from tests.support.redis_server import redis_process
+
+    try:
+        with redis_process() as redis:
+            store = RedisResultStore(redis.url, op_timeout_s=1.0)
+            await store.put("k", CHOICES)
+            redis.pause()
+            try:
+                lookup = asyncio.create_task(store.get("k"))
+                done, _ = await asyncio.wait({lookup}, timeout=3.5)   # below the socket timeout (4 s)
+                assert done and lookup.result() is None and store.errors == 1
+            finally:
+                redis.resume()
+            store._bypass_until = float("-inf")                   # the window is over
+            assert await store.get("k") == CHOICES                # the cache resumes
+            await store.close()
+    except FileNotFoundError as exc:
+        pytest.skip(str(exc))

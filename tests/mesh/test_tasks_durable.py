@@ -1,7 +1,8 @@
 """Durable tasks across gateway processes on the shared mesh, with a real redis-server:
 a gateway process SIGKILLed or SIGTERMed while it holds 8 tasks leaves them to a
 live gateway sharing the task store, which finishes each exactly once with the
-tokens of a cold run; and a callback through a real task.
+tokens of a cold run; a callback through a real task, and a callback whose gateway
+is SIGKILLed mid-POST delivered once more by the surviving gateway.
 
 The gateways are separate processes (``meshserve gateway``) dialling the shared
 in-process mesh's scheduler; the engine is held (``StepGate``) while a gateway
@@ -12,10 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 import signal
-import subprocess
-import sys
 import time
 
 import grpc
@@ -23,13 +21,12 @@ import pytest
 import pytest_asyncio
 
 from gateway.callbacks import verify
-from meshserve.client import build_request, channel, generate, get_task, submit_task, wait_task
-from meshserve.grpc_server import wait_serving
-from meshserve.v1 import gateway_pb2, gateway_pb2_grpc
+from meshserve.client import build_request, generate, get_task, submit_task, wait_task
+from meshserve.v1 import gateway_pb2
+from tests.support.gateway_process import GatewayProcess
 from tests.support.http_receiver import Receiver
 from tests.support.mesh_harness import StepGate, wait_for_condition
-from tests.support.redis_server import free_port, redis_url_or_skip
-from tests.support.tls import role_tls
+from tests.support.redis_server import redis_url_or_skip
 
 pytestmark = pytest.mark.model
 
@@ -40,37 +37,6 @@ SECRET = b"durable-test-secret"
 @pytest.fixture(scope="module")
 def redis_url():
     yield from redis_url_or_skip()
-
-
-def tls_flags(role: str) -> list[str]:
-    t = role_tls(role)
-    return ["--tls-cert", t.cert, "--tls-key", t.key, "--tls-ca", t.ca]
-
-
-class GatewayProcess:
-    """One ``meshserve gateway`` process and a stub of it."""
-
-    def __init__(self, scheduler: str, redis_url: str, log_path, extra: tuple[str, ...] = ()):
-        self.port = free_port()
-        self.log = open(log_path, "w")  # noqa: SIM115 - closed in stop()
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "meshserve.cli", "gateway", "--scheduler", scheduler, "--port", str(self.port),
-             "--task-store", redis_url, "--task-lease-s", str(LEASE_S), "--log-level", "warning",
-             *tls_flags("gateway"), *extra],  # the shared mesh runs mutual TLS
-            stdout=self.log, stderr=subprocess.STDOUT, env=dict(os.environ, PYTHONUNBUFFERED="1"))
-        self.channel = channel(f"127.0.0.1:{self.port}", role_tls("client"))
-        self.stub = gateway_pb2_grpc.GatewayStub(self.channel)
-
-    async def ready(self) -> GatewayProcess:
-        await wait_serving(f"127.0.0.1:{self.port}", 300, tls=role_tls("client"))
-        return self
-
-    async def stop(self) -> None:
-        await self.channel.close()
-        if self.proc.poll() is None:
-            self.proc.kill()
-        await asyncio.to_thread(self.proc.wait, 60)
-        self.log.close()
 
 
 @pytest_asyncio.fixture(scope="module")
@@ -172,6 +138,60 @@ async def test_a_task_callback_is_delivered_once_signed(mesh, survivor, receiver
     assert body["choices"][0]["tokenIds"] == list(status.choices[0].token_ids)
     assert (final.callback.state, final.callback.attempts, final.callback.url) == (
         gateway_pb2.CALLBACK_STATE_DELIVERED, 1, req.callback_url)
+
+
+async def test_a_callback_whose_gateway_is_killed_mid_post_is_delivered_once_more_by_another(
+        mesh, survivor, receiver, redis_url, tmp_path):
+    """The gateway POSTing a task's callback is SIGKILLed while the receiver holds its
+    POST unanswered: once its delivery lease lapses the surviving gateway takes the
+    pending delivery over and POSTs it once more (same body, valid signature); the
+    receiver, deduplicating by task id, sees one delivery; nothing is left to send."""
+    secret = tmp_path / "callback.key"
+    secret.write_bytes(SECRET)
+    receiver.received.clear()
+    receiver.hold, receiver.held, receiver.release = 1, asyncio.Event(), asyncio.Event()
+    doomed = await GatewayProcess(mesh.scheduler.address, redis_url, tmp_path / "killed-callback.log",
+                                  ("--callback-allow", receiver.url + "/hooks/", "--callback-secret-file",
+                                   str(secret))).ready()
+    try:
+        req = build_request("Say hello.", max_tokens=4, temperature=0, ignore_eos=True)
+        req.callback_url = receiver.url + "/hooks/killed"
+        handle = await submit_task(doomed.stub, req)
+        await asyncio.wait_for(receiver.held.wait(), 300)     # its POST is at the receiver, unanswered
+        doomed.proc.send_signal(signal.SIGKILL)
+        killed = time.monotonic()
+        await asyncio.to_thread(doomed.proc.wait, 60)
+        receiver.release.set()
+        status = await get_task(survivor.stub, handle.task_id)
+        assert (status.state, status.callback.state) == (gateway_pb2.TASK_STATE_SUCCEEDED,
+                                                         gateway_pb2.CALLBACK_STATE_PENDING)
+        for _ in range(60_000):                               # a hang bound, not a speed check
+            status = await get_task(survivor.stub, handle.task_id)
+            if status.callback.state != gateway_pb2.CALLBACK_STATE_PENDING:
+                break
+            await asyncio.sleep(0.01)
+        print(f"\ncallback taken over and delivered {time.monotonic() - killed:.2f} s after the kill "
+              f"(lease {LEASE_S} s)")
+    finally:
+        await doomed.stop()
+    assert (status.callback.state, status.callback.attempts, status.callback.error) == (
+        gateway_pb2.CALLBACK_STATE_DELIVERED, 1, "")
+    first, second = receiver.received                         # the held POST and exactly one more
+    assert first.body == second.body and first.path == second.path == "/hooks/killed"
+    for got in (first, second):
+        assert got.headers["x-meshserve-task-id"] == handle.task_id
+        assert verify(SECRET, got.headers["x-meshserve-timestamp"], got.body, got.headers["x-meshserve-signature"])
+    body = json.loads(second.body)
+    assert (body["taskId"], body["state"], "callback" in body) == (handle.task_id, "TASK_STATE_SUCCEEDED", False)
+    assert body["choices"][0]["tokenIds"] == list(status.choices[0].token_ids)
+    import redis.asyncio as aioredis
+
+    from gateway.redis_task_store import CALLBACKS_KEY
+    r = aioredis.from_url(redis_url)
+    try:
+        assert await r.zscore(CALLBACKS_KEY, handle.task_id) is None  # no gateway will send it again
+    finally:
+        await r.aclose()
 
 
 async def test_a_callback_outside_the_allow_list_is_refused_and_no_task_is_made(mesh, survivor, receiver, redis_url):
