@@ -40,6 +40,17 @@ reactive term alone: that is the reactive autoscaler the simulation compares.
 a smaller one only after raw has stayed below the current count for
 ``scale_down_cooldown_s`` and at least that long after the last change, and
 then one executor at a time (each further step waits another cooldown).
+
+**Idle timer from readiness** (cold starts, case C44). The scale-down timer
+runs only while more executors are *ready* (registered, not draining; from
+``observe``) than raw asks for, i.e. while a ready executor idles. While every
+ready executor is needed and the surplus of ``desired`` over raw is made of
+executors still starting, the timer is held (reset), so an executor asked for
+is never given up before it is ready: at scale-to-zero, the executor started
+for a request waits out the idle window *after* its readiness. A step down then
+removes a starting executor first (``meshserve.cli.autoscale.plan``), so the
+ready count never falls below raw. With no ``observe`` call yet (the planner
+alone) the timer is never held.
 """
 
 from __future__ import annotations
@@ -172,6 +183,7 @@ class Planner:
         self.desired = config.min_executors
         self._last_change = -math.inf
         self._below_since: float | None = None
+        self.ready: int | None = None  # ready executors at the last observe (None: never observed)
         self.last: Decision | None = None
 
     # -- observations ----------------------------------------------------------
@@ -196,6 +208,7 @@ class Planner:
         """The mesh's state at ``now``: ready executors and queued requests (called on
         every change or at least once per interval: saturation is sampled here)."""
         self._roll(now)
+        self.ready = num_executors
         self._executors = max(self._executors, num_executors)
         self._saturated = self._saturated or (num_queued > 0 and num_executors > 0)
 
@@ -275,6 +288,9 @@ class Planner:
             self._below_since = None
             if raw > self.desired:
                 self.desired, self._last_change = raw, now
+            return
+        if self.ready is not None and self.ready <= raw:
+            self._below_since = None  # no ready executor idles: the surplus is still starting (C44)
             return
         if self._below_since is None:
             self._below_since = now
