@@ -30,13 +30,15 @@ import re
 import threading
 import time
 import urllib.request
+from collections import deque
 from dataclasses import dataclass
 from typing import Callable, Collection, Mapping
 
 from meshserve.grpc_server import wait_serving
 
 DESIRED_METRIC = "meshserve_scheduler_desired_executors"
-_DESIRED_LINE = re.compile(rf"^{DESIRED_METRIC} ([0-9.eE+-]+)$", re.MULTILINE)
+LOAD_METRIC = "meshserve_scheduler_load_tokens_per_second"
+MAX_POLLS = 3600  # polls kept (the last hour at one a second)
 
 
 def parse_range(text: str) -> tuple[int, int]:
@@ -51,10 +53,16 @@ def parse_range(text: str) -> tuple[int, int]:
     return int(match[1]), int(match[2])
 
 
+def read_gauge(metrics_text: str, name: str) -> float | None:
+    """The value of an unlabelled gauge ``name`` in a Prometheus text page, or None if absent."""
+    match = re.search(rf"^{re.escape(name)} ([0-9.eE+-]+)$", metrics_text, re.MULTILINE)
+    return float(match[1]) if match else None
+
+
 def read_desired(metrics_text: str) -> int | None:
     """The desired executor count in a Prometheus text page, or None if absent."""
-    match = _DESIRED_LINE.search(metrics_text)
-    return round(float(match[1])) if match else None
+    value = read_gauge(metrics_text, DESIRED_METRIC)
+    return round(value) if value is not None else None
 
 
 def plan(desired: int, running: list[str], low: int, high: int,
@@ -84,6 +92,16 @@ class ScaleEvent:
     name: str
 
 
+@dataclass(frozen=True)
+class Poll:
+    """One read of the scheduler's metrics: the desired count and the token load of the
+    planner's last interval (tokens/s) it was decided on."""
+
+    time: float
+    desired: int
+    load_tokens_per_s: float
+
+
 class LocalAutoscaler:
     """Keeps a ``meshserve.cli.launcher.Mesh``'s executors at the planner's count (module docstring).
 
@@ -104,6 +122,7 @@ class LocalAutoscaler:
         self.start_budget_s = mesh.config.startup_timeout_s if start_budget_s is None else start_budget_s
         self.clock = clock
         self.events: list[ScaleEvent] = []
+        self.polls: deque[Poll] = deque(maxlen=MAX_POLLS)
         self.starting: dict[str, float] = {}  # executors started and not ready yet → start time
         self._watches: dict[str, asyncio.Task] = {}
         self._exiting: set[str] = set()
@@ -112,6 +131,7 @@ class LocalAutoscaler:
         self.events.append(ScaleEvent(self.clock(), kind, name))
 
     async def _read(self) -> int | None:
+        """The desired count now (None: unreadable), noted in ``polls``."""
         url = f"http://{self.mesh.metrics_addresses['scheduler']}/metrics"
 
         def get() -> str:
@@ -119,9 +139,13 @@ class LocalAutoscaler:
                 return resp.read().decode()
 
         try:
-            return read_desired(await asyncio.to_thread(get))
+            page = await asyncio.to_thread(get)
         except OSError:
             return None  # the scheduler is restarting or stopping: try again next poll
+        desired = read_desired(page)
+        if desired is not None:
+            self.polls.append(Poll(self.clock(), desired, read_gauge(page, LOAD_METRIC) or 0.0))
+        return desired
 
     async def _watch_ready(self, name: str, address: str) -> None:
         try:
