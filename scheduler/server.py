@@ -19,7 +19,10 @@ from then on nothing new is routed to it, and the scheduler answers
 ``drain_ack``; its leases stay valid until it disconnects (case C42). The
 planner (``scheduler.planner``, run by ``scheduler.planner_loop``) learns from
 every admitted request, every released lease and every executor's cold start
-(``ExecutorRegister.startup_s``).
+(``ExecutorRegister.startup_s``). With a start budget (scale to zero, case C44)
+an Admit that finds no executor waits for one to register; each waiting Admit
+call checks the budgets every ``QUEUE_UPDATE_INTERVAL_S``
+(``AdmissionCore.expire_start_waits``).
 """
 
 from __future__ import annotations

@@ -105,36 +105,47 @@ async def test_up_autoscale_adds_an_executor_as_the_load_rises_and_drains_it_aft
 @pytest.mark.model
 async def test_up_autoscale_from_zero_starts_an_executor_for_a_waiting_request(tmp_path: Path):
     """C44 for real (``up --autoscale 0..1``): the mesh starts with no executor; a request
-    waits (it is not refused), the planner asks for an executor, the autoscaler starts it,
-    and the request completes within the executor's start + 10 s; one idle window (4 s)
-    after, the executor drains and exits (0), back to zero."""
+    waits (it is not refused) and the planner asks for an executor. The autoscaler's clock
+    then jumps past its start budget (300 s) while executor-0 still loads: executor-0 is
+    declared failed, killed, and executor-1 started at the same poll. The request completes
+    within executor-1's start + 10 s; one idle window (4 s) after its readiness executor-1
+    drains and exits (0), back to zero; the killed executor is no failure of the mesh."""
     config = mesh_config(free_port(), 0, "default", "float32", "64MiB", [], None, str(tmp_path / "logs"), metrics=True)
     config.scheduler_args += ["--planner-interval-s", "1", "--planner-season-s", "3600", "--scale-down-cooldown-s",
                               "4", "--no-forecast", "--min-executors", "0", "--max-executors", "1",
-                              "--start-budget-s", "300"]
+                              "--start-budget-s", "600"]
     mesh = Mesh(config)
     await mesh.start()
     assert mesh.executor_names == []
+    skew = [0.0]
     stop = asyncio.Event()
-    scaler = LocalAutoscaler(mesh, 0, 1, poll_s=0.5, start_budget_s=300)
+    scaler = LocalAutoscaler(mesh, 0, 1, poll_s=0.5, start_budget_s=300, clock=lambda: time.monotonic() + skew[0])
     scaling = asyncio.create_task(scaler.run(stop))
+    kinds = lambda: [(e.kind, e.name) for e in scaler.events]  # noqa: E731
     try:
         async with channel(mesh.gateway_address) as ch:
-            start = time.monotonic()
-            result = await generate(gateway_pb2_grpc.GatewayStub(ch), build_request(
-                [1000 + i for i in range(20)], max_tokens=8, temperature=0.0, ignore_eos=True), timeout=600)
-            done = time.monotonic()
+            call = asyncio.create_task(generate(gateway_pb2_grpc.GatewayStub(ch), build_request(
+                [1000 + i for i in range(20)], max_tokens=8, temperature=0.0, ignore_eos=True), timeout=600))
+            await wait_for_condition(lambda: ("start", "executor-0") in kinds(), 60, "an executor asked for")
+            assert not call.done() and "executor-0" in scaler.starting  # waiting; executor-0 loading
+            skew[0] = 301.0  # past the start budget
+            await wait_for_condition(lambda: ("failed", "executor-0") in kinds(), 60, "executor-0 failed")
+            result = await call
+            done = scaler.clock()
         assert len(result.token_ids) == 8
-        await wait_for_condition(lambda: any(e.kind == "exit" for e in scaler.events), 120, "executor-0 drained")
-        when = {e.kind: e.time for e in scaler.events}
-        print(f"from zero: executor asked {when['start'] - start:.1f} s, ready {when['ready'] - start:.1f} s, "
-              f"request done {done - start:.1f} s, drained {when['drain'] - when['ready']:.1f} s after ready")
-        assert [(e.kind, e.name) for e in scaler.events] == [("start", "executor-0"), ("ready", "executor-0"),
-                                                             ("drain", "executor-0"), ("exit", "executor-0")]
-        assert done - when["start"] <= (when["ready"] - when["start"]) + 10.0
+        await wait_for_condition(lambda: ("exit", "executor-1") in kinds(), 120, "executor-1 drained")
+        assert kinds() == [("start", "executor-0"), ("failed", "executor-0"), ("start", "executor-1"),
+                           ("ready", "executor-1"), ("drain", "executor-1"), ("exit", "executor-1")]
+        when = {(e.kind, e.name): e.time for e in scaler.events}
+        start, ready = when[("start", "executor-1")], when[("ready", "executor-1")]
+        assert 0.0 <= start - when[("failed", "executor-0")] < scaler.poll_s  # replaced at the same poll
+        print(f"from zero: executor-1 ready {ready - start:.1f} s after its start, the request done "
+              f"{done - start:.1f} s after it, drained {when[('drain', 'executor-1')] - ready:.1f} s after ready")
+        assert done - start <= (ready - start) + 10.0
         # the idle window runs from readiness (registration, a moment before SERVING is seen)
-        assert when["drain"] - when["ready"] >= 3.5
-        assert mesh.exit_code("executor-0") == 0 and mesh.executor_names == [] and mesh.exited() == []
+        assert when[("drain", "executor-1")] - ready >= 3.5
+        assert mesh.exit_code("executor-1") == 0 and mesh.exit_code("executor-0") == -9
+        assert mesh.executor_names == [] and mesh.exited() == []
     finally:
         stop.set()
         await scaling
