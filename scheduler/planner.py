@@ -13,9 +13,13 @@ the requests that arrived in it) and arrival rate (requests/s) to the history
 kept.
 
 **Capacity of one executor** (tokens/s). An interval in which requests waited
-in the admission queue (the mesh was saturated) and some finished gives a
-sample: tokens served in it / (``interval_s`` × executors); the capacity is the mean of the last
-``CAPACITY_SAMPLES`` samples, ``capacity_tokens_per_s`` until there is one.
+in the admission queue at every observation (``observe``: the queue left after
+a dispatch; the mesh was saturated throughout) and some finished gives a
+sample: tokens served in it / (``interval_s`` × executors); the capacity is the
+mean of the last ``CAPACITY_SAMPLES`` samples, ``capacity_tokens_per_s`` until
+there is one. (A queue seen only for a moment, as each arrival waits for its
+dispatch, says nothing of capacity: the tokens served then are bounded by the
+arrivals, and counting such an interval would shrink the capacity to the load.)
 
 **Cold start** (seconds): the largest of the last ``COLD_START_SAMPLES``
 measured cold starts, ``cold_start_s`` until there is one.
@@ -176,7 +180,8 @@ class Planner:
         self._tokens = 0.0
         self._requests = 0
         self._served = 0.0
-        self._saturated = False
+        self._saturated = True  # every observation in this interval saw a queue (and executors)
+        self._observed = False  # some observation in this interval
         self._executors = 0
         self._capacity: deque[float] = deque(maxlen=CAPACITY_SAMPLES)
         self._cold_starts: deque[float] = deque(maxlen=COLD_START_SAMPLES)
@@ -205,12 +210,14 @@ class Planner:
             self._cold_starts.append(seconds)
 
     def observe(self, now: float, num_executors: int, num_queued: int) -> None:
-        """The mesh's state at ``now``: ready executors and queued requests (called on
-        every change or at least once per interval: saturation is sampled here)."""
+        """The mesh's state at ``now``: ready executors and requests left queued after a
+        dispatch (called on every change or at least once per interval: saturation is
+        sampled here)."""
         self._roll(now)
         self.ready = num_executors
         self._executors = max(self._executors, num_executors)
-        self._saturated = self._saturated or (num_queued > 0 and num_executors > 0)
+        self._saturated = self._saturated and num_queued > 0 and num_executors > 0
+        self._observed = True
 
     @property
     def capacity_tokens_per_s(self) -> float:
@@ -228,10 +235,10 @@ class Planner:
         while now >= self._bucket_end:
             self.tokens_history.append(self._tokens / cfg.interval_s)
             self.requests_history.append(self._requests / cfg.interval_s)
-            if self._saturated and self._executors > 0 and self._served > 0:
+            if self._observed and self._saturated and self._executors > 0 and self._served > 0:
                 self._capacity.append(self._served / (cfg.interval_s * self._executors))
             self._tokens, self._requests, self._served = 0.0, 0, 0.0
-            self._saturated, self._executors = False, 0
+            self._saturated, self._observed, self._executors = True, False, 0
             self._bucket_end += cfg.interval_s
 
     # -- the decision ----------------------------------------------------------

@@ -72,13 +72,13 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
         self._on_registry_change = on_registry_change or (lambda _n: None)
 
     def _dispatch(self) -> None:
-        self.planner_loop.observe()
         for req, lease in self.core.dispatch():
             fut = self._waiters.pop(req.request_id, None)
             if fut is None or fut.done():
                 self.core.release(lease.lease_id)
             else:
                 fut.set_result(lease)
+        self.planner_loop.observe()  # what is left queued: the planner's saturation sample
 
     def sign(self, lease: Lease, request_id: str, priority: int) -> bytes:
         """The signed lease of ``lease`` for the caller's (unscoped) ``request_id``."""

@@ -37,8 +37,8 @@ def test_up_rejects_a_bad_range_before_starting_anything():
     assert out.returncode == 2 and "MIN..MAX" in out.stderr
 
 
-RAMP_S = 40.0  # arrivals rise linearly from 0.3 to 2.5 requests/s over this, then stop
-LOW_S = 8.0  # the ramp's first seconds: at most 0.74 requests/s, under one executor's planned capacity
+RAMP_S = 40.0  # arrivals rise linearly from 0.2 to 2.5 requests/s over this, then stop
+LOW_S = 8.0  # the ramp's first seconds: at most 0.66 requests/s, under one executor's planned capacity
 PLANNER = ["--planner-interval-s", "4", "--planner-season-s", "3600", "--executor-capacity-tokens-per-s", "40",
            "--scale-down-cooldown-s", "8", "--no-forecast"]
 
@@ -48,7 +48,7 @@ async def send_ramp(stub, calls: list, start: float) -> float:
     the time of the last one (the peak)."""
     sent = 0.0
     while (elapsed := time.monotonic() - start) < RAMP_S:
-        rate = 0.3 + 2.2 * elapsed / RAMP_S
+        rate = 0.2 + 2.3 * elapsed / RAMP_S
         prompt = [1000 + (i * 7919 + len(calls) * 31) % 40000 for i in range(20)]
         calls.append(asyncio.create_task(generate(stub, build_request(prompt, max_tokens=8, temperature=0.0,
                                                                       ignore_eos=True), timeout=600)))
@@ -60,9 +60,10 @@ async def send_ramp(stub, calls: list, start: float) -> float:
 @pytest.mark.model
 async def test_up_autoscale_adds_an_executor_as_the_load_rises_and_drains_it_after_the_peak(tmp_path: Path):
     """1..2 executors, planner interval 4 s, capacity 40 tokens/s at 80 % (32 planned), reactive
-    only. Over the ramp's first 8 s (at most 3 requests of 28 tokens in an interval, plus one
-    queued prompt: 26 tokens/s) the planner wants 1; the load rises past 32 tokens/s about 15 s
-    in, and only then is a second executor asked for. It must be ready (SERVING) before the
+    only. Over the ramp's first 8 s (at most 3 requests of about 24 tokens in an interval:
+    18 tokens/s) the planner wants 1; the load rises past 32 tokens/s about 20 s in, and only
+    then is a second executor asked for (a request that waits a moment for its dispatch does
+    not count as saturation, so the capacity is not measured down to the load). It must be ready (SERVING) before the
     ramp's peak, drained after it (8 s cooldown), and exit cleanly (0); every request succeeds."""
     config = mesh_config(free_port(), 1, "default", "float32", "64MiB", [], None, str(tmp_path / "logs"), metrics=True)
     config.scheduler_args += [*PLANNER, "--min-executors", "1", "--max-executors", "2"]
