@@ -39,6 +39,13 @@ tenants it lists are admitted (PERMISSION_DENIED otherwise), a request's
 priority is clamped to its tenant's ``max_priority``, and its tenant's rate
 limits apply (RESOURCE_EXHAUSTED with the bucket's refill time as the delay).
 
+**Scale to zero** (case C44). With ``start_budget_s`` set, a request whose
+model no executor serves is queued instead of refused: it waits for an executor
+to start and register (the planner counts it as queued load, so one is asked
+for). ``expire_start_waits`` ends each request that has found no executor of its
+model for ``start_budget_s`` (UNAVAILABLE: the executor did not start in time),
+and each that the executors which came cannot hold (INVALID_ARGUMENT).
+
 **Lease lifetime.** A lease expires ``lease_ttl_s`` after its assignment or its
 last ``renew`` (the gateway renews while it streams). ``expire_leases`` releases
 each expired lease that its executor does not list in its last report (the
@@ -99,6 +106,9 @@ class SchedulerConfig:
             registry: nothing is routed to an unreachable executor (seconds).
         lease_ttl_s: a lease not renewed this long, and not listed by its
             executor, is released (seconds; module docstring).
+        start_budget_s: scale to zero: how long a request waits for an executor
+            of its model to register when none does (seconds; module
+            docstring); None: UNAVAILABLE at once.
         tenant_limits: tenant → its limits (``scheduler.tenant_limits``); None:
             any tenant is admitted, unlimited (the core's tests); the
             ``meshserve scheduler`` command always sets it (the tenants file,
@@ -120,6 +130,7 @@ class SchedulerConfig:
     executor_timeout_s: float = 3.0
     lease_ttl_s: float = 10.0
     tenant_limits: Mapping[str, TenantLimits] | None = None
+    start_budget_s: float | None = None
 
 
 @dataclass
@@ -143,6 +154,7 @@ class AdmissionRequest:
     cost: float = 0.0  # num_prompt_tokens + n * predicted_output_tokens (tokens)
     predicted_output_tokens: int = 0
     prediction_level: str = ""  # the predictor level that answered (``prior``: re-asked at dispatch)
+    no_executor_since: float | None = None  # when it last found no executor of its model (scale to zero)
 
     @property
     def queued_tokens(self) -> int:
@@ -182,7 +194,7 @@ class AdmissionCore:
         """Queues a request; returns the lower-priority requests it displaced.
 
         Raises:
-            Unavailable: no executor serves its model.
+            Unavailable: no executor serves its model (and no ``start_budget_s``).
             InvalidArgument: no executor could ever hold it (prompt longer than
                 max_model_len or than a whole KV cache).
             ResourceExhausted: the queue is full (count or tokens) and nothing of
@@ -196,20 +208,13 @@ class AdmissionCore:
         if req.request_id in self._queue or req.request_id in self._leased_request_ids:
             raise AlreadyExists(f"request_id {req.request_id!r} is already queued or running")
         executors = self.placer.executors_for(req)
-        if not executors:
-            what = f"model {req.model!r}" if req.model else "any model"
-            pools = ""
-            if self.config.pools is not None:
-                pools = f" in pool {self.config.pools.pool_of(req.priority)!r} or its spill targets"
-            raise Unavailable(f"no executor is serving {what}{pools}")
-        fitting = [e for e in executors if fits_ever(e, req)]
-        if not fitting:
-            limit = max(min(e.max_model_len, e.num_blocks * e.block_size) for e in executors)
-            raise InvalidArgument(
-                f"prompt has {req.num_prompt_tokens} tokens; the largest executor holds "
-                f"{limit - 1} prompt tokens (max_model_len and KV cache size)"
-            )
-        self._check_quota_alone(req, fitting)
+        if not executors and self.config.start_budget_s is None:
+            raise Unavailable(f"no executor is serving {self._what(req)}")
+        if executors:
+            self._check_fits(req, executors)
+        else:
+            req.no_executor_since = self._clock()  # scale to zero: waits for one to start
+        self._check_quota_alone(req, [e for e in executors if fits_ever(e, req)])
         self.rates.check(req.tenant, req.num_prompt_tokens * max(1, req.n), self._clock())
         displaced = self._make_room(req)
         self.rates.admit(req.tenant, req.num_prompt_tokens * max(1, req.n), self._clock())
@@ -219,6 +224,49 @@ class AdmissionCore:
         self._queue[req.request_id] = req
         self._queued_tokens += req.queued_tokens
         return displaced
+
+    def _what(self, req: AdmissionRequest) -> str:
+        """``model 'x' in pool 'p' or its spill targets``: what no executor serves."""
+        what = f"model {req.model!r}" if req.model else "any model"
+        if self.config.pools is not None:
+            what += f" in pool {self.config.pools.pool_of(req.priority)!r} or its spill targets"
+        return what
+
+    @staticmethod
+    def _check_fits(req: AdmissionRequest, executors: list[ExecutorState]) -> None:
+        """Raises InvalidArgument if none of ``executors`` (non-empty) could ever hold ``req``."""
+        if not any(fits_ever(e, req) for e in executors):
+            limit = max(min(e.max_model_len, e.num_blocks * e.block_size) for e in executors)
+            raise InvalidArgument(
+                f"prompt has {req.num_prompt_tokens} tokens; the largest executor holds "
+                f"{limit - 1} prompt tokens (max_model_len and KV cache size)"
+            )
+
+    def expire_start_waits(self) -> list[tuple[AdmissionRequest, Exception]]:
+        """Scale to zero (module docstring): removes each queued request that has found
+        no executor of its model for ``start_budget_s`` (with Unavailable) or that the
+        executors of its model cannot hold (InvalidArgument; ResourceExhausted: more
+        blocks than its tenant's quota); returns them with the error."""
+        budget, now = self.config.start_budget_s, self._clock()
+        out: list[tuple[AdmissionRequest, Exception]] = []
+        for req in list(self._queue.values()):
+            executors = self.placer.executors_for(req)
+            if executors:
+                req.no_executor_since = None
+                try:
+                    self._check_fits(req, executors)
+                    self._check_quota_alone(req, [e for e in executors if fits_ever(e, req)])
+                except (InvalidArgument, ResourceExhausted) as exc:
+                    out.append((req, exc))
+                continue
+            if req.no_executor_since is None:
+                req.no_executor_since = now  # its executors left: it waits for new ones
+            if budget is not None and now - req.no_executor_since >= budget:
+                out.append((req, Unavailable(
+                    f"no executor of {self._what(req)} was ready within the start budget of {budget:g} s")))
+        for req, _ in out:
+            self._remove(req.request_id)
+        return out
 
     def _tenant_limits(self, tenant: str) -> TenantLimits:
         """The tenant's limits (none when no limits are configured).
@@ -241,6 +289,8 @@ class AdmissionCore:
 
     def _check_quota_alone(self, req: AdmissionRequest, fitting: list[ExecutorState]) -> None:
         cap = self.quotas.limit(req.tenant)
+        if not fitting:
+            return  # no executor yet (scale to zero): checked when one registers
         need = min(blocks_needed(e, req) for e in fitting)
         if cap is not None and need > cap:
             raise ResourceExhausted(

@@ -18,6 +18,7 @@ meshserve_scheduler_predictor_observed_total     counter    finished choices the
 meshserve_scheduler_predictor_abs_error_tokens   gauge      mean |predicted − actual| output tokens
 meshserve_scheduler_desired_executors            gauge      the planner's executor count (KEDA/HPA
                                                             scale on it; ``scheduler.planner``)
+meshserve_scheduler_load_tokens_per_second       gauge      the last planner interval's token load
 meshserve_scheduler_forecast_tokens_per_second   gauge      largest forecast token load in the lead
 meshserve_scheduler_forecast_requests_per_second gauge      largest forecast arrival rate in the lead
 meshserve_scheduler_executor_capacity_tokens_per_second  gauge  one executor's measured capacity
@@ -123,6 +124,8 @@ class SchedulerMetrics(Collector):
             return
         yield GaugeMetricFamily("meshserve_scheduler_desired_executors", "Executors the planner wants now "
                                 "(forecast led by the cold start, reactive floor, stabilized).", value=decision.desired)
+        yield GaugeMetricFamily("meshserve_scheduler_load_tokens_per_second", "Token load of the planner's last "
+                                "closed interval (what the reactive floor sizes).", value=decision.load_tokens_per_s)
         yield GaugeMetricFamily("meshserve_scheduler_forecast_tokens_per_second", "Largest forecast token load "
                                 "within the planner's lead (0 without a forecast).",
                                 value=decision.forecast_tokens_per_s)

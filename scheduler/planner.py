@@ -13,9 +13,13 @@ the requests that arrived in it) and arrival rate (requests/s) to the history
 kept.
 
 **Capacity of one executor** (tokens/s). An interval in which requests waited
-in the admission queue (the mesh was saturated) and some finished gives a
-sample: tokens served in it / (``interval_s`` × executors); the capacity is the mean of the last
-``CAPACITY_SAMPLES`` samples, ``capacity_tokens_per_s`` until there is one.
+in the admission queue at every observation (``observe``: the queue left after
+a dispatch; the mesh was saturated throughout) and some finished gives a
+sample: tokens served in it / (``interval_s`` × executors); the capacity is the
+mean of the last ``CAPACITY_SAMPLES`` samples, ``capacity_tokens_per_s`` until
+there is one. (A queue seen only for a moment, as each arrival waits for its
+dispatch, says nothing of capacity: the tokens served then are bounded by the
+arrivals, and counting such an interval would shrink the capacity to the load.)
 
 **Cold start** (seconds): the largest of the last ``COLD_START_SAMPLES``
 measured cold starts, ``cold_start_s`` until there is one.
@@ -40,6 +44,17 @@ reactive term alone: that is the reactive autoscaler the simulation compares.
 a smaller one only after raw has stayed below the current count for
 ``scale_down_cooldown_s`` and at least that long after the last change, and
 then one executor at a time (each further step waits another cooldown).
+
+**Idle timer from readiness** (cold starts, case C44). The scale-down timer
+runs only while more executors are *ready* (registered, not draining; from
+``observe``) than raw asks for, i.e. while a ready executor idles. While every
+ready executor is needed and the surplus of ``desired`` over raw is made of
+executors still starting, the timer is held (reset), so an executor asked for
+is never given up before it is ready: at scale-to-zero, the executor started
+for a request waits out the idle window *after* its readiness. A step down then
+removes a starting executor first (``meshserve.cli.autoscale.plan``), so the
+ready count never falls below raw. With no ``observe`` call yet (the planner
+alone) the timer is never held.
 """
 
 from __future__ import annotations
@@ -165,13 +180,15 @@ class Planner:
         self._tokens = 0.0
         self._requests = 0
         self._served = 0.0
-        self._saturated = False
+        self._saturated = True  # every observation in this interval saw a queue (and executors)
+        self._observed = False  # some observation in this interval
         self._executors = 0
         self._capacity: deque[float] = deque(maxlen=CAPACITY_SAMPLES)
         self._cold_starts: deque[float] = deque(maxlen=COLD_START_SAMPLES)
         self.desired = config.min_executors
         self._last_change = -math.inf
         self._below_since: float | None = None
+        self.ready: int | None = None  # ready executors at the last observe (None: never observed)
         self.last: Decision | None = None
 
     # -- observations ----------------------------------------------------------
@@ -193,11 +210,14 @@ class Planner:
             self._cold_starts.append(seconds)
 
     def observe(self, now: float, num_executors: int, num_queued: int) -> None:
-        """The mesh's state at ``now``: ready executors and queued requests (called on
-        every change or at least once per interval: saturation is sampled here)."""
+        """The mesh's state at ``now``: ready executors and requests left queued after a
+        dispatch (called on every change or at least once per interval: saturation is
+        sampled here)."""
         self._roll(now)
+        self.ready = num_executors
         self._executors = max(self._executors, num_executors)
-        self._saturated = self._saturated or (num_queued > 0 and num_executors > 0)
+        self._saturated = self._saturated and num_queued > 0 and num_executors > 0
+        self._observed = True
 
     @property
     def capacity_tokens_per_s(self) -> float:
@@ -215,10 +235,10 @@ class Planner:
         while now >= self._bucket_end:
             self.tokens_history.append(self._tokens / cfg.interval_s)
             self.requests_history.append(self._requests / cfg.interval_s)
-            if self._saturated and self._executors > 0 and self._served > 0:
+            if self._observed and self._saturated and self._executors > 0 and self._served > 0:
                 self._capacity.append(self._served / (cfg.interval_s * self._executors))
             self._tokens, self._requests, self._served = 0.0, 0, 0.0
-            self._saturated, self._executors = False, 0
+            self._saturated, self._observed, self._executors = True, False, 0
             self._bucket_end += cfg.interval_s
 
     # -- the decision ----------------------------------------------------------
@@ -275,6 +295,9 @@ class Planner:
             self._below_since = None
             if raw > self.desired:
                 self.desired, self._last_change = raw, now
+            return
+        if self.ready is not None and self.ready <= raw:
+            self._below_since = None  # no ready executor idles: the surplus is still starting (C44)
             return
         if self._below_since is None:
             self._below_since = now

@@ -19,7 +19,10 @@ from then on nothing new is routed to it, and the scheduler answers
 ``drain_ack``; its leases stay valid until it disconnects (case C42). The
 planner (``scheduler.planner``, run by ``scheduler.planner_loop``) learns from
 every admitted request, every released lease and every executor's cold start
-(``ExecutorRegister.startup_s``).
+(``ExecutorRegister.startup_s``). With a start budget (scale to zero, case C44)
+an Admit that finds no executor waits for one to register; each waiting Admit
+call checks the budgets every ``QUEUE_UPDATE_INTERVAL_S``
+(``AdmissionCore.expire_start_waits``).
 """
 
 from __future__ import annotations
@@ -69,13 +72,13 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
         self._on_registry_change = on_registry_change or (lambda _n: None)
 
     def _dispatch(self) -> None:
-        self.planner_loop.observe()
         for req, lease in self.core.dispatch():
             fut = self._waiters.pop(req.request_id, None)
             if fut is None or fut.done():
                 self.core.release(lease.lease_id)
             else:
                 fut.set_result(lease)
+        self.planner_loop.observe()  # what is left queued: the planner's saturation sample
 
     def sign(self, lease: Lease, request_id: str, priority: int) -> bytes:
         """The signed lease of ``lease`` for the caller's (unscoped) ``request_id``."""
@@ -95,11 +98,22 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
             self._dispatch()
 
     def _fail_orphans(self) -> None:
-        """Fails queued requests whose model no executor serves any more."""
+        """Fails queued requests whose model no executor serves any more (with a start
+        budget, scale to zero, they wait for a new one within it instead)."""
+        if self.core.config.start_budget_s is not None:
+            self._expire_start_waits()
+            return
         for req in self.core.queued():
             if not self.core.servable(req):
                 self.core.cancel(req.request_id)
                 self._fail(req.request_id, Unavailable("no executor is serving the model any more"))
+
+    def _expire_start_waits(self) -> None:
+        """Scale to zero (C44): ends the waits whose start budget ran out (UNAVAILABLE)
+        or that the executors which registered cannot hold."""
+        for req, exc in self.core.expire_start_waits():
+            log.warning("request %s: %s", req.request_id, exc)
+            self._fail(req.request_id, exc)
 
     def _fail(self, request_id: str, exc: Exception) -> None:
         """Ends a waiting Admit call with ``exc``."""
@@ -159,7 +173,8 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
                     try:
                         await asyncio.wait_for(asyncio.shield(fut), QUEUE_UPDATE_INTERVAL_S)
                     except asyncio.TimeoutError:
-                        pass
+                        if self.core.config.start_budget_s is not None:
+                            self._expire_start_waits()
                 lease = fut.result()
                 executor = self.core.registry.get(lease.executor_id)
                 queue_s = max(0.0, lease.assigned_at - req.arrival)
@@ -305,7 +320,7 @@ def _check_block_hashes(request: pb.AdmitRequest) -> None:
 async def start_scheduler(port: int, host: str = "127.0.0.1", config: SchedulerConfig | None = None,
                           kvstore_address: str | None = None, metrics_port: int | None = None,
                           tls: TLSConfig = PLAINTEXT, planner: PlannerConfig | None = None,
-                          health_port: int | None = None) -> Service:
+                          health_port: int | None = None, clock: Callable[[], float] = time.monotonic) -> Service:
     """Starts a Scheduler service on ``host:port`` (0 picks a free port); SERVING at once.
     ``tls``: its certificate (role scheduler) for its port and its kvstore channel, or plaintext.
     With ``metrics_port`` (0: a free one) it serves Prometheus metrics
@@ -319,6 +334,7 @@ async def start_scheduler(port: int, host: str = "127.0.0.1", config: SchedulerC
     follows it). ``planner``: the autoscaling planner's settings (default
     ``PlannerConfig()``); its loop runs with the service.
     ``health_port``: a plaintext health-only port (``Service``; None: none).
+    ``clock``: the admission core's and the planner's clock (seconds; tests pass a fake one).
     """
     service = Service("meshserve.v1.Scheduler", port, host, tls, health_port=health_port)
 
@@ -326,8 +342,9 @@ async def start_scheduler(port: int, host: str = "127.0.0.1", config: SchedulerC
         status = SERVING if ready_executors(servicer.core) else NOT_SERVING
         asyncio.ensure_future(service.health.set(EXECUTORS_HEALTH_SERVICE, status))
 
-    core = AdmissionCore(config)
-    servicer = SchedulerServicer(core, registry_changed, planner=Planner(planner or PlannerConfig(), start=core.clock()))
+    core = AdmissionCore(config, clock)
+    servicer = SchedulerServicer(core, registry_changed,
+                                 planner=Planner(planner or PlannerConfig(), start=core.clock()))
     scheduler_pb2_grpc.add_SchedulerServicer_to_server(servicer, service.server)
     service.servicer = servicer  # type: ignore[attr-defined]
     if kvstore_address:

@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from meshserve.certs import has_certs, write_certs
-from meshserve.grpc_server import wait_serving
+from meshserve.grpc_server import LIVENESS_SERVICE, wait_serving
 from meshserve.tls import PLAINTEXT, TLSConfig
 
 
@@ -136,6 +136,7 @@ class Mesh:
         self.http_address = ""  # host:port of the gateway's HTTP API ("" when off)
         self.executor_names: list[str] = []  # started executors, oldest first (drained ones removed)
         self.drained: set[str] = set()  # executors asked to stop (SIGTERM: they drain, then exit 0)
+        self.abandoned: set[str] = set()  # executors killed for not starting in time (replaced)
         self._kv_args: list[str] = []
         self._num_started = 0
 
@@ -199,9 +200,10 @@ class Mesh:
         """Service name → the ``meshserve`` arguments it was started with."""
         return {name: list(proc.args[3:]) for name, proc in self.procs}
 
-    async def _wait(self, name: str, address: str) -> None:
+    async def _wait(self, name: str, address: str, service: str = "") -> None:
         proc = dict(self.procs)[name]
-        task = asyncio.create_task(wait_serving(address, self.config.startup_timeout_s, tls=self.tls("client")))
+        task = asyncio.create_task(wait_serving(address, self.config.startup_timeout_s, service=service,
+                                                tls=self.tls("client")))
         while not task.done():
             if proc.poll() is not None:
                 task.cancel()
@@ -250,7 +252,8 @@ class Mesh:
             for name, address in zip(list(self.executor_names), list(self.executor_addresses)):
                 await self._wait(name, address)
             self._spawn("gateway", self._gateway_args())
-            await self._wait("gateway", self.gateway_address)
+            # with no executor (up --autoscale 0..N: scale to zero) the gateway is alive, not ready
+            await self._wait("gateway", self.gateway_address, "" if c.executors else LIVENESS_SERVICE)
         except BaseException:
             self.stop()
             raise
@@ -277,6 +280,14 @@ class Mesh:
         self.drained.add(name)
         dict(self.procs)[name].send_signal(signal.SIGTERM)
 
+    def abandon_executor(self, name: str) -> None:
+        """SIGKILL to an executor that did not start in time (it serves nothing yet);
+        its exit is not a failure of the mesh (``exited``)."""
+        i = self.executor_names.index(name)
+        del self.executor_names[i], self.executor_addresses[i]
+        self.abandoned.add(name)
+        dict(self.procs)[name].kill()
+
     def stop(self, grace_s: float = 10.0) -> None:
         """SIGTERM to every service (gateway first), SIGKILL after ``grace_s``."""
         for _, proc in reversed(self.procs):
@@ -296,6 +307,8 @@ class Mesh:
         return dict(self.procs)[name].poll()
 
     def exited(self) -> list[str]:
-        """Names of services that have exited, less drained executors that exited cleanly (0)."""
+        """Names of services that have exited, less drained executors that exited cleanly (0)
+        and abandoned ones (killed for not starting in time)."""
         return [name for name, proc in self.procs
-                if proc.poll() is not None and not (name in self.drained and proc.returncode == 0)]
+                if proc.poll() is not None and not (name in self.drained and proc.returncode == 0)
+                and name not in self.abandoned]

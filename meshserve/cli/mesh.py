@@ -129,6 +129,9 @@ def up(
     planner_season_s: float = PlannerSeasonOpt,
     executor_capacity: float = ExecutorCapacityOpt,
     scale_down_cooldown_s: float = ScaleDownCooldownOpt,
+    start_budget_s: float = typer.Option(300.0, "--start-budget-s", min=1.0, help="With --autoscale: an executor "
+                                         "not ready this long after its start is killed and replaced, and a "
+                                         "request finding no executor (MIN 0: scale to zero) waits this long."),
     traces: Optional[str] = TracesOpt, otlp_endpoint: Optional[str] = OtlpOpt,
     trace_sample_ratio: Optional[float] = SampleOpt,
     tls_dir: Optional[str] = typer.Option(None, "--tls-dir", help="Run the mesh over mutual TLS with the role "
@@ -164,11 +167,11 @@ def up(
             from scheduler.planner import PlannerConfig
 
             scale = parse_range(autoscale)
-            executors, metrics = max(1, scale[0]), True  # the planner's metric is read from /metrics
+            executors, metrics = scale[0], True  # the planner's metric is read from /metrics
             planner_args = service_flags(planner_interval_s=planner_interval_s, planner_season_s=planner_season_s,
                                          min_executors=scale[0], max_executors=scale[1],
                                          executor_capacity_tokens_per_s=executor_capacity,
-                                         scale_down_cooldown_s=scale_down_cooldown_s)
+                                         scale_down_cooldown_s=scale_down_cooldown_s, start_budget_s=start_budget_s)
             PlannerConfig(interval_s=planner_interval_s, season_s=planner_season_s, min_executors=scale[0],
                           max_executors=scale[1], capacity_tokens_per_s=executor_capacity,
                           scale_down_cooldown_s=scale_down_cooldown_s)  # checked here: a usage error
@@ -197,6 +200,7 @@ def up(
     if scale is not None:
         config.scheduler_args += planner_args
         config.autoscale = scale
+        config.startup_timeout_s = start_budget_s
     run_mesh(Mesh(config))
 
 

@@ -141,3 +141,6 @@ ExecutorCapacityOpt = typer.Option(2000.0, "--executor-capacity-tokens-per-s", h
                                    "capacity until measured (tokens/s).")
 ScaleDownCooldownOpt = typer.Option(300.0, "--scale-down-cooldown-s", help="Planner: load below the count this "
                                     "long before one executor less (seconds).")
+StartBudgetOpt = typer.Option(None, "--start-budget-s", help="Scale to zero: a request that finds no executor "
+                              "of its model waits this long for one to start and register, then UNAVAILABLE "
+                              "(seconds; default: UNAVAILABLE at once).")

@@ -91,12 +91,15 @@ def model_info(model: str | ModelSource):
 def scheduler_config(queue_policy: str = "fcfs", max_queue_wait_s: float = 30.0, max_queue_len: int = 4096,
                      max_queue_tokens: int | None = None, tenants_file: str | None = None,
                      pools_file: str | None = None, routing: RoutingConfig | None = None,
-                     kv_reservation: str = "prompt", lease_ttl_s: float = 10.0) -> SchedulerConfig:
+                     kv_reservation: str = "prompt", lease_ttl_s: float = 10.0,
+                     start_budget_s: float | None = None) -> SchedulerConfig:
     """The scheduler's ``SchedulerConfig``; tenant KV quotas, the tenants admitted, their
     priority ceilings and rate limits come from the tenants file (without one only the
     ``default`` tenant is admitted, unlimited); ``lease_ttl_s``: a lease's life unless renewed;
     pools from the pools file (``scheduler.pools``); ``routing`` is a ``RoutingConfig``;
-    ``kv_reservation`` is ``prompt`` or ``predicted`` (``scheduler.placement``).
+    ``kv_reservation`` is ``prompt`` or ``predicted`` (``scheduler.placement``);
+    ``start_budget_s``: scale to zero, how long a request waits for a first executor
+    (None: UNAVAILABLE at once).
 
     Raises:
         ValueError: a bad policy name, bound, tenants or pools file.
@@ -109,6 +112,8 @@ def scheduler_config(queue_policy: str = "fcfs", max_queue_wait_s: float = 30.0,
         raise ValueError("max_queue_len and max_queue_tokens must be >= 1")
     if lease_ttl_s <= 0:
         raise ValueError(f"lease_ttl_s must be > 0, got {lease_ttl_s}")
+    if start_budget_s is not None and start_budget_s <= 0:
+        raise ValueError(f"start_budget_s must be > 0, got {start_budget_s}")
     tenants = (TenantRegistry.from_file(tenants_file) if tenants_file else TenantRegistry.open()).tenants
     quotas = {t.name: t.kv_quota_blocks for t in tenants}
     limits = {t.name: TenantLimits(t.max_priority, t.requests_per_s, t.tokens_per_min) for t in tenants}
@@ -116,7 +121,7 @@ def scheduler_config(queue_policy: str = "fcfs", max_queue_wait_s: float = 30.0,
     return SchedulerConfig(max_queue_len=max_queue_len, max_queue_tokens=max_queue_tokens, queue_policy=queue_policy,
                            max_queue_wait_s=max_queue_wait_s, tenant_quotas=quotas, pools=pools,
                            routing=routing or RoutingConfig(), kv_reservation=kv_reservation,
-                           lease_ttl_s=lease_ttl_s, tenant_limits=limits)
+                           lease_ttl_s=lease_ttl_s, tenant_limits=limits, start_budget_s=start_budget_s)
 
 
 def _health_note(service) -> str:

@@ -17,9 +17,9 @@ import typer
 
 from meshserve.cli.options import (ChatTemplateOpt, ExecutorCapacityOpt, HealthPortOpt, HttpPortOpt, InsecureOpt,
                                    MetricsPortOpt, OtlpOpt, PlannerIntervalOpt, PlannerSeasonOpt, ResultCacheSizeOpt,
-                                   RevisionOpt, SampleOpt, ScaleDownCooldownOpt, ServedModelNameOpt, TaskStoreOpt,
-                                   TLSCAOpt, TLSCertOpt, TLSKeyOpt, TokenizerOpt, TracesOpt, export_trace_settings,
-                                   is_address, parse_bytes, serve, setup_logging, tls_settings)
+                                   RevisionOpt, SampleOpt, ScaleDownCooldownOpt, ServedModelNameOpt, StartBudgetOpt,
+                                   TaskStoreOpt, TLSCAOpt, TLSCertOpt, TLSKeyOpt, TokenizerOpt, TracesOpt,
+                                   export_trace_settings, is_address, parse_bytes, serve, setup_logging, tls_settings)
 
 PrefixCacheScopeOpt = typer.Option(
     "tenant", "--prefix-cache-scope",
@@ -73,6 +73,7 @@ def scheduler(
                                              "planned for."),
     scale_down_cooldown_s: float = ScaleDownCooldownOpt,
     no_forecast: bool = typer.Option(False, "--no-forecast", help="Planner: reactive only (no Holt-Winters)."),
+    start_budget_s: Optional[float] = StartBudgetOpt,
     log_level: str = typer.Option("info"),
 ) -> None:
     """Run the global scheduler (executor registry, admission queue, pools and routing)."""
@@ -88,7 +89,8 @@ def scheduler(
         route_cfg = RoutingConfig(routing, load_weight=routing_load_weight, balance_factor=routing_balance_factor,
                                   balance_abs_tokens=routing_balance_abs_tokens, kvstore_token_cost=kvstore_token_cost)
         config = processes.scheduler_config(queue_policy, max_queue_wait_s, max_queue_len, max_queue_tokens,
-                                            tenants, pools, route_cfg, kv_reservation, lease_ttl_s)
+                                            tenants, pools, route_cfg, kv_reservation, lease_ttl_s,
+                                            start_budget_s)
         from scheduler.planner import PlannerConfig
 
         planner = PlannerConfig(interval_s=planner_interval_s, season_s=planner_season_s,

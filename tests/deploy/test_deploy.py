@@ -196,6 +196,25 @@ def test_services_have_native_grpc_probes_on_the_health_port_tls_secret_and_conf
     assert set(by_kind(objects, "PodDisruptionBudget")) == {"executor", "gateway"}
 
 
+@pytest.mark.parametrize("overlay", ["cpu", "gpu"])
+def test_a_loading_executor_is_not_killed_by_liveness(overlay):
+    """C44 (manifests): an executor loads its model before its ports open; its startup
+    probe allows 10 minutes (the start budget: the kubelet restarts it past that) and
+    liveness is only asked after it succeeds; liveness asks ``meshserve.liveness`` (SERVING
+    from listening to stopping), readiness the overall status. The gateway, alive while it
+    waits for executors (scale to zero), is checked the same way."""
+    deployments = by_kind(render(K8S / "overlays" / overlay), "Deployment")
+    executor = deployments["executor"]["spec"]["template"]["spec"]["containers"][0]
+    startup = executor["startupProbe"]
+    assert startup["grpc"] == {"port": HEALTH_PORT}
+    assert startup["periodSeconds"] * startup["failureThreshold"] == 600
+    assert "initialDelaySeconds" not in executor["livenessProbe"]  # the startup probe gates it
+    for name in ("executor", "gateway"):
+        container = deployments[name]["spec"]["template"]["spec"]["containers"][0]
+        assert container["livenessProbe"]["grpc"] == {"port": HEALTH_PORT, "service": LIVENESS_SERVICE}
+        assert container["readinessProbe"]["grpc"] == {"port": HEALTH_PORT}
+
+
 def test_gpu_overlay_gives_executors_a_gpu_and_the_cuda_image():
     gpu = by_kind(render(K8S / "overlays" / "gpu"), "Deployment")
     cpu = by_kind(render(K8S / "overlays" / "cpu"), "Deployment")

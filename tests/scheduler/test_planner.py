@@ -101,6 +101,10 @@ def test_capacity_is_measured_in_saturated_intervals():
     assert planner.capacity_tokens_per_s == 300.0
     planner.observe(21.0, 2, 5)  # saturated, but nothing finished in it: no sample (never a capacity of 0)
     assert planner.decide(30.0).capacity_tokens_per_s == 300.0
+    planner.observe(31.0, 2, 1)  # a request waited a moment, then was dispatched: not saturated throughout
+    planner.observe(32.0, 2, 0)
+    planner.on_served(35.0, 500)  # bounded by the arrivals, not by capacity: no sample
+    assert planner.decide(40.0).capacity_tokens_per_s == 300.0
 
 
 def run_c43(loads: list[tuple[float, float]], until: float):

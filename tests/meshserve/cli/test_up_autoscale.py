@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from meshserve.cli.autoscale import LocalAutoscaler, parse_range, plan, read_desired
+from meshserve.cli.autoscale import LOAD_METRIC, LocalAutoscaler, parse_range, plan, read_desired, read_gauge
 from meshserve.cli.launcher import Mesh, free_port
 from meshserve.cli.mesh import mesh_config
 from meshserve.client import build_request, channel, generate
@@ -28,6 +28,7 @@ def test_autoscale_range_and_plan():
     assert plan(0, running, 1, 4) == (0, ["executor-2", "executor-1"])  # never below MIN
     assert read_desired("# HELP x\nmeshserve_scheduler_desired_executors 3.0\n") == 3
     assert read_desired("meshserve_scheduler_executors 1.0\n") is None
+    assert read_gauge("meshserve_scheduler_load_tokens_per_second 12.5\n", LOAD_METRIC) == 12.5
 
 
 def test_up_rejects_a_bad_range_before_starting_anything():
@@ -36,19 +37,36 @@ def test_up_rejects_a_bad_range_before_starting_anything():
     assert out.returncode == 2 and "MIN..MAX" in out.stderr
 
 
-RAMP_S = 90.0  # arrivals rise linearly from 0.5 to 3 requests/s over this, then stop
+RAMP_S = 40.0  # arrivals rise linearly from 0.2 to 2.5 requests/s over this, then stop
+LOW_S = 8.0  # the ramp's first seconds: at most 0.66 requests/s, under one executor's planned capacity
+PLANNER = ["--planner-interval-s", "4", "--planner-season-s", "3600", "--executor-capacity-tokens-per-s", "40",
+           "--scale-down-cooldown-s", "8", "--no-forecast"]
+
+
+async def send_ramp(stub, calls: list, start: float) -> float:
+    """Open-loop arrivals following the ramp (20 prompt + 8 output tokens each); returns
+    the time of the last one (the peak)."""
+    sent = 0.0
+    while (elapsed := time.monotonic() - start) < RAMP_S:
+        rate = 0.2 + 2.3 * elapsed / RAMP_S
+        prompt = [1000 + (i * 7919 + len(calls) * 31) % 40000 for i in range(20)]
+        calls.append(asyncio.create_task(generate(stub, build_request(prompt, max_tokens=8, temperature=0.0,
+                                                                      ignore_eos=True), timeout=600)))
+        sent += 1.0 / rate
+        await asyncio.sleep(max(0.0, start + sent - time.monotonic()))
+    return time.monotonic()
 
 
 @pytest.mark.model
-async def test_up_autoscale_adds_an_executor_before_the_ramp_peak_and_drains_it_after(tmp_path: Path):
-    """1..2 executors; capacity 45 tokens/s at 80 % (36): the reactive floor wants a second
-    executor once two requests (about 24 tokens each) arrive within one 1 s interval, about
-    20 s into the ramp. It must be ready (SERVING) before the ramp's peak, drained after
-    it, and exit cleanly (0); every request succeeds (no caller sees an error)."""
+async def test_up_autoscale_adds_an_executor_as_the_load_rises_and_drains_it_after_the_peak(tmp_path: Path):
+    """1..2 executors, planner interval 4 s, capacity 40 tokens/s at 80 % (32 planned), reactive
+    only. Over the ramp's first 8 s (at most 3 requests of about 24 tokens in an interval:
+    18 tokens/s) the planner wants 1; the load rises past 32 tokens/s about 20 s in, and only
+    then is a second executor asked for (a request that waits a moment for its dispatch does
+    not count as saturation, so the capacity is not measured down to the load). It must be ready (SERVING) before the
+    ramp's peak, drained after it (8 s cooldown), and exit cleanly (0); every request succeeds."""
     config = mesh_config(free_port(), 1, "default", "float32", "64MiB", [], None, str(tmp_path / "logs"), metrics=True)
-    config.scheduler_args += ["--planner-interval-s", "1", "--planner-season-s", "3600", "--min-executors", "1",
-                              "--max-executors", "2", "--executor-capacity-tokens-per-s", "45",
-                              "--scale-down-cooldown-s", "3", "--no-forecast"]
+    config.scheduler_args += [*PLANNER, "--min-executors", "1", "--max-executors", "2"]
     mesh = Mesh(config)
     await mesh.start()
     stop = asyncio.Event()
@@ -56,31 +74,79 @@ async def test_up_autoscale_adds_an_executor_before_the_ramp_peak_and_drains_it_
     scaling = asyncio.create_task(scaler.run(stop))
     try:
         async with channel(mesh.gateway_address) as ch:
-            stub = gateway_pb2_grpc.GatewayStub(ch)
-            calls, start, sent = [], time.monotonic(), 0.0
-            while (elapsed := time.monotonic() - start) < RAMP_S:  # open loop: arrivals follow the ramp
-                rate = 0.5 + 2.5 * elapsed / RAMP_S
-                prompt = [1000 + (i * 7919 + len(calls) * 31) % 40000 for i in range(20)]
-                calls.append(asyncio.create_task(generate(stub, build_request(prompt, max_tokens=8, temperature=0.0,
-                                                                              ignore_eos=True), timeout=600)))
-                sent += 1.0 / rate
-                await asyncio.sleep(max(0.0, start + sent - time.monotonic()))
-            peak = time.monotonic()
+            calls, start = [], time.monotonic()
+            peak = await send_ramp(gateway_pb2_grpc.GatewayStub(ch), calls, start)
             results = await asyncio.gather(*calls)
         assert all(len(r.token_ids) == 8 for r in results)
         try:
-            await wait_for_condition(lambda: any(e.kind == "exit" for e in scaler.events), 300, "executor-1 drained")
+            await wait_for_condition(lambda: any(e.kind == "exit" for e in scaler.events), 120, "executor-1 drained")
         finally:
             print("autoscaler events:", [(e.kind, e.name, round(e.time - start, 1)) for e in scaler.events])
+            print("polls (s, desired, load tokens/s):",
+                  [(round(p.time - start, 1), p.desired, round(p.load_tokens_per_s, 1)) for p in scaler.polls])
         kinds = [(e.kind, e.name) for e in scaler.events]
         assert kinds == [("start", "executor-1"), ("ready", "executor-1"), ("drain", "executor-1"),
                          ("exit", "executor-1")]
         when = {e.kind: e.time for e in scaler.events}
         print(f"second executor: asked {when['start'] - start:.1f} s, ready {when['ready'] - start:.1f} s into "
               f"the ramp; peak at {peak - start:.1f} s; drained {when['drain'] - peak:.1f} s after the peak")
-        assert when["ready"] < peak < when["drain"]
+        low = [p for p in scaler.polls if start <= p.time < start + LOW_S]
+        assert low and all(p.desired == 1 for p in low)  # the low load needs one executor: no scale-up at once
+        asking = next(p for p in scaler.polls if p.desired == 2)
+        assert asking.load_tokens_per_s > max(p.load_tokens_per_s for p in low)  # asked because the load rose
+        assert start + LOW_S <= when["start"] and when["ready"] < peak < when["drain"]
         assert mesh.exit_code("executor-1") == 0 and mesh.executor_names == ["executor-0"]
         assert mesh.exited() == []
+    finally:
+        stop.set()
+        await scaling
+        mesh.stop()
+
+
+@pytest.mark.model
+async def test_up_autoscale_from_zero_starts_an_executor_for_a_waiting_request(tmp_path: Path):
+    """C44 for real (``up --autoscale 0..1``): the mesh starts with no executor; a request
+    waits (it is not refused) and the planner asks for an executor. The autoscaler's clock
+    then jumps past its start budget (300 s) while executor-0 still loads: executor-0 is
+    declared failed, killed, and executor-1 started at the same poll. The request completes
+    within executor-1's start + 10 s; one idle window (4 s) after its readiness executor-1
+    drains and exits (0), back to zero; the killed executor is no failure of the mesh."""
+    config = mesh_config(free_port(), 0, "default", "float32", "64MiB", [], None, str(tmp_path / "logs"), metrics=True)
+    config.scheduler_args += ["--planner-interval-s", "1", "--planner-season-s", "3600", "--scale-down-cooldown-s",
+                              "4", "--no-forecast", "--min-executors", "0", "--max-executors", "1",
+                              "--start-budget-s", "600"]
+    mesh = Mesh(config)
+    await mesh.start()
+    assert mesh.executor_names == []
+    skew = [0.0]
+    stop = asyncio.Event()
+    scaler = LocalAutoscaler(mesh, 0, 1, poll_s=0.5, start_budget_s=300, clock=lambda: time.monotonic() + skew[0])
+    scaling = asyncio.create_task(scaler.run(stop))
+    kinds = lambda: [(e.kind, e.name) for e in scaler.events]  # noqa: E731
+    try:
+        async with channel(mesh.gateway_address) as ch:
+            call = asyncio.create_task(generate(gateway_pb2_grpc.GatewayStub(ch), build_request(
+                [1000 + i for i in range(20)], max_tokens=8, temperature=0.0, ignore_eos=True), timeout=600))
+            await wait_for_condition(lambda: ("start", "executor-0") in kinds(), 60, "an executor asked for")
+            assert not call.done() and "executor-0" in scaler.starting  # waiting; executor-0 loading
+            skew[0] = 301.0  # past the start budget
+            await wait_for_condition(lambda: ("failed", "executor-0") in kinds(), 60, "executor-0 failed")
+            result = await call
+            done = scaler.clock()
+        assert len(result.token_ids) == 8
+        await wait_for_condition(lambda: ("exit", "executor-1") in kinds(), 120, "executor-1 drained")
+        assert kinds() == [("start", "executor-0"), ("failed", "executor-0"), ("start", "executor-1"),
+                           ("ready", "executor-1"), ("drain", "executor-1"), ("exit", "executor-1")]
+        when = {(e.kind, e.name): e.time for e in scaler.events}
+        start, ready = when[("start", "executor-1")], when[("ready", "executor-1")]
+        assert 0.0 <= start - when[("failed", "executor-0")] < scaler.poll_s  # replaced at the same poll
+        print(f"from zero: executor-1 ready {ready - start:.1f} s after its start, the request done "
+              f"{done - start:.1f} s after it, drained {when[('drain', 'executor-1')] - ready:.1f} s after ready")
+        assert done - start <= (ready - start) + 10.0
+        # the idle window runs from readiness (registration, a moment before SERVING is seen)
+        assert when[("drain", "executor-1")] - ready >= 3.5
+        assert mesh.exit_code("executor-1") == 0 and mesh.exit_code("executor-0") == -9
+        assert mesh.executor_names == [] and mesh.exited() == []
     finally:
         stop.set()
         await scaling
