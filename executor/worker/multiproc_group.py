@@ -83,6 +83,7 @@ class MultiprocWorkerGroup(WorkerGroup):
         self._stopping = False
         self._lock = threading.Lock()
         self.worker = None
+        self.num_steps = 0  # steps sent: the step id every rank logs (ParallelConfig.step_log_dir)
         on_cpu = torch.device(config.device).type == "cpu"
         shares = distributed.cpu_shares(self.world_size) if on_cpu else [None] * self.world_size
         self.store = distributed.make_store(0, self.world_size, 0, parallel.startup_timeout_s)
@@ -124,9 +125,10 @@ class MultiprocWorkerGroup(WorkerGroup):
             RankFailure: a rank died (before or during the step) or the step's
                 collectives failed.
         """
-        self._send(("step", scheduler_output))
+        self.num_steps += 1
+        self._send(("step", scheduler_output, self.num_steps))
         try:
-            return self._live().execute_model(scheduler_output)
+            return self._live().execute_model(scheduler_output, self.num_steps)
         except RuntimeError as exc:  # gloo/NCCL: a peer closed its connection or timed out
             dead = self._dead_rank(wait_s=2.0)  # a peer's exit closes its sockets just before it is reaped
             self._fail(dead or f"the step failed on rank 0: {exc}")
