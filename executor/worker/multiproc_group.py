@@ -68,13 +68,11 @@ class MultiprocWorkerGroup(WorkerGroup):
     """
 
     def __init__(self, config: EngineConfig):
-        from transformers import AutoConfig
-
-        from executor.model_loader import check_parallel_sizes
+        from executor.parallel_layout import check_parallel_sizes, read_model_shape
         from meshserve.model_files import resolve_model
 
         parallel = config.parallel
-        check_parallel_sizes(AutoConfig.from_pretrained(resolve_model(config.model, config.revision).path),
+        check_parallel_sizes(read_model_shape(resolve_model(config.model, config.revision).path),
                              parallel.tensor_parallel_size, parallel.pipeline_parallel_size)
         self.config = config
         self.world_size = parallel.world_size

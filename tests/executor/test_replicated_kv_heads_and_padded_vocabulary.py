@@ -12,12 +12,10 @@ import torch
 
 from executor.engine.config import BatchSchedulerConfig, CacheConfig, EngineConfig, ParallelConfig
 from executor.engine.llm_engine import LLMEngine
-from executor.kvstore_connector import KVStoreConnector
 from executor.models.embedding import VocabParallelEmbedding
 from executor.models.parallel import TensorParallel
 from meshserve.sampling import SamplingParams
-from tests.support.parallel import SMALL_KV_BYTES_PER_BLOCK, assert_ref_equal, run_requests
-from tests.support.served_kvstore import RecordingServicer, RecordingStore, ServedKVStore
+from tests.support.parallel import SMALL_KV_BYTES_PER_BLOCK, assert_ref_equal, kvstore_round_trip, run_requests
 
 pytestmark = pytest.mark.model
 
@@ -96,9 +94,10 @@ def test_the_last_token_embedding_comes_from_the_last_shard(small_model):
 
 def test_greedy_tokens_and_logprobs_equal_one_rank(single, tp5, tokenizer):
     """Cases C32 (b) and C33: S at TP=5 (its one KV head on all 5 ranks, 3 vocabulary
-    padding rows) against TP=1: greedy, max_tokens 64, 8 prompts, one of them ending in
-    id 49151 with prompt logprobs (top 20): REF equality (token ids, chosen-token logprobs
-    within 1e-3), prompt logprobs within 1e-3, and no id >= 49152 anywhere."""
+    padding rows) against TP=1: greedy, max_tokens 64, 8 prompts, one of them holding
+    id 49151 and asking for prompt logprobs (top 20): REF equality (token ids,
+    chosen-token logprobs within 1e-3) at every position, prompt logprobs within 1e-3
+    (the entry after 49151 is computed from its embedding), no id >= 49152 anywhere."""
     prompts = _prompts(tokenizer, 8, 3)
     prompts[3] = prompts[3] + [LAST_ID] + prompts[3][:5]  # 49151 inside the prompt
     greedy = SamplingParams(max_tokens=64, temperature=0.0, ignore_eos=True, logprobs=2)
@@ -147,34 +146,17 @@ def test_kvstore_blocks_round_trip_between_tp5_and_one_rank(single, tp5, tokeniz
     stored block holds exactly 16,384 bytes whatever the writer's TP, and every Put's
     block metadata names S's total of 1 KV head (tensor-parallel size 1: whole blocks)."""
     engines = {1: single, 5: tp5}
-    writer, reader = engines[writer_tp], engines[reader_tp]
     prompt = _prompts(tokenizer, 1, 40)[0][:300]
     assert len(prompt) == 300
     params = SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True, logprobs=2)
     single.reset_prefix_cache()
     cold = run_requests(single, {"cold": (prompt, params)})["cold"]
-    served = ServedKVStore(RecordingStore(memory_bytes=64 << 20), servicer_cls=RecordingServicer)
-    connectors = []
-    try:
-        for engine in (writer, reader):
-            engine.reset_prefix_cache()
-            connector = KVStoreConnector(served.address, engine.kv_store_fingerprint, fetch_timeout_s=120)
-            engine.set_kv_connector(connector)
-            connectors.append(connector)
-        written = run_requests(writer, {"write": (prompt, params)})["write"]
-        assert written.num_kvstore_tokens == 0
-        connectors[0].flush()
-        store, servicer = served.store, served.service.servicer
-        assert served.stats().blocks_stored == 20  # 18 prompt blocks, 2 filled while decoding (331 tokens)
-        assert store.put_sizes == [SMALL_KV_BYTES_PER_BLOCK] * 20
-        assert {(fp.layout.num_kv_heads, fp.layout.tp_size, fp.layout.block_bytes)
-                for fp in servicer.put_fingerprints} == {(1, 1, SMALL_KV_BYTES_PER_BLOCK)}
-        read = run_requests(reader, {"read": (prompt, params)})["read"]
-        assert read.num_kvstore_tokens == 18 * 16
-        assert assert_ref_equal(cold.logprobs, read.logprobs) == 32
-        assert assert_ref_equal(cold.logprobs, written.logprobs) == 32
-    finally:
-        for engine, connector in zip((writer, reader), connectors):
-            engine.set_kv_connector(None)
-            connector.close()
-        served.stop()
+    trip = kvstore_round_trip(engines[writer_tp], engines[reader_tp], prompt, params)
+    assert trip.written.num_kvstore_tokens == 0
+    assert trip.blocks_stored == 20  # 18 prompt blocks, 2 filled while decoding (331 tokens)
+    assert trip.put_sizes == [SMALL_KV_BYTES_PER_BLOCK] * 20
+    assert {(fp.layout.num_kv_heads, fp.layout.tp_size, fp.layout.block_bytes)
+            for fp in trip.put_fingerprints} == {(1, 1, SMALL_KV_BYTES_PER_BLOCK)}
+    assert trip.read.num_kvstore_tokens == 18 * 16
+    assert assert_ref_equal(cold.logprobs, trip.read.logprobs) == 32
+    assert assert_ref_equal(cold.logprobs, trip.written.logprobs) == 32

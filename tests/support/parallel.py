@@ -38,17 +38,19 @@ def save_tiny(path: Path, kind: str = "llama", num_kv_heads: int = 2) -> Path:
 
 def parallel_config(model: str, tensor_parallel_size: int = 1, num_blocks: int = 14,
                     max_num_batched_tokens: int = 32, max_model_len: int | None = None,
-                    pipeline_parallel_size: int = 1) -> EngineConfig:
+                    pipeline_parallel_size: int = 1, step_log_dir: str | None = None) -> EngineConfig:
     """A float32 engine of ``model`` over ``tensor_parallel_size`` × ``pipeline_parallel_size``
     ranks: chunked prefill
     (prompts longer than ``max_num_batched_tokens``), prefix caching, and a cache of
-    ``num_blocks`` blocks of 16 tokens, small enough that ``WORKLOAD`` preempts."""
+    ``num_blocks`` blocks of 16 tokens, small enough that ``WORKLOAD`` preempts; each
+    rank's step log in ``step_log_dir`` (None: none)."""
     return EngineConfig(model=model, dtype="float32", max_model_len=max_model_len,
                         cache=CacheConfig(block_size=16, num_blocks=num_blocks, enable_prefix_caching=True),
                         batch=BatchSchedulerConfig(max_num_seqs=8, max_num_batched_tokens=max_num_batched_tokens,
                                                    enable_chunked_prefill=True),
                         parallel=ParallelConfig(tensor_parallel_size=tensor_parallel_size,
-                                                pipeline_parallel_size=pipeline_parallel_size, rank_timeout_s=300))
+                                                pipeline_parallel_size=pipeline_parallel_size, rank_timeout_s=300,
+                                                step_log_dir=step_log_dir))
 
 
 def workload(vocab_size: int, max_tokens: int = 12, seed: int = 1) -> tuple[list[list[int]], SamplingParams]:
@@ -145,3 +147,43 @@ def assert_ref_equal(ref: list[TokenLogprob], got: list[TokenLogprob], tolerance
         assert g.token_id == r.token_id, f"position {i}: {g.token_id} != REF {r.token_id}"
         assert abs(g.logprob - r.logprob) <= tolerance, f"position {i}: logprob {g.logprob} vs REF {r.logprob}"
     return len(ref)
+
+
+@dataclass
+class RoundTrip:
+    """What ``kvstore_round_trip`` saw: the writer's and the reader's results, the
+    size of every block the kvstore was asked to store, and the fingerprint (block
+    metadata) of every Put."""
+
+    written: Finished
+    read: Finished
+    blocks_stored: int
+    put_sizes: list[int]
+    put_fingerprints: list
+
+
+def kvstore_round_trip(writer, reader, prompt: list[int], params: SamplingParams) -> RoundTrip:
+    """Runs ``prompt`` on ``writer`` (which publishes its blocks to a fresh kvstore),
+    then on ``reader`` (which fetches them), both with their prefix caches emptied
+    first; the connectors are removed after."""
+    from executor.kvstore_connector import KVStoreConnector
+    from tests.support.served_kvstore import RecordingServicer, RecordingStore, ServedKVStore
+
+    served = ServedKVStore(RecordingStore(memory_bytes=64 << 20), servicer_cls=RecordingServicer)
+    engines, connectors = (writer, reader), []
+    try:
+        for engine in engines:
+            engine.reset_prefix_cache()
+            connector = KVStoreConnector(served.address, engine.kv_store_fingerprint, fetch_timeout_s=120)
+            engine.set_kv_connector(connector)
+            connectors.append(connector)
+        written = run_requests(writer, {"kv-write": (prompt, params)})["kv-write"]
+        connectors[0].flush()
+        read = run_requests(reader, {"kv-read": (prompt, params)})["kv-read"]
+        return RoundTrip(written, read, served.stats().blocks_stored, list(served.store.put_sizes),
+                         list(served.service.servicer.put_fingerprints))
+    finally:
+        for engine, connector in zip(engines, connectors):
+            engine.set_kv_connector(None)
+            connector.close()
+        served.stop()
