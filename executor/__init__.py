@@ -9,6 +9,7 @@ Map of the package (one concept per module)::
     request_span.py           the spans of one Execute call
     metrics.py                the Prometheus metrics, read from the engine's counters
     model_loader.py           config + safetensors -> our model
+    parallel_layout.py        the tensor/pipeline-parallel sizes a model allows (config.json only)
     engine/                   the scheduling side: no tensor, no weights
       async_engine.py         AsyncEngine: LLMEngine.step() in one background thread; n > 1 choices
       choices.py              the choices' output streams merged into one (bounded)

@@ -22,6 +22,7 @@ from executor.models import model_class
 from executor.models.checkpoint import iter_checkpoint
 from executor.models.cpu_dtype import choose_cpu_dtype
 from executor.models.parallel import SINGLE, PipelineStage, TensorParallel
+from executor.parallel_layout import check_parallel_sizes  # noqa: F401 - re-exported: checked at load too
 
 log = logging.getLogger(__name__)
 
@@ -100,34 +101,6 @@ def eos_token_ids(path: Path, hf_config) -> frozenset[int]:
         elif isinstance(value, (list, tuple)):
             ids.update(int(v) for v in value)
     return frozenset(ids)
-
-
-def check_parallel_sizes(hf_config, tensor_parallel_size: int, pipeline_parallel_size: int = 1) -> None:
-    """Refuses a parallel layout the model cannot be split into, before any rank starts.
-
-    Tensor parallel: the size must divide the attention heads, the MLP's
-    ``intermediate_size``, and divide or be a multiple of the KV heads (KV heads
-    are then replicated). Pipeline parallel: at most one stage per layer.
-
-    Raises:
-        ValueError: with the sizes the model allows.
-    """
-    t, p = tensor_parallel_size, pipeline_parallel_size
-    if t < 1 or p < 1:
-        raise ValueError(f"tensor- and pipeline-parallel sizes must be >= 1, got {t} and {p}")
-    heads, kv = int(hf_config.num_attention_heads), int(hf_config.num_key_value_heads)
-    inter = int(hf_config.intermediate_size)
-    allowed = [n for n in range(1, heads + 1)
-               if heads % n == 0 and inter % n == 0 and (kv % n == 0 or n % kv == 0)]
-    if t not in allowed:
-        raise ValueError(f"tensor-parallel size {t} does not split this model ({heads} attention heads, {kv} KV "
-                         f"heads, intermediate_size {inter}); it must divide the attention heads and the "
-                         f"intermediate size, and divide or be a multiple of the KV heads: one of "
-                         f"{', '.join(map(str, allowed))}")
-    layers = int(hf_config.num_hidden_layers)
-    if p > layers:
-        raise ValueError(f"pipeline-parallel size {p} exceeds the model's {layers} layers (one stage per layer "
-                         "at most)")
 
 
 def load_model(path: str | Path, *, dtype: str = "auto", max_model_len: int | None = None,

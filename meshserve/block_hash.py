@@ -79,7 +79,8 @@ class KVLayout:
     Attributes:
         block_size: tokens per block (>= 1).
         num_layers: attention layers (>= 1).
-        num_kv_heads: KV heads held by this rank (>= 1).
+        num_kv_heads: KV heads in the payload (>= 1): the model's total, since every
+            executor, parallel or not, stores whole-model blocks.
         head_dim: channels per head (>= 1).
         dtype: element type: ``"float32"``, ``"bfloat16"`` or ``"float16"``.
         tp_rank: tensor-parallel rank of the holder, in [0, tp_size).

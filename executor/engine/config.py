@@ -75,12 +75,16 @@ class ParallelConfig:
         rank_timeout_s: a collective that waits longer than this for another rank
             (seconds) fails the step: a hung rank takes the executor out.
         startup_timeout_s: the ranks must have loaded their shards within this (seconds).
+        step_log_dir: each rank appends what it ran in each step (step id, ordered
+            request ids and token counts per micro-batch) to ``rank-<r>.jsonl`` here
+            (``executor.worker.step_log``); None: no step log.
     """
 
     tensor_parallel_size: int = 1
     pipeline_parallel_size: int = 1
     rank_timeout_s: float = 60.0
     startup_timeout_s: float = 600.0
+    step_log_dir: str | None = None
 
     def __post_init__(self) -> None:
         if self.tensor_parallel_size < 1 or self.pipeline_parallel_size < 1:

@@ -56,6 +56,7 @@ class ModelRunner:
         self.sampler = Sampler(seed, self.device)
         self.generators: dict[str, torch.Generator] = {}
         self.prompt_logprobs = PromptLogprobs()
+        self.last_micro_batches: list[list[ScheduledRequest]] = []  # what the last step ran, in order
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         """One forward pass over the step's batch.
@@ -65,6 +66,7 @@ class ModelRunner:
             logprobs when asked, and complete prompt logprobs when asked.
         """
         self.release(scheduler_output.finished_request_ids)
+        self.last_micro_batches = []
         scheduled = sorted(scheduler_output.scheduled, key=_batch_order)
         if not scheduled:
             return ModelRunnerOutput({})
@@ -98,6 +100,7 @@ class ModelRunner:
         """The forward pass of the whole batch: ``(num_tokens, hidden_size)`` final-normed
         hidden states (``executor.worker.pipeline.PipelineModelRunner`` runs it as
         micro-batches over stages, and returns None on stages other than the first)."""
+        self.last_micro_batches = [scheduled]
         self.attention_backend.plan(md)
         return self.model(input_ids, positions, md)
 

@@ -68,13 +68,11 @@ class MultiprocWorkerGroup(WorkerGroup):
     """
 
     def __init__(self, config: EngineConfig):
-        from transformers import AutoConfig
-
-        from executor.model_loader import check_parallel_sizes
+        from executor.parallel_layout import check_parallel_sizes, read_model_shape
         from meshserve.model_files import resolve_model
 
         parallel = config.parallel
-        check_parallel_sizes(AutoConfig.from_pretrained(resolve_model(config.model, config.revision).path),
+        check_parallel_sizes(read_model_shape(resolve_model(config.model, config.revision).path),
                              parallel.tensor_parallel_size, parallel.pipeline_parallel_size)
         self.config = config
         self.world_size = parallel.world_size
@@ -83,6 +81,7 @@ class MultiprocWorkerGroup(WorkerGroup):
         self._stopping = False
         self._lock = threading.Lock()
         self.worker = None
+        self.num_steps = 0  # steps sent: the step id every rank logs (ParallelConfig.step_log_dir)
         on_cpu = torch.device(config.device).type == "cpu"
         shares = distributed.cpu_shares(self.world_size) if on_cpu else [None] * self.world_size
         self.store = distributed.make_store(0, self.world_size, 0, parallel.startup_timeout_s)
@@ -124,9 +123,10 @@ class MultiprocWorkerGroup(WorkerGroup):
             RankFailure: a rank died (before or during the step) or the step's
                 collectives failed.
         """
-        self._send(("step", scheduler_output))
+        self.num_steps += 1
+        self._send(("step", scheduler_output, self.num_steps))
         try:
-            return self._live().execute_model(scheduler_output)
+            return self._live().execute_model(scheduler_output, self.num_steps)
         except RuntimeError as exc:  # gloo/NCCL: a peer closed its connection or timed out
             dead = self._dead_rank(wait_s=2.0)  # a peer's exit closes its sockets just before it is reaped
             self._fail(dead or f"the step failed on rank 0: {exc}")

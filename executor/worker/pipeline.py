@@ -63,6 +63,7 @@ class PipelineModelRunner(ModelRunner):
 
     def _forward(self, scheduled, input_ids, positions, md) -> torch.Tensor | None:
         batches = split_microbatches(scheduled, self.num_stages)
+        self.last_micro_batches = batches
         inputs = [self._prepare_inputs(mb) for mb in batches]
         sends = []
         for i, (ids, pos, mb_md) in enumerate(inputs):

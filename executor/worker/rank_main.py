@@ -7,7 +7,7 @@ the step pipe. Its life::
     read the EngineConfig frame         (pin to MESHSERVE_RANK_CPUS on CPU)
     load this rank's shard (Worker)     store: loaded/<rank>
     join the process group
-    loop: read a frame                  ("init_cache", n, b) | ("step", SchedulerOutput) | ("shutdown",)
+    loop: read a frame                  ("init_cache", n, b) | ("step", SchedulerOutput, step id) | ("shutdown",)
           run it on the worker          (outputs are rank 0's; this rank's are dropped)
 
 It exits 0 on ``shutdown``; 3 when the pipe closes (rank 0 died); with the
@@ -51,7 +51,7 @@ def main() -> int:
         if kind == "init_cache":
             worker.initialize_cache(*message[1:])
         elif kind == "step":
-            worker.execute_model(message[1])
+            worker.execute_model(message[1], message[2])
         else:
             raise ValueError(f"unknown step-pipe message {kind!r}")
 

@@ -39,6 +39,7 @@ from executor.worker.distributed import rank_device
 from executor.worker.kv_connector import KVConnectorWorker, assemble_blocks, block_payloads
 from executor.worker.model_runner import ModelRunner
 from executor.worker.pipeline import PipelineModelRunner
+from executor.worker.step_log import StepLog
 from meshserve.model_files import resolve_model
 
 log = logging.getLogger(__name__)
@@ -93,6 +94,15 @@ class Worker:
         self.kv_caches: list = []
         self.model_runner: ModelRunner | None = None
         self.kv_connector: KVConnectorWorker | None = None
+        self.num_steps = 0  # execute_model calls: the step id when the caller gives none
+        self.step_log = StepLog(config.parallel.step_log_dir, rank, self.stage) if config.parallel.step_log_dir \
+            else None
+        embed = self.loaded.model.embed_tokens
+        if rank == 0 and embed is not None and self.tp.world_size > 1:
+            padded = embed.rows_per_rank * self.tp.world_size
+            log.info("vocabulary of %d tokens padded to %d for %d tensor-parallel ranks: %d rows per rank, "
+                     "%d padding rows on the last", embed.num_embeddings, padded, self.tp.world_size,
+                     embed.rows_per_rank, padded - embed.num_embeddings)
 
     def initialize_cache(self, num_blocks: int, block_size: int) -> None:
         """Allocates the zero-filled KV cache of ``num_blocks`` blocks and binds each
@@ -118,8 +128,9 @@ class Worker:
             self.model_runner = ModelRunner(self.loaded, block_size, self.config.seed, self.device,
                                             driver=self.rank == 0)
 
-    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
-        """One step (see the module doc).
+    def execute_model(self, scheduler_output: SchedulerOutput, step_id: int | None = None) -> ModelRunnerOutput:
+        """One step (see the module doc); ``step_id`` names it in the step log (rank 0's
+        count, sent with the step; None: this worker's own count).
 
         Raises:
             RuntimeError: ``initialize_cache`` was not called.
@@ -129,6 +140,9 @@ class Worker:
         if scheduler_output.kv_loads:
             self.kv_connector.load_kv(scheduler_output.kv_loads)
         output = self.model_runner.execute_model(scheduler_output)
+        self.num_steps += 1
+        if self.step_log is not None and self.model_runner.last_micro_batches:
+            self.step_log.record(self.num_steps if step_id is None else step_id, self.model_runner.last_micro_batches)
         if scheduler_output.kv_saves:
             block_ids = [save.block_id for save in scheduler_output.kv_saves]
             if self.tp.world_size * self.num_stages == 1:

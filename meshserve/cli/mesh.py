@@ -155,7 +155,7 @@ def up(
                                       max_batch_wait_ms=max_batch_wait_ms or 0.0, device=device or "cpu",
                                       tensor_parallel_size=tensor_parallel_size,
                                       pipeline_parallel_size=pipeline_parallel_size)  # as each executor checks them
-        processes.check_parallel_layout(cfg)
+        processes.check_parallel_layout(cfg.model, revision, tensor_parallel_size, pipeline_parallel_size)
         if queue_policy is not None:
             processes.scheduler_config(queue_policy, pools_file=pools)
         parse_bytes(kvstore_memory)

@@ -207,24 +207,23 @@ def engine_config(model: str, dtype: str, kv_cache_memory: str, block_size: int,
     )
 
 
-def check_parallel_layout(engine_config: EngineConfig) -> None:
+def check_parallel_layout(model: str, revision: str | None, tensor_parallel_size: int,
+                          pipeline_parallel_size: int) -> None:
     """Refuses, before anything loads, tensor/pipeline-parallel sizes the model cannot be
-    split into (``executor.model_loader.check_parallel_sizes``); nothing to check at 1 × 1.
+    split into (``executor.parallel_layout``: from its config.json, without importing
+    torch, so the refusal comes in about a second); nothing to check at 1 × 1.
 
     Raises:
-        ValueError: with the sizes the model allows.
+        ValueError: with the model's head counts and the sizes it allows.
         FileNotFoundError: the model cannot be resolved.
     """
-    parallel = engine_config.parallel
-    if parallel.world_size == 1:
+    if tensor_parallel_size * pipeline_parallel_size == 1:
         return
-    from transformers import AutoConfig
-
-    from executor.model_loader import check_parallel_sizes
+    from executor.parallel_layout import check_parallel_sizes, read_model_shape
     from meshserve.model_files import resolve_model
 
-    check_parallel_sizes(AutoConfig.from_pretrained(resolve_model(engine_config.model, engine_config.revision).path),
-                         parallel.tensor_parallel_size, parallel.pipeline_parallel_size)
+    check_parallel_sizes(read_model_shape(resolve_model(model, revision).path), tensor_parallel_size,
+                         pipeline_parallel_size)
 
 
 async def run_executor(engine_config: EngineConfig, port: int, host: str, scheduler: str, executor_id: str | None,

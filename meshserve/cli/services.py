@@ -162,13 +162,14 @@ def executor(
     setup_logging(log_level)
     export_trace_settings(traces, otlp_endpoint, trace_sample_ratio)
     try:
+        # a size that does not split the model: refused from its config.json, before torch is imported
+        processes.check_parallel_layout(model, revision, tensor_parallel_size, pipeline_parallel_size)
         cfg = processes.engine_config(model, dtype, kv_cache_memory, block_size, max_num_seqs,
                                       max_num_batched_tokens, no_chunked_prefill, max_model_len, num_threads,
                                       no_prefix_caching, max_batch_wait_ms, attention_backend, device,
                                       enable_kv_events=True,  # forwarded for prefix-aware routing
                                       tensor_parallel_size=tensor_parallel_size,
                                       pipeline_parallel_size=pipeline_parallel_size, revision=revision)
-        processes.check_parallel_layout(cfg)  # a size that does not split the model: refused before loading
     except ValueError as exc:  # a bad flag value: typer prints usage and the message, exit code 2
         raise typer.BadParameter(str(exc)) from None
     if kvstore is not None and not is_address(kvstore):

@@ -63,3 +63,12 @@ def kv_invariants_after_each_test(monkeypatch):
     yield
     for engine in made:
         engine.check_integrity()
+
+
+@pytest.fixture(scope="session")
+def small_model(tmp_path_factory, default_model_files):
+    """S of the behaviour cases (``tests.support.parallel.SMALL``): a safetensors folder
+    with fixed-seed random weights and the default model's tokenizer."""
+    from tests.support.parallel import save_small
+
+    return save_small(tmp_path_factory.mktemp("small-llama"), default_model_files.path)

@@ -91,3 +91,29 @@ class DelayingServicer(KVStoreServicer):
         if self.put_ack_gate is not None:
             await self.put_ack_gate.wait()
         return response
+
+
+class RecordingStore(KVStore):
+    """The real store, remembering the size of every block it is asked to put."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.put_sizes: list[int] = []
+
+    def put(self, namespace, block_hash, data, data_checksum):
+        self.put_sizes.append(len(data))
+        return super().put(namespace, block_hash, data, data_checksum)
+
+
+class RecordingServicer(KVStoreServicer):
+    """The real servicer, remembering the fingerprint (block metadata) each Put carried."""
+
+    def __init__(self, store):
+        super().__init__(store)
+        self.put_fingerprints: list = []
+
+    def _put_message(self, msg, put) -> None:
+        first = put.fp is None
+        super()._put_message(msg, put)
+        if first:
+            self.put_fingerprints.append(put.fp)
