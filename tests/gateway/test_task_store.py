@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from gateway.redis_task_store import KEY_PREFIX, RedisTaskStore, decode, encode
-from gateway.task_store import UNFINISHED, MemoryTaskStore, TaskRecord, TaskState
+from gateway.task_store import FINISHED, UNFINISHED, MemoryTaskStore, TaskRecord, TaskState
 from gateway.task_store_registry import open_task_store
 from meshserve.errors import InvalidArgument, ResourceExhausted
 
@@ -163,3 +163,27 @@ async def test_unreachable_redis_fails_the_check():
     with pytest.raises(ConnectionError, match="cannot be reached"):
         await store.check()
     await store.close()
+
+
+async def test_a_pending_callback_is_claimed_renewed_by_its_holder_and_taken_over_after_its_lease(store_case):
+    store, _advance = store_case
+    await store.create(record("t1", callback_url="https://h.example.com/x", callback_state="pending"))
+    await store.create(record("t2"))                                     # no callback: never listed
+    assert await store.claimable_callbacks(2000.0) == []                # unfinished: not yet
+    for task_id in ("t1", "t2"):
+        await store.transition(task_id, UNFINISHED, TaskState.SUCCEEDED, callback_owner="gw-a",
+                               callback_lease_until=1010.0)
+    assert await store.claimable_callbacks(1005.0) == []                # gw-a's lease is live
+    assert await store.claim_callback("t1", "gw-b", 1005.0, 10.0) is None
+    renewed = await store.claim_callback("t1", "gw-a", 1005.0, 10.0)    # its holder renews
+    assert (renewed.callback_owner, renewed.callback_lease_until) == ("gw-a", 1015.0)
+    assert await store.claimable_callbacks(1016.0) == ["t1"]            # lapsed
+    taken = await store.claim_callback("t1", "gw-b", 1016.0, 10.0)
+    assert (taken.callback_owner, taken.callback_lease_until) == ("gw-b", 1026.0)
+    # the old holder's writes are fenced off; the new holder's land and end the listing
+    assert await store.transition("t1", FINISHED, None, callback_fence="gw-a", callback_state="failed") is None
+    done = await store.transition("t1", FINISHED, None, callback_fence="gw-b", callback_state="delivered",
+                                  callback_owner="")
+    assert done.callback_state == "delivered"
+    assert await store.claimable_callbacks(9999.0) == []
+    assert await store.claim_callback("t1", "gw-c", 9999.0, 10.0) is None
