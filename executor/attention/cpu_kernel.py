@@ -63,15 +63,16 @@ def _cpu_flags() -> str:
     return torch.backends.cpu.get_cpu_capability()
 
 
-def library_path(compiler: str) -> Path:
-    """Where the library built by ``compiler`` for this source and CPU is cached."""
+def library_path(compiler: str, source: Path = SOURCE, flags: tuple[str, ...] = FLAGS) -> Path:
+    """Where the library built by ``compiler`` from ``source`` with ``flags`` for this CPU
+    is cached (``kernels/<source stem>-<hash>.so``)."""
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=30).stdout
-    key = hashlib.sha256("\0".join([SOURCE.read_text(), version, _cpu_flags(), *FLAGS]).encode()).hexdigest()[:16]
-    return cache_dir() / "kernels" / f"cpu_paged_attention-{key}.so"
+    key = hashlib.sha256("\0".join([source.read_text(), version, _cpu_flags(), *flags]).encode()).hexdigest()[:16]
+    return cache_dir() / "kernels" / f"{source.stem}-{key}.so"
 
 
-def build(compiler: str, target: Path) -> None:
-    """Compiles the source into ``target`` (atomically: a temporary file renamed).
+def build(compiler: str, target: Path, source: Path = SOURCE, flags: tuple[str, ...] = FLAGS) -> None:
+    """Compiles ``source`` into ``target`` (atomically: a temporary file renamed).
 
     Raises:
         subprocess.CalledProcessError, OSError: the compiler failed or is missing.
@@ -79,7 +80,7 @@ def build(compiler: str, target: Path) -> None:
     target.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
         out = Path(tmp) / target.name
-        subprocess.run([compiler, *FLAGS, str(SOURCE), "-o", str(out), "-lm"], check=True, capture_output=True,
+        subprocess.run([compiler, *flags, str(source), "-o", str(out), "-lm"], check=True, capture_output=True,
                        text=True, timeout=300)
         os.replace(out, target)
 

@@ -6,6 +6,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from executor.models import cpu_fused
+
 
 class RMSNorm(nn.Module):
     """``weight * x / sqrt(mean(x^2) + eps)``, the statistics in float32.
@@ -24,7 +26,15 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
         """``norm(x)``; with ``residual``: ``residual += x`` in place (the decoder's skip
-        connection, ``residual + x`` in the reference) and returns ``(norm(residual), residual)``."""
+        connection, ``residual + x`` in the reference) and returns ``(norm(residual), residual)``.
+
+        float32 on one CPU thread: one call of the fused C kernel (``cpu_fused.py``)."""
+        kernels = cpu_fused.usable(x) if x.dim() == 2 and x.is_contiguous() else None
+        if kernels is not None and self.weight.dtype == torch.float32 and (
+                residual is None or residual.is_contiguous()):
+            if residual is None:
+                return cpu_fused.add_rms_norm(kernels, None, x, self.weight, self.eps)
+            return cpu_fused.add_rms_norm(kernels, x, residual, self.weight, self.eps), residual
         if residual is None:
             return self._norm(x)
         residual += x

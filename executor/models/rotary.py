@@ -25,6 +25,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from executor.models import cpu_fused
+
 _STATIC_SCALED = ("linear", "llama3", "yarn")
 
 
@@ -85,7 +87,14 @@ class RotaryEmbedding(nn.Module):
     @staticmethod
     def rotate_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
         """Rotates ``x`` ``(num_tokens, num_heads, head_dim)`` in place (it may be a view,
-        e.g. the query and key heads of a fused QKV output) by ``lookup``'s ``cos``/``sin``."""
+        e.g. the query and key heads of a fused QKV output) by ``lookup``'s ``cos``/``sin``.
+
+        float32 on one CPU thread: one call of the fused C kernel (``cpu_fused.py``),
+        bitwise equal to the ops below."""
+        kernels = cpu_fused.usable(x)
+        if kernels is not None and cpu_fused.fits_rotary(x, cos, sin):
+            cpu_fused.rotate_(kernels, x, cos, sin)
+            return
         half = x.shape[-1] // 2
         x1, x2 = x[..., :half], x[..., half:]
         rotated1 = x1 * cos

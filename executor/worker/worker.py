@@ -33,6 +33,7 @@ from executor.engine.scheduler_output import ModelRunnerOutput, SchedulerOutput
 from executor.engine.worker_group import ModelSpec
 from executor.model_loader import load_model
 from executor.worker.kv_cache import allocate_kv_storage, layer_views
+from executor.models import cpu_fused
 from executor.models.checkpoint import checkpoint_num_params
 from executor.models.parallel import COMM, SINGLE, TensorParallel
 from executor.worker.distributed import rank_device
@@ -84,6 +85,7 @@ class Worker:
         self.kv_layers = (self.loaded.model.first_layer, int(hf.num_hidden_layers))  # (this stage's first, total)
         if self.device.type == "cpu" and torch.get_num_threads() == 1:
             cpu_kernel.load()  # build (or load) the CPU decode kernel now, not in the first request's step
+            cpu_fused.load()  # and the fused norm/rotary/SiLU kernels
         self.spec = ModelSpec(
             model_id=files.model_id, revision=files.revision, dtype=str(self.loaded.dtype).removeprefix("torch."),
             num_layers=int(hf.num_hidden_layers), num_kv_heads=num_kv_heads, head_dim=layers[0].head_dim,

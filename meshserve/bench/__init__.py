@@ -35,7 +35,10 @@ scheduler's queue policies and tenant quotas on a launched 2-executor mesh; its
 pure parts in ``policy_workload``), ``slow_reader`` (a reader that stops reading),
 ``kvstore_sharing`` (what a prefix shared through a kvstore saves), ``task_cache``
 (cached-answer latency with the Redis result cache, task submit rate), ``ceiling``
-and ``kernels`` (the model's and the attention kernels' speed). ``sim``: the
+and ``kernels`` (the model's and the attention kernels' speed), ``cpu_fused`` (a
+decode step with the fused CPU kernels on and off), ``batch_wait_plot`` (the
+``--max-batch-wait-ms`` curve from reports); ``vllm_gemm.py`` runs under vLLM's own
+Python (its GEMM against the engine's). ``sim``: the
 scheduler simulations of ``meshserve sim`` (one event loop, three workloads).
 
 A benchmark prints numbers and writes reports; tests assert behaviour, never times.

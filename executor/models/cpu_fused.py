@@ -1,0 +1,131 @@
+"""Fused CPU kernels for the decoder layer's elementwise work (``cpu_fused.c``):
+the residual add with RMSNorm, the rotary embedding of the query and key heads, and
+SwiGLU's SiLU-and-multiply.
+
+Why: at decode batch sizes (8-64 rows of 576 features for SmolLM2-135M) each torch op
+costs more in dispatch and fresh tensors than in arithmetic. The torch RMSNorm with
+its residual add is seven ops (add, pow, mean, add, rsqrt, mul, mul) and the rotary
+five plus two copies, SiLU-and-multiply a split, a fresh tensor and two ops; each kernel here is one ``ctypes`` call, one pass over the rows,
+no temporary tensors (``python -m meshserve.bench.step_profile`` counts them under
+``norm/elementwise`` and ``model python``).
+
+Numbers: the rotary rounds every product and sum as the torch ops do (the C is
+compiled with ``-ffp-contract=off`` and without ``-ffast-math``): bitwise equal. The
+norm's sum of squares is taken in double, so its statistic may differ from torch's
+float32 vector sum in the last bit (within float32 rounding of the reference). SiLU
+takes e^x from Cephes' polynomial (within 2 ulp; torch's Sleef within 1), so a
+product may differ from torch's in its last bit. The C is compiled with
+``-ffinite-math-only -fno-trapping-math`` too, which lets the compiler vectorise the
+clamps of that exponential; activations are finite.
+
+Used only for float32 CPU tensors while torch runs one thread (as the attention
+kernel; more threads: torch, which parallelises). Built once by the system C compiler
+and cached as the attention kernel is (``executor.attention.cpu_kernel``);
+``MESHSERVE_CPU_FUSED_KERNELS=0`` turns them off, and where no compiler works the
+torch ops stay.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import os
+import subprocess
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from executor.attention import cpu_kernel
+
+log = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).with_name("cpu_fused.c")
+FLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-fno-trapping-math", "-ffinite-math-only", "-fPIC", "-shared", "-std=c11")
+_lock = threading.Lock()
+_loaded: dict[str, object] = {}
+
+
+@dataclass(frozen=True)
+class FusedKernels:
+    """The library's functions (``ctypes``)."""
+
+    add_rms_norm: object
+    rotary_inplace: object
+    silu_mul: object
+
+
+def load() -> FusedKernels | None:
+    """The kernels, built if needed; ``None`` where they cannot be (no compiler, a failed
+    build, or ``MESHSERVE_CPU_FUSED_KERNELS=0``). Once per process."""
+    with _lock:
+        if "k" in _loaded:
+            return _loaded["k"]
+        kernels = None
+        if os.environ.get("MESHSERVE_CPU_FUSED_KERNELS", "1") == "0":
+            log.info("CPU fused kernels off (MESHSERVE_CPU_FUSED_KERNELS=0): torch norms and rotary")
+        elif (compiler := cpu_kernel._compiler()) is None:
+            log.warning("no C compiler ($CC, cc, gcc): torch norms and rotary instead of the fused CPU kernels")
+        else:
+            try:
+                path = cpu_kernel.library_path(compiler, SOURCE, FLAGS)
+                if not path.exists():
+                    log.info("building the fused CPU kernels into %s", path)
+                    cpu_kernel.build(compiler, path, SOURCE, FLAGS)
+                lib = ctypes.CDLL(str(path))
+                norm, rotary, silu = lib.add_rms_norm, lib.rotary_inplace, lib.silu_mul
+                norm.restype = rotary.restype = silu.restype = None
+                norm.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 2 + [ctypes.c_float]
+                rotary.argtypes = [ctypes.c_void_p] + [ctypes.c_int64] * 4 + [ctypes.c_void_p] * 2
+                silu.argtypes = [ctypes.c_void_p] * 2 + [ctypes.c_int64] * 2
+                kernels = FusedKernels(norm, rotary, silu)
+            except (OSError, subprocess.SubprocessError, AttributeError) as err:
+                detail = getattr(err, "stderr", "") or err
+                log.warning("the fused CPU kernels could not be built (%s): torch norms and rotary", detail)
+        _loaded["k"] = kernels
+        return kernels
+
+
+def usable(x: torch.Tensor) -> FusedKernels | None:
+    """The kernels when ``x`` is a float32 CPU tensor and torch runs one thread, else None."""
+    if x.device.type != "cpu" or x.dtype != torch.float32 or torch.get_num_threads() != 1:
+        return None
+    return load()
+
+
+def add_rms_norm(k: FusedKernels, x: torch.Tensor | None, residual: torch.Tensor, weight: torch.Tensor,
+                 eps: float) -> torch.Tensor:
+    """``residual += x`` in place (no add when ``x`` is None), then RMSNorm of ``residual``
+    times ``weight``: ``(n, hidden)`` float32 contiguous → a new ``(n, hidden)`` tensor."""
+    n, hidden = residual.shape
+    out = torch.empty_like(residual)
+    if x is not None:
+        x = x.contiguous()
+    k.add_rms_norm(None if x is None else x.data_ptr(), residual.data_ptr(), weight.data_ptr(), out.data_ptr(),
+                   n, hidden, eps)
+    return out
+
+
+def rotate_(k: FusedKernels, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
+    """Rotates ``x`` ``(n, heads, head_dim)`` in place, a view whose heads are contiguous
+    (``x.stride() == (row_stride, head_dim, 1)``, e.g. the query and key heads of a fused
+    QKV output); ``cos``, ``sin`` ``(n, 1, head_dim / 2)`` contiguous."""
+    n, heads, head_dim = x.shape
+    k.rotary_inplace(x.data_ptr(), x.stride(0), n, heads, head_dim, cos.data_ptr(), sin.data_ptr())
+
+
+def silu_mul(k: FusedKernels, gate_up: torch.Tensor) -> torch.Tensor:
+    """``silu(gate) * up`` of ``gate_up`` ``(n, 2 * inter)`` float32 contiguous (gate then up)
+    → a new ``(n, inter)`` tensor."""
+    n, two_inter = gate_up.shape
+    out = gate_up.new_empty(n, two_inter // 2)
+    k.silu_mul(gate_up.data_ptr(), out.data_ptr(), n, two_inter // 2)
+    return out
+
+
+def fits_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> bool:
+    """Whether ``rotate_`` can run on these (layouts as its docstring says)."""
+    return (x.dim() == 3 and x.stride(2) == 1 and x.stride(1) == x.shape[2] and cos.is_contiguous()
+            and sin.is_contiguous() and cos.dtype == torch.float32 and sin.dtype == torch.float32
+            and cos.numel() == x.shape[0] * x.shape[2] // 2)

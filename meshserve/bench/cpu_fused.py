@@ -1,0 +1,99 @@
+"""``python -m meshserve.bench.cpu_fused --batch 32 --context 150 --repeat 9 [--json FILE]``:
+one float32 decode step on one thread with the fused CPU kernels (``executor/models/cpu_fused.c``:
+RMSNorm with the residual add, rotary, SiLU-and-multiply) against the torch ops, interleaved.
+
+The step is ``plan`` + the model's forward + logits for ``--batch`` requests decoding
+one token each over about ``--context`` tokens of a paged KV cache (random keys and
+values, scattered blocks: ``meshserve.bench.ceiling``'s forward figure), in one
+process, one model: each repetition runs it once with the kernels off and once on.
+Reported: median wall and thread-CPU milliseconds of each (on a shared host the CPU
+time is the figure to read), their ratio, and whether the two logits agree on every
+row's argmax (and their largest difference).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m meshserve.bench.cpu_fused", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--batch", type=int, default=32, help="requests decoding together")
+    parser.add_argument("--context", type=int, default=150, help="context tokens per request (±20%%)")
+    parser.add_argument("--repeat", type=int, default=9, help="timed steps per side (median)")
+    parser.add_argument("--model", default="default", help="model, as resolve_model takes it")
+    parser.add_argument("--json", help="also write the figures to this JSON file")
+    args = parser.parse_args(argv)
+    if min(args.batch, args.context, args.repeat) < 1:
+        parser.error("--batch, --context and --repeat must be >= 1")
+
+    import torch
+
+    from executor.attention import build_attention_metadata
+    from executor.model_loader import load_model
+    from executor.models import cpu_fused
+    from meshserve.bench.ceiling import BLOCK_SIZE, _contexts
+    from meshserve.model_files import resolve_model
+
+    torch.set_num_threads(1)
+    kernels = cpu_fused.load()
+    if kernels is None:
+        print("the fused CPU kernels could not be built here (see the log)", file=sys.stderr)
+        return 1
+    loaded = load_model(resolve_model(args.model).path, dtype="float32", max_model_len=None,
+                        attention_backend="torch", device="cpu")
+    contexts = _contexts(args.batch, args.context)
+    need = [-(-(c + 1) // BLOCK_SIZE) for c in contexts]
+    gen = torch.Generator().manual_seed(0)
+    perm = torch.randperm(sum(need) + 1, generator=gen).tolist()  # scattered blocks, as in a used pool
+    block_ids, i = [], 0
+    for n in need:
+        block_ids.append(perm[i:i + n])
+        i += n
+    layers = loaded.model.attention_layers()
+    shape = (len(perm), BLOCK_SIZE, layers[0].num_kv_heads, layers[0].head_dim)
+    for layer in layers:
+        layer.kv_cache = (torch.randn(shape, generator=gen), torch.randn(shape, generator=gen))
+    md = build_attention_metadata([1] * args.batch, contexts, block_ids, BLOCK_SIZE)
+    input_ids = torch.randint(0, loaded.vocab_size, (args.batch,), generator=gen)
+    positions = torch.tensor(contexts)
+    backend = layers[0].backend
+
+    def step() -> torch.Tensor:
+        md.plan = None
+        backend.plan(md)
+        with torch.inference_mode():
+            return loaded.model.compute_logits(loaded.model(input_ids, positions, md))
+
+    times = {side: {"wall": [], "cpu": []} for side in ("torch", "fused")}
+    logits = {}
+    try:
+        for r in range(args.repeat + 1):  # the first round warms up
+            for side, k in (("torch", None), ("fused", kernels)):
+                cpu_fused._loaded["k"] = k
+                wall, cpu = time.perf_counter(), time.thread_time()
+                logits[side] = step()
+                if r:
+                    times[side]["wall"].append(time.perf_counter() - wall)
+                    times[side]["cpu"].append(time.thread_time() - cpu)
+    finally:
+        cpu_fused._loaded["k"] = kernels
+    ms = {side: {k: round(statistics.median(v) * 1e3, 2) for k, v in d.items()} for side, d in times.items()}
+    report = {"batch": args.batch, "context": args.context, "repeat": args.repeat, "median_ms": ms,
+              "cpu_torch_over_fused": round(ms["torch"]["cpu"] / ms["fused"]["cpu"], 3),
+              "wall_torch_over_fused": round(ms["torch"]["wall"] / ms["fused"]["wall"], 3),
+              "argmax_equal": bool(torch.equal(logits["torch"].argmax(-1), logits["fused"].argmax(-1))),
+              "max_logit_diff": float((logits["torch"] - logits["fused"]).abs().max())}
+    print(json.dumps(report, indent=2))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(report, f, indent=2)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
