@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import asyncio
 
+import pytest
+
 from gateway.collector import CompletedChoice
 from gateway.events import ChoiceResult, FinishReason, Timings, TokenLogprob, TopLogprob, Usage
 from gateway.result_cache import ResultCache
