@@ -59,6 +59,8 @@ alone) the timer is never held.
 
 from __future__ import annotations
 
+import dataclasses
+
 import math
 from collections import deque
 from dataclasses import dataclass
@@ -100,6 +102,11 @@ class PlannerConfig:
     predictive: bool = True
 
     def __post_init__(self) -> None:
+        numbers = (self.interval_s, self.season_s, self.capacity_tokens_per_s, self.cold_start_s,
+                   self.scale_down_cooldown_s, self.target_utilization)
+        if not all(math.isfinite(v) for v in numbers):
+            raise ValueError("planner settings must be finite numbers (interval, season, capacity, cold start, "
+                             f"cooldown, utilization), got {numbers}")
         if self.interval_s <= 0 or self.season_s < 2 * self.interval_s:
             raise ValueError(f"need interval_s > 0 and season_s >= 2 intervals, got {self.interval_s}, "
                              f"{self.season_s}")
@@ -287,6 +294,22 @@ class Planner:
         self._stabilize(now, raw)
         self.last = Decision(self.desired, raw, predictive, reactive, f_tokens, f_requests, load,
                              self.capacity_tokens_per_s, self.cold_start_s, lead)
+        return self.last
+
+    def wake_from_zero(self, now: float, num_queued: int) -> Decision | None:
+        """Scale to zero (case C44): requests queued while no executor is ready and the
+        planner wants none ask for one at once, not at the next interval (a request
+        must wait only for an executor's start). Returns the new decision, or None
+        when nothing changed (executors are wanted already, one is ready, or none is
+        queued)."""
+        if num_queued <= 0 or self.desired > 0 or (self.ready or 0) > 0:
+            return None
+        self.desired, self._last_change, self._below_since = 1, now, None
+        if self.last is None:
+            self.last = Decision(1, 1, None, 1, 0.0, 0.0, 0.0, self.capacity_tokens_per_s, self.cold_start_s,
+                                 self.cold_start_s + self.config.interval_s)
+        else:
+            self.last = dataclasses.replace(self.last, desired=1, raw=max(1, self.last.raw))
         return self.last
 
     def _stabilize(self, now: float, raw: int) -> None:

@@ -39,7 +39,10 @@ class PlannerLoop(BackgroundTask):
 
     def observe(self) -> None:
         """Samples the mesh's state (saturation) now; cheap, called on every dispatch too."""
-        self.planner.observe(self.clock(), ready_executors(self.core), len(self.core))
+        now, ready, queued = self.clock(), ready_executors(self.core), len(self.core)
+        self.planner.observe(now, ready, queued)
+        if queued and not ready and self.planner.wake_from_zero(now, queued) is not None:
+            log.info("%d request(s) queued with no executor ready: 1 executor wanted now", queued)
 
     async def tick(self) -> Decision:
         """One decision now; the forecast (a Holt-Winters fit, up to about a second)

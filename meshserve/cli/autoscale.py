@@ -110,7 +110,8 @@ class LocalAutoscaler:
         low, high: the MIN..MAX range.
         poll_s: seconds between two reads.
         start_budget_s: an executor not ready this long after its start is failed
-            and replaced (default: the mesh's ``startup_timeout_s``).
+            and replaced (default: the mesh's ``start_budget_s``, else its
+            ``startup_timeout_s``).
         clock: seconds (the events' times and the budget; tests pass a fake one).
     """
 
@@ -119,7 +120,9 @@ class LocalAutoscaler:
         self.mesh = mesh
         self.low, self.high = low, high
         self.poll_s = poll_s
-        self.start_budget_s = mesh.config.startup_timeout_s if start_budget_s is None else start_budget_s
+        if start_budget_s is None:
+            start_budget_s = mesh.config.start_budget_s or mesh.config.startup_timeout_s
+        self.start_budget_s = start_budget_s
         self.clock = clock
         self.events: list[ScaleEvent] = []
         self.polls: deque[Poll] = deque(maxlen=MAX_POLLS)

@@ -99,6 +99,9 @@ class MeshConfig:
         gateway_args / kvstore_args: extra ``meshserve gateway`` / ``kvstore`` flags.
         autoscale: ``(min, max)`` executors for ``meshserve up --autoscale`` (run by
             ``meshserve.cli.autoscale.LocalAutoscaler``), or None: a fixed count.
+        start_budget_s: with ``autoscale``, how long an executor may take to be ready
+            before it is failed and replaced (None: ``startup_timeout_s``); the
+            scheduler, gateway and kvstore keep ``startup_timeout_s``.
     """
 
     port: int = 50051
@@ -118,6 +121,7 @@ class MeshConfig:
     tls_files: tuple[str, str, str] | None = None
     http_port: int | None = None
     autoscale: tuple[int, int] | None = None
+    start_budget_s: float | None = None
     gateway_args: list[str] = field(default_factory=list)
     kvstore_args: list[str] = field(default_factory=list)
 

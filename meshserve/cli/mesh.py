@@ -9,6 +9,7 @@ are imported when a command runs, so that ``meshserve --help`` stays fast.
 from __future__ import annotations
 
 import asyncio
+import math
 import signal
 import sys
 import threading
@@ -167,6 +168,8 @@ def up(
             from scheduler.planner import PlannerConfig
 
             scale = parse_range(autoscale)
+            if not math.isfinite(start_budget_s):
+                raise ValueError(f"--start-budget-s must be a finite number of seconds, got {start_budget_s}")
             executors, metrics = scale[0], True  # the planner's metric is read from /metrics
             planner_args = service_flags(planner_interval_s=planner_interval_s, planner_season_s=planner_season_s,
                                          min_executors=scale[0], max_executors=scale[1],
@@ -200,7 +203,7 @@ def up(
     if scale is not None:
         config.scheduler_args += planner_args
         config.autoscale = scale
-        config.startup_timeout_s = start_budget_s
+        config.start_budget_s = start_budget_s  # the executors' start budget; the services keep their own timeout
     run_mesh(Mesh(config))
 
 

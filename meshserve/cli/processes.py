@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -112,8 +113,8 @@ def scheduler_config(queue_policy: str = "fcfs", max_queue_wait_s: float = 30.0,
         raise ValueError("max_queue_len and max_queue_tokens must be >= 1")
     if lease_ttl_s <= 0:
         raise ValueError(f"lease_ttl_s must be > 0, got {lease_ttl_s}")
-    if start_budget_s is not None and start_budget_s <= 0:
-        raise ValueError(f"start_budget_s must be > 0, got {start_budget_s}")
+    if start_budget_s is not None and not (math.isfinite(start_budget_s) and start_budget_s > 0):
+        raise ValueError(f"start_budget_s must be a finite number of seconds > 0, got {start_budget_s}")
     tenants = (TenantRegistry.from_file(tenants_file) if tenants_file else TenantRegistry.open()).tenants
     quotas = {t.name: t.kv_quota_blocks for t in tenants}
     limits = {t.name: TenantLimits(t.max_priority, t.requests_per_s, t.tokens_per_min) for t in tenants}

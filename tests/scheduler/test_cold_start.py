@@ -215,3 +215,40 @@ def test_without_a_start_budget_no_executor_is_unavailable_at_once():
     core = AdmissionCore(SchedulerConfig())
     with pytest.raises(Unavailable, match="no executor"):
         core.submit(request("r"))
+
+
+def test_a_request_queued_at_zero_wakes_the_planner_before_its_interval():
+    """C44 (found by a fresh user of `up --autoscale 0..2`: with the default 60 s
+    interval a cold request first waited for the planner's next decision, so a start
+    budget under the interval plus the start always ran out): a request queued while
+    no executor is ready makes the planner want one at the next observation, not at
+    the next interval; the interval's own decision then keeps it while it starts."""
+    import asyncio
+
+    from scheduler.planner_loop import PlannerLoop
+
+    clock = Clock(0.0)
+    core = AdmissionCore(SchedulerConfig(start_budget_s=300.0), clock=clock)
+    planner = Planner(PlannerConfig(interval_s=60.0, season_s=3600.0, min_executors=0, max_executors=2,
+                                    capacity_tokens_per_s=CAPACITY, predictive=False), start=0.0)
+    loop = PlannerLoop(planner, core, clock=clock)
+    assert asyncio.run(loop.tick()).desired == 0
+    clock.t = 1.0
+    loop.observe()                                    # nothing queued: nothing wanted
+    assert planner.desired == 0
+    core.submit(request("r"))
+    loop.observe()                                    # as the servicer does after each dispatch
+    assert (planner.desired, planner.last.desired) == (1, 1)
+    clock.t = 60.0
+    assert asyncio.run(loop.tick()).desired == 1      # still queued, nothing ready: kept
+    core.registry.add(state("executor-0"))
+    assert [lease.executor_id for _, lease in core.dispatch()] == ["executor-0"]
+
+
+def test_wake_from_zero_changes_nothing_while_an_executor_is_ready_or_nothing_waits():
+    planner = Planner(PlannerConfig(interval_s=60.0, season_s=3600.0, min_executors=0, max_executors=2,
+                                    predictive=False), start=0.0)
+    planner.observe(1.0, 1, 3)
+    assert planner.wake_from_zero(1.0, 3) is None and planner.desired == 0
+    planner.observe(2.0, 0, 0)
+    assert planner.wake_from_zero(2.0, 0) is None and planner.desired == 0

@@ -171,3 +171,11 @@ def test_gateway_with_an_unreachable_redis_is_one_line():
     assert result.exit_code == 1
     assert result.output.startswith(f"error: task store redis://127.0.0.1:{port}/0 cannot be reached: ")
     assert "Traceback" not in result.output
+
+
+@pytest.mark.parametrize("value", ["nan", "inf", "-1", "0"])
+def test_scheduler_start_budget_must_be_finite_and_positive(value):
+    """A NaN or infinite budget would never expire: a cold request could wait forever."""
+    result = runner.invoke(app, ["scheduler", "--insecure", "--start-budget-s", value])
+    assert result.exit_code == 2
+    assert "start_budget_s must be a finite number of seconds > 0" in " ".join(result.output.replace("│", " ").split())

@@ -81,3 +81,25 @@ def test_up_help_shows_the_service_flags():
                  "--block-size", "--max-num-seqs", "--kvstore", "--http-port", "--served-model-name", "--config",
                  "--revision", "--tokenizer", "--chat-template"):
         assert flag in result.output, flag
+
+
+def test_a_short_start_budget_is_the_executors_not_the_services_start_up_timeout(started):
+    """`up --autoscale 0..1 --start-budget-s 5` (found by a fresh user: the budget also
+    became the scheduler's and gateway's start-up timeout, so a gateway needing 10 s
+    stopped the mesh before any request): the budget reaches the scheduler and the
+    executors' autoscaler; the services keep the mesh's start-up timeout."""
+    result = _up("--autoscale", "0..1", "--start-budget-s", "5")
+    assert result.exit_code == 0, result.output
+    c = started[0].config
+    assert (c.start_budget_s, c.startup_timeout_s) == (5.0, 300.0)
+    assert c.scheduler_args[c.scheduler_args.index("--start-budget-s") + 1] == "5.0"
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--autoscale", "0..1", "--start-budget-s", "inf"], "--start-budget-s must be a finite number of seconds, got inf"),
+    (["--autoscale", "0..2", "--planner-interval-s", "nan"], "planner settings must be finite numbers"),
+])
+def test_non_finite_autoscale_settings_are_usage_errors(started, args, message):
+    result = _up(*args)
+    assert result.exit_code == 2 and started == []
+    assert message in " ".join(result.output.replace("│", " ").split())
