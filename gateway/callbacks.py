@@ -56,6 +56,10 @@ _DEFAULT_PORTS = {"http": 80, "https": 443}
 _RETRIED_STATUSES = {408, 429}
 
 
+MAX_CALLBACK_URL_CHARS = 2048
+"""The longest callback URL accepted (the common practical limit of browsers and proxies)."""
+
+
 def sign(secret: bytes, timestamp: int, body: bytes) -> str:
     """The ``X-Meshserve-Signature`` value: ``sha256=`` + hex HMAC-SHA256 over
     ``b"<timestamp>." + body``."""
@@ -138,8 +142,15 @@ class CallbackPolicy:
         """Returns the URL when a task may call it back.
 
         Raises:
-            InvalidArgument: naming ``callback_url`` and why.
+            InvalidArgument: naming ``callback_url`` and why (also: longer than
+                ``MAX_CALLBACK_URL_CHARS``, or holding whitespace or control characters,
+                which a request line cannot carry).
         """
+        if len(url_text) > MAX_CALLBACK_URL_CHARS:
+            raise InvalidArgument(f"callback_url is longer than {MAX_CALLBACK_URL_CHARS} characters")
+        if any(c.isspace() or ord(c) < 0x20 or ord(c) == 0x7F for c in url_text):
+            raise InvalidArgument("callback_url is malformed: it holds whitespace or control characters "
+                                  "(percent-encode them)")
         try:
             url = urlsplit(url_text)
             port = url.port or _DEFAULT_PORTS.get(url.scheme)

@@ -43,6 +43,7 @@ from gateway.task_store import TaskRecord
 from gateway.tenants import Tenant, TenantRegistry
 from meshserve import trace_attributes as ta
 from meshserve.errors import InvalidArgument, Unavailable
+from meshserve.request_ids import MAX_REQUEST_ID_LEN
 from meshserve.telemetry import context_from_grpc, record_error, tracer
 from meshserve.v1 import gateway_pb2
 
@@ -225,6 +226,8 @@ class TaskAPI:
     async def _answer(self, name: str, query: gateway_pb2.TaskQuery, context, action) -> gateway_pb2.TaskStatus:
         """One GetTask/CancelTask call: its span (linked to the submit span) around ``action``."""
         tenant = self.tenants.authenticate(context.invocation_metadata())
+        if len(query.task_id) > MAX_REQUEST_ID_LEN:  # before it is echoed into spans, errors or trailers
+            raise InvalidArgument(f"task_id has {len(query.task_id)} characters; the limit is {MAX_REQUEST_ID_LEN}")
         span = _tracer.start_span(name, context=context_from_grpc(context), kind=trace.SpanKind.SERVER,
                                   attributes={ta.TASK_ID: query.task_id, ta.TENANT: tenant.name})
         try:

@@ -3,8 +3,9 @@
 ``SubmitTask``/``GetTask``/``CancelTask``).
 
 * ``POST /v1/tasks``: a chat body (``messages``) or a completions body with one
-  ``prompt``, as the OpenAI routes take them (``stream`` is ignored) → 202 and the
-  task's handle ``{"task_id", "state"}``.
+  ``prompt``, as the OpenAI routes take them (``stream`` is ignored), and an optional
+  ``callback_url`` (as SubmitTask's: allow-listed, signed, ``docs/api.md``) → 202 and
+  the task's handle ``{"task_id", "state"}``.
 * ``GET /v1/tasks/{task_id}``: its ``TaskStatus`` (state, timestamps, then its
   choices or its error) as JSON with the proto's field names; 404 when unknown or
   another tenant's.
@@ -64,7 +65,11 @@ class TaskRoutes:
         self.router.add_api_route("/v1/tasks/{task_id}", self.cancel, methods=["DELETE"])
 
     def _generate_request(self, body: dict[str, Any]) -> gateway_pb2.GenerateRequest:
-        """The body as the ``GenerateRequest`` SubmitTask takes (pydantic errors become 400)."""
+        """The body as the ``GenerateRequest`` SubmitTask takes (pydantic errors become 400),
+        with its ``callback_url`` (checked against the allow-list by ``TaskAPI.submit``)."""
+        callback_url = body.pop("callback_url", None)
+        if callback_url is not None and not isinstance(callback_url, str):
+            raise InvalidArgument("callback_url must be a string")
         request_id = body.get("request_id") or ""
         if "messages" in body:
             gen = chat_request(ChatCompletionRequest.model_validate(body), self.tasks.core.model.max_model_len,
@@ -74,7 +79,9 @@ class TaskRoutes:
             if len(gens) != 1:
                 raise InvalidArgument("prompt: a task takes one prompt")
             gen = gens[0]
-        return request_to_proto(gen)
+        message = request_to_proto(gen)
+        message.callback_url = callback_url or ""
+        return message
 
     async def submit(self, request: Request, body: dict[str, Any] = Body(...)) -> JSONResponse:
         """``POST /v1/tasks``."""

@@ -40,6 +40,11 @@ async def sentinel():
     ("http://localhost./hook", "allow-list"),
     ("https://evil.example.org/hook", "allow-list"),
     ("https://hooks.example.com/other", "allow-list"),
+    # found by a fresh user: these reached the task record and went out as a broken request line
+    ("https://hooks.example.com/meshserve\r\nX-Evil: injected", "whitespace or control characters"),
+    ("https://hooks.example.com/meshserve/h ook", "whitespace or control characters"),
+    ("https://hooks.example.com/meshserve/\x00", "whitespace or control characters"),
+    ("https://hooks.example.com/meshserve/" + "a" * 2048, "longer than 2048 characters"),
 ])
 def test_urls_outside_the_allow_list_or_internal_are_invalid_arguments(url, reason):
     """C36: literal private, loopback and link-local addresses, other schemes and

@@ -106,6 +106,16 @@ async def test_tasks_are_visible_to_their_tenant_only(gateway):
     assert (await wait_task(gateway, handle.task_id, KEY_A, 0.02, 30)).state == gateway_pb2.TASK_STATE_FAILED
 
 
+async def test_an_overlong_task_id_is_an_invalid_argument_that_does_not_echo_it(gateway):
+    """Found by a fresh user: a 100,000-character task_id was echoed into the error
+    details and overflowed the trailer (RESOURCE_EXHAUSTED from the transport)."""
+    for call in (get_task, cancel_task):
+        with pytest.raises(grpc.aio.AioRpcError) as info:
+            await call(gateway, "x" * 100_000, KEY_A)
+        assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert info.value.details() == "task_id has 100000 characters; the limit is 256"
+
+
 async def test_finished_tasks_expire_after_the_ttl(gateway):
     handle = await submit_task(gateway, request(), KEY_B)
     status = await wait_task(gateway, handle.task_id, KEY_B, poll_s=0.02, timeout_s=30)

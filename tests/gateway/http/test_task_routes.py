@@ -1,0 +1,69 @@
+"""``POST /v1/tasks`` with a ``callback_url``, without a model: a gateway whose
+scheduler is unreachable (every task fails with UNAVAILABLE, which is still a final
+state to call back about), its HTTP port and a callback allow-list naming a local
+receiver. Found by a fresh user: the HTTP route dropped ``callback_url`` silently
+(202, no callback), even for an internal address."""
+
+from __future__ import annotations
+
+import asyncio
+
+import httpx2 as httpx
+import pytest
+import pytest_asyncio
+
+from gateway.callbacks import CallbackPolicy, CallbackSender
+from gateway.server import start_gateway
+from gateway.task_runner import TaskRunner
+from gateway.task_store import MemoryTaskStore
+from tests.support.http_receiver import Receiver
+from tests.support.mesh_harness import wait_for_condition
+from tests.support.redis_server import free_port
+
+SECRET = b"task-routes-secret"
+
+
+@pytest_asyncio.fixture
+async def served():
+    from meshserve.cli.processes import model_info
+
+    try:
+        tokenizer, info = await asyncio.to_thread(model_info, "default")
+    except FileNotFoundError as exc:
+        pytest.skip(str(exc))
+    receiver = await Receiver().start()
+    svc = await start_gateway(tokenizer, info, f"127.0.0.1:{free_port()}", 0, tasks=TaskRunner(MemoryTaskStore()),
+                              callbacks=CallbackSender(CallbackPolicy([receiver.url + "/"]), SECRET,
+                                                       max_attempts=1, backoff_s=0.001),
+                              http_port=0)
+    async with httpx.AsyncClient(base_url=f"http://{svc.http.address}", timeout=30) as client:
+        yield client, receiver
+    await svc.stop(0.5)
+    await svc.servicer.close()
+    await receiver.stop()
+
+
+BODY = {"prompt": "Hello", "max_tokens": 4, "temperature": 0}
+
+
+async def test_a_task_submitted_over_http_calls_its_callback_url_back(served):
+    client, receiver = served
+    resp = await client.post("/v1/tasks", json={**BODY, "callback_url": receiver.url + "/done"})
+    assert resp.status_code == 202, resp.text
+    task_id = resp.json()["task_id"]
+    await wait_for_condition(lambda: len(receiver.received) == 1, what="the task's callback POST")
+    assert receiver.received[0].headers["x-meshserve-task-id"] == task_id
+    status = (await client.get(f"/v1/tasks/{task_id}")).json()
+    assert (status["state"], status["callback"]["url"]) == ("TASK_STATE_FAILED", receiver.url + "/done")
+
+
+@pytest.mark.parametrize("callback_url, message", [
+    ("http://169.254.169.254/latest", "callback_url names an internal address (169.254.169.254)"),
+    (123, "callback_url must be a string"),
+])
+async def test_a_refused_callback_url_is_a_400_naming_it_and_no_task(served, callback_url, message):
+    client, receiver = served
+    resp = await client.post("/v1/tasks", json={**BODY, "callback_url": callback_url})
+    assert resp.status_code == 400
+    assert resp.json()["error"]["message"] == message
+    assert receiver.received == []
