@@ -95,10 +95,11 @@ def matmul_only(model, batch: int, repeat: int):
     return _figure(plain_times, batch), _figure(own_times, batch)
 
 
-def forward(loaded, batch: int, context: int, repeat: int) -> tuple[Figure, Figure]:
-    """Times ``plan`` + forward + logits of one decode step over a paged KV cache, with
-    the packed weights and without (plain ``F.linear``), interleaved. Returns
-    ``(packed, plain)`` Figures."""
+def decode_step_inputs(loaded, batch: int, context: int):
+    """One decode step's inputs for ``loaded``'s model: ``batch`` requests of about
+    ``context`` tokens (``_contexts``) whose blocks are scattered over a random KV cache
+    (as in a used pool), set on every attention layer. Returns ``(metadata,
+    input_ids (batch,) int64, positions (batch,) int64)``; seeded (the same every call)."""
     import torch
 
     from executor.attention import build_attention_metadata
@@ -118,7 +119,17 @@ def forward(loaded, batch: int, context: int, repeat: int) -> tuple[Figure, Figu
                           torch.randn(shape, generator=gen).to(loaded.dtype))
     md = build_attention_metadata([1] * batch, contexts, block_ids, BLOCK_SIZE)
     input_ids = torch.randint(0, loaded.vocab_size, (batch,), generator=gen)
-    positions = torch.tensor(contexts)
+    return md, input_ids, torch.tensor(contexts)
+
+
+def forward(loaded, batch: int, context: int, repeat: int) -> tuple[Figure, Figure]:
+    """Times ``plan`` + forward + logits of one decode step over a paged KV cache, with
+    the packed weights and without (plain ``F.linear``), interleaved. Returns
+    ``(packed, plain)`` Figures."""
+    import torch
+
+    md, input_ids, positions = decode_step_inputs(loaded, batch, context)
+    layers = loaded.model.attention_layers()
     backend = layers[0].backend
 
     def step():

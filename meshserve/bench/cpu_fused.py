@@ -33,10 +33,9 @@ def main(argv: list[str] | None = None) -> int:
 
     import torch
 
-    from executor.attention import build_attention_metadata
     from executor.model_loader import load_model
     from executor.models import cpu_fused
-    from meshserve.bench.ceiling import BLOCK_SIZE, _contexts
+    from meshserve.bench.ceiling import decode_step_inputs
     from meshserve.model_files import resolve_model
 
     torch.set_num_threads(1)
@@ -46,21 +45,8 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     loaded = load_model(resolve_model(args.model).path, dtype="float32", max_model_len=None,
                         attention_backend="torch", device="cpu")
-    contexts = _contexts(args.batch, args.context)
-    need = [-(-(c + 1) // BLOCK_SIZE) for c in contexts]
-    gen = torch.Generator().manual_seed(0)
-    perm = torch.randperm(sum(need) + 1, generator=gen).tolist()  # scattered blocks, as in a used pool
-    block_ids, i = [], 0
-    for n in need:
-        block_ids.append(perm[i:i + n])
-        i += n
+    md, input_ids, positions = decode_step_inputs(loaded, args.batch, args.context)
     layers = loaded.model.attention_layers()
-    shape = (len(perm), BLOCK_SIZE, layers[0].num_kv_heads, layers[0].head_dim)
-    for layer in layers:
-        layer.kv_cache = (torch.randn(shape, generator=gen), torch.randn(shape, generator=gen))
-    md = build_attention_metadata([1] * args.batch, contexts, block_ids, BLOCK_SIZE)
-    input_ids = torch.randint(0, loaded.vocab_size, (args.batch,), generator=gen)
-    positions = torch.tensor(contexts)
     backend = layers[0].backend
 
     def step() -> torch.Tensor:

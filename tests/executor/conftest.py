@@ -72,3 +72,12 @@ def small_model(tmp_path_factory, default_model_files):
     from tests.support.parallel import save_small
 
     return save_small(tmp_path_factory.mktemp("small-llama"), default_model_files.path)
+
+
+@pytest.fixture
+def one_thread():
+    """torch on one thread for the test (the CPU kernels' path; ``tests/conftest.py``
+    puts the count back after it)."""
+    import torch
+
+    torch.set_num_threads(1)

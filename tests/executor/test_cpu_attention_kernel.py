@@ -8,14 +8,6 @@ from executor.attention.torch_backend import TorchAttentionBackend
 
 
 @pytest.fixture
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
-@pytest.fixture
 def kernel(tmp_path, monkeypatch):
     monkeypatch.setenv("MESHSERVE_CACHE_DIR", str(tmp_path))
     monkeypatch.setattr(cpu_kernel, "_loaded", {})

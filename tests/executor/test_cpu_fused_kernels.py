@@ -13,14 +13,6 @@ from executor.models.rotary import RotaryEmbedding
 
 
 @pytest.fixture
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
-@pytest.fixture
 def kernels(tmp_path, monkeypatch, one_thread):
     monkeypatch.setenv("MESHSERVE_CACHE_DIR", str(tmp_path))
     monkeypatch.setattr(cpu_fused, "_loaded", {})
