@@ -81,7 +81,25 @@ def parallel_args(tensor_parallel_size: int, pipeline_parallel_size: int) -> lis
 _FOR = "Passed to the {}."
 
 
+AUTOSCALE_ONLY = {"planner_interval_s": "--planner-interval-s", "planner_season_s": "--planner-season-s",
+                  "executor_capacity": "--executor-capacity-tokens-per-s",
+                  "scale_down_cooldown_s": "--scale-down-cooldown-s", "start_budget_s": "--start-budget-s"}
+"""``up``'s parameters that only ``--autoscale`` reads → their flags."""
+
+
+def _check_autoscale_only(ctx: typer.Context, autoscale: str | None) -> None:
+    """Raises ``typer.BadParameter`` for an autoscaling flag given without ``--autoscale``
+    (it would be ignored silently)."""
+    if autoscale is not None:
+        return
+    for name, flag in AUTOSCALE_ONLY.items():
+        source = ctx.get_parameter_source(name)
+        if source is not None and source.name == "COMMANDLINE":  # not the default or a config
+            raise typer.BadParameter(f"{flag} applies only with --autoscale MIN..MAX")
+
+
 def up(
+    ctx: typer.Context,
     port: int = typer.Option(50051, min=0, max=65535, help="Public gRPC port of the gateway."),
     http_port: Optional[int] = typer.Option(8000, "--http-port", min=0, max=65535,
                                             help="The gateway's OpenAI-compatible HTTP port (0: a free one)."),
@@ -148,6 +166,7 @@ def up(
 
     from meshserve.cli import processes
 
+    _check_autoscale_only(ctx, autoscale)
     try:  # checked before any service starts: a usage error, exit code 2
         task_store_kind(task_store)
         cfg = processes.engine_config(model, dtype or "auto", kv_cache_memory, block_size=block_size or 16,

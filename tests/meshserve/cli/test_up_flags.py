@@ -103,3 +103,19 @@ def test_non_finite_autoscale_settings_are_usage_errors(started, args, message):
     result = _up(*args)
     assert result.exit_code == 2 and started == []
     assert message in " ".join(result.output.replace("│", " ").split())
+
+
+@pytest.mark.parametrize("flag,value", [("--start-budget-s", "30"), ("--planner-interval-s", "5"),
+                                        ("--scale-down-cooldown-s", "10"),
+                                        ("--executor-capacity-tokens-per-s", "100")])
+def test_an_autoscaling_flag_without_autoscale_is_a_usage_error(started, flag, value):
+    """Found by a fresh user: `up --executors 1 --start-budget-s 5` was accepted and ignored."""
+    result = _up("--executors", "1", flag, value)
+    assert result.exit_code == 2 and started == []
+    assert f"{flag} applies only with --autoscale MIN..MAX" in " ".join(result.output.replace("│", " ").split())
+
+
+def test_autoscaling_flags_with_autoscale_and_defaults_without_it_are_accepted(started):
+    assert _up("--executors", "1").exit_code == 0
+    assert _up("--autoscale", "1..2", "--planner-interval-s", "5", "--start-budget-s", "30").exit_code == 0
+    assert len(started) == 2
