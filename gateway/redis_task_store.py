@@ -149,8 +149,12 @@ class RedisTaskStore(TaskStore):
         return await shielded(self._update(task_id, change))
 
     async def claimable(self, now: float, limit: int = 100) -> list[str]:
+        return await self._due(LEASES_KEY, now, limit)
+
+    async def _due(self, key: str, now: float, limit: int) -> list[str]:
+        """Up to ``limit`` ids in the sorted set ``key`` whose lease ends by ``now``."""
         try:
-            ids = await self._redis.zrangebyscore(LEASES_KEY, "-inf", now, start=0, num=limit)
+            ids = await self._redis.zrangebyscore(key, "-inf", now, start=0, num=limit)
         except RedisError as exc:
             raise Unavailable(f"task store {self.url}: {exc}") from None
         return [i.decode() if isinstance(i, bytes) else i for i in ids]
@@ -164,11 +168,7 @@ class RedisTaskStore(TaskStore):
         return await shielded(self._update(task_id, change))
 
     async def claimable_callbacks(self, now: float, limit: int = 100) -> list[str]:
-        try:
-            ids = await self._redis.zrangebyscore(CALLBACKS_KEY, "-inf", now, start=0, num=limit)
-        except RedisError as exc:
-            raise Unavailable(f"task store {self.url}: {exc}") from None
-        return [i.decode() if isinstance(i, bytes) else i for i in ids]
+        return await self._due(CALLBACKS_KEY, now, limit)
 
     async def _update(self, task_id: str, change) -> TaskRecord | None:
         """Reads the record, applies ``change`` (None: leave it), writes it back, as one
