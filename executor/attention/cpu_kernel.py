@@ -43,6 +43,7 @@ SOURCE = Path(__file__).with_name("cpu_paged_attention.c")
 FLAGS = ("-O3", "-march=native", "-ffast-math", "-fPIC", "-shared", "-std=c11")
 _lock = threading.Lock()
 _loaded: dict[str, object] = {}
+_UNSET = object()
 
 
 def _compiler() -> str | None:
@@ -88,6 +89,9 @@ def build(compiler: str, target: Path, source: Path = SOURCE, flags: tuple[str, 
 def load():
     """The kernel's ``ctypes`` function, built if needed; ``None`` where it cannot be
     (no compiler, a failed build, or ``MESHSERVE_CPU_ATTENTION_KERNEL=0``). Once per process."""
+    fn = _loaded.get("fn", _UNSET)  # no lock once loaded
+    if fn is not _UNSET:
+        return fn
     with _lock:
         if "fn" in _loaded:
             return _loaded["fn"]

@@ -56,9 +56,15 @@ class FusedKernels:
     silu_mul: object
 
 
+_UNSET = object()
+
+
 def load() -> FusedKernels | None:
     """The kernels, built if needed; ``None`` where they cannot be (no compiler, a failed
     build, or ``MESHSERVE_CPU_FUSED_KERNELS=0``). Once per process."""
+    kernels = _loaded.get("k", _UNSET)  # the hot path: no lock once loaded
+    if kernels is not _UNSET:
+        return kernels
     with _lock:
         if "k" in _loaded:
             return _loaded["k"]

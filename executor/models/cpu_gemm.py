@@ -69,4 +69,4 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
     (from ``pack(weight)``) when there is one, else ``F.linear``."""
     if packed is None:
         return F.linear(x, weight, bias)
-    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+    return torch.ops.mkldnn._linear_pointwise.default(x, packed, bias, "none", [], "")
