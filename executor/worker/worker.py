@@ -122,7 +122,7 @@ class Worker:
         layers = self.loaded.model.attention_layers()
         off = graphs_off_reason(self.config.cuda_graphs, self.device.type, layers[0].backend,
                                 self.config.parallel.world_size)
-        if off is not None and (self.config.cuda_graphs is not None or self.device.type == "cuda"):
+        if off is not None and (self.config.cuda_graphs or self.device.type == "cuda"):  # asked for, or on CUDA
             log.info("CUDA graphs off: %s; every step runs eagerly", off)
         # with graphs, one more block than the engine's pool: the one padded decode rows use
         storage = allocate_kv_storage(len(layers), num_blocks + (off is None), block_size, layers[0].num_kv_heads,

@@ -255,6 +255,33 @@ def test_triton_static_decode_plan_gives_the_dynamic_plans_tokens_and_logprobs(t
     assert runner.graphs.num_replays == max(max_tokens) - 1
 
 
+@pytest.mark.parametrize("requested,logged", [(True, True), (None, False), (False, False)])
+def test_cuda_graphs_on_cpu_are_ignored_with_a_log_line(tiny_llama, caplog, requested, logged):
+    """Asked for on a CPU, graphs are off with one log line (silent when not asked for),
+    and the cache has exactly the engine's blocks (no padding block)."""
+    import logging
+
+    from executor.engine.config import CacheConfig, EngineConfig
+    from executor.engine.llm_engine import LLMEngine
+
+    caplog.set_level(logging.INFO, logger="executor.worker.worker")
+    engine = LLMEngine(EngineConfig(model=str(tiny_llama), dtype="float32", cuda_graphs=requested,
+                                    cache=CacheConfig(num_blocks=12)))
+    worker = engine.worker_group.worker
+    assert worker.model_runner.graphs is None
+    assert worker.kv_caches[0][0].shape[0] == 12
+    lines = [r.getMessage() for r in caplog.records if "CUDA graphs" in r.getMessage()]
+    assert lines == (["CUDA graphs off: not on a cpu device; every step runs eagerly"] if logged else [])
+
+
+def test_cuda_graphs_flag_reaches_the_engine_config():
+    from meshserve.cli.processes import engine_config
+
+    for value in (True, False, None):
+        assert engine_config("default", "auto", "64MiB", 16, 8, 64, False, None, None,
+                             cuda_graphs=value).cuda_graphs is value
+
+
 # --------------------------------------------------------------------------- CUDA: the engine, graphs on and off
 
 
