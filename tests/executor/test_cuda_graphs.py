@@ -297,11 +297,12 @@ def _save_llama(path) -> None:
 
 @requires_cuda
 @pytest.mark.gpu
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_engine_with_cuda_graphs_generates_the_tokens_of_eager_decode(tmp_path, dtype):
-    """Greedy through the whole engine (chunked prefill, then decode batches shrinking from
-    11 requests to 1: buckets 16, 8, 4, 2, 1) with graphs on and off: identical token
-    ids, the graphs replayed in every one of those buckets, and the blocks all back."""
+def test_engine_with_cuda_graphs_generates_the_tokens_of_eager_decode(tmp_path):
+    """Greedy float32 through the whole engine (chunked prefill, then decode batches
+    shrinking from 11 requests to 1: buckets 16, 8, 4, 2, 1) with graphs on and off:
+    identical token ids, the graphs replayed in every one of those buckets, and the
+    blocks all back. (float32 only: cuBLAS may round a padded batch's rows differently,
+    which this model's logit gaps absorb in float32, as test_cuda_engine's do.)"""
     from executor.engine.config import BatchSchedulerConfig, CacheConfig, EngineConfig
     from executor.engine.llm_engine import LLMEngine
 
@@ -311,7 +312,7 @@ def test_engine_with_cuda_graphs_generates_the_tokens_of_eager_decode(tmp_path, 
                                                                             520, 700)]
     results, runners = {}, {}
     for graphs in (True, False):
-        engine = LLMEngine(EngineConfig(model=str(tmp_path), device="cuda", dtype=dtype, attention_backend="triton",
+        engine = LLMEngine(EngineConfig(model=str(tmp_path), device="cuda", dtype="float32", attention_backend="triton",
                                         cuda_graphs=graphs, cache=CacheConfig(block_size=16, num_blocks=512),
                                         batch=BatchSchedulerConfig(max_num_seqs=16, max_num_batched_tokens=256)))
         runner = engine.worker_group.worker.model_runner
