@@ -141,7 +141,11 @@ class Worker:
             self.model_runner = ModelRunner(self.loaded, block_size, self.config.seed, self.device,
                                             driver=self.rank == 0, graphs=graphs)
             if graphs is not None:
-                graphs.capture_all()
+                try:
+                    graphs.capture_all()
+                except RuntimeError as err:  # an op CUDA refuses to capture: serve eagerly rather than not at all
+                    log.warning("CUDA graph capture failed (%s); every step runs eagerly", err)
+                    self.model_runner.graphs = None
 
     def execute_model(self, scheduler_output: SchedulerOutput, step_id: int | None = None) -> ModelRunnerOutput:
         """One step (see the module doc); ``step_id`` names it in the step log (rank 0's

@@ -113,6 +113,16 @@ BLOCK_SIZE = 16
 MAX_MODEL_LEN = 256
 
 
+@pytest.fixture
+def one_thread():
+    """torch on one thread (the CPU decode kernel's path), put back after the test (here,
+    not in conftest.py: ``tests/gpu_check.sh`` runs this module with ``--noconftest``)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 @pytest.fixture(scope="module")
 def tiny_llama(tmp_path_factory):
     from tests.support.parallel import save_tiny
