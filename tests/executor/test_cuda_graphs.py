@@ -169,7 +169,8 @@ def _generate(runner, prompts: list[list[int]], max_tokens: list[int]):
             scheduled.append(ScheduledRequest(str(i), new, computed, blocks, params, True, seqs[i], len(prompts[i])))
         result = runner.execute_model(SchedulerOutput(scheduled, sum(len(s.token_ids) for s in scheduled)))
         if all(len(s.token_ids) == 1 for s in scheduled):
-            logprobs.append({rid: (lp.token_id, lp.logprob, lp.top_token_ids, lp.top_logprobs) for rid, lp in result.logprobs.items()})
+            logprobs.append({rid: (lp.token_id, lp.logprob, lp.top_token_ids, lp.top_logprobs)
+                             for rid, lp in result.logprobs.items()})
         step = []
         for i in range(len(prompts)):
             if str(i) in result.sampled_token_ids:
