@@ -248,8 +248,9 @@ def test_mixed_and_prefill_steps_run_eagerly(tiny_llama):
                     reason="triton was imported before TRITON_INTERPRET=1 could be set; run this module on its own")
 def test_triton_static_decode_plan_gives_the_dynamic_plans_tokens_and_logprobs(tiny_llama):
     """The Triton backend (interpreter on CPU): the padded pass with the bucket's static
-    plan (grid for max_model_len = 16 partitions of 16 tokens) against the per-step plan
-    of the unpadded batch (as many partitions as the longest context needs)."""
+    plan (grid for max_model_len = 16 partitions of 16 tokens), made once and never
+    updated from the host, against the per-step plan of the unpadded batch (as many
+    partitions as the longest context needs): the same tokens and logprobs."""
     pytest.importorskip("triton")
     if not CUDA:
         from tests.support.triton_interpreter import patch_for_numpy_2_4
@@ -264,6 +265,8 @@ def test_triton_static_decode_plan_gives_the_dynamic_plans_tokens_and_logprobs(t
     padded = _generate(runner, prompts, max_tokens)
     assert padded == eager
     assert runner.graphs.num_replays == max(max_tokens) - 1
+    # the forward read no per-step host value: the bucket's host lists are still the padding's
+    assert runner.graphs.metadata[8].seq_lens_cpu == [1] * 8 and runner.graphs.metadata[8].plan is plan
 
 
 @pytest.mark.parametrize("requested,logged", [(True, True), (None, False), (False, False)])
