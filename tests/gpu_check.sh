@@ -5,8 +5,9 @@
 # what it imports (executor.attention) use nothing else, and --noconftest keeps the
 # suite's conftest files (telemetry, model files) out. Writes to $OUT (default
 # /tmp/out): nvidia-smi.txt, pytest.log, engine.log, tensor_parallel.log, nvml.log, kernels.log,
-# kernels.json. Runs every part even if one fails; exits non-zero if any failed. Budget: ~5 minutes
-# (each part is capped with `timeout`; first-time Triton compiles dominate the tests).
+# kernels.json, cuda_graphs.log, cuda_graphs.json. Runs every part even if one fails; exits non-zero
+# if any failed. Budget: ~6 minutes (each part is capped with `timeout`; first-time Triton compiles
+# dominate the tests).
 #
 #   bash tests/gpu_check.sh
 
@@ -49,5 +50,17 @@ else
 runpy.run_path('meshserve/bench/kernels.py', run_name='__main__')")
 fi
 timeout 90 "${bench[@]}" --json "$OUT/kernels.json" 2>&1 | tee "$OUT/kernels.log" || status=1
+
+# decode steps replayed from CUDA graphs: the engine with graphs on gives the tokens of graphs
+# off (tiny random Llama, needs transformers), then decode step times with graphs on vs off
+timeout 150 python3 -m pytest -v -rs -p no:cacheprovider --noconftest \
+    tests/executor/test_cuda_graphs.py 2>&1 | tee "$OUT/cuda_graphs.log" || status=1
+if python3 -c "import meshserve.bench" 2>/dev/null; then
+    graphs_bench=(python3 -m meshserve.bench.decode_graphs)
+else
+    graphs_bench=(python3 -c "import runpy, sys; sys.argv[0] = 'meshserve.bench.decode_graphs'; \
+runpy.run_path('meshserve/bench/decode_graphs.py', run_name='__main__')")
+fi
+timeout 110 "${graphs_bench[@]}" --json "$OUT/cuda_graphs.json" 2>&1 | tee -a "$OUT/cuda_graphs.log" || status=1
 
 exit $status

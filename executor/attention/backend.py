@@ -24,9 +24,21 @@ class AttentionBackend(ABC):
     """Paged causal attention over a flattened, unpadded batch."""
 
     name: ClassVar[str]  # the registry's name for it
+    supports_cuda_graphs: ClassVar[bool] = False  # has ``plan_static_decode`` (``executor.worker.cuda_graphs``)
 
     def plan(self, metadata: AttentionMetadata) -> None:
         """Precomputes per-step data into ``metadata.plan`` (default: nothing)."""
+
+    def plan_static_decode(self, metadata: AttentionMetadata, max_seq_len: int) -> None:
+        """A plan for a pure-decode batch that holds for any ``seq_lens`` up to
+        ``max_seq_len`` (tokens): made once, it is reused by every step replayed in a
+        CUDA graph, so it may read no per-step host value (``seq_lens_cpu``…).
+
+        Raises:
+            NotImplementedError: the backend's plan depends on the step's data
+                (``supports_cuda_graphs`` is False).
+        """
+        raise NotImplementedError(f"the {self.name} attention backend has no data-independent decode plan")
 
     @abstractmethod
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: KVCache,

@@ -15,6 +15,14 @@ host copy of ``seq_lens``, no device sync) and the prefill work list (one entry
 per tile of query tokens), copied to the device once per distinct GQA ratio (so
 once per step for any one model) and reused by every layer, as are the decode
 split-K buffers.
+
+``plan_static_decode`` is the plan of a pure-decode batch replayed in a CUDA graph
+(``executor.worker.cuda_graphs``): the grid is sized for ``max_seq_len`` (the
+model's limit), not for this step's longest context, so it holds for every step;
+stage-1 programs past a request's last partition return at once, and stage 2
+merges only the request's own partitions, so the output equals the eager plan's
+bit for bit (a single partition's merge is ``acc / 1``). Its split-K buffers are
+views of one buffer per head shape, sized by the first (largest) batch planned.
 """
 
 from __future__ import annotations
@@ -37,6 +45,8 @@ class _TritonPlan:
     prefill_tiles: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
     # per (num_heads, head_dim): the decode split-K buffers (mid_o, mid_lse), float32
     workspaces: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
+    # static plans: per (num_heads, head_dim), buffers shared by all static plans (sliced to num_decodes)
+    shared_workspaces: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] | None = None
 
 
 class TritonAttentionBackend(AttentionBackend):
@@ -51,11 +61,13 @@ class TritonAttentionBackend(AttentionBackend):
     """
 
     name = "triton"
+    supports_cuda_graphs = True
 
     def __init__(self, partition_size: int | None = None):
         from executor.attention import triton_kernels  # imports triton: only when the backend is used
 
         self.kernels = triton_kernels
+        self._static_workspaces: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
         self.partition_size = partition_size or triton_kernels.DEFAULT_PARTITION_SIZE
         if self.partition_size < 16 or self.partition_size & (self.partition_size - 1):
             raise ValueError(f"partition_size must be a power of two >= 16, got {self.partition_size}")
@@ -67,6 +79,17 @@ class TritonAttentionBackend(AttentionBackend):
             decode_max_seq_len=max_decode,
             decode_partitions=self.kernels.decode_num_partitions(max_decode, self.partition_size),
             has_prefill=md.num_reqs > md.num_decodes,
+        )
+
+    def plan_static_decode(self, md: AttentionMetadata, max_seq_len: int) -> None:
+        if md.num_decodes != md.num_reqs:
+            raise ValueError("a static decode plan needs a batch of decodes only")
+        md.plan = _TritonPlan(
+            num_decodes=md.num_decodes,
+            decode_max_seq_len=max_seq_len,
+            decode_partitions=self.kernels.decode_num_partitions(max_seq_len, self.partition_size),
+            has_prefill=False,
+            shared_workspaces=self._static_workspaces,
         )
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: KVCache,
@@ -98,10 +121,14 @@ class TritonAttentionBackend(AttentionBackend):
         key = (num_heads, head_dim)
         if key not in plan.workspaces:
             p = plan.decode_partitions
-            plan.workspaces[key] = (
-                torch.empty(num_decodes, num_heads, p, head_dim, dtype=torch.float32, device=device),
-                torch.empty(num_decodes, num_heads, p, dtype=torch.float32, device=device),
-            )
+            shared = plan.shared_workspaces if plan.shared_workspaces is not None else {}
+            buffers = shared.get(key)
+            if buffers is None or buffers[0].shape[0] < num_decodes or buffers[0].shape[2] != p:
+                # a plan made earlier keeps its views of the old buffer alive
+                buffers = (torch.empty(num_decodes, num_heads, p, head_dim, dtype=torch.float32, device=device),
+                           torch.empty(num_decodes, num_heads, p, dtype=torch.float32, device=device))
+                shared[key] = buffers
+            plan.workspaces[key] = (buffers[0][:num_decodes], buffers[1][:num_decodes])
         return plan.workspaces[key]
 
     def _prefill_tiles(self, plan: _TritonPlan, md: AttentionMetadata, group: int,

@@ -117,6 +117,10 @@ class EngineConfig:
             parallel group uses ``cuda:r``).
         parallel: tensor and pipeline parallel sizes (1 and 1: one in-process worker).
         revision: ``--revision`` of a Hugging Face model id (None: ``main``).
+        cuda_graphs: replay pure-decode steps from CUDA graphs captured at start-up per
+            batch-size bucket (``executor.worker.cuda_graphs``). None: wherever they can
+            run (one CUDA device, the triton backend); True elsewhere is ignored with
+            a log line; False: always eager.
     """
 
     model: str = "default"
@@ -130,6 +134,7 @@ class EngineConfig:
     device: str = "cpu"
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     revision: str | None = None
+    cuda_graphs: bool | None = None
 
     def __post_init__(self) -> None:
         """Checks what can be checked before the model loads.

@@ -14,6 +14,10 @@ Per step:
 5. for requests with ``prompt_logprobs``, compute logits at their prompt
    positions too, a bounded slice at a time (``executor.worker.logprobs``).
 
+A pure-decode step that fits a CUDA-graph bucket skips 2-3: ``graphs``
+(``executor.worker.cuda_graphs.CUDAGraphRunner``) pads it to its bucket and replays
+that bucket's graph, and the steps continue from 4 with the real rows' hidden states.
+
 The runner owns the per-request seeded generators and the partial prompt
 logprobs, and nothing of the scheduler's state; the worker owns the KV cache
 tensors (bound to the attention layers) and copies fetched blocks in before.
@@ -25,6 +29,7 @@ import numpy as np
 import torch
 
 from executor.attention import build_attention_metadata
+from executor.worker.cuda_graphs import CUDAGraphRunner
 from executor.worker.logprobs import PromptLogprobs
 from executor.worker.sampler import Sampler, SamplingBatch
 from executor.engine.scheduler_output import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
@@ -42,11 +47,14 @@ class ModelRunner:
         driver: this runner samples (rank 0 of a parallel group, or the only rank).
             The others run the same forward passes and logits (their collectives
             need every rank) and return no tokens.
+        graphs: runs pure-decode steps padded to a batch-size bucket (CUDA graphs);
+            None: every step runs eagerly.
     """
 
     def __init__(self, loaded: LoadedModel, block_size: int, seed: int = 0, device: torch.device | str = "cpu",
-                 driver: bool = True):
+                 driver: bool = True, graphs: CUDAGraphRunner | None = None):
         self.driver = driver
+        self.graphs = graphs
         self.model = loaded.model
         self.vocab_size = loaded.vocab_size
         self.eos_token_ids = loaded.eos_token_ids
@@ -70,17 +78,26 @@ class ModelRunner:
         scheduled = sorted(scheduler_output.scheduled, key=_batch_order)
         if not scheduled:
             return ModelRunnerOutput({})
-        input_ids, positions, md = self._prepare_inputs(scheduled)
+        padded = self.graphs.pad(scheduled) if self.graphs is not None else None
+        if padded is None:
+            input_ids, positions, md = self._prepare_inputs(scheduled)
+            query_start_loc = md.query_start_loc_cpu
+        else:
+            query_start_loc = list(range(len(scheduled) + 1))
         sampling = [(i, s) for i, s in enumerate(scheduled) if s.sample]
         with torch.inference_mode():
-            hidden = self._forward(scheduled, input_ids, positions, md)
+            if padded is None:
+                hidden = self._forward(scheduled, input_ids, positions, md)
+            else:
+                self.last_micro_batches = [scheduled]
+                hidden = self.graphs.run(padded)
             if hidden is None:  # a pipeline stage other than the first: its part is done
                 return ModelRunnerOutput({})
-            prompt_logprobs = self.prompt_logprobs.collect(scheduled, md.query_start_loc_cpu, hidden,
+            prompt_logprobs = self.prompt_logprobs.collect(scheduled, query_start_loc, hidden,
                                                            self.model.compute_logits)
             if not sampling:
                 return ModelRunnerOutput({})
-            last = torch.tensor([md.query_start_loc_cpu[i + 1] - 1 for i, _ in sampling], device=self.device)
+            last = torch.tensor([query_start_loc[i + 1] - 1 for i, _ in sampling], device=self.device)
             logits = self.model.compute_logits(hidden[last])
             if not self.driver:
                 return ModelRunnerOutput({})

@@ -36,6 +36,7 @@ from executor.worker.kv_cache import allocate_kv_storage, layer_views
 from executor.models import cpu_fused
 from executor.models.checkpoint import checkpoint_num_params
 from executor.models.parallel import COMM, SINGLE, TensorParallel
+from executor.worker.cuda_graphs import CUDAGraphRunner, graph_batch_sizes, graphs_off_reason
 from executor.worker.distributed import rank_device
 from executor.worker.kv_connector import KVConnectorWorker, assemble_blocks, block_payloads
 from executor.worker.model_runner import ModelRunner
@@ -108,7 +109,9 @@ class Worker:
 
     def initialize_cache(self, num_blocks: int, block_size: int) -> None:
         """Allocates the zero-filled KV cache of ``num_blocks`` blocks and binds each
-        attention layer to its ``(key_cache, value_cache)`` views.
+        attention layer to its ``(key_cache, value_cache)`` views; with CUDA graphs
+        (``executor.worker.cuda_graphs``), one block more for padded decode rows, and
+        captures the graphs.
 
         Raises:
             RuntimeError: the cache is already allocated, or the device is out of memory.
@@ -117,8 +120,13 @@ class Worker:
             raise RuntimeError("the KV cache is already allocated")
         spec = self.spec
         layers = self.loaded.model.attention_layers()
-        storage = allocate_kv_storage(len(layers), num_blocks, block_size, layers[0].num_kv_heads, spec.head_dim,
-                                      self.loaded.dtype, self.device)  # this rank's KV heads only
+        off = graphs_off_reason(self.config.cuda_graphs, self.device.type, layers[0].backend,
+                                self.config.parallel.world_size)
+        if off is not None and (self.config.cuda_graphs or self.device.type == "cuda"):  # asked for, or on CUDA
+            log.info("CUDA graphs off: %s; every step runs eagerly", off)
+        # with graphs, one more block than the engine's pool: the one padded decode rows use
+        storage = allocate_kv_storage(len(layers), num_blocks + (off is None), block_size, layers[0].num_kv_heads,
+                                      spec.head_dim, self.loaded.dtype, self.device)  # this rank's KV heads only
         self.kv_caches = layer_views(storage)
         for layer, kv_cache in zip(layers, self.kv_caches):
             layer.kv_cache = kv_cache
@@ -127,8 +135,17 @@ class Worker:
             self.model_runner = PipelineModelRunner(self.loaded, block_size, self.config.seed, self.device,
                                                     self.rank == 0, self.rank, self.tp.world_size, self.num_stages)
         else:
+            graphs = None if off is not None else CUDAGraphRunner(
+                self.loaded.model, layers[0].backend, graph_batch_sizes(self.config.batch.max_num_seqs), block_size,
+                self.loaded.max_model_len, padding_block=num_blocks, device=self.device)
             self.model_runner = ModelRunner(self.loaded, block_size, self.config.seed, self.device,
-                                            driver=self.rank == 0)
+                                            driver=self.rank == 0, graphs=graphs)
+            if graphs is not None:
+                try:
+                    graphs.capture_all()
+                except RuntimeError as err:  # an op CUDA refuses to capture: serve eagerly rather than not at all
+                    log.warning("CUDA graph capture failed (%s); every step runs eagerly", err)
+                    self.model_runner.graphs = None
 
     def execute_model(self, scheduler_output: SchedulerOutput, step_id: int | None = None) -> ModelRunnerOutput:
         """One step (see the module doc); ``step_id`` names it in the step log (rank 0's

@@ -36,7 +36,8 @@ pure parts in ``policy_workload``), ``slow_reader`` (a reader that stops reading
 ``kvstore_sharing`` (what a prefix shared through a kvstore saves), ``task_cache``
 (cached-answer latency with the Redis result cache, task submit rate), ``ceiling``
 and ``kernels`` (the model's and the attention kernels' speed), ``cpu_fused`` (a
-decode step with the fused CPU kernels on and off), ``batch_wait_plot`` (the
+decode step with the fused CPU kernels on and off), ``decode_graphs`` (CUDA decode
+steps with CUDA graphs on and off), ``batch_wait_plot`` (the
 ``--max-batch-wait-ms`` curve from reports); ``vllm_gemm.py`` runs under vLLM's own
 Python (its GEMM against the engine's). ``sim``: the
 scheduler simulations of ``meshserve sim`` (one event loop, three workloads).

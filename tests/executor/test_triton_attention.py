@@ -32,19 +32,9 @@ if not CUDA:
     if _TRITON_IMPORTED_EARLY:
         pytest.skip("triton was imported before TRITON_INTERPRET=1 could be set; run this module on its own",
                     allow_module_level=True)
-    import numpy as np
-    import triton.runtime.interpreter as _interpreter
+    from tests.support.triton_interpreter import patch_for_numpy_2_4
 
-    if np.lib.NumpyVersion(np.__version__) >= "2.4.0":
-        # numpy >= 2.4 refuses int() of a 1-element array, which triton 3.6's interpreter does for
-        # loop bounds (triton-lang/triton#9171, fixed upstream by #9172): apply that fix.
-        _patch_lang_tensor = _interpreter._patch_lang_tensor
-
-        def _patch_lang_tensor_np24(tensor, scope):
-            _patch_lang_tensor(tensor, scope)
-            scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.squeeze()))
-
-        _interpreter._patch_lang_tensor = _patch_lang_tensor_np24
+    patch_for_numpy_2_4()
 
 from executor.attention import triton_kernels  # noqa: E402
 from executor.attention.triton_backend import TritonAttentionBackend  # noqa: E402

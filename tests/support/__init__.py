@@ -6,6 +6,7 @@
 | ``tls`` | a test CA and role certificates made once per process (and a foreign CA) |
 | ``engines`` | ``make_engine``: a float32 default-model engine with keyword overrides |
 | ``engine_steps`` | requests and hand-built steps of the executor's batch scheduler |
+| ``triton_interpreter`` | the numpy >= 2.4 fix of Triton's CPU interpreter |
 | ``reference`` | transformers' greedy reference outputs and the golden prompts |
 | ``served_kvstore`` | a kvstore on its own thread, and fault-injecting store/servicer wrappers |
 | ``served_scheduler`` | a scheduler over mutual TLS with one fake executor registered |
