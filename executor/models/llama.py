@@ -97,7 +97,7 @@ class LlamaMLP(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)
         kernels = cpu_fused.usable(gate_up) if gate_up.dim() == 2 and gate_up.is_contiguous() else None
-        if kernels is not None:  # float32 on one CPU thread: one C call (cpu_fused.py)
+        if kernels is not None:  # float32 or bfloat16 on one CPU thread: one C call (cpu_fused.py)
             return self.down_proj(cpu_fused.silu_mul(kernels, gate_up))
         gate, up = gate_up.chunk(2, dim=-1)
         return self.down_proj(F.silu(gate).mul_(up))
