@@ -49,6 +49,7 @@ static inline float bf16_round(float f) { return bf16_load(bf16_store(f)); }
  * float32 statistic bit for bit (another torch version may order its sum otherwise:
  * then the statistic can differ in its last bit). */
 #define MAX_LANES 16
+#define INLINE static inline __attribute__((always_inline)) /* constant bf16, w: loops the compiler vectorises */
 
 static inline float square_at(const void *v, int bf16, int64_t i) {
     float a = bf16 ? bf16_load(((const uint16_t *)v)[i]) : ((const float *)v)[i];
@@ -64,7 +65,7 @@ static inline int64_t ceil_log2(int64_t x) { /* c10's CeilLog2: 1 for x <= 2 */
 
 /* ATen's row_sum over `size` elements of w floats (a vector of w lanes, or w = 1):
  * the lane-wise sums of the squares into sum[0, w). */
-static void row_sum(const void *v, int bf16, int64_t size, int w, float *sum) {
+INLINE void row_sum(const void *v, int bf16, int64_t size, int w, float *sum) {
     const int64_t rows = size / 4; /* multi_row_sum: 4 interleaved accumulators */
     float acc[4][4][MAX_LANES];   /* [level][accumulator][lane] */
     memset(acc, 0, sizeof acc);
@@ -99,15 +100,18 @@ static void row_sum(const void *v, int bf16, int64_t size, int w, float *sum) {
 }
 
 /* mean of the squares of v[0, size) (float32, or bfloat16 when bf16) as torch computes it. */
-static float mean_of_squares(const void *v, int bf16, int64_t size, int lanes) {
+INLINE float mean_of_squares(const void *v, int bf16, int64_t size, int lanes) {
     float part[MAX_LANES];
-    if (lanes < 1 || lanes > MAX_LANES) lanes = 8;
+    if (lanes != 16) lanes = 8;
     if (size < lanes) { /* scalar_inner_sum */
         row_sum(v, bf16, size, 1, part);
         return part[0] / (float)size;
     }
     const int64_t vecs = size / lanes;
-    row_sum(v, bf16, vecs, lanes, part);
+    if (lanes == 16)
+        row_sum(v, bf16, vecs, 16, part);
+    else
+        row_sum(v, bf16, vecs, 8, part);
     float total = 0.0f;
     for (int64_t e = vecs * lanes; e < size; e++) total += square_at(v, bf16, e);
     for (int l = 0; l < lanes; l++) total += part[l];
