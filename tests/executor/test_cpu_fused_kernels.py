@@ -214,6 +214,13 @@ def test_a_bfloat16_model_computes_the_same_logits_and_greedy_tokens_with_the_ke
     loaded = load_model(small_model, dtype="bfloat16", device="cpu")
     md, input_ids, positions = decode_step_inputs(loaded, 8, 40)
     backend = loaded.model.attention_layers()[0].backend
+    calls = {name: 0 for name in ("add_rms_norm", "rotate_", "silu_mul")}
+    for name in calls:  # count the kernel calls: the layers did take them, in bfloat16
+        def counted(k, first, *rest, _name=name, _kernel=getattr(cpu_fused, name)):
+            assert first is None or first.dtype == torch.bfloat16
+            calls[_name] += 1
+            return _kernel(k, first, *rest)
+        monkeypatch.setattr(cpu_fused, name, counted)
     logits, tokens = {}, {}
     for side in ("1", "0"):
         monkeypatch.setenv("MESHSERVE_CPU_FUSED_KERNELS", side)
@@ -228,5 +235,8 @@ def test_a_bfloat16_model_computes_the_same_logits_and_greedy_tokens_with_the_ke
                                         batch=BatchSchedulerConfig(max_num_seqs=3, max_num_batched_tokens=64)))
         tokens[side] = engine.generate(prompts, SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True))
         assert engine.stats().num_free_blocks == 32
+    layers = len(loaded.model.layers)  # per forward: one rotary and one SiLU a layer, two norms and the final one
+    assert calls["rotate_"] > 0 and calls["silu_mul"] == calls["rotate_"]
+    assert calls["add_rms_norm"] * layers == calls["rotate_"] * (2 * layers + 1)
     assert torch.equal(logits["1"], logits["0"])
     assert tokens["1"] == tokens["0"] and [len(t) for t in tokens["1"]] == [8, 8, 8]
