@@ -4,8 +4,8 @@
  *
  * Built and loaded by executor/models/cpu_fused.py (gcc -O3 -march=native
  * -ffp-contract=off, no -ffast-math: every product and sum is rounded as written,
- * so the rotary is bitwise the torch ops it replaces), cached on disk; plain C, no
- * torch headers, called through ctypes. Each row is computed from that row alone:
+ * so the norm and the rotary are bitwise the torch ops they replace), cached on
+ * disk; plain C, no torch headers, called through ctypes. Each row is computed from that row alone:
  * batch-invariant.
  *
  * bfloat16 is stored as uint16_t (the high half of a float32), widened to float32 for

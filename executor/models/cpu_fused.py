@@ -1,26 +1,44 @@
 """Fused CPU kernels for the decoder layer's elementwise work (``cpu_fused.c``):
 the residual add with RMSNorm, the rotary embedding of the query and key heads, and
-SwiGLU's SiLU-and-multiply.
+SwiGLU's SiLU-and-multiply, each in float32 and in bfloat16.
 
 Why: at decode batch sizes (8-64 rows of 576 features for SmolLM2-135M) each torch op
 costs more in dispatch and fresh tensors than in arithmetic. The torch RMSNorm with
-its residual add is seven ops (add, pow, mean, add, rsqrt, mul, mul) and the rotary
-five plus two copies, SiLU-and-multiply a split, a fresh tensor and two ops; each kernel here is one ``ctypes`` call, one pass over the rows,
+its residual add is seven ops (add, pow, mean, add, rsqrt, mul, mul; in bfloat16 two
+casts more) and the rotary five plus two copies, SiLU-and-multiply a split, a fresh
+tensor and two ops; each kernel here is one ``ctypes`` call, one pass over the rows,
 no temporary tensors (``python -m meshserve.bench.step_profile`` counts them under
-``norm/elementwise`` and ``model python``).
+``norm/elementwise`` and ``model python``). On a CPU with native bfloat16 (AVX512-BF16,
+AMX) the GEMMs run 2-4x faster in bfloat16, so there this work is a larger part of a
+bfloat16 step.
 
-Numbers: the rotary rounds every product and sum as the torch ops do (the C is
-compiled with ``-ffp-contract=off`` and without ``-ffast-math``): bitwise equal. The
-norm's sum of squares is taken in double, so its statistic may differ from torch's
-float32 vector sum in the last bit (within float32 rounding of the reference). SiLU
-takes e^x from Cephes' polynomial (within 2 ulp; torch's Sleef within 1), so a
-product may differ from torch's in its last bit. The C is compiled with
-``-ffinite-math-only -fno-trapping-math`` too, which lets the compiler vectorise the
-clamps of that exponential; activations are finite.
+Numbers: the kernels compute what the torch ops compute, rounding where they round
+(the C is compiled with ``-ffp-contract=off`` and without ``-ffast-math``, so every
+product and sum is rounded as written). bfloat16 values are widened to float32 and
+rounded back to nearest even after each operation that the torch op performing it
+rounds: ``residual += x`` rounds the sum, the norm's output is rounded before and after
+its product with the weight, each rotary product and sum is rounded, SiLU is rounded
+before its product with up. Measured against the torch ops of ``norm.py``,
+``rotary.py`` and ``LlamaMLP`` (``tests/executor/test_cpu_fused_kernels.py``):
 
-Used only for float32 CPU tensors while torch runs one thread (as the attention
-kernel; more threads: torch, which parallelises). Built once by the system C compiler
-and cached as the attention kernel is (``executor.attention.cpu_kernel``);
+- rotary, float32 and bfloat16: bitwise.
+- RMSNorm with the residual add, float32 and bfloat16: bitwise. The statistic
+  ``mean(x^2)`` is summed in float32 in the order of torch's own CPU sum (ATen's
+  cascade sum over vectors of ``sum_lanes()`` floats, ``mean_of_squares`` in the C);
+  a torch that sums in another order would leave the statistic within its last bit
+  (then a rare output one or two bfloat16 ulps off).
+- SiLU-and-multiply: e^x is Cephes' polynomial (within 2 float32 ulp; torch's Sleef
+  within 1), so in float32 a product may differ from torch's in its last bits; in
+  bfloat16 the SiLU rounded to bfloat16 can differ by one ulp where the float32 value
+  lies next to a rounding boundary: over all 65,280 finite bfloat16 gates, none does
+  against torch 2.13's AVX2 exponential.
+
+The C is compiled with ``-ffinite-math-only -fno-trapping-math`` too, which lets the
+compiler vectorise the clamps of that exponential; activations are finite.
+
+Used only for float32 and bfloat16 CPU tensors while torch runs one thread (as the
+attention kernel; more threads: torch, which parallelises). Built once by the system C
+compiler and cached as the attention kernel is (``executor.attention.cpu_kernel``);
 ``MESHSERVE_CPU_FUSED_KERNELS=0`` turns them off, and where no compiler works the
 torch ops stay.
 """
