@@ -61,6 +61,8 @@ log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("cpu_fused.c")
 FLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-fno-trapping-math", "-ffinite-math-only", "-fPIC", "-shared", "-std=c11")
+DTYPES = (torch.float32, torch.bfloat16)
+"""The dtypes the kernels take."""
 _lock = threading.Lock()
 _loaded: dict[str, object] = {}
 
@@ -126,9 +128,6 @@ def load() -> FusedKernels | None:
                 log.warning("the fused CPU kernels could not be built (%s): torch norms and rotary", detail)
         _loaded["k"] = kernels
         return kernels
-
-
-DTYPES = (torch.float32, torch.bfloat16)
 
 
 def usable(x: torch.Tensor) -> FusedKernels | None:
