@@ -1,26 +1,44 @@
 """Fused CPU kernels for the decoder layer's elementwise work (``cpu_fused.c``):
 the residual add with RMSNorm, the rotary embedding of the query and key heads, and
-SwiGLU's SiLU-and-multiply.
+SwiGLU's SiLU-and-multiply, each in float32 and in bfloat16.
 
 Why: at decode batch sizes (8-64 rows of 576 features for SmolLM2-135M) each torch op
 costs more in dispatch and fresh tensors than in arithmetic. The torch RMSNorm with
-its residual add is seven ops (add, pow, mean, add, rsqrt, mul, mul) and the rotary
-five plus two copies, SiLU-and-multiply a split, a fresh tensor and two ops; each kernel here is one ``ctypes`` call, one pass over the rows,
+its residual add is seven ops (add, pow, mean, add, rsqrt, mul, mul; in bfloat16 two
+casts more) and the rotary five plus two copies, SiLU-and-multiply a split, a fresh
+tensor and two ops; each kernel here is one ``ctypes`` call, one pass over the rows,
 no temporary tensors (``python -m meshserve.bench.step_profile`` counts them under
-``norm/elementwise`` and ``model python``).
+``norm/elementwise`` and ``model python``). On a CPU with native bfloat16 (AVX512-BF16,
+AMX) the GEMMs run 2-4x faster in bfloat16, so there this work is a larger part of a
+bfloat16 step.
 
-Numbers: the rotary rounds every product and sum as the torch ops do (the C is
-compiled with ``-ffp-contract=off`` and without ``-ffast-math``): bitwise equal. The
-norm's sum of squares is taken in double, so its statistic may differ from torch's
-float32 vector sum in the last bit (within float32 rounding of the reference). SiLU
-takes e^x from Cephes' polynomial (within 2 ulp; torch's Sleef within 1), so a
-product may differ from torch's in its last bit. The C is compiled with
-``-ffinite-math-only -fno-trapping-math`` too, which lets the compiler vectorise the
-clamps of that exponential; activations are finite.
+Numbers: the kernels compute what the torch ops compute, rounding where they round
+(the C is compiled with ``-ffp-contract=off`` and without ``-ffast-math``, so every
+product and sum is rounded as written). bfloat16 values are widened to float32 and
+rounded back to nearest even after each operation that the torch op performing it
+rounds: ``residual += x`` rounds the sum, the norm's output is rounded before and after
+its product with the weight, each rotary product and sum is rounded, SiLU is rounded
+before its product with up. Measured against the torch ops of ``norm.py``,
+``rotary.py`` and ``LlamaMLP`` (``tests/executor/test_cpu_fused_kernels.py``):
 
-Used only for float32 CPU tensors while torch runs one thread (as the attention
-kernel; more threads: torch, which parallelises). Built once by the system C compiler
-and cached as the attention kernel is (``executor.attention.cpu_kernel``);
+- rotary, float32 and bfloat16: bitwise.
+- RMSNorm with the residual add, float32 and bfloat16: bitwise. The statistic
+  ``mean(x^2)`` is summed in float32 in the order of torch's own CPU sum (ATen's
+  cascade sum over vectors of ``sum_lanes()`` floats, ``mean_of_squares`` in the C);
+  a torch that sums in another order would leave the statistic within its last bit
+  (then a rare output one or two bfloat16 ulps off).
+- SiLU-and-multiply: e^x is Cephes' polynomial (within 2 float32 ulp; torch's Sleef
+  within 1), so in float32 a product may differ from torch's in its last bits; in
+  bfloat16 the SiLU rounded to bfloat16 can differ by one ulp where the float32 value
+  lies next to a rounding boundary: over all 65,280 finite bfloat16 gates, none does
+  against torch 2.13's AVX2 exponential.
+
+The C is compiled with ``-ffinite-math-only -fno-trapping-math`` too, which lets the
+compiler vectorise the clamps of that exponential; activations are finite.
+
+Used only for float32 and bfloat16 CPU tensors while torch runs one thread (as the
+attention kernel; more threads: torch, which parallelises). Built once by the system C
+compiler and cached as the attention kernel is (``executor.attention.cpu_kernel``);
 ``MESHSERVE_CPU_FUSED_KERNELS=0`` turns them off, and where no compiler works the
 torch ops stay.
 """
@@ -43,20 +61,34 @@ log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("cpu_fused.c")
 FLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-fno-trapping-math", "-ffinite-math-only", "-fPIC", "-shared", "-std=c11")
+DTYPES = (torch.float32, torch.bfloat16)
+"""The dtypes the kernels take."""
 _lock = threading.Lock()
 _loaded: dict[str, object] = {}
 
 
 @dataclass(frozen=True)
 class FusedKernels:
-    """The library's functions (``ctypes``)."""
+    """The library's functions (``ctypes``): float32, then bfloat16; and ``lanes``, the
+    float32 vector width of torch's CPU kernels here (``sum_lanes``)."""
 
     add_rms_norm: object
     rotary_inplace: object
     silu_mul: object
+    add_rms_norm_bf16: object
+    rotary_inplace_bf16: object
+    silu_mul_bf16: object
+    lanes: int = 8
 
 
 _UNSET = object()
+
+
+def sum_lanes() -> int:
+    """Floats per vector of torch's CPU kernels on this host (16 where ATen dispatches
+    to AVX512, else 8): the order of torch's float32 sums, which the norm's statistic
+    follows (``mean_of_squares`` in ``cpu_fused.c``)."""
+    return 16 if torch.backends.cpu.get_cpu_capability().upper().startswith("AVX512") else 8
 
 
 def load() -> FusedKernels | None:
@@ -80,12 +112,17 @@ def load() -> FusedKernels | None:
                     log.info("building the fused CPU kernels into %s", path)
                     cpu_kernel.build(compiler, path, SOURCE, FLAGS)
                 lib = ctypes.CDLL(str(path))
-                norm, rotary, silu = lib.add_rms_norm, lib.rotary_inplace, lib.silu_mul
-                norm.restype = rotary.restype = silu.restype = None
-                norm.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 2 + [ctypes.c_float]
-                rotary.argtypes = [ctypes.c_void_p] + [ctypes.c_int64] * 4 + [ctypes.c_void_p] * 2
-                silu.argtypes = [ctypes.c_void_p] * 2 + [ctypes.c_int64] * 2
-                kernels = FusedKernels(norm, rotary, silu)
+                functions = []
+                for suffix in ("", "_bf16"):  # float32, then bfloat16: the same signatures
+                    norm = getattr(lib, "add_rms_norm" + suffix)
+                    rotary = getattr(lib, "rotary_inplace" + suffix)
+                    silu = getattr(lib, "silu_mul" + suffix)
+                    norm.restype = rotary.restype = silu.restype = None
+                    norm.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 2 + [ctypes.c_float, ctypes.c_int32]
+                    rotary.argtypes = [ctypes.c_void_p] + [ctypes.c_int64] * 4 + [ctypes.c_void_p] * 2
+                    silu.argtypes = [ctypes.c_void_p] * 2 + [ctypes.c_int64] * 2
+                    functions += [norm, rotary, silu]
+                kernels = FusedKernels(*functions, lanes=sum_lanes())
             except (OSError, subprocess.SubprocessError, AttributeError) as err:
                 detail = getattr(err, "stderr", "") or err
                 log.warning("the fused CPU kernels could not be built (%s): torch norms and rotary", detail)
@@ -94,8 +131,9 @@ def load() -> FusedKernels | None:
 
 
 def usable(x: torch.Tensor) -> FusedKernels | None:
-    """The kernels when ``x`` is a float32 CPU tensor and torch runs one thread, else None."""
-    if x.device.type != "cpu" or x.dtype != torch.float32 or torch.get_num_threads() != 1:
+    """The kernels when ``x`` is a float32 or bfloat16 CPU tensor and torch runs one
+    thread, else None. The other tensors of a call must have ``x``'s dtype."""
+    if x.device.type != "cpu" or x.dtype not in DTYPES or torch.get_num_threads() != 1:
         return None
     return load()
 
@@ -103,35 +141,40 @@ def usable(x: torch.Tensor) -> FusedKernels | None:
 def add_rms_norm(k: FusedKernels, x: torch.Tensor | None, residual: torch.Tensor, weight: torch.Tensor,
                  eps: float) -> torch.Tensor:
     """``residual += x`` in place (no add when ``x`` is None), then RMSNorm of ``residual``
-    times ``weight``: ``(n, hidden)`` float32 contiguous → a new ``(n, hidden)`` tensor."""
+    times ``weight``: ``(n, hidden)`` float32 or bfloat16 contiguous (``x``, ``weight`` of
+    the same dtype) → a new ``(n, hidden)`` tensor."""
     n, hidden = residual.shape
     out = torch.empty_like(residual)
     if x is not None:
         x = x.contiguous()
-    k.add_rms_norm(None if x is None else x.data_ptr(), residual.data_ptr(), weight.data_ptr(), out.data_ptr(),
-                   n, hidden, eps)
+    kernel = k.add_rms_norm_bf16 if residual.dtype == torch.bfloat16 else k.add_rms_norm
+    kernel(None if x is None else x.data_ptr(), residual.data_ptr(), weight.data_ptr(), out.data_ptr(),
+           n, hidden, eps, k.lanes)
     return out
 
 
 def rotate_(k: FusedKernels, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
     """Rotates ``x`` ``(n, heads, head_dim)`` in place, a view whose heads are contiguous
     (``x.stride() == (row_stride, head_dim, 1)``, e.g. the query and key heads of a fused
-    QKV output); ``cos``, ``sin`` ``(n, 1, head_dim / 2)`` contiguous."""
+    QKV output); ``cos``, ``sin`` ``(n, 1, head_dim / 2)`` contiguous, of ``x``'s dtype
+    (float32 or bfloat16)."""
     n, heads, head_dim = x.shape
-    k.rotary_inplace(x.data_ptr(), x.stride(0), n, heads, head_dim, cos.data_ptr(), sin.data_ptr())
+    kernel = k.rotary_inplace_bf16 if x.dtype == torch.bfloat16 else k.rotary_inplace
+    kernel(x.data_ptr(), x.stride(0), n, heads, head_dim, cos.data_ptr(), sin.data_ptr())
 
 
 def silu_mul(k: FusedKernels, gate_up: torch.Tensor) -> torch.Tensor:
-    """``silu(gate) * up`` of ``gate_up`` ``(n, 2 * inter)`` float32 contiguous (gate then up)
-    → a new ``(n, inter)`` tensor."""
+    """``silu(gate) * up`` of ``gate_up`` ``(n, 2 * inter)`` float32 or bfloat16 contiguous
+    (gate then up) → a new ``(n, inter)`` tensor of its dtype."""
     n, two_inter = gate_up.shape
     out = gate_up.new_empty(n, two_inter // 2)
-    k.silu_mul(gate_up.data_ptr(), out.data_ptr(), n, two_inter // 2)
+    kernel = k.silu_mul_bf16 if gate_up.dtype == torch.bfloat16 else k.silu_mul
+    kernel(gate_up.data_ptr(), out.data_ptr(), n, two_inter // 2)
     return out
 
 
 def fits_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> bool:
     """Whether ``rotate_`` can run on these (layouts as its docstring says)."""
     return (x.dim() == 3 and x.stride(2) == 1 and x.stride(1) == x.shape[2] and cos.is_contiguous()
-            and sin.is_contiguous() and cos.dtype == torch.float32 and sin.dtype == torch.float32
+            and sin.is_contiguous() and cos.dtype == x.dtype and sin.dtype == x.dtype
             and cos.numel() == x.shape[0] * x.shape[2] // 2)

@@ -16,9 +16,10 @@ Layers are the tensor-parallel ones of ``linear.py``: ``qkv_proj`` and
 The hot path is written for CPU decode, where each op's fixed cost matters: the
 rotary cos/sin are looked up once per step, not per layer; rotary rotates the
 query and key heads of the QKV output in place; the residual adds are folded
-into the norms (in place); SiLU-and-multiply makes one new tensor. In float32 on one
-CPU thread the norms, the rotary and SiLU-and-multiply are each one call of a small C
-kernel (``cpu_fused.py``; the rotary bitwise, the norm and SiLU within a last bit). The
+into the norms (in place); SiLU-and-multiply makes one new tensor. In float32 and
+bfloat16 on one CPU thread the norms, the rotary and SiLU-and-multiply are each one call
+of a small C kernel (``cpu_fused.py``; the norm and rotary bitwise, SiLU within a last
+bit). The
 torch ops keep the reference's roundings (float32 norms and rotary are bitwise those of
 ``transformers``); the matmuls, packed for oneDNN on CPU (``cpu_gemm.py``), round
 differently from MKL's, within float32 noise.
@@ -97,7 +98,7 @@ class LlamaMLP(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)
         kernels = cpu_fused.usable(gate_up) if gate_up.dim() == 2 and gate_up.is_contiguous() else None
-        if kernels is not None:  # float32 on one CPU thread: one C call (cpu_fused.py)
+        if kernels is not None:  # float32 or bfloat16 on one CPU thread: one C call (cpu_fused.py)
             return self.down_proj(cpu_fused.silu_mul(kernels, gate_up))
         gate, up = gate_up.chunk(2, dim=-1)
         return self.down_proj(F.silu(gate).mul_(up))

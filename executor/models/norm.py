@@ -28,10 +28,11 @@ class RMSNorm(nn.Module):
         """``norm(x)``; with ``residual``: ``residual += x`` in place (the decoder's skip
         connection, ``residual + x`` in the reference) and returns ``(norm(residual), residual)``.
 
-        float32 on one CPU thread: one call of the fused C kernel (``cpu_fused.py``)."""
+        float32 or bfloat16 on one CPU thread: one call of the fused C kernel
+        (``cpu_fused.py``), which rounds as the ops below."""
         kernels = cpu_fused.usable(x) if x.dim() == 2 and x.is_contiguous() else None
-        if kernels is not None and self.weight.dtype == torch.float32 and (
-                residual is None or residual.is_contiguous()):
+        if kernels is not None and self.weight.dtype == x.dtype and (
+                residual is None or (residual.is_contiguous() and residual.dtype == x.dtype)):
             if residual is None:
                 return cpu_fused.add_rms_norm(kernels, None, x, self.weight, self.eps)
             return cpu_fused.add_rms_norm(kernels, x, residual, self.weight, self.eps), residual

@@ -89,8 +89,9 @@ class RotaryEmbedding(nn.Module):
         """Rotates ``x`` ``(num_tokens, num_heads, head_dim)`` in place (it may be a view,
         e.g. the query and key heads of a fused QKV output) by ``lookup``'s ``cos``/``sin``.
 
-        float32 on one CPU thread: one call of the fused C kernel (``cpu_fused.py``),
-        bitwise equal to the ops below."""
+        float32 or bfloat16 on one CPU thread: one call of the fused C kernel
+        (``cpu_fused.py``), bitwise equal to the ops below (in bfloat16 each op rounds
+        its result to bfloat16, and so does the kernel, after the same operations)."""
         kernels = cpu_fused.usable(x)
         if kernels is not None and cpu_fused.fits_rotary(x, cos, sin):
             cpu_fused.rotate_(kernels, x, cos, sin)

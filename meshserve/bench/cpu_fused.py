@@ -1,5 +1,5 @@
-"""``python -m meshserve.bench.cpu_fused --batch 32 --context 150 --repeat 9 [--json FILE]``:
-one float32 decode step on one thread with the fused CPU kernels (``executor/models/cpu_fused.c``:
+"""``python -m meshserve.bench.cpu_fused --batch 32 --context 150 --repeat 9 [--dtype bfloat16] [--json FILE]``:
+one decode step on one thread with the fused CPU kernels (``executor/models/cpu_fused.c``:
 RMSNorm with the residual add, rotary, SiLU-and-multiply) against the torch ops, interleaved.
 
 The step is ``plan`` + the model's forward + logits for ``--batch`` requests decoding
@@ -8,7 +8,10 @@ values, scattered blocks: ``meshserve.bench.ceiling``'s forward figure), in one
 process, one model: each repetition runs it once with the kernels off and once on.
 Reported: median wall and thread-CPU milliseconds of each (on a shared host the CPU
 time is the figure to read), their ratio, and whether the two logits agree on every
-row's argmax (and their largest difference).
+row's argmax (and their largest difference: 0 when the kernels are bitwise the torch
+ops). ``--dtype bfloat16`` runs the model in bfloat16 (the kernels' bfloat16 variants);
+on a CPU without native bfloat16 (no AVX512-BF16/AMX) the bfloat16 GEMMs are slow, so the
+kernels' share of the step is small there.
 """
 
 from __future__ import annotations
@@ -26,6 +29,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--context", type=int, default=150, help="context tokens per request (±20%%)")
     parser.add_argument("--repeat", type=int, default=9, help="timed steps per side (median)")
     parser.add_argument("--model", default="default", help="model, as resolve_model takes it")
+    parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
+                        help="the model's dtype (default: float32)")
     parser.add_argument("--json", help="also write the figures to this JSON file")
     args = parser.parse_args(argv)
     if min(args.batch, args.context, args.repeat) < 1:
@@ -43,7 +48,7 @@ def main(argv: list[str] | None = None) -> int:
     if kernels is None:
         print("the fused CPU kernels could not be built here (see the log)", file=sys.stderr)
         return 1
-    loaded = load_model(resolve_model(args.model).path, dtype="float32", max_model_len=None,
+    loaded = load_model(resolve_model(args.model).path, dtype=args.dtype, max_model_len=None,
                         attention_backend="torch", device="cpu")
     md, input_ids, positions = decode_step_inputs(loaded, args.batch, args.context)
     layers = loaded.model.attention_layers()
@@ -69,7 +74,8 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         cpu_fused._loaded["k"] = kernels
     ms = {side: {k: round(statistics.median(v) * 1e3, 2) for k, v in d.items()} for side, d in times.items()}
-    report = {"batch": args.batch, "context": args.context, "repeat": args.repeat, "median_ms": ms,
+    report = {"dtype": args.dtype, "batch": args.batch, "context": args.context, "repeat": args.repeat,
+              "median_ms": ms,
               "cpu_torch_over_fused": round(ms["torch"]["cpu"] / ms["fused"]["cpu"], 3),
               "wall_torch_over_fused": round(ms["torch"]["wall"] / ms["fused"]["wall"], 3),
               "argmax_equal": bool(torch.equal(logits["torch"].argmax(-1), logits["fused"].argmax(-1))),
