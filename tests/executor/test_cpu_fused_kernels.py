@@ -1,7 +1,7 @@
 """The fused CPU kernels (executor/models/cpu_fused.c: residual add + RMSNorm, rotary,
-SiLU-and-multiply) against the torch ops they replace, in float32 and in bfloat16: the norm
-and the rotary bitwise, SiLU within its exponential's last bit (float32) or one bfloat16
-ulp (measured: none), row by row independent of the batch; a bfloat16 model's logits and
+SiLU-and-multiply) against the torch ops they replace, in float32 and in bfloat16: the norm bitwise
+(on AVX2 hosts, where its sum order is verified: ``SUM_ORDER_VERIFIED``) and the rotary
+bitwise, SiLU within its exponential's last bit (float32) or one bfloat16 ulp (measured: none), row by row independent of the batch; a bfloat16 model's logits and
 greedy tokens the same with the kernels off; the torch ops kept where no compiler works."""
 
 from __future__ import annotations
@@ -12,6 +12,22 @@ import torch
 from executor.models import cpu_fused
 from executor.models.norm import RMSNorm
 from executor.models.rotary import RotaryEmbedding
+
+SUM_ORDER_VERIFIED = torch.backends.cpu.get_cpu_capability() == "AVX2"
+"""Whether the norm's statistic follows torch's float32 sum order bitwise on this host:
+checked on AVX2 hosts (8 lanes, torch 2.13). Elsewhere (AVX-512's 16 lanes: not run on such
+a host yet) the tests hold the norm and what it feeds to the rounding of that statistic."""
+
+
+def _assert_norm_matches(got: torch.Tensor, want: torch.Tensor) -> None:
+    """Bitwise where the sum order is verified; else float32 within a few ulps of the
+    statistic, bfloat16 within two ulps (one before the weight, one after)."""
+    if SUM_ORDER_VERIFIED:
+        assert torch.equal(got, want)
+    elif got.dtype == torch.bfloat16:
+        assert int(_ulps(got, want).max()) <= 2
+    else:
+        torch.testing.assert_close(got, want, rtol=4e-7, atol=1e-30)
 
 
 @pytest.fixture(scope="module")
@@ -90,7 +106,7 @@ def test_norm_kernel_is_bitwise_the_torch_norm_with_its_residual_add(kernels, mo
     res_want = residual.clone()
     want, _ = norm(x, res_want)
     assert torch.equal(res_got, res_want)
-    assert torch.equal(got, want)
+    _assert_norm_matches(got, want)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -101,7 +117,7 @@ def test_norm_kernel_without_residual_leaves_its_input_alone(kernels, monkeypatc
     got = norm(x)
     assert torch.equal(x, before)
     _torch_ops(monkeypatch)
-    assert torch.equal(got, norm(x))
+    _assert_norm_matches(got, norm(x))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -238,5 +254,9 @@ def test_a_bfloat16_model_computes_the_same_logits_and_greedy_tokens_with_the_ke
     layers = len(loaded.model.layers)  # per forward: one rotary and one SiLU a layer, two norms and the final one
     assert calls["rotate_"] > 0 and calls["silu_mul"] == calls["rotate_"]
     assert calls["add_rms_norm"] * layers == calls["rotate_"] * (2 * layers + 1)
-    assert torch.equal(logits["1"], logits["0"])
-    assert tokens["1"] == tokens["0"] and [len(t) for t in tokens["1"]] == [8, 8, 8]
+    assert [len(t) for t in tokens["1"]] == [8, 8, 8]
+    if SUM_ORDER_VERIFIED:
+        assert torch.equal(logits["1"], logits["0"])
+        assert tokens["1"] == tokens["0"]
+    else:  # the norm within its rounding (see SUM_ORDER_VERIFIED): logits within bfloat16 noise
+        torch.testing.assert_close(logits["1"], logits["0"], rtol=0.0, atol=0.1)
