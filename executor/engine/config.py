@@ -117,6 +117,9 @@ class EngineConfig:
             parallel group uses ``cuda:r``).
         parallel: tensor and pipeline parallel sizes (1 and 1: one in-process worker).
         revision: ``--revision`` of a Hugging Face model id (None: ``main``).
+        compile: run decode-only steps through ``torch.compile``, compiled at start-up
+            per decode batch-size bucket (``executor.worker.compiled_decode``; CPU,
+            float32, one thread, one rank: elsewhere the engine logs why and stays eager).
     """
 
     model: str = "default"
@@ -130,6 +133,7 @@ class EngineConfig:
     device: str = "cpu"
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     revision: str | None = None
+    compile: bool = False
 
     def __post_init__(self) -> None:
         """Checks what can be checked before the model loads.

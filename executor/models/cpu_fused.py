@@ -56,6 +56,10 @@ class FusedKernels:
     silu_mul: object
 
 
+TRACED = FusedKernels(None, None, None)
+"""What ``usable`` returns while ``torch.compile`` traces: the custom ops stand in."""
+
+
 def load() -> FusedKernels | None:
     """The kernels, built if needed; ``None`` where they cannot be (no compiler, a failed
     build, or ``MESHSERVE_CPU_FUSED_KERNELS=0``). Once per process."""
@@ -88,7 +92,14 @@ def load() -> FusedKernels | None:
 
 
 def usable(x: torch.Tensor) -> FusedKernels | None:
-    """The kernels when ``x`` is a float32 CPU tensor and torch runs one thread, else None."""
+    """The kernels when ``x`` is a float32 CPU tensor and torch runs one thread, else None.
+
+    While ``torch.compile`` traces the model (``executor.worker.compiled_decode``, which is
+    only built where ``load()`` works and torch runs one thread) it returns a placeholder
+    and the functions below record the custom ops at the end of this file instead of
+    ``ctypes`` calls, which the tracer cannot follow."""
+    if torch.compiler.is_compiling():
+        return TRACED if x.device.type == "cpu" and x.dtype == torch.float32 else None
     if x.device.type != "cpu" or x.dtype != torch.float32 or torch.get_num_threads() != 1:
         return None
     return load()
@@ -98,6 +109,10 @@ def add_rms_norm(k: FusedKernels, x: torch.Tensor | None, residual: torch.Tensor
                  eps: float) -> torch.Tensor:
     """``residual += x`` in place (no add when ``x`` is None), then RMSNorm of ``residual``
     times ``weight``: ``(n, hidden)`` float32 contiguous → a new ``(n, hidden)`` tensor."""
+    if torch.compiler.is_compiling():
+        if x is None:
+            return torch.ops.meshserve.rms_norm(residual, weight, eps)
+        return torch.ops.meshserve.add_rms_norm(x, residual, weight, eps)
     n, hidden = residual.shape
     out = torch.empty_like(residual)
     if x is not None:
@@ -111,6 +126,9 @@ def rotate_(k: FusedKernels, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tens
     """Rotates ``x`` ``(n, heads, head_dim)`` in place, a view whose heads are contiguous
     (``x.stride() == (row_stride, head_dim, 1)``, e.g. the query and key heads of a fused
     QKV output); ``cos``, ``sin`` ``(n, 1, head_dim / 2)`` contiguous."""
+    if torch.compiler.is_compiling():
+        torch.ops.meshserve.rotary_(x, cos, sin)
+        return
     n, heads, head_dim = x.shape
     k.rotary_inplace(x.data_ptr(), x.stride(0), n, heads, head_dim, cos.data_ptr(), sin.data_ptr())
 
@@ -118,6 +136,8 @@ def rotate_(k: FusedKernels, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tens
 def silu_mul(k: FusedKernels, gate_up: torch.Tensor) -> torch.Tensor:
     """``silu(gate) * up`` of ``gate_up`` ``(n, 2 * inter)`` float32 contiguous (gate then up)
     → a new ``(n, inter)`` tensor."""
+    if torch.compiler.is_compiling():
+        return torch.ops.meshserve.silu_mul(gate_up)
     n, two_inter = gate_up.shape
     out = gate_up.new_empty(n, two_inter // 2)
     k.silu_mul(gate_up.data_ptr(), out.data_ptr(), n, two_inter // 2)
@@ -129,3 +149,47 @@ def fits_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> bool:
     return (x.dim() == 3 and x.stride(2) == 1 and x.stride(1) == x.shape[2] and cos.is_contiguous()
             and sin.is_contiguous() and cos.dtype == torch.float32 and sin.dtype == torch.float32
             and cos.numel() == x.shape[0] * x.shape[2] // 2)
+
+
+# The kernels as torch custom ops, so that ``torch.compile`` keeps them in one graph (a
+# ``ctypes`` call would break it): opaque to the compiler, with fake implementations
+# that give the output's shape. Their real implementations are the functions above.
+
+@torch.library.custom_op("meshserve::rms_norm", mutates_args=())
+def _rms_norm_op(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    return add_rms_norm(load(), None, x, weight, eps)
+
+
+@torch.library.custom_op("meshserve::add_rms_norm", mutates_args=("residual",))
+def _add_rms_norm_op(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    return add_rms_norm(load(), x, residual, weight, eps)
+
+
+@torch.library.custom_op("meshserve::rotary_", mutates_args=("x",))
+def _rotary_op(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
+    rotate_(load(), x, cos, sin)
+
+
+@torch.library.custom_op("meshserve::silu_mul", mutates_args=())
+def _silu_mul_op(gate_up: torch.Tensor) -> torch.Tensor:
+    return silu_mul(load(), gate_up)
+
+
+@_rms_norm_op.register_fake
+def _(x, weight, eps):
+    return torch.empty_like(x)
+
+
+@_add_rms_norm_op.register_fake
+def _(x, residual, weight, eps):
+    return torch.empty_like(residual)
+
+
+@_rotary_op.register_fake
+def _(x, cos, sin):
+    return None
+
+
+@_silu_mul_op.register_fake
+def _(gate_up):
+    return gate_up.new_empty(gate_up.shape[0], gate_up.shape[1] // 2)

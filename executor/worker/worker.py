@@ -36,6 +36,7 @@ from executor.worker.kv_cache import allocate_kv_storage, layer_views
 from executor.models import cpu_fused
 from executor.models.checkpoint import checkpoint_num_params
 from executor.models.parallel import COMM, SINGLE, TensorParallel
+from executor.worker import compiled_decode
 from executor.worker.distributed import rank_device
 from executor.worker.kv_connector import KVConnectorWorker, assemble_blocks, block_payloads
 from executor.worker.model_runner import ModelRunner
@@ -129,6 +130,27 @@ class Worker:
         else:
             self.model_runner = ModelRunner(self.loaded, block_size, self.config.seed, self.device,
                                             driver=self.rank == 0)
+        if self.config.compile:
+            self._compile_decode(block_size)
+
+    def _compile_decode(self, block_size: int) -> None:
+        """Compiles the decode steps per batch-size bucket now, in the start-up
+        (``executor.worker.compiled_decode``), or logs why they stay eager here."""
+        model = self.loaded.model
+        reason = compiled_decode.unavailable_reason(model, self.device, self.loaded.dtype,
+                                                    self.config.parallel.world_size)
+        if reason is not None:
+            log.warning("--compile ignored: %s; decode steps run eagerly", reason)
+            return
+        log.info("compiling decode steps (inductor cache %s)", compiled_decode.inductor_cache_dir())
+        buckets = compiled_decode.decode_buckets(self.config.batch.max_num_seqs)
+        compiled = compiled_decode.CompiledDecode(model, block_size, self.loaded.max_model_len, buckets)
+        try:
+            compiled.warm_up()
+        except Exception as err:  # noqa: BLE001 - any compiler failure (no C++ compiler, an inductor error): eager
+            log.warning("--compile failed (%s: %s); decode steps run eagerly", type(err).__name__, err)
+            return
+        self.model_runner.compiled_decode = compiled
 
     def execute_model(self, scheduler_output: SchedulerOutput, step_id: int | None = None) -> ModelRunnerOutput:
         """One step (see the module doc); ``step_id`` names it in the step log (rank 0's

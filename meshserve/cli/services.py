@@ -123,6 +123,9 @@ def executor(
     num_threads: Optional[int] = typer.Option(None, help="torch CPU threads."),
     attention_backend: str = typer.Option("auto", help="auto (triton on CUDA, else torch), torch or triton."),
     device: str = typer.Option("cpu", help="torch device of the model and KV cache: cpu, cuda, cuda:1…"),
+    compile: bool = typer.Option(False, "--compile/--no-compile",
+                                 help="torch.compile the decode steps at start-up, per batch-size bucket "
+                                      "(CPU, float32, one thread; minutes cold, cached on disk)."),
     tensor_parallel_size: int = typer.Option(1, "--tensor-parallel-size", min=1,
                                              help="Ranks (processes; GPUs on CUDA) that shard every layer."),
     pipeline_parallel_size: int = typer.Option(1, "--pipeline-parallel-size", min=1,
@@ -169,7 +172,8 @@ def executor(
                                       no_prefix_caching, max_batch_wait_ms, attention_backend, device,
                                       enable_kv_events=True,  # forwarded for prefix-aware routing
                                       tensor_parallel_size=tensor_parallel_size,
-                                      pipeline_parallel_size=pipeline_parallel_size, revision=revision)
+                                      pipeline_parallel_size=pipeline_parallel_size, revision=revision,
+                                      compile=compile)
     except ValueError as exc:  # a bad flag value: typer prints usage and the message, exit code 2
         raise typer.BadParameter(str(exc)) from None
     if kvstore is not None and not is_address(kvstore):
