@@ -6,10 +6,15 @@ ops (module calls, shape checks, ``ctypes`` marshalling) is what compiling can t
 away. So the whole decoder stack becomes one graph (``fullgraph=True``): the C kernels
 are torch custom ops there (``cpu_fused``'s norm, rotary and SiLU-and-multiply,
 ``cpu_kernel.padded_decode_attention`` for the cache write and the attention), the
-packed GEMMs are the ``mkldnn._linear_pointwise`` ops inductor itself emits, and
-inductor's C++ wrapper (``cpp_wrapper``) calls them without a Python frame per op.
+packed GEMMs are the ``mkldnn._linear_pointwise`` ops inductor itself emits (called as
+the aten op: inductor's own lowering of it wants the weight frozen into the graph).
 The numbers are those of the eager path: the same kernels in the same order, and the
 GEMMs are batch-invariant, so padding rows change no real row (greedy tokens equal).
+
+Measured (``python -m meshserve.bench.compiled_decode``; reports/cpu-speed/compile.md):
+the graph has no break and no copy, yet the step is no faster: each custom op costs
+about 20 µs more to call than the eager path's ``ctypes`` call, which uses up what the
+graph saves, so this stays opt-in, off by default.
 
 Shapes: a compiled graph has fixed shapes, so a decode-only step of ``n`` requests is
 padded to the smallest bucket ``>= n`` (``decode_buckets``: powers of two up to
@@ -46,9 +51,11 @@ from meshserve.model_files import cache_dir
 
 log = logging.getLogger(__name__)
 
-INDUCTOR_OPTIONS = {"cpp_wrapper": True}
-"""Inductor options of the compiled decode graph: the C++ wrapper calls the graph's ops
-without Python in between (the point of compiling here)."""
+INDUCTOR_OPTIONS = {"cpp_wrapper": False}
+"""Inductor options of the compiled decode graph. The Python wrapper, not the C++ one:
+the C kernels are Python custom ops, so the C++ wrapper still calls back into Python
+for 5 of every 9 ops per layer; on SmolLM2-135M at 32 decodes it measured within 2% of
+the Python wrapper's step and took about 3x as long to compile (reports/cpu-speed)."""
 
 
 def decode_buckets(max_num_seqs: int) -> tuple[int, ...]:
