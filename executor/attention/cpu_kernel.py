@@ -44,6 +44,11 @@ FLAGS = ("-O3", "-march=native", "-ffast-math", "-fPIC", "-shared", "-std=c11")
 _lock = threading.Lock()
 _loaded: dict[str, object] = {}
 
+TRACED_OPS = torch.ops.meshserve
+"""The operators ``torch.compile`` records for the C kernels: the Python custom ops of
+this module and ``cpu_fused`` (``meshserve::*``), or their C++ twins
+(``torch.ops.meshserve_cpu``, ``executor.models.cpu_ops``) once those are built."""
+
 
 def _compiler() -> str | None:
     for name in (os.environ.get("CC"), "cc", "gcc"):

@@ -195,8 +195,9 @@ class TorchAttentionBackend(AttentionBackend):
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: KVCache,
                 md: AttentionMetadata, scale: float) -> torch.Tensor:
         if isinstance(md.plan, PaddedDecodePlan):  # one op, traceable by torch.compile
-            return cpu_kernel.padded_decode_attention(q, k, v, *kv_cache, md.slot_mapping, md.block_table,
-                                                      md.seq_lens, md.plan.num_valid, scale)
+            return cpu_kernel.TRACED_OPS.padded_decode_attention(q, k, v, *kv_cache, md.slot_mapping,
+                                                                 md.block_table, md.seq_lens, md.plan.num_valid,
+                                                                 scale)
         if md.plan is None:
             self.plan(md)
         plan: _TorchPlan = md.plan

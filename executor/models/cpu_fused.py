@@ -111,8 +111,8 @@ def add_rms_norm(k: FusedKernels, x: torch.Tensor | None, residual: torch.Tensor
     times ``weight``: ``(n, hidden)`` float32 contiguous → a new ``(n, hidden)`` tensor."""
     if torch.compiler.is_compiling():
         if x is None:
-            return torch.ops.meshserve.rms_norm(residual, weight, eps)
-        return torch.ops.meshserve.add_rms_norm(x, residual, weight, eps)
+            return cpu_kernel.TRACED_OPS.rms_norm(residual, weight, eps)
+        return cpu_kernel.TRACED_OPS.add_rms_norm(x, residual, weight, eps)
     n, hidden = residual.shape
     out = torch.empty_like(residual)
     if x is not None:
@@ -127,7 +127,7 @@ def rotate_(k: FusedKernels, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tens
     (``x.stride() == (row_stride, head_dim, 1)``, e.g. the query and key heads of a fused
     QKV output); ``cos``, ``sin`` ``(n, 1, head_dim / 2)`` contiguous."""
     if torch.compiler.is_compiling():
-        torch.ops.meshserve.rotary_(x, cos, sin)
+        cpu_kernel.TRACED_OPS.rotary_(x, cos, sin)
         return
     n, heads, head_dim = x.shape
     k.rotary_inplace(x.data_ptr(), x.stride(0), n, heads, head_dim, cos.data_ptr(), sin.data_ptr())
@@ -137,7 +137,7 @@ def silu_mul(k: FusedKernels, gate_up: torch.Tensor) -> torch.Tensor:
     """``silu(gate) * up`` of ``gate_up`` ``(n, 2 * inter)`` float32 contiguous (gate then up)
     → a new ``(n, inter)`` tensor."""
     if torch.compiler.is_compiling():
-        return torch.ops.meshserve.silu_mul(gate_up)
+        return cpu_kernel.TRACED_OPS.silu_mul(gate_up)
     n, two_inter = gate_up.shape
     out = gate_up.new_empty(n, two_inter // 2)
     k.silu_mul(gate_up.data_ptr(), out.data_ptr(), n, two_inter // 2)

@@ -46,7 +46,7 @@ import torch
 
 from executor.attention import AttentionMetadata, cpu_kernel
 from executor.attention.torch_backend import PaddedDecodePlan, TorchAttentionBackend
-from executor.models import cpu_fused
+from executor.models import cpu_fused, cpu_ops
 from meshserve.model_files import cache_dir
 
 log = logging.getLogger(__name__)
@@ -137,6 +137,8 @@ class CompiledDecode:
                  options: dict | None = None):
         self.model = model
         self.buckets = buckets
+        self.cpp_ops = cpu_ops.load()  # the C kernels as C++ operators: no Python per op in the graph
+        cpu_kernel.TRACED_OPS = torch.ops.meshserve_cpu if self.cpp_ops else torch.ops.meshserve
         self.width = -(-max_model_len // block_size)
         self._buckets = {size: self._make_bucket(size, block_size) for size in buckets}
         options = dict(INDUCTOR_OPTIONS if options is None else options)

@@ -79,7 +79,8 @@ def main(argv: list[str] | None = None) -> int:
                     times[side]["cpu"].append(time.thread_time() - cpu)
     ms = {side: {k: round(statistics.median(v) * 1e3, 2) for k, v in d.items()} for side, d in times.items()}
     report = {"batch": args.batch, "bucket": bucket, "context": args.context, "repeat": args.repeat,
-              "cpp_wrapper": bool(options.get("cpp_wrapper")), "inductor_cache": cache,
+              "cpp_wrapper": bool(options.get("cpp_wrapper")), "cpp_operators": compiled.cpp_ops,
+              "inductor_cache": cache,
               "compile_s": round(compiled.compile_seconds[bucket], 1), "median_ms": ms,
               "cpu_eager_over_compiled": round(ms["eager"]["cpu"] / ms["compiled"]["cpu"], 3),
               "wall_eager_over_compiled": round(ms["eager"]["wall"] / ms["compiled"]["wall"], 3),

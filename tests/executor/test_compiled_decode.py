@@ -58,6 +58,31 @@ def test_padded_decode_attention_writes_and_attends_only_the_real_rows():
     assert torch.equal(out[real:], torch.zeros(rows - real, heads, dim))
 
 
+@pytest.mark.usefixtures("one_thread")
+def test_the_cpp_operators_give_the_python_custom_ops_results_bit_for_bit():
+    from executor.models import cpu_fused, cpu_ops
+
+    if not cpu_ops.load():
+        pytest.skip("no C++ toolchain: the C++ operators cannot be built here")
+    gen = torch.Generator().manual_seed(1)
+    x, residual, weight = (torch.randn(5, 96, generator=gen) for _ in range(3))
+    weight = weight[0]
+    cpp, py = torch.ops.meshserve_cpu, torch.ops.meshserve
+    assert torch.equal(cpp.rms_norm(x, weight, 1e-5), py.rms_norm(x, weight, 1e-5))
+    r1, r2 = residual.clone(), residual.clone()
+    assert torch.equal(cpp.add_rms_norm(x, r1, weight, 1e-5), py.add_rms_norm(x, r2, weight, 1e-5))
+    assert torch.equal(r1, r2) and not torch.equal(r1, residual)  # the residual add happened in place
+    gate_up = torch.randn(5, 2 * 48, generator=gen)
+    assert torch.equal(cpp.silu_mul(gate_up), py.silu_mul(gate_up))
+    qkv = torch.randn(5, 10, 16, generator=gen)
+    cos, sin = torch.randn(5, 1, 8, generator=gen), torch.randn(5, 1, 8, generator=gen)
+    a, b = qkv.clone(), qkv.clone()
+    cpp.rotary_(a[:, :8], cos, sin)
+    py.rotary_(b[:, :8], cos, sin)
+    assert torch.equal(a, b) and not torch.equal(a, qkv)
+    assert cpu_fused.load() is not None
+
+
 def _engine(path, compile: bool, num_threads: int = 1):
     from executor.engine.llm_engine import LLMEngine
     from tests.support.parallel import parallel_config
