@@ -4,17 +4,20 @@ What it removes: on one CPU thread a decode step of SmolLM2-135M is ~300 ms, ~20
 them oneDNN GEMMs and ~45 the C attention kernel; the ~19 ms of Python between the
 ops (module calls, shape checks, ``ctypes`` marshalling) is what compiling can take
 away. So the whole decoder stack becomes one graph (``fullgraph=True``): the C kernels
-are torch custom ops there (``cpu_fused``'s norm, rotary and SiLU-and-multiply,
-``cpu_kernel.padded_decode_attention`` for the cache write and the attention), the
+are torch operators there (``cpu_fused``'s norm, rotary and SiLU-and-multiply,
+``cpu_kernel.padded_decode_attention`` for the cache write and the attention), as C++
+operators (``executor.models.cpu_ops``) where they can be built, else as the Python
+custom ops (``cpu_kernel.TRACED_OPS`` says which the tracer records), the
 packed GEMMs are the ``mkldnn._linear_pointwise`` ops inductor itself emits (called as
 the aten op: inductor's own lowering of it wants the weight frozen into the graph).
 The numbers are those of the eager path: the same kernels in the same order, and the
 GEMMs are batch-invariant, so padding rows change no real row (greedy tokens equal).
 
 Measured (``python -m meshserve.bench.compiled_decode``; reports/cpu-speed/compile.md):
-the graph has no break and no copy, yet the step is no faster: each custom op costs
-about 20 µs more to call than the eager path's ``ctypes`` call, which uses up what the
-graph saves, so this stays opt-in, off by default.
+with the C++ operators 1.04-1.09x the eager step at 32 decodes and 1.18x at one,
+hidden states bitwise equal; with the Python custom ops 0.88-1.02x (each costs ~20 µs
+more a call than the eager path's ``ctypes`` call). It moves minutes of compilation
+into the start, so it stays opt-in, off by default.
 
 Shapes: a compiled graph has fixed shapes, so a decode-only step of ``n`` requests is
 padded to the smallest bucket ``>= n`` (``decode_buckets``: powers of two up to
@@ -53,9 +56,9 @@ log = logging.getLogger(__name__)
 
 INDUCTOR_OPTIONS = {"cpp_wrapper": False}
 """Inductor options of the compiled decode graph. The Python wrapper, not the C++ one:
-the C kernels are Python custom ops, so the C++ wrapper still calls back into Python
-for 5 of every 9 ops per layer; on SmolLM2-135M at 32 decodes it measured within 2% of
-the Python wrapper's step and took about 3x as long to compile (reports/cpu-speed)."""
+on SmolLM2-135M at 32 decodes both measured 1.09x the eager step (with the C++
+operators), and the C++ wrapper took ~5x as long to compile (a 370 kB C++ file per
+bucket; reports/cpu-speed/compile.md)."""
 
 
 def decode_buckets(max_num_seqs: int) -> tuple[int, ...]:
