@@ -6,7 +6,7 @@ decode step on one AVX2 core, but a Python custom op (``cpu_fused``'s and
 ``cpu_kernel``'s ``meshserve::*``) costs ~20 µs more a call than the eager path's
 ``ctypes`` call, 150 calls a step, which used that saving up (0.95-1.02x). The same
 kernels as C++ operators are reached from the graph through the dispatcher with no
-Python: 1.04x at 32 decodes and 1.18x at one (``reports/cpu-speed/compile.md``).
+Python: 1.04-1.09x at 32 decodes and 1.15-1.18x at one (``reports/cpu-speed/compile.md``).
 
 Build: ``torch.utils.cpp_extension`` (the C++ compiler, ninja and torch's headers;
 about 25 s on one core) into ``$MESHSERVE_CACHE_DIR/kernels/cpu_ops-<hash>/``, named by

@@ -14,7 +14,7 @@ The numbers are those of the eager path: the same kernels in the same order, and
 GEMMs are batch-invariant, so padding rows change no real row (greedy tokens equal).
 
 Measured (``python -m meshserve.bench.compiled_decode``; reports/cpu-speed/compile.md):
-with the C++ operators 1.04-1.09x the eager step at 32 decodes and 1.18x at one,
+with the C++ operators 1.04-1.09x the eager step at 32 decodes and 1.15-1.18x at one,
 hidden states bitwise equal; with the Python custom ops 0.88-1.02x (each costs ~20 µs
 more a call than the eager path's ``ctypes`` call). It moves minutes of compilation
 into the start, so it stays opt-in, off by default.
