@@ -45,6 +45,11 @@ _lock = threading.Lock()
 _loaded: dict[str, object] = {}
 _UNSET = object()
 
+TRACED_OPS = torch.ops.meshserve
+"""The operators ``torch.compile`` records for the C kernels: the Python custom ops of
+this module and ``cpu_fused`` (``meshserve::*``), or their C++ twins
+(``torch.ops.meshserve_cpu``, ``executor.models.cpu_ops``) once those are built."""
+
 
 def _compiler() -> str | None:
     for name in (os.environ.get("CC"), "cc", "gcc"):
@@ -127,11 +132,13 @@ def supports(q: torch.Tensor, key_cache: torch.Tensor) -> bool:
 
 
 def decode_attention(fn, q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
-                     block_table: torch.Tensor, seq_lens: torch.Tensor, scale: float) -> torch.Tensor:
+                     block_table: torch.Tensor, seq_lens: torch.Tensor, scale: float,
+                     out: torch.Tensor | None = None) -> torch.Tensor:
     """Attention of ``q`` ``(n, num_heads, head_dim)`` (one query token per request) over
     each request's ``seq_lens[i]`` cached keys; ``block_table`` ``(n, max_blocks)`` int32
     and ``seq_lens`` ``(n,)`` int32, contiguous. Returns ``(n, num_heads, head_dim)`` in
-    ``q``'s dtype.
+    ``q``'s dtype: ``out`` (contiguous, at least ``n`` rows, its first ``n`` written)
+    when given, else a new tensor.
 
     Raises:
         MemoryError: the kernel could not allocate its scratch memory.
@@ -139,10 +146,44 @@ def decode_attention(fn, q: torch.Tensor, key_cache: torch.Tensor, value_cache: 
     q = q.contiguous()
     n, num_heads, head_dim = q.shape
     num_blocks, block_size, num_kv_heads, _ = key_cache.shape
-    out = torch.empty_like(q)
+    if out is None:
+        out = torch.empty_like(q)
     rc = fn(q.data_ptr(), key_cache.data_ptr(), value_cache.data_ptr(), block_table.data_ptr(),
             block_table.stride(0), seq_lens.data_ptr(), out.data_ptr(), n, num_heads, num_kv_heads, head_dim,
             block_size, scale, int(q.dtype == torch.bfloat16))
     if rc:
         raise MemoryError("the CPU attention kernel could not allocate its scratch memory")
     return out
+
+
+@torch.library.custom_op("meshserve::padded_decode_attention", mutates_args=("key_cache", "value_cache"))
+def padded_decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_cache: torch.Tensor,
+                            value_cache: torch.Tensor, slot_mapping: torch.Tensor, block_table: torch.Tensor,
+                            seq_lens: torch.Tensor, num_valid: torch.Tensor, scale: float) -> torch.Tensor:
+    """One layer's decode attention for a batch padded to a fixed size, as one op that
+    ``torch.compile`` keeps in its graph (``executor.worker.compiled_decode``): writes the
+    first ``num_valid`` rows of ``k``, ``v`` ``(B, num_kv_heads, head_dim)`` into the
+    caches at ``slot_mapping[:num_valid]`` and attends ``q[:num_valid]`` ``(B, num_heads,
+    head_dim)`` over them with the kernel. ``num_valid``: a 0-dim int64 CPU tensor (a
+    tensor, so that one compiled graph serves every fill of the bucket); ``block_table``
+    ``(B, max_blocks)`` int32, ``seq_lens`` ``(B,)`` int32. Returns ``(B, num_heads,
+    head_dim)``, the padding rows zero. Needs ``load()`` to have succeeded.
+
+    Raises:
+        MemoryError: the kernel could not allocate its scratch memory.
+    """
+    n = int(num_valid)
+    _, _, num_kv_heads, head_dim = key_cache.shape
+    slots = slot_mapping[:n]
+    key_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slots, k[:n])
+    value_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slots, v[:n])
+    out = q.new_empty(q.shape)
+    if n < q.shape[0]:
+        out[n:].zero_()
+    decode_attention(load(), q[:n], key_cache, value_cache, block_table, seq_lens, scale, out)
+    return out
+
+
+@padded_decode_attention.register_fake
+def _(q, k, v, key_cache, value_cache, slot_mapping, block_table, seq_lens, num_valid, scale):
+    return q.new_empty(q.shape)

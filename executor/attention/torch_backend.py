@@ -101,6 +101,15 @@ class _TorchPlan:
     num_decodes: int = 0
 
 
+@dataclass
+class PaddedDecodePlan:
+    """The plan of a decode-only step padded to a fixed batch size (a bucket of
+    ``executor.worker.compiled_decode``): every layer runs
+    ``cpu_kernel.padded_decode_attention``, which needs no other planning."""
+
+    num_valid: torch.Tensor          # 0-dim int64: the real decodes, the first rows; the rest is padding
+
+
 def decode_groups(num_blocks: list[int], block_size: int, group_cost_keys: int = _GROUP_COST_KEYS) -> list[int]:
     """Splits decodes with ``num_blocks[i]`` blocks each into consecutive groups that
     minimise ``sum(group_cost_keys + len(group) * max_blocks(group) * block_size)``.
@@ -185,6 +194,10 @@ class TorchAttentionBackend(AttentionBackend):
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: KVCache,
                 md: AttentionMetadata, scale: float) -> torch.Tensor:
+        if isinstance(md.plan, PaddedDecodePlan):  # one op, traceable by torch.compile
+            return cpu_kernel.TRACED_OPS.padded_decode_attention(q, k, v, *kv_cache, md.slot_mapping,
+                                                                 md.block_table, md.seq_lens, md.plan.num_valid,
+                                                                 scale)
         if md.plan is None:
             self.plan(md)
         plan: _TorchPlan = md.plan

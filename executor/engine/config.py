@@ -121,6 +121,9 @@ class EngineConfig:
             batch-size bucket (``executor.worker.cuda_graphs``). None: wherever they can
             run (one CUDA device, the triton backend); True elsewhere is ignored with
             a log line; False: always eager.
+        compile: run decode-only steps through ``torch.compile``, compiled at start-up
+            per decode batch-size bucket (``executor.worker.compiled_decode``; CPU,
+            float32, one thread, one rank: elsewhere the engine logs why and stays eager).
     """
 
     model: str = "default"
@@ -135,6 +138,7 @@ class EngineConfig:
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     revision: str | None = None
     cuda_graphs: bool | None = None
+    compile: bool = False
 
     def __post_init__(self) -> None:
         """Checks what can be checked before the model loads.

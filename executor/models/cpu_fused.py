@@ -91,6 +91,10 @@ def sum_lanes() -> int:
     return 16 if torch.backends.cpu.get_cpu_capability().upper().startswith("AVX512") else 8
 
 
+TRACED = FusedKernels(None, None, None)
+"""What ``usable`` returns while ``torch.compile`` traces: the custom ops stand in."""
+
+
 def load() -> FusedKernels | None:
     """The kernels, built if needed; ``None`` where they cannot be (no compiler, a failed
     build, or ``MESHSERVE_CPU_FUSED_KERNELS=0``). Once per process."""
@@ -132,7 +136,14 @@ def load() -> FusedKernels | None:
 
 def usable(x: torch.Tensor) -> FusedKernels | None:
     """The kernels when ``x`` is a float32 or bfloat16 CPU tensor and torch runs one
-    thread, else None. The other tensors of a call must have ``x``'s dtype."""
+    thread, else None. The other tensors of a call must have ``x``'s dtype.
+
+    While ``torch.compile`` traces the model (``executor.worker.compiled_decode``, which is
+    only built where ``load()`` works and torch runs one thread) it returns a placeholder
+    and the functions below record the custom ops at the end of this file instead of
+    ``ctypes`` calls, which the tracer cannot follow."""
+    if torch.compiler.is_compiling():
+        return TRACED if x.device.type == "cpu" and x.dtype == torch.float32 else None
     if x.device.type != "cpu" or x.dtype not in DTYPES or torch.get_num_threads() != 1:
         return None
     return load()
@@ -143,6 +154,10 @@ def add_rms_norm(k: FusedKernels, x: torch.Tensor | None, residual: torch.Tensor
     """``residual += x`` in place (no add when ``x`` is None), then RMSNorm of ``residual``
     times ``weight``: ``(n, hidden)`` float32 or bfloat16 contiguous (``x``, ``weight`` of
     the same dtype) → a new ``(n, hidden)`` tensor."""
+    if torch.compiler.is_compiling():
+        if x is None:
+            return cpu_kernel.TRACED_OPS.rms_norm(residual, weight, eps)
+        return cpu_kernel.TRACED_OPS.add_rms_norm(x, residual, weight, eps)
     n, hidden = residual.shape
     out = torch.empty_like(residual)
     if x is not None:
@@ -158,6 +173,9 @@ def rotate_(k: FusedKernels, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tens
     (``x.stride() == (row_stride, head_dim, 1)``, e.g. the query and key heads of a fused
     QKV output); ``cos``, ``sin`` ``(n, 1, head_dim / 2)`` contiguous, of ``x``'s dtype
     (float32 or bfloat16)."""
+    if torch.compiler.is_compiling():
+        cpu_kernel.TRACED_OPS.rotary_(x, cos, sin)
+        return
     n, heads, head_dim = x.shape
     kernel = k.rotary_inplace_bf16 if x.dtype == torch.bfloat16 else k.rotary_inplace
     kernel(x.data_ptr(), x.stride(0), n, heads, head_dim, cos.data_ptr(), sin.data_ptr())
@@ -166,6 +184,8 @@ def rotate_(k: FusedKernels, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tens
 def silu_mul(k: FusedKernels, gate_up: torch.Tensor) -> torch.Tensor:
     """``silu(gate) * up`` of ``gate_up`` ``(n, 2 * inter)`` float32 or bfloat16 contiguous
     (gate then up) → a new ``(n, inter)`` tensor of its dtype."""
+    if torch.compiler.is_compiling():
+        return cpu_kernel.TRACED_OPS.silu_mul(gate_up)
     n, two_inter = gate_up.shape
     out = gate_up.new_empty(n, two_inter // 2)
     kernel = k.silu_mul_bf16 if gate_up.dtype == torch.bfloat16 else k.silu_mul
@@ -178,3 +198,47 @@ def fits_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> bool:
     return (x.dim() == 3 and x.stride(2) == 1 and x.stride(1) == x.shape[2] and cos.is_contiguous()
             and sin.is_contiguous() and cos.dtype == x.dtype and sin.dtype == x.dtype
             and cos.numel() == x.shape[0] * x.shape[2] // 2)
+
+
+# The kernels as torch custom ops, so that ``torch.compile`` keeps them in one graph (a
+# ``ctypes`` call would break it): opaque to the compiler, with fake implementations
+# that give the output's shape. Their real implementations are the functions above.
+
+@torch.library.custom_op("meshserve::rms_norm", mutates_args=())
+def _rms_norm_op(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    return add_rms_norm(load(), None, x, weight, eps)
+
+
+@torch.library.custom_op("meshserve::add_rms_norm", mutates_args=("residual",))
+def _add_rms_norm_op(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    return add_rms_norm(load(), x, residual, weight, eps)
+
+
+@torch.library.custom_op("meshserve::rotary_", mutates_args=("x",))
+def _rotary_op(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
+    rotate_(load(), x, cos, sin)
+
+
+@torch.library.custom_op("meshserve::silu_mul", mutates_args=())
+def _silu_mul_op(gate_up: torch.Tensor) -> torch.Tensor:
+    return silu_mul(load(), gate_up)
+
+
+@_rms_norm_op.register_fake
+def _(x, weight, eps):
+    return torch.empty_like(x)
+
+
+@_add_rms_norm_op.register_fake
+def _(x, residual, weight, eps):
+    return torch.empty_like(residual)
+
+
+@_rotary_op.register_fake
+def _(x, cos, sin):
+    return None
+
+
+@_silu_mul_op.register_fake
+def _(gate_up):
+    return gate_up.new_empty(gate_up.shape[0], gate_up.shape[1] // 2)

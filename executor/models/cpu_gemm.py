@@ -69,4 +69,9 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
     (from ``pack(weight)``) when there is one, else ``F.linear``."""
     if packed is None:
         return F.linear(x, weight, bias)
+    if torch.compiler.is_compiling():
+        # traced by torch.compile (executor.worker.compiled_decode): inductor's own lowering
+        # of this op wants the weight frozen into the graph; called as the aten op instead
+        with torch.fx.traceback.annotate({"fallback_to_eager": True}):
+            return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
     return torch.ops.mkldnn._linear_pointwise.default(x, packed, bias, "none", [], "")

@@ -7,7 +7,8 @@ Per step:
 2. build the flattened, unpadded inputs: ``input_ids`` and ``positions``
    ``(num_tokens,)`` int64 and the ``AttentionMetadata`` (``slot_mapping``,
    ``block_table``, ``query_start_loc``, ``seq_lens``);
-3. run the model under ``torch.inference_mode``;
+3. run the model under ``torch.inference_mode`` (a decode-only step through its
+   ``torch.compile`` graph when the worker set ``compiled_decode``: ``--compile``);
 4. compute logits only at the last scheduled token of each request whose
    prefill is complete (``ScheduledRequest.sample``) and sample them (with the
    sampled tokens' logprobs when asked);
@@ -30,6 +31,7 @@ import torch
 
 from executor.attention import build_attention_metadata
 from executor.worker.cuda_graphs import CUDAGraphRunner
+from executor.worker.compiled_decode import CompiledDecode
 from executor.worker.logprobs import PromptLogprobs
 from executor.worker.sampler import Sampler, SamplingBatch
 from executor.engine.scheduler_output import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
@@ -65,6 +67,7 @@ class ModelRunner:
         self.generators: dict[str, torch.Generator] = {}
         self.prompt_logprobs = PromptLogprobs()
         self.last_micro_batches: list[list[ScheduledRequest]] = []  # what the last step ran, in order
+        self.compiled_decode: CompiledDecode | None = None  # set by the worker with --compile
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         """One forward pass over the step's batch.
@@ -118,6 +121,8 @@ class ModelRunner:
         hidden states (``executor.worker.pipeline.PipelineModelRunner`` runs it as
         micro-batches over stages, and returns None on stages other than the first)."""
         self.last_micro_batches = [scheduled]
+        if self.compiled_decode is not None and self.compiled_decode.handles(md):
+            return self.compiled_decode.forward(input_ids, positions, md)
         self.attention_backend.plan(md)
         return self.model(input_ids, positions, md)
 

@@ -37,6 +37,7 @@ from executor.models import cpu_fused
 from executor.models.checkpoint import checkpoint_num_params
 from executor.models.parallel import COMM, SINGLE, TensorParallel
 from executor.worker.cuda_graphs import CUDAGraphRunner, graph_batch_sizes, graphs_off_reason
+from executor.worker import compiled_decode
 from executor.worker.distributed import rank_device
 from executor.worker.kv_connector import KVConnectorWorker, assemble_blocks, block_payloads
 from executor.worker.model_runner import ModelRunner
@@ -146,6 +147,27 @@ class Worker:
                 except RuntimeError as err:  # an op CUDA refuses to capture: serve eagerly rather than not at all
                     log.warning("CUDA graph capture failed (%s); every step runs eagerly", err)
                     self.model_runner.graphs = None
+        if self.config.compile:
+            self._compile_decode(block_size)
+
+    def _compile_decode(self, block_size: int) -> None:
+        """Compiles the decode steps per batch-size bucket now, in the start-up
+        (``executor.worker.compiled_decode``), or logs why they stay eager here."""
+        model = self.loaded.model
+        reason = compiled_decode.unavailable_reason(model, self.device, self.loaded.dtype,
+                                                    self.config.parallel.world_size)
+        if reason is not None:
+            log.warning("--compile ignored: %s; decode steps run eagerly", reason)
+            return
+        log.info("compiling decode steps (inductor cache %s)", compiled_decode.inductor_cache_dir())
+        buckets = compiled_decode.decode_buckets(self.config.batch.max_num_seqs)
+        compiled = compiled_decode.CompiledDecode(model, block_size, self.loaded.max_model_len, buckets)
+        try:
+            compiled.warm_up()
+        except Exception as err:  # noqa: BLE001 - any compiler failure (no C++ compiler, an inductor error): eager
+            log.warning("--compile failed (%s: %s); decode steps run eagerly", type(err).__name__, err)
+            return
+        self.model_runner.compiled_decode = compiled
 
     def execute_model(self, scheduler_output: SchedulerOutput, step_id: int | None = None) -> ModelRunnerOutput:
         """One step (see the module doc); ``step_id`` names it in the step log (rank 0's

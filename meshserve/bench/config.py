@@ -48,6 +48,8 @@ class BenchConfig:
             client certificate; None: plaintext.
         vllm_python: the Python interpreter with vLLM installed, for the ``vllm`` target
             or baseline (``meshserve/bench/vllm_target.py``).
+        compile: the engine's ``--compile`` (engine and mesh): decode steps through
+            ``torch.compile`` (``executor.worker.compiled_decode``).
     """
 
     target: str
@@ -70,6 +72,7 @@ class BenchConfig:
     request_rate: float | None = None
     tls_dir: str | None = None
     vllm_python: str | None = None
+    compile: bool = False
 
     def __post_init__(self) -> None:
         if self.target not in TARGETS:

@@ -55,6 +55,7 @@ class EngineTarget(Target):
                               enable_prefix_caching=c.enable_prefix_caching),
             batch=BatchSchedulerConfig(max_num_seqs=c.max_num_seqs, max_num_batched_tokens=c.max_num_batched_tokens,
                                        max_batch_wait_ms=c.max_batch_wait_ms),
+            compile=c.compile,
         )
         llm = await asyncio.to_thread(LLMEngine, cfg)
         self.engine = AsyncEngine(llm)
@@ -123,6 +124,8 @@ class MeshTarget(Target):
                 "--max-batch-wait-ms", str(c.max_batch_wait_ms)]
         if not c.enable_prefix_caching:
             args.append("--no-prefix-caching")
+        if c.compile:
+            args.append("--compile")
         # --num-threads comes from threads_per_executor
         self.mesh = Mesh(MeshConfig(port=free_port(), executors=c.executors, model=c.model, executor_args=args,
                                     log_dir=self.log_dir, threads_per_executor=c.threads,

@@ -179,7 +179,8 @@ def engine_config(model: str, dtype: str, kv_cache_memory: str, block_size: int,
                   num_threads: int | None, no_prefix_caching: bool = False, max_batch_wait_ms: float = 0.0,
                   attention_backend: str = "auto", device: str = "cpu", enable_kv_events: bool = False,
                   tensor_parallel_size: int = 1, pipeline_parallel_size: int = 1,
-                  revision: str | None = None, cuda_graphs: bool | None = None) -> EngineConfig:
+                  revision: str | None = None, cuda_graphs: bool | None = None,
+                  compile: bool = False) -> EngineConfig:
     """The executor's ``EngineConfig`` from its flags (``kv_cache_memory`` a byte size such as ``2GiB``;
     the parallel sizes: the ranks of one replica, ``executor.worker.multiproc_group``; ``cuda_graphs``
     None: wherever they can run).
@@ -199,6 +200,7 @@ def engine_config(model: str, dtype: str, kv_cache_memory: str, block_size: int,
         device=device,
         revision=revision,
         cuda_graphs=cuda_graphs,
+        compile=compile,
         cache=CacheConfig(block_size=block_size, kv_cache_memory_bytes=parse_bytes(kv_cache_memory),
                           enable_prefix_caching=not no_prefix_caching,
                           enable_kv_events=enable_kv_events and not no_prefix_caching),

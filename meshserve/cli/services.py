@@ -127,6 +127,9 @@ def executor(
                                                help="Replay decode steps from CUDA graphs captured at start-up "
                                                     "(default: on one CUDA device with the triton backend; "
                                                     "ignored elsewhere)."),
+    compile: bool = typer.Option(False, "--compile/--no-compile",
+                                 help="torch.compile the decode steps at start-up, per batch-size bucket "
+                                      "(CPU, float32, one thread; minutes cold, cached on disk)."),
     tensor_parallel_size: int = typer.Option(1, "--tensor-parallel-size", min=1,
                                              help="Ranks (processes; GPUs on CUDA) that shard every layer."),
     pipeline_parallel_size: int = typer.Option(1, "--pipeline-parallel-size", min=1,
@@ -174,7 +177,8 @@ def executor(
                                       enable_kv_events=True,  # forwarded for prefix-aware routing
                                       tensor_parallel_size=tensor_parallel_size,
                                       pipeline_parallel_size=pipeline_parallel_size, revision=revision,
-                                      cuda_graphs=cuda_graphs)
+                                      cuda_graphs=cuda_graphs,
+                                      compile=compile)
     except ValueError as exc:  # a bad flag value: typer prints usage and the message, exit code 2
         raise typer.BadParameter(str(exc)) from None
     if kvstore is not None and not is_address(kvstore):

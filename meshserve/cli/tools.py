@@ -59,6 +59,8 @@ def bench(
                                            "(hf-continuous: no block sharing)."),
     max_batch_wait_ms: float = typer.Option(0.0, "--max-batch-wait-ms", min=0.0,
                                             help="engine/mesh: hold a new prefill up to this long to batch it."),
+    compile: bool = typer.Option(False, "--compile/--no-compile", help="engine/mesh: torch.compile the decode "
+                                 "steps at start-up (CPU, float32, one thread)."),
     addr: Optional[str] = typer.Option(None, "--addr", help="mesh target: a running gateway's host:port."),
     executor_addr: list[str] = typer.Option([], "--executor-addr", help="mesh target with --addr: an executor "
                                             "whose Stats to sample; may repeat."),
@@ -93,7 +95,7 @@ def bench(
                           num_threads=num_threads, block_size=block_size,
                           enable_prefix_caching=not no_prefix_caching, max_batch_wait_ms=max_batch_wait_ms,
                           executor_addrs=tuple(executor_addr), request_rate=request_rate, tls_dir=tls_dir,
-                          vllm_python=vllm_python)
+                          vllm_python=vllm_python, compile=compile)
         points = sweep_points(concurrency, request_rate, parse_values(sweep_concurrency, int),
                               parse_values(sweep_rate, float))
         check_baselines(baselines, open_loop=any(p.request_rate is not None for p in points))
