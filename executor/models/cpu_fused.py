@@ -91,7 +91,7 @@ def sum_lanes() -> int:
     return 16 if torch.backends.cpu.get_cpu_capability().upper().startswith("AVX512") else 8
 
 
-TRACED = FusedKernels(None, None, None)
+TRACED = FusedKernels(None, None, None, None, None, None)
 """What ``usable`` returns while ``torch.compile`` traces: the custom ops stand in."""
 
 
