@@ -88,11 +88,18 @@ def bucket_for(num_decodes: int, buckets: tuple[int, ...]) -> int | None:
     return None
 
 
+_USER_INDUCTOR_CACHE_DIR = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
+"""The user's choice, read at import: inductor writes its own default (``/tmp/torchinductor_*``)
+into the variable the first time anything in the process asks for its cache folder."""
+
+
 def inductor_cache_dir() -> str:
-    """Points inductor's on-disk caches at ``$MESHSERVE_CACHE_DIR/inductor`` unless
-    ``TORCHINDUCTOR_CACHE_DIR`` is set; returns the folder in use. Call it before the
-    first compilation of the process (inductor reads the variable then)."""
-    return os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(cache_dir() / "inductor"))
+    """Points inductor's on-disk caches at ``$MESHSERVE_CACHE_DIR/inductor`` unless the user
+    set ``TORCHINDUCTOR_CACHE_DIR``; returns the folder in use. Call it before the
+    compilations (inductor reads the variable whenever it looks for its cache)."""
+    directory = _USER_INDUCTOR_CACHE_DIR or str(cache_dir() / "inductor")
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = directory
+    return directory
 
 
 def unavailable_reason(model: torch.nn.Module, device: torch.device, dtype: torch.dtype,

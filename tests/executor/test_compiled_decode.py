@@ -117,3 +117,21 @@ def test_compile_stays_eager_where_it_cannot_run_and_says_why(tmp_path, caplog):
     assert engine.worker_group.worker.model_runner.compiled_decode is None
     assert "--compile ignored: compiled decode needs torch on one thread (its C kernels run one); it runs 2" \
         in caplog.text
+
+
+def test_the_inductor_cache_goes_under_the_cache_dir_even_after_torch_wrote_its_default(tmp_path, monkeypatch):
+    """Inductor writes its /tmp default into TORCHINDUCTOR_CACHE_DIR the first time anything
+    asks for its cache folder; compiled decode still puts the cache under
+    ``$MESHSERVE_CACHE_DIR/inductor``, and a folder the user set before start wins."""
+    from torch._inductor.runtime.cache_dir_utils import cache_dir as inductor_cache
+
+    from executor.worker import compiled_decode
+
+    monkeypatch.setenv("MESHSERVE_CACHE_DIR", str(tmp_path))
+    monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)
+    monkeypatch.setattr(compiled_decode, "_USER_INDUCTOR_CACHE_DIR", None)
+    assert inductor_cache() != str(tmp_path / "inductor")  # torch's default, now in the environment
+    assert compiled_decode.inductor_cache_dir() == str(tmp_path / "inductor")
+    assert inductor_cache() == str(tmp_path / "inductor")
+    monkeypatch.setattr(compiled_decode, "_USER_INDUCTOR_CACHE_DIR", str(tmp_path / "mine"))
+    assert compiled_decode.inductor_cache_dir() == str(tmp_path / "mine")
