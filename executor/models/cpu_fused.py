@@ -154,7 +154,7 @@ def add_rms_norm(k: FusedKernels, x: torch.Tensor | None, residual: torch.Tensor
     """``residual += x`` in place (no add when ``x`` is None), then RMSNorm of ``residual``
     times ``weight``: ``(n, hidden)`` float32 or bfloat16 contiguous (``x``, ``weight`` of
     the same dtype) → a new ``(n, hidden)`` tensor."""
-    if torch.compiler.is_compiling():
+    if k is TRACED:  # usable() said torch.compile is tracing
         if x is None:
             return cpu_kernel.TRACED_OPS.rms_norm(residual, weight, eps)
         return cpu_kernel.TRACED_OPS.add_rms_norm(x, residual, weight, eps)
@@ -173,7 +173,7 @@ def rotate_(k: FusedKernels, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tens
     (``x.stride() == (row_stride, head_dim, 1)``, e.g. the query and key heads of a fused
     QKV output); ``cos``, ``sin`` ``(n, 1, head_dim / 2)`` contiguous, of ``x``'s dtype
     (float32 or bfloat16)."""
-    if torch.compiler.is_compiling():
+    if k is TRACED:
         cpu_kernel.TRACED_OPS.rotary_(x, cos, sin)
         return
     n, heads, head_dim = x.shape
@@ -184,7 +184,7 @@ def rotate_(k: FusedKernels, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tens
 def silu_mul(k: FusedKernels, gate_up: torch.Tensor) -> torch.Tensor:
     """``silu(gate) * up`` of ``gate_up`` ``(n, 2 * inter)`` float32 or bfloat16 contiguous
     (gate then up) → a new ``(n, inter)`` tensor of its dtype."""
-    if torch.compiler.is_compiling():
+    if k is TRACED:
         return cpu_kernel.TRACED_OPS.silu_mul(gate_up)
     n, two_inter = gate_up.shape
     out = gate_up.new_empty(n, two_inter // 2)
