@@ -156,7 +156,7 @@ def decode_attention(fn, q: torch.Tensor, key_cache: torch.Tensor, value_cache: 
     return out
 
 
-@torch.library.custom_op("meshserve::padded_decode_attention", mutates_args=("key_cache", "value_cache"))
+@torch.library.custom_op("meshserve::padded_decode_attention", mutates_args=())
 def padded_decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_cache: torch.Tensor,
                             value_cache: torch.Tensor, slot_mapping: torch.Tensor, block_table: torch.Tensor,
                             seq_lens: torch.Tensor, num_valid: torch.Tensor, scale: float) -> torch.Tensor:
@@ -168,6 +168,13 @@ def padded_decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k
     tensor, so that one compiled graph serves every fill of the bucket); ``block_table``
     ``(B, max_blocks)`` int32, ``seq_lens`` ``(B,)`` int32. Returns ``(B, num_heads,
     head_dim)``, the padding rows zero. Needs ``load()`` to have succeeded.
+
+    The cache write is not declared (``mutates_args=()``; the C++ twin's schema alike):
+    every layer's caches are views of one allocation (``executor.worker.kv_cache``), and
+    a declared mutation of aliased graph inputs makes AOTAutograd copy their whole base
+    (the KV cache, 1 GiB by default) in and out of every compiled step, which made
+    ``--compile`` several times slower than eager in serving. Nothing else in the graph
+    reads or writes the caches, so the write cannot be reordered against another access.
 
     Raises:
         MemoryError: the kernel could not allocate its scratch memory.

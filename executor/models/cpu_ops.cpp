@@ -59,13 +59,19 @@ at::Tensor padded_decode_attention(const at::Tensor& q, const at::Tensor& k, con
   TORCH_CHECK(rc == 0, "attention scratch");
   return out;
 }
+// padded_decode_attention writes the caches in place but its schema does not say so:
+// every layer's caches are views of one allocation (executor/worker/kv_cache.py), and
+// a declared mutation of aliased graph inputs makes AOTAutograd copy their whole base
+// (the 1 GiB KV cache) in and out of every compiled step. The graph has no other
+// reader or writer of the caches, so the undeclared write cannot be reordered against
+// one (vLLM's attention op likewise reaches its caches outside the graph).
 TORCH_LIBRARY(meshserve_cpu, m) {
   m.def("set_kernels(int a, int b, int c, int d, int lanes) -> ()");
   m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
   m.def("add_rms_norm(Tensor x, Tensor(a!) residual, Tensor weight, float eps) -> Tensor");
   m.def("rotary_(Tensor(a!) x, Tensor cos, Tensor sin) -> ()");
   m.def("silu_mul(Tensor gate_up) -> Tensor");
-  m.def("padded_decode_attention(Tensor q, Tensor k, Tensor v, Tensor(a!) key_cache, Tensor(b!) value_cache, Tensor slot_mapping, Tensor block_table, Tensor seq_lens, Tensor num_valid, float scale) -> Tensor");
+  m.def("padded_decode_attention(Tensor q, Tensor k, Tensor v, Tensor key_cache, Tensor value_cache, Tensor slot_mapping, Tensor block_table, Tensor seq_lens, Tensor num_valid, float scale) -> Tensor");
 }
 TORCH_LIBRARY_IMPL(meshserve_cpu, CPU, m) {
   m.impl("rms_norm", rms_norm); m.impl("add_rms_norm", add_rms_norm); m.impl("rotary_", rotary_);

@@ -40,6 +40,7 @@ engine stays eager.
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
 import time
@@ -93,11 +94,29 @@ _USER_INDUCTOR_CACHE_DIR = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
 into the variable the first time anything in the process asks for its cache folder."""
 
 
+def operators_key() -> str:
+    """A hash of the sources that define the graph's own operators (their schemas and
+    kernels: ``cpu_ops.cpp``, ``cpu_kernel.py``, ``cpu_fused.py``). Inductor's caches do
+    not key a compiled graph by a custom operator's schema, so a graph cached before an
+    operator changed would be loaded again; the cache folder is named by this key."""
+    digest = hashlib.sha256()
+    for path in (cpu_ops.SOURCE, cpu_kernel.SOURCE.with_name("cpu_kernel.py"), cpu_fused.SOURCE.with_name("cpu_fused.py")):
+        digest.update(path.read_bytes())
+    return digest.hexdigest()[:16]
+
+
 def inductor_cache_dir() -> str:
-    """Points inductor's on-disk caches at ``$MESHSERVE_CACHE_DIR/inductor`` unless the user
-    set ``TORCHINDUCTOR_CACHE_DIR``; returns the folder in use. Call it before the
-    compilations (inductor reads the variable whenever it looks for its cache)."""
-    directory = _USER_INDUCTOR_CACHE_DIR or str(cache_dir() / "inductor")
+    """Points inductor's on-disk caches at ``$MESHSERVE_CACHE_DIR/inductor/<operators_key()>``
+    unless the user set ``TORCHINDUCTOR_CACHE_DIR``; returns the folder in use. Call it
+    before the compilations (inductor reads the variable whenever it looks for its cache).
+    A value equal to inductor's own default counts as unset: inductor may have written it
+    into the environment before this module was imported (seen in ``meshserve bench``)."""
+    from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+
+    user = _USER_INDUCTOR_CACHE_DIR
+    if user and os.path.abspath(user) == os.path.abspath(default_cache_dir()):
+        user = None
+    directory = user or str(cache_dir() / "inductor" / operators_key())
     os.environ["TORCHINDUCTOR_CACHE_DIR"] = directory
     return directory
 

@@ -130,8 +130,53 @@ def test_the_inductor_cache_goes_under_the_cache_dir_even_after_torch_wrote_its_
     monkeypatch.setenv("MESHSERVE_CACHE_DIR", str(tmp_path))
     monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)
     monkeypatch.setattr(compiled_decode, "_USER_INDUCTOR_CACHE_DIR", None)
-    assert inductor_cache() != str(tmp_path / "inductor")  # torch's default, now in the environment
-    assert compiled_decode.inductor_cache_dir() == str(tmp_path / "inductor")
-    assert inductor_cache() == str(tmp_path / "inductor")
+    assert inductor_cache() != str(tmp_path / "inductor" / compiled_decode.operators_key())  # torch's default, now in the environment
+    assert compiled_decode.inductor_cache_dir() == str(tmp_path / "inductor" / compiled_decode.operators_key())
+    assert inductor_cache() == str(tmp_path / "inductor" / compiled_decode.operators_key())
     monkeypatch.setattr(compiled_decode, "_USER_INDUCTOR_CACHE_DIR", str(tmp_path / "mine"))
     assert compiled_decode.inductor_cache_dir() == str(tmp_path / "mine")
+    # torch's default already in the environment when compiled_decode was imported
+    from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+
+    monkeypatch.setattr(compiled_decode, "_USER_INDUCTOR_CACHE_DIR", default_cache_dir())
+    assert compiled_decode.inductor_cache_dir() == str(tmp_path / "inductor" / compiled_decode.operators_key())
+
+
+@pytest.mark.usefixtures("one_thread")
+def test_the_compiled_step_writes_the_shared_kv_storage_in_place_without_copying_it(tmp_path):
+    """Every layer's caches are views of one allocation (``executor.worker.kv_cache``): the
+    compiled step must write them in place. Declaring the cache write as a mutation made
+    AOTAutograd copy the whole storage in and out of every step (several times slower
+    than eager in serving with a 1 GiB cache); the generated code has no buffer as large
+    as one layer's cache, and the step's token lands in the storage."""
+    import re
+
+    from torch._inductor.utils import run_and_get_code
+
+    from executor.attention import build_attention_metadata
+    from executor.model_loader import load_model
+    from executor.worker import compiled_decode
+    from executor.worker.kv_cache import allocate_kv_storage, layer_views
+    from tests.support.parallel import save_tiny
+
+    loaded = load_model(save_tiny(tmp_path / "llama", "llama", 2), dtype="float32", attention_backend="torch")
+    if compiled_decode.unavailable_reason(loaded.model, torch.device("cpu"), loaded.dtype, 1) is not None:
+        pytest.skip("the C kernels cannot be built here")
+    layers = loaded.model.attention_layers()
+    block_size, num_blocks = 4, 64
+    storage = allocate_kv_storage(len(layers), num_blocks, block_size, layers[0].num_kv_heads, layers[0].head_dim,
+                                  torch.float32)
+    for layer, cache in zip(layers, layer_views(storage)):
+        layer.kv_cache = cache
+    compiled = compiled_decode.CompiledDecode(loaded.model, block_size, 64, (2,))
+    md = build_attention_metadata([1, 1], [5, 2], [[7, 3], [11]], block_size)  # contexts 5 and 2 tokens
+    # compiled afresh: inductor's caches do not key a graph by the operators' schemas
+    with torch._inductor.config.patch(fx_graph_cache=False), \
+            torch._functorch.config.patch(enable_autograd_cache=False), torch.inference_mode():
+        _, codes = run_and_get_code(compiled.forward, torch.tensor([3, 4]), torch.tensor([5, 2]), md)
+    layer_numel = storage[0, 0].numel()
+    sizes = [eval(dims) for code in codes for dims in re.findall(r"empty_strided_cpu\((\([0-9, ]*\))", code)]
+    assert sizes and max(torch.Size(s).numel() for s in sizes) < layer_numel
+    # position 5 of the first request is slot 1 of its second block (3); position 2 of the second, slot 2 of 11
+    assert storage[:, :, 3, 1].abs().sum() > 0 and storage[:, :, 11, 2].abs().sum() > 0
+    assert storage[:, :, 3, 2:].abs().sum() == 0  # nothing else written
