@@ -169,12 +169,13 @@ def padded_decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k
     ``(B, max_blocks)`` int32, ``seq_lens`` ``(B,)`` int32. Returns ``(B, num_heads,
     head_dim)``, the padding rows zero. Needs ``load()`` to have succeeded.
 
-    The cache write is not declared (``mutates_args=()``; the C++ twin's schema alike):
-    every layer's caches are views of one allocation (``executor.worker.kv_cache``), and
-    a declared mutation of aliased graph inputs makes AOTAutograd copy their whole base
-    (the KV cache, 1 GiB by default) in and out of every compiled step, which made
-    ``--compile`` several times slower than eager in serving. Nothing else in the graph
-    reads or writes the caches, so the write cannot be reordered against another access.
+    The cache write is not declared (``mutates_args=()``; the C++ twin's schema alike): a
+    layer's key and value caches are views of one allocation (``executor.worker.kv_cache``),
+    and inductor re-inplaces only one mutated argument per storage, so with the write
+    declared every compiled step copied each layer's value cache (with its keys) out and
+    back: ~1 GB each way a step at the default 1 GiB cache, which made ``--compile``
+    several times slower than eager in serving. Nothing else in the graph reads or writes
+    the caches, so the write cannot be reordered against another access.
 
     Raises:
         MemoryError: the kernel could not allocate its scratch memory.

@@ -60,11 +60,12 @@ at::Tensor padded_decode_attention(const at::Tensor& q, const at::Tensor& k, con
   return out;
 }
 // padded_decode_attention writes the caches in place but its schema does not say so:
-// every layer's caches are views of one allocation (executor/worker/kv_cache.py), and
-// a declared mutation of aliased graph inputs makes AOTAutograd copy their whole base
-// (the 1 GiB KV cache) in and out of every compiled step. The graph has no other
-// reader or writer of the caches, so the undeclared write cannot be reordered against
-// one (vLLM's attention op likewise reaches its caches outside the graph).
+// a layer's key and value caches are views of one allocation (executor/worker/kv_cache.py),
+// and inductor re-inplaces only one mutated argument per storage, so with the mutation
+// declared every step copied each layer's value cache (with its keys: 34 MB a layer at
+// 1 GiB) out and back (30 layers: ~1 GB each way a step, several times slower than eager).
+// The graph has no other reader or writer of the caches, so the undeclared write cannot
+// be reordered against one (vLLM's attention op likewise reaches its caches outside the graph).
 TORCH_LIBRARY(meshserve_cpu, m) {
   m.def("set_kernels(int a, int b, int c, int d, int lanes) -> ()");
   m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
