@@ -16,7 +16,15 @@ Per layer:
    ``scaled_dot_product_attention`` with an additive key-padding mask.
 3. Prefill chunks one SDPA each: a chunk with no context attends to its own fresh
    K/V with ``is_causal``; a chunk after cached context gathers its blocks and uses
-   a causal mask shifted by the context length.
+   a causal mask shifted by the context length. Where the CPU kernel runs and every
+   prefill chunk of the step is short (``seq_len <= PREFILL_KERNEL_MAX_LEN``), the
+   whole step is instead one kernel call: each prefill token is a query over its own
+   prefix in the cache (its request's block table row, ``position + 1`` keys), which
+   is causal attention with no mask and no per-request call. On one AVX2 core, per
+   layer of SmolLM2-135M: 32 prompts of 150 tokens 30.5 ms against SDPA's 42.8 (1.4x),
+   9 of 227 27.4 against 33.9 (1.24x), 2 of 384 17.8 against 19.3; one of 768 31.5
+   against 24.4 (SDPA's tiles reuse each key over many queries, so it wins on long
+   prompts). Each token's result depends on its own prefix only: batch-invariant.
 
 Grouping the decodes trades padding against calls: the gather and the attention
 cost about the same per padded key whatever the group, and each group costs a
@@ -53,6 +61,12 @@ from executor.attention.backend import AttentionBackend, KVCache
 from executor.attention.metadata import AttentionMetadata
 
 _UNSET = object()
+
+PREFILL_KERNEL_MAX_LEN = 384
+"""Longest prefill chunk (``seq_len``, context included, tokens) whose queries go through
+the CPU kernel one token a row; a step with a longer chunk runs its prefills in SDPA.
+Measured crossover on one AVX2 core: the kernel 1.08x SDPA for 2 prompts of 384, 0.78x
+for one of 768."""
 
 _GROUP_COST_KEYS = 64
 """Fixed cost of one more decode group (two gathers and one SDPA call per layer),
@@ -95,10 +109,19 @@ class _DecodeGroup:
 
 
 @dataclass
+class _TokenRows:
+    """Every token of the step as one query row of the CPU kernel."""
+
+    block_table: torch.Tensor        # (num_tokens, max_blocks) int32: its request's row
+    seq_lens: torch.Tensor           # (num_tokens,) int32: its position + 1 (keys it attends)
+
+
+@dataclass
 class _TorchPlan:
     decodes: list[_DecodeGroup] | None  # None: the decodes run in the CPU kernel
     prefills: list[_Prefill]
     num_decodes: int = 0
+    tokens: _TokenRows | None = None    # set: the whole step is one kernel call
 
 
 @dataclass
@@ -168,11 +191,15 @@ class TorchAttentionBackend(AttentionBackend):
                 mask = _Masks(torch.arange(seq_len, device=device)[None, :] <= q_pos[:, None])
             prefills.append(_Prefill(start, end, seq_len, blocks, mask))
         kernel = self._decode_kernel(md)
-        md.plan = _TorchPlan(None if kernel else self._plan_decodes(md), prefills, md.num_decodes)
+        tokens = None
+        if kernel and prefills and max(md.seq_lens_cpu[md.num_decodes:]) <= PREFILL_KERNEL_MAX_LEN:
+            tokens = _token_rows(md)
+        decodes = None if kernel and md.num_decodes else self._plan_decodes(md)  # None: the kernel decodes
+        md.plan = _TorchPlan(decodes, prefills, md.num_decodes, tokens)
 
     def _decode_kernel(self, md: AttentionMetadata):
-        """The CPU decode kernel (``cpu_kernel``) when this step can use it, else None."""
-        if md.num_decodes == 0 or md.slot_mapping.device.type != "cpu" or torch.get_num_threads() != 1:
+        """The CPU kernel (``cpu_kernel``) when this step can use it, else None."""
+        if md.num_tokens == 0 or md.slot_mapping.device.type != "cpu" or torch.get_num_threads() != 1:
             return None
         if self._kernel is _UNSET:
             self._kernel = cpu_kernel.load()
@@ -205,8 +232,13 @@ class TorchAttentionBackend(AttentionBackend):
         num_blocks, block_size, num_kv_heads, head_dim = key_cache.shape
         key_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, md.slot_mapping, k)
         value_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, md.slot_mapping, v)
-        if plan.decodes is None and not cpu_kernel.supports(q, key_cache):  # e.g. float16: padded groups
-            plan.decodes = self._plan_decodes(md)
+        if (plan.decodes is None or plan.tokens is not None) and not cpu_kernel.supports(q, key_cache):
+            plan.tokens = None  # e.g. float16: padded decode groups and SDPA prefills
+            if plan.decodes is None:
+                plan.decodes = self._plan_decodes(md)
+        if plan.tokens is not None:  # every token a query row over its own prefix: one call
+            return cpu_kernel.decode_attention(self._kernel, q, key_cache, value_cache, plan.tokens.block_table,
+                                               plan.tokens.seq_lens, scale)
         if plan.decodes is None:
             n = plan.num_decodes
             decoded = cpu_kernel.decode_attention(self._kernel, q[:n], key_cache, value_cache, md.block_table[:n],
@@ -256,6 +288,16 @@ class TorchAttentionBackend(AttentionBackend):
             o = F.scaled_dot_product_attention(qi, ki, vi, attn_mask=p.mask.get(q.dtype), scale=scale,
                                                enable_gqa=True)
         return o.squeeze(0).transpose(0, 1)
+
+
+def _token_rows(md: AttentionMetadata) -> _TokenRows:
+    """Each token's block table row and key count (``position + 1``), built with tensor
+    ops (no per-token Python)."""
+    query_lens = md.query_start_loc[1:] - md.query_start_loc[:-1]
+    req = torch.repeat_interleave(torch.arange(md.num_reqs, device=query_lens.device), query_lens)
+    token = torch.arange(md.num_tokens, dtype=torch.int32, device=query_lens.device)
+    seq_lens = token - md.query_start_loc[req] + md.num_computed_tokens[req] + 1
+    return _TokenRows(md.block_table.index_select(0, req), seq_lens.to(torch.int32))
 
 
 def _gather(cache: torch.Tensor, blocks: torch.Tensor, batch: int, length: int,

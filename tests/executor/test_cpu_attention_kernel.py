@@ -68,24 +68,66 @@ def test_kernel_is_batch_invariant(kernel):
         assert torch.equal(alone[0], together[i])
 
 
-def test_backend_on_one_thread_runs_decodes_in_the_kernel_and_prefills_in_sdpa(kernel, one_thread, monkeypatch):
-    query_lens, contexts = [1, 1, 1, 7, 20], [40, 17, 2, 0, 9]
-    q, k, v, cache, md = _batch(query_lens, contexts, 9, 3, 64, 16, torch.float32, seed=3)
-    ref_cache = (cache[0].clone(), cache[1].clone())
-    backend = TorchAttentionBackend()
-    backend.plan(md)
-    assert md.plan.decodes is None and md.plan.num_decodes == 3  # the kernel's
-    got = backend.forward(q, k, v, cache, md, 0.125)
+def _sdpa_reference(query_lens, contexts, monkeypatch, seed):
+    """The step through the backend without the kernel: padded SDPA decodes, SDPA prefills."""
     monkeypatch.setenv("MESHSERVE_CPU_ATTENTION_KERNEL", "0")
     monkeypatch.setattr(cpu_kernel, "_loaded", {})
-    _, _, _, _, md_ref = _batch(query_lens, contexts, 9, 3, 64, 16, torch.float32, seed=3)
+    q, k, v, cache, md = _batch(query_lens, contexts, 9, 3, 64, 16, torch.float32, seed=seed)
     reference = TorchAttentionBackend()
-    reference.plan(md_ref)
-    assert len(md_ref.plan.decodes) >= 1  # the padded SDPA path
-    want = reference.forward(q, k, v, ref_cache, md_ref, 0.125)
+    reference.plan(md)
+    assert md.plan.decodes is not None and md.plan.tokens is None  # the padded SDPA path
+    return reference.forward(q, k, v, cache, md, 0.125), cache
+
+
+def test_backend_on_one_thread_runs_a_step_of_short_prefills_as_one_kernel_call(kernel, one_thread, monkeypatch):
+    """Decodes and prefill chunks up to PREFILL_KERNEL_MAX_LEN tokens: every token is one
+    query row of the kernel over its own prefix (causal attention, no mask), close to SDPA,
+    and each prefill token's row is bitwise the kernel's decode of that token alone."""
+    query_lens, contexts = [1, 1, 1, 7, 20], [40, 17, 2, 0, 9]
+    q, k, v, cache, md = _batch(query_lens, contexts, 9, 3, 64, 16, torch.float32, seed=3)
+    backend = TorchAttentionBackend()
+    backend.plan(md)
+    assert md.plan.tokens is not None and md.plan.tokens.seq_lens.tolist() == [
+        41, 18, 3, *range(1, 8), *range(10, 30)]
+    got = backend.forward(q, k, v, cache, md, 0.125)
+    want, ref_cache = _sdpa_reference(query_lens, contexts, monkeypatch, seed=3)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    assert torch.equal(cache[0], ref_cache[0]) and torch.equal(cache[1], ref_cache[1])
+    for row, (request, length) in {3: (3, 1), 9: (3, 7), 10: (4, 10), 29: (4, 29)}.items():
+        alone = cpu_kernel.decode_attention(kernel, q[row:row + 1], *cache, md.block_table[request:request + 1],
+                                            torch.tensor([length], dtype=torch.int32), 0.125)
+        assert torch.equal(alone[0], got[row])
+
+
+def test_backend_on_one_thread_runs_long_prefills_in_sdpa_and_decodes_in_the_kernel(kernel, one_thread, monkeypatch):
+    from executor.attention.torch_backend import PREFILL_KERNEL_MAX_LEN
+
+    query_lens, contexts = [1, 1, 1, 7, PREFILL_KERNEL_MAX_LEN], [40, 17, 2, 0, 9]
+    q, k, v, cache, md = _batch(query_lens, contexts, 9, 3, 64, 16, torch.float32, seed=3)
+    backend = TorchAttentionBackend()
+    backend.plan(md)
+    assert md.plan.decodes is None and md.plan.num_decodes == 3 and md.plan.tokens is None  # the kernel's
+    got = backend.forward(q, k, v, cache, md, 0.125)
+    want, ref_cache = _sdpa_reference(query_lens, contexts, monkeypatch, seed=3)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
     assert torch.equal(got[3:], want[3:])  # prefills: the same SDPA calls
     assert torch.equal(cache[0], ref_cache[0]) and torch.equal(cache[1], ref_cache[1])
+
+
+def test_a_prefill_only_step_uses_the_kernel_when_short_and_sdpa_when_long(kernel, one_thread, monkeypatch):
+    for query_lens, contexts, in_kernel in (([5, 12], [0, 30], True), ([400], [0], False)):
+        q, k, v, cache, md = _batch(query_lens, contexts, 9, 3, 64, 16, torch.float32, seed=4)
+        backend = TorchAttentionBackend()
+        backend.plan(md)
+        assert (md.plan.tokens is not None) is in_kernel and md.plan.decodes == []
+        got = backend.forward(q, k, v, cache, md, 0.125)
+        with monkeypatch.context() as m:
+            want, _ = _sdpa_reference(query_lens, contexts, m, seed=4)
+            m.setattr(cpu_kernel, "_loaded", {})
+        if in_kernel:
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+        else:
+            assert torch.equal(got, want)
 
 
 def test_no_working_compiler_keeps_the_sdpa_path(tmp_path, monkeypatch, one_thread):
