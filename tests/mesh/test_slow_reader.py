@@ -103,7 +103,7 @@ async def test_slow_reader_with_n_choices_and_a_big_first_message_ends_every_cho
         servicer = m.executors[0][0].servicer
         slow = gateway_pb2_grpc.GatewayStub(slow_channel).Generate(build_request(
             prompt=[100 + i % 500 for i in range(800)], max_tokens=2500, temperature=0, ignore_eos=True,
-            n=3, logprobs=5, prompt_logprobs=20))
+            n=3, logprobs=20, prompt_logprobs=20))  # the largest messages: the windows fill soonest
         received = await _first_delta(slow)
         await _wait(lambda: eng.num_overflowed == 3)
         await m.wait_idle()

@@ -74,6 +74,12 @@ class ReferenceOutput:
     top2_ids: list[tuple[int, int]]
     top2_logits: list[tuple[float, float]]
 
+    def first(self, num_tokens: int) -> ReferenceOutput:
+        """The reference for ``max_new_tokens=num_tokens``: greedy decoding is the same
+        one token at a time, so it is this output's first ``num_tokens`` positions."""
+        return ReferenceOutput(self.token_ids[:num_tokens], self.top2_ids[:num_tokens],
+                               self.top2_logits[:num_tokens])
+
 
 class HFReference:
     """``transformers``' own model, float32, greedy, one prompt at a time."""
