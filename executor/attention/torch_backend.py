@@ -179,6 +179,17 @@ class TorchAttentionBackend(AttentionBackend):
         return ws
 
     def plan(self, md: AttentionMetadata) -> None:
+        kernel = self._cpu_kernel(md)
+        tokens = None
+        if kernel and md.num_decodes < md.num_reqs and max(md.seq_lens_cpu[md.num_decodes:]) <= PREFILL_KERNEL_MAX_LEN:
+            tokens = _token_rows(md)
+        decodes = None if kernel and md.num_decodes else self._plan_decodes(md)  # None: the kernel decodes
+        md.plan = _TorchPlan(decodes, [] if tokens else self._plan_prefills(md), md.num_decodes, tokens)
+
+    @staticmethod
+    def _plan_prefills(md: AttentionMetadata) -> list[_Prefill]:
+        """One SDPA call's inputs per prefill chunk (gathered blocks and a shifted causal
+        mask for a chunk after cached context)."""
         device = md.slot_mapping.device
         prefills = []
         for i in range(md.num_decodes, md.num_reqs):
@@ -190,14 +201,9 @@ class TorchAttentionBackend(AttentionBackend):
                 q_pos = torch.arange(ctx, seq_len, device=device)
                 mask = _Masks(torch.arange(seq_len, device=device)[None, :] <= q_pos[:, None])
             prefills.append(_Prefill(start, end, seq_len, blocks, mask))
-        kernel = self._decode_kernel(md)
-        tokens = None
-        if kernel and prefills and max(md.seq_lens_cpu[md.num_decodes:]) <= PREFILL_KERNEL_MAX_LEN:
-            tokens = _token_rows(md)
-        decodes = None if kernel and md.num_decodes else self._plan_decodes(md)  # None: the kernel decodes
-        md.plan = _TorchPlan(decodes, prefills, md.num_decodes, tokens)
+        return prefills
 
-    def _decode_kernel(self, md: AttentionMetadata):
+    def _cpu_kernel(self, md: AttentionMetadata):
         """The CPU kernel (``cpu_kernel``) when this step can use it, else None."""
         if md.num_tokens == 0 or md.slot_mapping.device.type != "cpu" or torch.get_num_threads() != 1:
             return None
@@ -233,8 +239,9 @@ class TorchAttentionBackend(AttentionBackend):
         key_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, md.slot_mapping, k)
         value_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, md.slot_mapping, v)
         if (plan.decodes is None or plan.tokens is not None) and not cpu_kernel.supports(q, key_cache):
-            plan.tokens = None  # e.g. float16: padded decode groups and SDPA prefills
-            if plan.decodes is None:
+            if plan.tokens is not None:  # e.g. float16: SDPA prefills
+                plan.tokens, plan.prefills = None, self._plan_prefills(md)
+            if plan.decodes is None:  # and padded decode groups
                 plan.decodes = self._plan_decodes(md)
         if plan.tokens is not None:  # every token a query row over its own prefix: one call
             return cpu_kernel.decode_attention(self._kernel, q, key_cache, value_cache, plan.tokens.block_table,

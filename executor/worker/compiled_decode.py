@@ -45,6 +45,7 @@ import logging
 import os
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
@@ -100,8 +101,8 @@ def operators_key() -> str:
     not key a compiled graph by a custom operator's schema, so a graph cached before an
     operator changed would be loaded again; the cache folder is named by this key."""
     digest = hashlib.sha256()
-    for path in (cpu_ops.SOURCE, cpu_kernel.SOURCE.with_name("cpu_kernel.py"), cpu_fused.SOURCE.with_name("cpu_fused.py")):
-        digest.update(path.read_bytes())
+    for path in (cpu_ops.SOURCE, cpu_kernel.__file__, cpu_fused.__file__):
+        digest.update(Path(path).read_bytes())
     return digest.hexdigest()[:16]
 
 
