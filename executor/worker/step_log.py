@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import json
 import logging
+import time
 from pathlib import Path
 from typing import Sequence
 
@@ -55,10 +56,26 @@ class StepLog:
         log.debug("step %s", line)
 
 
-def read_step_logs(directory: str | Path) -> dict[int, list[dict]]:
-    """Every rank's records in ``directory``: rank -> its lines, in order."""
-    out = {}
-    for path in sorted(Path(directory).glob("rank-*.jsonl")):
-        rank = int(path.stem.removeprefix("rank-"))
-        out[rank] = [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line]
-    return out
+def read_step_logs(directory: str | Path, through_step: int | None = None,
+                   timeout_s: float = 10.0) -> dict[int, list[dict]]:
+    """Every rank's records in ``directory``: rank -> its lines, in order.
+
+    Each rank writes its line after its own part of a step, so when rank 0 has
+    returned a step the other ranks' lines for it may still be on their way.
+    ``through_step`` (e.g. the last step rank 0 logged) waits until every rank's
+    file has a complete line for that step or a later one, up to ``timeout_s``
+    seconds; then it returns what is there (a rank still missing the step shows
+    as a shorter list). None: read once.
+    """
+    deadline = time.monotonic() + timeout_s
+    while True:
+        out = {}
+        for path in sorted(Path(directory).glob("rank-*.jsonl")):
+            rank = int(path.stem.removeprefix("rank-"))
+            text = path.read_text(encoding="utf-8")
+            lines = text.splitlines() if text.endswith("\n") else text.splitlines()[:-1]  # a line half written
+            out[rank] = [json.loads(line) for line in lines if line]
+        if through_step is None or time.monotonic() >= deadline or all(
+                records and records[-1]["step"] >= through_step for records in out.values()):
+            return out
+        time.sleep(0.02)
