@@ -9,16 +9,43 @@ file only the rows or columns asked for (safetensors' ``get_slice``), so
 nothing else. ``materialize`` turns either kind into a real tensor.
 
 ``ReadCounter`` counts the elements read, for the test that each rank reads only
-its shard.
+its shard. ``attach_weight_loader`` gives a parameter its layer's loader.
 """
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator
 
 import torch
+from torch import nn
+
+
+def attach_weight_loader(param: nn.Parameter, layer: nn.Module) -> None:
+    """Sets ``param.weight_loader`` to call ``layer.weight_loader(param, loaded, shard_id=None)``
+    through a weak reference to ``layer``.
+
+    A plain bound method (``param.weight_loader = self.weight_loader``, as vLLM writes
+    it) is a reference cycle: layer -> parameter -> method -> layer. Only Python's
+    cyclic collector frees a cycle, and it runs by object counts, which a model of few,
+    large tensors barely moves: a dropped model's weights (hundreds of MB) stayed in
+    memory until a full collection happened to run. With the weak reference a model is
+    freed as soon as its last reference goes.
+
+    Raises (when called):
+        ReferenceError: ``layer`` no longer exists.
+    """
+    method, kind = weakref.WeakMethod(layer.weight_loader), type(layer).__name__  # nothing holds ``layer`` itself
+
+    def weight_loader(target: nn.Parameter, loaded, shard_id: object = None) -> None:
+        bound = method()
+        if bound is None:
+            raise ReferenceError(f"the {kind} owning this parameter no longer exists")
+        bound(target, loaded, shard_id)
+
+    param.weight_loader = weight_loader
 
 
 @dataclass

@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from executor.models import cpu_gemm
-from executor.models.checkpoint import materialize
+from executor.models.checkpoint import attach_weight_loader, materialize
 from executor.models.parallel import SINGLE, TensorParallel
 
 
@@ -36,7 +36,7 @@ class VocabParallelEmbedding(nn.Module):
         self.rows_per_rank = padded // tp.world_size
         self.vocab_start = tp.rank * self.rows_per_rank
         self.weight = nn.Parameter(torch.zeros(self.rows_per_rank, embedding_dim, dtype=dtype), requires_grad=False)
-        self.weight.weight_loader = self.weight_loader
+        attach_weight_loader(self.weight, self)
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: object = None) -> None:
         """Copies this rank's rows of the full ``(vocab, hidden)`` matrix (padding rows stay 0)."""

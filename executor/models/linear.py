@@ -26,7 +26,7 @@ import torch
 from torch import nn
 
 from executor.models import cpu_gemm
-from executor.models.checkpoint import CheckpointTensor, materialize
+from executor.models.checkpoint import CheckpointTensor, attach_weight_loader, materialize
 from executor.models.parallel import SINGLE, TensorParallel
 
 
@@ -57,11 +57,11 @@ class ColumnParallelLinear(nn.Module):
         self.input_size = input_size
         self.output_size_per_rank = tp.shard_size(output_size, "output_size")
         self.weight = nn.Parameter(torch.empty(self.output_size_per_rank, input_size, dtype=dtype), requires_grad=False)
-        self.weight.weight_loader = self.weight_loader
+        attach_weight_loader(self.weight, self)
         self.bias = None
         if bias:
             self.bias = nn.Parameter(torch.empty(self.output_size_per_rank, dtype=dtype), requires_grad=False)
-            self.bias.weight_loader = self.weight_loader
+            attach_weight_loader(self.bias, self)
         self.packed_weight: torch.Tensor | None = None  # cpu_gemm.pack(weight), once loaded
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: object = None) -> None:
@@ -146,11 +146,11 @@ class RowParallelLinear(nn.Module):
         self.tp = tp
         self.input_size_per_rank = tp.shard_size(input_size, "input_size")
         self.weight = nn.Parameter(torch.empty(output_size, self.input_size_per_rank, dtype=dtype), requires_grad=False)
-        self.weight.weight_loader = self.weight_loader
+        attach_weight_loader(self.weight, self)
         self.bias = None
         if bias:
             self.bias = nn.Parameter(torch.empty(output_size, dtype=dtype), requires_grad=False)
-            self.bias.weight_loader = self.weight_loader
+            attach_weight_loader(self.bias, self)
         self.packed_weight: torch.Tensor | None = None  # cpu_gemm.pack(weight), once loaded
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: object = None) -> None:
