@@ -24,6 +24,7 @@ import logging
 import time
 
 from meshserve.grpc_server import Service
+from meshserve.timeouts import wait_for
 
 log = logging.getLogger(__name__)
 POLL_S = 0.05  # how often the in-flight Execute calls are counted while draining
@@ -43,7 +44,7 @@ async def drain(service: Service, servicer, link, grace_s: float) -> bool:
     try:
         if link is not None:
             link.begin_drain(grace_s)
-            await asyncio.wait_for(link.drained.wait(), max(0.0, deadline - time.monotonic()))
+            await wait_for(link.drained.wait(), max(0.0, deadline - time.monotonic()))
         while servicer.active_leases:
             if time.monotonic() >= deadline:
                 raise asyncio.TimeoutError

@@ -18,6 +18,7 @@ import logging
 from typing import TYPE_CHECKING, Protocol
 
 from meshserve.background import BackgroundTask
+from meshserve.timeouts import wait_for
 
 if TYPE_CHECKING:
     from executor.engine.async_engine import AsyncEngine
@@ -103,7 +104,7 @@ class StepWatchdog(BackgroundTask):
         if self.link is not None:
             self.link.start()
             try:
-                await asyncio.wait_for(self.link.connected.wait(), timeout=30)
+                await wait_for(self.link.connected.wait(), 30)
             except asyncio.TimeoutError:  # the link keeps retrying on its own
                 log.error("scheduler did not accept the re-registration within 30 s")
         await self.service.set_serving(True)

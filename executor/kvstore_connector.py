@@ -37,6 +37,7 @@ from executor.engine.kv_connector import FetchResult, KVConnector, KVConnectorSt
 from meshserve.block_hash import BlockHash, KVStoreFingerprint
 from meshserve.kvstore_client import KVStoreClient
 from meshserve.telemetry import outgoing_metadata, tracer
+from meshserve.timeouts import wait_for
 from meshserve.tls import PLAINTEXT, TLSConfig
 
 log = logging.getLogger(__name__)
@@ -246,7 +247,7 @@ class KVStoreConnector(KVConnector):
             TimeoutError: not connected within ``timeout_s``.
         """
         async def ready():
-            await asyncio.wait_for(self._client.channel.channel_ready(), timeout_s)
+            await wait_for(self._client.channel.channel_ready(), timeout_s)
         self._call(ready())
 
     def flush(self, timeout_s: float = 30.0) -> None:

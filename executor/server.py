@@ -48,6 +48,7 @@ from meshserve.lease_token import LeaseVerifier
 from meshserve.request_ids import check_request_id, scoped_request_id
 from meshserve.sampling import params_from_proto
 from meshserve.telemetry import context_from_grpc
+from meshserve.timeouts import wait_for
 from meshserve.tls import PLAINTEXT, TLSConfig
 from meshserve.v1 import common_pb2, executor_pb2, executor_pb2_grpc, scheduler_pb2, scheduler_pb2_grpc
 
@@ -286,7 +287,7 @@ class SchedulerLink(BackgroundTask):
                     yield msg
             yield self._report()
             try:
-                await asyncio.wait_for(self._wake.wait(), self.config.heartbeat_s)
+                await wait_for(self._wake.wait(), self.config.heartbeat_s)
             except asyncio.TimeoutError:
                 continue  # heartbeat: the same report again
             self._wake.clear()
@@ -405,7 +406,7 @@ async def start_executor(
         links.append(link)
         link.start()
         try:
-            await asyncio.wait_for(link.connected.wait(), timeout=60)
+            await wait_for(link.connected.wait(), 60)
         except asyncio.TimeoutError:
             await link.stop()
             await service.stop(0)

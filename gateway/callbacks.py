@@ -51,6 +51,7 @@ from typing import Awaitable, Callable, Sequence
 from urllib.parse import SplitResult, urlsplit
 
 from meshserve.errors import InvalidArgument
+from meshserve.timeouts import wait_for
 
 _DEFAULT_PORTS = {"http": 80, "https": 443}
 _RETRIED_STATUSES = {408, 429}
@@ -218,7 +219,7 @@ class CallbackSender:
                        "X-Meshserve-Signature": sign(self.secret, timestamp, body), "X-Meshserve-Task-Id": task_id,
                        "X-Meshserve-Delivery-Attempt": str(number)}
             try:
-                status = await asyncio.wait_for(self._post(url, headers, body), self.timeout_s)
+                status = await wait_for(self._post(url, headers, body), self.timeout_s)
             except (OSError, asyncio.TimeoutError, ValueError, ssl.SSLError) as exc:
                 attempt, retry = Attempt(number, 0, f"{type(exc).__name__}: {exc}"), True
             else:

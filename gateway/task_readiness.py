@@ -18,6 +18,7 @@ import logging
 from typing import Awaitable, Callable
 
 from meshserve.background import BackgroundTask
+from meshserve.timeouts import wait_for
 
 log = logging.getLogger(__name__)
 
@@ -44,7 +45,7 @@ class TaskStoreProbe(BackgroundTask):
     async def check(self) -> bool:
         """One ping; reports a change; returns readiness."""
         try:
-            await asyncio.wait_for(self._check(), self.timeout_s)
+            await wait_for(self._check(), self.timeout_s)
             ready, why = True, ""
         except (asyncio.TimeoutError, ConnectionError, OSError) as exc:
             ready, why = False, f"{type(exc).__name__}: {exc}"

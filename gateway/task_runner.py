@@ -77,6 +77,7 @@ from typing import Awaitable, Callable
 
 from gateway.task_store import FINISHED, UNFINISHED, TaskRecord, TaskState, TaskStore
 from meshserve.errors import MeshError, NotFound, Unavailable
+from meshserve.timeouts import wait_for
 
 log = logging.getLogger(__name__)
 
@@ -203,7 +204,7 @@ class TaskRunner:
         record = replace(record, owner=self.owner, attempt=1, lease_until=self.clock() + self.lease_s)
         try:
             try:
-                await asyncio.wait_for(self.store.create(record), self.submit_timeout_s)
+                await wait_for(self.store.create(record), self.submit_timeout_s)
             except asyncio.TimeoutError:
                 raise Unavailable(f"the task store did not answer within {self.submit_timeout_s} s") from None
         except Unavailable:
@@ -420,7 +421,7 @@ class TaskRunner:
     async def _every(self, period_s: float, step: Callable[[], Awaitable[None]]) -> None:
         while not self._closing:  # also checked: a cancel inside a Redis call may come back as a ConnectionError
             try:
-                await asyncio.wait_for(self._stopping.wait(), period_s)  # the period, or until close
+                await wait_for(self._stopping.wait(), period_s)  # the period, or until close
             except asyncio.TimeoutError:
                 pass
             if self._closing:

@@ -38,6 +38,7 @@ from opentelemetry import trace
 from meshserve import trace_attributes as ta
 from meshserve.errors import AlreadyExists, InvalidArgument, MeshError, NotFound, ResourceExhausted, Unavailable
 from meshserve.grpc_server import EXECUTORS_HEALTH_SERVICE, NOT_SERVING, SERVING, Service
+from meshserve.timeouts import wait_for
 from meshserve.tls import PLAINTEXT, TLSConfig
 from meshserve.lease_token import LeaseClaims, LeaseSigner, new_nonce
 from meshserve.request_ids import check_request_id, scoped_request_id
@@ -171,7 +172,7 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
                             )
                         )
                     try:
-                        await asyncio.wait_for(asyncio.shield(fut), QUEUE_UPDATE_INTERVAL_S)
+                        await wait_for(asyncio.shield(fut), QUEUE_UPDATE_INTERVAL_S)
                     except asyncio.TimeoutError:
                         if self.core.config.start_budget_s is not None:
                             self._expire_start_waits()
@@ -264,7 +265,7 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
             self._dispatch()
             while True:
                 try:
-                    msg = await asyncio.wait_for(anext(messages), timeout_s)
+                    msg = await wait_for(anext(messages), timeout_s)
                 except StopAsyncIteration:
                     break
                 except asyncio.TimeoutError:
