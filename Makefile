@@ -33,8 +33,11 @@ demo: $(STAMP)
 up: $(STAMP)
 	$(BIN)/meshserve up
 
+# Two workers: each file runs whole on one, the files that start model-loading processes
+# one at a time (tests/conftest.py). TEST_WORKERS=0 runs everything in this process.
+TEST_WORKERS ?= 2
 test: $(STAMP) tools
-	$(BIN)/python -m pytest -q --durations=40 tests
+	$(BIN)/python -m pytest -q --durations=40 -n $(TEST_WORKERS) --dist loadfile tests
 
 protos: $(STAMP)
 	$(BIN)/python -m meshserve.gen_protos

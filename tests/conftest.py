@@ -1,12 +1,24 @@
-"""Session-wide test set-up: in-memory trace export and the shared default model."""
+"""Session-wide test set-up: in-memory trace export, the shared default model, xdist
+groups, and memory back after tests that built engines."""
 
+import gc
 import os
 
 import pytest
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
+# Under pytest-xdist (`make test` runs two workers) each worker, and every process it
+# starts, runs torch on one thread: two workers with a thread per core each would
+# oversubscribe the cores.
+XDIST_WORKER = os.environ.get("PYTEST_XDIST_WORKER")
+if XDIST_WORKER:
+    os.environ["OMP_NUM_THREADS"] = "1"
+
 import torch  # noqa: E402
+
+if XDIST_WORKER:
+    torch.set_num_threads(1)
 
 if not torch.cuda.is_available():
     # Triton reads TRITON_INTERPRET when it is imported, and the attention registry imports
@@ -17,6 +29,71 @@ from meshserve.telemetry import setup_tracing  # noqa: E402
 
 # Every service started in this process exports its spans here (tests/mesh/test_tracing.py).
 setup_tracing("tests", "memory")
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_xdist_make_scheduler(config, log):
+    """``--dist loadfile`` with one change: the ``PROCESS_FILES``
+    (``tests/support/workers.py``) are one unit of work. Each other file runs whole on
+    one worker (its module and session fixtures built there once); units go out
+    largest first. (``--dist loadgroup`` cannot express this
+    here: pytest 9.2 derives node ids in a way xdist 3.8's group suffix no longer changes.)"""
+    if config.getvalue("dist") != "loadfile":
+        return None
+    from xdist.scheduler import LoadScopeScheduling
+
+    from tests.support.workers import PROCESS_FILES
+
+    class FileScheduling(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            path = nodeid.split("::", 1)[0]
+            return "processes" if path in PROCESS_FILES else path
+
+    return FileScheduling(config, log)
+
+
+_engines_built = [0]
+
+
+@pytest.fixture(scope="session", autouse=True)
+def count_engines_built():
+    """Counts the ``LLMEngine``s built in this process (for ``collect_dropped_engines``)."""
+    from executor.engine.llm_engine import LLMEngine
+
+    original = LLMEngine.__init__
+
+    def counting(self, *args, **kwargs):
+        _engines_built[0] += 1
+        original(self, *args, **kwargs)
+
+    LLMEngine.__init__ = counting
+    yield
+    LLMEngine.__init__ = original
+
+
+def _collect_if_engines_built(before: int) -> None:
+    if _engines_built[0] != before:
+        gc.collect()
+
+
+@pytest.fixture(scope="module", autouse=True)
+def collect_module_engines(count_engines_built):
+    """A full garbage collection after a module that built engines (its fixtures' included)."""
+    before = _engines_built[0]
+    yield
+    _collect_if_engines_built(before)
+
+
+@pytest.fixture(autouse=True)
+def collect_dropped_engines(count_engines_built):
+    """A full garbage collection after a test that built an engine. An engine a test
+    drops may still sit in reference cycles (one served in a test mesh, reached from
+    the services' objects), and then stays in memory, model and KV cache (~1-2 GB),
+    until Python's cyclic collector happens to run: the mesh tests' worker grew to
+    9 GB, and two workers so the 24 GiB machine near its end."""
+    before = _engines_built[0]
+    yield
+    _collect_if_engines_built(before)
 
 
 @pytest.fixture(autouse=True)

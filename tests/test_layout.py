@@ -145,3 +145,11 @@ def test_tests_share_helpers_through_tests_support_only():
     bad = sorted((m, t) for m in graph if _top(m) == "tests" for t in graph[m]
                  if _top(t) == "tests" and not _under(t, "tests.support"))
     assert bad == []
+
+
+def test_the_files_the_workers_run_one_at_a_time_exist():
+    """``tests/support/workers.PROCESS_FILES`` names real test files (a renamed one would
+    silently run beside another process-starting file)."""
+    from tests.support.workers import PROCESS_FILES
+
+    assert sorted(p for p in PROCESS_FILES if not (ROOT / p).is_file()) == []

@@ -3,8 +3,9 @@
 import pytest
 import pytest_asyncio
 
+from scheduler.admission import SchedulerConfig
 from tests.support.engines import make_engine
-from tests.support.mesh_harness import start_local_mesh
+from tests.support.mesh_harness import SHARED_MESH_EXECUTOR_TIMEOUT_S, start_local_mesh
 
 
 @pytest.fixture(scope="session")
@@ -14,6 +15,7 @@ def default_engine():
 
 @pytest_asyncio.fixture(scope="session")
 async def mesh(default_engine, tokenizer):
-    m = await start_local_mesh([default_engine], tokenizer)
+    m = await start_local_mesh([default_engine], tokenizer,
+                               scheduler_config=SchedulerConfig(executor_timeout_s=SHARED_MESH_EXECUTOR_TIMEOUT_S))
     yield m
     await m.stop()

@@ -5,6 +5,7 @@
 | ``mesh_harness`` | an in-process mesh: scheduler, executors and gateway over loopback gRPC (mutual TLS by default) |
 | ``tls`` | a test CA and role certificates made once per process (and a foreign CA) |
 | ``engines`` | ``make_engine``: a float32 default-model engine with keyword overrides |
+| ``workers`` | ``PROCESS_FILES``: the test files `make test`'s xdist workers run one at a time |
 | ``engine_steps`` | requests and hand-built steps of the executor's batch scheduler |
 | ``triton_interpreter`` | the numpy >= 2.4 fix of Triton's CPU interpreter |
 | ``reference`` | transformers' greedy reference outputs and the golden prompts |

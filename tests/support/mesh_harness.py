@@ -21,6 +21,17 @@ from scheduler.server import start_scheduler
 from tests.support.tls import role_tls
 
 
+# A mesh shared by several test files (a session or package fixture) runs its event
+# loop only while an async test runs. Under xdist, other files' synchronous tests (an
+# engine's golden run: minutes) run on the same worker between two files that use it;
+# when the loop resumes, the scheduler's silence timer has long expired before the
+# executor's heartbeat can be read, and it dropped the executor as unreachable
+# (UNAVAILABLE for the next test's request). Such a mesh's scheduler so waits an hour
+# for a silent executor; the drop itself is tested on meshes of their own
+# (tests/mesh/test_robustness.py, C24).
+SHARED_MESH_EXECUTOR_TIMEOUT_S = 3600.0
+
+
 @dataclass
 class LocalMesh:
     """Handles on every part of an in-process mesh."""
