@@ -36,8 +36,8 @@ def pytest_xdist_make_scheduler(config, log):
     """``--dist loadfile`` with one change: the ``PROCESS_FILES``
     (``tests/support/workers.py``) are one unit of work. Each other file runs whole on
     one worker (its module and session fixtures built there once); units go out
-    largest first. (``--dist loadgroup`` cannot express this
-    here: pytest 9.2 derives node ids in a way xdist 3.8's group suffix no longer changes.)"""
+    largest first. (``--dist loadgroup`` cannot express this here: with pytest 9.2,
+    xdist 3.8's group suffix no longer changes a node id, so its groups fall apart.)"""
     if config.getvalue("dist") != "loadfile":
         return None
     from xdist.scheduler import LoadScopeScheduling
@@ -89,8 +89,8 @@ def collect_dropped_engines(count_engines_built):
     """A full garbage collection after a test that built an engine. An engine a test
     drops may still sit in reference cycles (one served in a test mesh, reached from
     the services' objects), and then stays in memory, model and KV cache (~1-2 GB),
-    until Python's cyclic collector happens to run: the mesh tests' worker grew to
-    9 GB, and two workers so the 24 GiB machine near its end."""
+    until Python's cyclic collector happens to run: without this, the worker running
+    the mesh tests grew to 9 GB."""
     before = _engines_built[0]
     yield
     _collect_if_engines_built(before)
