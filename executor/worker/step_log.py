@@ -56,26 +56,24 @@ class StepLog:
         log.debug("step %s", line)
 
 
-def read_step_logs(directory: str | Path, through_step: int | None = None,
-                   timeout_s: float = 10.0) -> dict[int, list[dict]]:
+def read_step_logs(directory: str | Path, timeout_s: float = 10.0) -> dict[int, list[dict]]:
     """Every rank's records in ``directory``: rank -> its lines, in order.
 
-    Each rank writes its line after its own part of a step, so when rank 0 has
-    returned a step the other ranks' lines for it may still be on their way.
-    ``through_step`` (e.g. the last step rank 0 logged) waits until every rank's
-    file has a complete line for that step or a later one, up to ``timeout_s``
-    seconds; then it returns what is there (a rank still missing the step shows
-    as a shorter list). None: read once.
+    Each rank writes its line after its own part of a step, while rank 0 writes its
+    own before the step returns, so the other ranks' lines for rank 0's last step may
+    still be on their way. This waits until every rank has logged that step (or a
+    later one), up to ``timeout_s`` seconds (0: one read), then returns what is there
+    (a rank still missing it shows as a shorter list). A half-written last line is
+    left out.
     """
     deadline = time.monotonic() + timeout_s
     while True:
         out = {}
         for path in sorted(Path(directory).glob("rank-*.jsonl")):
-            rank = int(path.stem.removeprefix("rank-"))
-            text = path.read_text(encoding="utf-8")
-            lines = text.splitlines() if text.endswith("\n") else text.splitlines()[:-1]  # a line half written
-            out[rank] = [json.loads(line) for line in lines if line]
-        if through_step is None or time.monotonic() >= deadline or all(
-                records and records[-1]["step"] >= through_step for records in out.values()):
+            lines = path.read_text(encoding="utf-8").split("\n")[:-1]  # the last piece: "" or a line half written
+            out[int(path.stem.removeprefix("rank-"))] = [json.loads(line) for line in lines if line]
+        last = out[0][-1]["step"] if out.get(0) else None
+        if last is None or time.monotonic() >= deadline or all(
+                records and records[-1]["step"] >= last for records in out.values()):
             return out
         time.sleep(0.02)

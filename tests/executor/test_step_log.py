@@ -15,16 +15,16 @@ def _scheduled(request_id: str, num_tokens: int) -> ScheduledRequest:
 
 def test_the_reader_waits_until_every_rank_has_logged_the_step_rank_0_logged(tmp_path):
     """Rank 1 writes its line for step 2 after rank 0 has returned it (as a TP peer does
-    after the collective): a plain read misses it; a read through step 2 waits for it."""
+    after the collective): a single read misses it; the default read waits for it."""
     rank0, rank1 = StepLog(tmp_path, 0, 0), StepLog(tmp_path, 1, 0)
     for log in (rank0, rank1):
         log.record(1, [[_scheduled("a", 5)]])
     rank0.record(2, [[_scheduled("a", 1)]])
-    assert [r["step"] for r in read_step_logs(tmp_path)[1]] == [1]
+    assert [r["step"] for r in read_step_logs(tmp_path, timeout_s=0)[1]] == [1]
 
     late = threading.Timer(0.2, rank1.record, args=(2, [[_scheduled("a", 1)]]))
     late.start()
-    logs = read_step_logs(tmp_path, through_step=2, timeout_s=10.0)
+    logs = read_step_logs(tmp_path, timeout_s=10.0)
     late.join()
     assert {rank: [(r["step"], r["micro_batches"]) for r in records] for rank, records in logs.items()} == {
         0: [(1, [[["a", 5]]]), (2, [[["a", 1]]])], 1: [(1, [[["a", 5]]]), (2, [[["a", 1]]])]}
@@ -36,6 +36,6 @@ def test_the_reader_skips_a_half_written_line_and_returns_at_the_timeout(tmp_pat
     StepLog(tmp_path, 0, 0).record(3, [[_scheduled("b", 2)]])
     (tmp_path / "rank-1.jsonl").write_text('{"rank": 1, "stage": 0, "st', encoding="utf-8")
     start = time.monotonic()
-    logs = read_step_logs(tmp_path, through_step=3, timeout_s=0.3)
+    logs = read_step_logs(tmp_path, timeout_s=0.3)
     assert time.monotonic() - start >= 0.3
     assert logs == {0: [{"rank": 0, "stage": 0, "step": 3, "micro_batches": [[["b", 2]]]}], 1: []}
