@@ -52,48 +52,51 @@ def pytest_xdist_make_scheduler(config, log):
     return FileScheduling(config, log)
 
 
-_engines_built = [0]
+_engines = {"count": 0, "test": []}  # engines built in this process; those built in the running test
 
 
 @pytest.fixture(scope="session", autouse=True)
-def count_engines_built():
-    """Counts the ``LLMEngine``s built in this process (for ``collect_dropped_engines``)."""
+def track_engines_built():
+    """Wraps ``LLMEngine.__init__`` once: counts every engine built and lists those
+    built in the running test (``engines_built_in_test``)."""
     from executor.engine.llm_engine import LLMEngine
 
     original = LLMEngine.__init__
 
-    def counting(self, *args, **kwargs):
-        _engines_built[0] += 1
+    def tracking(self, *args, **kwargs):
+        _engines["count"] += 1
         original(self, *args, **kwargs)
+        _engines["test"].append(self)
 
-    LLMEngine.__init__ = counting
+    LLMEngine.__init__ = tracking
     yield
     LLMEngine.__init__ = original
 
 
-def _collect_if_engines_built(before: int) -> None:
-    if _engines_built[0] != before:
+@pytest.fixture(scope="module", autouse=True)
+def collect_module_engines(track_engines_built):
+    """A full garbage collection after a module that built engines (its fixtures' included)."""
+    before = _engines["count"]
+    yield
+    if _engines["count"] != before:
         gc.collect()
 
 
-@pytest.fixture(scope="module", autouse=True)
-def collect_module_engines(count_engines_built):
-    """A full garbage collection after a module that built engines (its fixtures' included)."""
-    before = _engines_built[0]
-    yield
-    _collect_if_engines_built(before)
-
-
 @pytest.fixture(autouse=True)
-def collect_dropped_engines(count_engines_built):
-    """A full garbage collection after a test that built an engine. An engine a test
-    drops may still sit in reference cycles (one served in a test mesh, reached from
-    the services' objects), and then stays in memory, model and KV cache (~1-2 GB),
-    until Python's cyclic collector happens to run: without this, the worker running
-    the mesh tests grew to 9 GB."""
-    before = _engines_built[0]
-    yield
-    _collect_if_engines_built(before)
+def engines_built_in_test(track_engines_built):
+    """The engines built during this test (its function fixtures included), for checks at
+    its end (``tests/executor/conftest.py``); then a full garbage collection if there
+    were any. An engine a test drops may still sit in reference cycles (one served in a
+    test mesh, reached from the services' objects), and then stays in memory, model and
+    KV cache (~1-2 GB), until Python's cyclic collector happens to run: without this,
+    the worker running the mesh tests grew to 9 GB."""
+    before = _engines["count"]
+    made = _engines["test"] = []
+    yield made
+    _engines["test"] = []
+    made.clear()
+    if _engines["count"] != before:
+        gc.collect()
 
 
 @pytest.fixture(autouse=True)

@@ -46,22 +46,12 @@ def golden_reference(default_model, golden_prompts):
 
 
 @pytest.fixture(autouse=True)
-def kv_invariants_after_each_test(monkeypatch):
+def kv_invariants_after_each_test(engines_built_in_test):
     """After every executor test, every engine made during it (and the shared one) must
     hold the KV invariants: free + evictable cached + referenced == num_blocks, and each
     block's reference count == the requests holding it."""
-    from executor.engine.llm_engine import LLMEngine
-
-    made: list[LLMEngine] = []
-    original = LLMEngine.__init__
-
-    def record(self, *args, **kwargs):
-        original(self, *args, **kwargs)
-        made.append(self)
-
-    monkeypatch.setattr(LLMEngine, "__init__", record)
     yield
-    for engine in made:
+    for engine in engines_built_in_test:
         engine.check_integrity()
 
 
