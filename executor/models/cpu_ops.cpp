@@ -1,4 +1,4 @@
-// The C kernels of cpu_fused.c and cpu_paged_attention.c as C++ torch operators
+// The C kernels of cpu_fused.c, cpu_paged_attention.c and cpu_gemm.c as C++ torch operators
 // (namespace meshserve_cpu), for the torch.compile'd decode step
 // (executor/worker/compiled_decode.py): its generated code calls a C++ operator
 // through the dispatcher with no Python in between, where a Python custom op costs
@@ -18,9 +18,25 @@ typedef int (*attn_fn)(const void*, const void*, const void*, const int32_t*, in
                        int64_t, int64_t, int64_t, int64_t, int64_t, float, int);
 static norm_fn k_norm; static rot_fn k_rot; static silu_fn k_silu; static attn_fn k_attn;
 static int32_t k_lanes = 8;  // the norm's sum order: cpu_fused.sum_lanes()
+typedef int32_t (*gemm_fn)(const float*, int64_t, int64_t, int64_t, const float*, int64_t, float*, int64_t);
+static gemm_fn k_gemm;  // cpu_gemm.c's packed_gemm, where it was built (set_gemm)
 
 void set_kernels(int64_t a, int64_t b, int64_t c, int64_t d, int64_t lanes) {
   k_norm = (norm_fn)a; k_rot = (rot_fn)b; k_silu = (silu_fn)c; k_attn = (attn_fn)d; k_lanes = (int32_t)lanes;
+}
+void set_gemm(int64_t a) { k_gemm = (gemm_fn)a; }
+at::Tensor panel_linear(const at::Tensor& x, const at::Tensor& packed, int64_t n) {
+  TORCH_CHECK(k_gemm != nullptr, "the CPU GEMM kernel is not loaded");
+  auto k = x.size(-1);
+  auto x2 = x.reshape({-1, k});
+  if (x2.stride(1) != 1) x2 = x2.contiguous();
+  auto sizes = x.sizes().vec();
+  sizes.back() = n;
+  auto y = at::empty({x2.size(0), n}, x.options());
+  if (x2.size(0) > 0)
+    TORCH_CHECK(k_gemm(x2.data_ptr<float>(), x2.size(0), k, x2.stride(0), packed.data_ptr<float>(), n,
+                       y.data_ptr<float>(), n) == 0, "the CPU GEMM kernel's scratch buffer");
+  return y.view(sizes);
 }
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& w, double eps) {
   auto out = at::empty_like(x);
@@ -68,6 +84,8 @@ at::Tensor padded_decode_attention(const at::Tensor& q, const at::Tensor& k, con
 // be reordered against one (vLLM's attention op likewise reaches its caches outside the graph).
 TORCH_LIBRARY(meshserve_cpu, m) {
   m.def("set_kernels(int a, int b, int c, int d, int lanes) -> ()");
+  m.def("set_gemm(int a) -> ()");
+  m.def("panel_linear(Tensor x, Tensor packed, int out_features) -> Tensor");
   m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
   m.def("add_rms_norm(Tensor x, Tensor(a!) residual, Tensor weight, float eps) -> Tensor");
   m.def("rotary_(Tensor(a!) x, Tensor cos, Tensor sin) -> ()");
@@ -77,5 +95,8 @@ TORCH_LIBRARY(meshserve_cpu, m) {
 TORCH_LIBRARY_IMPL(meshserve_cpu, CPU, m) {
   m.impl("rms_norm", rms_norm); m.impl("add_rms_norm", add_rms_norm); m.impl("rotary_", rotary_);
   m.impl("silu_mul", silu_mul); m.impl("padded_decode_attention", padded_decode_attention);
+  m.impl("panel_linear", panel_linear);
 }
-TORCH_LIBRARY_IMPL(meshserve_cpu, CompositeExplicitAutograd, m) { m.impl("set_kernels", set_kernels); }
+TORCH_LIBRARY_IMPL(meshserve_cpu, CompositeExplicitAutograd, m) {
+  m.impl("set_kernels", set_kernels); m.impl("set_gemm", set_gemm);
+}

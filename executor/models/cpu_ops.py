@@ -1,5 +1,6 @@
-"""The C kernels as C++ torch operators (``cpu_ops.cpp``, namespace ``meshserve_cpu``), for
-the ``torch.compile``'d decode step (``executor.worker.compiled_decode``).
+"""The C kernels (attention, fused norm/rotary/SiLU, the float32 GEMM) as C++ torch
+operators (``cpu_ops.cpp``, namespace ``meshserve_cpu``), for the ``torch.compile``'d
+decode step (``executor.worker.compiled_decode``).
 
 Why: the compiled graph saves the Python between the ops, ~19 ms of a SmolLM2-135M
 decode step on one AVX2 core, but a Python custom op (``cpu_fused``'s and
@@ -30,7 +31,7 @@ from pathlib import Path
 import torch
 
 from executor.attention import cpu_kernel
-from executor.models import cpu_fused
+from executor.models import cpu_fused, cpu_gemm
 from meshserve.model_files import cache_dir
 
 log = logging.getLogger(__name__)
@@ -52,6 +53,7 @@ def _register_fakes() -> None:
         "rotary_": lambda x, cos, sin: None,
         "silu_mul": lambda gate_up: gate_up.new_empty(gate_up.shape[0], gate_up.shape[1] // 2),
         "padded_decode_attention": lambda q, *rest: q.new_empty(q.shape),
+        "panel_linear": lambda x, packed, out_features: x.new_empty(*x.shape[:-1], out_features),
     }
     for name, fake in fakes.items():
         torch.library.register_fake(f"meshserve_cpu::{name}")(fake)
@@ -79,6 +81,8 @@ def load() -> bool:
                       is_python_module=False, extra_cflags=["-O2"], verbose=False)
                 torch.ops.meshserve_cpu.set_kernels(_address(fused.add_rms_norm), _address(fused.rotary_inplace),
                                                     _address(fused.silu_mul), _address(attention), fused.lanes)
+                if (gemm := cpu_gemm.load()) is not None:  # panel_linear: only for weights it packed
+                    torch.ops.meshserve_cpu.set_gemm(_address(gemm.packed_gemm))
                 _register_fakes()
                 ok = True
             except (OSError, RuntimeError, ImportError, subprocess.SubprocessError) as err:

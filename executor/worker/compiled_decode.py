@@ -51,7 +51,7 @@ import torch
 
 from executor.attention import AttentionMetadata, cpu_kernel
 from executor.attention.torch_backend import PaddedDecodePlan, TorchAttentionBackend
-from executor.models import cpu_fused, cpu_ops
+from executor.models import cpu_fused, cpu_gemm, cpu_ops
 from meshserve.model_files import cache_dir
 
 log = logging.getLogger(__name__)
@@ -97,11 +97,12 @@ into the variable the first time anything in the process asks for its cache fold
 
 def operators_key() -> str:
     """A hash of the sources that define the graph's own operators (their schemas and
-    kernels: ``cpu_ops.cpp``, ``cpu_kernel.py``, ``cpu_fused.py``). Inductor's caches do
-    not key a compiled graph by a custom operator's schema, so a graph cached before an
-    operator changed would be loaded again; the cache folder is named by this key."""
+    kernels: ``cpu_ops.cpp``, ``cpu_kernel.py``, ``cpu_fused.py``, ``cpu_gemm.py``).
+    Inductor's caches do not key a compiled graph by a custom operator's schema, so a
+    graph cached before an operator changed would be loaded again; the cache folder is
+    named by this key."""
     digest = hashlib.sha256()
-    for path in (cpu_ops.SOURCE, cpu_kernel.__file__, cpu_fused.__file__):
+    for path in (cpu_ops.SOURCE, cpu_kernel.__file__, cpu_fused.__file__, cpu_gemm.__file__):
         digest.update(Path(path).read_bytes())
     return digest.hexdigest()[:16]
 
