@@ -15,7 +15,8 @@ Each step's wall time is split into parts, by the region an op runs in (the
 ModelRunner's calls are wrapped in ``record_function`` ranges here, not in the
 serving code) and, inside the model, by the op:
 
-* ``gemm``: the linear layers and the LM head (``mkldnn::_linear_pointwise``,
+* ``gemm``: the linear layers and the LM head (the float32 CPU GEMM kernel's calls,
+  ``cpu_gemm.panel_linear``, and ``mkldnn::_linear_pointwise``,
   ``aten::mm``/``addmm``/``linear``);
 * ``attention``: the KV cache writes, block gathers and SDPA inside the model,
   the CPU decode kernel's calls (``cpu_kernel.decode_attention``, C code the
@@ -59,7 +60,7 @@ _ATTN_OPS = ("aten::index_copy_", "aten::index_select", "aten::scaled_dot_produc
              "aten::_scaled_dot_product_flash_attention_for_cpu", "aten::_scaled_dot_product_attention_math")
 _REGIONS = {"ms.prepare_inputs": "metadata", "ms.plan": "attention", "ms.model": "model",
             "ms.logits": "model", "ms.sampling": "sampling", "ms.schedule": "scheduling",
-            "ms.attention_kernel": "attention"}
+            "ms.attention_kernel": "attention", "ms.gemm_kernel": "gemm"}
 
 
 def _wrap(obj, name: str, label: str):
@@ -91,6 +92,12 @@ def instrument(engine) -> None:
         cpu_kernel = None
     if cpu_kernel is not None:
         _wrap(cpu_kernel, "decode_attention", "ms.attention_kernel")  # a C call: no aten op inside
+    try:
+        from executor.models import cpu_gemm
+    except ImportError:
+        cpu_gemm = None
+    if cpu_gemm is not None and hasattr(cpu_gemm, "panel_linear"):
+        _wrap(cpu_gemm, "panel_linear", "ms.gemm_kernel")  # the float32 GEMM kernel: a C call too
     import executor.worker.model_runner as mr
 
     build = mr.SamplingBatch.build
@@ -148,10 +155,11 @@ def breakdown(events, wall_us: float) -> dict[str, float]:
                 parts["norm/elementwise"] += self_us
         else:
             parts[kind] += self_us
-    model_total = region_total["ms.model"] + region_total["ms.logits"] - region_total["ms.attention_kernel"]
+    model_total = (region_total["ms.model"] + region_total["ms.logits"] - region_total["ms.attention_kernel"]
+                   - region_total["ms.gemm_kernel"])
     parts["model python"] = max(0.0, model_total - region_ops["ms.model"] - region_ops["ms.logits"])
     for name in ("ms.prepare_inputs", "ms.plan", "ms.sampling", "ms.schedule",
-                 "ms.attention_kernel"):  # their Python (and C) counts with them
+                 "ms.attention_kernel", "ms.gemm_kernel"):  # their Python (and C) counts with them
         parts[_REGIONS[name]] += max(0.0, region_total[name] - region_ops[name])
     parts["python"] = max(0.0, wall_us - sum(parts.values()))
     return dict(parts)
