@@ -40,6 +40,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from executor import huge_pages
 from executor.attention import cpu_kernel
 
 log = logging.getLogger(__name__)
@@ -110,12 +111,14 @@ def is_panel_packed(packed: torch.Tensor | None) -> bool:
 
 def pack_panels(weight: torch.Tensor, kernel: GemmKernel) -> torch.Tensor:
     """``weight`` ``(out, in)`` float32 → ``(ceil(out / w), in, w)`` float32 panels of ``w =
-    kernel.panel_width`` output columns each (columns past ``out`` zero), 64-byte aligned."""
+    kernel.panel_width`` output columns each (columns past ``out`` zero), 64-byte aligned
+    (the kernel's aligned loads), on huge pages where Linux gives them
+    (``executor.huge_pages``)."""
     n, k = weight.shape
     w = kernel.panel_width
     panels = -(-n // w)
-    flat = torch.empty(panels * k * w + 16, dtype=torch.float32)
-    offset = (-flat.data_ptr() // 4) % 16  # to a 64-byte boundary: the kernel's aligned loads
+    flat = huge_pages.empty((panels * k * w + 16,), torch.float32)
+    offset = (-flat.data_ptr() // 4) % 16  # to a 64-byte boundary
     out = flat[offset:offset + panels * k * w].view(panels, k, w)
     kernel.pack_weight(weight.detach().contiguous().data_ptr(), n, k, out.data_ptr())
     return out

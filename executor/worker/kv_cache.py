@@ -7,13 +7,15 @@ Memory layout of one layer (``key_cache`` and ``value_cache`` alike)::
       block b, slot s  ->  token at position b_logical * block_size + s of its request
 
 All layers live in one zero-filled allocation (zeros so padded gathers read
-finite values), viewed as per-layer K and V tensors.
+finite values), viewed as per-layer K and V tensors; on CPU it is asked for on huge
+pages (``executor.huge_pages``: a request's blocks are scattered over it).
 """
 
 from __future__ import annotations
 
 import torch
 
+from executor import huge_pages
 from executor.attention import KVCache
 
 
@@ -22,7 +24,10 @@ def allocate_kv_storage(num_layers: int, num_blocks: int, block_size: int, num_k
     """The one zero-filled allocation of every layer's K and V:
     ``(num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim)`` of ``dtype``.
     ``storage[:, :, b]`` is block ``b`` of all layers: what the kvstore stores."""
-    return torch.zeros(num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim, dtype=dtype, device=device)
+    shape = (num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim)
+    if torch.device(device).type == "cpu":
+        return huge_pages.empty(shape, dtype).zero_()
+    return torch.zeros(shape, dtype=dtype, device=device)
 
 
 def layer_views(storage: torch.Tensor) -> list[KVCache]:
