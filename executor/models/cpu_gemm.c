@@ -17,7 +17,8 @@
 //    the row tiles, since at decode sizes (m <= 64) each panel is used by few tiles and the
 //    weights stream from memory (the LM head: 113 MB in float32 for SmolLM2-135M).
 // Rows past the last full tile are computed as a zero-padded tile (the weight panel is
-// read once whatever m is), columns past the last full panel through a scratch tile.
+// read once whatever m is), or by a one-row kernel when one row is left; columns past the
+// last full panel go through a scratch tile.
 #include <immintrin.h>
 #include <stdint.h>
 #include <stdlib.h>
@@ -79,6 +80,22 @@ static inline void kernel_4x24(int64_t k, const float *a, const float *b, float 
     _mm256_storeu_ps(c, c30); _mm256_storeu_ps(c + 8, c31); _mm256_storeu_ps(c + 16, c32);
 }
 
+/* One row: c[24] = a (k steps, the row's values MR apart in the packed rows) . b. The
+ * same chain of multiply-adds per output as kernel_4x24, so the same bits: a decode of
+ * one request reads the weight panel once without computing three rows of padding. */
+static inline void kernel_1x24(int64_t k, const float *a, const float *b, float *c) {
+    __m256 c0 = _mm256_setzero_ps(), c1 = c0, c2 = c0;
+    for (int64_t i = 0; i < k; i++) {
+        __m256 a0 = _mm256_broadcast_ss(a);
+        c0 = _mm256_fmadd_ps(a0, _mm256_load_ps(b), c0);
+        c1 = _mm256_fmadd_ps(a0, _mm256_load_ps(b + 8), c1);
+        c2 = _mm256_fmadd_ps(a0, _mm256_load_ps(b + 16), c2);
+        a += MR;
+        b += NR;
+    }
+    _mm256_storeu_ps(c, c0); _mm256_storeu_ps(c + 8, c1); _mm256_storeu_ps(c + 16, c2);
+}
+
 static _Thread_local float *scratch;  // the packed input rows: grown once, kept for the thread
 static _Thread_local int64_t scratch_floats;
 
@@ -118,6 +135,9 @@ int32_t packed_gemm(const float *x, int64_t m, int64_t k, int64_t ldx, const flo
                 int64_t rows = t < full_tiles ? MR : mc - full_tiles * MR;
                 if (rows == MR && cols == NR) {
                     kernel_4x24(k, apack + t * k * MR, b, c, ldy, next ? next + t * pf_step * k : NULL, pf_step);
+                } else if (rows == 1) {
+                    kernel_1x24(k, apack + t * k * MR, b, ctile);
+                    memcpy(c, ctile, (size_t)cols * 4);
                 } else {
                     kernel_4x24(k, apack + t * k * MR, b, ctile, NR, NULL, 0);
                     for (int64_t i = 0; i < rows; i++) memcpy(c + i * ldy, ctile + i * NR, (size_t)cols * 4);

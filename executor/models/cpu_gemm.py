@@ -114,13 +114,16 @@ def pack_panels(weight: torch.Tensor, kernel: GemmKernel) -> torch.Tensor:
     kernel.panel_width`` output columns each (columns past ``out`` zero), 64-byte aligned
     (the kernel's aligned loads), on huge pages where Linux gives them
     (``executor.huge_pages``)."""
+    if weight.dim() != 2 or weight.dtype != torch.float32 or weight.device.type != "cpu":
+        raise ValueError(f"pack_panels takes a 2-D float32 CPU weight, not {tuple(weight.shape)} {weight.dtype}")
     n, k = weight.shape
     w = kernel.panel_width
     panels = -(-n // w)
     flat = huge_pages.empty((panels * k * w + 16,), torch.float32)
     offset = (-flat.data_ptr() // 4) % 16  # to a 64-byte boundary
     out = flat[offset:offset + panels * k * w].view(panels, k, w)
-    kernel.pack_weight(weight.detach().contiguous().data_ptr(), n, k, out.data_ptr())
+    source = weight.detach().contiguous()  # held for the call: a copy when the weight is strided
+    kernel.pack_weight(source.data_ptr(), n, k, out.data_ptr())
     return out
 
 
@@ -144,11 +147,12 @@ def pack(weight: torch.Tensor) -> torch.Tensor | None:
             return None
     probe = torch.randn(3, weight.shape[1], generator=torch.Generator().manual_seed(0)).to(weight.dtype)
     try:
-        got = linear(probe, weight, None, packed).float()
+        with torch.no_grad():
+            got = linear(probe, weight, None, packed).float()
+            want = F.linear(probe, weight).float()
     except RuntimeError as err:
         log.debug("the packed %s weight fails a probe (%s); using F.linear", tuple(weight.shape), err)
         return None
-    want = F.linear(probe, weight).float()
     tol = 1e-4 if weight.dtype == torch.float32 else 2e-2
     if not torch.allclose(got, want, rtol=tol, atol=tol * float(want.abs().max())):
         log.warning("the packed linear disagrees with F.linear on a %s weight; using F.linear", tuple(weight.shape))
@@ -156,13 +160,32 @@ def pack(weight: torch.Tensor) -> torch.Tensor | None:
     return packed
 
 
+def check_panel_shapes(x: torch.Tensor, packed: torch.Tensor, out_features: int) -> None:
+    """Raises ``RuntimeError`` unless ``x`` ``(..., in)`` float32 CPU can be multiplied by
+    ``packed`` ``(panels, in, w)`` float32 contiguous into ``out_features`` columns: the C
+    kernel trusts its sizes, so a mismatch would read past the panels."""
+    if x.dtype != torch.float32 or x.device.type != "cpu" or x.dim() < 1:
+        raise RuntimeError(f"the CPU GEMM kernel takes float32 CPU input, not {x.dtype} on {x.device}")
+    if (packed.dim() != 3 or packed.dtype != torch.float32 or not packed.is_contiguous()
+            or packed.data_ptr() % 32 != 0):
+        raise RuntimeError(f"not a panel-packed weight: {tuple(packed.shape)} {packed.dtype}")
+    panels, k, width = packed.shape
+    if x.shape[-1] != k or not (panels - 1) * width < out_features <= panels * width:
+        raise RuntimeError(f"input of {x.shape[-1]} features and {out_features} outputs cannot be multiplied by "
+                           f"a packed weight of {k} features and {panels} panels of {width} columns")
+
+
 def panel_linear(x: torch.Tensor, packed: torch.Tensor, out_features: int) -> torch.Tensor:
     """``x W^T`` through ``cpu_gemm.c``: ``x`` ``(..., in)`` float32, ``packed`` from
     ``pack_panels`` → ``(..., out_features)`` float32.
 
     Raises:
+        RuntimeError: ``x`` is not a float32 CPU tensor, or its features or
+            ``out_features`` do not match ``packed`` (as ``F.linear`` raises on mismatched
+            shapes).
         MemoryError: the kernel's scratch buffer (at most 160 KiB) cannot be allocated.
     """
+    check_panel_shapes(x, packed, out_features)
     lead, k = x.shape[:-1], x.shape[-1]
     x2 = x.reshape(-1, k)
     if x2.stride(-1) != 1:

@@ -27,6 +27,10 @@ void set_kernels(int64_t a, int64_t b, int64_t c, int64_t d, int64_t lanes) {
 void set_gemm(int64_t a) { k_gemm = (gemm_fn)a; }
 at::Tensor panel_linear(const at::Tensor& x, const at::Tensor& packed, int64_t n) {
   TORCH_CHECK(k_gemm != nullptr, "the CPU GEMM kernel is not loaded");
+  TORCH_CHECK(x.scalar_type() == at::kFloat && packed.scalar_type() == at::kFloat && packed.dim() == 3 &&
+              packed.is_contiguous() && x.size(-1) == packed.size(1) &&
+              (packed.size(0) - 1) * packed.size(2) < n && n <= packed.size(0) * packed.size(2),
+              "panel_linear: the input and the packed weight do not match");
   auto k = x.size(-1);
   auto x2 = x.reshape({-1, k});
   if (x2.stride(1) != 1) x2 = x2.contiguous();

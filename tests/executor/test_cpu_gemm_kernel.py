@@ -138,3 +138,34 @@ def test_the_environment_switch_turns_the_kernel_off(kernel_cache, monkeypatch):
     monkeypatch.setenv("MESHSERVE_CPU_GEMM_KERNEL", "0")
     monkeypatch.setattr(cpu_gemm, "_loaded", {})
     assert cpu_gemm.load() is None
+
+
+@pytest.mark.parametrize("features", [63, 65, 128, 64 * 1000])
+def test_a_feature_count_that_does_not_match_the_packed_weight_is_refused(kernel, features):
+    """The C kernel trusts its sizes (a longer input would read past the panels): the
+    wrapper refuses a mismatch as F.linear does, with a RuntimeError."""
+    w = _randn(48, 64, seed=13)
+    packed = cpu_gemm.pack(w)
+    with pytest.raises(RuntimeError, match="cannot be multiplied"):
+        cpu_gemm.linear(_randn(3, features, seed=14), w, None, packed)
+    with pytest.raises(RuntimeError, match="cannot be multiplied"):
+        cpu_gemm.panel_linear(_randn(3, 64, seed=14), packed, 73)  # more columns than its two panels hold
+    with pytest.raises(RuntimeError, match="float32"):
+        cpu_gemm.panel_linear(_randn(3, 64, seed=14).double(), packed, 48)
+
+
+def test_a_strided_weight_is_packed_from_its_values(kernel):
+    """pack_panels copies a strided weight to contiguous rows and keeps that copy alive
+    for the packing call (it used to be freed before the kernel read it)."""
+    base = _randn(64, 48, seed=15)
+    for w in (base.t(), _randn(96, 64, seed=16)[::2]):
+        packed = cpu_gemm.pack_panels(w, kernel)
+        x = _randn(5, w.shape[1], seed=17)
+        torch.testing.assert_close(cpu_gemm.panel_linear(x, packed, w.shape[0]), F.linear(x, w),
+                                   rtol=1e-5, atol=1e-5)
+
+
+def test_packing_a_weight_that_requires_grad_warns_nothing(kernel, recwarn):
+    w = torch.nn.Parameter(_randn(48, 64, seed=18))
+    assert cpu_gemm.is_panel_packed(cpu_gemm.pack(w))
+    assert [str(w.message) for w in recwarn] == []
