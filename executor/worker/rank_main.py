@@ -13,22 +13,32 @@ the step pipe. Its life::
 It exits 0 on ``shutdown``; 3 when the pipe closes (rank 0 died); with the
 exception's traceback and 1 when a step fails (a peer died, a collective timed
 out): rank 0 notices the exit and takes the executor out.
+
+It ignores SIGINT: a terminal's Ctrl-C reaches every process of the foreground group,
+and a rank's life is rank 0's to end (the ``shutdown`` frame, or the pipe closing when
+rank 0 exits), so Ctrl-C on ``meshserve up`` stops the ranks through rank 0 instead of
+printing each rank's ``KeyboardInterrupt`` traceback. SIGTERM still ends it.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import signal
 import sys
 
 from executor.worker import distributed
 
 
 def main() -> int:
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     logging.basicConfig(level=logging.WARNING, format=f"rank {rank}: %(levelname)s %(name)s: %(message)s")
     pipe = sys.stdin.buffer
-    config = distributed.read_frame(pipe)
+    try:
+        config = distributed.read_frame(pipe)
+    except EOFError:
+        return 3  # rank 0 is gone before it sent the configuration
     cpus = os.environ.get("MESHSERVE_RANK_CPUS")
     if cpus:
         distributed.pin_to_cpus([int(c) for c in cpus.split(",")], config.num_threads)
