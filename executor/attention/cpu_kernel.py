@@ -31,6 +31,7 @@ import shutil
 import subprocess
 import tempfile
 import threading
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -91,6 +92,40 @@ def build(compiler: str, target: Path, source: Path = SOURCE, flags: tuple[str, 
         os.replace(out, target)
 
 
+def build_and_load(label: str, source: Path, flags: tuple[str, ...], switch: str, fallback: str,
+                   bind: Callable[[ctypes.CDLL], object]) -> object | None:
+    """``bind(library)`` for the C library built from ``source`` with ``flags`` (cached on
+    disk: ``library_path``), or ``None``, logged, where it cannot be had: the environment
+    variable ``switch`` set to ``0``, no compiler, a failed build, or a symbol ``bind``
+    does not find. ``label`` names the kernel and ``fallback`` what runs instead, in the
+    log. The kernels' ``load`` functions call it once per process, under their lock."""
+    if os.environ.get(switch, "1") == "0":
+        log.info("%s off (%s=0): %s", label, switch, fallback)
+        return None
+    compiler = _compiler()
+    if compiler is None:
+        log.warning("no C compiler ($CC, cc, gcc): %s instead of the %s", fallback, label)
+        return None
+    try:
+        path = library_path(compiler, source, flags)
+        if not path.exists():
+            log.info("building the %s into %s", label, path)
+            build(compiler, path, source, flags)
+        return bind(ctypes.CDLL(str(path)))
+    except (OSError, subprocess.SubprocessError, AttributeError) as err:
+        detail = getattr(err, "stderr", "") or err
+        log.warning("the %s could not be built (%s): %s", label, detail, fallback)
+        return None
+
+
+def _bind_attention(lib: ctypes.CDLL):
+    fn = lib.paged_decode_attention
+    fn.restype = ctypes.c_int
+    fn.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p] + \
+        [ctypes.c_int64] * 5 + [ctypes.c_float, ctypes.c_int]
+    return fn
+
+
 def load():
     """The kernel's ``ctypes`` function, built if needed; ``None`` where it cannot be
     (no compiler, a failed build, or ``MESHSERVE_CPU_ATTENTION_KERNEL=0``). Once per process."""
@@ -98,30 +133,10 @@ def load():
     if fn is not _UNSET:
         return fn
     with _lock:
-        if "fn" in _loaded:
-            return _loaded["fn"]
-        fn = None
-        if os.environ.get("MESHSERVE_CPU_ATTENTION_KERNEL", "1") == "0":
-            log.info("CPU attention kernel off (MESHSERVE_CPU_ATTENTION_KERNEL=0): torch decode attention")
-        elif (compiler := _compiler()) is None:
-            log.warning("no C compiler ($CC, cc, gcc): torch decode attention instead of the CPU kernel")
-        else:
-            try:
-                path = library_path(compiler)
-                if not path.exists():
-                    log.info("building the CPU attention kernel into %s", path)
-                    build(compiler, path)
-                lib = ctypes.CDLL(str(path))
-                fn = lib.paged_decode_attention
-                fn.restype = ctypes.c_int
-                fn.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p] + \
-                    [ctypes.c_int64] * 5 + [ctypes.c_float, ctypes.c_int]
-            except (OSError, subprocess.SubprocessError, AttributeError) as err:
-                detail = getattr(err, "stderr", "") or err
-                log.warning("the CPU attention kernel could not be built (%s): torch decode attention", detail)
-                fn = None
-        _loaded["fn"] = fn
-        return fn
+        if "fn" not in _loaded:
+            _loaded["fn"] = build_and_load("CPU attention kernel", SOURCE, FLAGS, "MESHSERVE_CPU_ATTENTION_KERNEL",
+                                           "torch decode attention", _bind_attention)
+        return _loaded["fn"]
 
 
 def supports(q: torch.Tensor, key_cache: torch.Tensor) -> bool:

@@ -47,8 +47,6 @@ from __future__ import annotations
 
 import ctypes
 import logging
-import os
-import subprocess
 import threading
 from dataclasses import dataclass
 from pathlib import Path
@@ -102,36 +100,24 @@ def load() -> FusedKernels | None:
     if kernels is not _UNSET:
         return kernels
     with _lock:
-        if "k" in _loaded:
-            return _loaded["k"]
-        kernels = None
-        if os.environ.get("MESHSERVE_CPU_FUSED_KERNELS", "1") == "0":
-            log.info("CPU fused kernels off (MESHSERVE_CPU_FUSED_KERNELS=0): torch norms and rotary")
-        elif (compiler := cpu_kernel._compiler()) is None:
-            log.warning("no C compiler ($CC, cc, gcc): torch norms and rotary instead of the fused CPU kernels")
-        else:
-            try:
-                path = cpu_kernel.library_path(compiler, SOURCE, FLAGS)
-                if not path.exists():
-                    log.info("building the fused CPU kernels into %s", path)
-                    cpu_kernel.build(compiler, path, SOURCE, FLAGS)
-                lib = ctypes.CDLL(str(path))
-                functions = []
-                for suffix in ("", "_bf16"):  # float32, then bfloat16: the same signatures
-                    norm = getattr(lib, "add_rms_norm" + suffix)
-                    rotary = getattr(lib, "rotary_inplace" + suffix)
-                    silu = getattr(lib, "silu_mul" + suffix)
-                    norm.restype = rotary.restype = silu.restype = None
-                    norm.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 2 + [ctypes.c_float, ctypes.c_int32]
-                    rotary.argtypes = [ctypes.c_void_p] + [ctypes.c_int64] * 4 + [ctypes.c_void_p] * 2
-                    silu.argtypes = [ctypes.c_void_p] * 2 + [ctypes.c_int64] * 2
-                    functions += [norm, rotary, silu]
-                kernels = FusedKernels(*functions, lanes=sum_lanes())
-            except (OSError, subprocess.SubprocessError, AttributeError) as err:
-                detail = getattr(err, "stderr", "") or err
-                log.warning("the fused CPU kernels could not be built (%s): torch norms and rotary", detail)
-        _loaded["k"] = kernels
-        return kernels
+        if "k" not in _loaded:
+            _loaded["k"] = cpu_kernel.build_and_load("fused CPU kernels", SOURCE, FLAGS, "MESHSERVE_CPU_FUSED_KERNELS",
+                                                     "torch norms and rotary", _bind)
+        return _loaded["k"]
+
+
+def _bind(lib: ctypes.CDLL) -> FusedKernels:
+    functions = []
+    for suffix in ("", "_bf16"):  # float32, then bfloat16: the same signatures
+        norm = getattr(lib, "add_rms_norm" + suffix)
+        rotary = getattr(lib, "rotary_inplace" + suffix)
+        silu = getattr(lib, "silu_mul" + suffix)
+        norm.restype = rotary.restype = silu.restype = None
+        norm.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 2 + [ctypes.c_float, ctypes.c_int32]
+        rotary.argtypes = [ctypes.c_void_p] + [ctypes.c_int64] * 4 + [ctypes.c_void_p] * 2
+        silu.argtypes = [ctypes.c_void_p] * 2 + [ctypes.c_int64] * 2
+        functions += [norm, rotary, silu]
+    return FusedKernels(*functions, lanes=sum_lanes())
 
 
 def usable(x: torch.Tensor) -> FusedKernels | None:

@@ -32,8 +32,6 @@ from __future__ import annotations
 
 import ctypes
 import logging
-import os
-import subprocess
 import threading
 from pathlib import Path
 
@@ -81,27 +79,14 @@ def load() -> GemmKernel | None:
     if kernel is not _UNSET:
         return kernel
     with _lock:
-        if "k" in _loaded:
-            return _loaded["k"]
-        kernel = None
-        if os.environ.get("MESHSERVE_CPU_GEMM_KERNEL", "1") == "0":
-            log.info("CPU GEMM kernel off (MESHSERVE_CPU_GEMM_KERNEL=0): oneDNN packed weights")
-        elif not _has_avx2_fma():
-            log.info("this CPU lacks AVX2 or FMA: oneDNN packed weights instead of the CPU GEMM kernel")
-        elif (compiler := cpu_kernel._compiler()) is None:
-            log.warning("no C compiler ($CC, cc, gcc): oneDNN packed weights instead of the CPU GEMM kernel")
-        else:
-            try:
-                path = cpu_kernel.library_path(compiler, SOURCE, FLAGS)
-                if not path.exists():
-                    log.info("building the CPU GEMM kernel into %s", path)
-                    cpu_kernel.build(compiler, path, SOURCE, FLAGS)
-                kernel = GemmKernel(ctypes.CDLL(str(path)))
-            except (OSError, subprocess.SubprocessError, AttributeError) as err:
-                detail = getattr(err, "stderr", "") or err
-                log.warning("the CPU GEMM kernel could not be built (%s): oneDNN packed weights", detail)
-        _loaded["k"] = kernel
-        return kernel
+        if "k" not in _loaded:
+            if _has_avx2_fma():
+                _loaded["k"] = cpu_kernel.build_and_load("CPU GEMM kernel", SOURCE, FLAGS, "MESHSERVE_CPU_GEMM_KERNEL",
+                                                         "oneDNN packed weights", GemmKernel)
+            else:
+                log.info("this CPU lacks AVX2 or FMA: oneDNN packed weights instead of the CPU GEMM kernel")
+                _loaded["k"] = None
+        return _loaded["k"]
 
 
 def is_panel_packed(packed: torch.Tensor | None) -> bool:
