@@ -12,6 +12,9 @@ report then holds:
 * ``prefix_cache_hit_rate``: Δ``prefix_cache_hit_tokens`` / Δ``prefix_cache_queried_tokens``
   over the run (None when nothing was queried, e.g. prefix caching off);
 * ``num_preemptions``: Δ``num_preemptions``;
+* ``num_steps``: Δ``num_steps``, the engine steps the run took (summed over engines),
+  and ``mean_num_running``: the mean of the sampled running requests (summed over
+  engines): two systems at the same concurrency that differ here batch differently;
 * ``max_num_running``: the most requests running at once in any sample (summed
   over engines);
 * ``kv_capacity``: the cache size and what it allowed: ``requests_fit_paged`` is
@@ -31,8 +34,8 @@ from typing import Awaitable, Callable
 
 # The report's engine fields, all None for targets without engine counters.
 NULL_METRICS = {"kv_cache_utilization": None, "prefix_cache_hit_rate": None, "prefix_cache_queried_tokens": None,
-                "prefix_cache_hit_tokens": None, "num_preemptions": None, "max_num_running": None,
-                "kv_capacity": None}
+                "prefix_cache_hit_tokens": None, "num_preemptions": None, "num_steps": None,
+                "max_num_running": None, "mean_num_running": None, "kv_capacity": None}
 
 
 @dataclass(frozen=True)
@@ -44,7 +47,7 @@ class CounterSnapshot:
         num_blocks / block_size / max_model_len: the cache's shape (blocks, tokens, tokens).
         num_running: requests in the running batch.
         kv_cache_utilization: tokens stored / slots of the blocks held, in [0, 1].
-        num_preemptions / prefix_cache_queried_tokens / prefix_cache_hit_tokens:
+        num_preemptions / prefix_cache_queried_tokens / prefix_cache_hit_tokens / num_steps:
             cumulative counters.
     """
 
@@ -56,13 +59,14 @@ class CounterSnapshot:
     num_preemptions: int
     prefix_cache_queried_tokens: int
     prefix_cache_hit_tokens: int
+    num_steps: int = 0
 
     @classmethod
     def of(cls, stats) -> "CounterSnapshot":
         """Copies the fields of an ``EngineStats`` or an ``executor_pb2.StatsResponse``."""
         return cls(int(stats.num_blocks), int(stats.block_size), int(stats.max_model_len), int(stats.num_running),
                    float(stats.kv_cache_utilization), int(stats.num_preemptions),
-                   int(stats.prefix_cache_queried_tokens), int(stats.prefix_cache_hit_tokens))
+                   int(stats.prefix_cache_queried_tokens), int(stats.prefix_cache_hit_tokens), int(stats.num_steps))
 
 
 @dataclass(frozen=True)
@@ -157,7 +161,9 @@ def run_metrics(before: list[CounterSnapshot], after: list[CounterSnapshot], sam
         "prefix_cache_queried_tokens": queried,
         "prefix_cache_hit_tokens": hits,
         "num_preemptions": delta("num_preemptions"),
+        "num_steps": delta("num_steps"),
         "max_num_running": max_running,
+        "mean_num_running": statistics.fmean(s.num_running for s in samples) if samples else None,
         "kv_capacity": {
             "num_blocks": sum(s.num_blocks for s in after),
             "block_size": after[0].block_size,

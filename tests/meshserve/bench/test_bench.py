@@ -219,15 +219,15 @@ def test_config_validation():
 # --- engine counters ----------------------------------------------------------
 
 
-def _snap(running=0, util=1.0, preempt=0, queried=0, hits=0, blocks=100):
+def _snap(running=0, util=1.0, preempt=0, queried=0, hits=0, blocks=100, steps=0):
     return CounterSnapshot(num_blocks=blocks, block_size=16, max_model_len=512, num_running=running,
                            kv_cache_utilization=util, num_preemptions=preempt, prefix_cache_queried_tokens=queried,
-                           prefix_cache_hit_tokens=hits)
+                           prefix_cache_hit_tokens=hits, num_steps=steps)
 
 
 def test_run_metrics_are_deltas_and_samples_of_busy_engines():
-    before = [_snap(preempt=2, queried=100, hits=10), _snap(queried=50, blocks=60)]
-    after = [_snap(preempt=5, queried=300, hits=110), _snap(preempt=1, queried=250, hits=50, blocks=60)]
+    before = [_snap(preempt=2, queried=100, hits=10, steps=7), _snap(queried=50, blocks=60)]
+    after = [_snap(preempt=5, queried=300, hits=110, steps=40), _snap(preempt=1, queried=250, hits=50, blocks=60, steps=5)]
     samples = [Sample.of([_snap(running=3, util=0.5), _snap(running=0, util=1.0)]),  # the idle 1.0 is ignored
                Sample.of([_snap(running=2, util=0.75), _snap(running=4, util=0.25)])]
     m = run_metrics(before, after, samples)
@@ -236,6 +236,8 @@ def test_run_metrics_are_deltas_and_samples_of_busy_engines():
     assert m["prefix_cache_hit_rate"] == 150 / 400
     assert m["num_preemptions"] == 4
     assert m["max_num_running"] == 6
+    assert m["num_steps"] == 38
+    assert m["mean_num_running"] == (3 + 6) / 2
     assert m["kv_capacity"] == {"num_blocks": 160, "block_size": 16, "max_model_len": 512, "requests_fit_paged": 6,
                                 "requests_fit_reserved": 100 * 16 // 512 + 60 * 16 // 512}
     assert set(m) == set(NULL_METRICS)
@@ -243,7 +245,7 @@ def test_run_metrics_are_deltas_and_samples_of_busy_engines():
 
 def test_run_metrics_without_queries_or_samples():
     m = run_metrics([_snap()], [_snap()], [])
-    assert m["prefix_cache_hit_rate"] is None and m["max_num_running"] is None
+    assert m["prefix_cache_hit_rate"] is None and m["max_num_running"] is None and m["mean_num_running"] is None
     assert m["kv_cache_utilization"] == {"mean": None, "max": None, "num_samples": 0}
     with pytest.raises(ValueError):
         run_metrics([_snap()], [_snap(), _snap()], [])
