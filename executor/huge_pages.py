@@ -57,7 +57,7 @@ def enabled() -> bool:
 def empty(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     """An uninitialised contiguous CPU tensor of ``shape`` and ``dtype``, on huge pages
     where they can be had (see the module doc), 64-byte aligned at least."""
-    nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+    nbytes = math.prod(shape) * dtype.itemsize
     madvise = _madvise() if enabled() and nbytes >= MIN_BYTES else None
     if madvise is None:
         return torch.empty(shape, dtype=dtype)
