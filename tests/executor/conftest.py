@@ -64,6 +64,12 @@ def small_model(tmp_path_factory, default_model_files):
     return save_small(tmp_path_factory.mktemp("small-llama"), default_model_files.path)
 
 
+@pytest.fixture(scope="module")
+def kernel_cache(tmp_path_factory):
+    """A cache folder a module's tests share: its C kernels are built once."""
+    return tmp_path_factory.mktemp("kernels")
+
+
 @pytest.fixture
 def one_thread():
     """torch on one thread for the test (the CPU kernels' path; ``tests/conftest.py``

@@ -12,6 +12,7 @@ import torch
 from executor.models import cpu_fused
 from executor.models.norm import RMSNorm
 from executor.models.rotary import RotaryEmbedding
+from tests.support.kernels import load_fresh
 
 SUM_ORDER_VERIFIED = torch.backends.cpu.get_cpu_capability() == "AVX2"
 """Whether the norm's statistic follows torch's float32 sum order bitwise on this host:
@@ -30,20 +31,9 @@ def _assert_norm_matches(got: torch.Tensor, want: torch.Tensor) -> None:
         torch.testing.assert_close(got, want, rtol=4e-7, atol=1e-30)
 
 
-@pytest.fixture(scope="module")
-def kernel_cache(tmp_path_factory):
-    """A cache folder the module's tests share: the kernels are built once."""
-    return tmp_path_factory.mktemp("fused-kernels")
-
-
 @pytest.fixture
 def kernels(kernel_cache, monkeypatch, one_thread):
-    monkeypatch.setenv("MESHSERVE_CACHE_DIR", str(kernel_cache))
-    monkeypatch.setattr(cpu_fused, "_loaded", {})
-    k = cpu_fused.load()
-    if k is None:
-        pytest.skip("no C compiler on this host")
-    return k
+    return load_fresh(cpu_fused, kernel_cache, monkeypatch, "no C compiler on this host")
 
 
 def _torch_ops(monkeypatch):

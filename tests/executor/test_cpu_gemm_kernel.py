@@ -11,21 +11,12 @@ import torch
 import torch.nn.functional as F
 
 from executor.models import cpu_gemm
-
-
-@pytest.fixture(scope="module")
-def kernel_cache(tmp_path_factory):
-    return tmp_path_factory.mktemp("gemm-kernel")
+from tests.support.kernels import load_fresh
 
 
 @pytest.fixture
 def kernel(kernel_cache, monkeypatch, one_thread):
-    monkeypatch.setenv("MESHSERVE_CACHE_DIR", str(kernel_cache))
-    monkeypatch.setattr(cpu_gemm, "_loaded", {})
-    k = cpu_gemm.load()
-    if k is None:
-        pytest.skip("no C compiler, or no AVX2/FMA on this host")
-    return k
+    return load_fresh(cpu_gemm, kernel_cache, monkeypatch, "no C compiler, or no AVX2/FMA on this host")
 
 
 def _randn(*shape: int, seed: int) -> torch.Tensor:
