@@ -50,6 +50,8 @@ class BenchConfig:
             or baseline (``meshserve/bench/vllm_target.py``).
         compile: the engine's ``--compile`` (engine and mesh): decode steps through
             ``torch.compile`` (``executor.worker.compiled_decode``).
+        cpu_affinity: mesh target: pin the launched executors and the other services to
+            cores of their own (``meshserve.cli.launcher.MeshConfig.cpu_affinity``).
     """
 
     target: str
@@ -73,6 +75,7 @@ class BenchConfig:
     tls_dir: str | None = None
     vllm_python: str | None = None
     compile: bool = False
+    cpu_affinity: bool = False
 
     def __post_init__(self) -> None:
         if self.target not in TARGETS:

@@ -129,7 +129,8 @@ class MeshTarget(Target):
         # --num-threads comes from threads_per_executor
         self.mesh = Mesh(MeshConfig(port=free_port(), executors=c.executors, model=c.model, executor_args=args,
                                     log_dir=self.log_dir, threads_per_executor=c.threads,
-                                    tls_dir=Path(c.tls_dir) if c.tls_dir else None))
+                                    tls_dir=Path(c.tls_dir) if c.tls_dir else None,
+                                    cpu_affinity=c.cpu_affinity))
         await self.mesh.start()
         return self.mesh.gateway_address
 
@@ -163,7 +164,7 @@ class MeshTarget(Target):
             return {"dtype": self.config.dtype, "addr": self.config.addr,
                     "executor_addrs": list(self.config.executor_addrs)}
         return {**super().describe(), **self._engine_settings(), "executors": self.config.executors,
-                "log_dir": str(self.log_dir)}
+                "log_dir": str(self.log_dir), "cpus": dict(self.mesh.cpus) if self.mesh is not None else {}}
 
 
 TARGET_CLASSES: dict[str, type[Target]] = {"engine": EngineTarget, "mesh": MeshTarget, "hf-generate": HFGenerateTarget,

@@ -25,6 +25,7 @@ from __future__ import annotations
 import typer
 
 from meshserve.cli import certs, client, mesh, services, tools
+from meshserve.cpu_affinity import apply_from_env
 from meshserve.cli.options import MetricsPortOpt, OtlpOpt, ResultCacheSizeOpt, SampleOpt, TaskStoreOpt, TracesOpt
 
 __all__ = ["app", "main", "MetricsPortOpt", "OtlpOpt", "ResultCacheSizeOpt", "SampleOpt", "TaskStoreOpt", "TracesOpt"]
@@ -46,5 +47,12 @@ app.command()(certs.certs)
 
 
 def main() -> None:
-    """Console-script entry point (``meshserve = "meshserve.cli:main"``)."""
+    """Console-script entry point (``meshserve = "meshserve.cli:main"``). First pins the
+    process to ``$MESHSERVE_CPU_AFFINITY``'s cores when set (``meshserve.cpu_affinity``;
+    a bad value exits with code 2 and says why)."""
+    try:
+        apply_from_env()
+    except ValueError as exc:
+        typer.echo(f"error: {exc}", err=True)
+        raise SystemExit(2) from None
     app()

@@ -79,13 +79,15 @@ def run_demo(port: int, executors: int, max_tokens: int) -> int:
     """Runs the demo; returns the process exit code."""
     console = Console()
     log_dir = Path(tempfile.mkdtemp(prefix="meshserve-demo-"))
-    mesh = Mesh(MeshConfig(port=port or free_port(), executors=executors, log_dir=log_dir))
+    mesh = Mesh(MeshConfig(port=port or free_port(), executors=executors, log_dir=log_dir, cpu_affinity=True))
     console.print(f"Starting the mesh (scheduler, {executors} executor(s), gateway); logs in {log_dir} …")
     try:
         t0 = time.monotonic()
         asyncio.run(mesh.start())
         console.print(f"Mesh up in {time.monotonic() - t0:.1f} s: gateway {mesh.gateway_address}, "
                       f"scheduler {mesh.scheduler_address}, executors {', '.join(mesh.executor_addresses)}")
+        if mesh.cpus:
+            console.print("Cores: " + ", ".join(f"{name} {cpus}" for name, cpus in mesh.cpus.items()))
         return asyncio.run(_run(mesh, max_tokens, console))
     except KeyboardInterrupt:
         return 130

@@ -27,6 +27,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from meshserve.certs import has_certs, write_certs
+from meshserve.cpu_affinity import ENV as CPU_AFFINITY_ENV
+from meshserve.cpu_affinity import CpuPlan, format_cpu_list, plan_cpus
 from meshserve.grpc_server import LIVENESS_SERVICE, wait_serving
 from meshserve.tls import PLAINTEXT, TLSConfig
 
@@ -102,6 +104,9 @@ class MeshConfig:
         start_budget_s: with ``autoscale``, how long an executor may take to be ready
             before it is failed and replaced (None: ``startup_timeout_s``); the
             scheduler, gateway and kvstore keep ``startup_timeout_s``.
+        cpu_affinity: pin each executor to cores of its own and the other services to
+            the cores left (``meshserve.cpu_affinity``), when the launcher's cores fit
+            every executor (``autoscale``'s maximum) plus one; otherwise nothing is pinned.
     """
 
     port: int = 50051
@@ -124,6 +129,7 @@ class MeshConfig:
     start_budget_s: float | None = None
     gateway_args: list[str] = field(default_factory=list)
     kvstore_args: list[str] = field(default_factory=list)
+    cpu_affinity: bool = False
 
 
 class Mesh:
@@ -143,6 +149,13 @@ class Mesh:
         self.abandoned: set[str] = set()  # executors killed for not starting in time (replaced)
         self._kv_args: list[str] = []
         self._num_started = 0
+        self.cpu_plan: CpuPlan | None = None  # None: nothing pinned
+        if config.cpu_affinity:
+            slots = max(config.executors, config.autoscale[1] if config.autoscale else 0, 1)
+            threads = config.threads_per_executor or default_threads_per_executor(config.executors)
+            self.cpu_plan = plan_cpus(sorted(os.sched_getaffinity(0)), slots, threads)
+        self.cpus: dict[str, str] = {}  # service name -> the cores it is pinned to ("0-2,5"), when pinned
+        self._executor_slots: dict[str, int] = {}  # executor name -> its slot in cpu_plan.executor_cpus
 
     def tls(self, role: str = "client") -> TLSConfig:
         """The TLS settings of ``role`` in this mesh (plaintext when it runs without
@@ -169,13 +182,19 @@ class Mesh:
         self.metrics_addresses[name] = f"127.0.0.1:{port}"
         return ["--metrics-port", str(port)]
 
-    def _spawn(self, name: str, args: list[str]) -> None:
+    def _spawn(self, name: str, args: list[str], cpus: tuple[int, ...] | None = None) -> None:
+        """Starts ``meshserve ARGS`` as service ``name``, pinned to ``cpus`` when given
+        (else to the services' cores of ``cpu_plan``, when there is one)."""
         cmd = [sys.executable, "-m", "meshserve.cli", *args]
         out = None
         if self.config.log_dir is not None:
             self.config.log_dir.mkdir(parents=True, exist_ok=True)
             out = open(self.config.log_dir / f"{name}.log", "w")  # noqa: SIM115 - owned by the child
         env = dict(os.environ, PYTHONUNBUFFERED="1")
+        if cpus is None and self.cpu_plan is not None:
+            cpus = self.cpu_plan.service_cpus
+        if cpus is not None:
+            env[CPU_AFFINITY_ENV] = self.cpus[name] = format_cpu_list(cpus)
         self.procs.append((name, subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT if out else None, env=env)))
 
     def _gateway_args(self) -> list[str]:
@@ -274,8 +293,23 @@ class Mesh:
         self._spawn(name, ["executor", "--port", str(eport), "--scheduler", self.scheduler_address,
                            "--model", c.model, "--executor-id", name, "--num-threads", str(threads),
                            *self._kv_args, *self._metrics_args(name), *self._tls_args("executor"),
-                           *c.executor_args])
+                           *c.executor_args], self._executor_cpus(name))
         return name, self.executor_addresses[-1]
+
+    def _executor_cpus(self, name: str) -> tuple[int, ...] | None:
+        """The cores of the lowest slot of ``cpu_plan`` no running executor holds (a
+        draining one keeps its slot until it exits); every core of the launcher when
+        all slots are held; None without a plan."""
+        if self.cpu_plan is None:
+            return None
+        procs = dict(self.procs)
+        held = {slot for other, slot in self._executor_slots.items()
+                if other not in procs or procs[other].poll() is None}
+        free = [i for i in range(len(self.cpu_plan.executor_cpus)) if i not in held]
+        if not free:
+            return tuple(sorted(os.sched_getaffinity(0)))
+        self._executor_slots[name] = free[0]
+        return self.cpu_plan.executor_cpus[free[0]]
 
     def drain_executor(self, name: str) -> None:
         """SIGTERM to one executor: it drains (``executor.drain``) and exits on its own."""

@@ -46,7 +46,8 @@ def mesh_config(port: int, executors: int, model: str, dtype: str | None, kv_cac
                 metrics: bool = False, result_cache_size: int = 0, task_store: str = "memory",
                 tls_dir: Optional[str] = None, tls_files: Optional[tuple[str, str, str]] = None,
                 http_port: int | None = None, scheduler_args: list[str] | None = None,
-                gateway_args: list[str] | None = None, kvstore_args: list[str] | None = None) -> MeshConfig:
+                gateway_args: list[str] | None = None, kvstore_args: list[str] | None = None,
+                cpu_affinity: bool = False) -> MeshConfig:
     """The ``MeshConfig`` of ``up``'s flags.
 
     ``dtype`` (None: the executor's default), ``kv_cache_memory`` (bytes, e.g. ``1GiB``)
@@ -55,7 +56,8 @@ def mesh_config(port: int, executors: int, model: str, dtype: str | None, kv_cac
     go to the gateway; ``kvstore_memory`` None starts no kvstore; ``scheduler_args``,
     ``gateway_args`` and ``kvstore_args`` are further flags of those services.
     ``tls_dir`` (role certificates) or ``tls_files`` (cert, key, CA): mutual TLS;
-    neither: plaintext on loopback.
+    neither: plaintext on loopback. ``cpu_affinity``: pin the executors and the other
+    services to cores of their own (``MeshConfig.cpu_affinity``).
     """
     from meshserve.cli.launcher import MeshConfig
 
@@ -65,7 +67,7 @@ def mesh_config(port: int, executors: int, model: str, dtype: str | None, kv_cac
                       result_cache_size=result_cache_size, task_store=task_store,
                       tls_dir=Path(tls_dir) if tls_dir else None, tls_files=tls_files, http_port=http_port,
                       scheduler_args=list(scheduler_args or ()), gateway_args=list(gateway_args or ()),
-                      kvstore_args=list(kvstore_args or ()))
+                      kvstore_args=list(kvstore_args or ()), cpu_affinity=cpu_affinity)
 
 
 def parallel_args(tensor_parallel_size: int, pipeline_parallel_size: int) -> list[str]:
@@ -158,6 +160,9 @@ def up(
                                           "when it holds none). Default: plaintext on loopback."),
     tls_cert: Optional[str] = TLSCertOpt, tls_key: Optional[str] = TLSKeyOpt, tls_ca: Optional[str] = TLSCAOpt,
     insecure: bool = InsecureOpt,
+    cpu_affinity: bool = typer.Option(True, "--cpu-affinity/--no-cpu-affinity",
+                                      help="Pin each executor to cores of its own and the other services to the "
+                                           "cores left, when the cores allow (every executor's threads plus one)."),
 ) -> None:
     """Start the whole mesh on loopback; Ctrl-C stops it cleanly (plaintext unless --tls-dir or --tls-*)."""
     from gateway.task_store_registry import task_store_kind
@@ -218,7 +223,7 @@ def up(
                          scheduler_args=[*file_args["scheduler"], *service_flags(queue_policy=queue_policy,
                                                                                  pools=pools)],
                          gateway_args=[*file_args["gateway"], *gateway_flags],
-                         kvstore_args=file_args["kvstore"])
+                         kvstore_args=file_args["kvstore"], cpu_affinity=cpu_affinity)
     if scale is not None:
         config.scheduler_args += planner_args
         config.autoscale = scale
@@ -257,6 +262,8 @@ def run_mesh(mesh) -> None:
                    f"executors {', '.join(mesh.executor_addresses)}{kv}. Ctrl-C stops it.")
         for name, address in mesh.metrics_addresses.items():
             typer.echo(f"  metrics {name}: http://{address}/metrics")
+        if mesh.cpus:
+            typer.echo("  cores: " + ", ".join(f"{name} {cpus}" for name, cpus in mesh.cpus.items()))
         if scale is not None:
             from meshserve.cli.autoscale import LocalAutoscaler
 

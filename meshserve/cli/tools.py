@@ -65,6 +65,9 @@ def bench(
     executor_addr: list[str] = typer.Option([], "--executor-addr", help="mesh target with --addr: an executor "
                                             "whose Stats to sample; may repeat."),
     executors: int = typer.Option(1, min=1, help="mesh target: executor processes to launch."),
+    cpu_affinity: bool = typer.Option(True, "--cpu-affinity/--no-cpu-affinity", help="mesh target: pin the launched "
+                                      "executors to cores of their own and the other services to the cores left, "
+                                      "as `meshserve up` does."),
     prompt_len_median: int = typer.Option(150, help="Median prompt length (tokens; multi-turn: of each user "
                                           "message)."),
     output_len_median: int = typer.Option(128, help="Median output length (tokens)."),
@@ -95,7 +98,7 @@ def bench(
                           num_threads=num_threads, block_size=block_size,
                           enable_prefix_caching=not no_prefix_caching, max_batch_wait_ms=max_batch_wait_ms,
                           executor_addrs=tuple(executor_addr), request_rate=request_rate, tls_dir=tls_dir,
-                          vllm_python=vllm_python, compile=compile)
+                          vllm_python=vllm_python, compile=compile, cpu_affinity=cpu_affinity)
         points = sweep_points(concurrency, request_rate, parse_values(sweep_concurrency, int),
                               parse_values(sweep_rate, float))
         check_baselines(baselines, open_loop=any(p.request_rate is not None for p in points))

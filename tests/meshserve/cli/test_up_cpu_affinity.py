@@ -1,0 +1,73 @@
+"""``meshserve up --cpu-affinity`` (``MeshConfig.cpu_affinity``): the executor runs on
+cores of its own and the other services on the cores left, every thread of each;
+a second executor finds its slot taken until the first one has exited."""
+
+import os
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from meshserve.cli import app
+from meshserve.cli import mesh as mesh_cli
+from meshserve.cli.launcher import Mesh, MeshConfig, free_port
+from meshserve.client import build_request, channel, generate
+from meshserve.cpu_affinity import format_cpu_list
+from meshserve.v1 import gateway_pb2_grpc
+from tests.support.mesh_harness import wait_for_condition
+
+
+def _threads_cpus(pid: int) -> set[str]:
+    """The distinct ``Cpus_allowed_list`` of every thread of process ``pid``."""
+    out = set()
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        status = Path(f"/proc/{pid}/task/{tid}/status").read_text()
+        out |= {line.split(":", 1)[1].strip() for line in status.splitlines() if line.startswith("Cpus_allowed_list")}
+    return out
+
+
+def test_up_pins_by_default_and_no_cpu_affinity_turns_it_off(monkeypatch):
+    started = []
+    monkeypatch.setattr(mesh_cli, "run_mesh", started.append)
+    assert CliRunner().invoke(app, ["up"]).exit_code == 0
+    assert CliRunner().invoke(app, ["up", "--no-cpu-affinity"]).exit_code == 0
+    assert [m.config.cpu_affinity for m in started] == [True, False]
+
+
+def test_a_launcher_on_one_core_pins_nothing(monkeypatch):
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0})
+    assert Mesh(MeshConfig(cpu_affinity=True, threads_per_executor=1)).cpu_plan is None
+
+
+def test_the_plan_has_a_slot_for_every_executor_autoscaling_may_start(monkeypatch):
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(8)))
+    mesh = Mesh(MeshConfig(executors=1, autoscale=(1, 3), threads_per_executor=2, cpu_affinity=True))
+    assert mesh.cpu_plan.executor_cpus == ((0, 1), (2, 3), (4, 5)) and mesh.cpu_plan.service_cpus == (6, 7)
+    assert Mesh(MeshConfig(executors=1, autoscale=(1, 4), threads_per_executor=2, cpu_affinity=True)).cpu_plan is None
+
+
+@pytest.mark.model
+async def test_the_executor_has_its_own_core_and_the_services_the_rest(tmp_path):
+    allowed = sorted(os.sched_getaffinity(0))
+    if len(allowed) < 2:
+        pytest.skip("needs two cores")
+    mesh = Mesh(MeshConfig(port=free_port(), executor_args=["--dtype", "float32", "--kv-cache-memory", "64MiB"],
+                           threads_per_executor=1, log_dir=tmp_path, cpu_affinity=True))
+    await mesh.start()
+    try:
+        executor_core, services = str(allowed[0]), format_cpu_list(allowed[1:])
+        assert mesh.cpus == {"scheduler": services, "executor-0": executor_core, "gateway": services}
+        for name, proc in mesh.procs:
+            assert _threads_cpus(proc.pid) == {mesh.cpus[name]}, name
+        async with channel(mesh.gateway_address) as ch:
+            out = await generate(gateway_pb2_grpc.GatewayStub(ch), build_request(
+                [1000 + i for i in range(12)], max_tokens=4, temperature=0.0, ignore_eos=True))
+        assert len(out.token_ids) == 4
+        # the one slot is held while executor-0 runs (a second one would get every core) ...
+        assert mesh._executor_cpus("executor-x") == tuple(allowed)
+        mesh.drain_executor("executor-0")
+        await wait_for_condition(lambda: mesh.exit_code("executor-0") is not None, 60, "executor-0 exited")
+        assert mesh.exit_code("executor-0") == 0
+        assert mesh._executor_cpus("executor-y") == (allowed[0],)  # ... and free once it has exited
+    finally:
+        mesh.stop()
