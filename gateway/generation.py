@@ -44,7 +44,7 @@ from opentelemetry import trace
 from gateway.choices import Choice, RequestTimer
 from gateway.collector import ChoiceCollector, CompletedChoice, replay
 from gateway.events import ChoiceResult, Delta, Event, Queued
-from gateway.lease_renewal import renewing
+from gateway.lease_renewal import LeaseActivity, renewing
 from gateway.mesh import Admission, Assignment, MeshClient
 from gateway.metrics import GatewayMetrics, RequestMetrics
 from gateway.prompt import PromptBuilder
@@ -334,10 +334,10 @@ class GatewayCore:
             p.metrics.assigned(p.timer.assigned)
             span.set_attributes({ta.EXECUTOR_ID: assignment.executor_id, ta.QUEUE_WAIT_S: assignment.queue_s})
             choices = [Choice(i, self.tokenizer, p.prompt_ids, p.params.stop) for i in range(p.params.n)]
-            async with renewing(self.mesh, assignment, span):
+            async with renewing(self.mesh, assignment, span) as activity:
                 if on_assigned is not None:
                     await on_assigned()
-                async with aclosing(self._execute(p, assignment, choices, span)) as events:
+                async with aclosing(self._execute(p, assignment, choices, span, activity)) as events:
                     async for event in events:
                         yield event
             finished = True
@@ -347,13 +347,15 @@ class GatewayCore:
                 await self.mesh.release(assignment.lease_id, completion_tokens, span)
 
     async def _execute(self, p: Prepared, assignment: Assignment, choices: list[Choice],
-                       span: trace.Span) -> AsyncIterator[Delta | ChoiceResult]:
-        """The executor's outputs through each choice's detokenizer and stop strings;
+                       span: trace.Span, activity: LeaseActivity) -> AsyncIterator[Delta | ChoiceResult]:
+        """The executor's outputs through each choice's detokenizer and stop strings
+        (each one touches ``activity``: the lease needs no renewal call meanwhile);
         the call is cancelled (closed) once every choice is done."""
         timer, rm = p.timer, p.metrics
         outputs = self.mesh.execute(assignment, p.request_id, p.prompt_ids, p.params, p.priority, span)
         async with aclosing(outputs):
             async for out in outputs:
+                activity.touch()
                 if not 0 <= out.index < len(choices):
                     raise Unavailable(f"executor {assignment.executor_id} sent choice {out.index} of {p.params.n}")
                 choice = choices[out.index]

@@ -46,13 +46,17 @@ for). ``expire_start_waits`` ends each request that has found no executor of its
 model for ``start_budget_s`` (UNAVAILABLE: the executor did not start in time),
 and each that the executors which came cannot hold (INVALID_ARGUMENT).
 
-**Lease lifetime.** A lease expires ``lease_ttl_s`` after its assignment or its
-last ``renew`` (the gateway renews while it streams). ``expire_leases`` releases
-each expired lease that its executor does not list in its last report (the
-request is not running there: its gateway died before Execute, or Execute
-ended); an expired lease its executor still lists is kept while it is listed,
-since its blocks are really held. So a dead gateway's leases come back at most
-``lease_ttl_s`` + one report interval after its last renewal.
+**Lease lifetime.** A lease expires ``lease_ttl_s`` after its assignment, its
+last ``renew`` or the last report of its executor that listed it (the request
+runs there: its Execute call is open), whichever is latest. The gateway renews
+while no executor output reaches it (before Execute, or a request waiting in the
+executor); a request that streams is kept by its executor's reports, so it costs
+no renewal calls. ``expire_leases`` releases each expired lease that its executor
+does not list in its last report (the request is not running there: its gateway
+died before Execute, or Execute ended); an expired lease its executor still
+lists is kept while it is listed, since its blocks are really held. So a dead
+gateway's leases come back at most ``lease_ttl_s`` + one report interval after
+its last renewal or listing.
 """
 
 from __future__ import annotations
@@ -417,7 +421,13 @@ class AdmissionCore:
         bad = {k: v for k, v in counts.items() if v < 0}
         if bad:
             raise InvalidArgument(f"lease_num_blocks must be >= 0, got {bad}")
-        self.registry.report(executor_id, num_free_blocks, num_running, num_waiting, set(lease_ids) | set(counts))
+        listed = set(lease_ids) | set(counts)
+        self.registry.report(executor_id, num_free_blocks, num_running, num_waiting, listed)
+        expires_at = self._clock() + self.config.lease_ttl_s
+        for lease_id in listed:  # a listed lease is running there: the listing renews it
+            lease = self._leases.get(lease_id)
+            if lease is not None and lease.executor_id == executor_id:
+                lease.expires_at = max(lease.expires_at, expires_at)
         for lease_id, reported in counts.items():
             lease = self._leases.get(lease_id)
             if lease is None or lease.executor_id != executor_id:

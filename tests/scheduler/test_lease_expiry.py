@@ -70,3 +70,29 @@ def test_a_tenant_whose_quota_a_dead_gateway_filled_is_served_again_after_expiry
     core.expire_leases()
     ((req, _),) = core.dispatch()
     assert req.request_id == "next"
+
+
+def test_a_report_that_lists_a_lease_renews_it_for_a_full_life():
+    """A streaming request's gateway does not call RenewLease (``gateway.lease_renewal``):
+    its executor's reports keep the lease; the life counts from the last listing."""
+    core, clock = setup()
+    lease = admit(core, "r1")
+    clock.t += 7.0
+    core.on_capacity("e0", 61, 1, 0, [lease.lease_id], {lease.lease_id: 3})  # listed at 107
+    clock.t += 5.0
+    core.on_capacity("e0", 64, 0, 0, [], {})  # no longer listed at 112 (its Execute ended)
+    clock.t += 4.999  # 116.999: within 10 s of the last listing
+    assert core.expire_leases() == []
+    clock.t += 0.001
+    assert [x.lease_id for x in core.expire_leases()] == [lease.lease_id]
+
+
+def test_another_executors_report_does_not_renew_a_lease():
+    core, clock = setup()
+    core.registry.add(ExecutorState("e1", "addr1", "m", 64, 16, 1024))
+    lease = admit(core, "r1")
+    assert lease.executor_id == "e0"
+    clock.t += 7.0
+    core.on_capacity("e1", 64, 0, 0, [lease.lease_id], {})  # a report naming a lease it does not hold
+    clock.t += 3.0
+    assert [x.lease_id for x in core.expire_leases()] == [lease.lease_id]
