@@ -104,9 +104,10 @@ class MeshConfig:
         start_budget_s: with ``autoscale``, how long an executor may take to be ready
             before it is failed and replaced (None: ``startup_timeout_s``); the
             scheduler, gateway and kvstore keep ``startup_timeout_s``.
-        cpu_affinity: pin each executor to cores of its own and the other services to
-            the cores left (``meshserve.cpu_affinity``), when the launcher's cores fit
-            every executor (``autoscale``'s maximum) plus one; otherwise nothing is pinned.
+        cpu_affinity: pin each executor to cores of its own (its threads times its
+            tensor- and pipeline-parallel ranks) and the other services to the cores
+            left (``meshserve.cpu_affinity``), when the launcher's cores fit every
+            executor (``autoscale``'s maximum) plus one; otherwise nothing is pinned.
     """
 
     port: int = 50051
@@ -150,10 +151,12 @@ class Mesh:
         self._kv_args: list[str] = []
         self._num_started = 0
         self.cpu_plan: CpuPlan | None = None  # None: nothing pinned
-        if config.cpu_affinity:
+        if config.cpu_affinity:  # an executor's ranks share its cores (executor.worker.distributed.cpu_shares)
             slots = max(config.executors, config.autoscale[1] if config.autoscale else 0, 1)
             threads = config.threads_per_executor or default_threads_per_executor(config.executors)
-            self.cpu_plan = plan_cpus(sorted(os.sched_getaffinity(0)), slots, threads)
+            ranks = (int(_last_value(config.executor_args, "--tensor-parallel-size") or 1)
+                     * int(_last_value(config.executor_args, "--pipeline-parallel-size") or 1))
+            self.cpu_plan = plan_cpus(sorted(os.sched_getaffinity(0)), slots, threads * ranks)
         self.cpus: dict[str, str] = {}  # service name -> the cores it is pinned to ("0-2,5"), when pinned
         self._executor_slots: dict[str, int] = {}  # executor name -> its slot in cpu_plan.executor_cpus
 

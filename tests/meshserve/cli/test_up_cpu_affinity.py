@@ -46,6 +46,21 @@ def test_the_plan_has_a_slot_for_every_executor_autoscaling_may_start(monkeypatc
     assert Mesh(MeshConfig(executors=1, autoscale=(1, 4), threads_per_executor=2, cpu_affinity=True)).cpu_plan is None
 
 
+def test_an_executors_parallel_ranks_each_get_its_threads_cores(monkeypatch):
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(8)))
+    mesh = Mesh(MeshConfig(executors=2, threads_per_executor=1, cpu_affinity=True,
+                           executor_args=["--tensor-parallel-size", "3"]))
+    assert mesh.cpu_plan.executor_cpus == ((0, 1, 2), (3, 4, 5)) and mesh.cpu_plan.service_cpus == (6, 7)
+    tp_pp = ["--tensor-parallel-size", "2", "--pipeline-parallel-size", "2"]
+    assert Mesh(MeshConfig(threads_per_executor=2, cpu_affinity=True, executor_args=tp_pp)).cpu_plan is None
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(10)))  # 4 ranks x 2 threads, and 2 left
+    pp = Mesh(MeshConfig(threads_per_executor=2, cpu_affinity=True, executor_args=tp_pp))
+    assert pp.cpu_plan.executor_cpus == (tuple(range(8)),) and pp.cpu_plan.service_cpus == (8, 9)
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1})  # TP=3 on 2 cores: as before, unpinned
+    assert Mesh(MeshConfig(threads_per_executor=1, cpu_affinity=True,
+                           executor_args=["--tensor-parallel-size", "3"])).cpu_plan is None
+
+
 @pytest.mark.model
 async def test_the_executor_has_its_own_core_and_the_services_the_rest(tmp_path):
     allowed = sorted(os.sched_getaffinity(0))
