@@ -100,8 +100,11 @@ def pin_process(cpus: Sequence[int]) -> None:
     """Pins every thread of this process to ``cpus`` (threads started later inherit it).
 
     Raises:
-        ValueError: none of ``cpus`` is a core this process may use (the kernel's EINVAL).
+        ValueError: none of ``cpus`` is a core this process may use (the kernel's EINVAL),
+            or the platform has no ``sched_setaffinity`` (not Linux).
     """
+    if not hasattr(os, "sched_setaffinity"):
+        raise ValueError(f"{ENV}: pinning to cores needs Linux (os.sched_setaffinity)")
     tids = [int(t) for t in os.listdir("/proc/self/task")] if os.path.isdir("/proc/self/task") else [0]
     for tid in tids:
         try:

@@ -151,7 +151,8 @@ class Mesh:
         self._kv_args: list[str] = []
         self._num_started = 0
         self.cpu_plan: CpuPlan | None = None  # None: nothing pinned
-        if config.cpu_affinity:  # an executor's ranks share its cores (executor.worker.distributed.cpu_shares)
+        # an executor's ranks share its cores (executor.worker.distributed.cpu_shares); Linux only
+        if config.cpu_affinity and hasattr(os, "sched_getaffinity"):
             slots = max(config.executors, config.autoscale[1] if config.autoscale else 0, 1)
             threads = config.threads_per_executor or default_threads_per_executor(config.executors)
             ranks = (int(_last_value(config.executor_args, "--tensor-parallel-size") or 1)

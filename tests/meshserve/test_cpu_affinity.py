@@ -83,3 +83,9 @@ def test_a_core_the_process_may_not_use_is_a_usage_error_of_the_command():
     bad = subprocess.run([sys.executable, "-m", "meshserve.cli", "--help"], capture_output=True, text=True,
                          env={**os.environ, "MESHSERVE_CPU_AFFINITY": "two"})
     assert bad.returncode == 2 and "'two' in 'two' is not a core number" in bad.stderr
+
+
+def test_pinning_off_linux_is_a_clear_error(monkeypatch):
+    monkeypatch.delattr(os, "sched_setaffinity")
+    with pytest.raises(ValueError, match="pinning to cores needs Linux"):
+        apply_from_env({"MESHSERVE_CPU_AFFINITY": "0"})

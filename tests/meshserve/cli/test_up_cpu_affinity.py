@@ -86,3 +86,8 @@ async def test_the_executor_has_its_own_core_and_the_services_the_rest(tmp_path)
         assert mesh._executor_cpus("executor-y") == (allowed[0],)  # ... and free once it has exited
     finally:
         mesh.stop()
+
+
+def test_a_launcher_off_linux_pins_nothing(monkeypatch):
+    monkeypatch.delattr(os, "sched_getaffinity")
+    assert Mesh(MeshConfig(cpu_affinity=True, threads_per_executor=1)).cpu_plan is None
