@@ -75,23 +75,39 @@ def format_cpu_list(cpus: Sequence[int]) -> str:
     return ",".join(out)
 
 
-def parse_cpu_list(text: str) -> list[int]:
+def usable_cpus() -> list[int]:
+    """The cores this process may run on (``taskset``, a container's cpuset), ascending;
+    off Linux every core ``os.cpu_count`` reports."""
+    if hasattr(os, "sched_getaffinity"):
+        return sorted(os.sched_getaffinity(0))
+    return list(range(os.cpu_count() or 1))
+
+
+def parse_cpu_list(text: str, num_cores: int | None = None) -> list[int]:
     """``"0-2,5"`` → ``[0, 1, 2, 5]``.
 
+    Args:
+        text: the list, as ``taskset -c`` writes it (ASCII digits, ``-`` ranges, ``,``).
+        num_cores: the machine's cores (default ``os.cpu_count()``); a core at or past
+            it is refused before any range is built.
+
     Raises:
-        ValueError: empty, a negative or non-integer item, or a range whose end is below its start.
+        ValueError: empty, an item that is not a core number or a range, a range whose
+            end is below its start, or a core this machine does not have.
     """
+    limit = num_cores or os.cpu_count() or 1
     cpus: set[int] = set()
     for item in text.split(","):
         item = item.strip()
         first, sep, last = item.partition("-")
-        try:
-            lo = int(first)
-            hi = int(last) if sep else lo
-        except ValueError:
-            raise ValueError(f"{ENV}: {item!r} in {text!r} is not a core number or a range like 0-3") from None
-        if lo < 0 or hi < lo:
+        bounds = [first, last] if sep else [first]
+        if not all(b.isascii() and b.isdigit() for b in bounds):
+            raise ValueError(f"{ENV}: {item!r} in {text!r} is not a core number or a range like 0-3")
+        lo, hi = int(bounds[0]), int(bounds[-1])
+        if hi < lo:
             raise ValueError(f"{ENV}: bad range {item!r} in {text!r}")
+        if hi >= limit:
+            raise ValueError(f"{ENV}: core {hi} in {text!r} does not exist (this machine has cores 0-{limit - 1})")
         cpus.update(range(lo, hi + 1))
     return sorted(cpus)
 
@@ -100,11 +116,16 @@ def pin_process(cpus: Sequence[int]) -> None:
     """Pins every thread of this process to ``cpus`` (threads started later inherit it).
 
     Raises:
-        ValueError: none of ``cpus`` is a core this process may use (the kernel's EINVAL),
-            or the platform has no ``sched_setaffinity`` (not Linux).
+        ValueError: a core of ``cpus`` is not one this process may use (``taskset``, a
+            container's cpuset), or the platform has no ``sched_setaffinity`` (not Linux).
     """
     if not hasattr(os, "sched_setaffinity"):
         raise ValueError(f"{ENV}: pinning to cores needs Linux (os.sched_setaffinity)")
+    usable = set(usable_cpus())
+    outside = sorted(set(cpus) - usable)
+    if outside:
+        raise ValueError(f"{ENV}={format_cpu_list(cpus)}: cores {format_cpu_list(outside)} are not ones this "
+                         f"process may use ({format_cpu_list(sorted(usable))})")
     tids = [int(t) for t in os.listdir("/proc/self/task")] if os.path.isdir("/proc/self/task") else [0]
     for tid in tids:
         try:
@@ -112,8 +133,7 @@ def pin_process(cpus: Sequence[int]) -> None:
         except ProcessLookupError:  # a thread that ended meanwhile
             continue
         except OSError as exc:
-            raise ValueError(f"{ENV}={format_cpu_list(cpus)}: cannot pin to these cores "
-                             f"(this process may use {format_cpu_list(os.sched_getaffinity(0))}): {exc}") from None
+            raise ValueError(f"{ENV}={format_cpu_list(cpus)}: cannot pin to these cores: {exc}") from None
 
 
 def apply_from_env(environ: Mapping[str, str] | None = None) -> list[int] | None:

@@ -88,6 +88,8 @@ def run_demo(port: int, executors: int, max_tokens: int) -> int:
                       f"scheduler {mesh.scheduler_address}, executors {', '.join(mesh.executor_addresses)}")
         if mesh.cpus:
             console.print("Cores: " + ", ".join(f"{name} {cpus}" for name, cpus in mesh.cpus.items()))
+        elif mesh.cpu_note:
+            console.print(f"Cores: {mesh.cpu_note}")
         return asyncio.run(_run(mesh, max_tokens, console))
     except KeyboardInterrupt:
         return 130

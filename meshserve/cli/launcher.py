@@ -28,21 +28,22 @@ from pathlib import Path
 
 from meshserve.certs import has_certs, write_certs
 from meshserve.cpu_affinity import ENV as CPU_AFFINITY_ENV
-from meshserve.cpu_affinity import CpuPlan, format_cpu_list, plan_cpus
+from meshserve.cpu_affinity import CpuPlan, format_cpu_list, plan_cpus, usable_cpus
 from meshserve.grpc_server import LIVENESS_SERVICE, wait_serving
 from meshserve.tls import PLAINTEXT, TLSConfig
 
 
 def default_threads_per_executor(executors: int) -> int:
-    """torch CPU threads of each executor of a local mesh: the cores less one (kept for
-    the gateway, the scheduler and the clients), shared among the executors.
+    """torch CPU threads of each executor of a local mesh: the cores this process may
+    use (``taskset``, a container's cpuset) less one (kept for the gateway, the
+    scheduler and the clients), shared among the executors.
 
     On a small CPU this matters more than it seems: an OpenMP thread that loses its
     core to another process stalls every parallel region at its barrier. Measured on
     2 cores with a second process busy: one decode step of the default model took
     589 ms with 2 threads against 74 ms with 1.
     """
-    return max(1, ((os.cpu_count() or 1) - 1) // max(1, executors))
+    return max(1, (len(usable_cpus()) - 1) // max(1, executors))
 
 
 def port_is_free(port: int, host: str = "127.0.0.1") -> bool:
@@ -151,15 +152,32 @@ class Mesh:
         self._kv_args: list[str] = []
         self._num_started = 0
         self.cpu_plan: CpuPlan | None = None  # None: nothing pinned
-        # an executor's ranks share its cores (executor.worker.distributed.cpu_shares); Linux only
-        if config.cpu_affinity and hasattr(os, "sched_getaffinity"):
-            slots = max(config.executors, config.autoscale[1] if config.autoscale else 0, 1)
-            threads = config.threads_per_executor or default_threads_per_executor(config.executors)
-            ranks = (int(_last_value(config.executor_args, "--tensor-parallel-size") or 1)
-                     * int(_last_value(config.executor_args, "--pipeline-parallel-size") or 1))
-            self.cpu_plan = plan_cpus(sorted(os.sched_getaffinity(0)), slots, threads * ranks)
+        self.cpu_note = ""  # why nothing is pinned although cpu_affinity asked for it
+        if config.cpu_affinity:
+            self._plan_cpus()
         self.cpus: dict[str, str] = {}  # service name -> the cores it is pinned to ("0-2,5"), when pinned
         self._executor_slots: dict[str, int] = {}  # executor name -> its slot in cpu_plan.executor_cpus
+
+    def _plan_cpus(self) -> None:
+        """Sets ``cpu_plan`` (or ``cpu_note``): a slot per executor ``autoscale`` may run,
+        each of the executor's torch threads (its ``--num-threads``, which
+        ``executor_args`` may set) times its tensor- and pipeline-parallel ranks, which
+        share its cores (``executor.worker.distributed.cpu_shares``)."""
+        c = self.config
+        if not hasattr(os, "sched_getaffinity"):
+            self.cpu_note = "not pinned: pinning needs Linux"
+            return
+        slots = max(c.executors, c.autoscale[1] if c.autoscale else 0, 1)
+        threads = int(_last_value(c.executor_args, "--num-threads")
+                      or c.threads_per_executor or default_threads_per_executor(c.executors))
+        ranks = (int(_last_value(c.executor_args, "--tensor-parallel-size") or 1)
+                 * int(_last_value(c.executor_args, "--pipeline-parallel-size") or 1))
+        cpus = usable_cpus()
+        self.cpu_plan = plan_cpus(cpus, slots, threads * ranks)
+        if self.cpu_plan is None:
+            self.cpu_note = (f"not pinned: {slots} executor(s) x {threads * ranks} core(s) and one for the other "
+                             f"services do not fit the {len(cpus)} core(s) this process may use "
+                             f"({format_cpu_list(cpus)})")
 
     def tls(self, role: str = "client") -> TLSConfig:
         """The TLS settings of ``role`` in this mesh (plaintext when it runs without
@@ -311,7 +329,7 @@ class Mesh:
                 if other not in procs or procs[other].poll() is None}
         free = [i for i in range(len(self.cpu_plan.executor_cpus)) if i not in held]
         if not free:
-            return tuple(sorted(os.sched_getaffinity(0)))
+            return tuple(usable_cpus())
         self._executor_slots[name] = free[0]
         return self.cpu_plan.executor_cpus[free[0]]
 

@@ -264,6 +264,8 @@ def run_mesh(mesh) -> None:
             typer.echo(f"  metrics {name}: http://{address}/metrics")
         if mesh.cpus:
             typer.echo("  cores: " + ", ".join(f"{name} {cpus}" for name, cpus in mesh.cpus.items()))
+        elif mesh.cpu_note:
+            typer.echo(f"  cores: {mesh.cpu_note}")
         if scale is not None:
             from meshserve.cli.autoscale import LocalAutoscaler
 

@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from meshserve.cpu_affinity import CpuPlan, apply_from_env, format_cpu_list, parse_cpu_list, plan_cpus
+from meshserve.cpu_affinity import CpuPlan, apply_from_env, format_cpu_list, parse_cpu_list, pin_process, plan_cpus
 
 
 @pytest.mark.parametrize("allowed, executors, threads, plan", [
@@ -35,16 +35,29 @@ def test_a_plan_needs_an_executor_and_a_thread(executors, threads):
 @pytest.mark.parametrize("text, cpus", [("0", [0]), ("0-2,5", [0, 1, 2, 5]), (" 3 , 1-2 ", [1, 2, 3]),
                                         ("4-4,4", [4])])
 def test_cpu_lists_parse_and_format_as_taskset_writes_them(text, cpus):
-    assert parse_cpu_list(text) == cpus
-    assert parse_cpu_list(format_cpu_list(cpus)) == cpus
+    assert parse_cpu_list(text, num_cores=8) == cpus
+    assert parse_cpu_list(format_cpu_list(cpus), num_cores=8) == cpus
     assert format_cpu_list([5, 0, 2, 1]) == "0-2,5"
 
 
 @pytest.mark.parametrize("text, message", [("", "not a core number"), ("a", "not a core number"),
-                                           ("3-1", "bad range"), ("1,,2", "not a core number")])
+                                           ("3-1", "bad range"), ("1,,2", "not a core number"),
+                                           ("-1", "not a core number"), ("+1", "not a core number"),
+                                           ("\u0660", "not a core number"), ("1-", "not a core number"),
+                                           ("0,9", r"core 9 in '0,9' does not exist \(this machine has cores 0-7\)"),
+                                           ("0-99999999999", "core 99999999999 in '0-99999999999' does not exist")])
 def test_a_bad_cpu_list_says_what_is_wrong(text, message):
     with pytest.raises(ValueError, match=message):
-        parse_cpu_list(text)
+        parse_cpu_list(text, num_cores=8)
+
+
+def test_a_core_outside_the_process_cores_is_refused_not_dropped(monkeypatch):
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 2})
+    calls = []
+    monkeypatch.setattr(os, "sched_setaffinity", lambda tid, cpus: calls.append(cpus))
+    with pytest.raises(ValueError, match=r"cores 1,3 are not ones this process may use \(0,2\)"):
+        pin_process([0, 1, 3])
+    assert calls == []
 
 
 def test_an_unset_variable_changes_nothing():
@@ -75,11 +88,12 @@ def test_every_thread_of_the_process_is_pinned_also_one_started_before():
 
 
 def test_a_core_the_process_may_not_use_is_a_usage_error_of_the_command():
-    unusable = max(os.sched_getaffinity(0)) + 1024
+    missing = os.cpu_count()
     result = subprocess.run([sys.executable, "-m", "meshserve.cli", "--help"], capture_output=True, text=True,
-                            env={**os.environ, "MESHSERVE_CPU_AFFINITY": str(unusable)})
+                            env={**os.environ, "MESHSERVE_CPU_AFFINITY": f"0,{missing}"})
     assert result.returncode == 2
-    assert f"MESHSERVE_CPU_AFFINITY={unusable}: cannot pin to these cores" in result.stderr
+    assert result.stderr == (f"error: MESHSERVE_CPU_AFFINITY: core {missing} in '0,{missing}' does not exist "
+                             f"(this machine has cores 0-{missing - 1})\n")
     bad = subprocess.run([sys.executable, "-m", "meshserve.cli", "--help"], capture_output=True, text=True,
                          env={**os.environ, "MESHSERVE_CPU_AFFINITY": "two"})
     assert bad.returncode == 2 and "'two' in 'two' is not a core number" in bad.stderr

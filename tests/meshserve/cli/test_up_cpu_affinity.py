@@ -10,7 +10,7 @@ from typer.testing import CliRunner
 
 from meshserve.cli import app
 from meshserve.cli import mesh as mesh_cli
-from meshserve.cli.launcher import Mesh, MeshConfig, free_port
+from meshserve.cli.launcher import Mesh, MeshConfig, default_threads_per_executor, free_port
 from meshserve.client import build_request, channel, generate
 from meshserve.cpu_affinity import format_cpu_list
 from meshserve.v1 import gateway_pb2_grpc
@@ -34,9 +34,27 @@ def test_up_pins_by_default_and_no_cpu_affinity_turns_it_off(monkeypatch):
     assert [m.config.cpu_affinity for m in started] == [True, False]
 
 
-def test_a_launcher_on_one_core_pins_nothing(monkeypatch):
+def test_a_launcher_on_one_core_pins_nothing_and_says_why(monkeypatch):
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0})
-    assert Mesh(MeshConfig(cpu_affinity=True, threads_per_executor=1)).cpu_plan is None
+    mesh = Mesh(MeshConfig(cpu_affinity=True, threads_per_executor=1))
+    assert mesh.cpu_plan is None
+    assert mesh.cpu_note == ("not pinned: 1 executor(s) x 1 core(s) and one for the other services do not fit "
+                             "the 1 core(s) this process may use (0)")
+
+
+def test_the_executors_own_num_threads_is_what_is_planned(monkeypatch):
+    """A mesh config's ``[executor] num-threads`` comes after the launcher's own flag and wins."""
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1, 2, 3})
+    mesh = Mesh(MeshConfig(cpu_affinity=True, executor_args=["--num-threads", "2"]))
+    assert mesh.cpu_plan.executor_cpus == ((0, 1),) and mesh.cpu_plan.service_cpus == (2, 3)
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1})  # 2 threads do not fit 2 cores + 1
+    assert Mesh(MeshConfig(cpu_affinity=True, executor_args=["--num-threads", "2"])).cpu_plan is None
+
+
+def test_default_threads_count_the_cores_the_launcher_may_use(monkeypatch):
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {4, 5})
+    monkeypatch.setattr(os, "cpu_count", lambda: 16)
+    assert default_threads_per_executor(1) == 1
 
 
 def test_the_plan_has_a_slot_for_every_executor_autoscaling_may_start(monkeypatch):
@@ -90,4 +108,5 @@ async def test_the_executor_has_its_own_core_and_the_services_the_rest(tmp_path)
 
 def test_a_launcher_off_linux_pins_nothing(monkeypatch):
     monkeypatch.delattr(os, "sched_getaffinity")
-    assert Mesh(MeshConfig(cpu_affinity=True, threads_per_executor=1)).cpu_plan is None
+    mesh = Mesh(MeshConfig(cpu_affinity=True, threads_per_executor=1))
+    assert mesh.cpu_plan is None and mesh.cpu_note == "not pinned: pinning needs Linux"
