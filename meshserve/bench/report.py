@@ -122,6 +122,8 @@ def format_table(report: dict) -> str:
         ("e2e p50 / p99", f"{report['e2e_p50_s']:.2f} / {report['e2e_p99_s']:.2f} s"),
     ]
     rows += _engine_rows(report)
+    if report.get("cpus"):  # a launched mesh pinned to cores (--cpu-affinity)
+        rows.append(("cores", ", ".join(f"{name} {cpus}" for name, cpus in report["cpus"].items())))
     width = max(len(name) for name, _ in rows)
     return "\n".join(f"{name:<{width}}  {value}" for name, value in rows)
 

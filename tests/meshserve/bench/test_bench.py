@@ -12,7 +12,7 @@ import pytest
 from meshserve.bench import BenchConfig, WorkloadSpec, run_bench
 from meshserve.bench.engine_stats import NULL_METRICS, CounterSnapshot, Sample, StatsSampler, run_metrics
 from meshserve.bench.loop import BenchError, RequestResult, checked_result, run_closed_loop
-from meshserve.bench.report import build_report
+from meshserve.bench.report import build_report, format_table
 from meshserve.bench.shared_prefix import make_shared_prefix_workload
 from meshserve.bench.summary import summarise
 from meshserve.bench.workload import (BenchRequest, make_warmup, make_workload, model_vocabulary,
@@ -189,6 +189,18 @@ def test_report_values():
     assert report["dtype"] == "float32" and "ttft_method" in report
     assert report["workload"] == "synthetic" and "shared_prefix_len" not in report
     assert all(report[k] is None for k in NULL_METRICS)  # no engine counters
+
+
+def test_the_terminal_table_names_a_pinned_meshs_cores():
+    spec = WorkloadSpec(num_requests=1, seed=5)
+    wl = make_workload(spec, 49152, SPECIALS)
+    results = [RequestResult("a", 10, 2, 0.0, (1.0, 2.0), 2.0)]
+    pinned = build_report(BenchConfig("mesh", 1, spec), wl, results, wall_s=2.0, target_facts={
+        "dtype": "float32", "cpus": {"scheduler": "1", "executor-0": "0", "gateway": "1"}})
+    assert format_table(pinned).splitlines()[-1] == "cores                   scheduler 1, executor-0 0, gateway 1"
+    unpinned = build_report(BenchConfig("mesh", 1, spec), wl, results, wall_s=2.0,
+                            target_facts={"dtype": "float32", "cpus": {}})
+    assert "cores" not in format_table(unpinned)
 
 
 def test_report_carries_the_engine_metrics_and_the_shared_prefix_shape():
