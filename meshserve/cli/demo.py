@@ -86,10 +86,8 @@ def run_demo(port: int, executors: int, max_tokens: int) -> int:
         asyncio.run(mesh.start())
         console.print(f"Mesh up in {time.monotonic() - t0:.1f} s: gateway {mesh.gateway_address}, "
                       f"scheduler {mesh.scheduler_address}, executors {', '.join(mesh.executor_addresses)}")
-        if mesh.cpus:
-            console.print("Cores: " + ", ".join(f"{name} {cpus}" for name, cpus in mesh.cpus.items()))
-        elif mesh.cpu_note:
-            console.print(f"Cores: {mesh.cpu_note}")
+        if mesh.cores_line():
+            console.print(f"Cores: {mesh.cores_line()}")
         return asyncio.run(_run(mesh, max_tokens, console))
     except KeyboardInterrupt:
         return 130

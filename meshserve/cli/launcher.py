@@ -168,8 +168,7 @@ class Mesh:
             self.cpu_note = "not pinned: pinning needs Linux"
             return
         slots = max(c.executors, c.autoscale[1] if c.autoscale else 0, 1)
-        threads = int(_last_value(c.executor_args, "--num-threads")
-                      or c.threads_per_executor or default_threads_per_executor(c.executors))
+        threads = int(_last_value(c.executor_args, "--num-threads") or self._threads())
         ranks = (int(_last_value(c.executor_args, "--tensor-parallel-size") or 1)
                  * int(_last_value(c.executor_args, "--pipeline-parallel-size") or 1))
         cpus = usable_cpus()
@@ -178,6 +177,16 @@ class Mesh:
             self.cpu_note = (f"not pinned: {slots} executor(s) x {threads * ranks} core(s) and one for the other "
                              f"services do not fit the {len(cpus)} core(s) this process may use "
                              f"({format_cpu_list(cpus)})")
+
+    def _threads(self) -> int:
+        """The ``--num-threads`` the launcher gives each executor (``executor_args`` may
+        override it)."""
+        return self.config.threads_per_executor or default_threads_per_executor(self.config.executors)
+
+    def cores_line(self) -> str:
+        """What the services are pinned to (``scheduler 1, executor-0 0, gateway 1``), why
+        nothing is (``cpu_note``), or "" when pinning was not asked for."""
+        return ", ".join(f"{name} {cpus}" for name, cpus in self.cpus.items()) or self.cpu_note
 
     def tls(self, role: str = "client") -> TLSConfig:
         """The TLS settings of ``role`` in this mesh (plaintext when it runs without
@@ -309,7 +318,7 @@ class Mesh:
         c = self.config
         name, eport = f"executor-{self._num_started}", free_port()
         self._num_started += 1
-        threads = c.threads_per_executor or default_threads_per_executor(c.executors)
+        threads = self._threads()
         self.executor_names.append(name)
         self.executor_addresses.append(f"127.0.0.1:{eport}")
         self._spawn(name, ["executor", "--port", str(eport), "--scheduler", self.scheduler_address,

@@ -262,10 +262,8 @@ def run_mesh(mesh) -> None:
                    f"executors {', '.join(mesh.executor_addresses)}{kv}. Ctrl-C stops it.")
         for name, address in mesh.metrics_addresses.items():
             typer.echo(f"  metrics {name}: http://{address}/metrics")
-        if mesh.cpus:
-            typer.echo("  cores: " + ", ".join(f"{name} {cpus}" for name, cpus in mesh.cpus.items()))
-        elif mesh.cpu_note:
-            typer.echo(f"  cores: {mesh.cpu_note}")
+        if mesh.cores_line():
+            typer.echo(f"  cores: {mesh.cores_line()}")
         if scale is not None:
             from meshserve.cli.autoscale import LocalAutoscaler
 
