@@ -7,7 +7,7 @@ executor.worker.rank_main`` with the environment ``torchrun`` would give them::
 
     MASTER_ADDR=127.0.0.1  MASTER_PORT=<free loopback port of rank 0's TCPStore>
     RANK=r  WORLD_SIZE=W  LOCAL_RANK=r  LOCAL_WORLD_SIZE=W
-    MESHSERVE_RANK_CPUS=<cores of this rank, CPU only>
+    MESHSERVE_CPU_AFFINITY=<cores of this rank, CPU only>   (meshserve.cpu_affinity)
 
 Collectives run over ``torch.distributed`` (gloo on CPU, NCCL on CUDA). Step
 inputs do not: rank 0 writes each step's pickled ``SchedulerOutput`` to every
@@ -27,6 +27,9 @@ from typing import BinaryIO
 
 import torch
 
+from meshserve.cpu_affinity import ENV as CPU_AFFINITY_ENV
+from meshserve.cpu_affinity import apply_from_env, format_cpu_list, usable_cpus
+
 _LENGTH = struct.Struct("<Q")
 
 
@@ -37,7 +40,7 @@ def cpu_shares(world_size: int, cpus: list[int] | None = None) -> list[list[int]
     Returns:
         ``world_size`` non-empty lists of core ids.
     """
-    cpus = sorted(os.sched_getaffinity(0)) if cpus is None else sorted(cpus)
+    cpus = usable_cpus() if cpus is None else sorted(cpus)
     if world_size >= len(cpus):
         return [[cpus[r % len(cpus)]] for r in range(world_size)]
     per = len(cpus) // world_size
@@ -48,15 +51,17 @@ def rank_env(rank: int, world_size: int, port: int, cpus: list[int] | None) -> d
     """The torchrun-style environment of rank ``rank`` (see the module doc)."""
     env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": str(rank), "WORLD_SIZE": str(world_size),
            "LOCAL_RANK": str(rank), "LOCAL_WORLD_SIZE": str(world_size), "GLOO_SOCKET_IFNAME": "lo"}
-    if cpus is not None:
-        env["MESHSERVE_RANK_CPUS"] = ",".join(map(str, cpus))
+    # "" when not pinned: the executor's own list (its environment's) is not the rank's
+    env[CPU_AFFINITY_ENV] = format_cpu_list(cpus) if cpus is not None else ""
     return env
 
 
-def pin_to_cpus(cpus: list[int], num_threads: int | None = None) -> None:
-    """Pins this process to ``cpus`` and sizes torch's thread pool to them (or ``num_threads``)."""
-    os.sched_setaffinity(0, cpus)
-    torch.set_num_threads(num_threads or len(cpus))
+def pin_from_env(num_threads: int | None = None) -> None:
+    """Pins every thread of this rank to the cores ``rank_env`` gave it (none: nothing
+    changes) and sizes torch's thread pool to them (or ``num_threads``)."""
+    cpus = apply_from_env()
+    if cpus:
+        torch.set_num_threads(num_threads or len(cpus))
 
 
 def rank_device(device: str, local_rank: int) -> str:

@@ -4,7 +4,7 @@ Started by ``executor.worker.multiproc_group.MultiprocWorkerGroup`` with the
 torchrun-style environment of ``executor.worker.distributed`` and its stdin as
 the step pipe. Its life::
 
-    read the EngineConfig frame         (pin to MESHSERVE_RANK_CPUS on CPU)
+    read the EngineConfig frame         (pin to MESHSERVE_CPU_AFFINITY on CPU)
     load this rank's shard (Worker)     store: loaded/<rank>
     join the process group
     loop: read a frame                  ("init_cache", n, b) | ("step", SchedulerOutput, step id) | ("shutdown",)
@@ -39,9 +39,7 @@ def main() -> int:
         config = distributed.read_frame(pipe)
     except EOFError:
         return 3  # rank 0 is gone before it sent the configuration
-    cpus = os.environ.get("MESHSERVE_RANK_CPUS")
-    if cpus:
-        distributed.pin_to_cpus([int(c) for c in cpus.split(",")], config.num_threads)
+    distributed.pin_from_env(config.num_threads)
     from executor.worker.worker import Worker
 
     store = distributed.make_store(rank, world_size, int(os.environ["MASTER_PORT"]),

@@ -93,3 +93,25 @@ async def test_killed_rank_ends_requests_with_unavailable_and_the_other_ranks_ex
         await svc.stop(0.2)
         await async_engine.stop()
         engine.shutdown()
+
+
+def test_a_cpu_rank_runs_every_thread_on_its_share_of_the_cores(tmp_path):
+    """Rank 1 of a TP=2 group is pinned through ``MESHSERVE_CPU_AFFINITY`` (``rank_env``,
+    applied by ``rank_main``) to its share of the executor's cores, every thread of it."""
+    from pathlib import Path
+
+    from executor.worker.distributed import cpu_shares
+    from meshserve.cpu_affinity import format_cpu_list
+
+    path = save_tiny(tmp_path / "llama", "llama", 2)
+    group = LLMEngine(parallel_config(str(path), 2))
+    try:
+        [proc] = group.worker_group.procs
+        allowed = set()
+        for tid in os.listdir(f"/proc/{proc.pid}/task"):
+            status = Path(f"/proc/{proc.pid}/task/{tid}/status").read_text()
+            allowed |= {line.split(":", 1)[1].strip() for line in status.splitlines()
+                        if line.startswith("Cpus_allowed_list")}
+        assert allowed == {format_cpu_list(cpu_shares(2)[1])}
+    finally:
+        group.shutdown()
