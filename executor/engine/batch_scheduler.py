@@ -10,6 +10,18 @@ step gives every scheduled request a share of ``max_num_batched_tokens``:
 3. waiting requests in order (higher priority first, then earlier arrival), a
    first chunk each, while the budget, ``max_num_seqs`` and free blocks allow.
 
+A prefill chunk is at most ``long_prefill_token_threshold`` tokens when that is
+set and the step has more than one request to serve (vLLM v1's rule of the same
+name; a lone request keeps the whole budget, there is nobody to keep waiting): a
+long prompt then spreads over several steps, and the steps it shares with
+decodes and with short prefills (a prefix-cache hit computes only its uncached
+tail) stay short, as Sarathi-Serve's stall-free batching bounds a step's prefill
+work (Agrawal et al., OSDI '24).
+
+Short prefills first (``short_prefill_tokens`` > 0): a step takes its prefills
+in two passes, the short ones first, and a longer one may sit out a few steps for
+them (``executor.engine.prefill_order``).
+
 Requests join and leave the batch every step. When a running request needs a
 block and none is free, the scheduler preempts by recompute (vLLM, Kwon et al.,
 SOSP '23): the victim is the running request with the lowest priority, then the
@@ -59,15 +71,17 @@ from __future__ import annotations
 
 import bisect
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from executor.engine.config import BatchSchedulerConfig
 from executor.engine.kv_cache_manager import KVCacheManager
 from executor.engine.kv_connector import KVConnectorScheduler
 from executor.engine.outputs import RequestOutput
+from executor.engine.prefill_order import Admit, shorts_only, sits_out
 from executor.engine.request import Request, RequestStatus
 from executor.engine.scheduler_output import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
 from executor.engine.stop import check_stop
+
 
 
 @dataclass
@@ -75,6 +89,8 @@ class _StepState:
     budget: int
     scheduled: dict[str, int]    # request id -> tokens this step (insertion order = batch order)
     preempted: list[str]
+    prefill_cap: int = 0         # most prompt tokens of one request this step (0: no cap)
+    deferred_for_prefix: set[str] = field(default_factory=set)
 
 
 class BatchScheduler:
@@ -187,12 +203,22 @@ class BatchScheduler:
         if self.connector is not None:
             self._take_fetches()
         state = _StepState(self.config.max_num_batched_tokens, {}, [])
+        if len(self.running) + len(self.waiting) > 1:  # a lone request has nobody to keep waiting
+            state.prefill_cap = self.config.long_prefill_token_threshold
         self.hold_deadline = None
         had_running = bool(self.running)
         self._schedule_running(state, decodes=True)
-        self._schedule_running(state, decodes=False)
-        if not state.preempted:
-            self._schedule_waiting(state, had_running)
+        limit = self.config.short_prefill_tokens
+        if limit:
+            before = set(state.scheduled)
+            self._schedule_prefills(state, had_running, shorts_only(limit))
+            short_priority = max((self.requests[rid].priority for rid in state.scheduled if rid not in before),
+                                 default=None)
+            self._schedule_prefills(state, had_running,
+                                    lambda request, n: not sits_out(request, n, limit, short_priority))
+        else:
+            self._schedule_prefills(state, had_running, None)
+        self.num_deferred_for_prefix += len(state.deferred_for_prefix)
         batch = [(self.requests[rid], n) for rid, n in state.scheduled.items()]
         kv_loads, kv_saves = self.connector.build_connector_meta(batch) if self.connector else ([], [])
         scheduled = [self._scheduled_request(request, n) for request, n in batch]
@@ -200,7 +226,15 @@ class BatchScheduler:
         return SchedulerOutput(scheduled, sum(state.scheduled.values()), state.preempted, finished, kv_loads,
                                kv_saves)
 
-    def _schedule_running(self, state: _StepState, decodes: bool) -> None:
+    def _schedule_prefills(self, state: _StepState, had_running: bool, admit: Admit | None) -> None:
+        """Running prompts' next chunks, then waiting requests, as ``admit`` (the request,
+        its tokens left to compute) says: True takes it, False passes it over, None (waiting
+        requests) ends the pass there; ``admit`` None takes all."""
+        self._schedule_running(state, decodes=False, admit=admit)
+        if not state.preempted:
+            self._schedule_waiting(state, had_running, admit)
+
+    def _schedule_running(self, state: _StepState, decodes: bool, admit: Admit | None = None) -> None:
         for request in list(self.running):
             if state.budget == 0:
                 return
@@ -208,7 +242,9 @@ class BatchScheduler:
                 continue
             if (request.num_uncomputed_tokens == 1) != decodes:
                 continue
-            num_new = min(request.num_uncomputed_tokens, state.budget)
+            if admit is not None and not admit(request, request.num_uncomputed_tokens):
+                continue
+            num_new = min(self._cap_prefill(request.num_uncomputed_tokens, state), state.budget)
             if self._allocate_or_preempt(request, num_new, state):
                 state.scheduled[request.request_id] = num_new
                 state.budget -= num_new
@@ -247,7 +283,7 @@ class BatchScheduler:
                 pending.update(self.kv.pending_block_hashes(request))
         return pending
 
-    def _schedule_waiting(self, state: _StepState, had_running: bool) -> None:
+    def _schedule_waiting(self, state: _StepState, had_running: bool, admit: Admit | None = None) -> None:
         """Admits waiting requests in order (see the module doc).
 
         In-flight prefix sharing: a request whose next uncached prompt block is
@@ -262,18 +298,24 @@ class BatchScheduler:
         index = 0
         while index < len(self.waiting) and state.budget > 0:
             request = self.waiting[index]
+            # a waiting request holds no block (new, or preempted and freed)
+            computed_blocks, num_hit = self.kv.get_computed_blocks(request)
+            num_ext = self._num_loadable_blocks(request, len(computed_blocks)) * self.kv.block_size
+            verdict = True if admit is None else admit(request, request.num_tokens - num_hit - num_ext)
+            if verdict is None:
+                return
+            if not verdict:
+                index += 1
+                continue
             if len(self.running) >= self.config.max_num_seqs:
                 if self._preempt_lower(request, state):
                     continue
                 return
-            # a waiting request holds no block (new, or preempted and freed)
-            computed_blocks, num_hit = self.kv.get_computed_blocks(request)
-            num_ext = self._num_loadable_blocks(request, len(computed_blocks)) * self.kv.block_size
             if pending and self.kv.next_cacheable_hash(request, num_hit + num_ext) in pending:
-                self.num_deferred_for_prefix += 1
+                state.deferred_for_prefix.add(request.request_id)
                 index += 1
                 continue
-            num_new = request.num_tokens - num_hit - num_ext
+            num_new = self._cap_prefill(request.num_tokens - num_hit - num_ext, state)
             if num_new > state.budget and not self._may_chunk(request, num_new):
                 return
             num_new = min(num_new, state.budget)
@@ -329,6 +371,12 @@ class BatchScheduler:
             return False
         self.hold_deadline = deadline
         return True
+
+    @staticmethod
+    def _cap_prefill(num_new: int, state: _StepState) -> int:
+        """``num_new`` uncomputed tokens capped at the step's ``prefill_cap`` (a decode's
+        one token is never capped)."""
+        return min(num_new, state.prefill_cap) if state.prefill_cap > 0 else num_new
 
     def _may_chunk(self, request: Request, num_new: int) -> bool:
         """Chunked prefill on; or off, but a preempted request longer than the whole

@@ -49,12 +49,24 @@ class BatchSchedulerConfig:
         max_batch_wait_ms: dynamic batching wait (milliseconds, >= 0): while the
             running batch is small, a new prefill may be held up to this long so
             that it starts together with others; never longer. 0 = never hold.
+        long_prefill_token_threshold: most prompt tokens one request computes in a
+            step (vLLM's ``long_prefill_token_threshold``; 0 = no cap beyond the
+            budget). A long prefill then runs in chunks of this size, so a step it
+            shares with decodes and short prefills (prefix-cache hits) stays short;
+            a request alone in the engine is not capped. Needs chunked prefill.
+        short_prefill_tokens: short prefills first: a step first takes the prefills
+            with at most this many tokens left to compute (prefix-cache hits' tails,
+            short prompts); when it took any, longer prefills of no higher priority
+            sit out the step (each at most ``MAX_PREFILL_DEFERRALS`` steps in all;
+            ``executor.engine.prefill_order``). 0: arrival order only.
     """
 
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
     enable_chunked_prefill: bool = True
     max_batch_wait_ms: float = 0.0
+    long_prefill_token_threshold: int = 0
+    short_prefill_tokens: int = 64
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1:
@@ -63,6 +75,12 @@ class BatchSchedulerConfig:
             raise ValueError(f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
         if not 0 <= self.max_batch_wait_ms < float("inf"):
             raise ValueError(f"max_batch_wait_ms must be a finite number >= 0, got {self.max_batch_wait_ms}")
+        if self.long_prefill_token_threshold < 0:
+            raise ValueError(f"long_prefill_token_threshold must be >= 0, got {self.long_prefill_token_threshold}")
+        if self.short_prefill_tokens < 0:
+            raise ValueError(f"short_prefill_tokens must be >= 0, got {self.short_prefill_tokens}")
+        if self.long_prefill_token_threshold and not self.enable_chunked_prefill:
+            raise ValueError("long_prefill_token_threshold needs chunked prefill (it splits prompts into chunks)")
 
 
 @dataclass(frozen=True)

@@ -98,6 +98,8 @@ class Request:
         trace_context: the OpenTelemetry context of the request's span (opaque here),
             the parent of kvstore fetch and publish spans.
         cache_salt: salts its chain hashes (``CheckedRequest.cache_salt``).
+        num_prefill_deferrals: steps its prefill sat out for shorter ones
+            (``BatchSchedulerConfig.short_prefill_tokens``).
     """
 
     request_id: str
@@ -117,6 +119,7 @@ class Request:
     num_kvstore_tokens: int = 0
     trace_context: object = None
     cache_salt: str = ""
+    num_prefill_deferrals: int = 0
 
     def __post_init__(self) -> None:
         self.all_token_ids = list(self.prompt_token_ids) + list(self.output_token_ids)

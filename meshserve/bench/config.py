@@ -35,6 +35,10 @@ class BenchConfig:
         block_size: tokens per KV block of the engine (engine and mesh).
         enable_prefix_caching: the engine's prefix cache (hf-continuous: block sharing).
         max_batch_wait_ms: the engine's dynamic batching wait (engine and mesh).
+        long_prefill_token_threshold: most prompt tokens one request computes in a step
+            (engine, mesh and vllm; 0: no cap).
+        short_prefill_tokens: the engine's short-prefills-first limit (engine and mesh;
+            None: the engine's default; 0: arrival order).
         executors: executor processes of a launched mesh.
         addr: host:port of a running gateway (mesh target only; None: launch one).
         num_threads: torch CPU threads of the engine, of each launched executor and of
@@ -69,6 +73,8 @@ class BenchConfig:
     block_size: int = 16
     enable_prefix_caching: bool = True
     max_batch_wait_ms: float = 0.0
+    long_prefill_token_threshold: int = 0
+    short_prefill_tokens: int | None = None
     executor_addrs: tuple[str, ...] = ()
     stats_interval_s: float = 0.5
     request_rate: float | None = None
@@ -94,6 +100,8 @@ class BenchConfig:
         if self.block_size < 1 or not 0 <= self.max_batch_wait_ms < float("inf") or self.stats_interval_s <= 0:
             raise ValueError("block_size must be >= 1, max_batch_wait_ms a finite number >= 0, "
                              "stats_interval_s > 0")
+        if self.long_prefill_token_threshold < 0:
+            raise ValueError(f"long_prefill_token_threshold must be >= 0, got {self.long_prefill_token_threshold}")
         if self.request_rate is not None and not self.request_rate > 0:
             raise ValueError(f"request rate must be > 0 requests/s (or inf), got {self.request_rate}")
         if self.request_rate is not None and self.target == "hf-static":

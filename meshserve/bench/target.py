@@ -82,4 +82,6 @@ class Target(ABC):
         return {"engine": {"kv_cache_memory": c.kv_cache_memory, "max_num_seqs": c.max_num_seqs,
                            "max_num_batched_tokens": c.max_num_batched_tokens, "num_threads": c.threads,
                            "block_size": c.block_size, "enable_prefix_caching": c.enable_prefix_caching,
-                           "max_batch_wait_ms": c.max_batch_wait_ms, "compile": c.compile}}
+                           "max_batch_wait_ms": c.max_batch_wait_ms, "compile": c.compile,
+                           "long_prefill_token_threshold": c.long_prefill_token_threshold,
+                           "short_prefill_tokens": c.short_prefill_tokens}}

@@ -54,7 +54,10 @@ class EngineTarget(Target):
             cache=CacheConfig(block_size=c.block_size, kv_cache_memory_bytes=parse_bytes(c.kv_cache_memory),
                               enable_prefix_caching=c.enable_prefix_caching),
             batch=BatchSchedulerConfig(max_num_seqs=c.max_num_seqs, max_num_batched_tokens=c.max_num_batched_tokens,
-                                       max_batch_wait_ms=c.max_batch_wait_ms),
+                                       max_batch_wait_ms=c.max_batch_wait_ms,
+                                       long_prefill_token_threshold=c.long_prefill_token_threshold,
+                                       **({} if c.short_prefill_tokens is None else
+                                          {"short_prefill_tokens": c.short_prefill_tokens})),
             compile=c.compile,
         )
         llm = await asyncio.to_thread(LLMEngine, cfg)
@@ -85,7 +88,8 @@ class EngineTarget(Target):
             return {**super().describe(), **self._engine_settings()}
         llm = self.engine.engine
         settings = self._engine_settings()
-        settings["engine"].update(num_blocks=llm.num_blocks, block_size=llm.block_size)
+        settings["engine"].update(num_blocks=llm.num_blocks, block_size=llm.block_size,
+                                  short_prefill_tokens=llm.config.batch.short_prefill_tokens)
         return {"dtype": str(llm.dtype).removeprefix("torch."), **settings}
 
 
@@ -121,7 +125,10 @@ class MeshTarget(Target):
         self.log_dir = Path(tempfile.mkdtemp(prefix="meshserve-bench-"))
         args = ["--dtype", c.dtype, "--kv-cache-memory", c.kv_cache_memory, "--max-num-seqs", str(c.max_num_seqs),
                 "--max-num-batched-tokens", str(c.max_num_batched_tokens), "--block-size", str(c.block_size),
-                "--max-batch-wait-ms", str(c.max_batch_wait_ms)]
+                "--max-batch-wait-ms", str(c.max_batch_wait_ms),
+                "--long-prefill-token-threshold", str(c.long_prefill_token_threshold)]
+        if c.short_prefill_tokens is not None:
+            args += ["--short-prefill-tokens", str(c.short_prefill_tokens)]
         if not c.enable_prefix_caching:
             args.append("--no-prefix-caching")
         if c.compile:

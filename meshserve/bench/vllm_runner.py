@@ -40,6 +40,7 @@ def build_engine(args):
 
     engine_args = EngineArgs(model=args.model, dtype=args.dtype, max_num_seqs=args.max_num_seqs,
                              max_num_batched_tokens=args.max_num_batched_tokens,
+                             long_prefill_token_threshold=args.long_prefill_token_threshold,
                              enable_prefix_caching=args.enable_prefix_caching, seed=0,
                              max_model_len=args.max_model_len, disable_log_stats=True)
     return LLMEngine.from_engine_args(engine_args)
@@ -86,6 +87,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--max-num-seqs", type=int, default=64)
     parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    parser.add_argument("--long-prefill-token-threshold", type=int, default=0)
     parser.add_argument("--max-model-len", type=int, default=2048)
     parser.add_argument("--kv-cache-gib", type=int, default=1)
     parser.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_false")

@@ -52,6 +52,7 @@ class VLLMTarget(Target):
         return [c.vllm_python, "-I", str(RUNNER), "--model", str(self.model_path), "--dtype", resolve_dtype(c.dtype),
                 "--threads", str(c.threads), "--max-num-seqs", str(c.max_num_seqs),
                 "--max-num-batched-tokens", str(c.max_num_batched_tokens),
+                "--long-prefill-token-threshold", str(c.long_prefill_token_threshold),
                 "--kv-cache-gib", str(max(1, math.ceil(parse_bytes(c.kv_cache_memory) / 2**30)))] + (
                     [] if c.enable_prefix_caching else ["--no-prefix-caching"])
 

@@ -180,7 +180,8 @@ def engine_config(model: str, dtype: str, kv_cache_memory: str, block_size: int,
                   attention_backend: str = "auto", device: str = "cpu", enable_kv_events: bool = False,
                   tensor_parallel_size: int = 1, pipeline_parallel_size: int = 1,
                   revision: str | None = None, cuda_graphs: bool | None = None,
-                  compile: bool = False) -> EngineConfig:
+                  compile: bool = False, long_prefill_token_threshold: int = 0,
+                  short_prefill_tokens: int | None = None) -> EngineConfig:
     """The executor's ``EngineConfig`` from its flags (``kv_cache_memory`` a byte size such as ``2GiB``;
     the parallel sizes: the ranks of one replica, ``executor.worker.multiproc_group``; ``cuda_graphs``
     None: wherever they can run).
@@ -206,7 +207,10 @@ def engine_config(model: str, dtype: str, kv_cache_memory: str, block_size: int,
                           enable_kv_events=enable_kv_events and not no_prefix_caching),
         batch=BatchSchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
                                    enable_chunked_prefill=not no_chunked_prefill,
-                                   max_batch_wait_ms=max_batch_wait_ms),
+                                   max_batch_wait_ms=max_batch_wait_ms,
+                                   long_prefill_token_threshold=long_prefill_token_threshold,
+                                   **({} if short_prefill_tokens is None else
+                                      {"short_prefill_tokens": short_prefill_tokens})),
         parallel=ParallelConfig(tensor_parallel_size=tensor_parallel_size,
                                 pipeline_parallel_size=pipeline_parallel_size),
     )

@@ -119,6 +119,13 @@ def executor(
     no_prefix_caching: bool = typer.Option(False, "--no-prefix-caching", help="Never reuse cached prefix KV blocks."),
     max_batch_wait_ms: float = typer.Option(0.0, "--max-batch-wait-ms", min=0.0,
                                             help="Hold a new prefill up to this long to batch it with others."),
+    long_prefill_token_threshold: int = typer.Option(0, "--long-prefill-token-threshold", min=0,
+                                                     help="Most prompt tokens one request computes in a step: long "
+                                                          "prompts prefill in chunks this size (0: no cap)."),
+    short_prefill_tokens: Optional[int] = typer.Option(None, "--short-prefill-tokens", min=0,
+                                                       help="Short prefills first: prefills with at most this many "
+                                                            "tokens to compute run first, longer ones sit out up to "
+                                                            "4 steps (default 64; 0: arrival order)."),
     max_model_len: Optional[int] = typer.Option(None, help="Longest prompt + output (default: the model's)."),
     num_threads: Optional[int] = typer.Option(None, help="torch CPU threads."),
     attention_backend: str = typer.Option("auto", help="auto (triton on CUDA, else torch), torch or triton."),
@@ -178,7 +185,8 @@ def executor(
                                       tensor_parallel_size=tensor_parallel_size,
                                       pipeline_parallel_size=pipeline_parallel_size, revision=revision,
                                       cuda_graphs=cuda_graphs,
-                                      compile=compile)
+                                      compile=compile, long_prefill_token_threshold=long_prefill_token_threshold,
+                                      short_prefill_tokens=short_prefill_tokens)
     except ValueError as exc:  # a bad flag value: typer prints usage and the message, exit code 2
         raise typer.BadParameter(str(exc)) from None
     if kvstore is not None and not is_address(kvstore):

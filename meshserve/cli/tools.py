@@ -59,6 +59,12 @@ def bench(
                                            "(hf-continuous: no block sharing)."),
     max_batch_wait_ms: float = typer.Option(0.0, "--max-batch-wait-ms", min=0.0,
                                             help="engine/mesh: hold a new prefill up to this long to batch it."),
+    long_prefill_token_threshold: int = typer.Option(0, "--long-prefill-token-threshold", min=0,
+                                                     help="engine/mesh/vllm: most prompt tokens one request "
+                                                          "computes in a step (0: no cap)."),
+    short_prefill_tokens: Optional[int] = typer.Option(None, "--short-prefill-tokens", min=0,
+                                                       help="engine/mesh: short prefills first up to this many "
+                                                            "tokens (default: the engine's; 0: arrival order)."),
     compile: bool = typer.Option(False, "--compile/--no-compile", help="engine/mesh: torch.compile the decode "
                                  "steps at start-up (CPU, float32, one thread)."),
     addr: Optional[str] = typer.Option(None, "--addr", help="mesh target: a running gateway's host:port."),
@@ -97,7 +103,8 @@ def bench(
                           max_num_batched_tokens=max_num_batched_tokens, executors=executors, addr=addr,
                           num_threads=num_threads, block_size=block_size,
                           enable_prefix_caching=not no_prefix_caching, max_batch_wait_ms=max_batch_wait_ms,
-                          executor_addrs=tuple(executor_addr), request_rate=request_rate, tls_dir=tls_dir,
+                          long_prefill_token_threshold=long_prefill_token_threshold,
+                          short_prefill_tokens=short_prefill_tokens, executor_addrs=tuple(executor_addr), request_rate=request_rate, tls_dir=tls_dir,
                           vllm_python=vllm_python, compile=compile, cpu_affinity=cpu_affinity)
         points = sweep_points(concurrency, request_rate, parse_values(sweep_concurrency, int),
                               parse_values(sweep_rate, float))

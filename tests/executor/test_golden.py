@@ -7,7 +7,8 @@ engine so the second run is served from the warm cache (the warm run generates 1
 tokens, not 64: every one of its decode steps already attends over the whole
 prompt's cached KV, and the 48 more steps would repeat the cold run's); a pool so small that
 requests are preempted and recomputed (from their own cached blocks when they
-survived). Every variant equals the cold single-request reference.
+survived); prompts capped at 40 tokens a step (``long_prefill_token_threshold``). Every
+variant equals the cold single-request reference.
 """
 
 from __future__ import annotations
@@ -78,4 +79,14 @@ def test_golden_prefix_caching_cold_then_warm(golden_prompts, golden_reference, 
 def test_golden_with_preemption(golden_prompts, golden_reference):
     outputs, engine = run_engine(150, golden_prompts, reverse=True)  # 2400 slots for ~3300 tokens
     assert engine.stats().num_preemptions > 0
+    assert_greedy_matches(outputs, golden_reference)
+
+
+def test_golden_long_prefill_threshold(golden_prompts, golden_reference):
+    """Prompts capped at 40 tokens a step (2.5 blocks: chunks end inside a block) while the
+    short ones prefill whole beside them."""
+    engine = LLMEngine(EngineConfig(dtype="float32", num_threads=1, cache=CacheConfig(num_blocks=400),
+                                    batch=BatchSchedulerConfig(max_num_seqs=16, max_num_batched_tokens=BUDGET,
+                                                               long_prefill_token_threshold=40)))
+    outputs, _ = run_engine(400, golden_prompts, engine=engine)
     assert_greedy_matches(outputs, golden_reference)

@@ -295,15 +295,16 @@ def test_a_baseline_may_name_its_dtype_and_vllm_runs_in_the_named_python(tmp_pat
     with pytest.raises(ValueError, match="the vllm baseline runs the closed loop only"):
         check_baselines(["vllm@bfloat16"], open_loop=True)
     run = BenchConfig("engine", 8, WorkloadSpec(num_requests=1), dtype="float32", kv_cache_memory="1536MiB",
-                      num_threads=1, vllm_python="/opt/v/bin/python", enable_prefix_caching=False)
+                      num_threads=1, vllm_python="/opt/v/bin/python", enable_prefix_caching=False,
+                      long_prefill_token_threshold=128)
     cfg = _baseline_config(run, "vllm@bfloat16")
     assert (cfg.target, cfg.dtype, cfg.vllm_python) == ("vllm", "bfloat16", "/opt/v/bin/python")
     assert _baseline_config(run, "vllm").dtype == "float32"
     assert _baseline_config(run, "engine@bfloat16").target == "engine"
     assert VLLMTarget(cfg, Path("/models/m")).command() == [
         "/opt/v/bin/python", "-I", str(RUNNER), "--model", "/models/m", "--dtype", "bfloat16", "--threads", "1",
-        "--max-num-seqs", "64", "--max-num-batched-tokens", "2048", "--kv-cache-gib", "2",
-        "--no-prefix-caching"]
+        "--max-num-seqs", "64", "--max-num-batched-tokens", "2048", "--long-prefill-token-threshold", "128",
+        "--kv-cache-gib", "2", "--no-prefix-caching"]
     with pytest.raises(ValueError, match="needs --vllm-python"):
         BenchConfig("vllm", 1, WorkloadSpec(num_requests=1))
 
