@@ -10,6 +10,9 @@ step gives every scheduled request a share of ``max_num_batched_tokens``:
 3. waiting requests in order (higher priority first, then earlier arrival), a
    first chunk each, while the budget, ``max_num_seqs`` and free blocks allow.
 
+With short prefills first on (the default), 2 and 3 run twice: first for the
+prefills with few tokens left, then for the rest (see below).
+
 A prefill chunk is at most ``long_prefill_token_threshold`` tokens when that is
 set and the step has more than one request to serve (vLLM v1's rule of the same
 name; a lone request keeps the whole budget, there is nobody to keep waiting): a
@@ -77,11 +80,10 @@ from executor.engine.config import BatchSchedulerConfig
 from executor.engine.kv_cache_manager import KVCacheManager
 from executor.engine.kv_connector import KVConnectorScheduler
 from executor.engine.outputs import RequestOutput
-from executor.engine.prefill_order import Admit, shorts_only, sits_out
+from executor.engine.prefill_order import Admit, count_sit_outs, shorts_only, the_rest
 from executor.engine.request import Request, RequestStatus
 from executor.engine.scheduler_output import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
 from executor.engine.stop import check_stop
-
 
 
 @dataclass
@@ -211,11 +213,12 @@ class BatchScheduler:
         limit = self.config.short_prefill_tokens
         if limit:
             before = set(state.scheduled)
-            self._schedule_prefills(state, had_running, shorts_only(limit))
+            passed: list[Request] = []
+            self._schedule_prefills(state, had_running, shorts_only(limit, passed))
             short_priority = max((self.requests[rid].priority for rid in state.scheduled if rid not in before),
                                  default=None)
-            self._schedule_prefills(state, had_running,
-                                    lambda request, n: not sits_out(request, n, limit, short_priority))
+            self._schedule_prefills(state, had_running, the_rest(limit, short_priority))
+            count_sit_outs(passed, state.scheduled, short_priority)
         else:
             self._schedule_prefills(state, had_running, None)
         self.num_deferred_for_prefix += len(state.deferred_for_prefix)
@@ -298,6 +301,8 @@ class BatchScheduler:
         index = 0
         while index < len(self.waiting) and state.budget > 0:
             request = self.waiting[index]
+            if len(self.running) >= self.config.max_num_seqs and self.running[-1].priority >= request.priority:
+                return  # no slot, and none to take: nor for the requests behind (no higher priority)
             # a waiting request holds no block (new, or preempted and freed)
             computed_blocks, num_hit = self.kv.get_computed_blocks(request)
             num_ext = self._num_loadable_blocks(request, len(computed_blocks)) * self.kv.block_size

@@ -5,12 +5,17 @@ prefix-cache hit's uncached tail, a short prompt) beside a long one gets its fir
 token as late as the long one. With ``BatchSchedulerConfig.short_prefill_tokens``
 = S > 0, ``BatchScheduler`` picks a step's prefills in two passes:
 
-1. ``shorts_only(S)``: the prefills with at most S tokens left to compute;
-2. the rest, where ``sits_out`` lets a longer prefill of no higher priority than
-   the short ones taken skip the step, at most ``MAX_PREFILL_DEFERRALS`` steps over
-   its life.
+1. ``shorts_only(S, passed)``: the prefills with at most S tokens left to compute;
+   the longer ones it passes over are listed in ``passed``;
+2. ``the_rest(S, short_priority)``: the others, where a longer prefill of no higher
+   priority than the short ones taken sits out the step.
 
-A short waiting request never passes a long one of higher priority, nor one that
+``count_sit_outs`` then charges the step to every passed-over prefill that did not
+run, whatever kept it out (a short one's tokens, its blocks, the budget), so a
+prefill is passed over at most ``MAX_PREFILL_DEFERRALS`` steps over its life; then
+the first pass takes it (running) or ends at it (waiting).
+
+A short request never passes a prefill of higher priority, nor a waiting one that
 has sat out its steps (it may be waiting for free blocks, which short ones must
 not take first). This is shortest-remaining-processing-time order (Schrage, 1968)
 at the granularity of a step: the short prefill gets a short step, the long one
@@ -19,7 +24,7 @@ waits a few short steps. Decodes are not prefills and always run first.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 
 from executor.engine.request import Request, RequestStatus
 
@@ -30,28 +35,44 @@ MAX_PREFILL_DEFERRALS = 4  # steps a long prefill may sit out for short ones, ov
 Admit = Callable[[Request, int], "bool | None"]
 
 
-def shorts_only(limit: int) -> Admit:
-    """The first pass: takes prefills of at most ``limit`` tokens left; passes over
-    longer ones, except that a long waiting request which has sat out
-    ``MAX_PREFILL_DEFERRALS`` steps, or a short one behind a passed-over long one of
-    higher priority, ends the pass over the waiting requests."""
-    passed_over: list[int] = []  # priorities of the long waiting requests passed over
+def shorts_only(limit: int, passed: list[Request]) -> Admit:
+    """The first pass: takes prefills of at most ``limit`` tokens left, and a running
+    one that has sat out ``MAX_PREFILL_DEFERRALS`` steps; passes over (and appends to
+    ``passed``) the other longer ones. A long waiting request that has sat out its
+    steps, or a short one behind a passed-over prefill of higher priority, ends the
+    pass over the waiting requests."""
 
     def admit(request: Request, num_left: int) -> bool | None:
         if num_left > limit:
-            if request.status == RequestStatus.RUNNING:
-                return False
+            running = request.status == RequestStatus.RUNNING
             if request.num_prefill_deferrals >= MAX_PREFILL_DEFERRALS:
-                return None
-            passed_over.append(request.priority)
+                return True if running else None
+            passed.append(request)
             return False
-        return None if passed_over and request.priority < max(passed_over) else True
+        return None if any(p.priority > request.priority for p in passed) else True
+    return admit
+
+
+def the_rest(limit: int, short_priority: int | None) -> Admit:
+    """The second pass: takes every prefill but a longer one of no higher priority than
+    ``short_priority`` (the highest of the short prefills the first pass took; None:
+    it took none, and nothing sits out); a short waiting request behind one that sits
+    out with a higher priority ends the pass."""
+    sat_out: list[int] = []  # priorities of the waiting requests sitting out
+
+    def admit(request: Request, num_left: int) -> bool | None:
+        if sits_out(request, num_left, limit, short_priority):
+            if request.status != RequestStatus.RUNNING:
+                sat_out.append(request.priority)
+            return False
+        if num_left <= limit and sat_out and request.priority < max(sat_out):
+            return None
+        return True
     return admit
 
 
 def sits_out(request: Request, num_left: int, limit: int, short_priority: int | None) -> bool:
-    """Whether a prefill skips this step in the second pass, and if so counts the step
-    against its ``MAX_PREFILL_DEFERRALS``.
+    """Whether a prefill skips this step in the second pass.
 
     Args:
         request: the running or waiting request.
@@ -60,8 +81,16 @@ def sits_out(request: Request, num_left: int, limit: int, short_priority: int | 
         short_priority: the highest priority of the short prefills the first pass took
             (None: it took none, and nothing sits out).
     """
-    if (short_priority is None or num_left <= limit or request.priority > short_priority
-            or request.num_prefill_deferrals >= MAX_PREFILL_DEFERRALS):
-        return False
-    request.num_prefill_deferrals += 1
-    return True
+    return not (short_priority is None or num_left <= limit or request.priority > short_priority
+                or request.num_prefill_deferrals >= MAX_PREFILL_DEFERRALS)
+
+
+def count_sit_outs(passed: Iterable[Request], scheduled: dict[str, int], short_priority: int | None) -> None:
+    """Charges the step to each prefill the first pass passed over that did not run
+    (``scheduled``: request id -> tokens this step) when short ones of no lower
+    priority ran (``short_priority``), towards its ``MAX_PREFILL_DEFERRALS``."""
+    if short_priority is None:
+        return
+    for request in {r.request_id: r for r in passed}.values():
+        if request.request_id not in scheduled and request.priority <= short_priority:
+            request.num_prefill_deferrals += 1

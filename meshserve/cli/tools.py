@@ -104,7 +104,8 @@ def bench(
                           num_threads=num_threads, block_size=block_size,
                           enable_prefix_caching=not no_prefix_caching, max_batch_wait_ms=max_batch_wait_ms,
                           long_prefill_token_threshold=long_prefill_token_threshold,
-                          short_prefill_tokens=short_prefill_tokens, executor_addrs=tuple(executor_addr), request_rate=request_rate, tls_dir=tls_dir,
+                          short_prefill_tokens=short_prefill_tokens, executor_addrs=tuple(executor_addr),
+                          request_rate=request_rate, tls_dir=tls_dir,
                           vllm_python=vllm_python, compile=compile, cpu_affinity=cpu_affinity)
         points = sweep_points(concurrency, request_rate, parse_values(sweep_concurrency, int),
                               parse_values(sweep_rate, float))

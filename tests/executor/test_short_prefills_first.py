@@ -100,17 +100,51 @@ def test_no_short_request_passes_a_long_one_of_higher_priority():
     assert [list(step) for step in finish_all(s)] == [["long", "short", "long-low"]]
 
 
-def test_a_higher_priority_short_request_goes_first_and_a_running_long_one_of_higher_priority_does_not_sit_out():
+def test_a_running_long_prefill_of_higher_priority_goes_before_a_lower_short_one():
     s = make_scheduler(short=4, budget=12)
     s.add_request(make_request("long-high", 18, max_tokens=1, priority=2))
     assert shares(run_step(s)[0]) == {"long-high": 12}
     s.add_request(make_request("long", 20, max_tokens=1, priority=0))
     s.add_request(make_request("short", 3, max_tokens=1, priority=1))
-    assert list(shares(run_step(s)[0]).items()) == [("short", 3), ("long-high", 6)]
-    assert s.requests["long"].num_prefill_deferrals == 1
-    assert finish_all(s) == [{"long": 12}, {"long": 8}]
+    assert list(shares(run_step(s)[0]).items()) == [("long-high", 6), ("short", 3), ("long", 3)]
+    assert s.requests["long"].num_prefill_deferrals == 0
+    assert finish_all(s) == [{"long": 12}, {"long": 5}]
 
 
 def test_config_rejects_a_negative_limit():
     with pytest.raises(ValueError, match="short_prefill_tokens must be >= 0, got -1"):
         BatchSchedulerConfig(short_prefill_tokens=-1)
+
+
+def test_a_waiting_long_prefill_counts_its_sit_outs_when_short_ones_fill_the_budget():
+    """Each short prompt takes the whole 8-token budget in the first pass, so the second pass
+    never reaches the long one: its steps are still counted, and after them it runs."""
+    s = make_scheduler(short=8, budget=8)
+    s.add_request(make_request("long", 20, max_tokens=1))
+    steps = []
+    for i in range(MAX_PREFILL_DEFERRALS + 3):
+        s.add_request(make_request(f"short{i}", 8, max_tokens=1))
+        steps.append(shares(run_step(s)[0]))
+    assert steps == [{f"short{i}": 8} for i in range(MAX_PREFILL_DEFERRALS)] + [
+        {"long": 8}, {"long": 8}, {"long": 4, "short4": 4}]
+
+
+def test_a_running_prompt_of_higher_priority_is_not_starved_by_lower_short_ones():
+    s = make_scheduler(short=8, budget=8)
+    s.add_request(make_request("long", 20, max_tokens=1, priority=5))
+    steps = [shares(run_step(s)[0])]
+    for i in range(3):
+        s.add_request(make_request(f"short{i}", 8, max_tokens=1, priority=0))
+        steps.append(shares(run_step(s)[0]))
+    assert steps == [{"long": 8}, {"long": 8}, {"long": 4, "short0": 4}, {"short0": 4, "short1": 4}]
+
+
+def test_a_short_request_does_not_pass_a_higher_priority_one_that_sits_out():
+    s = make_scheduler(short=4, budget=12)
+    s.add_request(make_request("tail", 14, max_tokens=2, priority=5))
+    assert shares(run_step(s)[0]) == {"tail": 12}
+    s.add_request(make_request("mid", 20, max_tokens=1, priority=3))
+    s.add_request(make_request("low", 3, max_tokens=1, priority=2))
+    assert shares(run_step(s)[0]) == {"tail": 2}  # mid sits out for tail's last 2; low may not pass mid
+    assert s.requests["mid"].num_prefill_deferrals == 1
+    assert finish_all(s) == [{"tail": 1, "mid": 11}, {"mid": 9, "low": 3}]
