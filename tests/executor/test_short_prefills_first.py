@@ -31,6 +31,15 @@ def finish_all(s: BatchScheduler) -> list[dict[str, int]]:
     return steps
 
 
+def one_short_a_step(s: BatchScheduler, num_steps: int, length: int, priority: int = 0) -> list[dict[str, int]]:
+    """Adds a ``length``-token prompt ``short{i}`` before each of ``num_steps`` steps; their shares."""
+    steps = []
+    for i in range(num_steps):
+        s.add_request(make_request(f"short{i}", length, max_tokens=1, priority=priority))
+        steps.append(shares(run_step(s)[0]))
+    return steps
+
+
 def test_a_prefix_cache_hit_gets_a_step_without_the_unique_prompt_that_arrived_first():
     s = make_scheduler(short=4, caching=True)
     s.add_request(Request("first", SYSTEM + [1, 2], ONE, 0, 0, 10_000))
@@ -68,10 +77,7 @@ def test_a_running_prompts_next_chunk_sits_out_while_decodes_run():
 def test_a_long_prefill_sits_out_at_most_the_bound():
     s = make_scheduler(short=4)
     s.add_request(make_request("long", 20, max_tokens=1))
-    steps = []
-    for i in range(MAX_PREFILL_DEFERRALS + 1):
-        s.add_request(make_request(f"short{i}", 3, max_tokens=1))
-        steps.append(shares(run_step(s)[0]))
+    steps = one_short_a_step(s, MAX_PREFILL_DEFERRALS + 1, 3)
     assert steps == [{f"short{i}": 3} for i in range(MAX_PREFILL_DEFERRALS)] + [
         {"long": 20, f"short{MAX_PREFILL_DEFERRALS}": 3}]
     assert not s.has_unfinished_requests()
@@ -121,10 +127,7 @@ def test_a_waiting_long_prefill_counts_its_sit_outs_when_short_ones_fill_the_bud
     never reaches the long one: its steps are still counted, and after them it runs."""
     s = make_scheduler(short=8, budget=8)
     s.add_request(make_request("long", 20, max_tokens=1))
-    steps = []
-    for i in range(MAX_PREFILL_DEFERRALS + 3):
-        s.add_request(make_request(f"short{i}", 8, max_tokens=1))
-        steps.append(shares(run_step(s)[0]))
+    steps = one_short_a_step(s, MAX_PREFILL_DEFERRALS + 3, 8)
     assert steps == [{f"short{i}": 8} for i in range(MAX_PREFILL_DEFERRALS)] + [
         {"long": 8}, {"long": 8}, {"long": 4, "short4": 4}]
 
@@ -132,10 +135,7 @@ def test_a_waiting_long_prefill_counts_its_sit_outs_when_short_ones_fill_the_bud
 def test_a_running_prompt_of_higher_priority_is_not_starved_by_lower_short_ones():
     s = make_scheduler(short=8, budget=8)
     s.add_request(make_request("long", 20, max_tokens=1, priority=5))
-    steps = [shares(run_step(s)[0])]
-    for i in range(3):
-        s.add_request(make_request(f"short{i}", 8, max_tokens=1, priority=0))
-        steps.append(shares(run_step(s)[0]))
+    steps = [shares(run_step(s)[0])] + one_short_a_step(s, 3, 8, priority=0)
     assert steps == [{"long": 8}, {"long": 8}, {"long": 4, "short0": 4}, {"short0": 4, "short1": 4}]
 
 
