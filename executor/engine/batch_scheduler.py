@@ -217,7 +217,7 @@ class BatchScheduler:
             self._schedule_prefills(state, had_running, shorts_only(limit, passed))
             short_priority = max((self.requests[rid].priority for rid in state.scheduled if rid not in before),
                                  default=None)
-            self._schedule_prefills(state, had_running, the_rest(limit, short_priority))
+            self._schedule_prefills(state, had_running, the_rest(limit, short_priority, passed))
             count_sit_outs(passed, state.scheduled, short_priority)
         else:
             self._schedule_prefills(state, had_running, None)

@@ -46,14 +46,17 @@ def shorts_only(limit: int, passed: list[Request]) -> Admit:
         if num_left > limit:
             running = request.status == RequestStatus.RUNNING
             if request.num_prefill_deferrals >= MAX_PREFILL_DEFERRALS:
-                return True if running else None
+                if not running:
+                    return None
+                # it goes first, unless that would pass a prefill of higher priority
+                return not any(p.priority > request.priority for p in passed)
             passed.append(request)
             return False
         return None if any(p.priority > request.priority for p in passed) else True
     return admit
 
 
-def the_rest(limit: int, short_priority: int | None) -> Admit:
+def the_rest(limit: int, short_priority: int | None, passed: list[Request]) -> Admit:
     """The second pass: takes every prefill but a longer one of no higher priority than
     ``short_priority`` (the highest of the short prefills the first pass took; None:
     it took none, and nothing sits out); a short waiting request behind one that sits
@@ -62,6 +65,7 @@ def the_rest(limit: int, short_priority: int | None) -> Admit:
 
     def admit(request: Request, num_left: int) -> bool | None:
         if sits_out(request, num_left, limit, short_priority):
+            passed.append(request)  # counted by count_sit_outs like the first pass's
             if request.status != RequestStatus.RUNNING:
                 sat_out.append(request.priority)
             return False
