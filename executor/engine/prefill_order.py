@@ -7,8 +7,8 @@ token as late as the long one. With ``BatchSchedulerConfig.short_prefill_tokens`
 
 1. ``shorts_only(S, passed)``: the prefills with at most S tokens left to compute;
    the longer ones it passes over are listed in ``passed``;
-2. ``the_rest(S, short_priority)``: the others, where a longer prefill of no higher
-   priority than the short ones taken sits out the step.
+2. ``the_rest(S, short_priority, passed)``: the others, where a longer prefill of no
+   higher priority than the short ones taken sits out the step (and joins ``passed``).
 
 ``count_sit_outs`` then charges the step to every passed-over prefill that did not
 run, whatever kept it out (a short one's tokens, its blocks, the budget), so a
