@@ -189,6 +189,9 @@ def engine_config(model: str, dtype: str, kv_cache_memory: str, block_size: int,
     Raises:
         ValueError: a value ``EngineConfig`` or ``parse_bytes`` rejects.
     """
+    if long_prefill_token_threshold and no_chunked_prefill:  # named by its flags, not by the config fields
+        raise ValueError("--long-prefill-token-threshold needs chunked prefill (it splits prompts into chunks): "
+                         "drop --no-chunked-prefill")
     from executor.engine.config import (BatchSchedulerConfig, CacheConfig, EngineConfig,  # torch: as run_executor
                                         ParallelConfig)
 

@@ -46,7 +46,8 @@ def test_triton_backend_needs_cuda_outside_the_interpreter(monkeypatch):
         (["--max-buffered-outputs", "0"], "should be greater than or equal to 1"),
         (["--long-prefill-token-threshold", "-1"], "should be greater than or equal to 0"),
         (["--no-chunked-prefill", "--long-prefill-token-threshold", "64"],
-         "long_prefill_token_threshold needs chunked prefill"),
+         "--long-prefill-token-threshold needs chunked prefill (it splits prompts into chunks): drop "
+         "--no-chunked-prefill"),
     ],
 )
 def test_executor_bad_flag_is_a_usage_error(args, message):
