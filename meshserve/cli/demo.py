@@ -18,7 +18,9 @@ from rich.table import Table
 
 from meshserve.bench.stats import percentile
 from meshserve.cli.launcher import Mesh, MeshConfig, free_port
+from meshserve.cli.options import show_model_conversion
 from meshserve.client import build_request, channel, generate
+from meshserve.model_files import resolve_model
 from meshserve.v1 import gateway_pb2_grpc
 
 DEMO_PROMPTS = [
@@ -80,6 +82,12 @@ def run_demo(port: int, executors: int, max_tokens: int) -> int:
     console = Console()
     log_dir = Path(tempfile.mkdtemp(prefix="meshserve-demo-"))
     mesh = Mesh(MeshConfig(port=port or free_port(), executors=executors, log_dir=log_dir, cpu_affinity=True))
+    show_model_conversion()  # a first run dequantizes the bundled GGUF once, before the services start
+    try:
+        resolve_model(mesh.config.model)
+    except FileNotFoundError as exc:  # the bundled model's package is missing
+        console.print(f"error: {exc}")
+        return 1
     console.print(f"Starting the mesh (scheduler, {executors} executor(s), gateway); logs in {log_dir} …")
     try:
         t0 = time.monotonic()

@@ -21,7 +21,8 @@ import typer
 from meshserve.cli.options import (ChatTemplateOpt, ExecutorCapacityOpt, InsecureOpt, OtlpOpt, PlannerIntervalOpt,
                                    PlannerSeasonOpt, ResultCacheSizeOpt, SampleOpt, ScaleDownCooldownOpt,
                                    ServedModelNameOpt, TaskStoreOpt, TLSCAOpt, TLSCertOpt, TLSKeyOpt, TokenizerOpt,
-                                   TracesOpt, export_trace_settings, parse_bytes, tls_settings)
+                                   TracesOpt, export_trace_settings, parse_bytes, show_model_conversion,
+                                   tls_settings)
 
 if TYPE_CHECKING:
     from meshserve.cli.launcher import MeshConfig
@@ -172,6 +173,7 @@ def up(
     from meshserve.cli import processes
 
     _check_autoscale_only(ctx, autoscale)
+    show_model_conversion()  # check_parallel_layout below resolves the model: a first use converts it here
     try:  # checked before any service starts: a usage error, exit code 2
         task_store_kind(task_store)
         cfg = processes.engine_config(model, dtype or "auto", kv_cache_memory, block_size=block_size or 16,

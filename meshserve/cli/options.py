@@ -71,6 +71,20 @@ def setup_logging(level: str) -> None:
     logging.basicConfig(level=level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s", stream=sys.stderr)
 
 
+def show_model_conversion() -> None:
+    """Prints the one-time GGUF conversion's log lines (``meshserve.model_files``) on
+    stderr, for the commands that resolve the model in their own process without
+    configuring logging (``up``, ``demo``): the first start is then not silent."""
+    logger = logging.getLogger("meshserve.model_files")
+    if not any(getattr(h, "meshserve_conversion", False) for h in logger.handlers):
+        handler = logging.StreamHandler(sys.stderr)
+        handler.setFormatter(logging.Formatter("%(message)s"))
+        handler.meshserve_conversion = True
+        logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
+    logger.propagate = False
+
+
 def export_trace_settings(exporter: Optional[str], endpoint: Optional[str],
                           sample_ratio: Optional[float] = None) -> None:
     """Puts the tracing flags that were given into the environment, where telemetry set-up
