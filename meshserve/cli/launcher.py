@@ -177,6 +177,9 @@ class Mesh:
             self.cpu_note = (f"not pinned: {slots} executor(s) x {threads * ranks} core(s) and one for the other "
                              f"services do not fit the {len(cpus)} core(s) this process may use "
                              f"({format_cpu_list(cpus)})")
+            if ranks > 1:  # the launcher pins no service, but each executor still places its own ranks
+                self.cpu_note += (f"; each executor still pins its {ranks - 1} child rank(s) to shares of "
+                                  "its cores")
 
     def _threads(self) -> int:
         """The ``--num-threads`` the launcher gives each executor (``executor_args`` may

@@ -42,6 +42,16 @@ def test_a_launcher_on_one_core_pins_nothing_and_says_why(monkeypatch):
                              "the 1 core(s) this process may use (0)")
 
 
+def test_an_unpinned_mesh_of_parallel_executors_says_the_ranks_are_still_pinned(monkeypatch):
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1})
+    mesh = Mesh(MeshConfig(cpu_affinity=True, threads_per_executor=1,
+                           executor_args=["--tensor-parallel-size", "3"]))
+    assert mesh.cpu_plan is None
+    assert mesh.cpu_note == ("not pinned: 1 executor(s) x 3 core(s) and one for the other services do not fit "
+                             "the 2 core(s) this process may use (0-1); each executor still pins its 2 child "
+                             "rank(s) to shares of its cores")
+
+
 def test_the_executors_own_num_threads_is_what_is_planned(monkeypatch):
     """A mesh config's ``[executor] num-threads`` comes after the launcher's own flag and wins."""
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1, 2, 3})
