@@ -50,14 +50,44 @@ static inline const float *row(const void *base, int64_t off, int64_t D, int bf1
     return tmp;
 }
 
-/* Asks the cache for `bytes` from `p` (one prefetch a 64-byte line): the next block's
- * rows while this block's are multiplied. The blocks of a request are scattered over
- * the cache, so the hardware prefetcher, which follows one stream, stalls at every
- * block edge; with the 30 layers' keys and values read from memory each decode step,
- * those stalls were most of the kernel's time in the model (32 requests of ~150 tokens
- * on one AVX2 core: ~48 ms a step against ~19 ms with the rows in cache). */
-static inline void prefetch(const char *p, int64_t bytes) {
-    for (int64_t i = 0; i < bytes; i += 64) __builtin_prefetch(p + i, 0, 3);
+/* The next request's key and value rows, prefetched into L2 while this request
+ * computes, a few lines at a time (`prefetch_step`: one slice per query head of each
+ * group of four rows, so the misses are spread over the request's compute instead of
+ * arriving in bursts that fill the miss queues and stall it).
+ * A request's rows are scattered over the cache in blocks, so the hardware
+ * prefetcher, which follows one stream, stalls at every block edge; with the 30
+ * layers' keys and values read from memory each decode step those stalls were most
+ * of the kernel's time. Prefetching the next block into L1, 48 lines at once, cut a
+ * step's attention from ~48 to ~38 ms (32 requests of ~150 tokens, one AVX2 core);
+ * the next request into L2, spread, from there by another ~24% (the 30 layers from a
+ * 1 GiB cache on huge pages: 32.0 -> 24.4 ms; with every row already in L2 it costs
+ * 10.7 -> 11.7 ms; `reports/cpu-speed/`). Prefetches never fault. */
+typedef struct {
+    const char *key_cache, *value_cache;
+    const int32_t *blocks; /* the next request's block table row, NULL for none */
+    int64_t num_blocks, block_bytes, block, offset, lines_per_step;
+} Prefetcher;
+
+static inline Prefetcher prefetcher(const void *key_cache, const void *value_cache, const int32_t *blocks,
+                                    int64_t next_len, int64_t this_len, int64_t H, int64_t bs, int64_t block_bytes) {
+    Prefetcher p = {(const char *)key_cache, (const char *)value_cache, blocks, 0, block_bytes, 0, 0, 0};
+    if (!blocks || next_len <= 0) return p;
+    p.num_blocks = (next_len + bs - 1) / bs;
+    const int64_t lines = 2 * p.num_blocks * (block_bytes / 64), steps = 2 * ((this_len + 3) / 4) * H;
+    p.lines_per_step = (lines + steps - 1) / steps;
+    return p;
+}
+
+static inline void prefetch_step(Prefetcher *p) {
+    for (int64_t left = 64 * p->lines_per_step; left > 0 && p->block < 2 * p->num_blocks;) {
+        const int64_t b = p->block < p->num_blocks ? p->block : p->block - p->num_blocks;
+        const char *base = (p->block < p->num_blocks ? p->key_cache : p->value_cache) + (int64_t)p->blocks[b] * p->block_bytes;
+        const int64_t end = p->offset + left < p->block_bytes ? p->offset + left : p->block_bytes;
+        for (int64_t i = p->offset; i < end; i += 64) __builtin_prefetch(base + i, 0, 1); /* prefetcht2: into L2 */
+        left -= end - p->offset;
+        if (end < p->block_bytes) p->offset = end;
+        else p->offset = 0, p->block++;
+    }
 }
 
 /* Scores of the query head `qj` (D) against the keys k0..k3 (D each), four independent
@@ -102,22 +132,17 @@ static inline __attribute__((always_inline)) void axpy1(float *restrict acc, flo
 static inline __attribute__((always_inline)) void one_request(
     const float *restrict qs, const void *key_cache, const void *value_cache, const int32_t *blocks, int64_t L,
     int64_t H, int64_t KVH, int64_t D, int64_t bs, int bf16, float *restrict scores, float *restrict acc,
-    float *restrict tmp, const char *next_keys) {
+    float *restrict tmp, Prefetcher *ahead) {
     const int64_t G = H / KVH, row_stride = KVH * D, block_stride = bs * row_stride;
-    const int64_t num_blocks = (L + bs - 1) / bs, elem = bf16 ? 2 : 4, group_bytes = 4 * row_stride * elem;
     const float *r[4];
     for (int64_t t = 0, b = 0; t < L; b++) {
         const int64_t base = (int64_t)blocks[b] * block_stride, count = L - t < bs ? L - t : bs;
-        /* what the next block's groups of four rows are prefetched from: the next key
-         * block, or after the last one the first value block */
-        const char *ahead = b + 1 < num_blocks ? (const char *)key_cache + (int64_t)blocks[b + 1] * block_stride * elem
-                                               : (const char *)value_cache + (int64_t)blocks[0] * block_stride * elem;
         for (int64_t o = 0; o < count; o += 4) {
             const int64_t m = count - o < 4 ? count - o : 4;
-            prefetch(ahead + (o / 4) * group_bytes, group_bytes);
             for (int64_t i = 0; i < m; i++)
                 r[i] = row(key_cache, base + (o + i) * row_stride, row_stride, bf16, tmp + i * row_stride);
             for (int64_t j = 0; j < H; j++) {
+                prefetch_step(ahead);
                 const float *qj = qs + j * D;
                 const int64_t kv = (j / G) * D;
                 float *s = scores + j * L + t + o;
@@ -142,14 +167,12 @@ static inline __attribute__((always_inline)) void one_request(
     memset(acc, 0, sizeof(float) * (size_t)(H * D));
     for (int64_t t = 0, b = 0; t < L; b++) {
         const int64_t base = (int64_t)blocks[b] * block_stride, count = L - t < bs ? L - t : bs;
-        const char *ahead = b + 1 < num_blocks ? (const char *)value_cache + (int64_t)blocks[b + 1] * block_stride * elem
-                                               : next_keys;
         for (int64_t o = 0; o < count; o += 4) {
             const int64_t m = count - o < 4 ? count - o : 4;
-            if (ahead) prefetch(ahead + (o / 4) * group_bytes, group_bytes);
             for (int64_t i = 0; i < m; i++)
                 r[i] = row(value_cache, base + (o + i) * row_stride, row_stride, bf16, tmp + i * row_stride);
             for (int64_t j = 0; j < H; j++) {
+                prefetch_step(ahead);
                 const int64_t kv = (j / G) * D;
                 const float *p = scores + j * L + t + o;
                 if (m == 4)
@@ -176,16 +199,16 @@ int paged_decode_attention(const void *q, const void *key_cache, const void *val
         const int64_t L = seq_lens[r], q_off = r * H * D;
         const int32_t *blocks = block_table + r * bt_stride;
         const int64_t elem = bf16 ? 2 : 4, block_bytes = bs * KVH * D * elem;
-        const char *next_keys = r + 1 < n && seq_lens[r + 1] > 0
-            ? (const char *)key_cache + (int64_t)block_table[(r + 1) * bt_stride] * block_bytes : NULL;
+        Prefetcher ahead = prefetcher(key_cache, value_cache, r + 1 < n ? block_table + (r + 1) * bt_stride : NULL,
+                                      r + 1 < n ? seq_lens[r + 1] : 0, L, H, bs, block_bytes);
         for (int64_t i = 0; i < H * D; i++)
             qs[i] = scale * (bf16 ? bf16_load(((const uint16_t *)q)[q_off + i]) : ((const float *)q)[q_off + i]);
         if (D == 64) /* a constant head size lets the compiler unroll the dot products */
-            one_request(qs, key_cache, value_cache, blocks, L, H, KVH, 64, bs, bf16, scores, acc, tmp, next_keys);
+            one_request(qs, key_cache, value_cache, blocks, L, H, KVH, 64, bs, bf16, scores, acc, tmp, &ahead);
         else if (D == 128)
-            one_request(qs, key_cache, value_cache, blocks, L, H, KVH, 128, bs, bf16, scores, acc, tmp, next_keys);
+            one_request(qs, key_cache, value_cache, blocks, L, H, KVH, 128, bs, bf16, scores, acc, tmp, &ahead);
         else
-            one_request(qs, key_cache, value_cache, blocks, L, H, KVH, D, bs, bf16, scores, acc, tmp, next_keys);
+            one_request(qs, key_cache, value_cache, blocks, L, H, KVH, D, bs, bf16, scores, acc, tmp, &ahead);
         for (int64_t i = 0; i < H * D; i++) {
             if (bf16)
                 ((uint16_t *)out)[q_off + i] = bf16_store(acc[i]);
