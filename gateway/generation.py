@@ -61,6 +61,8 @@ from meshserve.request_ids import check_request_id, scoped_request_id
 from meshserve.sampling import validate
 from meshserve.telemetry import record_error, tracer
 
+INT32_MIN, INT32_MAX = -(1 << 31), (1 << 31) - 1  # the wire's priority (int32)
+
 _tracer = tracer(__name__)
 
 OnAssigned = Callable[[], Awaitable[None]]
@@ -155,6 +157,8 @@ class GatewayCore:
 
     def _start(self, request: GenerationRequest, tenant: Tenant, received_at: float | None):
         """The request's timer, priority (the tenant's default, under its ceiling) and metrics."""
+        if request.priority is not None and not INT32_MIN <= request.priority <= INT32_MAX:
+            raise InvalidArgument(f"priority must be in [{INT32_MIN}, {INT32_MAX}], got {request.priority}")
         timer = RequestTimer(received_at)
         priority = request.priority if request.priority is not None else tenant.default_priority
         if tenant.max_priority is not None:

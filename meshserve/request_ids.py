@@ -21,6 +21,10 @@ def check_request_id(request_id: str) -> None:
     """Raises ``InvalidArgument`` for an id longer than ``MAX_REQUEST_ID_LEN``."""
     if len(request_id) > MAX_REQUEST_ID_LEN:
         raise InvalidArgument(f"request_id has {len(request_id)} characters; the limit is {MAX_REQUEST_ID_LEN}")
+    try:
+        request_id.encode("utf-8")
+    except UnicodeEncodeError:
+        raise InvalidArgument("request_id is not valid Unicode (a lone surrogate)") from None
 
 
 def scoped_request_id(tenant: str, request_id: str) -> str:

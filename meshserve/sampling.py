@@ -48,6 +48,7 @@ MAX_STOP_STRING_CHARS = 256
 MAX_STOP_TOKEN_IDS = 64
 MAX_N = 16
 INT64_MIN, INT64_MAX = -(1 << 63), (1 << 63) - 1  # the wire's seed (int64)
+INT32_MAX = (1 << 31) - 1  # the wire's top_k (int32)
 MAX_LOGPROBS = 20
 MAX_PENALTY = 2.0  # |presence_penalty| and |frequency_penalty| (OpenAI's range)
 
@@ -133,7 +134,7 @@ def validate(params: SamplingParams, *, max_model_len: int, vocab_size: int) -> 
     _check(math.isfinite(t) and t >= 0.0, f"temperature must be a finite number >= 0, got {t}")
     p = params.top_p
     _check(math.isfinite(p) and 0.0 < p <= 1.0, f"top_p must be in (0, 1], got {p}")
-    _check(params.top_k >= -1, f"top_k must be >= 1, or 0 / -1 for off, got {params.top_k}")
+    _check(-1 <= params.top_k <= INT32_MAX, f"top_k must be in [1, {INT32_MAX}], or 0 / -1 for off, got {params.top_k}")
     _check(
         len(params.stop) <= MAX_STOP_STRINGS,
         f"stop takes at most {MAX_STOP_STRINGS} strings, got {len(params.stop)}",

@@ -109,7 +109,19 @@ class OpenAIRoutes:
                      received_at: float) -> Response:
         options = SpanOptions(parent=context_from_metadata(headers_of(request)), stream=body.stream,
                               attributes={"enduser.id": body.user} if body.user else {})
-        pump = EventPump([self.core.generate(r, tenant, options, received_at) for r in requests])
+        if len(requests) == 1:
+            streams = [self.core.generate(requests[0], tenant, options, received_at)]
+        else:  # every prompt validated before any is admitted: a bad one must not strand the others' leases
+            prepared = []
+            try:
+                for r in requests:
+                    prepared.append(await self.core.prepare_async(r, tenant, received_at))
+            except BaseException:
+                for p in prepared:
+                    self.core.end(p)
+                raise
+            streams = [self.core.run(p, options) for p in prepared]
+        pump = EventPump(streams)
         try:
             if not body.stream:
                 return JSONResponse(await until_disconnect(request, self._collect(pump, fmt, len(requests))))

@@ -30,6 +30,7 @@ from gateway.http.schemas import ChatCompletionRequest, CompletionRequest
 from gateway.proto_convert import request_to_proto
 from gateway.task_api import TaskAPI
 from meshserve.errors import InvalidArgument
+from meshserve.sampling import validate
 from meshserve.v1 import gateway_pb2
 
 
@@ -79,7 +80,13 @@ class TaskRoutes:
             if len(gens) != 1:
                 raise InvalidArgument("prompt: a task takes one prompt")
             gen = gens[0]
-        message = request_to_proto(gen)
+        core = self.tasks.core
+        validate(gen.sampling, max_model_len=core.model.max_model_len, vocab_size=core.model.vocab_size)
+        core.prompt_limits.check(gen, core.model.max_model_len)  # also refuses lone surrogates in the prompt
+        try:
+            message = request_to_proto(gen)
+        except (ValueError, UnicodeEncodeError) as exc:  # a value the wire cannot carry: the caller's mistake
+            raise InvalidArgument(f"a field cannot be represented: {exc}") from None
         message.callback_url = callback_url or ""
         return message
 
