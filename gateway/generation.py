@@ -56,7 +56,7 @@ from gateway.result_store import Coalescer, MemoryResultStore, ResultStore
 from gateway.tenants import Tenant
 from meshserve import trace_attributes as ta
 from meshserve.block_hash import cache_salt, routing_block_hashes
-from meshserve.errors import AlreadyExists, InvalidArgument, ModelNotFound, Unavailable
+from meshserve.errors import AlreadyExists, InvalidArgument, MeshError, ModelNotFound, Unavailable
 from meshserve.request_ids import check_request_id, scoped_request_id
 from meshserve.sampling import validate
 from meshserve.telemetry import record_error, tracer
@@ -313,17 +313,21 @@ class GatewayCore:
                                                 self.model.revision,
                                                 cache_salt=cache_salt(self.prefix_cache_scope, p.tenant)))
         return Admission(p.request_id, p.tenant, p.priority, len(p.prompt_ids), p.params.max_tokens,
-                         self.model.model_id, p.params.n, hashes, self.hash_block_size)
+                         self.model.model_id, p.params.n, hashes, self.hash_block_size, uuid.uuid4().hex)
 
     async def _generate(self, p: Prepared, span: trace.Span, on_assigned: OnAssigned | None
                         ) -> AsyncIterator[Queued | Delta | ChoiceResult]:
         """Admission (queue updates), then the executor's stream; the lease is released
         however it ends once the scheduler sent it (also while its Admit stream is still
-        ending), with the completion tokens when every choice finished."""
-        assignment, queued, finished = None, False, False
+        ending), with the completion tokens when every choice finished. When admission
+        ends without an assignment other than by the scheduler's answer (the caller went
+        away, or a deadline), the lease id the admission proposed is released too: the
+        scheduler may have granted it with the assignment still on its way."""
+        assignment, queued, finished, answered = None, False, False, False
         choices: list[Choice] = []
+        admission = self._admission(p)
         try:
-            async with aclosing(self.mesh.admit(self._admission(p), span)) as events:
+            async with aclosing(self.mesh.admit(admission, span)) as events:
                 async for event in events:
                     if isinstance(event, Queued):
                         if not queued:  # the position at which it joined the queue
@@ -332,6 +336,7 @@ class GatewayCore:
                         yield event
                     else:
                         assignment = event
+            answered = True  # the Admit stream ended: the scheduler has nothing granted for this request
             if assignment is None:
                 raise Unavailable("scheduler ended admission without an assignment")
             p.timer.assigned = time.monotonic()
@@ -345,10 +350,16 @@ class GatewayCore:
                     async for event in events:
                         yield event
             finished = True
+        except MeshError:
+            if assignment is None:  # the scheduler's error status ended the Admit call: it holds nothing for it
+                answered = True
+            raise
         finally:
             if assignment is not None:
                 completion_tokens = sum(c.num_tokens for c in choices) if finished else None
                 await self.mesh.release(assignment.lease_id, completion_tokens, span)
+            elif not answered:  # given up mid-admission: a grant may be on its way, under the proposed id
+                await self.mesh.release(admission.lease_id, None, span)
 
     async def _execute(self, p: Prepared, assignment: Assignment, choices: list[Choice],
                        span: trace.Span, activity: LeaseActivity) -> AsyncIterator[Delta | ChoiceResult]:

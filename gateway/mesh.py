@@ -28,6 +28,9 @@ class Admission:
         model: the model id.
         block_hashes: the prompt's routing chain hashes (16 bytes per full block).
         hash_block_size: tokens per hashed block; 0: no hashes sent (no prefix-aware routing).
+        lease_id: the id the lease gets when granted (32 hex digits, ``new_lease_id``), so
+            that a caller that gives up before reading the assignment can still release it;
+            "": the scheduler picks one.
     """
 
     request_id: str
@@ -39,6 +42,7 @@ class Admission:
     n: int
     block_hashes: tuple[bytes, ...] = ()
     hash_block_size: int = 0
+    lease_id: str = ""
 
 
 @dataclass(frozen=True, slots=True)
@@ -117,7 +121,9 @@ class MeshClient(Protocol):
         """
 
     async def release(self, lease_id: str, num_completion_tokens: int | None, span: trace.Span) -> None:
-        """Ends the lease; ``num_completion_tokens`` (None unless every choice finished)
+        """Ends the lease (``lease_id``: an ``Assignment``'s, or the id an ``Admission``
+        proposed, when the caller gave up before reading its assignment; an id that is no
+        lease is a no-op); ``num_completion_tokens`` (None unless every choice finished)
         teaches the scheduler's predictor. Never raises: a failure is logged, and the
         call completes even when the caller is cancelled meanwhile."""
 

@@ -42,7 +42,8 @@ def admit_request(a: Admission) -> scheduler_pb2.AdmitRequest:
     """The scheduler's AdmitRequest for an ``Admission``."""
     return scheduler_pb2.AdmitRequest(request_id=a.request_id, tenant=a.tenant, priority=a.priority,
                                       num_prompt_tokens=a.num_prompt_tokens, max_tokens=a.max_tokens, model=a.model,
-                                      n=a.n, block_hashes=a.block_hashes, hash_block_size=a.hash_block_size)
+                                      n=a.n, block_hashes=a.block_hashes, hash_block_size=a.hash_block_size,
+                                      lease_id=a.lease_id)
 
 
 class GrpcMeshClient:

@@ -159,6 +159,7 @@ class AdmissionRequest:
     predicted_output_tokens: int = 0
     prediction_level: str = ""  # the predictor level that answered (``prior``: re-asked at dispatch)
     no_executor_since: float | None = None  # when it last found no executor of its model (scale to zero)
+    lease_id: str = ""  # the caller's id for its lease (AdmitRequest.lease_id); "": a uuid4 at dispatch
 
     @property
     def queued_tokens(self) -> int:
@@ -204,13 +205,16 @@ class AdmissionCore:
             ResourceExhausted: the queue is full (count or tokens) and nothing of
                 lower priority can make room, or the request alone needs more
                 blocks than its tenant's quota.
-            AlreadyExists: a request with the same id is queued or holds a lease.
+            AlreadyExists: a request with the same id is queued or holds a lease, or
+                its ``lease_id`` is already a lease's or a queued request's.
             PermissionDenied: a tenant the configured tenants do not list.
         """
         limits = self._tenant_limits(req.tenant)
         req.priority = limits.clamp_priority(req.priority)
         if req.request_id in self._queue or req.request_id in self._leased_request_ids:
             raise AlreadyExists(f"request_id {req.request_id!r} is already queued or running")
+        if req.lease_id and self.lease_id_in_use(req.lease_id):
+            raise AlreadyExists(f"lease_id {req.lease_id!r} is already in use")
         executors = self.placer.executors_for(req)
         if not executors and self.config.start_budget_s is None:
             raise Unavailable(f"no executor is serving {self._what(req)}")
@@ -228,6 +232,10 @@ class AdmissionCore:
         self._queue[req.request_id] = req
         self._queued_tokens += req.queued_tokens
         return displaced
+
+    def lease_id_in_use(self, lease_id: str) -> bool:
+        """Whether ``lease_id`` is a lease's or a queued request's proposed one."""
+        return lease_id in self._leases or any(q.lease_id == lease_id for q in self._queue.values())
 
     def _what(self, req: AdmissionRequest) -> str:
         """``model 'x' in pool 'p' or its spill targets``: what no executor serves."""
@@ -385,7 +393,7 @@ class AdmissionCore:
                 continue
             self._remove(req.request_id)
             lease = Lease(
-                lease_id=uuid.uuid4().hex, request_id=req.request_id, executor_id=placement.executor.executor_id,
+                lease_id=req.lease_id or uuid.uuid4().hex, request_id=req.request_id, executor_id=placement.executor.executor_id,
                 num_blocks=placement.num_blocks, tenant=req.tenant, assigned_at=now,
                 num_prompt_tokens=req.num_prompt_tokens, n=max(1, req.n),
                 predicted_output_tokens=req.predicted_output_tokens,

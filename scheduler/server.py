@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import re
 import time
 from typing import Callable
 
@@ -55,6 +56,7 @@ from scheduler.registry import ExecutorState, Lease
 log = logging.getLogger(__name__)
 _tracer = tracer(__name__)
 QUEUE_UPDATE_INTERVAL_S = 0.5
+_LEASE_ID = re.compile(r"[0-9a-f]{32}")  # AdmitRequest.lease_id: a uuid4's hex
 
 
 class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
@@ -130,6 +132,10 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
         if request.num_prompt_tokens < 0 or request.max_tokens < 0 or request.n < 0:
             raise InvalidArgument("num_prompt_tokens, max_tokens and n must be >= 0")
         _check_block_hashes(request)
+        if request.lease_id and not _LEASE_ID.fullmatch(request.lease_id):
+            raise InvalidArgument("lease_id must be 32 lowercase hex digits (a uuid4's hex) or empty")
+        if request.lease_id and self.core.lease_id_in_use(request.lease_id):
+            raise AlreadyExists(f"lease_id {request.lease_id!r} is already in use")
         span = _tracer.start_span("scheduler.admit", context=context_from_grpc(context), kind=trace.SpanKind.SERVER)
         try:
             span.set_attributes({ta.REQUEST_ID: request.request_id, ta.TENANT: request.tenant,
@@ -144,6 +150,7 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
                 n=max(1, request.n),
                 block_hashes=tuple(request.block_hashes),
                 hash_block_size=request.hash_block_size,
+                lease_id=request.lease_id,
             )
             try:
                 displaced = self.core.submit(req)

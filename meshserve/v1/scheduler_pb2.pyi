@@ -7,7 +7,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class AdmitRequest(_message.Message):
-    __slots__ = ("request_id", "tenant", "priority", "num_prompt_tokens", "max_tokens", "model", "n", "block_hashes", "hash_block_size")
+    __slots__ = ("request_id", "tenant", "priority", "num_prompt_tokens", "max_tokens", "model", "n", "block_hashes", "hash_block_size", "lease_id")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TENANT_FIELD_NUMBER: _ClassVar[int]
     PRIORITY_FIELD_NUMBER: _ClassVar[int]
@@ -17,6 +17,7 @@ class AdmitRequest(_message.Message):
     N_FIELD_NUMBER: _ClassVar[int]
     BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
     HASH_BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
+    LEASE_ID_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     tenant: str
     priority: int
@@ -26,7 +27,8 @@ class AdmitRequest(_message.Message):
     n: int
     block_hashes: _containers.RepeatedScalarFieldContainer[bytes]
     hash_block_size: int
-    def __init__(self, request_id: _Optional[str] = ..., tenant: _Optional[str] = ..., priority: _Optional[int] = ..., num_prompt_tokens: _Optional[int] = ..., max_tokens: _Optional[int] = ..., model: _Optional[str] = ..., n: _Optional[int] = ..., block_hashes: _Optional[_Iterable[bytes]] = ..., hash_block_size: _Optional[int] = ...) -> None: ...
+    lease_id: str
+    def __init__(self, request_id: _Optional[str] = ..., tenant: _Optional[str] = ..., priority: _Optional[int] = ..., num_prompt_tokens: _Optional[int] = ..., max_tokens: _Optional[int] = ..., model: _Optional[str] = ..., n: _Optional[int] = ..., block_hashes: _Optional[_Iterable[bytes]] = ..., hash_block_size: _Optional[int] = ..., lease_id: _Optional[str] = ...) -> None: ...
 
 class AdmitQueued(_message.Message):
     __slots__ = ("position", "estimated_wait_s")

@@ -111,3 +111,37 @@ async def test_ending_the_stream_cancels_the_executor_call_and_releases_the_leas
     core.end(core.prepare(request, TENANT))  # the request id is free again
     assert core.metrics.registry.get_sample_value(
         "meshserve_requests_total", {"tenant": "default", "priority": "0", "outcome": "cancelled"}) == cancelled + 1
+
+
+class GivesUpAtTheAssignment(GrpcMeshClient):
+    """The real scheduler client, but the caller goes away just as the Assignment
+    arrives, before reading it (an HTTP client that disconnects, a gRPC caller that
+    cancels, a millisecond after admission): the lease is granted, its id never seen."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.granted: list[str] = []
+
+    async def admit(self, admission, span):
+        from gateway.mesh import Assignment
+
+        async for event in super().admit(admission, span):
+            if isinstance(event, Assignment):
+                self.granted.append(event.lease_id)
+                raise asyncio.CancelledError
+            yield event
+
+
+async def test_a_caller_gone_before_reading_its_assignment_leaves_no_lease(mesh_and_core, tokenizer):
+    mesh, core = mesh_and_core
+    client = GivesUpAtTheAssignment(mesh.scheduler.address, mesh.tls("gateway"))
+    quitter = GatewayCore(tokenizer, core.model, client)
+    scheduler = mesh.scheduler.servicer.core
+    request = GenerationRequest(prompt="Hi", request_id="gone", sampling=SamplingParams(max_tokens=4))
+    try:
+        with pytest.raises(asyncio.CancelledError):
+            await events_of(quitter, request)
+        assert len(client.granted) == 1  # the scheduler did grant it
+        assert scheduler.lease(client.granted[0]) is None and scheduler.num_leases() == 0  # released at once
+    finally:
+        await quitter.close()

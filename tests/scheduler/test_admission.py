@@ -160,3 +160,24 @@ def test_prior_predictions_are_asked_again_once_the_predictor_learns():
     assert core.dispatch() == []
     queued = core.queued()[0]
     assert (queued.predicted_output_tokens, queued.prediction_level, queued.cost) == (3, "tenant+bucket", 18)
+
+
+def test_a_proposed_lease_id_names_the_lease_and_is_unique_while_queued_or_leased():
+    from meshserve.errors import AlreadyExists
+
+    core = AdmissionCore()
+    core.registry.add(executor("e0", num_blocks=1))
+    lease_a, lease_b = "a" * 32, "b" * 32
+    first = AdmissionRequest("a", "t", 0, 15, 0, "m", lease_id=lease_a)
+    core.submit(first)
+    [(_, lease)] = core.dispatch()
+    assert lease.lease_id == lease_a
+    core.submit(AdmissionRequest("b", "t", 0, 15, 0, "m", lease_id=lease_b))  # queued: the one block is leased
+    assert core.dispatch() == []
+    for taken in (lease_a, lease_b):
+        with pytest.raises(AlreadyExists, match=f"lease_id '{taken}' is already in use"):
+            core.submit(AdmissionRequest("c", "t", 0, 15, 0, "m", lease_id=taken))
+    assert [r.request_id for r in core.queued()] == ["b"]
+    assert core.release(lease_a)
+    [(_, second)] = core.dispatch()
+    assert second.lease_id == lease_b and not core.lease_id_in_use(lease_a)

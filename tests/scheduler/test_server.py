@@ -147,3 +147,31 @@ async def test_malformed_kv_events_end_the_stream_with_invalid_argument():
     finally:
         await channel.close()
         await svc.stop(0.1)
+
+
+async def test_the_callers_lease_id_names_the_lease_and_releases_it(scheduler):
+    """A gateway that gives up while the Assignment is on its way releases the lease by
+    the id its AdmitRequest proposed, without having read it."""
+    svc, stub = scheduler
+    core = svc.servicer.core
+    proposed = "0123456789abcdef0123456789abcdef"
+    events = await _events(stub, request_id="r1", tenant="a", num_prompt_tokens=15, lease_id=proposed)
+    assert events[-1].assignment.lease_id == proposed
+    assert core.num_leases() == 1 and core.quotas.snapshot() == {"a": 1}
+    with pytest.raises(grpc.aio.AioRpcError) as info:  # in use: refused, the lease untouched
+        await _events(stub, request_id="r2", tenant="a", num_prompt_tokens=15, lease_id=proposed)
+    assert info.value.code() == grpc.StatusCode.ALREADY_EXISTS
+    assert info.value.details() == f"lease_id {proposed!r} is already in use"
+    await stub.Release(pb.ReleaseRequest(lease_id=proposed))
+    assert core.num_leases() == 0 and core.quotas.snapshot() == {}
+    await stub.Release(pb.ReleaseRequest(lease_id=proposed))  # released twice, or never granted: no error
+
+
+@pytest.mark.parametrize("lease_id", ["short", "0123456789ABCDEF0123456789ABCDEF", "0123456789abcdef0123456789abcdef0"])
+async def test_a_malformed_lease_id_is_invalid_argument(scheduler, lease_id):
+    svc, stub = scheduler
+    with pytest.raises(grpc.aio.AioRpcError) as info:
+        await _events(stub, request_id="r", tenant="a", num_prompt_tokens=15, lease_id=lease_id)
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert info.value.details() == "lease_id must be 32 lowercase hex digits (a uuid4's hex) or empty"
+    assert svc.servicer.core.num_leases() == 0 and len(svc.servicer.core) == 0
