@@ -36,6 +36,7 @@ argmax of the penalised logits).
 
 from __future__ import annotations
 
+import ctypes
 import math
 from dataclasses import dataclass, field, replace
 
@@ -119,6 +120,15 @@ def _check(ok: bool, message: str) -> None:
         raise InvalidArgument(message)
 
 
+def _wire(value: float) -> tuple[float, str]:
+    """``value`` as the wire's float32 carries it (1e39 becomes inf, 1e-50 zero), and
+    the words a message adds when that differs from ``value``: the gateway checks what
+    the executor will receive, so a value valid only in float64 is refused before
+    admission with its own field's name."""
+    carried = ctypes.c_float(value).value
+    return carried, "" if carried == value or math.isnan(value) else f" ({carried} as a float32)"
+
+
 def validate(params: SamplingParams, *, max_model_len: int, vocab_size: int) -> SamplingParams:
     """Checks every field against the model's limits; returns the normalised params
     (``top_k`` -1 becomes 0).
@@ -130,10 +140,10 @@ def validate(params: SamplingParams, *, max_model_len: int, vocab_size: int) -> 
         1 <= params.max_tokens <= max_model_len,
         f"max_tokens must be in [1, {max_model_len}] (max_model_len), got {params.max_tokens}",
     )
-    t = params.temperature
-    _check(math.isfinite(t) and t >= 0.0, f"temperature must be a finite number >= 0, got {t}")
-    p = params.top_p
-    _check(math.isfinite(p) and 0.0 < p <= 1.0, f"top_p must be in (0, 1], got {p}")
+    t, note = _wire(params.temperature)
+    _check(math.isfinite(t) and t >= 0.0, f"temperature must be a finite number >= 0, got {params.temperature}{note}")
+    p, note = _wire(params.top_p)
+    _check(math.isfinite(p) and 0.0 < p <= 1.0, f"top_p must be in (0, 1], got {params.top_p}{note}")
     _check(-1 <= params.top_k <= INT32_MAX, f"top_k must be in [1, {INT32_MAX}], or 0 / -1 for off, got {params.top_k}")
     _check(
         len(params.stop) <= MAX_STOP_STRINGS,
@@ -166,14 +176,15 @@ def _is_unicode(text: str) -> bool:
 
 def _validate_extras(params: SamplingParams) -> None:
     """min_p, penalties, min_tokens, n and logprobs (see the module docstring)."""
-    m = params.min_p
-    _check(math.isfinite(m) and 0.0 <= m <= 1.0, f"min_p must be in [0, 1], got {m}")
-    r = params.repetition_penalty
-    _check(math.isfinite(r) and r > 0.0, f"repetition_penalty must be a finite number > 0 (1 is off), got {r}")
+    m, note = _wire(params.min_p)
+    _check(math.isfinite(m) and 0.0 <= m <= 1.0, f"min_p must be in [0, 1], got {params.min_p}{note}")
+    r, note = _wire(params.repetition_penalty)
+    _check(math.isfinite(r) and r > 0.0,
+           f"repetition_penalty must be a finite number > 0 (1 is off), got {params.repetition_penalty}{note}")
     for name in ("presence_penalty", "frequency_penalty"):
-        v = getattr(params, name)
+        v, note = _wire(getattr(params, name))
         _check(math.isfinite(v) and -MAX_PENALTY <= v <= MAX_PENALTY,
-               f"{name} must be in [-{MAX_PENALTY:g}, {MAX_PENALTY:g}], got {v}")
+               f"{name} must be in [-{MAX_PENALTY:g}, {MAX_PENALTY:g}], got {getattr(params, name)}{note}")
     _check(0 <= params.min_tokens <= params.max_tokens,
            f"min_tokens must be in [0, max_tokens={params.max_tokens}], got {params.min_tokens}")
     _check(1 <= params.n <= MAX_N, f"n must be in [1, {MAX_N}] (MAX_N), got {params.n}")

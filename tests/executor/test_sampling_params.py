@@ -63,6 +63,25 @@ def test_valid_edges_pass():
         check(**kwargs)
 
 
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(temperature=1e39), "temperature must be a finite number >= 0, got 1e+39 (inf as a float32)"),
+    (dict(top_p=1e-50), "top_p must be in (0, 1], got 1e-50 (0.0 as a float32)"),
+    (dict(repetition_penalty=1e308),
+     "repetition_penalty must be a finite number > 0 (1 is off), got 1e+308 (inf as a float32)"),
+    (dict(repetition_penalty=1e-50), "repetition_penalty must be a finite number > 0 (1 is off), got 1e-50 "
+                                     "(0.0 as a float32)"),
+])
+def test_a_value_valid_only_in_float64_is_refused_as_the_wire_would_carry_it(kwargs, message):
+    """The gateway validates what the executor receives: float fields travel as float32."""
+    with pytest.raises(InvalidArgument) as info:
+        check(**kwargs)
+    assert str(info.value) == message
+    msg = common_pb2.SamplingParams()
+    to_proto(SamplingParams(**kwargs), msg)
+    with pytest.raises(InvalidArgument):  # what the executor would have said, after admission
+        from_proto(msg, max_model_len=100, vocab_size=VOCAB)
+
+
 def test_proto_round_trip_keeps_every_field_and_defaults():
     params = SamplingParams(max_tokens=20, temperature=0.5, seed=3, min_p=0.25, repetition_penalty=1.5,
                             presence_penalty=-0.5, frequency_penalty=1.25, min_tokens=4, n=3, logprobs=0,
