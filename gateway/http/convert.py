@@ -36,8 +36,11 @@ def _refuse_unsupported(body: SamplingFields) -> None:
         if body.best_of is not None and body.best_of != body.n:
             raise InvalidArgument("best_of must equal n (meshserve returns every choice it generates)")
     if isinstance(body, ChatCompletionRequest):
-        if body.tools:
-            raise InvalidArgument("tools are not supported")
+        if body.tools or body.functions:
+            raise InvalidArgument(f"{'tools' if body.tools else 'functions'} are not supported")
+        for name in ("tool_choice", "function_call"):  # "none" asks for no call: what meshserve does
+            if getattr(body, name) not in (None, "none"):
+                raise InvalidArgument(f"{name} is not supported (only \"none\")")
         if body.response_format and body.response_format.get("type", "text") != "text":
             raise InvalidArgument("response_format: only {'type': 'text'} is supported")
 

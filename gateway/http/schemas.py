@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 # What one request body may carry before any work is done (case C37): the core's
 # own caps bound each field; these bound what arrives before the core sees it.
@@ -35,6 +35,16 @@ class SamplingFields(BaseModel):
     """The fields both routes share (OpenAI's, then vLLM's extras)."""
 
     model_config = ConfigDict(extra="ignore")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_is_the_default(cls, data: Any) -> Any:
+        """A top-level ``"field": null`` reads as the field's default (``"n": null`` is
+        1, ``"stream": null`` false), as OpenAI's servers and vLLM read it; a required
+        field sent as null is then missing (400)."""
+        if isinstance(data, dict):
+            return {key: value for key, value in data.items() if value is not None}
+        return data
 
     model: str | None = None
     n: int = Field(1, ge=1)
@@ -116,4 +126,7 @@ class ChatCompletionRequest(SamplingFields):
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=20)
     tools: list[Any] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    functions: list[Any] | None = None  # OpenAI's older name of tools
+    function_call: str | dict[str, Any] | None = None  # ... and of tool_choice
     response_format: dict[str, Any] | None = None

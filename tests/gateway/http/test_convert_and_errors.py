@@ -48,6 +48,10 @@ def test_completion_prompts_of_every_form():
     (CompletionRequest(prompt="x", best_of=3), "best_of"),
     (CompletionRequest(prompt=[]), "prompt"),
     (ChatCompletionRequest(messages=CHAT, tools=[{"type": "function"}]), "tools"),
+    (ChatCompletionRequest(messages=CHAT, functions=[{"name": "f"}]), "functions"),
+    (ChatCompletionRequest(messages=CHAT, tool_choice="auto"), "tool_choice"),
+    (ChatCompletionRequest(messages=CHAT, tool_choice={"type": "function", "function": {"name": "f"}}), "tool_choice"),
+    (ChatCompletionRequest(messages=CHAT, function_call="auto"), "function_call"),
     (ChatCompletionRequest(messages=CHAT, top_logprobs=3), "top_logprobs"),
 ])
 def test_what_is_not_implemented_is_refused_naming_the_field(body, field):
@@ -55,6 +59,23 @@ def test_what_is_not_implemented_is_refused_naming_the_field(body, field):
         chat_request(body, 1024, "r") if isinstance(body, ChatCompletionRequest) else completion_requests(body, "r")
     assert str(err.value).startswith(field)
     assert http_error(err.value).param == field
+
+
+def test_asking_for_no_tool_call_is_what_meshserve_does():
+    body = ChatCompletionRequest(messages=CHAT, tool_choice="none", function_call="none", tools=[], functions=[])
+    assert chat_request(body, 1024, "r").chat == (("system", "Be brief."), ("user", "Hi!"))
+
+
+def test_a_null_field_is_its_default_as_openai_and_vllm_read_it():
+    nulls = {"n": None, "stream": None, "ignore_eos": None, "logprobs": None, "top_logprobs": None, "stop": None,
+             "temperature": None, "max_tokens": None, "return_token_ids": None, "stream_options": None}
+    body = ChatCompletionRequest.model_validate({"messages": CHAT, **nulls})
+    assert body == ChatCompletionRequest.model_validate({"messages": CHAT})
+    r = chat_request(body, 1024, "r")
+    assert (r.sampling.n, r.sampling.ignore_eos, r.sampling.logprobs, r.sampling.max_tokens) == (1, False, None, 1024)
+    assert CompletionRequest.model_validate({"prompt": "x", "echo": None, "max_tokens": None}).max_tokens == 16
+    with pytest.raises(ValueError, match="messages"):  # a required field sent as null is missing
+        ChatCompletionRequest.model_validate({"messages": None})
 
 
 @pytest.mark.parametrize("exc,status,code", [
