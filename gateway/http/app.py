@@ -44,7 +44,10 @@ MAX_BODY_BYTES = 8 << 20  # a request body's most bytes (8 MiB)
 
 class BodyLimit:
     """ASGI middleware: a request whose body is larger than ``max_bytes`` gets 413
-    (by its Content-Length at once, else as soon as the bytes received pass it)."""
+    (by its Content-Length at once, else as soon as the bytes received pass it: the
+    413 is sent then, the application reads a disconnect, and whatever it answers
+    after that is dropped; an exception raised into it would come back as FastAPI's
+    400 "error parsing the body")."""
 
     def __init__(self, app, max_bytes: int):
         self.app, self.max_bytes = app, max_bytes
@@ -55,30 +58,35 @@ class BodyLimit:
         length = dict(scope["headers"]).get(b"content-length")
         if length is not None and length.isdigit() and int(length) > self.max_bytes:
             return await self._too_large(scope, receive, send)
-        received = 0
+        received, refused = 0, False
 
         async def limited():
-            nonlocal received
+            nonlocal received, refused
+            if refused:
+                return {"type": "http.disconnect"}
             message = await receive()
             if message["type"] == "http.request":
                 received += len(message.get("body", b""))
                 if received > self.max_bytes:
-                    raise _TooLarge()
+                    refused = True
+                    await self._too_large(scope, receive, send)
+                    return {"type": "http.disconnect"}
             return message
 
+        async def unless_refused(message):
+            if not refused:
+                await send(message)
+
         try:
-            await self.app(scope, limited, send)
-        except _TooLarge:
-            await self._too_large(scope, receive, send)
+            await self.app(scope, limited, unless_refused)
+        except Exception:
+            if not refused:
+                raise  # after the 413, the application's complaint about the cut body is moot
 
     async def _too_large(self, scope, receive, send):
         error = HttpError(413, f"request body is larger than {self.max_bytes} bytes", "invalid_request_error",
                           "request_too_large")
         await error.response()(scope, receive, send)
-
-
-class _TooLarge(Exception):
-    pass
 
 
 def create_app(core: GatewayCore, tenants: TenantRegistry, tasks: TaskAPI, ready: Callable[[], bool],
@@ -99,7 +107,7 @@ def create_app(core: GatewayCore, tenants: TenantRegistry, tasks: TaskAPI, ready
     app.include_router(OpenAIRoutes(core, tenants).router)
     app.include_router(TaskRoutes(tasks).router)
 
-    @app.get("/health")
+    @app.api_route("/health", methods=["GET", "HEAD"])  # HEAD: probes that only want the status
     async def health() -> dict:
         return {"status": "ok"}
 

@@ -80,6 +80,20 @@ async def test_body_over_the_limit_is_413(http_mesh):
     _check_shape(r, 413, "request_too_large")
 
 
+async def test_a_chunked_body_over_the_limit_is_413(http_mesh):
+    """Case C37 (HTTP): a body with no Content-Length (chunked) that passes 8 MiB is
+    refused with 413 once the bytes received pass it, not FastAPI's 400."""
+    async def chunks():
+        for _ in range(16):
+            yield b"x" * (1 << 20)
+
+    async with httpx.AsyncClient(base_url=http_mesh.http_url) as http:
+        r = await http.post("/v1/completions", headers={"authorization": f"Bearer {KEY_A}",
+                                                        "content-type": "application/json"}, content=chunks())
+    assert "content-length" not in r.request.headers
+    _check_shape(r, 413, "request_too_large")
+
+
 @pytest.mark.parametrize("field,value,cap", [("n", 1_000_000, "16"), ("stop", ["s"] * 100_000, "16"),
                                              ("stop_token_ids", list(range(10_000)), "64")])
 async def test_huge_fields_are_400_naming_field_and_cap(http_mesh, field, value, cap):
@@ -115,6 +129,8 @@ async def test_lone_surrogates_and_out_of_range_seeds_are_400(http_mesh, field, 
 async def test_health_version_metrics_and_ready(http_mesh):
     async with httpx.AsyncClient(base_url=http_mesh.http_url) as http:
         assert (await http.get("/health")).json() == {"status": "ok"}
+        head = await http.head("/health")
+        assert (head.status_code, head.content) == (200, b"")
         assert (await http.get("/ready")).status_code == 200
         from meshserve import __version__
         assert (await http.get("/version")).json() == {"version": __version__}
