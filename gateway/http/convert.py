@@ -24,6 +24,9 @@ from gateway.http.schemas import MAX_PROMPTS, ChatCompletionRequest, CompletionR
 from gateway.request import GenerationRequest
 
 
+_ROLES = {"developer": "system"}  # OpenAI's newer name for the system role (its o1 and later models)
+
+
 def _refuse_unsupported(body: SamplingFields) -> None:
     """Fields meshserve does not implement are refused (400 naming them), never ignored."""
     if body.logit_bias:
@@ -66,7 +69,7 @@ def chat_request(body: ChatCompletionRequest, max_model_len: int, request_id: st
     logprobs = (body.top_logprobs or 0) if body.logprobs else None
     if body.top_logprobs and not body.logprobs:
         raise InvalidArgument("top_logprobs needs logprobs: true")
-    return GenerationRequest(chat=tuple((m.role, m.text()) for m in body.messages),
+    return GenerationRequest(chat=tuple((_ROLES.get(m.role, m.role), m.text()) for m in body.messages),
                              sampling=_sampling(body, max_tokens, logprobs), priority=body.priority,
                              request_id=request_id, model=body.model)
 

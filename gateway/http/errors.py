@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import logging
 import math
+import re
 from dataclasses import dataclass
 
 import grpc
@@ -79,10 +80,18 @@ _BY_CODE = {
 }
 
 
+_FIELD_PATH = re.compile(r"[a-z_][a-z0-9_]*(?:\[\d+\]|\.[a-z_][a-z0-9_]*)*")
+
+
 def _param_of(message: str) -> str | None:
-    """The field an InvalidArgument message names first (``"top_p must be…"`` → ``top_p``)."""
+    """The field an InvalidArgument message names first, in the body's dotted form as
+    pydantic's errors give it (``"top_p must be…"`` → ``top_p``;
+    ``"chat.messages[0].role must…"`` → ``messages.0.role``: the gRPC request's
+    ``chat`` is the body's ``messages``)."""
     first = message.split(" ", 1)[0].rstrip(":,")
-    return first if first.replace("_", "").isalnum() and first.islower() else None
+    if not _FIELD_PATH.fullmatch(first):
+        return None
+    return re.sub(r"\[(\d+)\]", r".\1", first).removeprefix("chat.")
 
 
 def http_error(exc: BaseException) -> HttpError:

@@ -86,7 +86,7 @@ class TaskRoutes:
         try:
             message = request_to_proto(gen)
         except (ValueError, UnicodeEncodeError) as exc:  # a value the wire cannot carry: the caller's mistake
-            raise InvalidArgument(f"a field cannot be represented: {exc}") from None
+            raise InvalidArgument(f"The request holds a value the wire cannot carry: {exc}") from None
         message.callback_url = callback_url or ""
         return message
 

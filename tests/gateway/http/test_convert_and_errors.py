@@ -61,6 +61,21 @@ def test_what_is_not_implemented_is_refused_naming_the_field(body, field):
     assert http_error(err.value).param == field
 
 
+def test_the_developer_role_is_the_system_role():
+    body = ChatCompletionRequest(messages=[{"role": "developer", "content": "Be brief."}, CHAT[1]])
+    assert chat_request(body, 1024, "r").chat == (("system", "Be brief."), ("user", "Hi!"))
+
+
+@pytest.mark.parametrize("message, param", [
+    ("top_p must be in (0, 1], got 0", "top_p"),
+    ("chat.messages[1].role must be one of system, user, assistant, got 'tool'", "messages.1.role"),
+    ("prompt_token_ids entry 70000 is outside the vocabulary [0, 49152)", "prompt_token_ids"),
+    ("The request holds a value the wire cannot carry: Value out of range", None),
+])
+def test_an_invalid_argument_names_its_field_as_the_body_spells_it(message, param):
+    assert http_error(InvalidArgument(message)).param == param
+
+
 def test_asking_for_no_tool_call_is_what_meshserve_does():
     body = ChatCompletionRequest(messages=CHAT, tool_choice="none", function_call="none", tools=[], functions=[])
     assert chat_request(body, 1024, "r").chat == (("system", "Be brief."), ("user", "Hi!"))
