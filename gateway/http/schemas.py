@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 # What one request body may carry before any work is done (case C37): the core's
 # own caps bound each field; these bound what arrives before the core sees it.
@@ -89,13 +89,14 @@ class CompletionRequest(SamplingFields):
     suffix: str | None = None
 
 
-class TextPart(BaseModel):
-    """A text part of a message's content (other part types are refused)."""
+class ContentPart(BaseModel):
+    """A part of a message's content; only ``text`` parts are served (the others are
+    refused by ``ChatMessage``, naming their type)."""
 
     model_config = ConfigDict(extra="ignore")
 
-    type: Literal["text"]
-    text: str
+    type: str
+    text: str | None = None
 
 
 class ChatMessage(BaseModel):
@@ -104,7 +105,18 @@ class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
     role: str
-    content: str | list[TextPart] | None = None
+    content: str | list[ContentPart] | None = None
+
+    @field_validator("content")
+    @classmethod
+    def _text_parts_only(cls, content):
+        if isinstance(content, list):
+            for part in content:
+                if part.type != "text":
+                    raise ValueError(f"only text parts are supported, got a part of type {part.type!r}")
+                if part.text is None:
+                    raise ValueError("a text part needs its text")
+        return content
 
     def text(self) -> str:
         """The message's text (text parts joined)."""

@@ -76,6 +76,20 @@ def test_an_invalid_argument_names_its_field_as_the_body_spells_it(message, para
     assert http_error(InvalidArgument(message)).param == param
 
 
+@pytest.mark.parametrize("part, message", [
+    ({"type": "image_url", "image_url": {"url": "https://x/y.png"}},
+     "messages.0.content: Value error, only text parts are supported, got a part of type 'image_url'"),
+    ({"type": "text"}, "messages.0.content: Value error, a text part needs its text"),
+])
+def test_a_content_part_meshserve_does_not_serve_is_named(part, message):
+    from pydantic import ValidationError
+
+    with pytest.raises(ValidationError) as info:
+        ChatCompletionRequest.model_validate({"messages": [{"role": "user", "content": [part]}]})
+    error = validation_error(info.value.errors())
+    assert (error.status, error.message, error.param) == (400, message, "messages.0.content")
+
+
 def test_asking_for_no_tool_call_is_what_meshserve_does():
     body = ChatCompletionRequest(messages=CHAT, tool_choice="none", function_call="none", tools=[], functions=[])
     assert chat_request(body, 1024, "r").chat == (("system", "Be brief."), ("user", "Hi!"))
