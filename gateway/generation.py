@@ -56,7 +56,8 @@ from gateway.result_store import Coalescer, MemoryResultStore, ResultStore
 from gateway.tenants import Tenant
 from meshserve import trace_attributes as ta
 from meshserve.block_hash import cache_salt, routing_block_hashes
-from meshserve.errors import AlreadyExists, InvalidArgument, MeshError, ModelNotFound, Unavailable
+from meshserve.errors import (AlreadyExists, InvalidArgument, MeshError, ModelNotFound, NotFound, PermissionDenied,
+                              ResourceExhausted, Unauthenticated, Unavailable)
 from meshserve.request_ids import check_request_id, scoped_request_id
 from meshserve.sampling import validate
 from meshserve.telemetry import record_error, tracer
@@ -64,6 +65,10 @@ from meshserve.telemetry import record_error, tracer
 INT32_MIN, INT32_MAX = -(1 << 31), (1 << 31) - 1  # the wire's priority (int32)
 
 _tracer = tracer(__name__)
+# The statuses with which the scheduler's Admit refuses a request before granting anything.
+# UNAVAILABLE is not one of them: a lost connection is UNAVAILABLE too, and the
+# Assignment may have been written before it broke.
+_ADMIT_REFUSALS = (InvalidArgument, AlreadyExists, ResourceExhausted, PermissionDenied, Unauthenticated, NotFound)
 
 OnAssigned = Callable[[], Awaitable[None]]
 
@@ -320,9 +325,10 @@ class GatewayCore:
         """Admission (queue updates), then the executor's stream; the lease is released
         however it ends once the scheduler sent it (also while its Admit stream is still
         ending), with the completion tokens when every choice finished. When admission
-        ends without an assignment other than by the scheduler's answer (the caller went
-        away, or a deadline), the lease id the admission proposed is released too: the
-        scheduler may have granted it with the assignment still on its way."""
+        ends without an assignment other than by the scheduler's refusal (the caller went
+        away, a deadline, the connection lost), the lease id the admission proposed is
+        released too: the scheduler may have granted it with the assignment still on
+        its way."""
         assignment, queued, finished, answered = None, False, False, False
         choices: list[Choice] = []
         admission = self._admission(p)
@@ -336,7 +342,7 @@ class GatewayCore:
                         yield event
                     else:
                         assignment = event
-            answered = True  # the Admit stream ended: the scheduler has nothing granted for this request
+            answered = True  # the Admit stream ended: what was granted, if anything, is in `assignment`
             if assignment is None:
                 raise Unavailable("scheduler ended admission without an assignment")
             p.timer.assigned = time.monotonic()
@@ -350,8 +356,8 @@ class GatewayCore:
                     async for event in events:
                         yield event
             finished = True
-        except MeshError:
-            if assignment is None:  # the scheduler's error status ended the Admit call: it holds nothing for it
+        except MeshError as exc:
+            if assignment is None and isinstance(exc, _ADMIT_REFUSALS):  # refused: the scheduler holds nothing for it
                 answered = True
             raise
         finally:

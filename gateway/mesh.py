@@ -28,7 +28,7 @@ class Admission:
         model: the model id.
         block_hashes: the prompt's routing chain hashes (16 bytes per full block).
         hash_block_size: tokens per hashed block; 0: no hashes sent (no prefix-aware routing).
-        lease_id: the id the lease gets when granted (32 hex digits, ``new_lease_id``), so
+        lease_id: the id the lease gets when granted (32 lowercase hex digits: a uuid4's), so
             that a caller that gives up before reading the assignment can still release it;
             "": the scheduler picks one.
     """

@@ -188,6 +188,7 @@ class AdmissionCore:
         self._queued_tokens = 0
         self._leases: dict[str, Lease] = {}
         self._leased_request_ids: set[str] = set()  # request ids holding a lease (duplicate check)
+        self._queued_lease_ids: set[str] = set()  # the queued requests' proposed lease ids (lease_id_in_use)
         self._seq = itertools.count()
 
     # -- queue -----------------------------------------------------------------
@@ -231,11 +232,15 @@ class AdmissionCore:
         req.seq = next(self._seq)
         self._queue[req.request_id] = req
         self._queued_tokens += req.queued_tokens
+        if req.lease_id:
+            self._queued_lease_ids.add(req.lease_id)
         return displaced
 
     def lease_id_in_use(self, lease_id: str) -> bool:
-        """Whether ``lease_id`` is a lease's or a queued request's proposed one."""
-        return lease_id in self._leases or any(q.lease_id == lease_id for q in self._queue.values())
+        """Whether ``lease_id`` is a lease's, a queued request's proposed one, or one an
+        executor still lists (a released lease whose run has not ended there yet)."""
+        return (lease_id in self._leases or lease_id in self._queued_lease_ids
+                or any(lease_id in e.listed_lease_ids for e in self.registry))
 
     def _what(self, req: AdmissionRequest) -> str:
         """``model 'x' in pool 'p' or its spill targets``: what no executor serves."""
@@ -343,6 +348,7 @@ class AdmissionCore:
         req = self._queue.pop(request_id, None)
         if req is not None:
             self._queued_tokens -= req.queued_tokens
+            self._queued_lease_ids.discard(req.lease_id)
         return req
 
     def cancel(self, request_id: str) -> bool:

@@ -73,6 +73,7 @@ class ExecutorState:
     num_running: int = 0
     num_waiting: int = 0
     leases: dict[str, Lease] = field(default_factory=dict)
+    listed_lease_ids: frozenset[str] = frozenset()  # the lease ids of its last report
     draining: bool = False  # asked to stop: nothing new is routed to it (scheduler.placement)
 
     def pending_blocks(self, now: float, pending_timeout_s: float) -> int:
@@ -124,6 +125,7 @@ class ExecutorRegistry:
         state.num_free_blocks = num_free_blocks
         state.num_running = num_running
         state.num_waiting = num_waiting
+        state.listed_lease_ids = frozenset(lease_ids)
         for lease in state.leases.values():
             lease.listed = lease.lease_id in lease_ids
             lease.acked = lease.acked or lease.listed

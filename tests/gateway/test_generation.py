@@ -19,7 +19,7 @@ from gateway.mesh_client import GrpcMeshClient
 from gateway.request import GenerationRequest, ModelInfo, SpanOptions
 from gateway.result_cache import ResultCache, cache_key
 from gateway.tenants import Tenant
-from meshserve.errors import AlreadyExists, InvalidArgument, ModelNotFound, Unavailable
+from meshserve.errors import AlreadyExists, InvalidArgument, ModelNotFound, ResourceExhausted, Unavailable
 from meshserve.sampling import SamplingParams
 from meshserve.telemetry import memory_exporter
 from tests.support.redis_server import free_port
@@ -157,3 +157,30 @@ async def test_a_caller_gone_after_the_assignment_releases_the_lease(tokenizer):
     assert count(core, "meshserve_requests_total", outcome="cancelled") == 1
     assert count(core, "meshserve_gateway_requests_running") == 0
     core.end(core.prepare(GenerationRequest(prompt="Hi", request_id="r3"), TENANT))  # the id is free again
+
+
+class AdmitEndsWith(StalledAfterAssignment):
+    """A ``MeshClient`` whose Admit call fails with ``error`` before the gateway read an assignment."""
+
+    def __init__(self, error) -> None:
+        super().__init__()
+        self.error = error
+        self.proposed: list[str] = []
+
+    async def admit(self, admission, span):
+        self.proposed.append(admission.lease_id)
+        yield Queued(0, 0.0)
+        raise self.error
+
+
+@pytest.mark.parametrize("error, released", [
+    (Unavailable("scheduler: Stream removed (Socket closed)"), True),  # the connection broke: a grant may be on it
+    (ResourceExhausted("scheduler: displaced"), False),  # the scheduler's refusal: it holds nothing
+])
+async def test_an_admit_lost_with_its_connection_releases_the_proposed_id(tokenizer, error, released):
+    mesh = AdmitEndsWith(error)
+    core = GatewayCore(tokenizer, MODEL, mesh)
+    with pytest.raises(type(error)):
+        async for _ in core.generate(GenerationRequest(prompt_token_ids=(5, 6, 7), request_id="r4"), TENANT):
+            pass
+    assert mesh.releases == ([(mesh.proposed[0], None)] if released else [])

@@ -181,3 +181,25 @@ def test_a_proposed_lease_id_names_the_lease_and_is_unique_while_queued_or_lease
     assert core.release(lease_a)
     [(_, second)] = core.dispatch()
     assert second.lease_id == lease_b and not core.lease_id_in_use(lease_a)
+
+
+
+def test_a_lease_id_its_executor_still_lists_is_not_granted_again():
+    """A released lease id proposed again while its executor still runs and lists the
+    old request (its Execute not ended yet) would be renewed by the old run's listing
+    and charged the old run's blocks: it is refused as in use until no report lists it."""
+    from meshserve.errors import AlreadyExists
+
+    core = AdmissionCore(SchedulerConfig(lease_ttl_s=10))
+    core.registry.add(executor("e0", num_blocks=10))
+    reused = "c" * 32
+    core.submit(AdmissionRequest("old", "t", 0, 15, 0, "m", lease_id=reused))
+    core.dispatch()
+    core.on_capacity("e0", 9, 1, 0, [reused], {reused: 1})  # running there
+    assert core.release(reused)  # the gateway released it; the executor still runs "old" under it
+    with pytest.raises(AlreadyExists):
+        core.submit(AdmissionRequest("new", "t", 0, 15, 0, "m", lease_id=reused))
+    core.on_capacity("e0", 10, 0, 0, [], {})  # the old run ended there
+    core.submit(AdmissionRequest("new", "t", 0, 15, 0, "m", lease_id=reused))
+    [(_, new)] = core.dispatch()
+    assert new.lease_id == reused and core.quotas.snapshot() == {"t": 1}

@@ -175,3 +175,38 @@ async def test_a_malformed_lease_id_is_invalid_argument(scheduler, lease_id):
     assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert info.value.details() == "lease_id must be 32 lowercase hex digits (a uuid4's hex) or empty"
     assert svc.servicer.core.num_leases() == 0 and len(svc.servicer.core) == 0
+
+
+@pytest.mark.parametrize("order", ["cancel-release-grant", "release-cancel-grant", "grant-cancel-release"])
+async def test_a_release_of_the_proposed_id_racing_the_grant_strands_nothing(order):
+    """The caller's Release of its proposed id can reach the scheduler before the grant
+    (a no-op), the grant can follow before the Admit handler sees its cancellation."""
+    import uuid
+
+    async with served_scheduler(SchedulerConfig(), num_blocks=1) as (svc, stub):
+        core = svc.servicer.core
+        for i in range(40):
+            hold = await _events(stub, request_id=f"hold{i}", tenant="a", num_prompt_tokens=15)
+            proposed = uuid.uuid4().hex
+            call = stub.Admit(pb.AdmitRequest(model="m", max_tokens=16, request_id=f"x{i}", tenant="a",
+                                              num_prompt_tokens=15, lease_id=proposed))
+            await call.read()  # queued behind hold
+            assert len(core) == 1
+            free = pb.ReleaseRequest(lease_id=hold[-1].assignment.lease_id)
+            mine = pb.ReleaseRequest(lease_id=proposed)
+            if order == "cancel-release-grant":
+                call.cancel()
+                await asyncio.gather(stub.Release(mine), stub.Release(free))
+            elif order == "release-cancel-grant":
+                r = asyncio.ensure_future(stub.Release(mine))
+                call.cancel()
+                await asyncio.gather(r, stub.Release(free))
+            else:
+                f = asyncio.ensure_future(stub.Release(free))
+                call.cancel()
+                await asyncio.gather(f, stub.Release(mine))
+            for _ in range(50):
+                if core.num_leases() == 0 and len(core) == 0:
+                    break
+                await asyncio.sleep(0.01)
+            assert core.num_leases() == 0 and len(core) == 0, (i, [l.request_id for l in core._leases.values()])
