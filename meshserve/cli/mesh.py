@@ -126,6 +126,13 @@ def up(
     max_batch_wait_ms: Optional[float] = typer.Option(None, "--max-batch-wait-ms", min=0.0,
                                                       help="Hold a new prefill up to this long to batch it "
                                                       "(default 0). " + _FOR.format("executors")),
+    short_prefill_tokens: Optional[int] = typer.Option(None, "--short-prefill-tokens", min=0,
+                                                       help="Short prefills first up to this many tokens (default "
+                                                            "64; 0: arrival order). " + _FOR.format("executors")),
+    long_prefill_token_threshold: Optional[int] = typer.Option(None, "--long-prefill-token-threshold", min=0,
+                                                               help="Most prompt tokens one request computes in a "
+                                                                    "step (default 0: no cap). "
+                                                                    + _FOR.format("executors")),
     queue_policy: Optional[str] = typer.Option(None, "--queue-policy", help="fcfs, priority or sjf (default fcfs). "
                                                + _FOR.format("scheduler")),
     pools: Optional[str] = typer.Option(None, "--pools", help="Pools TOML file. " + _FOR.format("scheduler")),
@@ -181,7 +188,9 @@ def up(
                                       no_chunked_prefill=False, max_model_len=None, num_threads=None,
                                       max_batch_wait_ms=max_batch_wait_ms or 0.0, device=device or "cpu",
                                       tensor_parallel_size=tensor_parallel_size,
-                                      pipeline_parallel_size=pipeline_parallel_size)  # as each executor checks them
+                                      pipeline_parallel_size=pipeline_parallel_size,
+                                      long_prefill_token_threshold=long_prefill_token_threshold or 0,
+                                      short_prefill_tokens=short_prefill_tokens)  # as each executor checks them
         processes.check_parallel_layout(cfg.model, revision, tensor_parallel_size, pipeline_parallel_size)
         if queue_policy is not None:
             processes.scheduler_config(queue_policy, pools_file=pools)
@@ -214,7 +223,9 @@ def up(
         tls_files = (tls.cert, tls.key, tls.ca) if tls.enabled else None
     export_trace_settings(traces, otlp_endpoint, trace_sample_ratio)
     executor_flags = service_flags(device=device, block_size=block_size, max_num_seqs=max_num_seqs,
-                                   max_batch_wait_ms=max_batch_wait_ms, revision=revision)
+                                   max_batch_wait_ms=max_batch_wait_ms, revision=revision,
+                                   short_prefill_tokens=short_prefill_tokens,
+                                   long_prefill_token_threshold=long_prefill_token_threshold)
     executor_flags += parallel_args(tensor_parallel_size, pipeline_parallel_size)
     gateway_flags = service_flags(revision=revision, tokenizer=tokenizer, chat_template=chat_template,
                                   served_model_name=served_model_name)

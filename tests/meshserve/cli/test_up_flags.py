@@ -45,6 +45,13 @@ def test_up_flags_reach_each_service(started, tmp_path):
     assert gw[-2] == "--http-port" and http_port > 0 and mesh.http_address == f"127.0.0.1:{http_port}"
 
 
+def test_up_passes_the_prefill_order_flags_to_the_executors(started):
+    result = _up("--short-prefill-tokens", "0", "--long-prefill-token-threshold", "128")
+    assert result.exit_code == 0, result.output
+    assert started[0].config.executor_args[2:] == ["--short-prefill-tokens", "0",
+                                                   "--long-prefill-token-threshold", "128"]
+
+
 def test_mesh_config_file_names_each_service_and_up_flags_win(started, tmp_path):
     config = tmp_path / "mesh.toml"
     config.write_text('[scheduler]\nqueue-policy = "priority"\nmax-queue-len = 64\n'
@@ -79,7 +86,8 @@ def test_up_help_shows_the_service_flags():
     result = CliRunner().invoke(app, ["up", "--help"], env={"COLUMNS": "200"})
     for flag in ("--queue-policy", "--pools", "--tenants", "--device", "--dtype", "--max-batch-wait-ms",
                  "--block-size", "--max-num-seqs", "--kvstore", "--http-port", "--served-model-name", "--config",
-                 "--revision", "--tokenizer", "--chat-template"):
+                 "--revision", "--tokenizer", "--chat-template", "--short-prefill-tokens",
+                 "--long-prefill-token-threshold"):
         assert flag in result.output, flag
 
 
