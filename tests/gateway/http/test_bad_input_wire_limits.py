@@ -6,20 +6,16 @@ from __future__ import annotations
 import asyncio
 import json
 
-import httpx2 as httpx
 import pytest
 import pytest_asyncio
 
 from gateway.generation import GatewayCore
 from gateway.request import GenerationRequest, ModelInfo
-from gateway.server import start_gateway
-from gateway.task_runner import TaskRunner
-from gateway.task_store import MemoryTaskStore
 from gateway.tenants import Tenant
 from meshserve.errors import InvalidArgument
 from meshserve.request_ids import check_request_id
 from meshserve.sampling import SamplingParams, validate
-from tests.support.redis_server import free_port
+from tests.support.served_gateway import served_gateway
 
 
 def test_top_k_past_the_wire_int32_is_invalid_argument():
@@ -67,18 +63,8 @@ class GrantsAtOnce:
 
 @pytest_asyncio.fixture
 async def served():
-    from meshserve.cli.processes import model_info
-
-    try:
-        tokenizer, info = await asyncio.to_thread(model_info, "default")
-    except FileNotFoundError as exc:
-        pytest.skip(str(exc))
-    svc = await start_gateway(tokenizer, info, f"127.0.0.1:{free_port()}", 0, tasks=TaskRunner(MemoryTaskStore()),
-                              http_port=0)
-    async with httpx.AsyncClient(base_url=f"http://{svc.http.address}", timeout=30) as client:
-        yield client, svc
-    await svc.stop(0.5)
-    await svc.servicer.close()
+    async with served_gateway() as served:
+        yield served
 
 
 CHAT = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4}

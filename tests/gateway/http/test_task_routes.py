@@ -6,40 +6,23 @@ receiver. Found by a fresh user: the HTTP route dropped ``callback_url`` silentl
 
 from __future__ import annotations
 
-import asyncio
-
-import httpx2 as httpx
 import pytest
 import pytest_asyncio
 
 from gateway.callbacks import CallbackPolicy, CallbackSender
-from gateway.server import start_gateway
-from gateway.task_runner import TaskRunner
-from gateway.task_store import MemoryTaskStore
 from tests.support.http_receiver import Receiver
 from tests.support.mesh_harness import wait_for_condition
-from tests.support.redis_server import free_port
+from tests.support.served_gateway import served_gateway
 
 SECRET = b"task-routes-secret"
 
 
 @pytest_asyncio.fixture
 async def served():
-    from meshserve.cli.processes import model_info
-
-    try:
-        tokenizer, info = await asyncio.to_thread(model_info, "default")
-    except FileNotFoundError as exc:
-        pytest.skip(str(exc))
     receiver = await Receiver().start()
-    svc = await start_gateway(tokenizer, info, f"127.0.0.1:{free_port()}", 0, tasks=TaskRunner(MemoryTaskStore()),
-                              callbacks=CallbackSender(CallbackPolicy([receiver.url + "/"]), SECRET,
-                                                       max_attempts=1, backoff_s=0.001),
-                              http_port=0)
-    async with httpx.AsyncClient(base_url=f"http://{svc.http.address}", timeout=30) as client:
+    async with served_gateway(callbacks=CallbackSender(CallbackPolicy([receiver.url + "/"]), SECRET, max_attempts=1,
+                                                       backoff_s=0.001)) as (client, _):
         yield client, receiver
-    await svc.stop(0.5)
-    await svc.servicer.close()
     await receiver.stop()
 
 
