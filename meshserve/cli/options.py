@@ -76,13 +76,26 @@ def show_model_conversion() -> None:
     stderr, for the commands that resolve the model in their own process without
     configuring logging (``up``, ``demo``): the first start is then not silent."""
     logger = logging.getLogger("meshserve.model_files")
-    if not any(getattr(h, "meshserve_conversion", False) for h in logger.handlers):
-        handler = logging.StreamHandler(sys.stderr)
+    if not any(isinstance(h, _CurrentStderr) for h in logger.handlers):
+        handler = _CurrentStderr()
         handler.setFormatter(logging.Formatter("%(message)s"))
-        handler.meshserve_conversion = True
         logger.addHandler(handler)
     logger.setLevel(logging.INFO)
     logger.propagate = False
+
+
+class _CurrentStderr(logging.StreamHandler):
+    """A handler writing to whatever ``sys.stderr`` is when it writes (not the stream
+    of the moment it was made: a command run in-process, as by a test runner, may
+    have replaced and closed that one since)."""
+
+    @property
+    def stream(self):
+        return sys.stderr
+
+    @stream.setter
+    def stream(self, _value) -> None:
+        pass
 
 
 def export_trace_settings(exporter: Optional[str], endpoint: Optional[str],

@@ -62,3 +62,18 @@ def test_show_model_conversion_prints_bare_lines_on_stderr_once(capsys, conversi
     show_model_conversion()  # idempotent: one handler, not two
     logging.getLogger(LOGGER).info("first use of x.gguf: dequantizing")
     assert capsys.readouterr().err == "first use of x.gguf: dequantizing\n"
+
+
+def test_the_lines_go_to_the_stderr_of_the_moment_they_are_written(capsys, conversion_logger, monkeypatch):
+    """An in-process `up` (a test runner's) set it up while stderr was a stream closed
+    since: later lines still reach the current stderr (found by a fresh user's suite)."""
+    import io
+
+    earlier = io.StringIO()
+    monkeypatch.setattr("sys.stderr", earlier)
+    show_model_conversion()
+    earlier.close()
+    monkeypatch.undo()
+    show_model_conversion()
+    logging.getLogger(LOGGER).info("converted x.gguf in 1.0 s")
+    assert capsys.readouterr().err == "converted x.gguf in 1.0 s\n"
