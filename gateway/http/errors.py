@@ -125,5 +125,6 @@ def validation_error(errors: list[dict]) -> HttpError:
                          "invalid_request_error", "invalid_value")
     loc = [str(p) for p in first.get("loc", ()) if p != "body"]
     param = ".".join(loc) or None
-    message = f"{param}: {first.get('msg', 'invalid request body')}" if param else first.get("msg", "invalid body")
+    msg = first.get("msg", "invalid request body").removeprefix("Value error, ")  # pydantic's wording of our ValueErrors
+    message = f"{param}: {msg}" if param else msg
     return HttpError(400, message, "invalid_request_error", "invalid_value", param)

@@ -95,7 +95,7 @@ def run_demo(port: int, executors: int, max_tokens: int) -> int:
         console.print(f"Mesh up in {time.monotonic() - t0:.1f} s: gateway {mesh.gateway_address}, "
                       f"scheduler {mesh.scheduler_address}, executors {', '.join(mesh.executor_addresses)}")
         if mesh.cores_line():
-            console.print(f"Cores: {mesh.cores_line()}")
+            console.print(f"cores: {mesh.cores_line()}")
         return asyncio.run(_run(mesh, max_tokens, console))
     except KeyboardInterrupt:
         return 130

@@ -78,8 +78,8 @@ def test_an_invalid_argument_names_its_field_as_the_body_spells_it(message, para
 
 @pytest.mark.parametrize("part, message", [
     ({"type": "image_url", "image_url": {"url": "https://x/y.png"}},
-     "messages.0.content: Value error, only text parts are supported, got a part of type 'image_url'"),
-    ({"type": "text"}, "messages.0.content: Value error, a text part needs its text"),
+     "messages.0.content: only text parts are supported, got a part of type 'image_url'"),
+    ({"type": "text"}, "messages.0.content: a text part needs its text"),
 ])
 def test_a_content_part_meshserve_does_not_serve_is_named(part, message):
     from pydantic import ValidationError
