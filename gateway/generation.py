@@ -59,10 +59,8 @@ from meshserve.block_hash import cache_salt, routing_block_hashes
 from meshserve.errors import (AlreadyExists, InvalidArgument, MeshError, ModelNotFound, NotFound, PermissionDenied,
                               ResourceExhausted, Unauthenticated, Unavailable)
 from meshserve.request_ids import check_request_id, scoped_request_id
-from meshserve.sampling import validate
+from meshserve.sampling import INT32_MAX, INT32_MIN, validate
 from meshserve.telemetry import record_error, tracer
-
-INT32_MIN, INT32_MAX = -(1 << 31), (1 << 31) - 1  # the wire's priority (int32)
 
 _tracer = tracer(__name__)
 # The statuses with which the scheduler's Admit refuses a request before granting anything.

@@ -12,6 +12,7 @@ tenant name and id can produce another pair's key.
 from __future__ import annotations
 
 from meshserve.errors import InvalidArgument
+from meshserve.sampling import is_unicode
 
 MAX_REQUEST_ID_LEN = 256
 """Longest request id accepted, in characters (ids travel in every hop, span and log)."""
@@ -21,10 +22,8 @@ def check_request_id(request_id: str) -> None:
     """Raises ``InvalidArgument`` for an id longer than ``MAX_REQUEST_ID_LEN``."""
     if len(request_id) > MAX_REQUEST_ID_LEN:
         raise InvalidArgument(f"request_id has {len(request_id)} characters; the limit is {MAX_REQUEST_ID_LEN}")
-    try:
-        request_id.encode("utf-8")
-    except UnicodeEncodeError:
-        raise InvalidArgument("request_id is not valid Unicode (a lone surrogate)") from None
+    if not is_unicode(request_id):
+        raise InvalidArgument("request_id is not valid Unicode (a lone surrogate)")
 
 
 def scoped_request_id(tenant: str, request_id: str) -> str:

@@ -49,7 +49,7 @@ MAX_STOP_STRING_CHARS = 256
 MAX_STOP_TOKEN_IDS = 64
 MAX_N = 16
 INT64_MIN, INT64_MAX = -(1 << 63), (1 << 63) - 1  # the wire's seed (int64)
-INT32_MAX = (1 << 31) - 1  # the wire's top_k (int32)
+INT32_MIN, INT32_MAX = -(1 << 31), (1 << 31) - 1  # the wire's top_k and priority (int32)
 MAX_LOGPROBS = 20
 MAX_PENALTY = 2.0  # |presence_penalty| and |frequency_penalty| (OpenAI's range)
 
@@ -152,7 +152,7 @@ def validate(params: SamplingParams, *, max_model_len: int, vocab_size: int) -> 
     for s in params.stop:
         _check(0 < len(s) <= MAX_STOP_STRING_CHARS,
                f"stop strings must have 1 to {MAX_STOP_STRING_CHARS} characters each")
-        _check(_is_unicode(s), "stop strings must be valid Unicode (no lone surrogates)")
+        _check(is_unicode(s), "stop strings must be valid Unicode (no lone surrogates)")
     _check(params.seed is None or INT64_MIN <= params.seed <= INT64_MAX - (params.n - 1),
            f"seed must be in [{INT64_MIN}, {INT64_MAX} - (n - 1)] (choice i uses seed + i), got {params.seed}")
     _check(
@@ -165,7 +165,7 @@ def validate(params: SamplingParams, *, max_model_len: int, vocab_size: int) -> 
     return replace(params, top_k=0) if params.top_k == -1 else params
 
 
-def _is_unicode(text: str) -> bool:
+def is_unicode(text: str) -> bool:
     """False for a string holding a lone surrogate (JSON can carry one; UTF-8 cannot)."""
     try:
         text.encode("utf-8")
