@@ -21,6 +21,7 @@ the request; what an access log records).
 
 from __future__ import annotations
 
+import asyncio
 import json
 import time
 import uuid
@@ -109,6 +110,7 @@ class OpenAIRoutes:
                      received_at: float) -> Response:
         options = SpanOptions(parent=context_from_metadata(headers_of(request)), stream=body.stream,
                               attributes={"enduser.id": body.user} if body.user else {})
+        on_done = None
         if len(requests) == 1:
             streams = [self.core.generate(requests[0], tenant, options, received_at)]
         else:  # every prompt validated before any is admitted: a bad one must not strand the others' leases
@@ -121,7 +123,11 @@ class OpenAIRoutes:
                     self.core.end(p)
                 raise
             streams = [self.core.run(p, options) for p in prepared]
-        pump = EventPump(streams)
+
+            def on_done() -> None:  # a stream the pump never started was cancelled: its request ends here
+                for p in prepared:
+                    self.core.end(p, asyncio.CancelledError())
+        pump = EventPump(streams, on_done=on_done)
         try:
             if not body.stream:
                 return JSONResponse(await until_disconnect(request, self._collect(pump, fmt, len(requests))))

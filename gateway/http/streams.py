@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import asyncio
 from contextlib import aclosing
-from typing import AsyncIterator, Awaitable, Sequence, TypeVar
+from typing import AsyncIterator, Awaitable, Callable, Sequence, TypeVar
 
 from starlette.requests import Request
 
@@ -83,9 +83,16 @@ class EventPump:
     slows the executor's stream as a slow gRPC reader does.
     """
 
-    def __init__(self, streams: Sequence[AsyncIterator[Event]], maxsize: int = 64):
+    def __init__(self, streams: Sequence[AsyncIterator[Event]], maxsize: int = 64,
+                 on_done: Callable[[], None] | None = None):
+        """``on_done()`` is called once the task has ended, whatever ended it, after every
+        stream it started has cleaned up: it cleans up for a stream never started (a
+        generator closed before its first step never runs its ``finally``), as when the
+        task is cancelled before it ran."""
         self._queue: asyncio.Queue = asyncio.Queue(maxsize)
         self._task = asyncio.create_task(self._run(streams))
+        if on_done is not None:
+            self._task.add_done_callback(lambda _task: on_done())
 
     async def _run(self, streams: Sequence[AsyncIterator[Event]]) -> None:
         try:
