@@ -322,7 +322,8 @@ class GatewayCore:
                         ) -> AsyncIterator[Queued | Delta | ChoiceResult]:
         """Admission (queue updates), then the executor's stream; the lease is released
         however it ends once the scheduler sent it (also while its Admit stream is still
-        ending), with the completion tokens when every choice finished. When admission
+        ending), with the tokens generated so far (charged to the tenant however the
+        request ended; they teach the predictor when every choice finished). When admission
         ends without an assignment other than by the scheduler's refusal (the caller went
         away, a deadline, the connection lost), the lease id the admission proposed is
         released too: the scheduler may have granted it with the assignment still on
@@ -360,10 +361,10 @@ class GatewayCore:
             raise
         finally:
             if assignment is not None:
-                completion_tokens = sum(c.num_tokens for c in choices) if finished else None
-                await self.mesh.release(assignment.lease_id, completion_tokens, span)
+                generated = sum(c.num_tokens for c in choices) if choices else None
+                await self.mesh.release(assignment.lease_id, generated, finished, span)
             elif not answered:  # given up mid-admission: a grant may be on its way, under the proposed id
-                await self.mesh.release(admission.lease_id, None, span)
+                await self.mesh.release(admission.lease_id, None, False, span)
 
     async def _execute(self, p: Prepared, assignment: Assignment, choices: list[Choice],
                        span: trace.Span, activity: LeaseActivity) -> AsyncIterator[Delta | ChoiceResult]:

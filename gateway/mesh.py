@@ -120,12 +120,15 @@ class MeshClient(Protocol):
             MeshError: the scheduler's error (NOT_FOUND: the lease is gone).
         """
 
-    async def release(self, lease_id: str, num_completion_tokens: int | None, span: trace.Span) -> None:
+    async def release(self, lease_id: str, num_generated_tokens: int | None, finished: bool,
+                      span: trace.Span) -> None:
         """Ends the lease (``lease_id``: an ``Assignment``'s, or the id an ``Admission``
         proposed, when the caller gave up before reading its assignment; an id that is no
-        lease is a no-op); ``num_completion_tokens`` (None unless every choice finished)
-        teaches the scheduler's predictor. Never raises: a failure is logged, and the
-        call completes even when the caller is cancelled meanwhile."""
+        lease is a no-op). ``num_generated_tokens`` (all choices together; None when no
+        executor answered) is charged to the tenant's tokens_per_min however the request
+        ended; with ``finished`` (every choice finished) it also teaches the scheduler's
+        predictor. Never raises: a failure is logged, and the call completes even when
+        the caller is cancelled meanwhile."""
 
     async def close(self) -> None:
         """Closes its connections."""

@@ -113,12 +113,15 @@ class GrpcMeshClient:
         except grpc.aio.AioRpcError as exc:
             raise from_rpc_error(exc, "scheduler") from None
 
-    async def release(self, lease_id: str, num_completion_tokens: int | None, span: trace.Span) -> None:
+    async def release(self, lease_id: str, num_generated_tokens: int | None, finished: bool,
+                      span: trace.Span) -> None:
         """Scheduler.Release (see ``gateway.mesh.MeshClient``); ``span`` is the parent of the
         scheduler's ``scheduler.release``."""
         release = scheduler_pb2.ReleaseRequest(lease_id=lease_id)
-        if num_completion_tokens is not None:
-            release.num_completion_tokens = num_completion_tokens
+        if num_generated_tokens is not None:
+            release.num_generated_tokens = num_generated_tokens
+            if finished:
+                release.num_completion_tokens = num_generated_tokens
         try:
             await asyncio.shield(self._scheduler.Release(release, timeout=5, metadata=outgoing_metadata(span)))
         except (Exception, asyncio.CancelledError) as exc:  # noqa: BLE001 - shutting down or scheduler gone

@@ -463,11 +463,16 @@ class AdmissionCore:
         self.prefix_index.removed(executor_id, removed)
         self.prefix_index.stored(executor_id, stored)
 
-    def release(self, lease_id: str, num_completion_tokens: int | None = None) -> bool:
+    def release(self, lease_id: str, num_completion_tokens: int | None = None,
+                num_generated_tokens: int | None = None) -> bool:
         """Ends a lease (idempotent): the request finished or was cancelled.
 
-        ``num_completion_tokens`` (all choices together), when known, teaches the
-        predictor and the service-rate estimate.
+        ``num_completion_tokens`` (all choices together, only when every choice
+        finished) teaches the predictor. ``num_generated_tokens`` (all choices
+        together, however the request ended) is charged to the tenant's
+        tokens_per_min and counted as served; when None, ``num_completion_tokens``
+        stands in for it, so a caller that leaves mid-stream still pays for what
+        was generated.
         """
         lease = self._leases.pop(lease_id, None)
         if lease is None:
@@ -477,11 +482,13 @@ class AdmissionCore:
         if executor is not None:
             executor.leases.pop(lease_id, None)
         self.quotas.free(lease.tenant, lease.num_blocks)
+        generated = num_generated_tokens if num_generated_tokens is not None else num_completion_tokens
+        if generated is not None:
+            self.rates.completed(lease.tenant, generated, self._clock())
+            self.waits.on_release(self._clock(), lease.num_prompt_tokens + generated)
         if num_completion_tokens is not None:
-            self.rates.completed(lease.tenant, num_completion_tokens, self._clock())
             per_choice = round(num_completion_tokens / lease.n)
             self.predictor.observe(lease.tenant, lease.num_prompt_tokens, per_choice, lease.predicted_output_tokens)
-            self.waits.on_release(self._clock(), lease.num_prompt_tokens + num_completion_tokens)
         return True
 
     def drain_executor(self, executor_id: str) -> bool:

@@ -217,16 +217,20 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
 
     async def Release(self, request: pb.ReleaseRequest, context: grpc.aio.ServicerContext) -> pb.ReleaseResponse:
         tokens = request.num_completion_tokens if request.HasField("num_completion_tokens") else None
-        if tokens is not None and tokens < 0:
-            raise InvalidArgument(f"num_completion_tokens must be >= 0, got {tokens}")
+        generated = request.num_generated_tokens if request.HasField("num_generated_tokens") else None
+        for name, value in (("num_completion_tokens", tokens), ("num_generated_tokens", generated)):
+            if value is not None and value < 0:
+                raise InvalidArgument(f"{name} must be >= 0, got {value}")
+        if generated is None:
+            generated = tokens
         with _tracer.start_as_current_span("scheduler.release", context=context_from_grpc(context),
                                            kind=trace.SpanKind.SERVER,
                                            attributes={"meshserve.lease_id": request.lease_id}):
             lease = self.core.lease(request.lease_id)
             if lease is not None:
-                done = tokens if tokens is not None else lease.n * (lease.predicted_output_tokens or 0)
+                done = generated if generated is not None else lease.n * (lease.predicted_output_tokens or 0)
                 self.planner.on_served(self.core.clock(), lease.num_prompt_tokens + done)
-            if self.core.release(request.lease_id, tokens):
+            if self.core.release(request.lease_id, tokens, generated):
                 self._dispatch()
         return pb.ReleaseResponse()
 

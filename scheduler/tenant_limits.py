@@ -128,7 +128,8 @@ class RateLimiter:
             tokens.take(prompt_tokens, now)
 
     def completed(self, tenant: str, completion_tokens: int, now: float) -> None:
-        """Takes a finished request's completion tokens (tokens/min bucket only)."""
+        """Takes the tokens a released request generated, finished or not
+        (tokens/min bucket only)."""
         _, tokens = self._buckets(tenant, now)
         if tokens is not None:
             tokens.take(completion_tokens, now)

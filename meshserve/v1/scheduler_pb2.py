@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1cmeshserve/v1/scheduler.proto\x12\x0cmeshserve.v1\"\xce\x01\n\x0c\x41\x64mitRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x06tenant\x18\x02 \x01(\t\x12\x10\n\x08priority\x18\x03 \x01(\x05\x12\x19\n\x11num_prompt_tokens\x18\x04 \x01(\x05\x12\x12\n\nmax_tokens\x18\x05 \x01(\x05\x12\r\n\x05model\x18\x06 \x01(\t\x12\t\n\x01n\x18\x07 \x01(\x05\x12\x14\n\x0c\x62lock_hashes\x18\x08 \x03(\x0c\x12\x17\n\x0fhash_block_size\x18\t \x01(\x05\x12\x10\n\x08lease_id\x18\n \x01(\t\"9\n\x0b\x41\x64mitQueued\x12\x10\n\x08position\x18\x01 \x01(\x05\x12\x18\n\x10\x65stimated_wait_s\x18\x02 \x01(\x01\"y\n\nAssignment\x12\x13\n\x0b\x65xecutor_id\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12\x10\n\x08lease_id\x18\x03 \x01(\t\x12\x0f\n\x07queue_s\x18\x04 \x01(\x01\x12\r\n\x05lease\x18\x05 \x01(\x0c\x12\x13\n\x0blease_ttl_s\x18\x06 \x01(\x01\"q\n\nAdmitEvent\x12+\n\x06queued\x18\x01 \x01(\x0b\x32\x19.meshserve.v1.AdmitQueuedH\x00\x12.\n\nassignment\x18\x02 \x01(\x0b\x32\x18.meshserve.v1.AssignmentH\x00\x42\x06\n\x04kind\"`\n\x0eReleaseRequest\x12\x10\n\x08lease_id\x18\x01 \x01(\t\x12\"\n\x15num_completion_tokens\x18\x02 \x01(\x05H\x00\x88\x01\x01\x42\x18\n\x16_num_completion_tokens\"\x11\n\x0fReleaseResponse\"\xc2\x01\n\x10\x45xecutorRegister\x12\x13\n\x0b\x65xecutor_id\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12\r\n\x05model\x18\x03 \x01(\t\x12\x12\n\nnum_blocks\x18\x04 \x01(\x05\x12\x12\n\nblock_size\x18\x05 \x01(\x05\x12\x15\n\rmax_model_len\x18\x06 \x01(\x05\x12\x0c\n\x04pool\x18\x07 \x01(\t\x12\x19\n\x11kvstore_namespace\x18\x08 \x01(\x0c\x12\x11\n\tstartup_s\x18\t \x01(\x01\"\xe9\x01\n\x0e\x43\x61pacityReport\x12\x17\n\x0fnum_free_blocks\x18\x01 \x01(\x05\x12\x13\n\x0bnum_running\x18\x02 \x01(\x05\x12\x13\n\x0bnum_waiting\x18\x03 \x01(\x05\x12\x11\n\tlease_ids\x18\x04 \x03(\t\x12J\n\x10lease_num_blocks\x18\x05 \x03(\x0b\x32\x30.meshserve.v1.CapacityReport.LeaseNumBlocksEntry\x1a\x35\n\x13LeaseNumBlocksEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x05:\x02\x38\x01\":\n\x08KvEvents\x12\r\n\x05reset\x18\x01 \x01(\x08\x12\x0e\n\x06stored\x18\x02 \x03(\x0c\x12\x0f\n\x07removed\x18\x03 \x03(\x0c\"\xe0\x01\n\x0f\x45xecutorMessage\x12\x32\n\x08register\x18\x01 \x01(\x0b\x32\x1e.meshserve.v1.ExecutorRegisterH\x00\x12\x30\n\x08\x63\x61pacity\x18\x02 \x01(\x0b\x32\x1c.meshserve.v1.CapacityReportH\x00\x12+\n\tkv_events\x18\x03 \x01(\x0b\x32\x16.meshserve.v1.KvEventsH\x00\x12\x32\n\x08\x64raining\x18\x04 \x01(\x0b\x32\x1e.meshserve.v1.ExecutorDrainingH\x00\x42\x06\n\x04kind\"<\n\x0bRegisterAck\x12\x13\n\x0b\x65xecutor_id\x18\x01 \x01(\t\x12\x18\n\x10lease_public_key\x18\x02 \x01(\x0c\"x\n\x10SchedulerCommand\x12/\n\nregistered\x18\x01 \x01(\x0b\x32\x19.meshserve.v1.RegisterAckH\x00\x12+\n\tdrain_ack\x18\x02 \x01(\x0b\x32\x16.meshserve.v1.DrainAckH\x00\x42\x06\n\x04kind\"\xa8\x01\n\x0bLeaseClaims\x12\x10\n\x08lease_id\x18\x01 \x01(\t\x12\x12\n\nrequest_id\x18\x02 \x01(\t\x12\x0e\n\x06tenant\x18\x03 \x01(\t\x12\x13\n\x0b\x65xecutor_id\x18\x04 \x01(\t\x12\x12\n\nnum_blocks\x18\x05 \x01(\x05\x12\x19\n\x11\x65xpires_at_unix_s\x18\x06 \x01(\x01\x12\r\n\x05nonce\x18\x07 \x01(\x0c\x12\x10\n\x08priority\x18\x08 \x01(\x05\"0\n\x0bSignedLease\x12\x0e\n\x06\x63laims\x18\x01 \x01(\x0c\x12\x11\n\tsignature\x18\x02 \x01(\x0c\"%\n\x11RenewLeaseRequest\x12\x10\n\x08lease_id\x18\x01 \x01(\t\"*\n\x12RenewLeaseResponse\x12\x14\n\x0c\x65xpires_in_s\x18\x01 \x01(\x01\"#\n\x10\x45xecutorDraining\x12\x0f\n\x07grace_s\x18\x01 \x01(\x01\"-\n\x08\x44rainAck\x12\x13\n\x0b\x65xecutor_id\x18\x01 \x01(\t\x12\x0c\n\x04\x64one\x18\x02 \x01(\x08\x32\xb3\x02\n\tScheduler\x12?\n\x05\x41\x64mit\x12\x1a.meshserve.v1.AdmitRequest\x1a\x18.meshserve.v1.AdmitEvent0\x01\x12\x46\n\x07Release\x12\x1c.meshserve.v1.ReleaseRequest\x1a\x1d.meshserve.v1.ReleaseResponse\x12L\n\x07\x43onnect\x12\x1d.meshserve.v1.ExecutorMessage\x1a\x1e.meshserve.v1.SchedulerCommand(\x01\x30\x01\x12O\n\nRenewLease\x12\x1f.meshserve.v1.RenewLeaseRequest\x1a .meshserve.v1.RenewLeaseResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1cmeshserve/v1/scheduler.proto\x12\x0cmeshserve.v1\"\xce\x01\n\x0c\x41\x64mitRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x06tenant\x18\x02 \x01(\t\x12\x10\n\x08priority\x18\x03 \x01(\x05\x12\x19\n\x11num_prompt_tokens\x18\x04 \x01(\x05\x12\x12\n\nmax_tokens\x18\x05 \x01(\x05\x12\r\n\x05model\x18\x06 \x01(\t\x12\t\n\x01n\x18\x07 \x01(\x05\x12\x14\n\x0c\x62lock_hashes\x18\x08 \x03(\x0c\x12\x17\n\x0fhash_block_size\x18\t \x01(\x05\x12\x10\n\x08lease_id\x18\n \x01(\t\"9\n\x0b\x41\x64mitQueued\x12\x10\n\x08position\x18\x01 \x01(\x05\x12\x18\n\x10\x65stimated_wait_s\x18\x02 \x01(\x01\"y\n\nAssignment\x12\x13\n\x0b\x65xecutor_id\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12\x10\n\x08lease_id\x18\x03 \x01(\t\x12\x0f\n\x07queue_s\x18\x04 \x01(\x01\x12\r\n\x05lease\x18\x05 \x01(\x0c\x12\x13\n\x0blease_ttl_s\x18\x06 \x01(\x01\"q\n\nAdmitEvent\x12+\n\x06queued\x18\x01 \x01(\x0b\x32\x19.meshserve.v1.AdmitQueuedH\x00\x12.\n\nassignment\x18\x02 \x01(\x0b\x32\x18.meshserve.v1.AssignmentH\x00\x42\x06\n\x04kind\"\x9c\x01\n\x0eReleaseRequest\x12\x10\n\x08lease_id\x18\x01 \x01(\t\x12\"\n\x15num_completion_tokens\x18\x02 \x01(\x05H\x00\x88\x01\x01\x12!\n\x14num_generated_tokens\x18\x03 \x01(\x05H\x01\x88\x01\x01\x42\x18\n\x16_num_completion_tokensB\x17\n\x15_num_generated_tokens\"\x11\n\x0fReleaseResponse\"\xc2\x01\n\x10\x45xecutorRegister\x12\x13\n\x0b\x65xecutor_id\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12\r\n\x05model\x18\x03 \x01(\t\x12\x12\n\nnum_blocks\x18\x04 \x01(\x05\x12\x12\n\nblock_size\x18\x05 \x01(\x05\x12\x15\n\rmax_model_len\x18\x06 \x01(\x05\x12\x0c\n\x04pool\x18\x07 \x01(\t\x12\x19\n\x11kvstore_namespace\x18\x08 \x01(\x0c\x12\x11\n\tstartup_s\x18\t \x01(\x01\"\xe9\x01\n\x0e\x43\x61pacityReport\x12\x17\n\x0fnum_free_blocks\x18\x01 \x01(\x05\x12\x13\n\x0bnum_running\x18\x02 \x01(\x05\x12\x13\n\x0bnum_waiting\x18\x03 \x01(\x05\x12\x11\n\tlease_ids\x18\x04 \x03(\t\x12J\n\x10lease_num_blocks\x18\x05 \x03(\x0b\x32\x30.meshserve.v1.CapacityReport.LeaseNumBlocksEntry\x1a\x35\n\x13LeaseNumBlocksEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x05:\x02\x38\x01\":\n\x08KvEvents\x12\r\n\x05reset\x18\x01 \x01(\x08\x12\x0e\n\x06stored\x18\x02 \x03(\x0c\x12\x0f\n\x07removed\x18\x03 \x03(\x0c\"\xe0\x01\n\x0f\x45xecutorMessage\x12\x32\n\x08register\x18\x01 \x01(\x0b\x32\x1e.meshserve.v1.ExecutorRegisterH\x00\x12\x30\n\x08\x63\x61pacity\x18\x02 \x01(\x0b\x32\x1c.meshserve.v1.CapacityReportH\x00\x12+\n\tkv_events\x18\x03 \x01(\x0b\x32\x16.meshserve.v1.KvEventsH\x00\x12\x32\n\x08\x64raining\x18\x04 \x01(\x0b\x32\x1e.meshserve.v1.ExecutorDrainingH\x00\x42\x06\n\x04kind\"<\n\x0bRegisterAck\x12\x13\n\x0b\x65xecutor_id\x18\x01 \x01(\t\x12\x18\n\x10lease_public_key\x18\x02 \x01(\x0c\"x\n\x10SchedulerCommand\x12/\n\nregistered\x18\x01 \x01(\x0b\x32\x19.meshserve.v1.RegisterAckH\x00\x12+\n\tdrain_ack\x18\x02 \x01(\x0b\x32\x16.meshserve.v1.DrainAckH\x00\x42\x06\n\x04kind\"\xa8\x01\n\x0bLeaseClaims\x12\x10\n\x08lease_id\x18\x01 \x01(\t\x12\x12\n\nrequest_id\x18\x02 \x01(\t\x12\x0e\n\x06tenant\x18\x03 \x01(\t\x12\x13\n\x0b\x65xecutor_id\x18\x04 \x01(\t\x12\x12\n\nnum_blocks\x18\x05 \x01(\x05\x12\x19\n\x11\x65xpires_at_unix_s\x18\x06 \x01(\x01\x12\r\n\x05nonce\x18\x07 \x01(\x0c\x12\x10\n\x08priority\x18\x08 \x01(\x05\"0\n\x0bSignedLease\x12\x0e\n\x06\x63laims\x18\x01 \x01(\x0c\x12\x11\n\tsignature\x18\x02 \x01(\x0c\"%\n\x11RenewLeaseRequest\x12\x10\n\x08lease_id\x18\x01 \x01(\t\"*\n\x12RenewLeaseResponse\x12\x14\n\x0c\x65xpires_in_s\x18\x01 \x01(\x01\"#\n\x10\x45xecutorDraining\x12\x0f\n\x07grace_s\x18\x01 \x01(\x01\"-\n\x08\x44rainAck\x12\x13\n\x0b\x65xecutor_id\x18\x01 \x01(\t\x12\x0c\n\x04\x64one\x18\x02 \x01(\x08\x32\xb3\x02\n\tScheduler\x12?\n\x05\x41\x64mit\x12\x1a.meshserve.v1.AdmitRequest\x1a\x18.meshserve.v1.AdmitEvent0\x01\x12\x46\n\x07Release\x12\x1c.meshserve.v1.ReleaseRequest\x1a\x1d.meshserve.v1.ReleaseResponse\x12L\n\x07\x43onnect\x12\x1d.meshserve.v1.ExecutorMessage\x1a\x1e.meshserve.v1.SchedulerCommand(\x01\x30\x01\x12O\n\nRenewLease\x12\x1f.meshserve.v1.RenewLeaseRequest\x1a .meshserve.v1.RenewLeaseResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -41,36 +41,36 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_ASSIGNMENT']._serialized_end=435
   _globals['_ADMITEVENT']._serialized_start=437
   _globals['_ADMITEVENT']._serialized_end=550
-  _globals['_RELEASEREQUEST']._serialized_start=552
-  _globals['_RELEASEREQUEST']._serialized_end=648
-  _globals['_RELEASERESPONSE']._serialized_start=650
-  _globals['_RELEASERESPONSE']._serialized_end=667
-  _globals['_EXECUTORREGISTER']._serialized_start=670
-  _globals['_EXECUTORREGISTER']._serialized_end=864
-  _globals['_CAPACITYREPORT']._serialized_start=867
-  _globals['_CAPACITYREPORT']._serialized_end=1100
-  _globals['_CAPACITYREPORT_LEASENUMBLOCKSENTRY']._serialized_start=1047
-  _globals['_CAPACITYREPORT_LEASENUMBLOCKSENTRY']._serialized_end=1100
-  _globals['_KVEVENTS']._serialized_start=1102
-  _globals['_KVEVENTS']._serialized_end=1160
-  _globals['_EXECUTORMESSAGE']._serialized_start=1163
-  _globals['_EXECUTORMESSAGE']._serialized_end=1387
-  _globals['_REGISTERACK']._serialized_start=1389
-  _globals['_REGISTERACK']._serialized_end=1449
-  _globals['_SCHEDULERCOMMAND']._serialized_start=1451
-  _globals['_SCHEDULERCOMMAND']._serialized_end=1571
-  _globals['_LEASECLAIMS']._serialized_start=1574
-  _globals['_LEASECLAIMS']._serialized_end=1742
-  _globals['_SIGNEDLEASE']._serialized_start=1744
-  _globals['_SIGNEDLEASE']._serialized_end=1792
-  _globals['_RENEWLEASEREQUEST']._serialized_start=1794
-  _globals['_RENEWLEASEREQUEST']._serialized_end=1831
-  _globals['_RENEWLEASERESPONSE']._serialized_start=1833
-  _globals['_RENEWLEASERESPONSE']._serialized_end=1875
-  _globals['_EXECUTORDRAINING']._serialized_start=1877
-  _globals['_EXECUTORDRAINING']._serialized_end=1912
-  _globals['_DRAINACK']._serialized_start=1914
-  _globals['_DRAINACK']._serialized_end=1959
-  _globals['_SCHEDULER']._serialized_start=1962
-  _globals['_SCHEDULER']._serialized_end=2269
+  _globals['_RELEASEREQUEST']._serialized_start=553
+  _globals['_RELEASEREQUEST']._serialized_end=709
+  _globals['_RELEASERESPONSE']._serialized_start=711
+  _globals['_RELEASERESPONSE']._serialized_end=728
+  _globals['_EXECUTORREGISTER']._serialized_start=731
+  _globals['_EXECUTORREGISTER']._serialized_end=925
+  _globals['_CAPACITYREPORT']._serialized_start=928
+  _globals['_CAPACITYREPORT']._serialized_end=1161
+  _globals['_CAPACITYREPORT_LEASENUMBLOCKSENTRY']._serialized_start=1108
+  _globals['_CAPACITYREPORT_LEASENUMBLOCKSENTRY']._serialized_end=1161
+  _globals['_KVEVENTS']._serialized_start=1163
+  _globals['_KVEVENTS']._serialized_end=1221
+  _globals['_EXECUTORMESSAGE']._serialized_start=1224
+  _globals['_EXECUTORMESSAGE']._serialized_end=1448
+  _globals['_REGISTERACK']._serialized_start=1450
+  _globals['_REGISTERACK']._serialized_end=1510
+  _globals['_SCHEDULERCOMMAND']._serialized_start=1512
+  _globals['_SCHEDULERCOMMAND']._serialized_end=1632
+  _globals['_LEASECLAIMS']._serialized_start=1635
+  _globals['_LEASECLAIMS']._serialized_end=1803
+  _globals['_SIGNEDLEASE']._serialized_start=1805
+  _globals['_SIGNEDLEASE']._serialized_end=1853
+  _globals['_RENEWLEASEREQUEST']._serialized_start=1855
+  _globals['_RENEWLEASEREQUEST']._serialized_end=1892
+  _globals['_RENEWLEASERESPONSE']._serialized_start=1894
+  _globals['_RENEWLEASERESPONSE']._serialized_end=1936
+  _globals['_EXECUTORDRAINING']._serialized_start=1938
+  _globals['_EXECUTORDRAINING']._serialized_end=1973
+  _globals['_DRAINACK']._serialized_start=1975
+  _globals['_DRAINACK']._serialized_end=2020
+  _globals['_SCHEDULER']._serialized_start=2023
+  _globals['_SCHEDULER']._serialized_end=2330
 # @@protoc_insertion_point(module_scope)

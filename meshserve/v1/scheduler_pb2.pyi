@@ -63,12 +63,14 @@ class AdmitEvent(_message.Message):
     def __init__(self, queued: _Optional[_Union[AdmitQueued, _Mapping]] = ..., assignment: _Optional[_Union[Assignment, _Mapping]] = ...) -> None: ...
 
 class ReleaseRequest(_message.Message):
-    __slots__ = ("lease_id", "num_completion_tokens")
+    __slots__ = ("lease_id", "num_completion_tokens", "num_generated_tokens")
     LEASE_ID_FIELD_NUMBER: _ClassVar[int]
     NUM_COMPLETION_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    NUM_GENERATED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     lease_id: str
     num_completion_tokens: int
-    def __init__(self, lease_id: _Optional[str] = ..., num_completion_tokens: _Optional[int] = ...) -> None: ...
+    num_generated_tokens: int
+    def __init__(self, lease_id: _Optional[str] = ..., num_completion_tokens: _Optional[int] = ..., num_generated_tokens: _Optional[int] = ...) -> None: ...
 
 class ReleaseResponse(_message.Message):
     __slots__ = ()

@@ -1,20 +1,21 @@
 """gateway.generation.GatewayCore without a transport adapter: ``prepare``'s
 validation (exact error types and messages), the request id's claim and release,
 the metrics of rejected requests, and a run whose scheduler is unreachable (the
-real gRPC mesh client to a closed port), and a caller that goes away between the
-scheduler's assignment and the end of its Admit stream (a fake mesh client). Runs
-over a real mesh: tests/gateway/test_generation_mesh.py."""
+real gRPC mesh client to a closed port), a caller that goes away between the
+scheduler's assignment and the end of its Admit stream, and the tokens a release
+reports (fake mesh clients). Runs over a real mesh: tests/gateway/test_generation_mesh.py."""
 
 from __future__ import annotations
 
 import asyncio
+from contextlib import aclosing
 
 import pytest
 import pytest_asyncio
 
-from gateway.events import Queued
+from gateway.events import Delta, FinishReason, Queued
 from gateway.generation import GatewayCore
-from gateway.mesh import Assignment
+from gateway.mesh import Assignment, ExecutorOutput
 from gateway.mesh_client import GrpcMeshClient
 from gateway.request import GenerationRequest, ModelInfo, SpanOptions
 from gateway.result_cache import ResultCache, cache_key
@@ -121,7 +122,7 @@ class StalledAfterAssignment:
 
     def __init__(self) -> None:
         self.assigned = asyncio.Event()
-        self.releases: list[tuple[str, int | None]] = []
+        self.releases: list[tuple[str, int | None, bool]] = []
 
     async def admit(self, admission, span):
         yield Queued(0, 0.0)
@@ -133,8 +134,8 @@ class StalledAfterAssignment:
         raise AssertionError("never reached")
         yield  # an async generator
 
-    async def release(self, lease_id, num_completion_tokens, span):
-        self.releases.append((lease_id, num_completion_tokens))
+    async def release(self, lease_id, num_generated_tokens, finished, span):
+        self.releases.append((lease_id, num_generated_tokens, finished))
 
     async def close(self):
         pass
@@ -153,7 +154,7 @@ async def test_a_caller_gone_after_the_assignment_releases_the_lease(tokenizer):
     task.cancel()
     with pytest.raises(asyncio.CancelledError):
         await task
-    assert mesh.releases == [("lease-1", None)]
+    assert mesh.releases == [("lease-1", None, False)]
     assert count(core, "meshserve_requests_total", outcome="cancelled") == 1
     assert count(core, "meshserve_gateway_requests_running") == 0
     core.end(core.prepare(GenerationRequest(prompt="Hi", request_id="r3"), TENANT))  # the id is free again
@@ -183,4 +184,47 @@ async def test_an_admit_lost_with_its_connection_releases_the_proposed_id(tokeni
     with pytest.raises(type(error)):
         async for _ in core.generate(GenerationRequest(prompt_token_ids=(5, 6, 7), request_id="r4"), TENANT):
             pass
-    assert mesh.releases == ([(mesh.proposed[0], None)] if released else [])
+    assert mesh.releases == ([(mesh.proposed[0], None, False)] if released else [])
+
+
+class Streams(StalledAfterAssignment):
+    """A ``MeshClient`` that assigns at once, then streams choice 0 one token a message:
+    ``length`` tokens, the last with finish reason ``length``."""
+
+    def __init__(self, length: int) -> None:
+        super().__init__()
+        self.length = length
+
+    async def admit(self, admission, span):
+        yield Assignment("e1", "127.0.0.1:1", "lease-1", 0.0)
+
+    async def execute(self, assignment, request_id, prompt_token_ids, params, priority, span):
+        for i in range(self.length):
+            yield ExecutorOutput(0, (100 + i,), FinishReason.LENGTH if i == self.length - 1 else None)
+
+
+async def test_a_finished_request_releases_its_tokens_as_finished(tokenizer):
+    mesh = Streams(6)
+    core = GatewayCore(tokenizer, MODEL, mesh)
+    request = GenerationRequest(prompt_token_ids=(5, 6, 7), sampling=SamplingParams(max_tokens=6), request_id="r5")
+    async for _ in core.generate(request, TENANT):
+        pass
+    assert mesh.releases == [("lease-1", 6, True)]
+
+
+async def test_a_caller_gone_mid_stream_releases_the_tokens_generated_so_far(tokenizer):
+    """The tenant's tokens_per_min is charged for what was generated, finished or not:
+    leaving mid-stream does not make the completion free."""
+    mesh = Streams(40)
+    core = GatewayCore(tokenizer, MODEL, mesh)
+    deltas = 0
+    request = GenerationRequest(prompt_token_ids=(5, 6, 7), sampling=SamplingParams(max_tokens=40), request_id="r6")
+    async with aclosing(core.generate(request, TENANT)) as events:
+        async for event in events:
+            deltas += isinstance(event, Delta)
+            if deltas == 3:
+                break  # the caller goes away after its third delta
+    assert len(mesh.releases) == 1
+    lease_id, generated, finished = mesh.releases[0]
+    assert (lease_id, finished) == ("lease-1", False)
+    assert generated == 3  # the gateway had read three tokens when the stream closed

@@ -42,6 +42,20 @@ async def test_release_with_completion_tokens_teaches_the_predictor(scheduler):
     with pytest.raises(grpc.aio.AioRpcError) as info:
         await stub.Release(pb.ReleaseRequest(lease_id=lease, num_completion_tokens=-1))
     assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    with pytest.raises(grpc.aio.AioRpcError) as info:
+        await stub.Release(pb.ReleaseRequest(lease_id=lease, num_generated_tokens=-1))
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert info.value.details() == "num_generated_tokens must be >= 0, got -1"
+
+
+async def test_release_with_generated_tokens_alone_teaches_no_prediction(scheduler):
+    svc, stub = scheduler
+    events = await _events(stub, request_id="r1", tenant="a", num_prompt_tokens=15)
+    lease = events[-1].assignment.lease_id
+    await stub.Release(pb.ReleaseRequest(lease_id=lease, num_generated_tokens=3))  # the caller left mid-stream
+    assert svc.servicer.core.quotas.snapshot() == {}
+    assert svc.servicer.core.predictor.stats() == {"num_observed": 0, "num_scored": 0,
+                                                   "mean_abs_error_tokens": None}
 
 
 async def test_higher_priority_arrival_displaces_a_queued_request(scheduler):

@@ -81,6 +81,18 @@ def test_tokens_per_minute_charge_the_prompt_at_admission_and_the_completion_at_
     core.submit(req("a2", "a", tokens=50))
 
 
+def test_tokens_generated_before_the_caller_left_are_charged_but_teach_no_prediction():
+    clock = Clock()
+    core = core_with({"a": TenantLimits(tokens_per_min=600.0)}, clock)
+    core.submit(req("a1", "a", tokens=100))
+    ((_, lease),) = core.dispatch()
+    core.release(lease.lease_id, num_generated_tokens=480)  # left mid-stream: 600 - 100 - 480 = 20 left
+    with pytest.raises(ResourceExhausted, match="600 tokens/min") as err:
+        core.submit(req("a2", "a", tokens=50))
+    assert err.value.retry_after_s == pytest.approx(3.0)
+    assert core.predictor.stats()["num_observed"] == 0  # a cut-short output length is no sample
+
+
 def test_token_bucket_refills_to_capacity_and_may_go_into_debt():
     bucket = TokenBucket(rate=10.0, capacity=100.0, now=0.0)
     bucket.take(150, now=0.0)

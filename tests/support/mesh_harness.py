@@ -104,7 +104,8 @@ async def start_local_mesh(engines: list[LLMEngine], tokenizer, tenants=None, kv
                            kvstore_fetch_timeout_s: float = 300.0, step_timeout_s: float = 3600.0,
                            metrics: bool = False, max_buffered_outputs: int = 256, tls: bool = True,
                            prefix_cache_scope: str = "tenant", scheduler_config=None,
-                           http: bool = False, served_model_names: tuple[str, ...] = ()) -> LocalMesh:
+                           http: bool = False, served_model_names: tuple[str, ...] = (),
+                           scheduler_clock=None) -> LocalMesh:
     """Starts scheduler, one executor per engine, and a gateway, on free ports; with
     ``kvstore`` (a ``kvstore.store.KVStore``, or a ready ``Service``) a kvstore service
     too, every executor shares prefix blocks through it, and the scheduler follows its
@@ -117,7 +118,8 @@ async def start_local_mesh(engines: list[LLMEngine], tokenizer, tenants=None, kv
     test CA's role certificates (``LocalMesh.tls`` gives a caller's); False: plaintext.
     A ready kvstore ``Service`` passed in must speak the same. ``prefix_cache_scope``: the
     gateway's and executors' (``tenant`` or ``global``); ``scheduler_config``: a
-    ``SchedulerConfig`` (None: the defaults)."""
+    ``SchedulerConfig`` (None: the defaults); ``scheduler_clock``: the admission core's
+    clock (None: ``time.monotonic``; a fake one holds rate-limit refills still)."""
     from kvstore.server import start_kvstore
     from kvstore.store import KVStore
 
@@ -127,7 +129,8 @@ async def start_local_mesh(engines: list[LLMEngine], tokenizer, tenants=None, kv
 
     kv_service = await start_kvstore(kvstore, 0, metrics_port=metrics_port, tls=role("kvstore")) \
         if isinstance(kvstore, KVStore) else kvstore
-    scheduler = await start_scheduler(0, config=scheduler_config,
+    clock = {} if scheduler_clock is None else {"clock": scheduler_clock}
+    scheduler = await start_scheduler(0, config=scheduler_config, **clock,
                                       kvstore_address=kv_service.address if kv_service else None,
                                       metrics_port=metrics_port, tls=role("scheduler"))
     executors = []

@@ -54,7 +54,7 @@ class GrantsAtOnce:
         await asyncio.Event().wait()
         yield
 
-    async def release(self, lease_id, num_completion_tokens, span):
+    async def release(self, lease_id, num_generated_tokens, finished, span):
         self.released.append(lease_id)
 
     async def close(self):
