@@ -18,6 +18,7 @@ continues the caller's) and carries a span *link* to the submit span.
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import logging
 import time
@@ -39,10 +40,10 @@ from gateway.generation import GatewayCore
 from gateway.proto_convert import request_from_proto, task_result
 from gateway.request import Prepared, SpanOptions
 from gateway.task_runner import TaskHooks, TaskRunner, Work
-from gateway.task_store import TaskRecord
+from gateway.task_store import TaskRecord, TaskState
 from gateway.tenants import Tenant, TenantRegistry
 from meshserve import trace_attributes as ta
-from meshserve.errors import InvalidArgument, Unavailable
+from meshserve.errors import InvalidArgument, ResourceExhausted, Unavailable
 from meshserve.request_ids import MAX_REQUEST_ID_LEN
 from meshserve.telemetry import context_from_grpc, record_error, tracer
 from meshserve.v1 import gateway_pb2
@@ -50,6 +51,8 @@ from meshserve.v1 import gateway_pb2
 log = logging.getLogger(__name__)
 _tracer = tracer(__name__)
 _w3c = TraceContextTextMapPropagator()
+
+MIN_HOLD_S = 0.25  # the shortest wait before a task refused for now is admitted again (seconds)
 
 
 def traceparent_of(span: trace.Span) -> str:
@@ -78,6 +81,8 @@ def to_status(record: TaskRecord) -> gateway_pb2.TaskStatus:
         status.error.code, status.error.message = record.error_code, record.error_message
     if record.queue_position >= 0:
         status.queue_position, status.estimated_wait_s = record.queue_position, record.estimated_wait_s
+    elif record.state == TaskState.QUEUED and record.estimated_wait_s > 0:  # refused for now, or a retry's backoff
+        status.estimated_wait_s = record.estimated_wait_s
     status.attempt, status.last_error = record.attempt, record.last_error
     if record.callback_url:
         status.callback.url, status.callback.attempts = record.callback_url, record.callback_attempts
@@ -158,7 +163,10 @@ class TaskAPI:
                 if not self.store_ready():
                     raise Unavailable("the task store does not answer; retry later (synchronous Generate still "
                                       "serves)")
-                await self.runner.submit(record, lambda hooks: self._work(prepared, options, hooks))
+                request_again = dataclasses.replace(request_from_proto(request, default_request_id=task_id),
+                                                    request_id=prepared.request_id)
+                await self.runner.submit(record, lambda hooks: self._work(
+                    prepared, options, hooks, lambda: self.core.prepare(request_again, tenant)))
             except BaseException as exc:
                 self.core.end(prepared, exc)
                 raise
@@ -184,16 +192,42 @@ class TaskAPI:
         parent = _w3c.extract({"traceparent": traceparent}) if traceparent else None
         return SpanOptions(parent=parent, kind=trace.SpanKind.INTERNAL, stream=False, attributes={ta.TASK_ID: task_id})
 
-    async def _work(self, prepared: Prepared, options: SpanOptions, hooks: TaskHooks) -> bytes:
+    async def _work(self, prepared: Prepared, options: SpanOptions, hooks: TaskHooks,
+                    prepare_again: Callable[[], Prepared]) -> bytes:
         """A task's generation: the core's events collected into the task's result;
-        queue updates go to the task's record."""
-        collector = ChoiceCollector()
-        async with aclosing(self.core.run(prepared, options, on_assigned=hooks)) as events:
-            async for event in events:
-                if isinstance(event, Queued):
-                    await hooks.queued(event.position, event.estimated_wait_s)
-                collector.feed(event)
-        return task_result(collector.choices())
+        queue updates go to the task's record.
+
+        A refusal the scheduler gives with a retry delay before any executor was
+        assigned (RESOURCE_EXHAUSTED: its tenant is over ``requests_per_s`` or
+        ``tokens_per_min``, the admission queue is full, a higher-priority request
+        displaced it) is waited out, the task QUEUED with the refusal as its
+        ``last_error``, and the request is admitted again (``prepare_again``: it
+        anew) after the delay, at least ``MIN_HOLD_S``: the caller was promised a
+        result, not a 429. A refusal with no retry delay (the request alone
+        exceeds its tenant's KV quota) fails the task.
+        """
+        while True:
+            collector, assigned = ChoiceCollector(), False
+
+            async def on_assigned() -> None:
+                nonlocal assigned
+                assigned = True
+                await hooks()
+            try:
+                async with aclosing(self.core.run(prepared, options, on_assigned=on_assigned)) as events:
+                    async for event in events:
+                        if isinstance(event, Queued):
+                            await hooks.queued(event.position, event.estimated_wait_s)
+                        collector.feed(event)
+                return task_result(collector.choices())
+            except ResourceExhausted as exc:
+                if assigned or exc.retry_after_s is None:
+                    raise
+                wait_s = max(MIN_HOLD_S, exc.retry_after_s)
+                log.info("task %s refused for now (%s); admitted again in %.2f s", hooks.task_id, exc, wait_s)
+                await hooks.held(f"RESOURCE_EXHAUSTED: {exc}", wait_s)
+                await asyncio.sleep(wait_s)
+                prepared = prepare_again()
 
     def _resume(self, record: TaskRecord) -> Work:
         """The work of a stored task again (a retry or a takeover): its request prepared
@@ -210,8 +244,8 @@ class TaskAPI:
 
         async def work(hooks: TaskHooks) -> bytes:
             request = dataclasses.replace(request_from_proto(message), request_id=request_id)
-            prepared = self.core.prepare(request, tenant)
-            return await self._work(prepared, options, hooks)
+            return await self._work(self.core.prepare(request, tenant), options, hooks,
+                                    lambda: self.core.prepare(request, tenant))
         return work
 
     async def get(self, query: gateway_pb2.TaskQuery, context: grpc.aio.ServicerContext) -> gateway_pb2.TaskStatus:

@@ -91,8 +91,9 @@ class TaskHooks:
 
     ``await hooks()`` marks the task RUNNING (an executor was assigned);
     ``await hooks.queued(position, estimated_wait_s)`` records its place in the
-    scheduler's queue (0-based position; seconds). Both are fenced by
-    ``attempt``: a stale attempt's reports are dropped.
+    scheduler's queue (0-based position; seconds); ``await hooks.held(reason,
+    wait_s)`` a refusal it waits out. All are fenced by ``attempt``: a stale
+    attempt's reports are dropped.
     """
 
     def __init__(self, runner: TaskRunner, task_id: str, attempt: int):
@@ -109,6 +110,14 @@ class TaskHooks:
         self._last = (position, estimated_wait_s)
         await self._runner.store.transition(self.task_id, (TaskState.QUEUED,), None, fence=self.attempt,
                                             queue_position=position, estimated_wait_s=estimated_wait_s)
+
+    async def held(self, reason: str, wait_s: float) -> None:
+        """Records that the scheduler refused the task for now (QUEUED, not in its
+        queue: ``queue_position`` -1) and that it is admitted again in ``wait_s``
+        seconds; ``reason`` becomes its ``last_error``."""
+        self._last = None
+        await self._runner.store.transition(self.task_id, (TaskState.QUEUED,), None, fence=self.attempt,
+                                            queue_position=-1, estimated_wait_s=wait_s, last_error=reason)
 
 
 Work = Callable[[TaskHooks], Awaitable[bytes]]
@@ -319,7 +328,8 @@ class TaskRunner:
                 return None
             if running.hand_back:
                 await self._write(task_id, running, UNFINISHED, TaskState.QUEUED, owner="", lease_until=0.0,
-                                  queue_position=-1, last_error="handed back: its gateway stopped")
+                                  queue_position=-1, estimated_wait_s=0.0,
+                                  last_error="handed back: its gateway stopped")
             elif self._closing:
                 await self._finish(task_id, running, TaskState.FAILED, error_code="UNAVAILABLE",
                                    error_message="the gateway stopped before the task finished")
@@ -343,13 +353,13 @@ class TaskRunner:
         builds the work again; None when the record went on without us."""
         reason = f"attempt {running.attempt}: {exc.code.name}: {exc}"
         log.warning("task %s: %s; retrying", task_id, reason)
+        delay_s = self.retry_backoff_s * 2 ** (running.attempt - 1)
         record = await self._write(task_id, running, UNFINISHED, TaskState.QUEUED, attempt=running.attempt + 1,
-                                   last_error=reason, queue_position=-1,
+                                   last_error=reason, queue_position=-1, estimated_wait_s=delay_s,
                                    lease_until=self.clock() + self.lease_s)
         if record is None:
             return None
         running.attempt = record.attempt
-        delay_s = self.retry_backoff_s * 2 ** (record.attempt - 2)
 
         async def after_backoff(hooks: TaskHooks) -> bytes:  # a cancel while waiting ends it like the work's
             await asyncio.sleep(delay_s)

@@ -28,11 +28,12 @@ class InvalidArgument(MeshError, ValueError):
 
 
 class ResourceExhausted(MeshError):
-    """Quota or overload; ``retry_after_s`` tells when to try again (seconds)."""
+    """Quota or overload; ``retry_after_s`` tells when to try again (seconds), None
+    when the same request will never fit (it alone exceeds its tenant's quota)."""
 
     code = grpc.StatusCode.RESOURCE_EXHAUSTED
 
-    def __init__(self, message: str, retry_after_s: float = 1.0):
+    def __init__(self, message: str, retry_after_s: float | None = 1.0):
         super().__init__(message)
         self.retry_after_s = retry_after_s
 
@@ -73,7 +74,7 @@ class ModelNotFound(NotFound):
 
 async def _abort(context: grpc.aio.ServicerContext, exc: BaseException) -> None:
     if isinstance(exc, MeshError):
-        if isinstance(exc, ResourceExhausted):
+        if isinstance(exc, ResourceExhausted) and exc.retry_after_s is not None:
             context.set_trailing_metadata((("retry-after-s", f"{exc.retry_after_s:.3f}"),))
         await context.abort(exc.code, str(exc))
     log.exception("internal error", exc_info=exc)
@@ -164,12 +165,13 @@ def from_rpc_error(exc: grpc.aio.AioRpcError, service: str) -> MeshError:
     return cls(message)
 
 
-def _retry_after_s(exc: grpc.aio.AioRpcError) -> float:
-    """The ``retry-after-s`` trailing metadata of a RESOURCE_EXHAUSTED call (1 s when absent)."""
+def _retry_after_s(exc: grpc.aio.AioRpcError) -> float | None:
+    """The ``retry-after-s`` trailing metadata of a RESOURCE_EXHAUSTED call; None when
+    absent (a refusal that a retry will not change, e.g. gRPC's own message-size limit)."""
     for key, value in exc.trailing_metadata() or ():
         if key == "retry-after-s":
             try:
                 return float(value)
             except ValueError:
-                break
-    return 1.0
+                return 1.0  # a delay was meant: the default one
+    return None

@@ -312,7 +312,7 @@ class AdmissionCore:
         if cap is not None and need > cap:
             raise ResourceExhausted(
                 f"request needs {need} KV blocks; tenant {req.tenant!r} has a quota of {cap} blocks",
-                self.config.retry_after_s,
+                None,  # it never fits, however long the caller waits: no retry delay
             )
 
     def _over(self, count: int, tokens: int) -> bool:

@@ -14,6 +14,7 @@ NotFound (a task)      404     invalid_request_error       not_found
 AlreadyExists          409     invalid_request_error       conflict
 body too large         413     invalid_request_error       request_too_large
 ResourceExhausted      429     rate_limit_error            rate_limit_exceeded (+ Retry-After)
+ … with no retry delay 429     insufficient_quota          insufficient_quota (never fits its quota)
 Unavailable            503     service_unavailable_error   service_unavailable (+ Retry-After: 1)
 DEADLINE_EXCEEDED      504     timeout_error               timeout
 anything else          500     internal_error              null (our bug, logged)
@@ -98,6 +99,8 @@ def http_error(exc: BaseException) -> HttpError:
     """The HTTP form of an exception (see the module table); unknown ones are logged."""
     message = str(exc)
     if isinstance(exc, ResourceExhausted):
+        if exc.retry_after_s is None:  # it never fits its tenant's quota: retrying does not help
+            return HttpError(429, message, "insufficient_quota", "insufficient_quota")
         return HttpError(429, message, "rate_limit_error", "rate_limit_exceeded",
                          retry_after_s=max(1, math.ceil(exc.retry_after_s)))
     if isinstance(exc, Unavailable):

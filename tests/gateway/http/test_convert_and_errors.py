@@ -114,6 +114,7 @@ def test_a_null_field_is_its_default_as_openai_and_vllm_read_it():
     (NotFound("task not found"), 404, "not_found"),
     (AlreadyExists("request_id in use"), 409, "conflict"),
     (ResourceExhausted("queue full", retry_after_s=2.2), 429, "rate_limit_exceeded"),
+    (ResourceExhausted("needs 5 KV blocks; quota of 4", retry_after_s=None), 429, "insufficient_quota"),
     (Unavailable("no executor"), 503, "service_unavailable"),
 ])
 def test_domain_errors_map_to_openai_status_and_code(exc, status, code):
@@ -125,6 +126,7 @@ def test_domain_errors_map_to_openai_status_and_code(exc, status, code):
 def test_retry_after_is_whole_seconds_rounded_up():
     assert http_error(ResourceExhausted("full", retry_after_s=2.2)).response().headers["retry-after"] == "3"
     assert http_error(ResourceExhausted("full", retry_after_s=0.1)).response().headers["retry-after"] == "1"
+    assert "retry-after" not in http_error(ResourceExhausted("never fits", retry_after_s=None)).response().headers
 
 
 def test_upstream_codes_without_a_class_keep_their_meaning():

@@ -60,15 +60,17 @@ async def test_unknown_model_is_404_model_not_found(http_mesh, aclient):
         await aclient.completions.create(model=http_mesh.engines[0].model_id, prompt="Hi", max_tokens=2)
 
 
-async def test_tenant_quota_is_429_with_retry_after(http_mesh):
+async def test_a_request_that_never_fits_its_tenant_quota_is_429_insufficient_quota_without_retry_after(
+        http_mesh):
     """A request that alone needs more KV blocks than its tenant's quota (1 block):
-    the scheduler's RESOURCE_EXHAUSTED, as 429 with Retry-After in whole seconds."""
+    the scheduler's RESOURCE_EXHAUSTED with no retry delay (waiting never helps), as
+    OpenAI's 429 ``insufficient_quota`` with no Retry-After."""
     async with httpx.AsyncClient(base_url=http_mesh.http_url) as http:
         r = await http.post("/v1/completions", headers={"authorization": f"Bearer {KEY_QUOTA}"},
                             json={"model": SERVED, "prompt": "word " * 40, "max_tokens": 4})
-    error = _check_shape(r, 429, "rate_limit_exceeded")
-    assert error["type"] == "rate_limit_error" and "quota" in error["message"]
-    assert r.headers["retry-after"] == "1"
+    error = _check_shape(r, 429, "insufficient_quota")
+    assert error["type"] == "insufficient_quota" and "has a quota of 1 blocks" in error["message"]
+    assert "retry-after" not in r.headers
 
 
 async def test_body_over_the_limit_is_413(http_mesh):

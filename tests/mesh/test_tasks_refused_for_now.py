@@ -1,0 +1,81 @@
+"""Tasks the scheduler refuses for now are waited out, not failed: a tenant over
+its ``requests_per_s`` gets its task QUEUED with the refusal as ``last_error``
+and the delay as ``estimated_wait_s``, then admitted again and SUCCEEDED with
+the same tokens; ``CancelTask`` ends such a wait. A request that alone exceeds
+its tenant's KV quota never fits: its task FAILS with RESOURCE_EXHAUSTED at once."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest_asyncio
+
+from gateway.tenants import TenantRegistry
+from meshserve.client import build_request, cancel_task, get_task, submit_task, wait_task
+from meshserve.v1 import gateway_pb2
+from scheduler.admission import SchedulerConfig
+from scheduler.tenant_limits import TenantLimits
+from tests.support.engines import make_engine
+from tests.support.mesh_harness import SHARED_MESH_EXECUTOR_TIMEOUT_S, start_local_mesh, wait_for_condition
+
+PACED = (("x-api-key", "key-paced"),)  # one request every 2 s
+SMALL = (("x-api-key", "key-small"),)  # a KV quota of 1 block
+REQUEST = build_request([(7 * i) % 500 + 40 for i in range(12)], max_tokens=4, temperature=0.0,
+                        ignore_eos=True)
+
+
+@pytest_asyncio.fixture(scope="module")
+async def limited_mesh(tokenizer, tmp_path_factory):
+    tenants_file = tmp_path_factory.mktemp("tenants") / "tenants.toml"
+    tenants_file.write_text('[[tenants]]\nname = "paced"\napi_keys = ["key-paced"]\nrequests_per_s = 0.5\n'
+                            '[[tenants]]\nname = "small"\napi_keys = ["key-small"]\nkv_quota_blocks = 1\n')
+    config = SchedulerConfig(tenant_limits={"paced": TenantLimits(requests_per_s=0.5), "small": TenantLimits()},
+                             tenant_quotas={"small": 1}, executor_timeout_s=SHARED_MESH_EXECUTOR_TIMEOUT_S)
+    mesh = await start_local_mesh([make_engine()], tokenizer, tenants=TenantRegistry.from_file(tenants_file),
+                                  scheduler_config=config)
+    yield mesh
+    await mesh.stop()
+
+
+async def held(stub, task_id: str) -> gateway_pb2.TaskStatus:
+    """The task's status once it records a refusal it waits out (or once it is final)."""
+    for _ in range(2400):
+        status = await get_task(stub, task_id, metadata=PACED)
+        if status.last_error or status.state not in (gateway_pb2.TASK_STATE_QUEUED, gateway_pb2.TASK_STATE_RUNNING):
+            return status
+        await asyncio.sleep(0.05)
+    raise AssertionError(f"task {task_id} never recorded a refusal")
+
+
+async def test_a_rate_limited_task_waits_its_turn_and_succeeds_and_one_cancelled_while_waiting_ends(limited_mesh):
+    stub = limited_mesh.stub
+    first = await submit_task(stub, REQUEST, metadata=PACED)
+    second = await submit_task(stub, REQUEST, metadata=PACED)  # over 0.5 requests/s: refused for now
+    status = await held(stub, second.task_id)
+    assert status.state == gateway_pb2.TASK_STATE_QUEUED and not status.HasField("queue_position")
+    assert status.last_error.startswith("RESOURCE_EXHAUSTED: scheduler: tenant 'paced' is over its rate limit")
+    assert 0.0 < status.estimated_wait_s <= 2.0
+    done = [await wait_task(stub, t.task_id, metadata=PACED, poll_s=0.05, timeout_s=300) for t in (first, second)]
+    assert [d.state for d in done] == [gateway_pb2.TASK_STATE_SUCCEEDED] * 2
+    assert done[1].attempt == 1 and done[1].started_at_unix_s > done[0].started_at_unix_s
+    assert list(done[1].choices[0].token_ids) == list(done[0].choices[0].token_ids)
+    assert len(done[0].choices[0].token_ids) == 4
+
+    third = await submit_task(stub, REQUEST, metadata=PACED)  # the bucket is empty again: held
+    await held(stub, third.task_id)
+    cancelled = await cancel_task(stub, third.task_id, metadata=PACED)
+    assert cancelled.state == gateway_pb2.TASK_STATE_CANCELLED
+    core = limited_mesh.scheduler.servicer.core
+    await wait_for_condition(lambda: core.num_leases() == 0 and len(core) == 0, what="nothing held for the tasks")
+    engine = limited_mesh.engines[0]
+    await wait_for_condition(lambda: engine.stats().num_free_blocks == engine.num_blocks, what="every block back")
+
+
+async def test_a_task_that_never_fits_its_tenant_quota_fails_at_once(limited_mesh):
+    stub = limited_mesh.stub
+    big = build_request(list(range(40, 80)), max_tokens=4, temperature=0.0)  # 3 blocks > 1
+    handle = await submit_task(stub, big, metadata=SMALL)
+    status = await wait_task(stub, handle.task_id, metadata=SMALL, poll_s=0.05, timeout_s=300)
+    assert status.state == gateway_pb2.TASK_STATE_FAILED and status.error.code == "RESOURCE_EXHAUSTED"
+    assert "tenant 'small' has a quota of 1 blocks" in status.error.message
+    assert status.attempt == 1 and status.last_error == ""
