@@ -164,9 +164,14 @@ class CallbackPolicy:
         address = literal_address(url.hostname)
         if address is not None and internal(address) and str(address) not in self.explicit:
             raise InvalidArgument(f"callback_url names an internal address ({address})")
-        if not any(e.matches(url, port) for e in self._entries):
+        if not self.lists(url_text):
             raise InvalidArgument("callback_url is not in the gateway's callback allow-list (--callback-allow)")
         return url_text
+
+    def lists(self, url_text: str) -> bool:
+        """Whether an entry matches ``url_text`` (a URL ``check`` accepted)."""
+        url = urlsplit(url_text)
+        return any(e.matches(url, url.port or _DEFAULT_PORTS[url.scheme]) for e in self._entries)
 
     def address_allowed(self, address: str) -> bool:
         """Whether a resolved address may be dialled."""

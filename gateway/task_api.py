@@ -33,7 +33,7 @@ from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapProp
 from prometheus_client import Counter
 
 from gateway.callback_delivery import CallbackDelivery
-from gateway.callbacks import CallbackSender
+from gateway.callbacks import CallbackPolicy, CallbackSender
 from gateway.collector import ChoiceCollector
 from gateway.events import Queued
 from gateway.generation import GatewayCore
@@ -75,6 +75,7 @@ def to_status(record: TaskRecord) -> gateway_pb2.TaskStatus:
     holding the choices)."""
     status = gateway_pb2.TaskStatus.FromString(record.result) if record.result else gateway_pb2.TaskStatus()
     status.task_id, status.state, status.request_id = record.task_id, int(record.state), record.request_id
+    status.tenant = record.tenant
     status.created_at_unix_s, status.started_at_unix_s = record.created_at, record.started_at
     status.finished_at_unix_s = record.finished_at
     if record.error_code:
@@ -149,7 +150,7 @@ class TaskAPI:
         span = _tracer.start_span(ta.SPAN_SUBMIT_TASK, context=context_from_grpc(context), kind=trace.SpanKind.SERVER,
                                   attributes={ta.TASK_ID: task_id, ta.TENANT: tenant.name})
         try:
-            callback_url = self._check_callback(request.callback_url)
+            callback_url = self._check_callback(request.callback_url, tenant)
             prepared = await self.core.prepare_async(request_from_proto(request, default_request_id=task_id), tenant,
                                                      received_at)
             span.set_attribute(ta.REQUEST_ID, prepared.request_id)
@@ -178,13 +179,18 @@ class TaskAPI:
         finally:
             span.end()
 
-    def _check_callback(self, url: str) -> str:
-        """The task's callback URL ("" for none). Raises InvalidArgument (see ``gateway.callbacks``)."""
+    def _check_callback(self, url: str, tenant: Tenant) -> str:
+        """The task's callback URL ("" for none): in the gateway's allow-list and, when
+        the tenant has one, in the tenant's ``callback_allow``. Raises InvalidArgument
+        (see ``gateway.callbacks``)."""
         if not url:
             return ""
         if self.callbacks is None:
             raise InvalidArgument("callback_url: callbacks are off on this gateway (no --callback-allow)")
-        return self.callbacks.policy.check(url)
+        url = self.callbacks.policy.check(url)
+        if tenant.callback_allow and not CallbackPolicy(tenant.callback_allow).lists(url):
+            raise InvalidArgument(f"callback_url is not in tenant {tenant.name!r}'s callback_allow list")
+        return url
 
     @staticmethod
     def _span_options(task_id: str, traceparent: str) -> SpanOptions:

@@ -18,6 +18,8 @@ call's metadata to a tenant with a ``TenantRegistry``:
       tokens_per_min = 600000     # optional: prompt + completion tokens per minute
       result_cache_scope = "acme-group"   # optional: tenants naming the same scope share
                                           # result-cache entries (default: none shared)
+      callback_allow = ["https://hooks.acme.example/"]  # optional: its tasks' callback URLs
+                                          # must match one of these too (and --callback-allow)
 
   The scheduler reads the same file (``meshserve scheduler --tenants``):
   it admits only the tenants listed and applies the ceiling and rate limits
@@ -39,11 +41,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Sequence
 
+from gateway.callbacks import CallbackPolicy
 from meshserve.errors import Unauthenticated
 
 DEFAULT_TENANT = "default"
 _TENANT_FIELDS = {"name", "api_keys", "default_priority", "kv_quota_blocks", "max_priority", "requests_per_s",
-                  "tokens_per_min", "result_cache_scope"}
+                  "tokens_per_min", "result_cache_scope", "callback_allow"}
 
 
 @dataclass(frozen=True)
@@ -61,6 +64,9 @@ class Tenant:
         tokens_per_min: prompt + completion tokens per minute, or None.
         result_cache_scope: a scope shared in the result cache with the tenants
             naming the same one; None: its entries are its own.
+        callback_allow: URL prefixes (``scheme://host[:port][/path]``) its tasks'
+            callback URLs must match, besides the gateway's ``--callback-allow``;
+            empty: the gateway's list alone.
     """
 
     name: str
@@ -70,6 +76,7 @@ class Tenant:
     requests_per_s: float | None = None
     tokens_per_min: float | None = None
     result_cache_scope: str | None = None
+    callback_allow: tuple[str, ...] = ()
 
     @property
     def cache_scope(self) -> str:
@@ -218,4 +225,12 @@ def _parse_tenant(entry: Any, where: str) -> tuple[Tenant, list[str]]:
     scope = entry.get("result_cache_scope")
     if scope is not None and (not isinstance(scope, str) or not scope.strip()):
         raise ValueError(f"{where}: 'result_cache_scope' must be a non-empty string, got {scope!r}")
-    return Tenant(name, priority, quota, ceiling, **rates, result_cache_scope=scope), api_keys
+    callback_allow = entry.get("callback_allow", [])
+    if not isinstance(callback_allow, list) or not all(isinstance(u, str) for u in callback_allow):
+        raise ValueError(f"{where}: 'callback_allow' must be a list of URL prefixes, got {callback_allow!r}")
+    try:
+        CallbackPolicy(callback_allow)
+    except ValueError as exc:
+        raise ValueError(f"{where}: 'callback_allow': {str(exc).removeprefix('--callback-allow ')}") from None
+    return Tenant(name, priority, quota, ceiling, **rates, result_cache_scope=scope,
+                  callback_allow=tuple(callback_allow)), api_keys

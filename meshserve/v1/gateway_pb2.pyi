@@ -165,7 +165,7 @@ class TaskError(_message.Message):
     def __init__(self, code: _Optional[str] = ..., message: _Optional[str] = ...) -> None: ...
 
 class TaskStatus(_message.Message):
-    __slots__ = ("task_id", "state", "choices", "error", "created_at_unix_s", "started_at_unix_s", "finished_at_unix_s", "request_id", "queue_position", "estimated_wait_s", "attempt", "last_error", "callback")
+    __slots__ = ("task_id", "state", "choices", "error", "created_at_unix_s", "started_at_unix_s", "finished_at_unix_s", "request_id", "queue_position", "estimated_wait_s", "attempt", "last_error", "callback", "tenant")
     TASK_ID_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
     CHOICES_FIELD_NUMBER: _ClassVar[int]
@@ -179,6 +179,7 @@ class TaskStatus(_message.Message):
     ATTEMPT_FIELD_NUMBER: _ClassVar[int]
     LAST_ERROR_FIELD_NUMBER: _ClassVar[int]
     CALLBACK_FIELD_NUMBER: _ClassVar[int]
+    TENANT_FIELD_NUMBER: _ClassVar[int]
     task_id: str
     state: TaskState
     choices: _containers.RepeatedCompositeFieldContainer[TaskChoice]
@@ -192,7 +193,8 @@ class TaskStatus(_message.Message):
     attempt: int
     last_error: str
     callback: CallbackDelivery
-    def __init__(self, task_id: _Optional[str] = ..., state: _Optional[_Union[TaskState, str]] = ..., choices: _Optional[_Iterable[_Union[TaskChoice, _Mapping]]] = ..., error: _Optional[_Union[TaskError, _Mapping]] = ..., created_at_unix_s: _Optional[float] = ..., started_at_unix_s: _Optional[float] = ..., finished_at_unix_s: _Optional[float] = ..., request_id: _Optional[str] = ..., queue_position: _Optional[int] = ..., estimated_wait_s: _Optional[float] = ..., attempt: _Optional[int] = ..., last_error: _Optional[str] = ..., callback: _Optional[_Union[CallbackDelivery, _Mapping]] = ...) -> None: ...
+    tenant: str
+    def __init__(self, task_id: _Optional[str] = ..., state: _Optional[_Union[TaskState, str]] = ..., choices: _Optional[_Iterable[_Union[TaskChoice, _Mapping]]] = ..., error: _Optional[_Union[TaskError, _Mapping]] = ..., created_at_unix_s: _Optional[float] = ..., started_at_unix_s: _Optional[float] = ..., finished_at_unix_s: _Optional[float] = ..., request_id: _Optional[str] = ..., queue_position: _Optional[int] = ..., estimated_wait_s: _Optional[float] = ..., attempt: _Optional[int] = ..., last_error: _Optional[str] = ..., callback: _Optional[_Union[CallbackDelivery, _Mapping]] = ..., tenant: _Optional[str] = ...) -> None: ...
 
 class CallbackDelivery(_message.Message):
     __slots__ = ("url", "state", "attempts", "error")

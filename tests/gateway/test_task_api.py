@@ -83,7 +83,7 @@ async def test_a_task_that_fails_later_is_failed_with_code_and_message(gateway):
     status = await wait_task(gateway, handle.task_id, KEY_A, poll_s=0.02, timeout_s=30)
     assert status.state == gateway_pb2.TASK_STATE_FAILED
     assert status.error.code == "UNAVAILABLE" and status.error.message.startswith("scheduler: ")
-    assert (status.task_id, status.request_id, len(status.choices)) == (handle.task_id, "my-req", 0)
+    assert (status.task_id, status.request_id, len(status.choices), status.tenant) == (handle.task_id, "my-req", 0, "a")
     assert 0 < status.created_at_unix_s <= status.finished_at_unix_s and status.started_at_unix_s == 0
     # the request id is free again once the task is over
     again = await submit_task(gateway, request(request_id="my-req"), KEY_A)

@@ -134,7 +134,7 @@ async def test_a_task_callback_is_delivered_once_signed(mesh, survivor, receiver
     assert got.path == "/hooks/done" and got.headers["x-meshserve-task-id"] == handle.task_id
     assert verify(SECRET, got.headers["x-meshserve-timestamp"], got.body, got.headers["x-meshserve-signature"])
     body = json.loads(got.body)
-    assert (body["taskId"], body["state"]) == (handle.task_id, "TASK_STATE_SUCCEEDED")
+    assert (body["taskId"], body["state"], body["tenant"]) == (handle.task_id, "TASK_STATE_SUCCEEDED", "default")
     assert body["choices"][0]["tokenIds"] == list(status.choices[0].token_ids)
     assert (final.callback.state, final.callback.attempts, final.callback.url) == (
         gateway_pb2.CALLBACK_STATE_DELIVERED, 1, req.callback_url)
