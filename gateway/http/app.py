@@ -9,7 +9,9 @@ GET  /ready            200 while an executor serves, else 503 (readiness, as the
                        gateway's grpc.health.v1: ``gateway.readiness``)
 GET  /ready/tasks      200 while the task store answers, else 503 (the task path's
                        readiness: ``gateway.task_readiness``)
-GET  /metrics          the gateway's Prometheus metrics (text exposition format)
+GET  /metrics          the gateway's Prometheus metrics (text exposition format),
+                       open mode only: with a tenants file it is 404 (the metrics
+                       name every tenant; scrape ``--metrics-port``, not the API port)
 GET  /version          ``{"version": meshserve's version}``
 /v1/models, /v1/completions, /v1/chat/completions   ``gateway.http.openai_routes``
 /v1/tasks…             ``gateway.http.task_routes``
@@ -99,7 +101,7 @@ def create_app(core: GatewayCore, tenants: TenantRegistry, tasks: TaskAPI, ready
         tenants: API keys → tenants.
         tasks: the task adapter (shared with the gRPC adapter).
         ready: True while an executor serves (``ReadinessProbe.ready``).
-        registry: the Prometheus registry ``/metrics`` serves.
+        registry: the Prometheus registry ``/metrics`` serves (open mode only).
         max_body_bytes: a request body's most bytes.
         tasks_ready: True while the task store answers (``TaskStoreProbe``).
     """
@@ -127,6 +129,9 @@ def create_app(core: GatewayCore, tenants: TenantRegistry, tasks: TaskAPI, ready
 
     @app.get("/metrics")
     async def metrics() -> Response:
+        if not tenants.open_mode:  # tenant names and traffic are not for every API key holder
+            return HttpError(404, "/metrics is not served on the API port when a tenants file is in use; "
+                             "scrape the gateway's --metrics-port", "invalid_request_error", "not_found").response()
         return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
 
     @app.get("/version")

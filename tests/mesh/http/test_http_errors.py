@@ -136,7 +136,9 @@ async def test_health_version_metrics_and_ready(http_mesh):
         assert (await http.get("/ready")).status_code == 200
         from meshserve import __version__
         assert (await http.get("/version")).json() == {"version": __version__}
-        metrics = await http.get("/metrics")
-        assert metrics.status_code == 200 and "meshserve_request_ttft_seconds" in metrics.text
+        metrics = await http.get("/metrics", headers={"authorization": f"Bearer {KEY_QUOTA}"})
+        error = _check_shape(metrics, 404, "not_found")  # a tenants file: every tenant's traffic, not for a tenant
+        assert error["message"] == ("/metrics is not served on the API port when a tenants file is in use; "
+                                    "scrape the gateway's --metrics-port")
         r = await http.get("/v1/nothing-here")
         _check_shape(r, 404, "not_found")
