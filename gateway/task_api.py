@@ -225,6 +225,8 @@ class TaskAPI:
                         if isinstance(event, Queued):
                             await hooks.queued(event.position, event.estimated_wait_s)
                         collector.feed(event)
+                if not assigned:  # the result cache answered: it started (and ended) now
+                    await hooks()
                 return task_result(collector.choices())
             except ResourceExhausted as exc:
                 if assigned or exc.retry_after_s is None:

@@ -207,6 +207,8 @@ def _parse_tenant(entry: Any, where: str) -> tuple[Tenant, list[str]]:
         raise ValueError(f"{where}: 'api_keys' must be a non-empty list of non-empty strings")
     if any(k != k.strip() for k in api_keys):
         raise ValueError(f"{where}: an API key has leading or trailing whitespace")
+    if not all(k.isascii() and k.isprintable() for k in api_keys):  # what gRPC metadata and HTTP headers carry
+        raise ValueError(f"{where}: an API key holds a character other than printable ASCII; no caller could send it")
     priority = entry.get("default_priority", 0)
     if not isinstance(priority, int) or isinstance(priority, bool):
         raise ValueError(f"{where}: 'default_priority' must be an integer, got {priority!r}")

@@ -91,8 +91,11 @@ class TaskRoutes:
         return message
 
     async def submit(self, request: Request, body: dict[str, Any] = Body(...)) -> JSONResponse:
-        """``POST /v1/tasks``."""
-        handle = await self.tasks.submit(self._generate_request(body), HttpCallContext(request))
+        """``POST /v1/tasks`` (the key is checked before the body: a caller without a
+        valid key gets 401, whatever it sent)."""
+        context = HttpCallContext(request)
+        self.tasks.tenants.authenticate(context.invocation_metadata())
+        handle = await self.tasks.submit(self._generate_request(body), context)
         return JSONResponse(_json(handle), status_code=202)
 
     async def get(self, task_id: str, request: Request) -> dict:

@@ -90,6 +90,8 @@ def test_open_mode_everyone_is_default():
         ('[[tenants]]\nname = "a"\napi_keys = []', "'api_keys'"),
         ('[[tenants]]\nname = "a"\napi_keys = [""]', "'api_keys'"),
         ('[[tenants]]\nname = "a"\napi_keys = [" k"]', "whitespace"),
+        ('[[tenants]]\nname = "a"\napi_keys = ["clé-secrète"]', "other than printable ASCII"),
+        ('[[tenants]]\nname = "a"\napi_keys = ["k\\u0007y"]', "other than printable ASCII"),
         ('[[tenants]]\nname = "a"\napi_keys = ["k"]\ndefault_priority = "high"', "'default_priority'"),
         ('[[tenants]]\nname = "a"\napi_keys = ["k"]\nkv_quota_blocks = 0', "'kv_quota_blocks'"),
         ('[[tenants]]\nname = "a"\napi_keys = ["k"]\nkv_quota = 5', "unknown fields"),

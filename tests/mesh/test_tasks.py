@@ -72,6 +72,7 @@ async def test_task_equals_generate_and_cache_hits_skip_the_executor(mesh, cache
     again = await wait_task(gw, (await submit_task(gw, req)).task_id, poll_s=0.05, timeout_s=60)
     (cached_choice,) = task_completions(again)
     assert (cached_choice.token_ids, cached_choice.text, cached_choice.cached) == (ref.token_ids, ref.text, True)
+    assert 0 < again.created_at_unix_s <= again.started_at_unix_s <= again.finished_at_unix_s  # answered: started
     assert engine_requests(mesh) == before + 1             # neither ran the model
     name = f"chat {mesh.engines[0].model_id}"
     hits = [s.attributes["meshserve.result_cache.hit"] for s in memory_exporter().get_finished_spans()

@@ -10,6 +10,7 @@ import pytest
 import pytest_asyncio
 
 from gateway.callbacks import CallbackPolicy, CallbackSender
+from gateway.tenants import TenantRegistry
 from tests.support.http_receiver import Receiver
 from tests.support.mesh_harness import wait_for_condition
 from tests.support.served_gateway import served_gateway
@@ -50,3 +51,16 @@ async def test_a_refused_callback_url_is_a_400_naming_it_and_no_task(served, cal
     assert resp.status_code == 400
     assert resp.json()["error"]["message"] == message
     assert receiver.received == []
+
+
+@pytest.mark.parametrize("headers", [{}, {"authorization": "Bearer no-such-key"}])
+async def test_a_task_without_a_valid_key_is_401_before_its_body_is_judged(tmp_path, headers):
+    """Found by a review: a bad body was judged (400 naming the field) before the key."""
+    path = tmp_path / "tenants.toml"
+    path.write_text('[[tenants]]\nname = "acme"\napi_keys = ["key-acme"]\n')
+    async with served_gateway(tenants=TenantRegistry.from_file(path)) as (client, _):
+        resp = await client.post("/v1/tasks", json={**BODY, "temperature": -5}, headers=headers)
+        assert resp.status_code == 401 and resp.json()["error"]["code"] == "invalid_api_key"
+        resp = await client.post("/v1/tasks", json={**BODY, "temperature": -5},
+                                 headers={"authorization": "Bearer key-acme"})
+        assert resp.status_code == 400 and resp.json()["error"]["param"] == "temperature"
