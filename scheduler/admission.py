@@ -18,7 +18,7 @@ saturated pool does not hold up another pool.
 ``kv_quota_blocks`` with it is *skipped*, not stopped at: it waits until its own
 tenant's leases end, and requests of other tenants behind it go on. A request
 that alone needs more blocks than its tenant's quota is refused at once
-(RESOURCE_EXHAUSTED). A lease is charged the blocks admission reserved for it
+(RESOURCE_EXHAUSTED with no retry delay: waiting never makes it fit). A lease is charged the blocks admission reserved for it
 until its executor reports how many blocks the lease's requests hold
 (``CapacityReport.lease_num_blocks``); from then on it is charged the reported
 count (decode growth and prefix sharing included), except that a report of 0
