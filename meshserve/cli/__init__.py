@@ -30,7 +30,7 @@ from meshserve.cli.options import MetricsPortOpt, OtlpOpt, ResultCacheSizeOpt, S
 
 __all__ = ["app", "main", "MetricsPortOpt", "OtlpOpt", "ResultCacheSizeOpt", "SampleOpt", "TaskStoreOpt", "TracesOpt"]
 
-app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
+app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False, rich_markup_mode=None,
                   help="meshserve: LLM serving as a mesh of gRPC services.")
 
 app.command()(services.scheduler)

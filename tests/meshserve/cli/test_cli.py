@@ -31,8 +31,21 @@ def test_python_m_meshserve_cli_lists_every_command():
     out = subprocess.run([sys.executable, "-m", "meshserve.cli", "--help"], capture_output=True, text=True,
                          timeout=60, env=dict(os.environ, COLUMNS="200"))
     assert out.returncode == 0
-    panel = out.stdout[out.stdout.index("─ Commands ─"):].splitlines()
-    assert [line.split()[1] for line in panel if line.startswith("│")] == COMMANDS
+    listed = out.stdout[out.stdout.index("\nCommands:\n"):].splitlines()[2:]
+    assert [line.split()[0] for line in listed if line.strip()] == COMMANDS
+
+
+def test_help_piped_at_80_columns_keeps_every_flag_name_whole():
+    """Found by a review: the rich help cut long flag names (``--long-prefill-t…``) when
+    its output was not a terminal; plain click help never cuts them."""
+    out = subprocess.run([sys.executable, "-m", "meshserve.cli", "up", "--help"], capture_output=True, text=True,
+                         timeout=60, env=dict(os.environ, COLUMNS="80"))
+    assert out.returncode == 0
+    up = get_command(app).commands["up"]
+    for param in up.params:
+        for opt in param.opts:
+            assert opt in out.stdout, opt
+    assert max(len(line) for line in out.stdout.splitlines()) <= 80
 
 
 @pytest.mark.parametrize("flag", ["--result-cache-size", "--task-store"])
