@@ -14,10 +14,13 @@ It exits 0 on ``shutdown``; 3 when the pipe closes (rank 0 died); with the
 exception's traceback and 1 when a step fails (a peer died, a collective timed
 out): rank 0 notices the exit and takes the executor out.
 
-It ignores SIGINT: a terminal's Ctrl-C reaches every process of the foreground group,
-and a rank's life is rank 0's to end (the ``shutdown`` frame, or the pipe closing when
-rank 0 exits), so Ctrl-C on ``meshserve up`` stops the ranks through rank 0 instead of
-printing each rank's ``KeyboardInterrupt`` traceback. SIGTERM still ends it.
+It ignores SIGINT and SIGTERM: a terminal's Ctrl-C reaches every process of the
+foreground group, and a service manager that stops a whole process group (systemd's
+``KillMode=control-group``, ``kill -TERM -PGID``) sends SIGTERM to each; a rank's life
+is rank 0's to end (the ``shutdown`` frame, or the pipe closing when rank 0 exits, also
+when rank 0 is SIGKILLed), so both stop the ranks through rank 0's clean shutdown
+instead of a rank dying first and rank 0 logging "rank 1 exited with code -15" as a
+failure. SIGKILL still ends it.
 """
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ from executor.worker import distributed
 
 def main() -> int:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     logging.basicConfig(level=logging.WARNING, format=f"rank {rank}: %(levelname)s %(name)s: %(message)s")
     pipe = sys.stdin.buffer
