@@ -4,8 +4,11 @@
 ``InvalidArgument`` naming ``callback_url``, and no task is created): only
 ``http`` and ``https`` URLs without user info that match an entry of the
 gateway's allow-list (``--callback-allow``, repeatable). An entry is a URL
-prefix, ``scheme://host[:port][/path]``; its host may be ``*.example.com``
-(any sub-domain). A host that is a literal address (``127.0.0.1``, ``[::1]``,
+prefix, ``scheme://host[:port][/path]``, matched on whole path segments
+(``/hooks/a`` holds ``/hooks/a/done``, not ``/hooks/ab``); its host may be
+``*.example.com`` (any sub-domain). A path with a ``.`` or ``..`` segment, raw
+or percent-encoded, is refused: a receiver's proxy would resolve it outside the
+entry that matched. A host that is a literal address (``127.0.0.1``, ``[::1]``,
 ``0x7f000001``) is refused when it is private, loopback, link-local,
 unspecified, multicast or reserved, unless an entry names that very literal
 (an operator's explicit choice, e.g. a receiver on the same machine).
@@ -48,7 +51,7 @@ import ssl
 import time
 from dataclasses import dataclass
 from typing import Awaitable, Callable, Sequence
-from urllib.parse import SplitResult, urlsplit
+from urllib.parse import SplitResult, unquote, urlsplit
 
 from meshserve.errors import InvalidArgument
 from meshserve.timeouts import wait_for
@@ -114,7 +117,21 @@ class _Entry:
             host_ok = host.endswith(self.host[1:])
         else:
             host_ok = host == self.host
-        return url.scheme == self.scheme and host_ok and port == self.port and (url.path or "/").startswith(self.path)
+        return url.scheme == self.scheme and host_ok and port == self.port and _under(url.path or "/", self.path)
+
+
+def _under(path: str, prefix: str) -> bool:
+    """Whether ``path`` is ``prefix`` or below it, on whole segments (``/hooks/a`` and
+    ``/hooks/a/`` hold ``/hooks/a/x``, never ``/hooks/ab``)."""
+    if path == prefix or prefix.endswith("/") and path.startswith(prefix):
+        return True
+    return path.startswith(prefix + "/")
+
+
+def _has_dot_segment(path: str) -> bool:
+    """Whether ``path`` holds a ``.`` or ``..`` segment, raw or percent-encoded (``%2e``):
+    a receiver's proxy may resolve it to a path outside the entry that matched."""
+    return any(segment in (".", "..") for segment in unquote(path).split("/"))  # %2F hides no segment
 
 
 class CallbackPolicy:
@@ -161,6 +178,8 @@ class CallbackPolicy:
             raise InvalidArgument(f"callback_url must be an http or https URL, got scheme {url.scheme!r}")
         if not url.hostname or url.username is not None or url.password is not None:
             raise InvalidArgument("callback_url must name a host and no user info")
+        if _has_dot_segment(url.path):
+            raise InvalidArgument("callback_url has a '.' or '..' path segment (write the path it stands for)")
         address = literal_address(url.hostname)
         if address is not None and internal(address) and str(address) not in self.explicit:
             raise InvalidArgument(f"callback_url names an internal address ({address})")

@@ -45,6 +45,12 @@ async def sentinel():
     ("https://hooks.example.com/meshserve/h ook", "whitespace or control characters"),
     ("https://hooks.example.com/meshserve/\x00", "whitespace or control characters"),
     ("https://hooks.example.com/meshserve/" + "a" * 2048, "longer than 2048 characters"),
+    # found by a review: a prefix is whole segments, and dot segments would leave it at the receiver's proxy
+    ("https://hooks.example.com/meshservex/hook", "allow-list"),
+    ("https://hooks.example.com/meshserve/../admin", "'.' or '..' path segment"),
+    ("https://hooks.example.com/meshserve/%2e%2E/admin", "'.' or '..' path segment"),
+    ("https://hooks.example.com/meshserve/..%2fadmin", "'.' or '..' path segment"),
+    ("https://hooks.example.com/meshserve/./x", "'.' or '..' path segment"),
 ])
 def test_urls_outside_the_allow_list_or_internal_are_invalid_arguments(url, reason):
     """C36: literal private, loopback and link-local addresses, other schemes and
@@ -58,7 +64,8 @@ def test_urls_outside_the_allow_list_or_internal_are_invalid_arguments(url, reas
 def test_allowed_urls_pass():
     policy = CallbackPolicy(["https://hooks.example.com/meshserve", "https://*.example.net", "http://127.0.0.1:8088/"])
     for url in ("https://hooks.example.com/meshserve/done?x=1", "https://a.b.example.net/x",
-                "http://127.0.0.1:8088/cb"):        # a loopback receiver the operator named literally
+                "http://127.0.0.1:8088/cb", "https://hooks.example.com/meshserve", "https://hooks.example.com/meshserve/",
+                "https://hooks.example.com/meshserve/..done", "https://a.example.net"):        # a loopback receiver the operator named literally
         assert policy.check(url) == url
     with pytest.raises(InvalidArgument):
         policy.check("http://127.0.0.1:8089/cb")     # another port of the same address is not named

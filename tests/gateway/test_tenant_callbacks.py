@@ -63,6 +63,10 @@ async def test_a_tenant_with_its_own_callback_allow_may_name_only_those_urls(ser
         await submit_task(stub, with_callback(receiver.url + "/hooks/b/done"), KEY_A)
     assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert info.value.details() == "callback_url is not in tenant 'a''s callback_allow list"
+    for escape in ("/hooks/a/../b/done", "/hooks/a/%2e%2e/b/done", "/hooks/ab/done"):  # out of a's list
+        with pytest.raises(grpc.aio.AioRpcError) as info:
+            await submit_task(stub, with_callback(receiver.url + escape), KEY_A)
+        assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT, escape
     own = await submit_task(stub, with_callback(receiver.url + "/hooks/a/done"), KEY_A)
     other = await submit_task(stub, with_callback(receiver.url + "/hooks/b/done"), KEY_B)  # b: the gateway's list
     for handle, key in ((own, KEY_A), (other, KEY_B)):
