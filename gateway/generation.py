@@ -34,6 +34,7 @@ the scheduler and executor in the mesh client's calls.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
 import uuid
 from contextlib import aclosing
@@ -203,6 +204,26 @@ class GatewayCore:
         return Prepared(request_id, tenant.name, ta.operation_name(request.input_kind), prompt_ids, params, priority,
                         metrics, timer, key)
 
+    def again(self, prepared: Prepared) -> Prepared:
+        """The same request once more, after ``prepared`` ended (a task waiting out a
+        refusal: ``gateway.task_api``): claims its request id again and starts new
+        metrics from the original arrival, reusing the prompt ids (no tokenizing).
+        Called right after ``prepared`` ended, with no ``await`` between, the id is
+        never free for another request meanwhile; the result must be ``run`` or
+        ``end``-ed.
+
+        Raises:
+            AlreadyExists: the id was claimed by another request meanwhile.
+        """
+        scoped = scoped_request_id(prepared.tenant, prepared.request_id)
+        if scoped in self._in_flight:
+            raise AlreadyExists(f"request_id {prepared.request_id!r} is already in use by an unfinished request")
+        timer = RequestTimer(prepared.timer.start)
+        metrics = self.metrics.start(prepared.tenant, prepared.priority, timer.start)
+        metrics.num_prompt_tokens = len(prepared.prompt_ids)
+        self._in_flight.add(scoped)
+        return dataclasses.replace(prepared, metrics=metrics, timer=timer, ended=False, num_generated_tokens=0)
+
     def end(self, prepared: Prepared, error: BaseException | None = None) -> None:
         """Ends a prepared request: observes its metrics (``error``: what ended it) and
         frees its request id. ``run`` and ``generate`` call it; an adapter calls it for
@@ -361,7 +382,7 @@ class GatewayCore:
             raise
         finally:
             if assignment is not None:
-                generated = sum(c.num_tokens for c in choices) if choices else None
+                generated = p.num_generated_tokens if choices else None
                 await self.mesh.release(assignment.lease_id, generated, finished, span)
             elif not answered:  # given up mid-admission: a grant may be on its way, under the proposed id
                 await self.mesh.release(admission.lease_id, None, False, span)
@@ -379,6 +400,7 @@ class GatewayCore:
                 if not 0 <= out.index < len(choices):
                     raise Unavailable(f"executor {assignment.executor_id} sent choice {out.index} of {p.params.n}")
                 choice = choices[out.index]
+                p.num_generated_tokens += len(out.token_ids)  # charged to the tenant, cut or not
                 if choice.done:
                     continue  # cut by a stop string; the executor runs it until all choices end
                 now = time.monotonic()

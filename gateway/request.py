@@ -112,6 +112,8 @@ class Prepared:
         timer: when it arrived, was assigned, got its first token.
         cache_key: the result-cache key; None when the cache is off or the
             request is not deterministic.
+        num_generated_tokens: tokens the executor sent, all choices, also those of
+            a choice a stop string had already ended (what its tenant is charged).
     """
 
     request_id: str
@@ -124,3 +126,4 @@ class Prepared:
     timer: RequestTimer
     cache_key: str | None = None
     ended: bool = False
+    num_generated_tokens: int = 0

@@ -18,7 +18,6 @@ continues the caller's) and carries a span *link* to the submit span.
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
 import logging
 import time
@@ -41,6 +40,7 @@ from gateway.proto_convert import request_from_proto, task_result
 from gateway.request import Prepared, SpanOptions
 from gateway.task_runner import TaskHooks, TaskRunner, Work
 from gateway.task_store import TaskRecord, TaskState
+from gateway.task_wait import WaitingLines
 from gateway.tenants import Tenant, TenantRegistry
 from meshserve import trace_attributes as ta
 from meshserve.errors import InvalidArgument, ResourceExhausted, Unavailable
@@ -52,7 +52,6 @@ log = logging.getLogger(__name__)
 _tracer = tracer(__name__)
 _w3c = TraceContextTextMapPropagator()
 
-MIN_HOLD_S = 0.25  # the shortest wait before a task refused for now is admitted again (seconds)
 
 
 def traceparent_of(span: trace.Span) -> str:
@@ -118,6 +117,7 @@ class TaskAPI:
         self.tenants = tenants
         self.runner = runner
         self.callbacks = callbacks
+        self.lines = WaitingLines(runner.max_wait_s)  # tasks waiting out refusals, a line per tenant
         self.store_ready: Callable[[], bool] = lambda: True  # the task store answers (``TaskStoreProbe``)
         posts = Counter("meshserve_task_callback_posts", "Callback POSTs by outcome (delivered, failed)",
                         ["outcome"], registry=core.metrics.registry)
@@ -164,10 +164,7 @@ class TaskAPI:
                 if not self.store_ready():
                     raise Unavailable("the task store does not answer; retry later (synchronous Generate still "
                                       "serves)")
-                request_again = dataclasses.replace(request_from_proto(request, default_request_id=task_id),
-                                                    request_id=prepared.request_id)
-                await self.runner.submit(record, lambda hooks: self._work(
-                    prepared, options, hooks, lambda: self.core.prepare(request_again, tenant)))
+                await self.runner.submit(record, lambda hooks: self._work(prepared, options, hooks))
             except BaseException as exc:
                 self.core.end(prepared, exc)
                 raise
@@ -198,44 +195,61 @@ class TaskAPI:
         parent = _w3c.extract({"traceparent": traceparent}) if traceparent else None
         return SpanOptions(parent=parent, kind=trace.SpanKind.INTERNAL, stream=False, attributes={ta.TASK_ID: task_id})
 
-    async def _work(self, prepared: Prepared, options: SpanOptions, hooks: TaskHooks,
-                    prepare_again: Callable[[], Prepared]) -> bytes:
+    async def _work(self, prepared: Prepared, options: SpanOptions, hooks: TaskHooks) -> bytes:
         """A task's generation: the core's events collected into the task's result;
         queue updates go to the task's record.
 
         A refusal the scheduler gives with a retry delay before any executor was
         assigned (RESOURCE_EXHAUSTED: its tenant is over ``requests_per_s`` or
         ``tokens_per_min``, the admission queue is full, a higher-priority request
-        displaced it) is waited out, the task QUEUED with the refusal as its
-        ``last_error``, and the request is admitted again (``prepare_again``: it
-        anew) after the delay, at least ``MIN_HOLD_S``: the caller was promised a
-        result, not a 429. A refusal with no retry delay (the request alone
-        exceeds its tenant's KV quota) fails the task.
+        displaced it) is waited out in its tenant's line (``gateway.task_wait``),
+        the task QUEUED with the refusal as its ``last_error``, holding its request
+        id (``GatewayCore.again``), and the request is admitted again: the caller
+        was promised a result, not a 429. A refusal with no retry delay (the request
+        alone exceeds its tenant's KV quota), or a wait past ``max_wait_s``, fails
+        the task with RESOURCE_EXHAUSTED.
         """
-        while True:
-            collector, assigned = ChoiceCollector(), False
-
-            async def on_assigned() -> None:
-                nonlocal assigned
-                assigned = True
-                await hooks()
+        place = self.lines.place(prepared.tenant)
+        try:
             try:
-                async with aclosing(self.core.run(prepared, options, on_assigned=on_assigned)) as events:
-                    async for event in events:
-                        if isinstance(event, Queued):
-                            await hooks.queued(event.position, event.estimated_wait_s)
-                        collector.feed(event)
-                if not assigned:  # the result cache answered: it started (and ended) now
+                if place.busy:
+                    await hooks.held("waiting behind its tenant's tasks refused for now", 0.0)
+                await place.join_if_busy()
+            except BaseException as exc:
+                self.core.end(prepared, exc)
+                raise
+            while True:
+                collector, assigned = ChoiceCollector(), False
+
+                async def on_assigned() -> None:
+                    nonlocal assigned
+                    assigned = True
+                    place.admitted()
                     await hooks()
-                return task_result(collector.choices())
-            except ResourceExhausted as exc:
-                if assigned or exc.retry_after_s is None:
-                    raise
-                wait_s = max(MIN_HOLD_S, exc.retry_after_s)
-                log.info("task %s refused for now (%s); admitted again in %.2f s", hooks.task_id, exc, wait_s)
-                await hooks.held(f"RESOURCE_EXHAUSTED: {exc}", wait_s)
-                await asyncio.sleep(wait_s)
-                prepared = prepare_again()
+                try:
+                    async with aclosing(self.core.run(prepared, options, on_assigned=on_assigned)) as events:
+                        async for event in events:
+                            place.admitted()  # queued at the scheduler, or answered from the cache
+                            if isinstance(event, Queued):
+                                await hooks.queued(event.position, event.estimated_wait_s)
+                            collector.feed(event)
+                    if not assigned:  # the result cache answered: it started (and ended) now
+                        await hooks()
+                    return task_result(collector.choices())
+                except ResourceExhausted as exc:
+                    if assigned or exc.retry_after_s is None:
+                        raise
+                    prepared = self.core.again(prepared)  # the id stays claimed: no await since it ended
+                    try:
+                        log.info("task %s refused for now (%s); it waits %.2f s", hooks.task_id, exc,
+                                 place.delay_s(exc))
+                        await hooks.held(f"RESOURCE_EXHAUSTED: {exc}", place.delay_s(exc))
+                        await place.wait(exc)
+                    except BaseException as error:
+                        self.core.end(prepared, error)
+                        raise
+        finally:
+            place.leave()
 
     def _resume(self, record: TaskRecord) -> Work:
         """The work of a stored task again (a retry or a takeover): its request prepared
@@ -252,8 +266,7 @@ class TaskAPI:
 
         async def work(hooks: TaskHooks) -> bytes:
             request = dataclasses.replace(request_from_proto(message), request_id=request_id)
-            return await self._work(self.core.prepare(request, tenant), options, hooks,
-                                    lambda: self.core.prepare(request, tenant))
+            return await self._work(await self.core.prepare_async(request, tenant), options, hooks)
         return work
 
     async def get(self, query: gateway_pb2.TaskQuery, context: grpc.aio.ServicerContext) -> gateway_pb2.TaskStatus:

@@ -76,6 +76,7 @@ from dataclasses import dataclass, replace
 from typing import Awaitable, Callable
 
 from gateway.task_store import FINISHED, UNFINISHED, TaskRecord, TaskState, TaskStore
+from gateway.task_wait import DEFAULT_MAX_WAIT_S
 from meshserve.errors import MeshError, NotFound, Unavailable
 from meshserve.timeouts import wait_for
 
@@ -84,6 +85,11 @@ log = logging.getLogger(__name__)
 # upstream failures a task runs again after: its executor or scheduler went away (a
 # CANCELLED from upstream is an executor shutting down; our own cancel is CancelledError)
 RETRIED_CODES = ("UNAVAILABLE", "CANCELLED")
+
+
+# a task that waits (in the scheduler's queue, or out a refusal) is QUEUED; a taken-over
+# task's record keeps the state its dead holder left (RUNNING), and goes back to QUEUED here
+_WAITING = (TaskState.QUEUED, TaskState.RUNNING)
 
 
 class TaskHooks:
@@ -108,7 +114,7 @@ class TaskHooks:
         if self._last == (position, estimated_wait_s):
             return
         self._last = (position, estimated_wait_s)
-        await self._runner.store.transition(self.task_id, (TaskState.QUEUED,), None, fence=self.attempt,
+        await self._runner.store.transition(self.task_id, _WAITING, TaskState.QUEUED, fence=self.attempt,
                                             queue_position=position, estimated_wait_s=estimated_wait_s)
 
     async def held(self, reason: str, wait_s: float) -> None:
@@ -116,7 +122,7 @@ class TaskHooks:
         queue: ``queue_position`` -1) and that it is admitted again in ``wait_s``
         seconds; ``reason`` becomes its ``last_error``."""
         self._last = None
-        await self._runner.store.transition(self.task_id, (TaskState.QUEUED,), None, fence=self.attempt,
+        await self._runner.store.transition(self.task_id, _WAITING, TaskState.QUEUED, fence=self.attempt,
                                             queue_position=-1, estimated_wait_s=wait_s, last_error=reason)
 
 
@@ -159,20 +165,24 @@ class TaskRunner:
         delivers_callbacks: whether this gateway delivers callbacks (claims them).
         submit_timeout_s: the bound of a submit's store write (seconds); past it the
             submit is UNAVAILABLE (and its record, should it land, is ended).
+        max_wait_s: the longest a task waits out the scheduler's refusals before it
+            fails (seconds; ``gateway.task_wait``).
     """
 
     def __init__(self, store: TaskStore, clock: Callable[[], float] = time.time, heartbeat_s: float = 1.0, *,
                  owner: str | None = None, lease_s: float = 10.0, claim_poll_s: float = 1.0, max_attempts: int = 3,
                  retry_backoff_s: float = 0.5, resume: Resume | None = None, on_final: OnFinal | None = None,
-                 delivers_callbacks: bool = True, submit_timeout_s: float = 3.0):
-        if not lease_s > heartbeat_s > 0 or max_attempts < 1:
-            raise ValueError(f"need lease_s > heartbeat_s > 0 and max_attempts >= 1, got {lease_s}, {heartbeat_s}, "
-                             f"{max_attempts}")
+                 delivers_callbacks: bool = True, submit_timeout_s: float = 3.0,
+                 max_wait_s: float = DEFAULT_MAX_WAIT_S):
+        if not lease_s > heartbeat_s > 0 or max_attempts < 1 or not max_wait_s > 0:
+            raise ValueError(f"need lease_s > heartbeat_s > 0, max_attempts >= 1 and max_wait_s > 0, got {lease_s}, "
+                             f"{heartbeat_s}, {max_attempts}, {max_wait_s}")
         self.store = store
         self.clock = clock
         self.heartbeat_s, self.lease_s, self.claim_poll_s = heartbeat_s, lease_s, claim_poll_s
         self.owner = owner or f"gateway-{uuid.uuid4().hex[:12]}"
         self.max_attempts, self.retry_backoff_s = max_attempts, retry_backoff_s
+        self.max_wait_s = max_wait_s
         self.resume, self.on_final, self.delivers_callbacks = resume, on_final, delivers_callbacks
         self.submit_timeout_s = submit_timeout_s
         self._running: dict[str, _Running] = {}

@@ -14,7 +14,7 @@ NotFound (a task)      404     invalid_request_error       not_found
 AlreadyExists          409     invalid_request_error       conflict
 body too large         413     invalid_request_error       request_too_large
 ResourceExhausted      429     rate_limit_error            rate_limit_exceeded (+ Retry-After)
- … with no retry delay 429     insufficient_quota          insufficient_quota (never fits its quota)
+ … with no retry delay 429     insufficient_quota          insufficient_quota (+ x-should-retry: false)
 Unavailable            503     service_unavailable_error   service_unavailable (+ Retry-After: 1)
 DEADLINE_EXCEEDED      504     timeout_error               timeout
 anything else          500     internal_error              null (our bug, logged)
@@ -51,15 +51,18 @@ class HttpError:
     code: str | None = None
     param: str | None = None
     retry_after_s: int | None = None
+    final: bool = False  # retrying the same request never helps: ``x-should-retry: false`` (OpenAI's clients)
 
     def body(self) -> dict:
         """OpenAI's error body."""
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
 
     def response(self) -> JSONResponse:
-        """The JSON response (with ``Retry-After`` when set)."""
-        headers = {"Retry-After": str(self.retry_after_s)} if self.retry_after_s is not None else None
-        return JSONResponse(self.body(), status_code=self.status, headers=headers)
+        """The JSON response (with ``Retry-After`` when set, ``x-should-retry: false`` when final)."""
+        headers = {"Retry-After": str(self.retry_after_s)} if self.retry_after_s is not None else {}
+        if self.final:
+            headers["x-should-retry"] = "false"
+        return JSONResponse(self.body(), status_code=self.status, headers=headers or None)
 
 
 _BY_CLASS: list[tuple[type[MeshError], int, str, str | None]] = [
@@ -100,7 +103,7 @@ def http_error(exc: BaseException) -> HttpError:
     message = str(exc)
     if isinstance(exc, ResourceExhausted):
         if exc.retry_after_s is None:  # it never fits its tenant's quota: retrying does not help
-            return HttpError(429, message, "insufficient_quota", "insufficient_quota")
+            return HttpError(429, message, "insufficient_quota", "insufficient_quota", final=True)
         return HttpError(429, message, "rate_limit_error", "rate_limit_exceeded",
                          retry_after_s=max(1, math.ceil(exc.retry_after_s)))
     if isinstance(exc, Unavailable):

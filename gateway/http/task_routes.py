@@ -91,8 +91,9 @@ class TaskRoutes:
         return message
 
     async def submit(self, request: Request, body: dict[str, Any] = Body(...)) -> JSONResponse:
-        """``POST /v1/tasks`` (the key is checked before the body: a caller without a
-        valid key gets 401, whatever it sent)."""
+        """``POST /v1/tasks`` (the key is checked before the body's fields: a caller
+        without a valid key gets 401 for any JSON object; a body that is no JSON
+        object at all is refused by FastAPI first, 400)."""
         context = HttpCallContext(request)
         self.tasks.tenants.authenticate(context.invocation_metadata())
         handle = await self.tasks.submit(self._generate_request(body), context)

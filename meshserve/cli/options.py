@@ -33,8 +33,8 @@ ResultCacheSizeOpt = typer.Option(0, "--result-cache-size", min=0, help="Entries
                                   "deterministic requests (greedy or seeded), LRU; 0: off.")
 HttpPortOpt = typer.Option(None, "--http-port", min=0, max=65535,
                            help="Serve the OpenAI-compatible HTTP API (/v1/chat/completions, /v1/completions, "
-                                "/v1/models, /v1/tasks, /health, /ready, /metrics, /version) on this port "
-                                "(0: a free one; default: off).")
+                                "/v1/models, /v1/tasks, /health, /ready, /version; /metrics only without "
+                                "--tenants) on this port (0: a free one; default: off).")
 ServedModelNameOpt = typer.Option(None, "--served-model-name",
                                   help="Name(s) callers pass as `model` (repeat for several; the first is the one "
                                        "responses carry; default: the model's id).")

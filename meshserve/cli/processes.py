@@ -305,7 +305,7 @@ async def run_gateway(model: str | ModelSource, port: int, host: str, scheduler:
                       max_messages: int = 1024, prefix_cache_scope: str = "tenant", result_cache: str = "memory",
                       callback_allow: list[str] | None = None, callback_secret_file: str | None = None,
                       task_lease_s: float = 10.0, task_max_attempts: int = 3, http_port: int | None = None,
-                      health_port: int | None = None) -> None:
+                      health_port: int | None = None, task_max_wait_s: float = 600.0) -> None:
     """Loads the tokenizer, serves the public Gateway until a signal.
 
     ``max_prompt_bytes`` / ``max_messages``: prompt caps checked before tokenizing
@@ -319,7 +319,8 @@ async def run_gateway(model: str | ModelSource, port: int, host: str, scheduler:
     Redis URL (shared by gateways; ``result_cache_ttl_s``). ``callback_allow``:
     the task callback allow-list, signed with the key in ``callback_secret_file``.
     ``task_lease_s`` / ``task_max_attempts``: a task claim's lease and the most
-    attempts of one task (``gateway.task_runner``).
+    attempts of one task (``gateway.task_runner``); ``task_max_wait_s``: the longest
+    a task waits out refusals (``gateway.task_wait``).
     Prometheus metrics on ``metrics_port`` (None: none); the OpenAI-compatible HTTP API
     on ``http_port`` (None: none), in the same event loop; plaintext grpc.health.v1 alone on
     ``health_port`` (None: none).
@@ -341,7 +342,8 @@ async def run_gateway(model: str | ModelSource, port: int, host: str, scheduler:
             secret = Path(callback_secret_file).read_bytes().strip()
             callbacks = CallbackSender(CallbackPolicy(callback_allow), secret)
         runner = TaskRunner(store, heartbeat_s=task_lease_s / 4, lease_s=task_lease_s,
-                            claim_poll_s=min(1.0, task_lease_s / 4), max_attempts=task_max_attempts)
+                            claim_poll_s=min(1.0, task_lease_s / 4), max_attempts=task_max_attempts,
+                            max_wait_s=task_max_wait_s)
         holder["svc"] = await start_gateway(tokenizer, info, scheduler, port, host, tenants, hash_block_size,
                                             result_cache=cache, tasks=runner, metrics_port=metrics_port,
                                             callbacks=callbacks, tls=tls,

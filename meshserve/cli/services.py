@@ -270,6 +270,8 @@ def gateway(
                                        "a heartbeat; then another gateway sharing the store takes the task over."),
     task_max_attempts: int = typer.Option(3, "--task-max-attempts", min=1, help="Most attempts of one task "
                                           "(retries after its executor or gateway went away)."),
+    task_max_wait_s: float = typer.Option(600.0, "--task-max-wait-s", min=0.001, help="Longest a task waits out "
+                                          "the scheduler's refusals (rate limits, a full queue) before it fails."),
     traces: Optional[str] = TracesOpt, otlp_endpoint: Optional[str] = OtlpOpt,
     trace_sample_ratio: Optional[float] = SampleOpt,
     metrics_port: Optional[int] = MetricsPortOpt,
@@ -303,7 +305,7 @@ def gateway(
                                 result_cache_ttl_s, task_store, task_ttl_s, max_tasks, metrics_port, tls,
                                 max_prompt_bytes, max_messages, prefix_cache_scope, result_cache,
                                 callback_allow, callback_secret_file, task_lease_s, task_max_attempts, http_port,
-                                health_port))
+                                health_port, task_max_wait_s))
 
 
 def _check_scope(scope: str) -> None:

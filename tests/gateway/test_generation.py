@@ -13,7 +13,7 @@ from contextlib import aclosing
 import pytest
 import pytest_asyncio
 
-from gateway.events import Delta, FinishReason, Queued
+from gateway.events import ChoiceResult, Delta, FinishReason, Queued
 from gateway.generation import GatewayCore
 from gateway.mesh import Assignment, ExecutorOutput
 from gateway.mesh_client import GrpcMeshClient
@@ -228,3 +228,36 @@ async def test_a_caller_gone_mid_stream_releases_the_tokens_generated_so_far(tok
     lease_id, generated, finished = mesh.releases[0]
     assert (lease_id, finished) == ("lease-1", False)
     assert generated == 3  # the gateway had read three tokens when the stream closed
+
+
+class TwoChoices(StalledAfterAssignment):
+    """A ``MeshClient`` that assigns at once, then streams two choices one token a
+    message, interleaved, each ending with finish reason ``length``."""
+
+    def __init__(self, first: list[int], second: list[int]) -> None:
+        super().__init__()
+        self.choices = (first, second)
+
+    async def admit(self, admission, span):
+        yield Assignment("e1", "127.0.0.1:1", "lease-1", 0.0)
+
+    async def execute(self, assignment, request_id, prompt_token_ids, params, priority, span):
+        for i in range(max(map(len, self.choices))):
+            for index, ids in enumerate(self.choices):
+                if i < len(ids):
+                    yield ExecutorOutput(index, (ids[i],), FinishReason.LENGTH if i == len(ids) - 1 else None)
+
+
+async def test_tokens_after_a_choices_stop_string_are_charged_too(tokenizer):
+    """Found by a review: with n = 2, the tokens the executor kept generating for a choice
+    a stop string had ended (it runs until every choice ends) were not charged."""
+    first = tokenizer.encode("Yes. and then some more words follow here", add_special_tokens=False)
+    second = tokenizer.encode(" one two three four five six seven eight nine ten eleven", add_special_tokens=False)
+    assert len(second) > len(first)  # every token of the first is read before the second ends
+    mesh = TwoChoices(first, second)
+    core = GatewayCore(tokenizer, MODEL, mesh)
+    request = GenerationRequest(prompt_token_ids=(5, 6, 7), request_id="r7",
+                                sampling=SamplingParams(n=2, max_tokens=16, stop=(".",)))
+    results = [e async for e in core.generate(request, TENANT) if isinstance(e, ChoiceResult)]
+    assert sorted(r.usage.completion_tokens for r in results)[0] < len(first)  # choice 0 was cut at "."
+    assert mesh.releases == [("lease-1", len(first) + len(second), True)]

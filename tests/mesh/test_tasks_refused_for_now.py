@@ -1,24 +1,34 @@
 """Tasks the scheduler refuses for now are waited out, not failed: a tenant over
 its ``requests_per_s`` gets its task QUEUED with the refusal as ``last_error``
 and the delay as ``estimated_wait_s``, then admitted again and SUCCEEDED with
-the same tokens; ``CancelTask`` ends such a wait. A request that alone exceeds
-its tenant's KV quota never fits: its task FAILS with RESOURCE_EXHAUSTED at once."""
+the same tokens; the waiting task keeps its request id; ``CancelTask`` ends such
+a wait. A tenant's waiting tasks are admitted in the order they came, at about one
+refusal each; a wait past ``--task-max-wait-s`` fails the task. A request that
+alone exceeds its tenant's KV quota never fits: its task FAILS with
+RESOURCE_EXHAUSTED at once."""
 
 from __future__ import annotations
 
 import asyncio
 
+import grpc
+import pytest
 import pytest_asyncio
 
+from gateway.request import ModelInfo
+from gateway.server import start_gateway
+from gateway.task_runner import TaskRunner
+from gateway.task_store import MemoryTaskStore
 from gateway.tenants import TenantRegistry
-from meshserve.client import build_request, cancel_task, get_task, submit_task, wait_task
-from meshserve.v1 import gateway_pb2
+from meshserve.client import build_request, cancel_task, channel, get_task, submit_task, wait_task
+from meshserve.v1 import gateway_pb2, gateway_pb2_grpc
 from scheduler.admission import SchedulerConfig
 from scheduler.tenant_limits import TenantLimits
 from tests.support.engines import make_engine
 from tests.support.mesh_harness import SHARED_MESH_EXECUTOR_TIMEOUT_S, start_local_mesh, wait_for_condition
 
 PACED = (("x-api-key", "key-paced"),)  # one request every 2 s
+FAST = (("x-api-key", "key-fast"),)  # 4 requests/s: a burst of 4, then one every 0.25 s
 SMALL = (("x-api-key", "key-small"),)  # a KV quota of 1 block
 REQUEST = build_request([(7 * i) % 500 + 40 for i in range(12)], max_tokens=4, temperature=0.0,
                         ignore_eos=True)
@@ -28,11 +38,14 @@ REQUEST = build_request([(7 * i) % 500 + 40 for i in range(12)], max_tokens=4, t
 async def limited_mesh(tokenizer, tmp_path_factory):
     tenants_file = tmp_path_factory.mktemp("tenants") / "tenants.toml"
     tenants_file.write_text('[[tenants]]\nname = "paced"\napi_keys = ["key-paced"]\nrequests_per_s = 0.5\n'
+                            '[[tenants]]\nname = "fast"\napi_keys = ["key-fast"]\nrequests_per_s = 4.0\n'
                             '[[tenants]]\nname = "small"\napi_keys = ["key-small"]\nkv_quota_blocks = 1\n')
-    config = SchedulerConfig(tenant_limits={"paced": TenantLimits(requests_per_s=0.5), "small": TenantLimits()},
+    config = SchedulerConfig(tenant_limits={"paced": TenantLimits(requests_per_s=0.5),
+                                            "fast": TenantLimits(requests_per_s=4.0), "small": TenantLimits()},
                              tenant_quotas={"small": 1}, executor_timeout_s=SHARED_MESH_EXECUTOR_TIMEOUT_S)
-    mesh = await start_local_mesh([make_engine()], tokenizer, tenants=TenantRegistry.from_file(tenants_file),
-                                  scheduler_config=config)
+    tenants = TenantRegistry.from_file(tenants_file)
+    mesh = await start_local_mesh([make_engine()], tokenizer, tenants=tenants, scheduler_config=config)
+    mesh.tenants = tenants
     yield mesh
     await mesh.stop()
 
@@ -50,8 +63,14 @@ async def held(stub, task_id: str) -> gateway_pb2.TaskStatus:
 async def test_a_rate_limited_task_waits_its_turn_and_succeeds_and_one_cancelled_while_waiting_ends(limited_mesh):
     stub = limited_mesh.stub
     first = await submit_task(stub, REQUEST, metadata=PACED)
-    second = await submit_task(stub, REQUEST, metadata=PACED)  # over 0.5 requests/s: refused for now
+    request = gateway_pb2.GenerateRequest()
+    request.CopyFrom(REQUEST)
+    request.request_id = "job-2"
+    second = await submit_task(stub, request, metadata=PACED)  # over 0.5 requests/s: refused for now
     status = await held(stub, second.task_id)
+    with pytest.raises(grpc.aio.AioRpcError) as info:  # the waiting task still holds its request id
+        await submit_task(stub, request, metadata=PACED)
+    assert info.value.code() == grpc.StatusCode.ALREADY_EXISTS
     assert status.state == gateway_pb2.TASK_STATE_QUEUED and not status.HasField("queue_position")
     assert status.last_error.startswith("RESOURCE_EXHAUSTED: scheduler: tenant 'paced' is over its rate limit")
     assert 0.0 < status.estimated_wait_s <= 2.0
@@ -79,3 +98,38 @@ async def test_a_task_that_never_fits_its_tenant_quota_fails_at_once(limited_mes
     assert status.state == gateway_pb2.TASK_STATE_FAILED and status.error.code == "RESOURCE_EXHAUSTED"
     assert "tenant 'small' has a quota of 1 blocks" in status.error.message
     assert status.attempt == 1 and status.last_error == ""
+
+
+async def test_a_tenants_waiting_tasks_are_admitted_in_order_at_about_one_refusal_each(limited_mesh):
+    stub = limited_mesh.stub
+    metrics = limited_mesh.gateway.servicer.core.metrics.registry
+    refused_before = metrics.get_sample_value("meshserve_requests_total", {
+        "tenant": "fast", "priority": "0", "outcome": "resource_exhausted"}) or 0.0
+    handles = [await submit_task(stub, REQUEST, metadata=FAST) for _ in range(8)]  # a burst of 4 fits
+    done = [await wait_task(stub, h.task_id, metadata=FAST, poll_s=0.05, timeout_s=300) for h in handles]
+    assert [d.state for d in done] == [gateway_pb2.TASK_STATE_SUCCEEDED] * 8
+    waited = [d.started_at_unix_s for d in done[4:]]
+    assert waited == sorted(waited)  # first refused, first admitted
+    refused = metrics.get_sample_value("meshserve_requests_total", {
+        "tenant": "fast", "priority": "0", "outcome": "resource_exhausted"}) - refused_before
+    assert 4 <= refused <= 8  # each waiting task: its first refusal, at most one more at the head of the line
+
+
+async def test_a_task_that_would_wait_past_the_bound_fails_with_the_refusal(limited_mesh, tokenizer):
+    e0 = limited_mesh.engines[0]
+    info = ModelInfo(e0.model_id, e0.max_model_len, e0.vocab_size, e0.revision)
+    svc = await start_gateway(tokenizer, info, limited_mesh.scheduler.address, 0, tenants=limited_mesh.tenants,
+                              tasks=TaskRunner(MemoryTaskStore(), max_wait_s=1.0), tls=limited_mesh.tls("gateway"))
+    try:
+        async with channel(svc.address, limited_mesh.tls("client")) as ch:
+            stub = gateway_pb2_grpc.GatewayStub(ch)
+            handles = [await submit_task(stub, REQUEST, metadata=PACED) for _ in range(2)]
+            statuses = [await wait_task(stub, h.task_id, metadata=PACED, poll_s=0.05, timeout_s=300)
+                        for h in handles]
+        failed = [s for s in statuses if s.state == gateway_pb2.TASK_STATE_FAILED]
+        assert len(failed) >= 1 and all(s.error.code == "RESOURCE_EXHAUSTED" for s in failed)
+        assert failed[-1].error.message.endswith("may wait at most 1 s (--task-max-wait-s)")
+        assert "over its rate limit of 0.5 requests/s" in failed[-1].error.message
+    finally:
+        await svc.stop(0.5)
+        await svc.servicer.close()

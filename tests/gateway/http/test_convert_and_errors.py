@@ -126,7 +126,9 @@ def test_domain_errors_map_to_openai_status_and_code(exc, status, code):
 def test_retry_after_is_whole_seconds_rounded_up():
     assert http_error(ResourceExhausted("full", retry_after_s=2.2)).response().headers["retry-after"] == "3"
     assert http_error(ResourceExhausted("full", retry_after_s=0.1)).response().headers["retry-after"] == "1"
-    assert "retry-after" not in http_error(ResourceExhausted("never fits", retry_after_s=None)).response().headers
+    final = http_error(ResourceExhausted("never fits", retry_after_s=None)).response().headers
+    assert "retry-after" not in final and final["x-should-retry"] == "false"  # OpenAI's clients do not retry it
+    assert "x-should-retry" not in http_error(ResourceExhausted("full", retry_after_s=2.2)).response().headers
 
 
 def test_upstream_codes_without_a_class_keep_their_meaning():

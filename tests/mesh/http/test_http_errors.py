@@ -70,7 +70,7 @@ async def test_a_request_that_never_fits_its_tenant_quota_is_429_insufficient_qu
                             json={"model": SERVED, "prompt": "word " * 40, "max_tokens": 4})
     error = _check_shape(r, 429, "insufficient_quota")
     assert error["type"] == "insufficient_quota" and "has a quota of 1 blocks" in error["message"]
-    assert "retry-after" not in r.headers
+    assert "retry-after" not in r.headers and r.headers["x-should-retry"] == "false"
 
 
 async def test_body_over_the_limit_is_413(http_mesh):

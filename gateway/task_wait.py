@@ -1,0 +1,132 @@
+"""Tasks waiting out a refusal: one line per tenant, and a bound on the wait.
+
+A task the scheduler refuses for now (RESOURCE_EXHAUSTED with a retry delay: its
+tenant over ``requests_per_s`` or ``tokens_per_min``, the admission queue full,
+displaced by a higher priority) is not failed: ``gateway.task_api`` waits the
+delay and asks again. Asking again is where many waiting tasks could hurt:
+
+* **One line per tenant.** A tenant's waiting tasks queue in a first-come line
+  (an ``asyncio.Lock``, whose waiters are woken in order). Only the task at its
+  head sleeps out its delay and asks the scheduler again; it leaves the line
+  once admitted (its first event, or an executor assigned), and the next one
+  asks. So N waiting tasks cost about one refused Admit per admission, not N
+  each time a bucket refills (N²/2 in all), and the first refused is the first
+  admitted: a burst cannot starve an old task. A new task of a tenant whose line
+  is not empty joins it before asking at all.
+* **A bound.** A task waits at most ``max_wait_s`` from its first refusal (on the
+  gateway running it); a delay that would take it past the bound, or a line that
+  does not reach it in time, fails it with the last refusal's
+  RESOURCE_EXHAUSTED, so no task waits forever (e.g. a queue that is never
+  short enough for its prompt).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import Callable
+
+from meshserve.errors import ResourceExhausted
+
+MIN_HOLD_S = 0.25  # the shortest wait before a refused task asks again (seconds)
+DEFAULT_MAX_WAIT_S = 600.0  # how long a task may wait out refusals (seconds; --task-max-wait-s)
+
+
+class WaitingLines:
+    """The tenants' lines of waiting tasks (see the module docstring).
+
+    Args:
+        max_wait_s: the longest a task waits out refusals, from its first (seconds).
+        clock: monotonic seconds.
+
+    Raises:
+        ValueError: ``max_wait_s`` <= 0.
+    """
+
+    def __init__(self, max_wait_s: float = DEFAULT_MAX_WAIT_S, clock: Callable[[], float] = time.monotonic):
+        if not max_wait_s > 0:
+            raise ValueError(f"max_wait_s must be > 0, got {max_wait_s}")
+        self.max_wait_s = max_wait_s
+        self.clock = clock
+        self._lines: dict[str, asyncio.Lock] = {}
+
+    def place(self, tenant: str) -> Place:
+        """A task's place in its tenant's line (taken at its first refusal)."""
+        return Place(self, self._lines.setdefault(tenant, asyncio.Lock()))
+
+
+class Place:
+    """One task's standing in its tenant's line. ``wait(refusal)`` after each refusal;
+    ``admitted()`` once a run of it was admitted; ``leave()`` when the task ends."""
+
+    def __init__(self, lines: WaitingLines, line: asyncio.Lock):
+        self._lines, self._line = lines, line
+        self._holding = False
+        self.first_refused_at: float | None = None
+
+    @property
+    def busy(self) -> bool:
+        """Whether tasks of its tenant wait in the line (and it is not at its head)."""
+        return self._line.locked() and not self._holding
+
+    async def join_if_busy(self) -> None:
+        """Before a task's first ask: when tasks of its tenant wait in the line, waits
+        its turn behind them (bounded like a refusal's wait).
+
+        Raises:
+            ResourceExhausted: its turn did not come within the bound.
+        """
+        if not self.busy:
+            return
+        self.first_refused_at = self._lines.clock()
+        try:
+            async with asyncio.timeout(self._lines.max_wait_s):
+                await self._line.acquire()
+        except TimeoutError:
+            raise ResourceExhausted(f"the task waited {self._lines.max_wait_s:g} s behind its tenant's tasks "
+                                    "refused for now and may wait no longer (--task-max-wait-s)", None) from None
+        self._holding = True
+
+    def delay_s(self, refusal: ResourceExhausted) -> float:
+        """The wait the refusal asks for (at least ``MIN_HOLD_S``; seconds)."""
+        return max(MIN_HOLD_S, refusal.retry_after_s or 0.0)
+
+    async def wait(self, refusal: ResourceExhausted) -> None:
+        """Waits until the task may ask again: at the head of its tenant's line, the
+        refusal's delay after it came.
+
+        Raises:
+            ResourceExhausted: the wait would pass the bound (no retry delay: the
+                task is over; the message names the refusal and the bound).
+        """
+        now = self._lines.clock()
+        if self.first_refused_at is None:
+            self.first_refused_at = now
+        deadline = self.first_refused_at + self._lines.max_wait_s
+        ready_at = now + self.delay_s(refusal)
+        if ready_at > deadline:
+            raise self._over(refusal, now)
+        if not self._holding:
+            try:
+                async with asyncio.timeout(deadline - now):
+                    await self._line.acquire()  # behind the tenant's tasks refused before it
+            except TimeoutError:
+                raise self._over(refusal, self._lines.clock()) from None
+            self._holding = True
+        await asyncio.sleep(max(0.0, ready_at - self._lines.clock()))
+
+    def _over(self, refusal: ResourceExhausted, now: float) -> ResourceExhausted:
+        waited = now - (self.first_refused_at or now)
+        return ResourceExhausted(f"{refusal}; the task waited {waited:.1f} s for admission and may wait at most "
+                                 f"{self._lines.max_wait_s:g} s (--task-max-wait-s)", None)
+
+    def admitted(self) -> None:
+        """A run was admitted (queued at the scheduler, assigned, or answered): the
+        next waiting task of the tenant may ask."""
+        self.leave()
+
+    def leave(self) -> None:
+        """Gives up its place at the head of the line, if it holds it (idempotent)."""
+        if self._holding:
+            self._holding = False
+            self._line.release()

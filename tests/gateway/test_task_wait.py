@@ -1,0 +1,83 @@
+"""gateway.task_wait without a mesh: a tenant's waiting tasks ask again one at a time,
+first refused first; a new task joins a busy line behind them; the wait is bounded
+(a delay past the bound fails at once, a line that does not move in time fails when
+the bound passes), and the failure carries no retry delay."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+
+from gateway.task_wait import MIN_HOLD_S, WaitingLines
+from meshserve.errors import ResourceExhausted
+
+
+def refusal(delay_s: float) -> ResourceExhausted:
+    return ResourceExhausted("scheduler: tenant 'a' is over its rate limit", delay_s)
+
+
+async def test_waiting_tasks_ask_again_one_at_a_time_in_the_order_they_were_refused():
+    lines = WaitingLines(max_wait_s=30)
+    order: list[str] = []
+
+    async def task(name: str, refused_after_s: float) -> None:
+        await asyncio.sleep(refused_after_s)
+        place = lines.place("a")
+        await place.wait(refusal(0.0))
+        order.append(name)
+        await asyncio.sleep(0.05)  # its run, until admitted
+        place.admitted()
+        place.leave()
+
+    await asyncio.gather(task("third", 0.02), task("first", 0.0), task("second", 0.01), task("fourth", 0.03))
+    assert order == ["first", "second", "third", "fourth"]
+
+
+async def test_each_tenant_has_its_own_line_and_a_new_task_joins_a_busy_one():
+    lines = WaitingLines(max_wait_s=30)
+    head = lines.place("a")
+    await head.wait(refusal(0.0))  # at the head of a's line: a new task of a waits behind it
+    newcomer, other = lines.place("a"), lines.place("b")
+    assert newcomer.busy and not other.busy
+    await asyncio.wait_for(other.join_if_busy(), 1)  # b's line is empty: no wait
+    joined = asyncio.create_task(newcomer.join_if_busy())
+    await asyncio.sleep(0.1)
+    assert not joined.done()
+    head.admitted()
+    await asyncio.wait_for(joined, 1)
+    newcomer.leave()
+    assert not lines.place("a").busy
+
+
+async def test_a_delay_past_the_bound_fails_at_once_without_a_retry_delay():
+    lines = WaitingLines(max_wait_s=1.0)
+    place = lines.place("a")
+    started = time.monotonic()
+    with pytest.raises(ResourceExhausted) as info:
+        await place.wait(refusal(5.0))
+    assert time.monotonic() - started < 0.5 and info.value.retry_after_s is None
+    assert str(info.value) == ("scheduler: tenant 'a' is over its rate limit; the task waited 0.0 s for "
+                               "admission and may wait at most 1 s (--task-max-wait-s)")
+
+
+async def test_a_line_that_does_not_move_fails_the_task_when_the_bound_passes():
+    lines = WaitingLines(max_wait_s=0.5)
+    head = lines.place("a")
+    await head.wait(refusal(0.0))  # never admitted
+    behind = lines.place("a")
+    started = time.monotonic()
+    with pytest.raises(ResourceExhausted) as info:
+        await behind.wait(refusal(0.0))
+    assert 0.4 < time.monotonic() - started < 2.0 and info.value.retry_after_s is None
+    assert "may wait at most 0.5 s (--task-max-wait-s)" in str(info.value)
+    head.leave()
+    assert not lines.place("a").busy  # the timed-out waiter left nothing behind in the line
+
+
+def test_the_wait_is_at_least_the_minimum_hold():
+    place = WaitingLines().place("a")
+    assert place.delay_s(refusal(0.0)) == MIN_HOLD_S and place.delay_s(refusal(2.5)) == 2.5
+    with pytest.raises(ValueError, match="max_wait_s must be > 0"):
+        WaitingLines(max_wait_s=0)
