@@ -184,3 +184,33 @@ async def test_close_right_after_submit_still_runs_the_works_cleanup():
     assert (rec.state, rec.error_code) == (TaskState.FAILED, "UNAVAILABLE")
     assert cleaned == [True]
     assert runner.num_running == 0
+
+
+@pytest.mark.parametrize("report", ["queued", "held"])
+async def test_a_running_record_goes_back_to_queued_when_its_work_waits_again(report):
+    """A task taken over from a dead gateway keeps the state it left (RUNNING): once its
+    new work waits (in the scheduler's queue, or out a refusal) it shows QUEUED, with
+    the wait; then RUNNING again once assigned."""
+    store = MemoryTaskStore()
+    runner = TaskRunner(store, clock=Clock())
+    waiting, go = asyncio.Event(), asyncio.Event()
+
+    async def work(hooks):
+        await hooks()  # the dead gateway's attempt got this far
+        if report == "queued":
+            await hooks.queued(3, 1.5)
+        else:
+            await hooks.held("RESOURCE_EXHAUSTED: over its rate limit", 2.0)
+        waiting.set()
+        await go.wait()
+        await hooks()
+        return b"done"
+
+    await runner.submit(new("t-wait"), work)
+    await asyncio.wait_for(waiting.wait(), 30)
+    rec = await store.get("t-wait")
+    expected = (3, 1.5, "") if report == "queued" else (-1, 2.0, "RESOURCE_EXHAUSTED: over its rate limit")
+    assert rec.state == TaskState.QUEUED and (rec.queue_position, rec.estimated_wait_s, rec.last_error) == expected
+    go.set()
+    await settle(runner)
+    assert (await store.get("t-wait")).state == TaskState.SUCCEEDED
