@@ -90,6 +90,35 @@ AUTOSCALE_ONLY = {"planner_interval_s": "--planner-interval-s", "planner_season_
 """``up``'s parameters that only ``--autoscale`` reads → their flags."""
 
 
+def _given(ctx: typer.Context, name: str) -> bool:
+    """Whether ``up``'s parameter ``name`` was given on its command line (not its default)."""
+    source = ctx.get_parameter_source(name)
+    return source is not None and source.name in ("COMMANDLINE", "ENVIRONMENT")
+
+
+def _given_again(ctx: typer.Context, model: str, dtype: str | None, kv_cache_memory: str, result_cache_size: int,
+                 task_store: str, kvstore_memory: str) -> dict[str, list[str]]:
+    """Service → the flags ``up`` passes ahead of a ``--config`` file's (its defaults, which
+    the file overrides) that were given on its command line: passed again after the
+    file's, so that they win over it like every other flag of ``up`` (only with a file:
+    without one nothing comes between)."""
+    again: dict[str, list[str]] = {"executor": [], "gateway": [], "kvstore": []}
+    if _given(ctx, "model"):
+        again["executor"] += ["--model", model]
+        again["gateway"] += ["--model", model]
+    if _given(ctx, "dtype") and dtype:
+        again["executor"] += ["--dtype", dtype]
+    if _given(ctx, "kv_cache_memory"):
+        again["executor"] += ["--kv-cache-memory", kv_cache_memory]
+    if _given(ctx, "result_cache_size"):
+        again["gateway"] += ["--result-cache-size", str(result_cache_size)]
+    if _given(ctx, "task_store"):
+        again["gateway"] += ["--task-store", task_store]
+    if _given(ctx, "kvstore_memory"):
+        again["kvstore"] += ["--memory", kvstore_memory]
+    return again
+
+
 def _check_autoscale_only(ctx: typer.Context, autoscale: str | None) -> None:
     """Raises ``typer.BadParameter`` for an autoscaling flag given without ``--autoscale``
     (it would be ignored silently)."""
@@ -139,7 +168,8 @@ def up(
     tenants: Optional[str] = typer.Option(None, help="Tenants TOML file (keys for the gateway, KV quotas for the "
                                           "scheduler)."),
     config: Optional[str] = typer.Option(None, "--config", help="Mesh config TOML: per-service flags in "
-                                         "\\[scheduler], \\[executor], \\[gateway], \\[kvstore] sections (up's own flags win)."),
+                                         "[scheduler], [executor], [gateway], [kvstore] sections (a flag given to "
+                                         "up wins over the file; the file over up's defaults)."),
     log_dir: Optional[str] = typer.Option(None, help="Write each service's log here instead of the terminal."),
     kvstore: bool = typer.Option(False, "--kvstore", help="Start one kvstore and connect every executor to it."),
     kvstore_memory: str = typer.Option("1GiB", "--kvstore-memory", help="Memory tier budget of that kvstore."),
@@ -229,6 +259,10 @@ def up(
     executor_flags += parallel_args(tensor_parallel_size, pipeline_parallel_size)
     gateway_flags = service_flags(revision=revision, tokenizer=tokenizer, chat_template=chat_template,
                                   served_model_name=served_model_name)
+    again = _given_again(ctx, model, dtype, kv_cache_memory, result_cache_size, task_store, kvstore_memory) \
+        if config else {"executor": [], "gateway": [], "kvstore": []}
+    executor_flags += again["executor"]
+    gateway_flags += again["gateway"]
     config = mesh_config(port, executors, model, dtype, kv_cache_memory, [*file_args["executor"], *executor_flags],
                          tenants, log_dir, kvstore_memory if kvstore else None, metrics,
                          result_cache_size=result_cache_size, task_store=task_store,
@@ -236,7 +270,7 @@ def up(
                          scheduler_args=[*file_args["scheduler"], *service_flags(queue_policy=queue_policy,
                                                                                  pools=pools)],
                          gateway_args=[*file_args["gateway"], *gateway_flags],
-                         kvstore_args=file_args["kvstore"], cpu_affinity=cpu_affinity)
+                         kvstore_args=[*file_args["kvstore"], *again["kvstore"]], cpu_affinity=cpu_affinity)
     if scale is not None:
         config.scheduler_args += planner_args
         config.autoscale = scale

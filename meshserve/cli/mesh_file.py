@@ -22,8 +22,10 @@ flag (``false`` leaves it out); a list repeats the flag once per item::
     [kvstore]
     memory = "2GiB"
 
-The file's flags come before ``up``'s own command-line flags of the same service,
-so a flag given to ``up`` wins (each service keeps the last of a repeated flag).
+The file's flags come after ``up``'s defaults and before the flags given to ``up``
+on its command line, for each service: a flag given to ``up`` wins over the file,
+and the file over ``up``'s defaults (each service keeps the last of a repeated
+flag).
 """
 
 from __future__ import annotations

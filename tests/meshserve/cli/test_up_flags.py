@@ -68,6 +68,30 @@ def test_mesh_config_file_names_each_service_and_up_flags_win(started, tmp_path)
     assert c.gateway_args == ["--http-port", "0", "--served-model-name", "a", "--served-model-name", "b"]
 
 
+def test_flags_given_to_up_win_over_the_file_and_the_file_over_ups_defaults(started, tmp_path):
+    """Found by a docs review: the file overrode ``--kv-cache-memory``, ``--dtype``,
+    ``--result-cache-size``… given to ``up``, which ``up`` passes ahead of the file."""
+    config = tmp_path / "mesh.toml"
+    config.write_text('[executor]\nkv-cache-memory = "256MiB"\ndtype = "bfloat16"\n'
+                      '[gateway]\nresult-cache-size = 100\ntask-store = "memory"\n[kvstore]\nmemory = "64MiB"\n')
+    last = lambda args, flag: [args[i + 1] for i, a in enumerate(args) if a == flag][-1]  # noqa: E731
+    assert _up("--config", str(config), "--kvstore").exit_code == 0  # nothing given: the file's values
+    c = started[-1].config
+    assert (last(c.executor_args, "--kv-cache-memory"), last(c.executor_args, "--dtype")) == ("256MiB", "bfloat16")
+    c.kvstore_memory, started[-1].scheduler_address = "1GiB", "127.0.0.1:1"
+    assert last(started[-1]._gateway_args(), "--result-cache-size") == "100"
+    assert last(c.kvstore_args, "--memory") == "64MiB"
+    result = _up("--config", str(config), "--kvstore", "--kv-cache-memory", "512MiB", "--dtype", "float32",
+                 "--result-cache-size", "5", "--kvstore-memory", "128MiB")
+    assert result.exit_code == 0, result.output
+    mesh = started[-1]
+    mesh.scheduler_address = "127.0.0.1:1"
+    c = mesh.config
+    assert (last(c.executor_args, "--kv-cache-memory"), last(c.executor_args, "--dtype")) == ("512MiB", "float32")
+    assert last(mesh._gateway_args(), "--result-cache-size") == "5"
+    assert last(c.kvstore_args, "--memory") == "128MiB"
+
+
 def test_bad_mesh_config_file_is_a_usage_error(started, tmp_path):
     config = tmp_path / "mesh.toml"
     config.write_text("[router]\nx = 1\n")
