@@ -124,6 +124,8 @@ def format_table(report: dict) -> str:
     rows += _engine_rows(report)
     if report.get("cpus"):  # a launched mesh pinned to cores (--cpu-affinity)
         rows.append(("cores", ", ".join(f"{name} {cpus}" for name, cpus in report["cpus"].items())))
+    elif report.get("cpu_note"):  # a launched mesh that could not be pinned, and why
+        rows.append(("cores", report["cpu_note"]))
     width = max(len(name) for name, _ in rows)
     return "\n".join(f"{name:<{width}}  {value}" for name, value in rows)
 

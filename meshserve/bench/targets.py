@@ -171,7 +171,8 @@ class MeshTarget(Target):
             return {"dtype": self.config.dtype, "addr": self.config.addr,
                     "executor_addrs": list(self.config.executor_addrs)}
         return {**super().describe(), **self._engine_settings(), "executors": self.config.executors,
-                "log_dir": str(self.log_dir), "cpus": dict(self.mesh.cpus) if self.mesh is not None else {}}
+                "log_dir": str(self.log_dir), "cpus": dict(self.mesh.cpus) if self.mesh is not None else {},
+                "cpu_note": self.mesh.cpu_note if self.mesh is not None else ""}
 
 
 TARGET_CLASSES: dict[str, type[Target]] = {"engine": EngineTarget, "mesh": MeshTarget, "hf-generate": HFGenerateTarget,

@@ -36,8 +36,9 @@ HttpPortOpt = typer.Option(None, "--http-port", min=0, max=65535,
                                 "/v1/models, /v1/tasks, /health, /ready, /version; /metrics only without "
                                 "--tenants) on this port (0: a free one; default: off).")
 ServedModelNameOpt = typer.Option(None, "--served-model-name",
-                                  help="Name(s) callers pass as `model` (repeat for several; the first is the one "
-                                       "responses carry; default: the model's id).")
+                                  help="Name(s) callers pass as `model` (repeat for several; a response carries "
+                                       "the name its request sent, the first when it sent none; default: the "
+                                       "model's id).")
 RevisionOpt = typer.Option(None, "--revision", help="Revision (branch, tag or commit) of a Hugging Face model id, "
                            "read from the local Hugging Face cache (default: main).")
 TokenizerOpt = typer.Option(None, "--tokenizer", help="Tokenizer folder or Hugging Face id (default: the model's).")

@@ -22,7 +22,8 @@ from meshserve.cli.options import setup_logging
 
 
 def bench(
-    target: str = typer.Option("engine", "--target", help="engine, mesh, hf-generate, hf-continuous or hf-static."),
+    target: str = typer.Option("engine", "--target", help="engine, mesh, hf-generate, hf-continuous, hf-static or "
+                               "vllm (needs --vllm-python)."),
     concurrency: int = typer.Option(8, "--concurrency", help="Requests in flight (closed loop); hf-generate runs 1; "
                                     "hf-static: the batch size."),
     request_rate: Optional[float] = typer.Option(None, "--request-rate", help="Open loop: Poisson arrivals at this "
@@ -130,8 +131,9 @@ SIM_WORKLOADS = ("heavy-tail", "prefix-routing", "quota-isolation", "diurnal")
 def sim(
     policy: str = typer.Option("sjf", "--policy", help="Queue policy: sjf, fcfs or priority (heavy-tail)."),
     workload: str = typer.Option("heavy-tail", "--workload", help="heavy-tail (queue policies), prefix-routing "
-                                 "(shared system prompts over prefix caches) or quota-isolation (a tenant at 10x "
-                                 "its KV quota beside another)."),
+                                 "(shared system prompts over prefix caches), quota-isolation (a tenant at 10x "
+                                 "its KV quota beside another) or diurnal (the autoscaling planner over a day's "
+                                 "load)."),
     seed: int = typer.Option(0, "--seed", help="Workload seed."),
     num_requests: Optional[int] = typer.Option(None, "--num-requests", min=10, help="Requests simulated (tenant B's "
                                                "for quota-isolation; default 2000, 2000, 400)."),
