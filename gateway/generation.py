@@ -34,7 +34,6 @@ the scheduler and executor in the mesh client's calls.
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import time
 import uuid
 from contextlib import aclosing
@@ -70,6 +69,13 @@ _tracer = tracer(__name__)
 _ADMIT_REFUSALS = (InvalidArgument, AlreadyExists, ResourceExhausted, PermissionDenied, Unauthenticated, NotFound)
 
 OnAssigned = Callable[[], Awaitable[None]]
+
+
+def refused_for_now(error: BaseException | None, prepared: Prepared) -> bool:
+    """Whether a run ended with the scheduler's refusal that carries a retry delay
+    (RESOURCE_EXHAUSTED: a rate limit, a full queue, displaced) before any executor
+    was assigned: asking again later may succeed."""
+    return isinstance(error, ResourceExhausted) and error.retry_after_s is not None and not prepared.timer.assigned
 
 
 def _reasons(choices) -> list[str]:
@@ -204,26 +210,6 @@ class GatewayCore:
         return Prepared(request_id, tenant.name, ta.operation_name(request.input_kind), prompt_ids, params, priority,
                         metrics, timer, key)
 
-    def again(self, prepared: Prepared) -> Prepared:
-        """The same request once more, after ``prepared`` ended (a task waiting out a
-        refusal: ``gateway.task_api``): claims its request id again and starts new
-        metrics from the original arrival, reusing the prompt ids (no tokenizing).
-        Called right after ``prepared`` ended, with no ``await`` between, the id is
-        never free for another request meanwhile; the result must be ``run`` or
-        ``end``-ed.
-
-        Raises:
-            AlreadyExists: the id was claimed by another request meanwhile.
-        """
-        scoped = scoped_request_id(prepared.tenant, prepared.request_id)
-        if scoped in self._in_flight:
-            raise AlreadyExists(f"request_id {prepared.request_id!r} is already in use by an unfinished request")
-        timer = RequestTimer(prepared.timer.start)
-        metrics = self.metrics.start(prepared.tenant, prepared.priority, timer.start)
-        metrics.num_prompt_tokens = len(prepared.prompt_ids)
-        self._in_flight.add(scoped)
-        return dataclasses.replace(prepared, metrics=metrics, timer=timer, ended=False, num_generated_tokens=0)
-
     def end(self, prepared: Prepared, error: BaseException | None = None) -> None:
         """Ends a prepared request: observes its metrics (``error``: what ended it) and
         frees its request id. ``run`` and ``generate`` call it; an adapter calls it for
@@ -262,13 +248,16 @@ class GatewayCore:
             s.end()
 
     async def run(self, prepared: Prepared, options: SpanOptions = SpanOptions(),
-                  on_assigned: OnAssigned | None = None) -> AsyncIterator[Event]:
+                  on_assigned: OnAssigned | None = None, hold_refusals: bool = False) -> AsyncIterator[Event]:
         """Generates a prepared request, under its own span (a cancel is recorded on it).
 
         A deterministic request with the result cache on is answered from the cache
         when it holds the same request's output (no scheduler, no executor), else run
         and, when every choice completes, stored. ``on_assigned()`` is awaited once the
-        scheduler has assigned an executor, before it runs.
+        scheduler has assigned an executor, before it runs. The request is ended however
+        the run ends, except, with ``hold_refusals``, a refusal for now (``refused_for_now``):
+        it keeps its request id and its metrics open, to be run again or ``end``-ed (a
+        task waiting the refusal out is one request in the metrics).
 
         Raises:
             MeshError: the scheduler's or the executor's error (same code).
@@ -284,8 +273,14 @@ class GatewayCore:
             error = exc
             raise
         finally:
-            self.end(prepared, error)
+            if not (hold_refusals and refused_for_now(error, prepared)):
+                self.end(prepared, error)
             s.end()
+
+    async def is_cached(self, prepared: Prepared) -> bool:
+        """Whether the result cache holds this request's output now (a look, not a hit)."""
+        return (prepared.cache_key is not None and self.results is not None
+                and await self.results.store.peek(prepared.cache_key))
 
     def _start_span(self, operation: str, options: SpanOptions) -> trace.Span:
         """The request's span, named by the GenAI convention, child of ``options.parent``."""

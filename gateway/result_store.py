@@ -68,6 +68,10 @@ class ResultStore(abc.ABC):
     hits = 0
     misses = 0
 
+    async def peek(self, key: str) -> bool:
+        """Whether an entry is there now (not counted as a hit or a miss)."""
+        return await self._get(key) is not None
+
     async def get(self, key: str) -> Choices | None:
         """The entry, or None (absent, expired, or the store unreachable)."""
         value = await self._get(key)

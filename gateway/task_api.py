@@ -35,7 +35,7 @@ from gateway.callback_delivery import CallbackDelivery
 from gateway.callbacks import CallbackPolicy, CallbackSender
 from gateway.collector import ChoiceCollector
 from gateway.events import Queued
-from gateway.generation import GatewayCore
+from gateway.generation import GatewayCore, refused_for_now
 from gateway.proto_convert import request_from_proto, task_result
 from gateway.request import Prepared, SpanOptions
 from gateway.task_runner import TaskHooks, TaskRunner, Work
@@ -202,22 +202,19 @@ class TaskAPI:
         A refusal the scheduler gives with a retry delay before any executor was
         assigned (RESOURCE_EXHAUSTED: its tenant is over ``requests_per_s`` or
         ``tokens_per_min``, the admission queue is full, a higher-priority request
-        displaced it) is waited out in its tenant's line (``gateway.task_wait``),
-        the task QUEUED with the refusal as its ``last_error``, holding its request
-        id (``GatewayCore.again``), and the request is admitted again: the caller
+        displaced it) is waited out in the line of its tenant and priority
+        (``gateway.task_wait``), the task QUEUED with the refusal as its
+        ``last_error``, and the same prepared request (its request id held, its
+        metrics open: one request however long it waits) is run again: the caller
         was promised a result, not a 429. A refusal with no retry delay (the request
         alone exceeds its tenant's KV quota), or a wait past ``max_wait_s``, fails
         the task with RESOURCE_EXHAUSTED.
         """
-        place = self.lines.place(prepared.tenant)
+        place = self.lines.place(prepared.tenant, prepared.priority)
         try:
-            try:
-                if place.busy:
-                    await hooks.held("waiting behind its tenant's tasks refused for now", 0.0)
+            if place.busy and not await self.core.is_cached(prepared):
+                await hooks.held("waiting behind its tenant's tasks refused for now", 0.0)
                 await place.join_if_busy()
-            except BaseException as exc:
-                self.core.end(prepared, exc)
-                raise
             while True:
                 collector, assigned = ChoiceCollector(), False
 
@@ -227,7 +224,8 @@ class TaskAPI:
                     place.admitted()
                     await hooks()
                 try:
-                    async with aclosing(self.core.run(prepared, options, on_assigned=on_assigned)) as events:
+                    async with aclosing(self.core.run(prepared, options, on_assigned=on_assigned,
+                                                      hold_refusals=True)) as events:
                         async for event in events:
                             place.admitted()  # queued at the scheduler, or answered from the cache
                             if isinstance(event, Queued):
@@ -237,17 +235,15 @@ class TaskAPI:
                         await hooks()
                     return task_result(collector.choices())
                 except ResourceExhausted as exc:
-                    if assigned or exc.retry_after_s is None:
+                    if not refused_for_now(exc, prepared):
                         raise
-                    prepared = self.core.again(prepared)  # the id stays claimed: no await since it ended
-                    try:
-                        log.info("task %s refused for now (%s); it waits %.2f s", hooks.task_id, exc,
-                                 place.delay_s(exc))
-                        await hooks.held(f"RESOURCE_EXHAUSTED: {exc}", place.delay_s(exc))
-                        await place.wait(exc)
-                    except BaseException as error:
-                        self.core.end(prepared, error)
-                        raise
+                    log.info("task %s refused for now (%s); it waits %.2f s", hooks.task_id, exc,
+                             place.delay_s(exc))
+                    await hooks.held(f"RESOURCE_EXHAUSTED: {exc}", place.delay_s(exc))
+                    await place.wait(exc)
+        except BaseException as exc:
+            self.core.end(prepared, exc)  # a refusal it held, then the bound or a cancel (a no-op if ended)
+            raise
         finally:
             place.leave()
 

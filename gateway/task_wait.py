@@ -5,14 +5,16 @@ tenant over ``requests_per_s`` or ``tokens_per_min``, the admission queue full,
 displaced by a higher priority) is not failed: ``gateway.task_api`` waits the
 delay and asks again. Asking again is where many waiting tasks could hurt:
 
-* **One line per tenant.** A tenant's waiting tasks queue in a first-come line
-  (an ``asyncio.Lock``, whose waiters are woken in order). Only the task at its
-  head sleeps out its delay and asks the scheduler again; it leaves the line
-  once admitted (its first event, or an executor assigned), and the next one
-  asks. So N waiting tasks cost about one refused Admit per admission, not N
-  each time a bucket refills (N²/2 in all), and the first refused is the first
-  admitted: a burst cannot starve an old task. A new task of a tenant whose line
-  is not empty joins it before asking at all.
+* **One line per tenant and priority.** A tenant's waiting tasks of one priority
+  queue in a first-come line (an ``asyncio.Lock``, whose waiters are woken in
+  order). Only the task at its head sleeps out its delay and asks the scheduler
+  again; it leaves the line once admitted (its first event, or an executor
+  assigned), and the next one asks. So N waiting tasks cost about one refused
+  Admit per admission, not N each time a bucket refills (N²/2 in all), and the
+  first refused is the first admitted: a burst cannot starve an old task. A new
+  task whose line is not empty joins it before asking at all, unless the result
+  cache holds its answer (``gateway.task_api``); a task of a higher priority is in
+  a line of its own, so it never waits behind lower ones.
 * **A bound.** A task waits at most ``max_wait_s`` from its first refusal (on the
   gateway running it); a delay that would take it past the bound, or a line that
   does not reach it in time, fails it with the last refusal's
@@ -48,26 +50,47 @@ class WaitingLines:
             raise ValueError(f"max_wait_s must be > 0, got {max_wait_s}")
         self.max_wait_s = max_wait_s
         self.clock = clock
-        self._lines: dict[str, asyncio.Lock] = {}
+        self._lines: dict[tuple[str, int], _Line] = {}
 
-    def place(self, tenant: str) -> Place:
-        """A task's place in its tenant's line (taken at its first refusal)."""
-        return Place(self, self._lines.setdefault(tenant, asyncio.Lock()))
+    def place(self, tenant: str, priority: int = 0) -> Place:
+        """A task's place in the line of its tenant and priority (taken at its first
+        refusal, or when it joins a busy line)."""
+        return Place(self, self._lines.setdefault((tenant, priority), _Line()))
+
+
+class _Line:
+    """A first-come lock and the count of tasks waiting for it (``asyncio.Lock``
+    alone reads unlocked between a release and its next holder's waking)."""
+
+    def __init__(self) -> None:
+        self.lock = asyncio.Lock()
+        self.num_waiting = 0
+
+    @property
+    def busy(self) -> bool:
+        return self.lock.locked() or self.num_waiting > 0
+
+    async def acquire(self) -> None:
+        self.num_waiting += 1
+        try:
+            await self.lock.acquire()
+        finally:
+            self.num_waiting -= 1
 
 
 class Place:
-    """One task's standing in its tenant's line. ``wait(refusal)`` after each refusal;
+    """One task's standing in its line. ``wait(refusal)`` after each refusal;
     ``admitted()`` once a run of it was admitted; ``leave()`` when the task ends."""
 
-    def __init__(self, lines: WaitingLines, line: asyncio.Lock):
+    def __init__(self, lines: WaitingLines, line: _Line):
         self._lines, self._line = lines, line
         self._holding = False
         self.first_refused_at: float | None = None
 
     @property
     def busy(self) -> bool:
-        """Whether tasks of its tenant wait in the line (and it is not at its head)."""
-        return self._line.locked() and not self._holding
+        """Whether tasks wait in its line (and it is not at the head)."""
+        return self._line.busy and not self._holding
 
     async def join_if_busy(self) -> None:
         """Before a task's first ask: when tasks of its tenant wait in the line, waits
@@ -129,4 +152,4 @@ class Place:
         """Gives up its place at the head of the line, if it holds it (idempotent)."""
         if self._holding:
             self._holding = False
-            self._line.release()
+            self._line.lock.release()

@@ -266,7 +266,9 @@ def up(
     config = mesh_config(port, executors, model, dtype, kv_cache_memory, [*file_args["executor"], *executor_flags],
                          tenants, log_dir, kvstore_memory if kvstore else None, metrics,
                          result_cache_size=result_cache_size, task_store=task_store,
-                         tls_dir=tls_dir, tls_files=tls_files, http_port=http_port,
+                         tls_dir=tls_dir, tls_files=tls_files,
+                         http_port=http_port if _given(ctx, "http_port") or "--http-port" not in file_args["gateway"]
+                         else None,  # up's default yields to the file's [gateway] http-port
                          scheduler_args=[*file_args["scheduler"], *service_flags(queue_policy=queue_policy,
                                                                                  pools=pools)],
                          gateway_args=[*file_args["gateway"], *gateway_flags],

@@ -25,7 +25,9 @@ flag (``false`` leaves it out); a list repeats the flag once per item::
 The file's flags come after ``up``'s defaults and before the flags given to ``up``
 on its command line, for each service: a flag given to ``up`` wins over the file,
 and the file over ``up``'s defaults (each service keeps the last of a repeated
-flag).
+flag; a flag that takes several values, such as ``served-model-name``, gets the
+file's and then ``up``'s). ``port`` and ``scheduler`` are refused: ``up`` gives each
+service its port and the scheduler's address.
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ import tomllib
 from pathlib import Path
 
 SERVICES = ("scheduler", "executor", "gateway", "kvstore")
+OWNED_BY_UP = ("port", "scheduler")  # up gives each service its port and the scheduler's address
 
 
 def _args(section: str, table: dict) -> list[str]:
@@ -44,6 +47,9 @@ def _args(section: str, table: dict) -> list[str]:
     """
     out: list[str] = []
     for key, value in table.items():
+        if key.replace("_", "-") in OWNED_BY_UP:
+            raise ValueError(f"[{section}] {key}: up sets it for each service it starts (the gateway's port: "
+                             "up's --port)")
         flag = "--" + key.replace("_", "-")
         values = value if isinstance(value, list) else [value]
         for v in values:

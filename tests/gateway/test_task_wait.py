@@ -51,6 +51,29 @@ async def test_each_tenant_has_its_own_line_and_a_new_task_joins_a_busy_one():
     assert not lines.place("a").busy
 
 
+async def test_a_line_stays_busy_between_a_release_and_its_next_holder_waking():
+    """Found by a review: ``asyncio.Lock`` reads unlocked between a release and the
+    woken waiter's run, when a newcomer could have asked ahead of it."""
+    lines = WaitingLines(max_wait_s=30)
+    head, behind = lines.place("a"), lines.place("a")
+    await head.wait(refusal(0.0))
+    waiting = asyncio.create_task(behind.wait(refusal(0.0)))
+    await asyncio.sleep(0.05)
+    head.admitted()  # the lock is free; the woken waiter has not run yet
+    assert lines.place("a").busy
+    await waiting
+    behind.leave()
+    assert not lines.place("a").busy
+
+
+async def test_a_higher_priority_has_a_line_of_its_own():
+    lines = WaitingLines(max_wait_s=30)
+    low = lines.place("a", priority=0)
+    await low.wait(refusal(0.0))
+    assert lines.place("a", priority=0).busy and not lines.place("a", priority=5).busy
+    low.leave()
+
+
 async def test_a_delay_past_the_bound_fails_at_once_without_a_retry_delay():
     lines = WaitingLines(max_wait_s=1.0)
     place = lines.place("a")

@@ -16,6 +16,7 @@ import pytest
 import pytest_asyncio
 
 from gateway.request import ModelInfo
+from gateway.result_cache import ResultCache
 from gateway.server import start_gateway
 from gateway.task_runner import TaskRunner
 from gateway.task_store import MemoryTaskStore
@@ -100,19 +101,30 @@ async def test_a_task_that_never_fits_its_tenant_quota_fails_at_once(limited_mes
     assert status.attempt == 1 and status.last_error == ""
 
 
+def _sample(registry, name: str, **labels) -> float:
+    return registry.get_sample_value(name, {"tenant": "fast", "priority": "0", **labels}) or 0.0
+
+
 async def test_a_tenants_waiting_tasks_are_admitted_in_order_at_about_one_refusal_each(limited_mesh):
     stub = limited_mesh.stub
-    metrics = limited_mesh.gateway.servicer.core.metrics.registry
-    refused_before = metrics.get_sample_value("meshserve_requests_total", {
-        "tenant": "fast", "priority": "0", "outcome": "resource_exhausted"}) or 0.0
+    gateway = limited_mesh.gateway.servicer.core.metrics.registry
+    scheduler = limited_mesh.scheduler.servicer.metrics.registry
+    before = {name: _sample(gateway, name, **labels) for name, labels in (
+        ("meshserve_requests_total", {"outcome": "ok"}), ("meshserve_request_prompt_tokens_total", {}))}
+    refused_before = _sample(scheduler, "meshserve_scheduler_requests_rejected_total", code="resource_exhausted")
     handles = [await submit_task(stub, REQUEST, metadata=FAST) for _ in range(8)]  # a burst of 4 fits
     done = [await wait_task(stub, h.task_id, metadata=FAST, poll_s=0.05, timeout_s=300) for h in handles]
     assert [d.state for d in done] == [gateway_pb2.TASK_STATE_SUCCEEDED] * 8
     waited = [d.started_at_unix_s for d in done[4:]]
     assert waited == sorted(waited)  # first refused, first admitted
-    refused = metrics.get_sample_value("meshserve_requests_total", {
-        "tenant": "fast", "priority": "0", "outcome": "resource_exhausted"}) - refused_before
+    refused = _sample(scheduler, "meshserve_scheduler_requests_rejected_total", code="resource_exhausted") \
+        - refused_before
     assert 4 <= refused <= 8  # each waiting task: its first refusal, at most one more at the head of the line
+    # the gateway counts each task once, however often it was refused: 8 requests, 8 prompts
+    assert _sample(gateway, "meshserve_requests_total", outcome="ok") - before["meshserve_requests_total"] == 8
+    assert _sample(gateway, "meshserve_request_prompt_tokens_total") \
+        - before["meshserve_request_prompt_tokens_total"] == 8 * 12  # 12-token prompts
+    assert _sample(gateway, "meshserve_requests_total", outcome="resource_exhausted") == 0
 
 
 async def test_a_task_that_would_wait_past_the_bound_fails_with_the_refusal(limited_mesh, tokenizer):
@@ -130,6 +142,37 @@ async def test_a_task_that_would_wait_past_the_bound_fails_with_the_refusal(limi
         assert len(failed) >= 1 and all(s.error.code == "RESOURCE_EXHAUSTED" for s in failed)
         assert failed[-1].error.message.endswith("may wait at most 1 s (--task-max-wait-s)")
         assert "over its rate limit of 0.5 requests/s" in failed[-1].error.message
+        registry = svc.servicer.core.metrics.registry  # each task counted once, with its own outcome
+        outcomes = {o: registry.get_sample_value("meshserve_requests_total", {
+            "tenant": "paced", "priority": "0", "outcome": o}) or 0.0 for o in ("ok", "resource_exhausted")}
+        assert outcomes == {"ok": 2.0 - len(failed), "resource_exhausted": float(len(failed))}
+    finally:
+        await svc.stop(0.5)
+        await svc.servicer.close()
+
+
+async def test_a_task_the_result_cache_answers_does_not_wait_behind_its_tenants_line(limited_mesh, tokenizer):
+    """Found by a review: a cache hit waited behind its tenant's refused tasks."""
+    e0 = limited_mesh.engines[0]
+    info = ModelInfo(e0.model_id, e0.max_model_len, e0.vocab_size, e0.revision)
+    svc = await start_gateway(tokenizer, info, limited_mesh.scheduler.address, 0, tenants=limited_mesh.tenants,
+                              result_cache=ResultCache(16, ttl_s=600.0), tls=limited_mesh.tls("gateway"))
+    other = build_request([(5 * i) % 400 + 60 for i in range(12)], max_tokens=4, temperature=0.0, ignore_eos=True)
+    try:
+        async with channel(svc.address, limited_mesh.tls("client")) as ch:
+            stub = gateway_pb2_grpc.GatewayStub(ch)
+            first = await wait_task(stub, (await submit_task(stub, REQUEST, metadata=PACED)).task_id,
+                                    metadata=PACED, poll_s=0.05, timeout_s=300)  # now in the result cache
+            behind = await submit_task(stub, other, metadata=PACED)  # refused for now: the line is busy
+            await held(stub, behind.task_id)
+            hit = await wait_task(stub, (await submit_task(stub, REQUEST, metadata=PACED)).task_id,
+                                  metadata=PACED, poll_s=0.05, timeout_s=300)
+            still = await get_task(stub, behind.task_id, metadata=PACED)
+            assert hit.state == gateway_pb2.TASK_STATE_SUCCEEDED and hit.choices[0].result.cached
+            assert list(hit.choices[0].token_ids) == list(first.choices[0].token_ids) and hit.last_error == ""
+            assert still.state == gateway_pb2.TASK_STATE_QUEUED  # the hit did not wait for it
+            final = await wait_task(stub, behind.task_id, metadata=PACED, poll_s=0.05, timeout_s=300)
+            assert final.state == gateway_pb2.TASK_STATE_SUCCEEDED
     finally:
         await svc.stop(0.5)
         await svc.servicer.close()

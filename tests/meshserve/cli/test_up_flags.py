@@ -92,6 +92,26 @@ def test_flags_given_to_up_win_over_the_file_and_the_file_over_ups_defaults(star
     assert last(c.kvstore_args, "--memory") == "128MiB"
 
 
+def test_the_files_http_port_wins_over_ups_default_and_a_given_one_over_the_file(started, tmp_path):
+    config = tmp_path / "mesh.toml"
+    config.write_text('[gateway]\nhttp-port = 9123\n')
+    for args, expected in (((), "9123"), (("--http-port", "9124"), "9124")):
+        assert _up("--config", str(config), *args).exit_code == 0
+        mesh = started[-1]
+        mesh.scheduler_address = "127.0.0.1:1"
+        gw = mesh._gateway_args()
+        assert gw[-2:] == ["--http-port", expected] and mesh.http_address == f"127.0.0.1:{expected}"
+
+
+@pytest.mark.parametrize("section, key", [("gateway", "port"), ("executor", "scheduler")])
+def test_a_mesh_file_may_not_set_what_up_gives_each_service(started, tmp_path, section, key):
+    config = tmp_path / "mesh.toml"
+    config.write_text(f'[{section}]\n{key} = "7001"\n')
+    result = _up("--config", str(config))
+    assert result.exit_code == 2 and f"[{section}] {key}: up sets it for each service it starts" in result.output
+    assert started == []
+
+
 def test_bad_mesh_config_file_is_a_usage_error(started, tmp_path):
     config = tmp_path / "mesh.toml"
     config.write_text("[router]\nx = 1\n")
