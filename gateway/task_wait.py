@@ -55,7 +55,23 @@ class WaitingLines:
     def place(self, tenant: str, priority: int = 0) -> Place:
         """A task's place in the line of its tenant and priority (taken at its first
         refusal, or when it joins a busy line)."""
-        return Place(self, self._lines.setdefault((tenant, priority), _Line()))
+        return Place(self, (tenant, priority))
+
+    def __len__(self) -> int:
+        """Lines in use (a line nobody holds or waits for is dropped)."""
+        return len(self._lines)
+
+    def _line(self, key: tuple[str, int]) -> _Line:
+        return self._lines.setdefault(key, _Line())
+
+    def _peek(self, key: tuple[str, int]) -> _Line | None:
+        return self._lines.get(key)
+
+    def _drop_if_idle(self, key: tuple[str, int]) -> None:
+        """Forgets an idle line: a tenant cycling through priorities leaves none behind."""
+        line = self._lines.get(key)
+        if line is not None and not line.busy:
+            del self._lines[key]
 
 
 class _Line:
@@ -82,15 +98,27 @@ class Place:
     """One task's standing in its line. ``wait(refusal)`` after each refusal;
     ``admitted()`` once a run of it was admitted; ``leave()`` when the task ends."""
 
-    def __init__(self, lines: WaitingLines, line: _Line):
-        self._lines, self._line = lines, line
-        self._holding = False
+    def __init__(self, lines: WaitingLines, key: tuple[str, int]):
+        self._lines, self._key = lines, key
+        self._held: _Line | None = None  # the line it heads
         self.first_refused_at: float | None = None
 
     @property
     def busy(self) -> bool:
         """Whether tasks wait in its line (and it is not at the head)."""
-        return self._line.busy and not self._holding
+        line = self._lines._peek(self._key)
+        return line is not None and line.busy and self._held is None
+
+    async def _acquire(self, timeout_s: float) -> None:
+        """Waits for the head of its line (raises TimeoutError past ``timeout_s``)."""
+        line = self._lines._line(self._key)
+        try:
+            async with asyncio.timeout(timeout_s):
+                await line.acquire()
+        except BaseException:
+            self._lines._drop_if_idle(self._key)
+            raise
+        self._held = line
 
     async def join_if_busy(self) -> None:
         """Before a task's first ask: when tasks of its tenant wait in the line, waits
@@ -103,12 +131,10 @@ class Place:
             return
         self.first_refused_at = self._lines.clock()
         try:
-            async with asyncio.timeout(self._lines.max_wait_s):
-                await self._line.acquire()
+            await self._acquire(self._lines.max_wait_s)
         except TimeoutError:
             raise ResourceExhausted(f"the task waited {self._lines.max_wait_s:g} s behind its tenant's tasks "
                                     "refused for now and may wait no longer (--task-max-wait-s)", None) from None
-        self._holding = True
 
     def delay_s(self, refusal: ResourceExhausted) -> float:
         """The wait the refusal asks for (at least ``MIN_HOLD_S``; seconds)."""
@@ -129,13 +155,11 @@ class Place:
         ready_at = now + self.delay_s(refusal)
         if ready_at > deadline:
             raise self._over(refusal, now)
-        if not self._holding:
+        if self._held is None:
             try:
-                async with asyncio.timeout(deadline - now):
-                    await self._line.acquire()  # behind the tenant's tasks refused before it
+                await self._acquire(deadline - now)  # behind the tenant's tasks refused before it
             except TimeoutError:
                 raise self._over(refusal, self._lines.clock()) from None
-            self._holding = True
         await asyncio.sleep(max(0.0, ready_at - self._lines.clock()))
 
     def _over(self, refusal: ResourceExhausted, now: float) -> ResourceExhausted:
@@ -149,7 +173,9 @@ class Place:
         self.leave()
 
     def leave(self) -> None:
-        """Gives up its place at the head of the line, if it holds it (idempotent)."""
-        if self._holding:
-            self._holding = False
-            self._line.lock.release()
+        """Gives up its place at the head of the line, if it holds it (idempotent); an
+        idle line is dropped."""
+        if self._held is not None:
+            line, self._held = self._held, None
+            line.lock.release()
+            self._lines._drop_if_idle(self._key)

@@ -33,6 +33,26 @@ async def test_waiting_tasks_ask_again_one_at_a_time_in_the_order_they_were_refu
 
     await asyncio.gather(task("third", 0.02), task("first", 0.0), task("second", 0.01), task("fourth", 0.03))
     assert order == ["first", "second", "third", "fourth"]
+    assert len(lines) == 0  # an idle line is dropped
+
+
+async def test_lines_of_many_priorities_leave_nothing_behind():
+    """A tenant cycling through priorities (any int32) must not grow the gateway's memory:
+    a line nobody holds or waits for is dropped, also after a wait in it timed out."""
+    lines = WaitingLines(max_wait_s=0.4)
+    for priority in (-(2**31), 0, 2**31 - 1):
+        place = lines.place("a", priority)
+        await place.wait(refusal(0.0))
+        assert len(lines) == 1
+        place.leave()
+    assert len(lines) == 0
+    head, behind = lines.place("a", 7), lines.place("a", 7)
+    await head.wait(refusal(0.0))
+    with pytest.raises(ResourceExhausted, match="may wait no longer"):  # its turn does not come in time
+        await behind.join_if_busy()
+    assert len(lines) == 1
+    head.leave()
+    assert len(lines) == 0
 
 
 async def test_each_tenant_has_its_own_line_and_a_new_task_joins_a_busy_one():
