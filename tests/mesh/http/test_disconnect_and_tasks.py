@@ -17,10 +17,11 @@ ESSAY = {"model": SERVED, "messages": [{"role": "user", "content": "Write a long
          "max_tokens": 900, "ignore_eos": True, "temperature": 0}
 
 
-def _all_free(mesh) -> None:
+async def _all_free(mesh) -> None:
     stats = mesh.executors[0][1].stats()
     assert stats.num_running == 0 and stats.num_free_blocks == stats.num_blocks
-    assert mesh.scheduler.servicer.core.num_leases() == 0
+    core = mesh.scheduler.servicer.core  # the gateway releases the lease just after the engine frees the blocks
+    await wait_for_condition(lambda: core.num_leases() == 0, what="the lease released")
 
 
 async def test_streamed_request_closed_after_five_events_frees_its_blocks(http_mesh):
@@ -39,7 +40,7 @@ async def test_streamed_request_closed_after_five_events_frees_its_blocks(http_m
                     break
             assert engine.stats().num_running == 1  # still generating when the client leaves
     await http_mesh.wait_idle()
-    _all_free(http_mesh)
+    await _all_free(http_mesh)
 
 
 async def test_unstreamed_request_whose_client_leaves_frees_its_blocks(http_mesh):
@@ -52,7 +53,7 @@ async def test_unstreamed_request_whose_client_leaves_frees_its_blocks(http_mesh
         call.cancel()
         await asyncio.gather(call, return_exceptions=True)
     await http_mesh.wait_idle()
-    _all_free(http_mesh)
+    await _all_free(http_mesh)
 
 
 async def _task_state(http, task_id, headers, until=("TASK_STATE_SUCCEEDED", "TASK_STATE_FAILED",
@@ -100,7 +101,7 @@ async def test_task_over_http_cancelled_frees_its_blocks(http_mesh):
         status = await _task_state(http, task_id, AUTH_A)
     assert status["state"] == "TASK_STATE_CANCELLED"
     await http_mesh.wait_idle()
-    _all_free(http_mesh)
+    await _all_free(http_mesh)
 
 
 async def test_task_with_a_bad_parameter_is_400_and_not_stored(http_mesh):
