@@ -103,19 +103,15 @@ def _given_again(ctx: typer.Context, model: str, dtype: str | None, kv_cache_mem
     file's, so that they win over it like every other flag of ``up`` (only with a file:
     without one nothing comes between)."""
     again: dict[str, list[str]] = {"executor": [], "gateway": [], "kvstore": []}
-    if _given(ctx, "model"):
-        again["executor"] += ["--model", model]
-        again["gateway"] += ["--model", model]
-    if _given(ctx, "dtype") and dtype:
-        again["executor"] += ["--dtype", dtype]
-    if _given(ctx, "kv_cache_memory"):
-        again["executor"] += ["--kv-cache-memory", kv_cache_memory]
-    if _given(ctx, "result_cache_size"):
-        again["gateway"] += ["--result-cache-size", str(result_cache_size)]
-    if _given(ctx, "task_store"):
-        again["gateway"] += ["--task-store", task_store]
-    if _given(ctx, "kvstore_memory"):
-        again["kvstore"] += ["--memory", kvstore_memory]
+    for name, value, flag, services in (
+            ("model", model, "--model", ("executor", "gateway")), ("dtype", dtype, "--dtype", ("executor",)),
+            ("kv_cache_memory", kv_cache_memory, "--kv-cache-memory", ("executor",)),
+            ("result_cache_size", result_cache_size, "--result-cache-size", ("gateway",)),
+            ("task_store", task_store, "--task-store", ("gateway",)),
+            ("kvstore_memory", kvstore_memory, "--memory", ("kvstore",))):
+        if _given(ctx, name) and value is not None:
+            for service in services:
+                again[service] += [flag, str(value)]
     return again
 
 
