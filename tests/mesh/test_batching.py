@@ -65,11 +65,10 @@ async def test_no_block_leaks_after_finish_stop_and_cancel(mesh, default_engine)
     assert all(len(r.token_ids) == 12 for r in results[:3])
     assert all(r.finish_reason == "stop" for r in results[3:5])
     assert all(isinstance(r, asyncio.CancelledError) for r in results[5:])
-    await mesh.wait_idle()
+    await mesh.wait_released()  # every block back and every lease released
     end = await mesh.executor_stats()
     assert end.num_free_blocks == start.num_free_blocks == end.num_blocks
     assert end.num_aborted - start.num_aborted >= 5  # 2 stop strings + 3 cancellations
-    assert mesh.scheduler.servicer.core.num_leases() == 0
 
 
 async def test_cancelled_call_frees_blocks_within_one_engine_step(mesh, default_engine):

@@ -213,7 +213,8 @@ async def test_unreachable_executor_is_dropped_and_gateway_not_ready(tokenizer, 
     try:
         async with channel(gateway.address) as ch:
             stub = gateway_pb2_grpc.GatewayStub(ch)
-            assert await _health(gateway.address) == SERVING
+            # the gateway's readiness probe polls the scheduler every 0.5 s: wait for its first yes
+            await _wait_until(lambda: _is(gateway.address, SERVING))
             ref = await generate(stub, build_request("The capital of France is", max_tokens=8, temperature=0))
 
             with caplog.at_level(logging.WARNING, logger="scheduler.server"):

@@ -80,11 +80,10 @@ async def test_cancel_aborts_every_choice_and_frees_every_block(mesh):
                 break
     assert eng.stats().num_running == 4
     call.cancel()
-    await mesh.wait_idle()
+    await mesh.wait_released()  # every block back and the lease released
     stats = await mesh.executor_stats()
     assert stats.num_free_blocks == stats.num_blocks
     assert stats.num_aborted == before.num_aborted + 4
-    assert mesh.scheduler.servicer.core.num_leases() == 0
 
 
 async def test_logprobs_travel_with_the_tokens(mesh):

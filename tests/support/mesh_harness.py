@@ -85,6 +85,19 @@ class LocalMesh:
                 raise TimeoutError(f"engines not idle: {stats}")
             await asyncio.sleep(0.02)
 
+    async def wait_released(self, timeout_s: float = 120.0) -> None:
+        """``wait_idle``, then waits until the scheduler holds no lease and queues no
+        request: a cancelled call's Release is sent by the gateway just after the engine
+        frees the blocks, so it can land after the engines look idle.
+
+        Raises:
+            TimeoutError: blocks or leases still held after ``timeout_s`` (a hang bound).
+        """
+        await self.wait_idle(timeout_s)
+        core = self.scheduler.servicer.core
+        await wait_for_condition(lambda: core.num_leases() == 0 and len(core) == 0, timeout_s,
+                                 "every lease released")
+
     async def stop(self) -> None:
         await self._channel.close()
         await self.gateway.stop(0.5)

@@ -18,10 +18,10 @@ ESSAY = {"model": SERVED, "messages": [{"role": "user", "content": "Write a long
 
 
 async def _all_free(mesh) -> None:
+    await mesh.wait_released()  # the gateway releases the lease just after the engine frees the blocks
     stats = mesh.executors[0][1].stats()
     assert stats.num_running == 0 and stats.num_free_blocks == stats.num_blocks
-    core = mesh.scheduler.servicer.core  # the gateway releases the lease just after the engine frees the blocks
-    await wait_for_condition(lambda: core.num_leases() == 0, what="the lease released")
+    assert mesh.scheduler.servicer.core.num_leases() == 0
 
 
 async def test_streamed_request_closed_after_five_events_frees_its_blocks(http_mesh):
@@ -39,7 +39,6 @@ async def test_streamed_request_closed_after_five_events_frees_its_blocks(http_m
                 if len(events) == 5:
                     break
             assert engine.stats().num_running == 1  # still generating when the client leaves
-    await http_mesh.wait_idle()
     await _all_free(http_mesh)
 
 
@@ -52,7 +51,6 @@ async def test_unstreamed_request_whose_client_leaves_frees_its_blocks(http_mesh
         await wait_for_condition(lambda: engine.stats().num_running == 1, what="the essay running")
         call.cancel()
         await asyncio.gather(call, return_exceptions=True)
-    await http_mesh.wait_idle()
     await _all_free(http_mesh)
 
 
@@ -100,7 +98,6 @@ async def test_task_over_http_cancelled_frees_its_blocks(http_mesh):
         assert cancelled.status_code == 200
         status = await _task_state(http, task_id, AUTH_A)
     assert status["state"] == "TASK_STATE_CANCELLED"
-    await http_mesh.wait_idle()
     await _all_free(http_mesh)
 
 
