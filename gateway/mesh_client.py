@@ -125,7 +125,7 @@ class GrpcMeshClient:
         try:
             await asyncio.shield(self._scheduler.Release(release, timeout=5, metadata=outgoing_metadata(span)))
         except (Exception, asyncio.CancelledError) as exc:  # noqa: BLE001 - shutting down or scheduler gone
-            log.warning("release of lease %s failed: %s", lease_id, exc)
+            log.warning("release of lease %s failed: %s", lease_id, repr(exc))  # a CancelledError's str is empty
 
     async def close(self) -> None:
         """Closes the scheduler's and every executor's channel."""

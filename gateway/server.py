@@ -116,7 +116,8 @@ async def start_gateway(
     ``prefix_cache_scope``: ``tenant`` or ``global``, as the executors' (routing hashes).
     ``http_port``: serve the OpenAI-compatible HTTP API (``gateway.http``) there, in
     this event loop over the same core (0: a free port; None: none), as
-    ``service.http`` (an ``HttpServer``); ``service.stop`` stops it first.
+    ``service.http`` (an ``HttpServer``); ``service.stop(grace_s)`` drains it alongside
+    the gRPC server, with the same grace.
     ``health_port``: a plaintext health-only port (``Service``; None: none).
     """
     service = Service("meshserve.v1.Gateway", port, host, tls, public=True, health_port=health_port)
@@ -156,5 +157,5 @@ async def start_gateway(
             await service.stop(0)
             await servicer.close()
             raise
-        service.background.append(service.http)
+        service.drained_alongside.append(service.http.stop)  # its calls in flight get the gRPC ones' grace
     return service

@@ -107,7 +107,8 @@ class Service:
         self.health_address: str | None = None
         if health_port is not None:
             self._add_health_server(host, health_port)
-        self.background: list = []
+        self.background: list = []  # BackgroundTasks, stopped first by stop()
+        self.drained_alongside: list = []  # async stop(grace_s) of servers that drain with the gRPC one
         self.host = host
         self.metrics = None  # a meshserve.metrics.MetricsServer once serve_metrics ran
         self.reflected: list[str] = [name]
@@ -160,11 +161,12 @@ class Service:
 
     async def stop(self, grace_s: float = 5.0) -> None:
         """Stops the background tasks, reports NOT_SERVING, then stops, letting calls
-        finish for ``grace_s``."""
+        finish for ``grace_s`` seconds; the ``drained_alongside`` servers (the gateway's
+        HTTP) stop at the same time, with the same grace."""
         for task in self.background:
             await task.stop()
         await self.health.enter_graceful_shutdown()
-        await self.server.stop(grace_s)
+        await asyncio.gather(self.server.stop(grace_s), *(stop(grace_s) for stop in self.drained_alongside))
         if self.health_server is not None:
             await self.health_server.stop(grace_s)
         if self.metrics is not None:

@@ -8,6 +8,7 @@ p50/p99, output tokens/s) and stops every process.
 from __future__ import annotations
 
 import asyncio
+import shutil
 import tempfile
 import time
 from pathlib import Path
@@ -89,6 +90,7 @@ def run_demo(port: int, executors: int, max_tokens: int) -> int:
         console.print(f"error: {exc}")
         return 1
     console.print(f"Starting the mesh (scheduler, {executors} executor(s), gateway); logs in {log_dir} …")
+    rc = 1
     try:
         t0 = time.monotonic()
         asyncio.run(mesh.start())
@@ -96,9 +98,17 @@ def run_demo(port: int, executors: int, max_tokens: int) -> int:
                       f"scheduler {mesh.scheduler_address}, executors {', '.join(mesh.executor_addresses)}")
         if mesh.cores_line():
             console.print(f"cores: {mesh.cores_line()}")
-        return asyncio.run(_run(mesh, max_tokens, console))
+        rc = asyncio.run(_run(mesh, max_tokens, console))
     except KeyboardInterrupt:
-        return 130
+        rc = 130
     finally:
-        mesh.stop()
-        console.print("Mesh stopped.")
+        try:
+            mesh.stop()
+        except KeyboardInterrupt:  # a second Ctrl-C: every service was killed
+            rc = 130
+        if rc == 0:  # the logs are kept only when something went wrong
+            shutil.rmtree(log_dir, ignore_errors=True)
+            console.print("Mesh stopped.")
+        else:
+            console.print(f"Mesh stopped; the services' logs are in {log_dir}")
+    return rc

@@ -4,8 +4,10 @@ Order: the kvstore when asked for, the scheduler (it follows the kvstore's
 placements), then the executors (they register with the scheduler), then the
 gateway;
 each must report SERVING on grpc.health.v1 before the next starts. ``stop``
-sends SIGTERM to all (gateway first) and kills what is still alive after the
-grace period.
+stops them in order (``Mesh.stop_order``): the gateway first, which lets its
+calls in flight finish, then the executors, then the scheduler and the kvstore;
+each gets SIGTERM and is killed if it outlives its bound. Every service runs in
+a process group of its own, so a Ctrl-C at the terminal reaches only ``up``.
 
 Transport: plaintext on loopback by default (every service is started with
 ``--insecure``); with ``MeshConfig.tls_dir`` every service gets its role's
@@ -31,6 +33,9 @@ from meshserve.cpu_affinity import ENV as CPU_AFFINITY_ENV
 from meshserve.cpu_affinity import CpuPlan, format_cpu_list, plan_cpus, usable_cpus
 from meshserve.grpc_server import LIVENESS_SERVICE, wait_serving
 from meshserve.tls import PLAINTEXT, TLSConfig
+
+DRAIN_GRACE_S = 30.0  # the gateway's and the executors' --drain-grace-s default
+STOP_MARGIN_S = 10.0  # what stop() allows a service beyond its drain (or a service with none) before SIGKILL
 
 
 def default_threads_per_executor(executors: int) -> int:
@@ -69,6 +74,20 @@ def _last_value(args: list[str], flag: str) -> str | None:
     """The value of the last ``flag VALUE`` in ``args`` (None when absent)."""
     values = [args[i + 1] for i, a in enumerate(args[:-1]) if a == flag]
     return values[-1] if values else None
+
+
+def _without(args: list[str], flag: str) -> list[str]:
+    """``args`` less every ``flag VALUE`` pair."""
+    out: list[str] = []
+    skip = False
+    for a in args:
+        if skip:
+            skip = False
+        elif a == flag:
+            skip = True
+        else:
+            out.append(a)
+    return out
 
 
 @dataclass
@@ -229,7 +248,10 @@ class Mesh:
             cpus = self.cpu_plan.service_cpus
         if cpus is not None:
             env[CPU_AFFINITY_ENV] = self.cpus[name] = format_cpu_list(cpus)
-        self.procs.append((name, subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT if out else None, env=env)))
+        # a process group of its own: a Ctrl-C at the terminal reaches only ``up``, which stops
+        # the services in order (``stop``), not every service at once
+        self.procs.append((name, subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT if out else None, env=env,
+                                                  process_group=0)))
 
     def _gateway_args(self) -> list[str]:
         """The ``meshserve gateway`` arguments, once the scheduler's address is known
@@ -247,10 +269,10 @@ class Mesh:
         if c.http_port is not None:
             gw += ["--http-port", str(c.http_port)]
         http_port = _last_value(gw, "--http-port")
-        if http_port is not None:
+        if http_port is not None:  # the one that wins, resolved, passed once
             port = int(http_port) or free_port()
             self.http_address = f"127.0.0.1:{port}"
-            gw += ["--http-port", str(port)]
+            gw = [*_without(gw, "--http-port"), "--http-port", str(port)]
         return gw
 
     def command_lines(self) -> dict[str, list[str]]:
@@ -360,19 +382,47 @@ class Mesh:
         self.abandoned.add(name)
         dict(self.procs)[name].kill()
 
-    def stop(self, grace_s: float = 10.0) -> None:
-        """SIGTERM to every service (gateway first), SIGKILL after ``grace_s``."""
-        for _, proc in reversed(self.procs):
-            if proc.poll() is None:
-                proc.send_signal(signal.SIGTERM)
-        deadline = time.monotonic() + grace_s
-        for _, proc in reversed(self.procs):
-            try:
-                proc.wait(timeout=max(0.1, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
-        self.procs.clear()
+    def gateway_drain_grace_s(self) -> float:
+        """The gateway's ``--drain-grace-s`` (seconds its calls in flight get at a stop)."""
+        return float(_last_value(self.config.gateway_args, "--drain-grace-s") or DRAIN_GRACE_S)
+
+    def stop_order(self) -> list[tuple[list[str], float]]:
+        """The services ``stop`` stops, tier by tier, each with how long it may take
+        (seconds): the gateway first (its calls in flight finish within its
+        ``--drain-grace-s``), then the executors (they drain: nothing runs there any
+        more), then the scheduler and the kvstore, which the others needed until then."""
+        executor_grace = float(_last_value(self.config.executor_args, "--drain-grace-s") or DRAIN_GRACE_S)
+        names = [name for name, _ in self.procs]
+        executors = [n for n in names if n not in ("gateway", "scheduler", "kvstore")]
+        tiers = [(["gateway"], self.gateway_drain_grace_s() + STOP_MARGIN_S),
+                 (executors, executor_grace + STOP_MARGIN_S), (["scheduler", "kvstore"], STOP_MARGIN_S)]
+        return [([n for n in tier if n in names], bound) for tier, bound in tiers]
+
+    def stop(self) -> None:
+        """Stops every service in ``stop_order``: SIGTERM to a tier, SIGKILL to what of
+        it still runs after the tier's bound, then the next tier. A second Ctrl-C
+        (KeyboardInterrupt) while it waits kills every service at once."""
+        procs = dict(self.procs)
+        try:
+            for tier, bound in self.stop_order():
+                running = [procs[n] for n in tier if procs[n].poll() is None]
+                for proc in running:
+                    proc.send_signal(signal.SIGTERM)
+                deadline = time.monotonic() + bound
+                for proc in running:
+                    try:
+                        proc.wait(timeout=max(0.1, deadline - time.monotonic()))
+                    except subprocess.TimeoutExpired:
+                        proc.kill()
+                        proc.wait()
+        except KeyboardInterrupt:
+            for proc in procs.values():
+                if proc.poll() is None:
+                    proc.kill()
+                    proc.wait()
+            raise
+        finally:
+            self.procs.clear()
 
     def exit_code(self, name: str) -> int | None:
         """A service's exit code, or None while it runs."""

@@ -324,7 +324,13 @@ def run_mesh(mesh) -> None:
     except KeyboardInterrupt:
         pass
     finally:
-        mesh.stop()
+        typer.echo(f"stopping: the gateway finishes the calls in flight (at most {mesh.gateway_drain_grace_s():g} s), "
+                   "then the executors, the scheduler and the kvstore stop; Ctrl-C again kills every service")
+        try:
+            mesh.stop()
+        except KeyboardInterrupt:
+            typer.echo("killed every service", err=True)
+            failed = True
         typer.echo("meshserve stopped.")
     if failed:
         raise typer.Exit(1)

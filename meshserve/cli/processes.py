@@ -305,8 +305,11 @@ async def run_gateway(model: str | ModelSource, port: int, host: str, scheduler:
                       max_messages: int = 1024, prefix_cache_scope: str = "tenant", result_cache: str = "memory",
                       callback_allow: list[str] | None = None, callback_secret_file: str | None = None,
                       task_lease_s: float = 10.0, task_max_attempts: int = 3, http_port: int | None = None,
-                      health_port: int | None = None, task_max_wait_s: float = 600.0) -> None:
-    """Loads the tokenizer, serves the public Gateway until a signal.
+                      health_port: int | None = None, task_max_wait_s: float = 600.0,
+                      drain_grace_s: float = 30.0) -> None:
+    """Loads the tokenizer, serves the public Gateway until a signal; then it reports
+    NOT_SERVING, refuses new calls and lets the calls in flight (gRPC and HTTP) finish
+    for at most ``drain_grace_s`` seconds before it exits.
 
     ``max_prompt_bytes`` / ``max_messages``: prompt caps checked before tokenizing
     (``gateway.prompt_limits``). ``prefix_cache_scope``: as the executors'.
@@ -355,7 +358,8 @@ async def run_gateway(model: str | ModelSource, port: int, host: str, scheduler:
                  _health_note(holder["svc"]))
 
     async def stop():
-        await holder["svc"].stop()
+        log.info("gateway stopping: new calls refused, %.3g s for the calls in flight", drain_grace_s)
+        await holder["svc"].stop(drain_grace_s)
         await holder["svc"].servicer.close()
         shutdown_tracing()
 

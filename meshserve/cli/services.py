@@ -272,6 +272,9 @@ def gateway(
                                           "(retries after its executor or gateway went away)."),
     task_max_wait_s: float = typer.Option(600.0, "--task-max-wait-s", min=0.001, help="Longest a task waits out "
                                           "the scheduler's refusals (rate limits, a full queue) before it fails."),
+    drain_grace_s: float = typer.Option(30.0, "--drain-grace-s", min=0.0,
+                                        help="On SIGTERM or SIGINT: seconds to let the calls in flight (gRPC and "
+                                             "HTTP) finish, refusing new ones, before it exits."),
     traces: Optional[str] = TracesOpt, otlp_endpoint: Optional[str] = OtlpOpt,
     trace_sample_ratio: Optional[float] = SampleOpt,
     metrics_port: Optional[int] = MetricsPortOpt,
@@ -305,7 +308,7 @@ def gateway(
                                 result_cache_ttl_s, task_store, task_ttl_s, max_tasks, metrics_port, tls,
                                 max_prompt_bytes, max_messages, prefix_cache_scope, result_cache,
                                 callback_allow, callback_secret_file, task_lease_s, task_max_attempts, http_port,
-                                health_port, task_max_wait_s))
+                                health_port, task_max_wait_s, drain_grace_s))
 
 
 def _check_scope(scope: str) -> None:

@@ -120,6 +120,21 @@ def test_compose_gateway_serves_grpc_and_http_with_redis_tasks(compose):
     assert "--http-port" in gateway["command"] and "redis://redis:6379/0" in gateway["command"]
 
 
+def test_the_gateway_and_the_executors_get_longer_than_their_drain_grace_before_sigkill(compose):
+    """A stopped gateway lets its streams in flight finish for --drain-grace-s (an
+    executor its requests): the orchestrator's grace before SIGKILL is longer."""
+    for name in ("gateway", "executor"):
+        command = " ".join(compose["services"][name]["command"])
+        assert compose["services"][name]["stop_grace_period"] == "45s" and "--drain-grace-s 30" in command, name
+    for overlay in ("cpu", "gpu"):
+        deployments = by_kind(render(K8S / "overlays" / overlay), "Deployment")
+        for name in ("gateway", "executor"):
+            pod = deployments[name]["spec"]["template"]["spec"]
+            args = pod["containers"][0]["args"]
+            grace = float(args[args.index("--drain-grace-s") + 1])
+            assert grace == 30 and pod["terminationGracePeriodSeconds"] == 45, (overlay, name)
+
+
 def test_compose_every_service_uses_its_own_certificate(compose):
     for name in SERVICES:
         command = " ".join(compose["services"][name]["command"])

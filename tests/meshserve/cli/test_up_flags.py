@@ -43,6 +43,7 @@ def test_up_flags_reach_each_service(started, tmp_path):
     assert gw[gw.index("--chat-template") + 1] == "{{ messages }}"
     http_port = int(gw[len(gw) - 1])
     assert gw[-2] == "--http-port" and http_port > 0 and mesh.http_address == f"127.0.0.1:{http_port}"
+    assert gw.count("--http-port") == 1  # the winner, resolved, passed once
 
 
 def test_up_passes_the_prefill_order_flags_to_the_executors(started):
@@ -101,6 +102,7 @@ def test_the_files_http_port_wins_over_ups_default_and_a_given_one_over_the_file
         mesh.scheduler_address = "127.0.0.1:1"
         gw = mesh._gateway_args()
         assert gw[-2:] == ["--http-port", expected] and mesh.http_address == f"127.0.0.1:{expected}"
+        assert gw.count("--http-port") == 1
 
 
 @pytest.mark.parametrize("section, key", [("gateway", "port"), ("executor", "scheduler")])

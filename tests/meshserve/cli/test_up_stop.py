@@ -1,0 +1,124 @@
+"""Stopping ``meshserve up``: the gateway first, with its calls in flight finished
+(gRPC and HTTP alike), then the executors, then the scheduler and the kvstore; every
+service in a process group of its own, so that a Ctrl-C at the terminal reaches
+only ``up``."""
+
+import asyncio
+import json
+import os
+
+import grpc
+import httpx2 as httpx
+import pytest
+
+from meshserve.cli.launcher import Mesh, MeshConfig, free_port
+from meshserve.cli.mesh import mesh_config
+from meshserve.client import build_request, channel, generate
+from meshserve.v1 import gateway_pb2_grpc
+from tests.support.mesh_harness import wait_for_condition
+
+
+def test_stop_order_is_gateway_then_executors_then_scheduler_and_kvstore():
+    mesh = Mesh(MeshConfig(port=1, gateway_args=["--drain-grace-s", "5"], executor_args=["--drain-grace-s", "7"]))
+    mesh.procs = [(name, None) for name in ("kvstore", "scheduler", "executor-0", "executor-1", "gateway")]
+    assert mesh.gateway_drain_grace_s() == 5.0
+    assert mesh.stop_order() == [(["gateway"], 15.0), (["executor-0", "executor-1"], 17.0),
+                                 (["scheduler", "kvstore"], 10.0)]
+    mesh.procs = [(name, None) for name in ("scheduler", "executor-0", "gateway")]  # no kvstore; defaults
+    mesh.config = MeshConfig(port=1)
+    assert mesh.stop_order() == [(["gateway"], 40.0), (["executor-0"], 40.0), (["scheduler"], 10.0)]
+
+
+MAX_TOKENS = 160  # long enough that both calls are still streaming when the stop begins
+
+
+@pytest.mark.model
+async def test_stop_lets_the_calls_in_flight_finish_before_the_mesh_goes(tmp_path):
+    config = mesh_config(free_port(), 1, "default", "float32", "256MiB", [], None, str(tmp_path), http_port=0,
+                         gateway_args=["--drain-grace-s", "120"])
+    mesh = Mesh(config)
+    await mesh.start()
+    procs = dict(mesh.procs)
+    try:
+        assert all(os.getpgid(p.pid) == p.pid for p in procs.values())  # a group each: Ctrl-C reaches only up
+        async with channel(mesh.gateway_address) as ch, httpx.AsyncClient(base_url=f"http://{mesh.http_address}",
+                                                                            timeout=None) as http:
+            stub = gateway_pb2_grpc.GatewayStub(ch)
+            model = (await http.get("/v1/models")).json()["data"][0]["id"]
+            grpc_tokens: list[int] = []
+            grpc_call = asyncio.create_task(generate(
+                stub, build_request("Tell me a long story.", max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True),
+                on_delta=lambda _text, ids: grpc_tokens.extend(ids)))
+            http_events: list[dict] = []
+
+            async def http_stream():
+                body = {"model": model, "messages": [{"role": "user", "content": "Count to a thousand."}],
+                        "max_tokens": MAX_TOKENS, "ignore_eos": True, "temperature": 0, "stream": True,
+                        "stream_options": {"include_usage": True}}
+                async with http.stream("POST", "/v1/chat/completions", json=body) as response:
+                    assert response.status_code == 200
+                    async for line in response.aiter_lines():
+                        if line.startswith("data: {"):
+                            http_events.append(json.loads(line[6:]))
+
+            http_call = asyncio.create_task(http_stream())
+            await wait_for_condition(lambda: grpc_tokens and len(http_events) > 1, what="both calls streaming")
+            stopping = asyncio.create_task(asyncio.to_thread(mesh.stop))
+            out = await grpc_call
+            await http_call
+            await stopping
+        assert out.finish_reason == "length" and len(out.token_ids) == MAX_TOKENS == len(grpc_tokens)
+        assert http_events[-1]["usage"]["completion_tokens"] == MAX_TOKENS
+        assert [e["choices"][0]["finish_reason"] for e in http_events if e["choices"]][-1] == "length"
+        assert {name: p.returncode for name, p in procs.items()} == {name: 0 for name in procs}
+        gateway_log = (tmp_path / "gateway.log").read_text()
+        assert "release of lease" not in gateway_log  # the scheduler was still up for every Release
+        assert "gateway stopping: new calls refused, 120 s for the calls in flight" in gateway_log
+    finally:
+        mesh.stop()
+
+
+@pytest.mark.model
+async def test_a_call_after_the_gateway_began_stopping_is_unavailable(tmp_path):
+    config = mesh_config(free_port(), 1, "default", "float32", "256MiB", [], None, str(tmp_path),
+                         gateway_args=["--drain-grace-s", "120"])
+    mesh = Mesh(config)
+    await mesh.start()
+    procs = dict(mesh.procs)
+    try:
+        async with channel(mesh.gateway_address) as ch:
+            stub = gateway_pb2_grpc.GatewayStub(ch)
+            tokens: list[int] = []
+            long_call = asyncio.create_task(generate(
+                stub, build_request("Tell me a long story.", max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True),
+                on_delta=lambda _text, ids: tokens.extend(ids)))
+            await wait_for_condition(lambda: tokens, what="the long call streaming")
+            stopping = asyncio.create_task(asyncio.to_thread(mesh.stop))
+            await _wait_refused(mesh.gateway_address)
+            with pytest.raises(grpc.aio.AioRpcError) as info:
+                await generate(stub, build_request("Hello", max_tokens=4), timeout=60)
+            assert info.value.code() == grpc.StatusCode.UNAVAILABLE
+            assert len((await long_call).token_ids) == MAX_TOKENS
+            await stopping
+        assert {name: p.returncode for name, p in procs.items()} == {name: 0 for name in procs}
+    finally:
+        mesh.stop()
+
+
+async def _wait_refused(address: str) -> None:
+    """Polls the gateway's grpc.health.v1 until the call itself is refused (UNAVAILABLE):
+    the server has begun its graceful stop."""
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + 120  # a hang bound
+    async with channel(address) as ch:
+        stub = health_pb2_grpc.HealthStub(ch)
+        while True:
+            try:
+                await stub.Check(health_pb2.HealthCheckRequest(), timeout=10)
+            except grpc.aio.AioRpcError as exc:
+                if exc.code() == grpc.StatusCode.UNAVAILABLE:
+                    return
+            assert loop.time() < deadline, "the gateway never refused a call"
+            await asyncio.sleep(0.02)
