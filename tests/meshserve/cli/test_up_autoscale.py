@@ -150,9 +150,11 @@ async def test_up_autoscale_from_zero_starts_an_executor_for_a_waiting_request(t
         print(f"from zero: executor-1 ready {ready - start:.1f} s after its start, the request done "
               f"{done - start:.1f} s after it, drained {when[('drain', 'executor-1')] - ready:.1f} s after ready")
         assert done - start <= (ready - start) + 10.0
-        # the idle window (4 s) runs from readiness: from the registration, which the readiness
-        # watch sees up to ~1.2 s later (its reconnect backoff is capped at 1 s, polls 0.2 s)
-        assert when[("drain", "executor-1")] - ready >= 4.0 - 1.2
+        # the idle window (4 s) runs from readiness (the registration), not from the start (7-8 s
+        # before it): counted from the start, the drain would come at once. The readiness watch
+        # sees the registration ~1.2 s late on a quiet host (its reconnect backoff is capped at
+        # 1 s, it polls every 0.2 s), later on a loaded one: 2.5 s of that are allowed
+        assert when[("drain", "executor-1")] - ready >= 4.0 - 2.5, when
         assert mesh.exit_code("executor-1") == 0 and mesh.exit_code("executor-0") == -9
         assert mesh.executor_names == [] and mesh.exited() == []
     finally:
