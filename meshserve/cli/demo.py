@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import shutil
+import signal
 import tempfile
 import time
 from pathlib import Path
@@ -79,7 +80,11 @@ async def _run(mesh: Mesh, max_tokens: int, console: Console) -> int:
 
 
 def run_demo(port: int, executors: int, max_tokens: int) -> int:
-    """Runs the demo; returns the process exit code."""
+    """Runs the demo; returns the process exit code. SIGTERM and SIGHUP (the terminal
+    closed) stop it as Ctrl-C does: the services, in process groups of their own, get
+    neither, and are stopped in order."""
+    for sig in (signal.SIGTERM, signal.SIGHUP):
+        signal.signal(sig, signal.default_int_handler)
     console = Console()
     log_dir = Path(tempfile.mkdtemp(prefix="meshserve-demo-"))
     mesh = Mesh(MeshConfig(port=port or free_port(), executors=executors, log_dir=log_dir, cpu_affinity=True))

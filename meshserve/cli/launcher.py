@@ -24,18 +24,15 @@ import signal
 import socket
 import subprocess
 import sys
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from meshserve.certs import has_certs, write_certs
+from meshserve.cli.stop_order import DRAIN_GRACE_S, stop_in_order, stop_order
 from meshserve.cpu_affinity import ENV as CPU_AFFINITY_ENV
 from meshserve.cpu_affinity import CpuPlan, format_cpu_list, plan_cpus, usable_cpus
 from meshserve.grpc_server import LIVENESS_SERVICE, wait_serving
 from meshserve.tls import PLAINTEXT, TLSConfig
-
-DRAIN_GRACE_S = 30.0  # the gateway's and the executors' --drain-grace-s default
-STOP_MARGIN_S = 10.0  # what stop() allows a service beyond its drain (or a service with none) before SIGKILL
 
 
 def default_threads_per_executor(executors: int) -> int:
@@ -387,40 +384,16 @@ class Mesh:
         return float(_last_value(self.config.gateway_args, "--drain-grace-s") or DRAIN_GRACE_S)
 
     def stop_order(self) -> list[tuple[list[str], float]]:
-        """The services ``stop`` stops, tier by tier, each with how long it may take
-        (seconds): the gateway first (its calls in flight finish within its
-        ``--drain-grace-s``), then the executors (they drain: nothing runs there any
-        more), then the scheduler and the kvstore, which the others needed until then."""
+        """The services, tier by tier, with each tier's bound (``meshserve.cli.stop_order``)."""
         executor_grace = float(_last_value(self.config.executor_args, "--drain-grace-s") or DRAIN_GRACE_S)
-        names = [name for name, _ in self.procs]
-        executors = [n for n in names if n not in ("gateway", "scheduler", "kvstore")]
-        tiers = [(["gateway"], self.gateway_drain_grace_s() + STOP_MARGIN_S),
-                 (executors, executor_grace + STOP_MARGIN_S), (["scheduler", "kvstore"], STOP_MARGIN_S)]
-        return [([n for n in tier if n in names], bound) for tier, bound in tiers]
+        return stop_order([name for name, _ in self.procs], self.gateway_drain_grace_s(), executor_grace)
 
     def stop(self) -> None:
-        """Stops every service in ``stop_order``: SIGTERM to a tier, SIGKILL to what of
-        it still runs after the tier's bound, then the next tier. A second Ctrl-C
-        (KeyboardInterrupt) while it waits kills every service at once."""
-        procs = dict(self.procs)
+        """Stops every service in ``stop_order`` (``stop_in_order``: SIGTERM, SIGKILL
+        past a tier's bound). A second Ctrl-C while it waits kills every service
+        (and raises KeyboardInterrupt)."""
         try:
-            for tier, bound in self.stop_order():
-                running = [procs[n] for n in tier if procs[n].poll() is None]
-                for proc in running:
-                    proc.send_signal(signal.SIGTERM)
-                deadline = time.monotonic() + bound
-                for proc in running:
-                    try:
-                        proc.wait(timeout=max(0.1, deadline - time.monotonic()))
-                    except subprocess.TimeoutExpired:
-                        proc.kill()
-                        proc.wait()
-        except KeyboardInterrupt:
-            for proc in procs.values():
-                if proc.poll() is None:
-                    proc.kill()
-                    proc.wait()
-            raise
+            stop_in_order(dict(self.procs), self.stop_order())
         finally:
             self.procs.clear()
 

@@ -9,6 +9,7 @@ are imported when a command runs, so that ``meshserve --help`` stays fast.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import math
 import signal
 import sys
@@ -278,7 +279,7 @@ def up(
 
 def run_mesh(mesh) -> None:
     """Starts ``mesh``, prints its addresses (and where its certificates are, for
-    clients, under ``--tls-dir``), waits for Ctrl-C or SIGTERM (with
+    clients, under ``--tls-dir``), waits for Ctrl-C, SIGTERM or SIGHUP (with
     ``config.autoscale``, starting and draining executors as the planner says),
     stops it.
 
@@ -287,7 +288,8 @@ def run_mesh(mesh) -> None:
     """
     scale = mesh.config.autoscale
     stop = threading.Event()
-    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    for sig in (signal.SIGTERM, signal.SIGHUP):  # SIGHUP: the terminal closed; the services, in process
+        signal.signal(sig, lambda *_: stop.set())  # groups of their own, do not get it and must be stopped
     failed = False
     try:  # start() stops whatever it started when it fails
         asyncio.run(mesh.start())
@@ -324,8 +326,10 @@ def run_mesh(mesh) -> None:
     except KeyboardInterrupt:
         pass
     finally:
-        typer.echo(f"stopping: the gateway finishes the calls in flight (at most {mesh.gateway_drain_grace_s():g} s), "
-                   "then the executors, the scheduler and the kvstore stop; Ctrl-C again kills every service")
+        with contextlib.suppress(OSError):  # the terminal may be gone (SIGHUP): stop the services anyway
+            typer.echo(f"stopping: the gateway finishes the calls in flight (at most "
+                       f"{mesh.gateway_drain_grace_s():g} s), then the executors, the scheduler and the kvstore "
+                       "stop; Ctrl-C again kills every service")
         try:
             mesh.stop()
         except KeyboardInterrupt:

@@ -18,5 +18,6 @@ PROCESS_FILES = frozenset({
     "tests/meshserve/cli/test_tls_cli.py",
     "tests/meshserve/cli/test_up_autoscale.py",
     "tests/meshserve/cli/test_up_cpu_affinity.py",
+    "tests/meshserve/cli/test_up_stop.py",
     "tests/scheduler/test_cold_start.py",
 })

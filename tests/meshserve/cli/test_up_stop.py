@@ -6,6 +6,10 @@ only ``up``."""
 import asyncio
 import json
 import os
+import signal
+import subprocess
+import sys
+import time
 
 import grpc
 import httpx2 as httpx
@@ -122,3 +126,57 @@ async def _wait_refused(address: str) -> None:
                     return
             assert loop.time() < deadline, "the gateway never refused a call"
             await asyncio.sleep(0.02)
+
+
+def _children(pid: int) -> list[int]:
+    """The pids whose parent is ``pid`` (from /proc)."""
+    out = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                stat = open(f"/proc/{entry}/stat").read()  # noqa: SIM115 - read at once
+            except OSError:
+                continue
+            if int(stat.rsplit(")", 1)[1].split()[1]) == pid:
+                out.append(int(entry))
+    return out
+
+
+@pytest.mark.model
+@pytest.mark.parametrize("how", ["ctrl-c at the terminal", "terminal closed"])
+def test_up_stopped_from_its_terminal_stops_every_service_in_order(how, tmp_path):
+    """Ctrl-C sends SIGINT to the terminal's foreground process group, which holds
+    ``up`` alone; a closed terminal sends ``up`` SIGHUP, which the services, in groups
+    of their own, never get. Either way ``up`` stops them all in order and exits 0."""
+    up = subprocess.Popen([sys.executable, "-m", "meshserve.cli", "up", "--port", str(free_port()),
+                           "--executors", "1", "--dtype", "float32", "--kv-cache-memory", "256MiB", "--no-metrics",
+                           "--log-dir", str(tmp_path)],
+                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    services: list[int] = []
+    try:
+        lines = []
+        deadline = time.monotonic() + 300  # a hang bound (the model loads)
+        while not any(line.startswith("meshserve is up") for line in lines):
+            assert up.poll() is None and time.monotonic() < deadline, "".join(lines)
+            lines.append(up.stdout.readline())
+        services = _children(up.pid)
+        assert len(services) == 3  # scheduler, executor-0, gateway
+        assert all(os.getpgid(pid) == pid for pid in services)
+        if how == "ctrl-c at the terminal":
+            os.killpg(up.pid, signal.SIGINT)  # the foreground group: up alone
+        else:
+            up.send_signal(signal.SIGHUP)
+        rest, _ = up.communicate(timeout=300)
+        assert up.returncode == 0, "".join(lines) + rest
+        assert "stopping: the gateway finishes the calls in flight (at most 30 s)" in rest
+        assert rest.rstrip().endswith("meshserve stopped.")
+        for pid in services:  # every service exited (and was reaped by up)
+            with pytest.raises(ProcessLookupError):
+                os.kill(pid, 0)
+    finally:
+        for pid in [up.pid, *services]:  # a failed test leaves no process behind
+            try:
+                os.killpg(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        up.wait()

@@ -1,0 +1,58 @@
+"""The order in which ``meshserve up`` stops its services, and the stop itself.
+
+The gateway goes first: it refuses new calls and lets those in flight finish
+within its ``--drain-grace-s``, which needs every other service still up. Then
+the executors, which drain at once since nothing runs there any more; then the
+scheduler and the kvstore, which every step and every Release needed until then.
+This is the order Kubernetes gives a rollout of the gateway alone, and the one
+that loses nothing when the whole mesh stops (``docs/deploy.md``).
+"""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import time
+
+DRAIN_GRACE_S = 30.0  # the gateway's and the executors' --drain-grace-s default
+STOP_MARGIN_S = 10.0  # what a service gets beyond its drain (or one with none) before SIGKILL
+
+SUPPORT_SERVICES = ("scheduler", "kvstore")
+
+
+def stop_order(names: list[str], gateway_grace_s: float, executor_grace_s: float) -> list[tuple[list[str], float]]:
+    """The tiers of services ``names`` (``gateway``, ``scheduler``, ``kvstore``, the
+    rest executors), first to last, each with its bound in seconds: a drain grace
+    plus ``STOP_MARGIN_S``."""
+    executors = [n for n in names if n not in ("gateway", *SUPPORT_SERVICES)]
+    tiers = [(["gateway"], gateway_grace_s + STOP_MARGIN_S), (executors, executor_grace_s + STOP_MARGIN_S),
+             (list(SUPPORT_SERVICES), STOP_MARGIN_S)]
+    return [([n for n in tier if n in names], bound) for tier, bound in tiers]
+
+
+def stop_in_order(procs: dict[str, subprocess.Popen], order: list[tuple[list[str], float]]) -> None:
+    """SIGTERM to each tier of ``order`` in turn, SIGKILL to what of it still runs
+    after the tier's bound (seconds), then the next tier.
+
+    Raises:
+        KeyboardInterrupt: a second Ctrl-C while it waited; every process of
+            ``procs`` was killed first.
+    """
+    try:
+        for tier, bound in order:
+            running = [procs[n] for n in tier if procs[n].poll() is None]
+            for proc in running:
+                proc.send_signal(signal.SIGTERM)
+            deadline = time.monotonic() + bound
+            for proc in running:
+                try:
+                    proc.wait(timeout=max(0.1, deadline - time.monotonic()))
+                except subprocess.TimeoutExpired:
+                    proc.kill()
+                    proc.wait()
+    except KeyboardInterrupt:
+        for proc in procs.values():
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+        raise
