@@ -161,6 +161,8 @@ async def start_local_mesh(engines: list[LLMEngine], tokenizer, tenants=None, kv
     gateway = await start_gateway(tokenizer, info, scheduler.address, 0, tenants=tenants, metrics_port=metrics_port,
                                   tls=role("gateway"), prefix_cache_scope=prefix_cache_scope,
                                   http_port=0 if http else None)
+    if executors:  # the gateway's readiness poll (every 0.5 s, 1 s timeout) has seen them: health and /ready say so
+        await wait_for_condition(lambda: gateway.servicer.readiness.ready is True, what="the gateway ready")
     mesh = LocalMesh(scheduler, gateway, executors, kv_service, secure=tls)
     mesh._channel = channel(gateway.address, mesh.tls("client"))
     mesh.stub = gateway_pb2_grpc.GatewayStub(mesh._channel)
