@@ -15,6 +15,7 @@ cancels the executor call and releases the lease.
 
 from __future__ import annotations
 
+import asyncio
 import time
 from contextlib import aclosing
 
@@ -159,3 +160,15 @@ async def start_gateway(
             raise
         service.drained_alongside.append(service.http.stop)  # its calls in flight get the gRPC ones' grace
     return service
+
+
+async def stop_gateway(service: Service, grace_s: float) -> None:
+    """Stops a gateway from ``start_gateway`` without cutting what it serves: it
+    claims no more tasks other gateways left (``TaskRunner.drain``), reports
+    NOT_SERVING and refuses new calls, and lets the gRPC and HTTP calls in flight
+    and its running tasks finish for at most ``grace_s`` seconds; then it hands the
+    tasks still running back to a shared store (a memory store's end FAILED with
+    UNAVAILABLE) and closes its connections."""
+    servicer = service.servicer  # type: ignore[attr-defined]
+    await asyncio.gather(servicer.tasks.runner.drain(grace_s), service.stop(grace_s))
+    await servicer.close()

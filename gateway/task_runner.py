@@ -190,6 +190,7 @@ class TaskRunner:
         self._finals: set[asyncio.Task] = set()
         self._loops: list[asyncio.Task] = []
         self._closing = False
+        self._draining = False  # set by drain: nothing more is claimed from other gateways
         self._stopping = asyncio.Event()  # set by close: the loops stop between steps
 
     @property
@@ -272,6 +273,21 @@ class TaskRunner:
             self._final(cancelled)
         self._cancel(task_id)
         return cancelled or await self.get(tenant, task_id)  # it finished meanwhile
+
+    async def drain(self, grace_s: float) -> None:
+        """The start of a stop: claims no more tasks or callback deliveries that other
+        gateways left (a task claimed now would only be handed back, one attempt used),
+        keeps the leases of its own, and waits at most ``grace_s`` seconds for the
+        running tasks to finish (``close`` then hands back or fails the rest)."""
+        self._draining = True
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + grace_s
+        while self._running and (left := deadline - loop.time()) > 0:
+            tasks = {r.task for r in self._running.values() if r.task is not None}
+            if not tasks:
+                await asyncio.sleep(min(left, 0.05))
+                continue
+            await asyncio.wait(tasks, timeout=left, return_when=asyncio.FIRST_COMPLETED)
 
     async def close(self) -> None:
         """Stops claiming; every running task is handed back (shared store) or ends
@@ -475,7 +491,7 @@ class TaskRunner:
         if self.delivers_callbacks and self.on_final is not None:
             now = self.clock()
             for task_id in await self.store.claimable_callbacks(now):
-                if self._closing or task_id in self._delivering:
+                if self._closing or self._draining or task_id in self._delivering:
                     continue
                 record = await self.store.claim_callback(task_id, self.owner, now, self.lease_s)
                 if record is not None:
@@ -486,7 +502,7 @@ class TaskRunner:
     async def _take_over_tasks(self) -> None:
         now = self.clock()
         for task_id in await self.store.claimable(now):
-            if self._closing or task_id in self._running:
+            if self._closing or self._draining or task_id in self._running:
                 continue
             record = await self.store.claim(task_id, self.owner, now, self.lease_s)
             if record is None:

@@ -7,6 +7,7 @@ any other exception is our own bug and becomes INTERNAL (and is logged).
 
 from __future__ import annotations
 
+import inspect
 import logging
 from typing import Any, Callable
 
@@ -94,6 +95,9 @@ def _wrap_unary(fn: Callable[..., Any]) -> Callable[..., Any]:
 
 
 def _wrap_stream(fn: Callable[..., Any]) -> Callable[..., Any]:
+    if not inspect.isasyncgenfunction(fn):  # writes with context.write (health's Watch): awaited, not iterated
+        return _wrap_unary(fn)
+
     async def wrapper(request: Any, context: grpc.aio.ServicerContext) -> Any:
         try:
             async for item in fn(request, context):

@@ -12,11 +12,11 @@ from typing import Awaitable, Callable
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from grpc_health.v1._async import HealthServicer
 from grpc_reflection.v1alpha import reflection
 
 from meshserve.authz import GuardInterceptor
 from meshserve.errors import ErrorInterceptor
+from meshserve.health_servicer import DrainingHealthServicer
 from meshserve.roles import ROLE_TABLE
 from meshserve.tls import PLAINTEXT, TLSConfig
 
@@ -90,7 +90,7 @@ class Service:
         self.tls = tls
         guard = GuardInterceptor(ROLE_TABLE if tls.enabled else None)
         self.server = grpc.aio.server(interceptors=[ErrorInterceptor(), guard], options=SERVER_OPTIONS)
-        self.health = HealthServicer()
+        self.health = DrainingHealthServicer()  # its Watch streams end at a stop: they never hold the drain
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         try:
             if tls.enabled:

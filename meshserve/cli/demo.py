@@ -93,6 +93,7 @@ def run_demo(port: int, executors: int, max_tokens: int) -> int:
         resolve_model(mesh.config.model)
     except FileNotFoundError as exc:  # the bundled model's package is missing
         console.print(f"error: {exc}")
+        shutil.rmtree(log_dir, ignore_errors=True)  # nothing was logged there
         return 1
     console.print(f"Starting the mesh (scheduler, {executors} executor(s), gateway); logs in {log_dir} …")
     rc = 1
@@ -108,7 +109,8 @@ def run_demo(port: int, executors: int, max_tokens: int) -> int:
         rc = 130
     finally:
         try:
-            mesh.stop()
+            if mesh.stop() and rc == 0:  # a service had to be killed: its log says why
+                rc = 1
         except KeyboardInterrupt:  # a second Ctrl-C: every service was killed
             rc = 130
         if rc == 0:  # the logs are kept only when something went wrong

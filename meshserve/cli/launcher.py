@@ -154,6 +154,8 @@ class Mesh:
     """The processes of one local mesh."""
 
     def __init__(self, config: MeshConfig):
+        if not config.port:  # 0: a free port, chosen now (its address is what start() waits on)
+            config.port = free_port()
         self.config = config
         self.procs: list[tuple[str, subprocess.Popen]] = []
         self.gateway_address = f"127.0.0.1:{config.port}"
@@ -388,14 +390,19 @@ class Mesh:
         executor_grace = float(_last_value(self.config.executor_args, "--drain-grace-s") or DRAIN_GRACE_S)
         return stop_order([name for name, _ in self.procs], self.gateway_drain_grace_s(), executor_grace)
 
-    def stop(self) -> None:
+    def stop(self) -> list[str]:
         """Stops every service in ``stop_order`` (``stop_in_order``: SIGTERM, SIGKILL
-        past a tier's bound). A second Ctrl-C while it waits kills every service
-        (and raises KeyboardInterrupt)."""
+        past a tier's bound); returns the services that had to be killed. A second
+        Ctrl-C while it waits kills every service (and raises KeyboardInterrupt)."""
         try:
-            stop_in_order(dict(self.procs), self.stop_order())
+            return stop_in_order(dict(self.procs), self.stop_order())
         finally:
             self.procs.clear()
+
+    def is_running(self, name: str) -> bool:
+        """Whether service ``name`` was started and has not exited."""
+        proc = dict(self.procs).get(name)
+        return proc is not None and proc.poll() is None
 
     def exit_code(self, name: str) -> int | None:
         """A service's exit code, or None while it runs."""

@@ -327,13 +327,16 @@ def run_mesh(mesh) -> None:
         pass
     finally:
         with contextlib.suppress(OSError):  # the terminal may be gone (SIGHUP): stop the services anyway
-            typer.echo(f"stopping: the gateway finishes the calls in flight (at most "
-                       f"{mesh.gateway_drain_grace_s():g} s), then the executors, the scheduler and the kvstore "
-                       "stop; Ctrl-C again kills every service")
+            first = ("the gateway finishes the calls in flight (at most "
+                     f"{mesh.gateway_drain_grace_s():g} s), then " if mesh.is_running("gateway") else "")
+            typer.echo(f"stopping: {first}the executors, the scheduler and the kvstore stop; "
+                       "Ctrl-C again kills every service")
         try:
-            mesh.stop()
+            killed = mesh.stop()
         except KeyboardInterrupt:
-            typer.echo("killed every service", err=True)
+            killed = ["every service"]
+        if killed:
+            typer.echo(f"killed: {', '.join(killed)} (did not stop in time, or Ctrl-C again)", err=True)
             failed = True
         typer.echo("meshserve stopped.")
     if failed:

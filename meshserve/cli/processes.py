@@ -22,7 +22,7 @@ from gateway.prompt_limits import PromptLimits
 from gateway.result_cache import ResultCache
 from gateway.result_store import RedisResultStore
 from gateway.request import ModelInfo
-from gateway.server import start_gateway
+from gateway.server import start_gateway, stop_gateway
 from gateway.task_runner import TaskRunner
 from gateway.task_store_registry import open_task_store
 from gateway.tenants import TenantRegistry
@@ -358,9 +358,9 @@ async def run_gateway(model: str | ModelSource, port: int, host: str, scheduler:
                  _health_note(holder["svc"]))
 
     async def stop():
-        log.info("gateway stopping: new calls refused, %.3g s for the calls in flight", drain_grace_s)
-        await holder["svc"].stop(drain_grace_s)
-        await holder["svc"].servicer.close()
+        log.info("gateway stopping: new calls refused, %g s for the calls in flight and the running tasks",
+                 drain_grace_s)
+        await stop_gateway(holder["svc"], drain_grace_s)
         shutdown_tracing()
 
     await run_until_signal(start, stop)

@@ -10,9 +10,12 @@ that loses nothing when the whole mesh stops (``docs/deploy.md``).
 
 from __future__ import annotations
 
+import logging
 import signal
 import subprocess
 import time
+
+log = logging.getLogger(__name__)
 
 DRAIN_GRACE_S = 30.0  # the gateway's and the executors' --drain-grace-s default
 STOP_MARGIN_S = 10.0  # what a service gets beyond its drain (or one with none) before SIGKILL
@@ -30,29 +33,37 @@ def stop_order(names: list[str], gateway_grace_s: float, executor_grace_s: float
     return [([n for n in tier if n in names], bound) for tier, bound in tiers]
 
 
-def stop_in_order(procs: dict[str, subprocess.Popen], order: list[tuple[list[str], float]]) -> None:
+def stop_in_order(procs: dict[str, subprocess.Popen], order: list[tuple[list[str], float]]) -> list[str]:
     """SIGTERM to each tier of ``order`` in turn, SIGKILL to what of it still runs
     after the tier's bound (seconds), then the next tier.
 
+    Returns:
+        The services that had to be killed (each also logged as a warning).
+
     Raises:
         KeyboardInterrupt: a second Ctrl-C while it waited; every process of
-            ``procs`` was killed first.
+            ``procs`` was killed first, in ``order`` (the gateway first).
     """
+    killed: list[str] = []
     try:
         for tier, bound in order:
-            running = [procs[n] for n in tier if procs[n].poll() is None]
-            for proc in running:
+            running = [(n, procs[n]) for n in tier if procs[n].poll() is None]
+            for _, proc in running:
                 proc.send_signal(signal.SIGTERM)
             deadline = time.monotonic() + bound
-            for proc in running:
+            for name, proc in running:
                 try:
                     proc.wait(timeout=max(0.1, deadline - time.monotonic()))
                 except subprocess.TimeoutExpired:
+                    log.warning("%s did not stop within %g s of its SIGTERM: killed", name, bound)
+                    killed.append(name)
                     proc.kill()
                     proc.wait()
     except KeyboardInterrupt:
-        for proc in procs.values():
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait()
+        for tier, _ in order:
+            for name in tier:
+                if procs[name].poll() is None:
+                    procs[name].kill()
+                    procs[name].wait()
         raise
+    return killed

@@ -180,6 +180,48 @@ async def test_a_stopping_gateway_hands_its_tasks_back(pair):
         await a.runner.submit(new("late"), blocked)      # a stopping gateway accepts no task
 
 
+async def test_a_draining_gateway_claims_nothing_and_lets_its_running_task_finish(pair):
+    """A stopping gateway's drain: B's task, handed back while A drains, is not claimed
+    by A (it would only be handed back again, one attempt used); A's own running task
+    finishes within the grace (attempt 1, its result), and the drain returns then."""
+    a, b, clock, finals = pair
+    release = asyncio.Event()
+
+    async def slow(hooks) -> bytes:
+        await hooks()
+        await release.wait()
+        return b"gw-a own"
+
+    await a.runner.submit(new("own"), slow)
+    await wait_for_condition(lambda: a.runner.num_running == 1, what="A running its task")
+    draining = asyncio.create_task(a.runner.drain(600.0))
+    await b.runner.submit(new("left"), blocked)
+    await wait_for_condition(lambda: b.runner.num_running == 1, what="B running its task")
+    await b.runner.close()                              # B stops: "left" is handed back, claimable at once
+    assert (await b.store.claimable(clock())) == ["left"]
+    for _ in range(20):                                 # A's takeover loop polls every 0.02 s: 20 polls
+        await a.runner._take_over()
+    assert not draining.done() and a.runner.num_running == 1
+    left = await a.store.get("left")
+    assert (left.state, left.owner, left.attempt) == (TaskState.QUEUED, "", 1)
+    release.set()
+    await asyncio.wait_for(draining, 60)                # returns once its own task finished
+    own = await final_state(a.store, "own")
+    assert (own.state, own.result, own.attempt) == (TaskState.SUCCEEDED, b"gw-a own", 1)
+    assert (await a.store.get("left")).attempt == 1     # still unclaimed
+
+
+async def test_a_drain_returns_after_its_grace_and_close_hands_the_rest_back(pair):
+    a, b, clock, finals = pair
+    await a.runner.submit(new("long"), blocked)
+    await wait_for_condition(lambda: a.runner.num_running == 1, what="A running")
+    await a.runner.drain(0.2)                           # the grace passes: the task still runs
+    assert a.runner.num_running == 1
+    await a.runner.close()
+    record = await a.store.get("long")
+    assert (record.state, record.owner, record.last_error) == (TaskState.QUEUED, "", "handed back: its gateway stopped")
+
+
 async def test_an_executor_lost_mid_task_is_retried_with_one_result(pair):
     a, b, clock, finals = pair
 

@@ -165,6 +165,30 @@ async def test_close_fails_running_tasks_as_unavailable():
     assert runner.num_running == 0
 
 
+async def test_a_drain_lets_a_running_task_finish_before_close():
+    """A stopping gateway with the memory store: its running task finishes within the
+    drain's grace and is SUCCEEDED, not failed UNAVAILABLE by the close."""
+    runner = TaskRunner(MemoryTaskStore())
+    entered, release = asyncio.Event(), asyncio.Event()
+
+    async def slow(mark):
+        await mark()
+        entered.set()
+        await release.wait()
+        return b"done"
+
+    await runner.submit(new("t"), slow)
+    await asyncio.wait_for(entered.wait(), 60)
+    draining = asyncio.create_task(runner.drain(600.0))
+    await asyncio.sleep(0)
+    assert not draining.done()
+    release.set()
+    await asyncio.wait_for(draining, 60)
+    await runner.close()
+    rec = await runner.get("acme", "t")
+    assert (rec.state, rec.result) == (TaskState.SUCCEEDED, b"done")
+
+
 async def test_close_right_after_submit_still_runs_the_works_cleanup():
     """A gateway stopping right after a submit (before the task's first step) must still
     end the task FAILED/UNAVAILABLE and let its work run its cleanup (metrics, request id)."""

@@ -106,7 +106,10 @@ async def test_a_sigkilled_gateways_tasks_finish_once_on_another_gateway(mesh, s
 
 async def test_a_sigtermed_gateway_hands_its_tasks_over(mesh, survivor, redis_url, tmp_path):
     refs = [await generate(mesh.stub, r) for r in requests()]
-    doomed = await GatewayProcess(mesh.scheduler.address, redis_url, tmp_path / "stopped.log").ready()
+    # its drain lets running tasks finish for --drain-grace-s; the engine is held through it, so
+    # after 1 s the gateway hands them back
+    doomed = await GatewayProcess(mesh.scheduler.address, redis_url, tmp_path / "stopped.log",
+                                  ("--drain-grace-s", "1")).ready()
     try:
         handles, ended = await hand_over(mesh, doomed, lambda proc: proc.send_signal(signal.SIGTERM))
         assert doomed.proc.returncode == 0

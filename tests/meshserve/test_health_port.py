@@ -4,6 +4,7 @@ port, serves nothing else, and starts and stops with the service."""
 
 from __future__ import annotations
 
+import asyncio
 import socket
 
 import grpc
@@ -15,6 +16,7 @@ from meshserve.grpc_server import (EXECUTORS_HEALTH_SERVICE, LIVENESS_SERVICE, N
 from meshserve.tls import PLAINTEXT
 from meshserve.v1 import kvstore_pb2, scheduler_pb2
 from scheduler.server import start_scheduler
+from tests.support.mesh_harness import wait_for_condition
 from tests.support.tls import role_tls
 
 REFLECTION = "/grpc.reflection.v1alpha.ServerReflection/ServerReflectionInfo"
@@ -113,3 +115,31 @@ async def test_a_busy_health_port_is_refused_naming_the_flag():
             Service("meshserve.v1.KVStore", 0, tls=role_tls("kvstore"), health_port=port)
     assert str(err.value) == (f"meshserve.v1.KVStore: cannot listen on 127.0.0.1:{port} for health (port in use "
                               "or not allowed); choose one with --health-port")
+
+
+async def _watch(address: str, tls, statuses: list[int], service: str = "") -> grpc.StatusCode:
+    """grpc.health.v1 Watch at ``address`` until its stream ends; each status seen is
+    appended to ``statuses``; returns the call's final code."""
+    async with open_channel(address, tls) as ch:
+        call = health_pb2_grpc.HealthStub(ch).Watch(health_pb2.HealthCheckRequest(service=service))
+        async for resp in call:
+            statuses.append(resp.status)
+        return await call.code()
+
+
+@pytest.mark.parametrize("port", ["tls", "health"])
+async def test_watch_follows_the_status_and_ends_at_the_stop_without_holding_the_drain(port):
+    """Watch (a client's health checking) streams every change, then, at a stop, the
+    shutdown's NOT_SERVING and the end of the stream (OK): it never holds a drain for its
+    grace (600 s here: the 60 s bound would catch it). Before, the error interceptor
+    answered Watch INTERNAL at once."""
+    svc = await start_scheduler(0, tls=role_tls("scheduler"), health_port=0)
+    address, tls = ((svc.address, role_tls("gateway")) if port == "tls" else (svc.health_address, PLAINTEXT))
+    statuses: list[int] = []
+    watch = asyncio.create_task(_watch(address, tls, statuses, EXECUTORS_HEALTH_SERVICE))
+    await wait_for_condition(lambda: statuses == [NOT_SERVING], what="the first status")  # no executor yet
+    await svc.health.set(EXECUTORS_HEALTH_SERVICE, SERVING)
+    await wait_for_condition(lambda: statuses == [NOT_SERVING, SERVING], what="the change")
+    await asyncio.wait_for(svc.stop(600.0), 60)
+    assert await asyncio.wait_for(watch, 60) == grpc.StatusCode.OK
+    assert statuses == [NOT_SERVING, SERVING, NOT_SERVING]

@@ -33,6 +33,55 @@ def test_stop_order_is_gateway_then_executors_then_scheduler_and_kvstore():
     assert mesh.stop_order() == [(["gateway"], 40.0), (["executor-0"], 40.0), (["scheduler"], 10.0)]
 
 
+CHILD = """
+import signal, sys, time
+name, path, obey = sys.argv[1], sys.argv[2], sys.argv[3] == "1"
+def on_term(*_):
+    open(path, "a").write(name + "\\n")
+    if obey:
+        sys.exit(0)
+signal.signal(signal.SIGTERM, on_term)
+open(path + "." + name, "w").close()
+while True:
+    time.sleep(0.05)
+"""
+
+
+def test_stop_in_order_signals_tier_by_tier_and_kills_and_names_what_outlives_its_bound(tmp_path):
+    """The gateway ignores SIGTERM here: it is killed after its bound (and named); the
+    executors get SIGTERM only then, the scheduler and kvstore last."""
+    from meshserve.cli.stop_order import stop_in_order, stop_order
+
+    log = tmp_path / "sigterms"
+    names = ["kvstore", "scheduler", "executor-0", "executor-1", "gateway"]
+    procs = {n: subprocess.Popen([sys.executable, "-c", CHILD, n, str(log), "0" if n == "gateway" else "1"])
+             for n in names}
+    try:
+        for n in names:  # each has its handler installed
+            deadline = time.monotonic() + 60
+            while not (tmp_path / f"sigterms.{n}").exists():
+                assert time.monotonic() < deadline
+                time.sleep(0.02)
+        order = stop_order(names, 0.5, 30.0)
+        order[0] = (order[0][0], 0.5)  # the gateway's bound: 0.5 s, not its grace + 10 s
+        assert stop_in_order(procs, order) == ["gateway"]
+        received = log.read_text().split()
+        assert received[0] == "gateway" and set(received[1:3]) == {"executor-0", "executor-1"}
+        assert set(received[3:]) == {"scheduler", "kvstore"} and len(received) == 5
+        assert procs["gateway"].returncode == -signal.SIGKILL
+        assert all(procs[n].returncode == 0 for n in names[:-1])
+    finally:
+        for proc in procs.values():
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+
+
+def test_up_port_zero_is_a_free_port_chosen_at_once():
+    mesh = Mesh(MeshConfig(port=0))
+    assert mesh.config.port > 0 and mesh.gateway_address == f"127.0.0.1:{mesh.config.port}"
+
+
 MAX_TOKENS = 160  # long enough that both calls are still streaming when the stop begins
 
 
@@ -77,7 +126,7 @@ async def test_stop_lets_the_calls_in_flight_finish_before_the_mesh_goes(tmp_pat
         assert {name: p.returncode for name, p in procs.items()} == {name: 0 for name in procs}
         gateway_log = (tmp_path / "gateway.log").read_text()
         assert "release of lease" not in gateway_log  # the scheduler was still up for every Release
-        assert "gateway stopping: new calls refused, 120 s for the calls in flight" in gateway_log
+        assert "gateway stopping: new calls refused, 120 s for the calls in flight and the running tasks" in gateway_log
     finally:
         mesh.stop()
 
