@@ -77,6 +77,38 @@ def test_stop_in_order_signals_tier_by_tier_and_kills_and_names_what_outlives_it
                 proc.wait()
 
 
+def test_a_second_ctrl_c_while_stopping_kills_every_service_and_is_raised(tmp_path):
+    """Ctrl-C (KeyboardInterrupt, here from a SIGALRM handler) while ``stop_in_order``
+    waits for a gateway that drains for a minute: every service is killed, none left."""
+    from meshserve.cli.stop_order import stop_in_order, stop_order
+
+    names = ["scheduler", "executor-0", "gateway"]
+    procs = {n: subprocess.Popen([sys.executable, "-c", CHILD, n, str(tmp_path / "log"), "0"]) for n in names}
+
+    def ctrl_c(*_):
+        raise KeyboardInterrupt
+
+    previous = signal.signal(signal.SIGALRM, ctrl_c)
+    try:
+        for n in names:
+            deadline = time.monotonic() + 60
+            while not (tmp_path / f"log.{n}").exists():
+                assert time.monotonic() < deadline
+                time.sleep(0.02)
+        signal.setitimer(signal.ITIMER_REAL, 0.5)
+        with pytest.raises(KeyboardInterrupt):
+            stop_in_order(procs, stop_order(names, 60.0, 60.0))
+        assert (tmp_path / "log").read_text().split() == ["gateway"]  # only the first tier was asked
+        assert {n: p.returncode for n, p in procs.items()} == {n: -signal.SIGKILL for n in names}
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+        for proc in procs.values():
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+
+
 def test_up_port_zero_is_a_free_port_chosen_at_once():
     mesh = Mesh(MeshConfig(port=0))
     assert mesh.config.port > 0 and mesh.gateway_address == f"127.0.0.1:{mesh.config.port}"
