@@ -88,6 +88,17 @@ async def blocked(hooks) -> bytes:
     return b"never"
 
 
+def held_until_released(result: bytes):
+    """A work that marks itself running, then waits for the returned event; it returns ``result``."""
+    release = asyncio.Event()
+
+    async def work(hooks) -> bytes:
+        await hooks()
+        await release.wait()
+        return result
+    return release, work
+
+
 async def final_state(store, task_id: str) -> TaskRecord:
     """The record once it is finished (polled; the bound only catches a hang)."""
     holder = {}
@@ -126,13 +137,7 @@ async def test_a_stalled_holders_late_result_is_refused_by_its_attempt(pair):
     result, one callback."""
     a, b, clock, finals = pair
     b.runner.start()
-    release = asyncio.Event()
-
-    async def slow(hooks) -> bytes:
-        await hooks()
-        await release.wait()
-        return b"gw-a late"
-
+    release, slow = held_until_released(b"gw-a late")
     await a.runner.submit(new("held"), slow)
     await wait_for_condition(lambda: a.runner.num_running == 1, what="A running")
     a.stall()
@@ -185,13 +190,7 @@ async def test_a_draining_gateway_claims_nothing_and_lets_its_running_task_finis
     by A (it would only be handed back again, one attempt used); A's own running task
     finishes within the grace (attempt 1, its result), and the drain returns then."""
     a, b, clock, finals = pair
-    release = asyncio.Event()
-
-    async def slow(hooks) -> bytes:
-        await hooks()
-        await release.wait()
-        return b"gw-a own"
-
+    release, slow = held_until_released(b"gw-a own")
     await a.runner.submit(new("own"), slow)
     await wait_for_condition(lambda: a.runner.num_running == 1, what="A running its task")
     draining = asyncio.create_task(a.runner.drain(600.0))
