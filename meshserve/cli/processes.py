@@ -308,8 +308,9 @@ async def run_gateway(model: str | ModelSource, port: int, host: str, scheduler:
                       health_port: int | None = None, task_max_wait_s: float = 600.0,
                       drain_grace_s: float = 30.0) -> None:
     """Loads the tokenizer, serves the public Gateway until a signal; then it reports
-    NOT_SERVING, refuses new calls and lets the calls in flight (gRPC and HTTP) finish
-    for at most ``drain_grace_s`` seconds before it exits.
+    NOT_SERVING, refuses new calls and lets the calls in flight (gRPC and HTTP) and the
+    running tasks finish for at most ``drain_grace_s`` seconds before it exits
+    (``gateway.server.stop_gateway``).
 
     ``max_prompt_bytes`` / ``max_messages``: prompt caps checked before tokenizing
     (``gateway.prompt_limits``). ``prefix_cache_scope``: as the executors'.

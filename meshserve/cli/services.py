@@ -274,7 +274,8 @@ def gateway(
                                           "the scheduler's refusals (rate limits, a full queue) before it fails."),
     drain_grace_s: float = typer.Option(30.0, "--drain-grace-s", min=0.0,
                                         help="On SIGTERM or SIGINT: seconds to let the calls in flight (gRPC and "
-                                             "HTTP) finish, refusing new ones, before it exits."),
+                                             "HTTP) and the running tasks finish, refusing new calls, before it "
+                                             "hands back the tasks left and exits."),
     traces: Optional[str] = TracesOpt, otlp_endpoint: Optional[str] = OtlpOpt,
     trace_sample_ratio: Optional[float] = SampleOpt,
     metrics_port: Optional[int] = MetricsPortOpt,
