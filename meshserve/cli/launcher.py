@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from meshserve.certs import has_certs, write_certs
-from meshserve.cli.stop_order import DRAIN_GRACE_S, stop_in_order, stop_order
+from meshserve.cli.stop_order import DRAIN_GRACE_S, PARENT_ENV, stop_in_order, stop_order
 from meshserve.cpu_affinity import ENV as CPU_AFFINITY_ENV
 from meshserve.cpu_affinity import CpuPlan, format_cpu_list, plan_cpus, usable_cpus
 from meshserve.grpc_server import LIVENESS_SERVICE, wait_serving
@@ -243,6 +243,7 @@ class Mesh:
             self.config.log_dir.mkdir(parents=True, exist_ok=True)
             out = open(self.config.log_dir / f"{name}.log", "w")  # noqa: SIM115 - owned by the child
         env = dict(os.environ, PYTHONUNBUFFERED="1")
+        env[PARENT_ENV] = str(os.getpid())  # the service stops if this process dies (stop_with_parent)
         if cpus is None and self.cpu_plan is not None:
             cpus = self.cpu_plan.service_cpus
         if cpus is not None:

@@ -121,6 +121,9 @@ def serve(coro: Coroutine) -> None:
     Raises:
         typer.Exit: code 1 on ``ValueError``, ``OSError`` or ``TimeoutError``.
     """
+    from meshserve.cli.stop_order import stop_with_parent
+
+    stop_with_parent()  # started by meshserve up: stop if up dies without stopping us
     try:
         asyncio.run(coro)
     except (ValueError, OSError, TimeoutError) as exc:

@@ -10,9 +10,12 @@ that loses nothing when the whole mesh stops (``docs/deploy.md``).
 
 from __future__ import annotations
 
+import ctypes
 import logging
+import os
 import signal
 import subprocess
+import sys
 import time
 
 log = logging.getLogger(__name__)
@@ -21,6 +24,23 @@ DRAIN_GRACE_S = 30.0  # the gateway's and the executors' --drain-grace-s default
 STOP_MARGIN_S = 10.0  # what a service gets beyond its drain (or one with none) before SIGKILL
 
 SUPPORT_SERVICES = ("scheduler", "kvstore")
+
+PARENT_ENV = "MESHSERVE_STOP_WITH_PARENT"  # set by the launcher: the pid of ``up`` (or of the test or bench)
+PR_SET_PDEATHSIG = 1  # linux/prctl.h
+
+
+def stop_with_parent() -> None:
+    """In a service ``meshserve up`` started (``PARENT_ENV`` set to its pid): asks Linux
+    to send this process SIGTERM when ``up`` dies without stopping it (SIGKILL, a
+    crash), so that no service outlives it holding its ports; the service then stops
+    as on any SIGTERM. If ``up`` is already gone, SIGTERM is sent at once. Elsewhere,
+    or off Linux, it does nothing."""
+    parent = os.environ.get(PARENT_ENV)
+    if not parent or not sys.platform.startswith("linux"):
+        return
+    ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+    if os.getppid() != int(parent):  # it died before the prctl
+        os.kill(os.getpid(), signal.SIGTERM)
 
 
 def stop_order(names: list[str], gateway_grace_s: float, executor_grace_s: float) -> list[tuple[list[str], float]]:

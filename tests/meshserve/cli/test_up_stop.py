@@ -224,11 +224,22 @@ def _children(pid: int) -> list[int]:
 
 
 @pytest.mark.model
-@pytest.mark.parametrize("how", ["ctrl-c at the terminal", "terminal closed"])
+def _gone(pid: int) -> bool:
+    """The process exited (reaped, or a zombie nobody reaped yet)."""
+    try:
+        stat = open(f"/proc/{pid}/stat").read()  # noqa: SIM115 - read at once
+    except OSError:
+        return True
+    return stat.rsplit(")", 1)[1].split()[0] == "Z"
+
+
+@pytest.mark.parametrize("how", ["ctrl-c at the terminal", "terminal closed", "up killed"])
 def test_up_stopped_from_its_terminal_stops_every_service_in_order(how, tmp_path):
     """Ctrl-C sends SIGINT to the terminal's foreground process group, which holds
     ``up`` alone; a closed terminal sends ``up`` SIGHUP, which the services, in groups
-    of their own, never get. Either way ``up`` stops them all in order and exits 0."""
+    of their own, never get. Either way ``up`` stops them all in order and exits 0.
+    ``up`` SIGKILLed stops nothing itself: each service gets SIGTERM from Linux
+    (``stop_with_parent``) and exits, none is left holding its ports."""
     up = subprocess.Popen([sys.executable, "-m", "meshserve.cli", "up", "--port", str(free_port()),
                            "--executors", "1", "--dtype", "float32", "--kv-cache-memory", "256MiB", "--no-metrics",
                            "--log-dir", str(tmp_path)],
@@ -243,6 +254,14 @@ def test_up_stopped_from_its_terminal_stops_every_service_in_order(how, tmp_path
         services = _children(up.pid)
         assert len(services) == 3  # scheduler, executor-0, gateway
         assert all(os.getpgid(pid) == pid for pid in services)
+        if how == "up killed":
+            up.kill()
+            up.wait()
+            deadline = time.monotonic() + 120  # a hang bound
+            while not all(_gone(pid) for pid in services):
+                assert time.monotonic() < deadline, [pid for pid in services if not _gone(pid)]
+                time.sleep(0.05)
+            return
         if how == "ctrl-c at the terminal":
             os.killpg(up.pid, signal.SIGINT)  # the foreground group: up alone
         else:
