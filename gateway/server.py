@@ -170,5 +170,13 @@ async def stop_gateway(service: Service, grace_s: float) -> None:
     tasks still running back to a shared store (a memory store's end FAILED with
     UNAVAILABLE) and closes its connections."""
     servicer = service.servicer  # type: ignore[attr-defined]
-    await asyncio.gather(servicer.tasks.runner.drain(grace_s), service.stop(grace_s))
+    calls_done = asyncio.Event()  # a SubmitTask in flight may still add a task to drain
+
+    async def stop_calls() -> None:
+        try:
+            await service.stop(grace_s)
+        finally:
+            calls_done.set()
+
+    await asyncio.gather(servicer.tasks.runner.drain(grace_s, calls_done), stop_calls())
     await servicer.close()

@@ -191,6 +191,7 @@ class TaskRunner:
         self._loops: list[asyncio.Task] = []
         self._closing = False
         self._draining = False  # set by drain: nothing more is claimed from other gateways
+        self._claiming = asyncio.Lock()  # held by a takeover step (drain waits for the one under way)
         self._stopping = asyncio.Event()  # set by close: the loops stop between steps
 
     @property
@@ -274,20 +275,33 @@ class TaskRunner:
         self._cancel(task_id)
         return cancelled or await self.get(tenant, task_id)  # it finished meanwhile
 
-    async def drain(self, grace_s: float) -> None:
+    async def drain(self, grace_s: float, calls_done: asyncio.Event | None = None) -> None:
         """The start of a stop: claims no more tasks or callback deliveries that other
         gateways left (a task claimed now would only be handed back, one attempt used),
-        keeps the leases of its own, and waits at most ``grace_s`` seconds for the
-        running tasks to finish (``close`` then hands back or fails the rest)."""
+        keeps the leases of its own, and waits at most ``grace_s`` seconds until
+        nothing runs: no task, no callback delivery or final write, no takeover step
+        that was under way (what it claimed runs like any other task) and, with
+        ``calls_done``, no call in flight (until it is set: a SubmitTask in flight may
+        still add a task). ``close`` then hands back or fails what is left."""
         self._draining = True
+        calls = asyncio.ensure_future(calls_done.wait()) if calls_done is not None else None
         loop = asyncio.get_running_loop()
         deadline = loop.time() + grace_s
-        while self._running and (left := deadline - loop.time()) > 0:
-            tasks = {r.task for r in self._running.values() if r.task is not None}
-            if not tasks:
-                await asyncio.sleep(min(left, 0.05))
-                continue
-            await asyncio.wait(tasks, timeout=left, return_when=asyncio.FIRST_COMPLETED)
+        try:
+            while (left := deadline - loop.time()) > 0:
+                busy = {r.task for r in self._running.values() if r.task is not None} | set(self._finals)
+                if calls is not None and not calls.done():
+                    busy.add(calls)
+                if not busy and not self._running and not self._claiming.locked():
+                    return
+                # re-read at least every 0.1 s: a claim or a submit adds work without a task to wait on
+                if busy:
+                    await asyncio.wait(busy, timeout=min(left, 0.1), return_when=asyncio.FIRST_COMPLETED)
+                else:
+                    await asyncio.sleep(min(left, 0.1))
+        finally:
+            if calls is not None:
+                calls.cancel()
 
     async def close(self) -> None:
         """Stops claiming; every running task is handed back (shared store) or ends
@@ -486,7 +500,13 @@ class TaskRunner:
 
     async def _take_over(self) -> None:
         """Claims the tasks whose lease lapsed (or that were handed back) and runs them;
-        then the pending callbacks whose delivery lease lapsed, and delivers them."""
+        then the pending callbacks whose delivery lease lapsed, and delivers them.
+        Nothing while draining (``drain`` waits for a step under way)."""
+        async with self._claiming:
+            if not self._draining:
+                await self._take_over_step()
+
+    async def _take_over_step(self) -> None:
         await self._take_over_tasks()
         if self.delivers_callbacks and self.on_final is not None:
             now = self.clock()

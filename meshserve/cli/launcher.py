@@ -24,6 +24,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -236,7 +237,15 @@ class Mesh:
 
     def _spawn(self, name: str, args: list[str], cpus: tuple[int, ...] | None = None) -> None:
         """Starts ``meshserve ARGS`` as service ``name``, pinned to ``cpus`` when given
-        (else to the services' cores of ``cpu_plan``, when there is one)."""
+        (else to the services' cores of ``cpu_plan``, when there is one).
+
+        Raises:
+            RuntimeError: called from a thread other than the main one. Linux stops a
+                service when the thread that started it ends (``stop_with_parent``).
+        """
+        if threading.current_thread() is not threading.main_thread():
+            raise RuntimeError("Mesh starts its services from the main thread only: each is stopped when the "
+                               "thread that started it ends (meshserve.cli.stop_order.stop_with_parent)")
         cmd = [sys.executable, "-m", "meshserve.cli", *args]
         out = None
         if self.config.log_dir is not None:

@@ -34,7 +34,8 @@ def stop_with_parent() -> None:
     to send this process SIGTERM when ``up`` dies without stopping it (SIGKILL, a
     crash), so that no service outlives it holding its ports; the service then stops
     as on any SIGTERM. If ``up`` is already gone, SIGTERM is sent at once. Elsewhere,
-    or off Linux, it does nothing."""
+    or off Linux, it does nothing. Linux follows the thread that started the process,
+    not the whole launcher: ``Mesh`` starts services from its main thread only."""
     parent = os.environ.get(PARENT_ENV)
     if not parent or not sys.platform.startswith("linux"):
         return

@@ -210,6 +210,30 @@ async def test_a_draining_gateway_claims_nothing_and_lets_its_running_task_finis
     assert (await a.store.get("left")).attempt == 1     # still unclaimed
 
 
+async def test_a_takeover_step_under_way_when_the_drain_begins_runs_its_task_to_the_end(pair):
+    """A's takeover is claiming B's handed-back task (the claim takes 0.2 s here) when
+    A's drain begins: the drain waits for that step, and the task it claimed runs to
+    its end on A (attempt 2) instead of being handed back again (attempt 3 later)."""
+    a, b, clock, finals = pair
+    await b.runner.submit(new("left"), blocked)
+    await wait_for_condition(lambda: b.runner.num_running == 1, what="B running")
+    await b.runner.close()                              # handed back, claimable at once
+    claim, entered = a.store.claim, asyncio.Event()
+
+    async def slow_claim(*args, **kwargs):
+        entered.set()
+        await asyncio.sleep(0.2)
+        return await claim(*args, **kwargs)
+
+    a.store.claim = slow_claim
+    step = asyncio.create_task(a.runner._take_over())
+    await asyncio.wait_for(entered.wait(), 60)
+    await asyncio.wait_for(a.runner.drain(600.0), 60)  # returns once the claimed task finished
+    await step
+    record = await a.store.get("left")
+    assert (record.state, record.result, record.attempt) == (TaskState.SUCCEEDED, b"gw-a", 2)
+
+
 async def test_a_drain_returns_after_its_grace_and_close_hands_the_rest_back(pair):
     a, b, clock, finals = pair
     await a.runner.submit(new("long"), blocked)

@@ -4,6 +4,7 @@ cancellation (local, and from another gateway sharing a Redis store), shutdown."
 from __future__ import annotations
 
 import asyncio
+from dataclasses import replace
 
 import pytest
 
@@ -187,6 +188,51 @@ async def test_a_drain_lets_a_running_task_finish_before_close():
     await runner.close()
     rec = await runner.get("acme", "t")
     assert (rec.state, rec.result) == (TaskState.SUCCEEDED, b"done")
+
+
+async def test_a_drain_waits_for_a_task_submitted_by_a_call_still_in_flight():
+    """The drain began with nothing running; a SubmitTask in flight then adds a task:
+    the drain waits for it (the calls are done only later), so it finishes."""
+    runner = TaskRunner(MemoryTaskStore())
+    calls_done = asyncio.Event()
+    draining = asyncio.create_task(runner.drain(600.0, calls_done))
+    await asyncio.sleep(0.2)                            # two of the drain's 0.1 s looks: nothing runs yet
+    assert not draining.done()
+    release = asyncio.Event()
+
+    async def slow(mark):
+        await mark()
+        await release.wait()
+        return b"late"
+
+    await runner.submit(new("late"), slow)
+    calls_done.set()                                    # the submitting call returned
+    await asyncio.sleep(0.2)
+    assert not draining.done()                          # the task still runs
+    release.set()
+    await asyncio.wait_for(draining, 60)
+    await runner.close()
+    assert (await runner.get("acme", "late")).state == TaskState.SUCCEEDED
+
+
+async def test_a_drain_waits_for_the_callback_a_finished_task_started():
+    posted = []
+
+    async def on_final(record):
+        await asyncio.sleep(0.2)                        # the POST
+        posted.append(record.task_id)
+
+    runner = TaskRunner(MemoryTaskStore(), on_final=on_final)
+
+    async def quick(mark):
+        await mark()
+        return b"ok"
+
+    await runner.submit(replace(new("cb"), callback_url="https://hooks.example.com/x", callback_state="pending"),
+                        quick)
+    await asyncio.wait_for(runner.drain(600.0), 60)
+    assert posted == ["cb"]
+    await runner.close()
 
 
 async def test_close_right_after_submit_still_runs_the_works_cleanup():

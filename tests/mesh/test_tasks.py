@@ -184,3 +184,35 @@ async def test_tasks_and_cache_hits_are_observed_once_in_the_gateway_metrics(mes
     assert after == (before[0] + 2, before[1] + 2, before[2] + 10)
     assert count("meshserve_gateway_requests_running") == 0
 
+
+
+async def test_a_stopping_gateway_finishes_its_running_task_and_refuses_new_calls(mesh, tokenizer):
+    """``stop_gateway`` (SIGTERM): a task running when the stop begins finishes on this
+    gateway (SUCCEEDED, attempt 1, the tokens of a plain Generate), not failed or handed
+    back; a call after the stop began is UNAVAILABLE."""
+    import grpc
+
+    from gateway.server import stop_gateway
+    from gateway.task_api import to_status
+
+    e0 = mesh.engines[0]
+    svc = await start_gateway(tokenizer, ModelInfo(e0.model_id, e0.max_model_len, e0.vocab_size, e0.revision),
+                              mesh.scheduler.address, 0, tls=mesh.tls("gateway"))
+    req = build_request(chat=[("user", "Write a long story.")], max_tokens=64, temperature=0, ignore_eos=True)
+    ref = await generate(mesh.stub, req)
+    aborted = mesh.executors[0][1].stats().num_aborted
+    async with channel(svc.address, mesh.tls("client")) as ch:
+        gw = gateway_pb2_grpc.GatewayStub(ch)
+        handle = await submit_task(gw, req)
+        while (await get_task(gw, handle.task_id)).state != gateway_pb2.TASK_STATE_RUNNING:
+            await asyncio.sleep(0.01)
+        stopping = asyncio.create_task(stop_gateway(svc, 120.0))
+        await asyncio.wait_for(stopping, 300)
+        with pytest.raises(grpc.aio.AioRpcError) as info:
+            await generate(gw, build_request("Hello", max_tokens=2), timeout=60)
+        assert info.value.code() == grpc.StatusCode.UNAVAILABLE
+    status = to_status(await svc.servicer.tasks.runner.store.get(handle.task_id))
+    assert (status.state, status.attempt) == (gateway_pb2.TASK_STATE_SUCCEEDED, 1)
+    assert list(status.choices[0].token_ids) == ref.token_ids
+    assert mesh.executors[0][1].stats().num_aborted == aborted  # nothing was cut
+    await mesh.wait_released()

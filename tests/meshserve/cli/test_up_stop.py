@@ -109,6 +109,26 @@ def test_a_second_ctrl_c_while_stopping_kills_every_service_and_is_raised(tmp_pa
                 proc.wait()
 
 
+def test_a_mesh_starts_services_from_the_main_thread_only():
+    """A service is stopped when the thread that started it ends (``stop_with_parent``):
+    a worker thread is refused before anything starts."""
+    import threading
+
+    mesh, errors = Mesh(MeshConfig(port=0)), []
+    thread = threading.Thread(target=lambda: errors.append(_raised(lambda: mesh._spawn("scheduler", ["--help"]))))
+    thread.start()
+    thread.join(60)
+    assert isinstance(errors[0], RuntimeError) and "main thread" in str(errors[0]) and mesh.procs == []
+
+
+def _raised(fn) -> BaseException | None:
+    try:
+        fn()
+    except BaseException as exc:  # noqa: BLE001 - returned to the test
+        return exc
+    return None
+
+
 def test_up_port_zero_is_a_free_port_chosen_at_once():
     mesh = Mesh(MeshConfig(port=0))
     assert mesh.config.port > 0 and mesh.gateway_address == f"127.0.0.1:{mesh.config.port}"
@@ -223,7 +243,6 @@ def _children(pid: int) -> list[int]:
     return out
 
 
-@pytest.mark.model
 def _gone(pid: int) -> bool:
     """The process exited (reaped, or a zombie nobody reaped yet)."""
     try:
@@ -233,6 +252,7 @@ def _gone(pid: int) -> bool:
     return stat.rsplit(")", 1)[1].split()[0] == "Z"
 
 
+@pytest.mark.model
 @pytest.mark.parametrize("how", ["ctrl-c at the terminal", "terminal closed", "up killed"])
 def test_up_stopped_from_its_terminal_stops_every_service_in_order(how, tmp_path):
     """Ctrl-C sends SIGINT to the terminal's foreground process group, which holds
