@@ -135,6 +135,11 @@ class LeaseVerifier:
             raise ValueError(f"a lease public key is {PUBLIC_KEY_BYTES} bytes, got {len(raw)}")
         self._public_key = Ed25519PublicKey.from_public_bytes(raw)
 
+    @property
+    def has_public_key(self) -> bool:
+        """Whether the scheduler's key arrived (``set_public_key``)."""
+        return self._public_key is not None
+
     def num_remembered(self) -> int:
         """Nonces remembered (used leases not yet expired)."""
         return len(self._used)

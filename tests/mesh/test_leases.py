@@ -78,3 +78,33 @@ async def test_with_tenant_scope_tenant_b_gets_no_prefix_hit_on_tenant_a_prompt(
         assert await cached_tokens("key-b") == 64  # and B now hits its own
     finally:
         await m.stop()
+
+
+async def test_an_execute_that_comes_before_the_register_ack_waits_for_the_key():
+    """The scheduler routes to an executor once it registered it; the RegisterAck with
+    the lease key may still be on its way on the Connect stream (seen on a loaded host):
+    an Execute that comes first waits for the key instead of being refused
+    PERMISSION_DENIED, then runs."""
+    import asyncio
+
+    from executor.server import start_executor
+
+    svc, async_engine, _ = await start_executor(make_engine(num_blocks=32), 0)  # no scheduler: no key yet
+    try:
+        signer = LeaseSigner()
+        req = execute_request("early", signer.sign(claims_for(svc.servicer.executor_id, "early")))
+        async with channel(svc.address) as ch:
+            call = asyncio.create_task(_tokens(executor_pb2_grpc.ExecutorStub(ch).Execute(req)))
+            await asyncio.sleep(0.3)
+            assert not call.done() and not svc.servicer.leases.has_public_key  # waiting, not refused
+            svc.servicer.leases.set_public_key(signer.public_key)  # as SchedulerLink._take_lease_key does
+            svc.servicer.lease_key_ready.set()
+            assert await asyncio.wait_for(call, 120) == 2
+    finally:
+        await svc.watchdog.stop()
+        await svc.stop(0.2)
+        await async_engine.stop()
+
+
+async def _tokens(call) -> int:
+    return sum([len(m.token_ids) async for m in call])

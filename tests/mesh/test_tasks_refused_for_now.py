@@ -115,11 +115,16 @@ async def test_a_tenants_waiting_tasks_are_admitted_in_order_at_about_one_refusa
     handles = [await submit_task(stub, REQUEST, metadata=FAST) for _ in range(8)]  # a burst of 4 fits
     done = [await wait_task(stub, h.task_id, metadata=FAST, poll_s=0.05, timeout_s=300) for h in handles]
     assert [d.state for d in done] == [gateway_pb2.TASK_STATE_SUCCEEDED] * 8
-    waited = [d.started_at_unix_s for d in done[4:]]
-    assert waited == sorted(waited)  # first refused, first admitted
+    # the tasks that waited carry their refusal; how many did depends on how fast the 8 submits
+    # came against the refill (4 at once on a quiet host, fewer on a loaded one)
+    waited = [d for d in done if "over its rate limit" in d.last_error]
+    assert 1 <= len(waited) <= 4
+    # first refused (the order of submission), first admitted
+    assert [d.started_at_unix_s for d in waited] == sorted(d.started_at_unix_s for d in waited)
     refused = _sample(scheduler, "meshserve_scheduler_requests_rejected_total", code="resource_exhausted") \
         - refused_before
-    assert 4 <= refused <= 8  # each waiting task: its first refusal, at most one more at the head of the line
+    # each waiting task: its first refusal, at most one more at the head of the line (not N²/2)
+    assert len(waited) <= refused <= 2 * len(waited)
     # the gateway counts each task once, however often it was refused: 8 requests, 8 prompts
     assert _sample(gateway, "meshserve_requests_total", outcome="ok") - before["meshserve_requests_total"] == 8
     assert _sample(gateway, "meshserve_request_prompt_tokens_total") \

@@ -262,7 +262,7 @@ def test_up_stopped_from_its_terminal_stops_every_service_in_order(how, tmp_path
     (``stop_with_parent``) and exits, none is left holding its ports."""
     up = subprocess.Popen([sys.executable, "-m", "meshserve.cli", "up", "--port", str(free_port()),
                            "--executors", "1", "--dtype", "float32", "--kv-cache-memory", "256MiB", "--no-metrics",
-                           "--log-dir", str(tmp_path)],
+                           "--http-port", "0", "--log-dir", str(tmp_path)],
                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
     services: list[int] = []
     try:
