@@ -294,6 +294,7 @@ def test_up_stopped_from_its_terminal_stops_every_service_in_order(how, tmp_path
             with pytest.raises(ProcessLookupError):
                 os.kill(pid, 0)
     finally:
+        services = services or _children(up.pid)  # up may have failed before the test listed them
         for pid in [up.pid, *services]:  # a failed test leaves no process behind
             try:
                 os.killpg(pid, signal.SIGKILL)
