@@ -105,7 +105,7 @@ def _sample(registry, name: str, **labels) -> float:
     return registry.get_sample_value(name, {"tenant": "fast", "priority": "0", **labels}) or 0.0
 
 
-async def test_a_tenants_waiting_tasks_are_admitted_in_order_at_about_one_refusal_each(limited_mesh):
+async def test_a_tenants_waiting_tasks_all_succeed_at_about_one_refusal_each(limited_mesh):
     stub = limited_mesh.stub
     gateway = limited_mesh.gateway.servicer.core.metrics.registry
     scheduler = limited_mesh.scheduler.servicer.metrics.registry
@@ -118,9 +118,9 @@ async def test_a_tenants_waiting_tasks_are_admitted_in_order_at_about_one_refusa
     # the tasks that waited carry their refusal; how many did depends on how fast the 8 submits
     # came against the refill (4 at once on a quiet host, fewer on a loaded one)
     waited = [d for d in done if "over its rate limit" in d.last_error]
+    # (their order: first refused, first admitted, is checked in tests/gateway/test_task_wait.py; here
+    # the tasks reach the scheduler in the order their works run, not always the order of submission)
     assert 1 <= len(waited) <= 4
-    # first refused (the order of submission), first admitted
-    assert [d.started_at_unix_s for d in waited] == sorted(d.started_at_unix_s for d in waited)
     refused = _sample(scheduler, "meshserve_scheduler_requests_rejected_total", code="resource_exhausted") \
         - refused_before
     # each waiting task: its first refusal, at most one more at the head of the line (not N²/2)
