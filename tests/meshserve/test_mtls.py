@@ -38,7 +38,13 @@ def register(executor_id: str = "rogue") -> pb.ExecutorMessage:
 async def connect(address: str, tls: TLSConfig, executor_id: str = "rogue") -> list[pb.SchedulerCommand]:
     """Registers as an executor over ``tls``; the commands received (raises on failure)."""
     async with open_channel(address, tls) as ch:
-        call = scheduler_pb2_grpc.SchedulerStub(ch).Connect(iter([register(executor_id)]), timeout=30)
+        call = scheduler_pb2_grpc.SchedulerStub(ch).Connect(timeout=30)
+        try:
+            await call.write(register(executor_id))
+            await call.done_writing()
+        except (grpc.aio.AioRpcError, grpc.aio.UsageError, asyncio.InvalidStateError):
+            pass  # the scheduler refused the call before the write: its status is read below
+        # (a request iterator whose write fails instead turns the call INTERNAL on the client side)
         return [cmd async for cmd in call]
 
 
