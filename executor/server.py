@@ -73,7 +73,6 @@ class ExecutorServicer(executor_pb2_grpc.ExecutorServicer):
         self.model_id = model_id
         self.executor_id = executor_id  # the registry's id (set by start_executor), for spans
         self.leases = LeaseVerifier(executor_id)  # its key comes with the scheduler's RegisterAck
-        self.lease_key_ready = asyncio.Event()  # set by the scheduler link once the key is taken
         self.active_leases: dict[str, str] = {}  # scoped request id -> lease_id
 
     async def Execute(self, request: executor_pb2.ExecuteRequest, context: grpc.aio.ServicerContext):
@@ -81,11 +80,9 @@ class ExecutorServicer(executor_pb2_grpc.ExecutorServicer):
         if not request.request_id:
             raise InvalidArgument("request_id must not be empty")
         check_request_id(request.request_id)
-        if not self.leases.has_public_key:
-            # the scheduler routes here once it registered us; its RegisterAck, with the key,
-            # may still be on its way on the Connect stream (seen on a loaded host): wait for it
-            with contextlib.suppress(asyncio.TimeoutError):
-                await wait_for(self.lease_key_ready.wait(), LEASE_KEY_WAIT_S)
+        # the scheduler routes here once it registered us; its RegisterAck, with the key,
+        # may still be on its way on the Connect stream (seen on a loaded host): wait for it
+        await self.leases.wait_for_key(LEASE_KEY_WAIT_S)
         claims = self.leases.verify(request.lease, request.request_id, request.tenant)  # PERMISSION_DENIED
         engine_id = scoped_request_id(request.tenant, request.request_id)
         if engine_id in self.active_leases:
@@ -306,7 +303,6 @@ class SchedulerLink(BackgroundTask):
         malformed one, every Execute is refused: PERMISSION_DENIED)."""
         try:
             self.servicer.leases.set_public_key(raw)
-            self.servicer.lease_key_ready.set()
         except ValueError as exc:
             log.error("the scheduler sent no usable lease key (%s): every Execute will be refused", exc)
 

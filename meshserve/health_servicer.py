@@ -16,8 +16,6 @@ import asyncio
 from grpc_health.v1 import health_pb2
 from grpc_health.v1._async import HealthServicer
 
-NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
-
 
 class DrainingHealthServicer(HealthServicer):
     """``HealthServicer`` whose ``Watch`` ends after the shutdown's NOT_SERVING."""
@@ -38,11 +36,10 @@ class DrainingHealthServicer(HealthServicer):
             self._condition().notify_all()
 
     async def enter_graceful_shutdown(self) -> None:
-        # the library's flag first (set() is ignored from now on), then every status
-        # NOT_SERVING, and only then may watchers end: none ends on a status it was about to lose
+        # the library sets its flag (set() is ignored from now on), then every status
+        # NOT_SERVING through _set; only then may watchers end: none ends on a status it was
+        # about to lose
         await super().enter_graceful_shutdown()
-        for service in list(self._server_status):
-            await self._set(service, NOT_SERVING)
         async with self._condition():
             self._final = True
             self._condition().notify_all()

@@ -31,6 +31,8 @@ hosts must agree on the time to well within the lease lifetime (NTP).
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import os
 import time
 from dataclasses import dataclass
@@ -42,6 +44,7 @@ from cryptography.hazmat.primitives.serialization import Encoding, PublicFormat
 from google.protobuf.message import DecodeError
 
 from meshserve.errors import PermissionDenied
+from meshserve.timeouts import wait_for
 from meshserve.v1 import scheduler_pb2
 
 NONCE_BYTES = 16
@@ -122,6 +125,7 @@ class LeaseVerifier:
         self.executor_id = executor_id
         self._clock = clock
         self._public_key: Ed25519PublicKey | None = None
+        self._key_set = asyncio.Event()  # set with the key (wait_for_key)
         self._used: dict[bytes, float] = {}  # nonce -> the lease's expiry (Unix s)
         self.num_refused = 0
 
@@ -134,6 +138,14 @@ class LeaseVerifier:
         if len(raw) != PUBLIC_KEY_BYTES:
             raise ValueError(f"a lease public key is {PUBLIC_KEY_BYTES} bytes, got {len(raw)}")
         self._public_key = Ed25519PublicKey.from_public_bytes(raw)
+        self._key_set.set()
+
+    async def wait_for_key(self, timeout_s: float) -> None:
+        """Returns once the key is set, or after ``timeout_s`` seconds without it (then
+        ``verify`` refuses: PERMISSION_DENIED)."""
+        if self._public_key is None:
+            with contextlib.suppress(asyncio.TimeoutError):
+                await wait_for(self._key_set.wait(), timeout_s)
 
     @property
     def has_public_key(self) -> bool:

@@ -98,7 +98,6 @@ async def test_an_execute_that_comes_before_the_register_ack_waits_for_the_key()
             await asyncio.sleep(0.3)
             assert not call.done() and not svc.servicer.leases.has_public_key  # waiting, not refused
             svc.servicer.leases.set_public_key(signer.public_key)  # as SchedulerLink._take_lease_key does
-            svc.servicer.lease_key_ready.set()
             assert await asyncio.wait_for(call, 120) == 2
     finally:
         await svc.watchdog.stop()
