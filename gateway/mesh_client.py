@@ -19,7 +19,7 @@ from opentelemetry import trace
 from gateway.events import Queued
 from gateway.mesh import Admission, Assignment, ExecutorOutput
 from gateway.proto_convert import finish_reason_from_proto, logprobs_from_proto
-from meshserve.errors import from_rpc_error
+from meshserve.errors import Unavailable, from_rpc_error
 from meshserve.grpc_server import CHANNEL_OPTIONS, TOKEN_STREAM_CHANNEL_OPTIONS, open_channel
 from meshserve.sampling import SamplingParams, to_proto
 from meshserve.telemetry import outgoing_metadata
@@ -27,6 +27,9 @@ from meshserve.tls import PLAINTEXT, TLSConfig
 from meshserve.v1 import executor_pb2, executor_pb2_grpc, scheduler_pb2, scheduler_pb2_grpc
 
 log = logging.getLogger(__name__)
+# Execute's codes that only the mesh can cause (the gateway authenticated the caller and
+# the scheduler signed the lease): an executor refusing the lease or the gateway's certificate.
+_REFUSED_BY_EXECUTOR = (grpc.StatusCode.PERMISSION_DENIED, grpc.StatusCode.UNAUTHENTICATED)
 
 
 def output_from_proto(out: executor_pb2.ExecuteResponse) -> ExecutorOutput:
@@ -91,7 +94,13 @@ class GrpcMeshClient:
 
     async def execute(self, assignment: Assignment, request_id: str, prompt_token_ids: Sequence[int],
                       params: SamplingParams, priority: int, span: trace.Span) -> AsyncIterator[ExecutorOutput]:
-        """Executor.Execute (see ``gateway.mesh.MeshClient``); closing it early cancels the call."""
+        """Executor.Execute (see ``gateway.mesh.MeshClient``); closing it early cancels the call.
+
+        An executor's PERMISSION_DENIED or UNAUTHENTICATED (a lease it refuses, e.g. one
+        that expired on its way on a loaded host, or a certificate it does not accept) is
+        the mesh's failure, not the caller's: it is raised as ``Unavailable`` (a task is
+        then retried under a new lease; a caller may retry), naming the executor's reason.
+        """
         request = executor_pb2.ExecuteRequest(request_id=request_id, lease_id=assignment.lease_id,
                                               prompt_token_ids=prompt_token_ids, priority=priority,
                                               lease=assignment.lease, tenant=assignment.tenant)
@@ -101,6 +110,9 @@ class GrpcMeshClient:
             async for out in call:
                 yield output_from_proto(out)
         except grpc.aio.AioRpcError as exc:
+            if exc.code() in _REFUSED_BY_EXECUTOR:
+                raise Unavailable(f"executor {assignment.executor_id} refused the call "
+                                  f"({exc.code().name}): {exc.details()}") from None
             raise from_rpc_error(exc, f"executor {assignment.executor_id}") from None
         finally:
             call.cancel()  # no-op when finished; aborts the engine requests otherwise

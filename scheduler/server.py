@@ -67,7 +67,7 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
                  planner: Planner | None = None):
         self.core = core
         self.signer = signer or LeaseSigner()
-        self._wall_clock = wall_clock
+        self.wall_clock = wall_clock  # stamps the leases' expiry (Unix s)
         self.planner = planner or Planner(PlannerConfig(), start=core.clock())
         self.planner_loop = PlannerLoop(self.planner, core, core.clock)
         self.metrics = SchedulerMetrics(core, planner=self.planner)
@@ -88,7 +88,7 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
         ttl = self.core.config.lease_ttl_s
         return self.signer.sign(LeaseClaims(
             lease_id=lease.lease_id, request_id=request_id, tenant=lease.tenant, executor_id=lease.executor_id,
-            num_blocks=lease.num_blocks, expires_at_unix_s=self._wall_clock() + ttl, nonce=new_nonce(),
+            num_blocks=lease.num_blocks, expires_at_unix_s=self.wall_clock() + ttl, nonce=new_nonce(),
             priority=priority))
 
     def _expire(self) -> None:

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import re
 import time
 import uuid
 
@@ -107,3 +108,32 @@ async def test_an_execute_that_comes_before_the_register_ack_waits_for_the_key()
 
 async def _tokens(call) -> int:
     return sum([len(m.token_ids) async for m in call])
+
+
+async def test_a_lease_refused_as_expired_is_unavailable_to_callers_and_tasks_and_leaks_nothing(tokenizer):
+    """An executor that refuses the lease (here every lease has expired on its way: the
+    scheduler stamps them with a clock 60 s behind, as a loaded host's delay would) is
+    the mesh's failure, not the caller's: Generate answers UNAVAILABLE naming the
+    executor's reason, never PERMISSION_DENIED; a task is retried under new leases and
+    fails UNAVAILABLE after its attempts; no block, lease or queued request is left."""
+    from meshserve.client import submit_task, wait_task
+    from meshserve.v1 import gateway_pb2
+
+    m = await start_local_mesh([make_engine(num_blocks=32)], tokenizer)
+    try:
+        m.scheduler.servicer.wall_clock = lambda: time.time() - 60.0
+        request = build_request([5, 6, 7, 8] * 5, max_tokens=2, temperature=0.0)
+        with pytest.raises(grpc.aio.AioRpcError) as info:
+            await generate(m.stub, request)
+        assert info.value.code() == grpc.StatusCode.UNAVAILABLE
+        assert info.value.details().startswith("executor executor-0 refused the call (PERMISSION_DENIED): lease ")
+        ago = re.search(r"expired ([0-9.]+) s ago$", info.value.details())
+        assert ago and 50.0 <= float(ago.group(1)) < 60.0  # the lease's 10 s, 60 s behind
+        status = await wait_task(m.stub, (await submit_task(m.stub, request)).task_id, poll_s=0.05, timeout_s=120)
+        assert (status.state, status.attempt, status.error.code) == (gateway_pb2.TASK_STATE_FAILED, 3, "UNAVAILABLE")
+        assert "refused the call (PERMISSION_DENIED)" in status.error.message
+        await m.wait_released()
+        stats = m.executors[0][1].stats()
+        assert (stats.num_steps, stats.num_prompt_tokens, stats.num_free_blocks) == (0, 0, 32)
+    finally:
+        await m.stop()
