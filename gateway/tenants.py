@@ -20,10 +20,13 @@ call's metadata to a tenant with a ``TenantRegistry``:
                                           # result-cache entries (default: none shared)
       callback_allow = ["https://hooks.acme.example/"]  # optional: its tasks' callback URLs
                                           # must match one of these too (and --callback-allow)
+      max_unfinished_tasks = 100  # optional: most of its async tasks queued or running at
+                                  # once (default: the gateway's --max-unfinished-tasks-per-tenant)
 
   The scheduler reads the same file (``meshserve scheduler --tenants``):
   it admits only the tenants listed and applies the ceiling and rate limits
-  (``scheduler.tenant_limits``).
+  (``scheduler.tenant_limits``); ``max_unfinished_tasks`` is the gateways' alone
+  (the task store counts it, ``gateway.task_store``).
 
 * **open mode** (``TenantRegistry.open``): no file; every call is tenant
   ``"default"`` (no quota), whatever key it carries.
@@ -46,7 +49,7 @@ from meshserve.errors import Unauthenticated
 
 DEFAULT_TENANT = "default"
 _TENANT_FIELDS = {"name", "api_keys", "default_priority", "kv_quota_blocks", "max_priority", "requests_per_s",
-                  "tokens_per_min", "result_cache_scope", "callback_allow"}
+                  "tokens_per_min", "result_cache_scope", "callback_allow", "max_unfinished_tasks"}
 
 
 @dataclass(frozen=True)
@@ -67,6 +70,9 @@ class Tenant:
         callback_allow: URL prefixes (``scheme://host[:port][/path]``) its tasks'
             callback URLs must match, besides the gateway's ``--callback-allow``;
             empty: the gateway's list alone.
+        max_unfinished_tasks: most of its async tasks that may be unfinished (queued
+            or running) at once, across the gateways sharing a task store (tasks);
+            None: the gateway's ``--max-unfinished-tasks-per-tenant``.
     """
 
     name: str
@@ -77,6 +83,7 @@ class Tenant:
     tokens_per_min: float | None = None
     result_cache_scope: str | None = None
     callback_allow: tuple[str, ...] = ()
+    max_unfinished_tasks: int | None = None
 
     @property
     def cache_scope(self) -> str:
@@ -227,6 +234,10 @@ def _parse_tenant(entry: Any, where: str) -> tuple[Tenant, list[str]]:
     scope = entry.get("result_cache_scope")
     if scope is not None and (not isinstance(scope, str) or not scope.strip()):
         raise ValueError(f"{where}: 'result_cache_scope' must be a non-empty string, got {scope!r}")
+    max_unfinished = entry.get("max_unfinished_tasks")
+    if max_unfinished is not None and (not isinstance(max_unfinished, int) or isinstance(max_unfinished, bool)
+                                       or max_unfinished < 1):
+        raise ValueError(f"{where}: 'max_unfinished_tasks' must be an integer >= 1 (tasks), got {max_unfinished!r}")
     callback_allow = entry.get("callback_allow", [])
     if not isinstance(callback_allow, list) or not all(isinstance(u, str) for u in callback_allow):
         raise ValueError(f"{where}: 'callback_allow' must be a list of URL prefixes, got {callback_allow!r}")
@@ -235,4 +246,4 @@ def _parse_tenant(entry: Any, where: str) -> tuple[Tenant, list[str]]:
     except ValueError as exc:
         raise ValueError(f"{where}: 'callback_allow': {str(exc).removeprefix('--callback-allow ')}") from None
     return Tenant(name, priority, quota, ceiling, **rates, result_cache_scope=scope,
-                  callback_allow=tuple(callback_allow)), api_keys
+                  callback_allow=tuple(callback_allow), max_unfinished_tasks=max_unfinished), api_keys

@@ -95,6 +95,10 @@ def test_open_mode_everyone_is_default():
         ('[[tenants]]\nname = "a"\napi_keys = ["k"]\ndefault_priority = "high"', "'default_priority'"),
         ('[[tenants]]\nname = "a"\napi_keys = ["k"]\nkv_quota_blocks = 0', "'kv_quota_blocks'"),
         ('[[tenants]]\nname = "a"\napi_keys = ["k"]\nkv_quota = 5', "unknown fields"),
+        ('[[tenants]]\nname = "a"\napi_keys = ["k"]\nmax_unfinished_tasks = 0',
+         "'max_unfinished_tasks' must be an integer >= 1 \\(tasks\\), got 0"),
+        ('[[tenants]]\nname = "a"\napi_keys = ["k"]\nmax_unfinished_tasks = 2.5', "got 2.5"),
+        ('[[tenants]]\nname = "a"\napi_keys = ["k"]\nmax_unfinished_tasks = true', "got True"),
         ('[[tenants]]\nname = "a"\napi_keys = ["k"]\n[[tenants]]\nname = "a"\napi_keys = ["j"]', "duplicate tenant"),
         ('[[tenants]]\nname = "a"\napi_keys = ["k"]\n[[tenants]]\nname = "b"\napi_keys = ["k"]', "listed twice"),
     ],
@@ -105,6 +109,14 @@ def test_bad_file_names_path_and_problem(tmp_path, text, problem):
     with pytest.raises(ValueError, match=problem) as info:
         TenantRegistry.from_file(path)
     assert str(path) in str(info.value)
+
+
+def test_max_unfinished_tasks_is_read_per_tenant_and_unset_by_default(tmp_path):
+    path = tmp_path / "tenants.toml"
+    path.write_text('[[tenants]]\nname = "acme"\napi_keys = ["k"]\nmax_unfinished_tasks = 3\n\n'
+                    '[[tenants]]\nname = "globex"\napi_keys = ["g"]\n')
+    registry = TenantRegistry.from_file(path)
+    assert [(t.name, t.max_unfinished_tasks) for t in registry.tenants] == [("acme", 3), ("globex", None)]
 
 
 def test_missing_file(tmp_path):

@@ -120,6 +120,17 @@ def test_scheduler_config_admits_the_tenants_of_the_file_or_default_alone(tmp_pa
     assert scheduler_config().tenant_limits == {"default": TenantLimits()}
 
 
+def test_scheduler_config_reads_a_file_holding_the_gateways_task_bound(tmp_path):
+    """``max_unfinished_tasks`` is the gateways' field; the scheduler reads the same file
+    and starts with it, its own limits unchanged."""
+    from meshserve.cli.processes import scheduler_config
+
+    path = tmp_path / "tenants.toml"
+    path.write_text('[[tenants]]\nname = "acme"\napi_keys = ["k"]\nmax_unfinished_tasks = 4\nrequests_per_s = 5\n')
+    config = scheduler_config(tenants_file=str(path))
+    assert config.tenant_limits == {"acme": TenantLimits(None, 5.0, None)}
+
+
 @pytest.mark.parametrize("line, message", [
     ("max_priority = 1.5", "'max_priority' must be an integer, got 1.5"),
     ("requests_per_s = 0", "'requests_per_s' must be a number > 0, got 0"),
