@@ -14,6 +14,19 @@ A second sorted set, ``meshserve:tasks:callbacks``, indexes the finished tasks
 whose callback is pending by the end of their delivery lease (0 when unowned),
 so a delivery whose gateway died is found the same way (``claimable_callbacks``).
 
+**A bound per tenant.** A sorted set per tenant, ``meshserve:tasks:unfinished:<tenant>``,
+holds the ids of its unfinished records, each scored by the Unix ms at which its
+record expires (``unfinished_ttl_s`` after its create: unfinished writes keep the
+key's expiry). ``create`` is one Lua script (``_CREATE``), atomic on the server:
+it drops the members whose record expired by Redis's own clock (``TIME``; the
+record is written with ``PXAT`` that very score, so the member and its record
+expire together), counts the rest, refuses at the bound, else writes the record,
+its lease and its member. The final transition removes the member in the same
+transaction as the record's write (``_update``). So a gateway that dies between
+its create and its task's end leaves a member that counts while the record is
+unfinished (another gateway takes the task over and ends it) and stops counting
+when the record expires, never later: nothing stays counted for ever.
+
 Durability across a Redis restart is Redis's own: the server must run with
 ``appendonly yes`` and ``appendfsync always`` (``deploy/compose`` and
 ``deploy/k8s`` ship that configuration), so an acknowledged SubmitTask's record
@@ -34,7 +47,7 @@ from redis.backoff import ExponentialBackoff
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import RedisError, WatchError
 
-from gateway.task_store import TaskRecord, TaskState, TaskStore
+from gateway.task_store import TaskRecord, TaskState, TaskStore, tenant_bound_error
 from meshserve.errors import Unavailable
 
 KEY_PREFIX = "meshserve:task:"
@@ -59,6 +72,25 @@ async def shielded(coro):
     return await asyncio.shield(task)
 LEASES_KEY = "meshserve:tasks:leases"  # sorted set: unfinished task id -> lease end (Unix s; 0: unowned)
 CALLBACKS_KEY = "meshserve:tasks:callbacks"  # sorted set: task id with a pending callback -> delivery lease end
+UNFINISHED_PREFIX = "meshserve:tasks:unfinished:"  # + tenant: sorted set: unfinished task id -> record expiry (ms)
+
+# KEYS: the record, the lease index, the tenant's unfinished set; ARGV: the record's
+# JSON, the unfinished TTL (ms), its lease score, the bound (0: none), the task id.
+# Returns {1, count after} (created), {0, count} (at the bound), {-1, count} (id exists).
+_CREATE = """
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+redis.call('ZREMRANGEBYSCORE', KEYS[3], '-inf', '(' .. now)
+local count = redis.call('ZCARD', KEYS[3])
+if redis.call('EXISTS', KEYS[1]) == 1 then return {-1, count} end
+local bound = tonumber(ARGV[4])
+if bound > 0 and count >= bound then return {0, count} end
+local expires = now + tonumber(ARGV[2])
+redis.call('SET', KEYS[1], ARGV[1], 'PXAT', expires)
+redis.call('ZADD', KEYS[2], 'NX', ARGV[3], ARGV[5])
+redis.call('ZADD', KEYS[3], expires, ARGV[5])
+return {1, count + 1}
+"""
 _FIELDS = {f.name for f in fields(TaskRecord)}
 _BYTES_FIELDS = ("result", "request")
 
@@ -99,6 +131,7 @@ class RedisTaskStore(TaskStore):
         self.url = url
         self.unfinished_ttl_ms = max(1, int(unfinished_ttl_s * 1000))
         self._redis = redis_client(url)
+        self._create = self._redis.register_script(_CREATE)
 
     @property
     def shared(self) -> bool:
@@ -110,16 +143,25 @@ class RedisTaskStore(TaskStore):
         except RedisError as exc:
             raise ConnectionError(f"task store {self.url} cannot be reached: {exc}") from None
 
-    async def create(self, record: TaskRecord) -> None:
+    async def create(self, record: TaskRecord, max_unfinished: int | None = None) -> None:
+        keys = [KEY_PREFIX + record.task_id, LEASES_KEY, UNFINISHED_PREFIX + record.tenant]
+        args = [encode(record), self.unfinished_ttl_ms, record.lease_until if record.owner else 0.0,
+                max_unfinished or 0, record.task_id]
         try:
-            async with self._redis.pipeline(transaction=True) as pipe:  # record and index together (see _update)
-                pipe.set(KEY_PREFIX + record.task_id, encode(record), px=self.unfinished_ttl_ms, nx=True)
-                pipe.zadd(LEASES_KEY, {record.task_id: record.lease_until if record.owner else 0.0}, nx=True)
-                created, _ = await pipe.execute()
+            created, _count = await self._create(keys=keys, args=args)
         except RedisError as exc:
             raise Unavailable(f"task store {self.url}: {exc}") from None
-        if not created:
+        if created == -1:
             raise ValueError(f"task {record.task_id!r} exists")
+        if created == 0:
+            raise tenant_bound_error(record.tenant, max_unfinished)
+
+    async def unfinished_count(self, tenant: str) -> int:
+        try:
+            seconds, micros = await self._redis.time()
+            return await self._redis.zcount(UNFINISHED_PREFIX + tenant, seconds * 1000 + micros // 1000, "+inf")
+        except RedisError as exc:
+            raise Unavailable(f"task store {self.url}: {exc}") from None
 
     async def get(self, task_id: str) -> TaskRecord | None:
         try:
@@ -200,6 +242,7 @@ class RedisTaskStore(TaskStore):
                         if record.state.finished:
                             pipe.set(key, encode(record), px=max(1, int(self.ttl_s * 1000)))
                             pipe.zrem(LEASES_KEY, task_id)
+                            pipe.zrem(UNFINISHED_PREFIX + record.tenant, task_id)  # its tenant's count
                         else:
                             pipe.set(key, encode(record), keepttl=True)
                             pipe.zadd(LEASES_KEY, {task_id: record.lease_until if record.owner else 0.0})

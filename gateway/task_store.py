@@ -33,6 +33,14 @@ callback is still ``pending`` and whose delivery lease lapsed (its gateway died
 mid-delivery) is listed by ``claimable_callbacks`` and taken over by another
 gateway with ``claim_callback``.
 
+**A bound per tenant.** ``create(record, max_unfinished=N)`` refuses a record
+whose tenant already has N unfinished (QUEUED or RUNNING) records, with
+``ResourceExhausted`` naming the bound, and stores nothing; the count and the
+add are one atomic step, so concurrent submits (on one gateway, or on gateways
+sharing a Redis) never pass the bound together. A record stops counting at its
+final transition, and when it expires (Redis: ``unfinished_ttl_s``).
+``unfinished_count(tenant)`` reads the count.
+
 A finished record lives ``ttl_s`` seconds
 after it finished, then it is gone (``get`` returns None); unfinished records
 never expire in memory (the gateway that runs them is alive) and live
@@ -149,6 +157,12 @@ class TaskRecord:
                 and (callback_fence is None or self.callback_owner == callback_fence))
 
 
+def tenant_bound_error(tenant: str, bound: int) -> ResourceExhausted:
+    """The refusal of a submit over its tenant's bound (retry after 1 s)."""
+    return ResourceExhausted(f"tenant {tenant!r} has {bound} unfinished tasks (queued or running), its bound "
+                             f"(max_unfinished_tasks); submit again once one of them finishes", retry_after_s=1.0)
+
+
 class TaskStore(abc.ABC):
     """Where task records live. Every method is a coroutine; records are immutable
     snapshots (a change is a new record written with ``transition``).
@@ -169,13 +183,24 @@ class TaskStore(abc.ABC):
         return False
 
     @abc.abstractmethod
-    async def create(self, record: TaskRecord) -> None:
-        """Stores a new QUEUED record.
+    async def create(self, record: TaskRecord, max_unfinished: int | None = None) -> None:
+        """Stores a new QUEUED record, unless its tenant is at its bound.
+
+        Args:
+            record: the new record (unfinished).
+            max_unfinished: the most unfinished records its tenant may have, this one
+                included (tasks); None: no bound.
 
         Raises:
-            ResourceExhausted: the store holds its maximum of unfinished tasks.
+            ResourceExhausted: the tenant has ``max_unfinished`` unfinished records
+                (``tenant_bound_error``), or the store holds its maximum of unfinished
+                tasks; nothing is stored.
             ValueError: a record with this id exists (ids are made unique by the caller).
         """
+
+    @abc.abstractmethod
+    async def unfinished_count(self, tenant: str) -> int:
+        """How many of ``tenant``'s records are unfinished (QUEUED or RUNNING) and not expired."""
 
     @abc.abstractmethod
     async def get(self, task_id: str) -> TaskRecord | None:
@@ -262,19 +287,27 @@ class MemoryTaskStore(TaskStore):
         self._clock = clock
         self._records: dict[str, TaskRecord] = {}
         self._expires: dict[str, float] = {}  # finished task id -> expiry (Unix s), in finishing order
+        self._unfinished: dict[str, set[str]] = {}  # tenant -> ids of its unfinished records
 
     def __len__(self) -> int:
         return len(self._records)
 
-    async def create(self, record: TaskRecord) -> None:
+    async def create(self, record: TaskRecord, max_unfinished: int | None = None) -> None:
+        # no await below: the check and the add are one step of the event loop
         if record.task_id in self._records:
             raise ValueError(f"task {record.task_id!r} exists")
+        if max_unfinished is not None and len(self._unfinished.get(record.tenant, ())) >= max_unfinished:
+            raise tenant_bound_error(record.tenant, max_unfinished)
         if len(self._records) >= self.max_tasks:
             self._purge(make_room=True)
         if len(self._records) >= self.max_tasks:
             raise ResourceExhausted(f"the task store holds {self.max_tasks} unfinished tasks (max_tasks)",
                                     retry_after_s=1.0)
         self._records[record.task_id] = record
+        self._unfinished.setdefault(record.tenant, set()).add(record.task_id)
+
+    async def unfinished_count(self, tenant: str) -> int:
+        return len(self._unfinished.get(tenant, ()))
 
     async def get(self, task_id: str) -> TaskRecord | None:
         self._expire(task_id)
@@ -290,6 +323,7 @@ class MemoryTaskStore(TaskStore):
         record = self._records[task_id] = replace(record, state=to_state or record.state, **changes)
         if record.state.finished:
             self._expires[task_id] = self._clock() + self.ttl_s
+            self._uncount(record)
         return record
 
     async def claim(self, task_id: str, owner: str, now: float, lease_s: float) -> TaskRecord | None:
@@ -313,6 +347,14 @@ class MemoryTaskStore(TaskStore):
     async def claimable_callbacks(self, now: float, limit: int = 100) -> list[str]:
         return [t for t, r in self._records.items()
                 if r.callback_pending and (not r.callback_owner or r.callback_lease_until <= now)][:limit]
+
+    def _uncount(self, record: TaskRecord) -> None:
+        """Its tenant's count no longer holds it (it finished; finished ones never go back)."""
+        ids = self._unfinished.get(record.tenant)
+        if ids is not None:
+            ids.discard(record.task_id)
+            if not ids:
+                del self._unfinished[record.tenant]
 
     def _expire(self, task_id: str) -> None:
         expires = self._expires.get(task_id)

@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import pytest
 
-from gateway.redis_task_store import KEY_PREFIX, RedisTaskStore, decode, encode
+import asyncio
+
+from gateway.redis_task_store import KEY_PREFIX, UNFINISHED_PREFIX, RedisTaskStore, decode, encode
 from gateway.task_store import FINISHED, UNFINISHED, MemoryTaskStore, TaskRecord, TaskState
 from gateway.task_store_registry import open_task_store
 from meshserve.errors import InvalidArgument, ResourceExhausted
@@ -46,11 +48,15 @@ async def store_case(request):
 
 
 async def advance_redis(store: RedisTaskStore, seconds: float) -> None:
-    """Lets ``seconds`` pass for the TTLs of the task keys in ``store``'s Redis."""
+    """Lets ``seconds`` pass for the TTLs of the task keys in ``store``'s Redis, and for
+    the expiry times that score the tenants' unfinished sets (the same time, in ms)."""
     async for key in store._redis.scan_iter(match=KEY_PREFIX + "*"):
         left_ms = await store._redis.pttl(key)
         if left_ms >= 0:  # -1: no expiry, -2: already gone
             await store._redis.pexpire(key, left_ms - int(seconds * 1000))
+    async for key in store._redis.scan_iter(match=UNFINISHED_PREFIX + "*"):
+        for member in await store._redis.zrange(key, 0, -1):
+            await store._redis.zincrby(key, -int(seconds * 1000), member)
 
 
 def record(task_id: str, **fields) -> TaskRecord:
@@ -187,3 +193,85 @@ async def test_a_pending_callback_is_claimed_renewed_by_its_holder_and_taken_ove
     assert done.callback_state == "delivered"
     assert await store.claimable_callbacks(9999.0) == []
     assert await store.claim_callback("t1", "gw-c", 9999.0, 10.0) is None
+
+
+BOUND_MESSAGE = ("tenant 'acme' has 2 unfinished tasks (queued or running), its bound (max_unfinished_tasks); "
+                 "submit again once one of them finishes")
+
+
+async def test_a_tenant_at_its_bound_is_refused_nothing_is_stored_and_other_tenants_are_not(store_case):
+    store, _ = store_case
+    for task_id in ("a1", "a2"):
+        await store.create(record(task_id), max_unfinished=2)
+    with pytest.raises(ResourceExhausted) as info:
+        await store.create(record("a3"), max_unfinished=2)
+    assert (str(info.value), info.value.retry_after_s) == (BOUND_MESSAGE, 1.0)
+    assert await store.get("a3") is None
+    await store.create(record("g1", tenant="globex"), max_unfinished=2)
+    await store.create(record("a4"))  # no bound given: stored, and counted
+    assert [await store.unfinished_count(t) for t in ("acme", "globex", "nobody")] == [3, 1, 0]
+    assert sorted(await store.claimable(1e12)) == ["a1", "a2", "a4", "g1"]  # the lease index holds the stored
+
+
+async def test_every_final_state_frees_a_place_and_running_or_handed_back_tasks_still_count(store_case):
+    store, _ = store_case
+    for task_id in ("t1", "t2", "t3"):
+        await store.create(record(task_id, callback_url="https://h.example.com/x", callback_state="pending"),
+                           max_unfinished=3)
+    counts = []
+    await store.transition("t1", (TaskState.QUEUED,), TaskState.RUNNING, started_at=1.0)
+    await store.claim("t2", "gw-b", 1000.0, 10.0)
+    await store.transition("t2", UNFINISHED, TaskState.QUEUED, owner="", lease_until=0.0)  # handed back
+    counts.append(await store.unfinished_count("acme"))
+    with pytest.raises(ResourceExhausted):
+        await store.create(record("t4"), max_unfinished=3)
+    await store.transition("t1", UNFINISHED, TaskState.SUCCEEDED, result=b"r")
+    counts.append(await store.unfinished_count("acme"))
+    await store.create(record("t4"), max_unfinished=3)
+    counts.append(await store.unfinished_count("acme"))
+    await store.transition("t2", UNFINISHED, TaskState.FAILED, error_code="UNAVAILABLE")
+    await store.transition("t3", UNFINISHED, TaskState.CANCELLED)
+    await store.transition("t1", FINISHED, None, callback_state="delivered")  # a finished record's update
+    counts.append(await store.unfinished_count("acme"))
+    assert counts == [3, 2, 3, 1]
+    for task_id in ("t5", "t6"):
+        await store.create(record(task_id), max_unfinished=3)
+    assert await store.unfinished_count("acme") == 3
+
+
+async def test_concurrent_creates_never_pass_the_bound(store_case):
+    """On Redis, two store clients on one database: two gateways submitting at once."""
+    store, _ = store_case
+    stores = [store, RedisTaskStore(store.url, ttl_s=TTL_S)] if isinstance(store, RedisTaskStore) else [store]
+    results = await asyncio.gather(*(stores[i % len(stores)].create(record(f"t{i}"), max_unfinished=5)
+                                     for i in range(20)), return_exceptions=True)
+    for other in stores[1:]:
+        await other.close()
+    assert [r is None for r in results].count(True) == 5
+    assert all(isinstance(r, ResourceExhausted) for r in results if r is not None)
+    stored = [i for i in range(20) if await store.get(f"t{i}") is not None]
+    assert (len(stored), await store.unfinished_count("acme")) == (5, 5)
+
+
+async def test_an_unfinished_record_that_expires_stops_counting_with_it(redis_url):
+    """A gateway that died between its create and its task's end, with no other gateway
+    left to take the task over: the record expires after ``unfinished_ttl_s``, and its
+    tenant's count drops with it, not later."""
+    store = RedisTaskStore(redis_url, ttl_s=TTL_S, unfinished_ttl_s=10 * TTL_S)
+    await store._redis.flushdb()
+    try:
+        for task_id in ("t1", "t2"):
+            await store.create(record(task_id), max_unfinished=2)
+        # the member's score is its record's expiry, to the millisecond
+        assert await store._redis.zscore(UNFINISHED_PREFIX + "acme", "t1") == await store._redis.pexpiretime(
+            KEY_PREFIX + "t1")
+        await advance_redis(store, 5 * TTL_S)
+        assert await store.unfinished_count("acme") == 2
+        with pytest.raises(ResourceExhausted, match="its bound"):
+            await store.create(record("t3"), max_unfinished=2)
+        await advance_redis(store, 5 * TTL_S)
+        assert (await store.get("t1"), await store.unfinished_count("acme")) == (None, 0)
+        await store.create(record("t3"), max_unfinished=2)
+        assert (await store.unfinished_count("acme"), await store._redis.zcard(UNFINISHED_PREFIX + "acme")) == (1, 1)
+    finally:
+        await store.close()
