@@ -140,7 +140,9 @@ class TaskAPI:
 
         Raises:
             Unauthenticated, InvalidArgument, AlreadyExists: as Generate, before anything is stored.
-            ResourceExhausted: the memory store is full of unfinished tasks.
+            ResourceExhausted: its tenant has its bound of unfinished tasks (its
+                ``max_unfinished_tasks``, else the runner's ``max_unfinished_per_tenant``),
+                or the memory store is full of unfinished tasks; nothing is stored.
             Unavailable: the Redis store cannot be reached (at once while the task
                 path is not ready: ``gateway.task_readiness``).
         """
@@ -164,7 +166,8 @@ class TaskAPI:
                 if not self.store_ready():
                     raise Unavailable("the task store does not answer; retry later (synchronous Generate still "
                                       "serves)")
-                await self.runner.submit(record, lambda hooks: self._work(prepared, options, hooks))
+                await self.runner.submit(record, lambda hooks: self._work(prepared, options, hooks),
+                                         tenant.max_unfinished_tasks)
             except BaseException as exc:
                 self.core.end(prepared, exc)
                 raise

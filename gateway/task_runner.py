@@ -85,6 +85,9 @@ log = logging.getLogger(__name__)
 # upstream failures a task runs again after: its executor or scheduler went away (a
 # CANCELLED from upstream is an executor shutting down; our own cancel is CancelledError)
 RETRIED_CODES = ("UNAVAILABLE", "CANCELLED")
+# the bound on a tenant's unfinished tasks when its tenants-file entry sets none
+# (``meshserve gateway --max-unfinished-tasks-per-tenant``)
+DEFAULT_MAX_UNFINISHED_PER_TENANT = 1000
 
 
 # a task that waits (in the scheduler's queue, or out a refusal) is QUEUED; a taken-over
@@ -167,22 +170,27 @@ class TaskRunner:
             submit is UNAVAILABLE (and its record, should it land, is ended).
         max_wait_s: the longest a task waits out the scheduler's refusals before it
             fails (seconds; ``gateway.task_wait``).
+        max_unfinished_per_tenant: the most unfinished tasks a tenant may have in the
+            store (tasks), for a submit that names no bound of its own (>= 1).
     """
 
     def __init__(self, store: TaskStore, clock: Callable[[], float] = time.time, heartbeat_s: float = 1.0, *,
                  owner: str | None = None, lease_s: float = 10.0, claim_poll_s: float = 1.0, max_attempts: int = 3,
                  retry_backoff_s: float = 0.5, resume: Resume | None = None, on_final: OnFinal | None = None,
                  delivers_callbacks: bool = True, submit_timeout_s: float = 3.0,
-                 max_wait_s: float = DEFAULT_MAX_WAIT_S):
-        if not lease_s > heartbeat_s > 0 or max_attempts < 1 or not max_wait_s > 0:
-            raise ValueError(f"need lease_s > heartbeat_s > 0, max_attempts >= 1 and max_wait_s > 0, got {lease_s}, "
-                             f"{heartbeat_s}, {max_attempts}, {max_wait_s}")
+                 max_wait_s: float = DEFAULT_MAX_WAIT_S,
+                 max_unfinished_per_tenant: int = DEFAULT_MAX_UNFINISHED_PER_TENANT):
+        if not lease_s > heartbeat_s > 0 or max_attempts < 1 or not max_wait_s > 0 or max_unfinished_per_tenant < 1:
+            raise ValueError(f"need lease_s > heartbeat_s > 0, max_attempts >= 1, max_wait_s > 0 and "
+                             f"max_unfinished_per_tenant >= 1, got {lease_s}, {heartbeat_s}, {max_attempts}, "
+                             f"{max_wait_s}, {max_unfinished_per_tenant}")
         self.store = store
         self.clock = clock
         self.heartbeat_s, self.lease_s, self.claim_poll_s = heartbeat_s, lease_s, claim_poll_s
         self.owner = owner or f"gateway-{uuid.uuid4().hex[:12]}"
         self.max_attempts, self.retry_backoff_s = max_attempts, retry_backoff_s
         self.max_wait_s = max_wait_s
+        self.max_unfinished_per_tenant = max_unfinished_per_tenant
         self.resume, self.on_final, self.delivers_callbacks = resume, on_final, delivers_callbacks
         self.submit_timeout_s = submit_timeout_s
         self._running: dict[str, _Running] = {}
@@ -209,14 +217,17 @@ class TaskRunner:
             self._loops.append(asyncio.create_task(self._every(self.claim_poll_s, self._take_over),
                                                    name="task takeover"))
 
-    async def submit(self, record: TaskRecord, work: Work) -> TaskRecord:
-        """Stores ``record`` (state QUEUED, claimed here: attempt 1) and starts ``work``.
+    async def submit(self, record: TaskRecord, work: Work, max_unfinished: int | None = None) -> TaskRecord:
+        """Stores ``record`` (state QUEUED, claimed here: attempt 1) and starts ``work``,
+        unless its tenant already has ``max_unfinished`` unfinished tasks in the store
+        (None: ``max_unfinished_per_tenant``).
 
         Returns:
             The stored record.
 
         Raises:
-            ResourceExhausted: the store is full of unfinished tasks.
+            ResourceExhausted: its tenant is at its bound, or the store is full of
+                unfinished tasks; nothing is stored.
             Unavailable: the store cannot be reached, or this gateway is stopping.
         """
         if self._closing:
@@ -225,7 +236,8 @@ class TaskRunner:
         record = replace(record, owner=self.owner, attempt=1, lease_until=self.clock() + self.lease_s)
         try:
             try:
-                await wait_for(self.store.create(record), self.submit_timeout_s)
+                await wait_for(self.store.create(record, max_unfinished or self.max_unfinished_per_tenant),
+                               self.submit_timeout_s)
             except asyncio.TimeoutError:
                 raise Unavailable(f"the task store did not answer within {self.submit_timeout_s} s") from None
         except Unavailable:

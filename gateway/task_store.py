@@ -160,7 +160,8 @@ class TaskRecord:
 def tenant_bound_error(tenant: str, bound: int) -> ResourceExhausted:
     """The refusal of a submit over its tenant's bound (retry after 1 s)."""
     return ResourceExhausted(f"tenant {tenant!r} has {bound} unfinished tasks (queued or running), its bound "
-                             f"(max_unfinished_tasks); submit again once one of them finishes", retry_after_s=1.0)
+                             f"(max_unfinished_tasks, default --max-unfinished-tasks-per-tenant); submit again "
+                             f"once one of them finishes", retry_after_s=1.0)
 
 
 class TaskStore(abc.ABC):

@@ -23,7 +23,7 @@ from gateway.result_cache import ResultCache
 from gateway.result_store import RedisResultStore
 from gateway.request import ModelInfo
 from gateway.server import start_gateway, stop_gateway
-from gateway.task_runner import TaskRunner
+from gateway.task_runner import DEFAULT_MAX_UNFINISHED_PER_TENANT, TaskRunner
 from gateway.task_store_registry import open_task_store
 from gateway.tenants import TenantRegistry
 from kvstore.server import start_kvstore
@@ -306,7 +306,8 @@ async def run_gateway(model: str | ModelSource, port: int, host: str, scheduler:
                       callback_allow: list[str] | None = None, callback_secret_file: str | None = None,
                       task_lease_s: float = 10.0, task_max_attempts: int = 3, http_port: int | None = None,
                       health_port: int | None = None, task_max_wait_s: float = 600.0,
-                      drain_grace_s: float = 30.0) -> None:
+                      drain_grace_s: float = 30.0,
+                      max_unfinished_tasks_per_tenant: int = DEFAULT_MAX_UNFINISHED_PER_TENANT) -> None:
     """Loads the tokenizer, serves the public Gateway until a signal; then it reports
     NOT_SERVING, refuses new calls and lets the calls in flight (gRPC and HTTP) and the
     running tasks finish for at most ``drain_grace_s`` seconds before it exits
@@ -324,7 +325,9 @@ async def run_gateway(model: str | ModelSource, port: int, host: str, scheduler:
     the task callback allow-list, signed with the key in ``callback_secret_file``.
     ``task_lease_s`` / ``task_max_attempts``: a task claim's lease and the most
     attempts of one task (``gateway.task_runner``); ``task_max_wait_s``: the longest
-    a task waits out refusals (``gateway.task_wait``).
+    a task waits out refusals (``gateway.task_wait``); ``max_unfinished_tasks_per_tenant``:
+    the most unfinished tasks of a tenant whose tenants-file entry sets no
+    ``max_unfinished_tasks`` (``gateway.task_store``).
     Prometheus metrics on ``metrics_port`` (None: none); the OpenAI-compatible HTTP API
     on ``http_port`` (None: none), in the same event loop; plaintext grpc.health.v1 alone on
     ``health_port`` (None: none).
@@ -347,7 +350,7 @@ async def run_gateway(model: str | ModelSource, port: int, host: str, scheduler:
             callbacks = CallbackSender(CallbackPolicy(callback_allow), secret)
         runner = TaskRunner(store, heartbeat_s=task_lease_s / 4, lease_s=task_lease_s,
                             claim_poll_s=min(1.0, task_lease_s / 4), max_attempts=task_max_attempts,
-                            max_wait_s=task_max_wait_s)
+                            max_wait_s=task_max_wait_s, max_unfinished_per_tenant=max_unfinished_tasks_per_tenant)
         holder["svc"] = await start_gateway(tokenizer, info, scheduler, port, host, tenants, hash_block_size,
                                             result_cache=cache, tasks=runner, metrics_port=metrics_port,
                                             callbacks=callbacks, tls=tls,

@@ -256,6 +256,10 @@ def gateway(
     task_ttl_s: float = typer.Option(3600.0, "--task-ttl-s", min=0.001, help="Seconds a finished task is kept."),
     max_tasks: int = typer.Option(10_000, "--max-tasks", min=1, help="Most tasks the memory store keeps "
                                   "(finished ones are dropped oldest first; then SubmitTask is refused)."),
+    max_unfinished_tasks_per_tenant: int = typer.Option(
+        1000, "--max-unfinished-tasks-per-tenant", min=1, help="Most async tasks one tenant may have queued or "
+        "running at once, in the task store (shared by the gateways on one Redis); beyond it SubmitTask is "
+        "refused with RESOURCE_EXHAUSTED. A tenant's max_unfinished_tasks in the tenants file wins."),
     max_prompt_bytes: int = typer.Option(256 << 10, "--max-prompt-bytes", min=1,
                                          help="Most UTF-8 bytes of a prompt (or of all chat contents)."),
     max_messages: int = typer.Option(1024, "--max-messages", min=1, help="Most chat messages of a request."),
@@ -309,7 +313,8 @@ def gateway(
                                 result_cache_ttl_s, task_store, task_ttl_s, max_tasks, metrics_port, tls,
                                 max_prompt_bytes, max_messages, prefix_cache_scope, result_cache,
                                 callback_allow, callback_secret_file, task_lease_s, task_max_attempts, http_port,
-                                health_port, task_max_wait_s, drain_grace_s))
+                                health_port, task_max_wait_s, drain_grace_s,
+                                max_unfinished_tasks_per_tenant=max_unfinished_tasks_per_tenant))
 
 
 def _check_scope(scope: str) -> None:

@@ -195,8 +195,8 @@ async def test_a_pending_callback_is_claimed_renewed_by_its_holder_and_taken_ove
     assert await store.claim_callback("t1", "gw-c", 9999.0, 10.0) is None
 
 
-BOUND_MESSAGE = ("tenant 'acme' has 2 unfinished tasks (queued or running), its bound (max_unfinished_tasks); "
-                 "submit again once one of them finishes")
+BOUND_MESSAGE = ("tenant 'acme' has 2 unfinished tasks (queued or running), its bound (max_unfinished_tasks, "
+                 "default --max-unfinished-tasks-per-tenant); submit again once one of them finishes")
 
 
 async def test_a_tenant_at_its_bound_is_refused_nothing_is_stored_and_other_tenants_are_not(store_case):

@@ -18,16 +18,16 @@ from tests.support.redis_server import free_port
 @asynccontextmanager
 async def served_gateway(**start_kwargs):
     """Yields ``(client, svc)``: an ``httpx.AsyncClient`` on the gateway's HTTP address
-    and the started gateway (``start_gateway`` with a memory task store, plus
-    ``start_kwargs``); stops it after. Skips the test when the model package is missing."""
+    and the started gateway (``start_gateway`` with a memory task store unless
+    ``start_kwargs`` names its ``tasks`` runner, plus ``start_kwargs``); stops it after. Skips the test when the model package is missing."""
     from meshserve.cli.processes import model_info
 
     try:
         tokenizer, info = await asyncio.to_thread(model_info, "default")
     except FileNotFoundError as exc:
         pytest.skip(str(exc))
-    svc = await start_gateway(tokenizer, info, f"127.0.0.1:{free_port()}", 0, tasks=TaskRunner(MemoryTaskStore()),
-                              http_port=0, **start_kwargs)
+    start_kwargs.setdefault("tasks", TaskRunner(MemoryTaskStore()))
+    svc = await start_gateway(tokenizer, info, f"127.0.0.1:{free_port()}", 0, http_port=0, **start_kwargs)
     try:
         async with httpx.AsyncClient(base_url=f"http://{svc.http.address}", timeout=30) as client:
             yield client, svc

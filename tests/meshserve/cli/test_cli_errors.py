@@ -152,6 +152,7 @@ def test_up_rejects_bad_executor_and_kvstore_flags_before_starting_anything(args
         (["--task-ttl-s", "0"], "--task-ttl-s"),
         (["--result-cache-size", "-1"], "--result-cache-size"),
         (["--max-tasks", "0"], "--max-tasks"),
+        (["--max-unfinished-tasks-per-tenant", "0"], "--max-unfinished-tasks-per-tenant"),
         (["--result-cache", "memcached://x"], "--result-cache must be 'memory' or a redis://host:port/db URL"),
         (["--callback-allow", "https://hooks.example.com/"], "--callback-allow needs --callback-secret-file"),
         (["--callback-allow", "ftp://x/", "--callback-secret-file", "k"], "expected http(s)://host[:port][/path]"),
