@@ -122,9 +122,11 @@ async def test_a_killed_gateways_tasks_are_finished_by_the_other_once(pair):
     await wait_for_condition(lambda: a.runner.num_running == 8, what="8 tasks running on A")
     a.crash()
     assert await b.store.claimable(clock()) == []      # A's leases are still live: nothing is taken
+    assert await b.store.unfinished_count("acme") == 8  # A's tasks count for their tenant on B too
     clock.now += LEASE_S + 0.1                          # ... until they lapse
     records = [await final_state(b.store, f"t{i}") for i in range(8)]
     assert [(r.state, r.result, r.attempt) for r in records] == [(TaskState.SUCCEEDED, b"gw-b", 2)] * 8
+    assert await b.store.unfinished_count("acme") == 0  # B's final writes uncount what A's submits counted
     await wait_for_condition(lambda: len(finals) >= 8, what="8 final callbacks")
     assert sorted(f[1] for f in finals) == [f"t{i}" for i in range(8)] and {f[0] for f in finals} == {"gw-b"}
     assert [r.request for r in b.resumed] == [b"stored request"] * 8

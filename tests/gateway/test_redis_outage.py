@@ -76,6 +76,7 @@ async def test_redis_outage_refuses_submits_bypasses_the_cache_and_loses_no_task
     assert [(r.state, r.result, r.attempt) for r in records] == [(TaskState.SUCCEEDED, b"ok", 1)] * 2
     during = await until_final(store, "during")   # its SET may land once Redis answers: it is ended, never run
     assert (during.state, during.error_code, during.attempt) == (TaskState.FAILED, "UNAVAILABLE", 1)
+    assert await store.unfinished_count("acme") == 0  # the submit refused, its record landed and ended: uncounted
     for _ in range(6000):
         if len(finals) >= 2:
             break
