@@ -21,7 +21,8 @@ key's expiry). ``create`` is one Lua script (``_CREATE``), atomic on the server:
 it drops the members whose record expired by Redis's own clock (``TIME``; the
 record is written with ``PXAT`` that very score, so the member and its record
 expire together), counts the rest, refuses at the bound, else writes the record,
-its lease and its member. The final transition removes the member in the same
+its lease and its member (the set itself expires with its last member: a tenant
+that submits no more leaves no key behind). The final transition removes the member in the same
 transaction as the record's write (``_update``). So a gateway that dies between
 its create and its task's end leaves a member that counts while the record is
 unfinished (another gateway takes the task over and ends it) and stops counting
@@ -89,6 +90,8 @@ local expires = now + tonumber(ARGV[2])
 redis.call('SET', KEYS[1], ARGV[1], 'PXAT', expires)
 redis.call('ZADD', KEYS[2], 'NX', ARGV[3], ARGV[5])
 redis.call('ZADD', KEYS[3], expires, ARGV[5])
+local last = redis.call('ZRANGE', KEYS[3], -1, -1, 'WITHSCORES')
+redis.call('PEXPIREAT', KEYS[3], math.ceil(tonumber(last[2])))
 return {1, count + 1}
 """
 _FIELDS = {f.name for f in fields(TaskRecord)}

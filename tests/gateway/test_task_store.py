@@ -273,5 +273,8 @@ async def test_an_unfinished_record_that_expires_stops_counting_with_it(redis_ur
         assert (await store.get("t1"), await store.unfinished_count("acme")) == (None, 0)
         await store.create(record("t3"), max_unfinished=2)
         assert (await store.unfinished_count("acme"), await store._redis.zcard(UNFINISHED_PREFIX + "acme")) == (1, 1)
+        # the set itself expires with its last member
+        assert await store._redis.pexpiretime(UNFINISHED_PREFIX + "acme") == await store._redis.pexpiretime(
+            KEY_PREFIX + "t3")
     finally:
         await store.close()
