@@ -44,7 +44,7 @@ from typing import Iterable
 
 import redis.asyncio as aioredis
 from redis.asyncio.retry import Retry
-from redis.backoff import ExponentialBackoff
+from redis.backoff import ExponentialBackoff, NoBackoff
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import RedisError, WatchError
 
@@ -55,6 +55,7 @@ KEY_PREFIX = "meshserve:task:"
 # a Redis that does not answer (a blocked port) fails a call within these, as UNAVAILABLE (C39)
 REDIS_CONNECT_TIMEOUT_S = 2.0
 REDIS_TIMEOUT_S = 4.0
+PING_TIMEOUT_S = 3.0  # ``ping``'s bound: the whole check, connecting included
 
 
 def redis_client(url: str) -> aioredis.Redis:
@@ -63,6 +64,31 @@ def redis_client(url: str) -> aioredis.Redis:
     return aioredis.from_url(url, socket_connect_timeout=REDIS_CONNECT_TIMEOUT_S, socket_timeout=REDIS_TIMEOUT_S,
                              retry=Retry(ExponentialBackoff(cap=0.2, base=0.02), 2),
                              retry_on_error=[RedisConnectionError])
+
+
+async def ping(url: str, timeout_s: float = PING_TIMEOUT_S) -> None:
+    """One PING to the Redis at ``url``, tried once and bounded by ``timeout_s`` in all
+    (connecting and selecting its database included): the check ``meshserve up`` makes
+    before it starts anything.
+
+    Raises:
+        ConnectionError: no PONG; the message is the reason only (redis-py's, or the
+            timeout), for the caller to name the URL and the flag.
+    """
+    try:
+        client = aioredis.from_url(url, socket_connect_timeout=timeout_s, socket_timeout=timeout_s,
+                                   retry=Retry(NoBackoff(), 0))
+    except ValueError as exc:  # a URL redis-py cannot read (a scheme, a port)
+        raise ConnectionError(str(exc)) from None
+    try:
+        async with asyncio.timeout(timeout_s):
+            await client.ping()
+    except TimeoutError:
+        raise ConnectionError(f"no answer within {timeout_s:g} s") from None
+    except (RedisError, OSError) as exc:
+        raise ConnectionError(str(exc)) from None
+    finally:
+        await client.aclose()
 
 
 async def shielded(coro):

@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from meshserve.certs import has_certs, write_certs
+from meshserve.cli.store_check import check_stores, redis_stores
 from meshserve.cli.stop_order import DRAIN_GRACE_S, PARENT_ENV, stop_in_order, stop_order
 from meshserve.cpu_affinity import ENV as CPU_AFFINITY_ENV
 from meshserve.cpu_affinity import CpuPlan, format_cpu_list, plan_cpus, usable_cpus
@@ -303,7 +304,8 @@ class Mesh:
         """Starts every service and waits until all are SERVING.
 
         Raises:
-            OSError: the gateway's port is taken (checked before anything starts).
+            OSError: the gateway's port is taken, or a Redis store of the gateway does not
+                answer (``ConnectionError``; both checked before anything starts).
             RuntimeError: a service exited during start-up.
             TimeoutError: a service was not SERVING in time.
         """
@@ -314,6 +316,7 @@ class Mesh:
         if http_port and not port_is_free(int(http_port)):  # checked now, not after the model loads
             raise OSError(f"HTTP port {http_port} on 127.0.0.1 is in use (another meshserve up?); "
                           "choose one with --http-port")
+        await check_stores(redis_stores(["--task-store", c.task_store, *c.gateway_args]))
         if c.tls_dir is not None and not has_certs(c.tls_dir):
             write_certs(c.tls_dir)  # raises ValueError on a directory with a CA but missing role files
         try:

@@ -1,0 +1,100 @@
+"""``meshserve up`` pings the gateway's Redis stores before it starts any service: a
+Redis that is down, stopped or misnamed is one ``error:`` line and exit code 1 within
+seconds, not a gateway failing after every executor loaded the model."""
+
+import pytest
+from typer.testing import CliRunner
+
+from meshserve.cli import app
+from meshserve.cli.launcher import Mesh
+from meshserve.cli.store_check import redis_stores
+from tests.support.redis_server import free_port, redis_process
+
+runner = CliRunner()
+
+
+@pytest.fixture
+def spawned(monkeypatch):
+    """The services ``up`` starts; the first one ends the start (``error: spawned NAME``),
+    so a test sees whether the checks let it get that far."""
+    names = []
+
+    def spawn(self, name, args, cpus=None):
+        names.append(name)
+        raise RuntimeError(f"spawned {name}")
+
+    monkeypatch.setattr(Mesh, "_spawn", spawn)
+    return names
+
+
+@pytest.fixture
+def paused_redis():
+    """A redis-server whose port accepts connections but never answers (SIGSTOP)."""
+    try:
+        with redis_process() as redis:
+            redis.pause()
+            yield redis
+    except FileNotFoundError as exc:
+        pytest.skip(str(exc))
+
+
+def test_the_stores_are_read_as_the_gateway_reads_its_flags():
+    assert redis_stores(["--task-store", "memory"]) == {}
+    assert redis_stores(["--task-store", "redis://a:1/0", "--result-cache", "memory"]) == {
+        "--task-store": "redis://a:1/0"}
+    # a --config file's [gateway] flags come after up's own: the last value wins
+    assert redis_stores(["--task-store", "memory", "--result-cache", "redis://b:2/1", "--task-store",
+                         "unix:///run/redis.sock"]) == {"--task-store": "unix:///run/redis.sock",
+                                                        "--result-cache": "redis://b:2/1"}
+
+
+def test_a_task_store_nothing_listens_on_is_one_line_and_nothing_starts(spawned):
+    port = free_port()
+    result = runner.invoke(app, ["up", "--port", "0", "--http-port", "0", "--task-store",
+                                 f"redis://127.0.0.1:{port}/0"])
+    assert result.exit_code == 1
+    assert result.stdout == ""
+    assert result.stderr == (f"error: --task-store redis://127.0.0.1:{port}/0: PING failed: Error 111 connecting to "
+                             f"127.0.0.1:{port}. Connect call failed ('127.0.0.1', {port}).\n")
+    assert spawned == []
+
+
+def test_a_task_store_that_never_answers_fails_at_the_pings_bound(spawned, paused_redis):
+    result = runner.invoke(app, ["up", "--port", "0", "--http-port", "0", "--task-store", paused_redis.url])
+    assert result.exit_code == 1
+    assert result.stderr == f"error: --task-store {paused_redis.url}: PING failed: no answer within 3 s\n"
+    assert spawned == []
+
+
+def test_a_database_redis_does_not_have_is_refused_before_anything_starts(spawned):
+    try:
+        with redis_process() as redis:
+            url = redis.url.rsplit("/", 1)[0] + "/99"
+            result = runner.invoke(app, ["up", "--port", "0", "--http-port", "0", "--task-store", url])
+    except FileNotFoundError as exc:
+        pytest.skip(str(exc))
+    assert result.exit_code == 1
+    assert result.stderr == f"error: --task-store {url}: PING failed: DB index is out of range\n"
+    assert spawned == []
+
+
+def test_a_result_cache_in_the_config_file_is_checked_too(spawned, tmp_path):
+    port = free_port()
+    config = tmp_path / "mesh.toml"
+    config.write_text(f'[gateway]\nresult-cache = "redis://127.0.0.1:{port}/0"\n')
+    result = runner.invoke(app, ["up", "--port", "0", "--http-port", "0", "--config", str(config)])
+    assert result.exit_code == 1
+    assert result.stderr == (f"error: --result-cache redis://127.0.0.1:{port}/0: PING failed: Error 111 "
+                             f"connecting to 127.0.0.1:{port}. Connect call failed ('127.0.0.1', {port}).\n")
+    assert spawned == []
+
+
+def test_a_task_store_that_answers_lets_the_services_start(spawned):
+    try:
+        with redis_process() as redis:
+            result = runner.invoke(app, ["up", "--port", "0", "--http-port", "0", "--task-store", redis.url])
+    except FileNotFoundError as exc:
+        pytest.skip(str(exc))
+    assert result.exit_code == 1
+    assert result.stderr == "error: spawned scheduler\n"
+    assert spawned == ["scheduler"]
