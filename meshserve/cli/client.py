@@ -19,29 +19,57 @@ import typer
 
 from meshserve.cli.options import InsecureOpt, TLSCAOpt, TLSCertOpt, TLSKeyOpt, tls_settings
 
+_GATEWAY_DEFAULTS = {"max_tokens": "16", "temperature": "1.0", "top_p": "1.0", "top_k": "0", "min_p": "0.0",
+                     "min_tokens": "0", "repetition_penalty": "1.0", "presence_penalty": "0.0",
+                     "frequency_penalty": "0.0", "n": "1"}
+"""What ``--help`` shows as the default of a sampling option left unset: the request then
+leaves the field unset and the gateway applies ``meshserve.sampling.SamplingParams``'s
+default (written out here, since importing it would import grpc for ``--help``; a test
+keeps them equal)."""
+
+ApiKeyOpt = typer.Option(None, "--api-key", envvar="MESHSERVE_API_KEY", show_default="none: the open tenant",
+                         help="The caller's key, sent as x-api-key (a gateway with --tenants needs one).")
+
 
 def generate(
     addr: str = typer.Option("127.0.0.1:50051", "--addr", help="Gateway host:port."),
     prompt: list[str] = typer.Option(..., "--prompt", help="Prompt text; repeat to send several concurrently."),
     chat: bool = typer.Option(False, "--chat", help="Send each prompt as one user chat message."),
-    max_tokens: Optional[int] = typer.Option(None, "--max-tokens"),
-    temperature: Optional[float] = typer.Option(None, "--temperature"),
-    top_p: Optional[float] = typer.Option(None, "--top-p"),
-    top_k: Optional[int] = typer.Option(None, "--top-k"),
-    seed: Optional[int] = typer.Option(None, "--seed"),
-    ignore_eos: bool = typer.Option(False, "--ignore-eos"),
+    max_tokens: Optional[int] = typer.Option(None, "--max-tokens", show_default=_GATEWAY_DEFAULTS["max_tokens"],
+                                             help="Most tokens generated per choice."),
+    temperature: Optional[float] = typer.Option(None, "--temperature",
+                                                show_default=_GATEWAY_DEFAULTS["temperature"],
+                                                help="Sampling temperature, >= 0 (0: greedy)."),
+    top_p: Optional[float] = typer.Option(None, "--top-p", show_default=_GATEWAY_DEFAULTS["top_p"],
+                                          help="Nucleus mass, in (0, 1] (1: off)."),
+    top_k: Optional[int] = typer.Option(None, "--top-k", show_default=_GATEWAY_DEFAULTS["top_k"],
+                                        help="Keep the k most likely tokens (0 or -1: off; 1: greedy)."),
+    seed: Optional[int] = typer.Option(None, "--seed", show_default="none: unseeded",
+                                       help="Seed of the sampling (choice i uses seed + i)."),
+    ignore_eos: bool = typer.Option(False, "--ignore-eos", help="Generate past the model's end-of-text token."),
     stop: list[str] = typer.Option([], "--stop", help="Stop string; may repeat."),
-    min_p: Optional[float] = typer.Option(None, "--min-p", help="Min-p in [0, 1] (0: off)."),
-    min_tokens: Optional[int] = typer.Option(None, "--min-tokens", help="No EOS / stop token before this many."),
-    repetition_penalty: Optional[float] = typer.Option(None, "--repetition-penalty", help="> 0 (1: off)."),
-    presence_penalty: Optional[float] = typer.Option(None, "--presence-penalty", help="In [-2, 2] (0: off)."),
-    frequency_penalty: Optional[float] = typer.Option(None, "--frequency-penalty", help="In [-2, 2] (0: off)."),
-    n: Optional[int] = typer.Option(None, "--n", help="Choices per prompt, in [1, 16]."),
-    logprobs: Optional[int] = typer.Option(None, "--logprobs", help="Top-k logprobs per token, in [0, 20] (--json)."),
-    prompt_logprobs: Optional[int] = typer.Option(None, "--prompt-logprobs",
+    min_p: Optional[float] = typer.Option(None, "--min-p", show_default=_GATEWAY_DEFAULTS["min_p"],
+                                          help="Min-p in [0, 1] (0: off)."),
+    min_tokens: Optional[int] = typer.Option(None, "--min-tokens", show_default=_GATEWAY_DEFAULTS["min_tokens"],
+                                             help="No EOS / stop token before this many."),
+    repetition_penalty: Optional[float] = typer.Option(None, "--repetition-penalty",
+                                                       show_default=_GATEWAY_DEFAULTS["repetition_penalty"],
+                                                       help="> 0 (1: off)."),
+    presence_penalty: Optional[float] = typer.Option(None, "--presence-penalty",
+                                                     show_default=_GATEWAY_DEFAULTS["presence_penalty"],
+                                                     help="In [-2, 2] (0: off)."),
+    frequency_penalty: Optional[float] = typer.Option(None, "--frequency-penalty",
+                                                      show_default=_GATEWAY_DEFAULTS["frequency_penalty"],
+                                                      help="In [-2, 2] (0: off)."),
+    n: Optional[int] = typer.Option(None, "--n", show_default=_GATEWAY_DEFAULTS["n"],
+                                    help="Choices per prompt, in [1, 16]."),
+    logprobs: Optional[int] = typer.Option(None, "--logprobs", show_default="none: off",
+                                           help="Top-k logprobs per token, in [0, 20] (--json)."),
+    prompt_logprobs: Optional[int] = typer.Option(None, "--prompt-logprobs", show_default="none: off",
                                                   help="Top-k logprobs per prompt token, in [0, 20] (--json)."),
-    priority: Optional[int] = typer.Option(None, "--priority"),
-    api_key: Optional[str] = typer.Option(None, "--api-key", envvar="MESHSERVE_API_KEY"),
+    priority: Optional[int] = typer.Option(None, "--priority", show_default="the tenant's",
+                                           help="Priority class: higher runs first."),
+    api_key: Optional[str] = ApiKeyOpt,
     as_json: bool = typer.Option(False, "--json", help="One JSON object per prompt and choice, one per line."),
     async_task: bool = typer.Option(False, "--async", help="Submit each prompt as an async task (SubmitTask), "
                                     "poll GetTask until it is done, then print the result."),
@@ -111,7 +139,7 @@ def task_command(
     addr: str = typer.Option("127.0.0.1:50051", "--addr", help="Gateway host:port."),
     cancel: bool = typer.Option(False, "--cancel", help="Cancel the task (CancelTask) instead of reading it."),
     wait: bool = typer.Option(False, "--wait", help="Poll until the task is done."),
-    api_key: Optional[str] = typer.Option(None, "--api-key", envvar="MESHSERVE_API_KEY"),
+    api_key: Optional[str] = ApiKeyOpt,
     tls_cert: Optional[str] = TLSCertOpt, tls_key: Optional[str] = TLSKeyOpt, tls_ca: Optional[str] = TLSCAOpt,
     insecure: bool = InsecureOpt,
 ) -> None:

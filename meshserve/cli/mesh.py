@@ -161,9 +161,10 @@ def up(
                                                                     + _FOR.format("executors")),
     queue_policy: Optional[str] = typer.Option(None, "--queue-policy", help="fcfs, priority or sjf (default fcfs). "
                                                + _FOR.format("scheduler")),
-    pools: Optional[str] = typer.Option(None, "--pools", help="Pools TOML file. " + _FOR.format("scheduler")),
+    pools: Optional[str] = typer.Option(None, "--pools", help="Pools TOML file (default: any pool). "
+                                        + _FOR.format("scheduler")),
     tenants: Optional[str] = typer.Option(None, help="Tenants TOML file (keys for the gateway, KV quotas for the "
-                                          "scheduler)."),
+                                          "scheduler; default: open, tenant 'default')."),
     config: Optional[str] = typer.Option(None, "--config", help="Mesh config TOML: per-service flags in "
                                          "[scheduler], [executor], [gateway], [kvstore] sections (a flag given to "
                                          "up wins over the file; the file over up's defaults)."),

@@ -127,7 +127,8 @@ def executor(
                                                             "tokens to compute run first, longer ones sit out up to "
                                                             "4 steps (default 64; 0: arrival order)."),
     max_model_len: Optional[int] = typer.Option(None, help="Longest prompt + output (default: the model's)."),
-    num_threads: Optional[int] = typer.Option(None, help="torch CPU threads."),
+    num_threads: Optional[int] = typer.Option(None, show_default="torch's own, about one per core",
+                                              help="torch CPU threads."),
     attention_backend: str = typer.Option("auto", help="auto (triton on CUDA, else torch), torch or triton."),
     device: str = typer.Option("cpu", help="torch device of the model and KV cache: cpu, cuda, cuda:1…"),
     cuda_graphs: Optional[bool] = typer.Option(None, "--cuda-graphs/--no-cuda-graphs",
