@@ -2,7 +2,8 @@
 
 ``generate`` sends prompts (concurrently when several) and prints the answers,
 streamed for one prompt and one choice, or submits them as async tasks
-(``--async``); ``task TASK_ID`` reads, waits for or cancels a task submitted
+(``--async``; a Ctrl-C while it waits prints how to follow the tasks, which go on,
+and exits 130); ``task TASK_ID`` reads, waits for or cancels a task submitted
 earlier. Both exit 1 when a call failed. Both speak plaintext unless given
 ``--tls-ca`` (TLS to the gateway; ``--tls-cert``/``--tls-key`` add a client certificate). gRPC and the client library are imported
 when a command runs, so that ``meshserve --help`` stays fast.
@@ -12,12 +13,17 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
+import shlex
 import sys
 from typing import Optional
 
 import typer
 
 from meshserve.cli.options import InsecureOpt, TLSCAOpt, TLSCertOpt, TLSKeyOpt, tls_settings
+
+DEFAULT_ADDR = "127.0.0.1:50051"
+API_KEY_ENV = "MESHSERVE_API_KEY"
 
 _GATEWAY_DEFAULTS = {"max_tokens": "16", "temperature": "1.0", "top_p": "1.0", "top_k": "0", "min_p": "0.0",
                      "min_tokens": "0", "repetition_penalty": "1.0", "presence_penalty": "0.0",
@@ -27,12 +33,12 @@ leaves the field unset and the gateway applies ``meshserve.sampling.SamplingPara
 default (written out here, since importing it would import grpc for ``--help``; a test
 keeps them equal)."""
 
-ApiKeyOpt = typer.Option(None, "--api-key", envvar="MESHSERVE_API_KEY", show_default="none: the open tenant",
+ApiKeyOpt = typer.Option(None, "--api-key", envvar=API_KEY_ENV, show_default="none: the open tenant",
                          help="The caller's key, sent as x-api-key (a gateway with --tenants needs one).")
 
 
 def generate(
-    addr: str = typer.Option("127.0.0.1:50051", "--addr", help="Gateway host:port."),
+    addr: str = typer.Option(DEFAULT_ADDR, "--addr", help="Gateway host:port."),
     prompt: list[str] = typer.Option(..., "--prompt", help="Prompt text; repeat to send several concurrently."),
     chat: bool = typer.Option(False, "--chat", help="Send each prompt as one user chat message."),
     max_tokens: Optional[int] = typer.Option(None, "--max-tokens", show_default=_GATEWAY_DEFAULTS["max_tokens"],
@@ -100,7 +106,9 @@ def generate(
                 return 2
             live = len(reqs) == 1 and not as_json and (n or 1) == 1 and not async_task
             on_delta = (lambda text, _ids, _i: (sys.stdout.write(text), sys.stdout.flush())) if live else None
+
             def submitted(handle) -> None:  # the id, at once: `meshserve task ID` can follow it
+                task_ids.append(handle.task_id)
                 print(f"task {handle.task_id} submitted", file=sys.stderr, flush=True)
 
             calls = (run_task(stub, r, metadata, on_submitted=submitted) if async_task else generate_choices(stub, r, metadata,
@@ -125,18 +133,63 @@ def generate(
                 elif live:
                     print(f"\n[{r.finish_reason}; {r.usage['completion_tokens']} tokens; "
                           f"TTFT {r.timings['ttft_s']:.3f} s]")
-                else:
-                    title = f"{p} [choice {r.index}]" if len(choices) > 1 else p
+                else:  # a header only where it tells answers apart: the prompt, the choice
+                    title = " ".join(([p] if len(prompt) > 1 else [])
+                                     + ([f"[choice {r.index}]"] if len(choices) > 1 else []))
                     task = f"; task {r.task_id}" if r.task_id else ""
-                    print(f"### {title}\n{r.text}\n[{r.finish_reason}; {r.usage['completion_tokens']} tokens{task}]\n")
+                    if title:
+                        print(f"### {title}")
+                    print(f"{r.text}\n[{r.finish_reason}; {r.usage['completion_tokens']} tokens{task}]")
+                    if title:
+                        print()  # a blank line between answers
         return code
 
-    sys.exit(asyncio.run(main()))
+    task_ids: list[str] = []  # the async tasks submitted, as the gateway acknowledged them
+    try:
+        code = asyncio.run(main())
+    except KeyboardInterrupt:
+        if not async_task:
+            raise
+        follow = ([] if addr == DEFAULT_ADDR else ["--addr", addr]) + _tls_flags(tls_cert, tls_key, tls_ca, insecure)
+        key_given = api_key is not None and api_key != os.environ.get(API_KEY_ENV)
+        print(interrupted_note(task_ids, len(prompt), follow, key_given), file=sys.stderr)
+        code = 130  # as a shell reports a command ended by SIGINT
+    sys.exit(code)
+
+
+def _tls_flags(cert: Optional[str], key: Optional[str], ca: Optional[str], insecure: bool) -> list[str]:
+    """The TLS flags given, to repeat them."""
+    flags = [flag for name, value in (("--tls-cert", cert), ("--tls-key", key), ("--tls-ca", ca)) if value
+             for flag in (name, value)]
+    return flags + (["--insecure"] if insecure else [])
+
+
+def interrupted_note(task_ids: list[str], prompts: int, follow: list[str], key_given: bool) -> str:
+    """What ``generate --async`` prints on Ctrl-C: the tasks go on on the gateway, and
+    the ``meshserve task`` commands that fetch or cancel each (``follow``: the
+    ``--addr`` and TLS flags to repeat; ``key_given``: an ``--api-key`` given on the
+    command line, which the commands need too and which is not printed)."""
+    extra = "".join(f" {shlex.quote(a)}" for a in follow)
+    if not task_ids:
+        lines = ["interrupted before the gateway acknowledged a task (a submit in flight may still have been "
+                 "accepted); no task id to follow"]
+    else:
+        them = "it" if len(task_ids) == 1 else "them"
+        lines = [f"interrupted: task{'s' if len(task_ids) > 1 else ''} {', '.join(task_ids)} "
+                 f"{'goes' if len(task_ids) == 1 else 'go'} on without this command; fetch or cancel {them} with:"]
+        for task_id in task_ids:
+            lines += [f"  meshserve task {task_id}{extra} --wait", f"  meshserve task {task_id}{extra} --cancel"]
+        if key_given:
+            lines.append("  (each with the --api-key you gave)")
+        if len(task_ids) < prompts:
+            lines.append(f"{prompts - len(task_ids)} other prompt(s) got no task id (a submit in flight may still "
+                         "have been accepted)")
+    return "\n".join(lines)
 
 
 def task_command(
     task_id: str = typer.Argument(..., help="The id SubmitTask returned."),
-    addr: str = typer.Option("127.0.0.1:50051", "--addr", help="Gateway host:port."),
+    addr: str = typer.Option(DEFAULT_ADDR, "--addr", help="Gateway host:port."),
     cancel: bool = typer.Option(False, "--cancel", help="Cancel the task (CancelTask) instead of reading it."),
     wait: bool = typer.Option(False, "--wait", help="Poll until the task is done."),
     api_key: Optional[str] = ApiKeyOpt,
