@@ -61,6 +61,29 @@ def plan_cpus(allowed: Sequence[int], num_executors: int, threads_per_executor: 
     return CpuPlan(executor_cpus=slots, service_cpus=tuple(cpus[needed:]))
 
 
+def unpinned_note(cpus: Sequence[int], slots: int, cores_each: int) -> str:
+    """What ``up`` prints after ``cores:`` when the executors' cores (``slots`` x
+    ``cores_each``) and one more for the other services do not fit ``cpus``, e.g.
+    ``0-1, shared by every service (pinning needs 3: 2 executor(s) x 1 core(s) and one
+    for the other services)``. Nothing is wrong then: Linux places the threads."""
+    return (f"{format_cpu_list(cpus)}, shared by every service (pinning needs {slots * cores_each + 1}: "
+            f"{slots} executor(s) x {cores_each} core(s) and one for the other services)")
+
+
+def oversubscription(cpus: Sequence[int], slots: int, threads: int, ranks: int = 1) -> str:
+    """A warning when the executors' torch threads (``slots`` executors x ``threads``
+    x ``ranks``, the tensor- and pipeline-parallel processes of each) outnumber
+    ``cpus``: every step of one then waits for cores the others hold. "" when they fit
+    (the usual case: ``up``'s default threads leave each executor its share)."""
+    total = slots * threads * ranks
+    if total <= len(cpus):
+        return ""
+    shape = f"{slots} executor(s) x {threads} thread(s)" + (f" x {ranks} rank(s)" if ranks > 1 else "")
+    return (f"{shape} = {total} torch threads on the {len(cpus)} core(s) this process may use "
+            f"({format_cpu_list(cpus)}): each executor's steps will wait for cores the others hold; "
+            "run fewer executors, threads or ranks")
+
+
 def format_cpu_list(cpus: Sequence[int]) -> str:
     """``[0, 1, 2, 5]`` → ``"0-2,5"`` (the ``taskset -c`` and ``/proc`` list syntax)."""
     out: list[str] = []

@@ -95,6 +95,8 @@ def run_demo(port: int, executors: int, max_tokens: int) -> int:
         console.print(f"error: {exc}")
         shutil.rmtree(log_dir, ignore_errors=True)  # nothing was logged there
         return 1
+    if mesh.cpu_warning:
+        console.print(f"warning: {mesh.cpu_warning}")
     console.print(f"Starting the mesh (scheduler, {executors} executor(s), gateway); logs in {log_dir} …")
     rc = 1
     try:

@@ -32,7 +32,7 @@ from meshserve.certs import has_certs, write_certs
 from meshserve.cli.store_check import check_stores, redis_stores
 from meshserve.cli.stop_order import DRAIN_GRACE_S, PARENT_ENV, stop_in_order, stop_order
 from meshserve.cpu_affinity import ENV as CPU_AFFINITY_ENV
-from meshserve.cpu_affinity import CpuPlan, format_cpu_list, plan_cpus, usable_cpus
+from meshserve.cpu_affinity import CpuPlan, format_cpu_list, oversubscription, plan_cpus, unpinned_note, usable_cpus
 from meshserve.grpc_server import LIVENESS_SERVICE, wait_serving
 from meshserve.tls import PLAINTEXT, TLSConfig
 
@@ -172,31 +172,33 @@ class Mesh:
         self._kv_args: list[str] = []
         self._num_started = 0
         self.cpu_plan: CpuPlan | None = None  # None: nothing pinned
-        self.cpu_note = ""  # why nothing is pinned although cpu_affinity asked for it
-        if config.cpu_affinity:
-            self._plan_cpus()
+        self.cpu_note = ""  # what the services run on when cpu_affinity asked for pinning and nothing is pinned
+        self.cpu_warning = ""  # the executors' threads outnumber the cores ("": they fit)
+        self._plan_cpus()
         self.cpus: dict[str, str] = {}  # service name -> the cores it is pinned to ("0-2,5"), when pinned
         self._executor_slots: dict[str, int] = {}  # executor name -> its slot in cpu_plan.executor_cpus
 
     def _plan_cpus(self) -> None:
-        """Sets ``cpu_plan`` (or ``cpu_note``): a slot per executor ``autoscale`` may run,
-        each of the executor's torch threads (its ``--num-threads``, which
-        ``executor_args`` may set) times its tensor- and pipeline-parallel ranks, which
-        share its cores (``executor.worker.distributed.cpu_shares``)."""
+        """Sets ``cpu_warning``, and with ``cpu_affinity`` ``cpu_plan`` (or ``cpu_note``):
+        a slot per executor ``autoscale`` may run, each of the executor's torch threads
+        (its ``--num-threads``, which ``executor_args`` may set) times its tensor- and
+        pipeline-parallel ranks, which share its cores
+        (``executor.worker.distributed.cpu_shares``)."""
         c = self.config
-        if not hasattr(os, "sched_getaffinity"):
-            self.cpu_note = "not pinned: pinning needs Linux"
-            return
         slots = max(c.executors, c.autoscale[1] if c.autoscale else 0, 1)
         threads = int(_last_value(c.executor_args, "--num-threads") or self._threads())
         ranks = (int(_last_value(c.executor_args, "--tensor-parallel-size") or 1)
                  * int(_last_value(c.executor_args, "--pipeline-parallel-size") or 1))
         cpus = usable_cpus()
+        self.cpu_warning = oversubscription(cpus, slots, threads, ranks)
+        if not c.cpu_affinity:
+            return
+        if not hasattr(os, "sched_getaffinity"):
+            self.cpu_note = "not pinned (pinning needs Linux)"
+            return
         self.cpu_plan = plan_cpus(cpus, slots, threads * ranks)
         if self.cpu_plan is None:
-            self.cpu_note = (f"not pinned: {slots} executor(s) x {threads * ranks} core(s) and one for the other "
-                             f"services do not fit the {len(cpus)} core(s) this process may use "
-                             f"({format_cpu_list(cpus)})")
+            self.cpu_note = unpinned_note(cpus, slots, threads * ranks)
             if ranks > 1:  # the launcher pins no service, but each executor still places its own ranks
                 self.cpu_note += (f"; each executor still pins its {ranks - 1} child rank(s) to shares of "
                                   "its cores")

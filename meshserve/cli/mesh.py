@@ -279,8 +279,9 @@ def up(
 
 
 def run_mesh(mesh) -> None:
-    """Starts ``mesh``, prints its addresses (and where its certificates are, for
-    clients, under ``--tls-dir``), waits for Ctrl-C, SIGTERM or SIGHUP (with
+    """Warns when the executors' threads outnumber the cores (``Mesh.cpu_warning``),
+    starts ``mesh``, prints its addresses, its cores (and where its certificates are,
+    for clients, under ``--tls-dir``), waits for Ctrl-C, SIGTERM or SIGHUP (with
     ``config.autoscale``, starting and draining executors as the planner says),
     stops it.
 
@@ -292,6 +293,8 @@ def run_mesh(mesh) -> None:
     for sig in (signal.SIGTERM, signal.SIGHUP):  # SIGHUP: the terminal closed; the services, in process
         signal.signal(sig, lambda *_: stop.set())  # groups of their own, do not get it and must be stopped
     failed = False
+    if mesh.cpu_warning:  # said before the start: the executors load the model meanwhile
+        typer.echo(f"warning: {mesh.cpu_warning}", err=True)
     try:  # start() stops whatever it started when it fails
         asyncio.run(mesh.start())
     except KeyboardInterrupt:

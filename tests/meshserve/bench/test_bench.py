@@ -201,7 +201,7 @@ def test_the_terminal_table_names_a_pinned_meshs_cores():
     unpinned = build_report(BenchConfig("mesh", 1, spec), wl, results, wall_s=2.0,
                             target_facts={"dtype": "float32", "cpus": {}})
     assert "cores" not in format_table(unpinned)
-    note = "not pinned: 2 executor(s) x 1 core(s) and one for the other services do not fit the 2 core(s)"
+    note = "0-1, shared by every service (pinning needs 3: 2 executor(s) x 1 core(s) and one for the other services)"
     refused = build_report(BenchConfig("mesh", 1, spec), wl, results, wall_s=2.0,
                            target_facts={"dtype": "float32", "cpus": {}, "cpu_note": note})
     assert format_table(refused).splitlines()[-1] == f"cores                   {note}"  # says why, as up does

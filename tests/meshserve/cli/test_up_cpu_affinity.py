@@ -34,12 +34,33 @@ def test_up_pins_by_default_and_no_cpu_affinity_turns_it_off(monkeypatch):
     assert [m.config.cpu_affinity for m in started] == [True, False]
 
 
-def test_a_launcher_on_one_core_pins_nothing_and_says_why(monkeypatch):
+def test_a_launcher_on_one_core_pins_nothing_and_says_what_the_services_share(monkeypatch):
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0})
     mesh = Mesh(MeshConfig(cpu_affinity=True, threads_per_executor=1))
     assert mesh.cpu_plan is None
-    assert mesh.cpu_note == ("not pinned: 1 executor(s) x 1 core(s) and one for the other services do not fit "
-                             "the 1 core(s) this process may use (0)")
+    assert mesh.cpu_note == ("0, shared by every service (pinning needs 2: 1 executor(s) x 1 core(s) and one for "
+                             "the other services)")
+    assert mesh.cpu_warning == ""  # one thread on one core: nothing is wrong
+
+
+def test_two_executors_on_two_cores_share_them_with_no_warning(monkeypatch):
+    """The README's ``up --executors 2`` on a 2-core machine: each executor gets one
+    thread, so the threads fit the cores; only the other services have none to themselves."""
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1})
+    mesh = Mesh(MeshConfig(executors=2, cpu_affinity=True))
+    assert mesh.cpu_plan is None and mesh.cores_line() == (
+        "0-1, shared by every service (pinning needs 3: 2 executor(s) x 1 core(s) and one for the other services)")
+    assert mesh.cpu_warning == ""
+
+
+def test_more_executor_threads_than_cores_is_a_warning_pinned_or_not(monkeypatch):
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1})
+    warning = ("3 executor(s) x 1 thread(s) = 3 torch threads on the 2 core(s) this process may use (0-1): each "
+               "executor's steps will wait for cores the others hold; run fewer executors, threads or ranks")
+    assert Mesh(MeshConfig(executors=3, cpu_affinity=True)).cpu_warning == warning
+    assert Mesh(MeshConfig(executors=3, cpu_affinity=False)).cpu_warning == warning
+    assert Mesh(MeshConfig(executors=1, autoscale=(1, 3), cpu_affinity=True)).cpu_warning == warning
+    assert Mesh(MeshConfig(executor_args=["--num-threads", "2"], cpu_affinity=True)).cpu_warning == ""
 
 
 def test_an_unpinned_mesh_of_parallel_executors_says_the_ranks_are_still_pinned(monkeypatch):
@@ -47,9 +68,28 @@ def test_an_unpinned_mesh_of_parallel_executors_says_the_ranks_are_still_pinned(
     mesh = Mesh(MeshConfig(cpu_affinity=True, threads_per_executor=1,
                            executor_args=["--tensor-parallel-size", "3"]))
     assert mesh.cpu_plan is None
-    assert mesh.cpu_note == ("not pinned: 1 executor(s) x 3 core(s) and one for the other services do not fit "
-                             "the 2 core(s) this process may use (0-1); each executor still pins its 2 child "
-                             "rank(s) to shares of its cores")
+    assert mesh.cpu_note == ("0-1, shared by every service (pinning needs 4: 1 executor(s) x 3 core(s) and one for "
+                             "the other services); each executor still pins its 2 child rank(s) to shares of its "
+                             "cores")
+    assert mesh.cpu_warning == ("1 executor(s) x 1 thread(s) x 3 rank(s) = 3 torch threads on the 2 core(s) this "
+                                "process may use (0-1): each executor's steps will wait for cores the others hold; "
+                                "run fewer executors, threads or ranks")
+
+
+@pytest.mark.parametrize("executors,warning", [
+    (2, ""),
+    (3, "warning: 3 executor(s) x 1 thread(s) = 3 torch threads on the 2 core(s) this process may use (0-1): each "
+        "executor's steps will wait for cores the others hold; run fewer executors, threads or ranks\n")])
+def test_up_warns_before_the_start_only_when_the_threads_outnumber_the_cores(monkeypatch, executors, warning):
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1})
+
+    async def start(self):
+        raise RuntimeError("not started in this test")
+
+    monkeypatch.setattr(Mesh, "start", start)
+    result = CliRunner().invoke(app, ["up", "--executors", str(executors)])
+    assert result.exit_code == 1
+    assert result.stderr == f"{warning}error: not started in this test\n"
 
 
 def test_the_executors_own_num_threads_is_what_is_planned(monkeypatch):
@@ -119,4 +159,4 @@ async def test_the_executor_has_its_own_core_and_the_services_the_rest(tmp_path)
 def test_a_launcher_off_linux_pins_nothing(monkeypatch):
     monkeypatch.delattr(os, "sched_getaffinity")
     mesh = Mesh(MeshConfig(cpu_affinity=True, threads_per_executor=1))
-    assert mesh.cpu_plan is None and mesh.cpu_note == "not pinned: pinning needs Linux"
+    assert mesh.cpu_plan is None and mesh.cpu_note == "not pinned (pinning needs Linux)"
