@@ -7,7 +7,8 @@ import asyncio
 
 
 class FreezableProxy:
-    """Forwards ``127.0.0.1:port`` to ``target`` ("host:port") while not frozen."""
+    """Forwards ``127.0.0.1:port`` to ``target`` ("host:port") while not frozen.
+    ``connections``: the connections accepted so far (each with its own to ``target``)."""
 
     def __init__(self, target: str):
         self.target_host, port = target.rsplit(":", 1)
@@ -17,6 +18,7 @@ class FreezableProxy:
         self._server: asyncio.base_events.Server | None = None
         self._writers: list[asyncio.StreamWriter] = []
         self._tasks: set[asyncio.Task] = set()
+        self.connections = 0
 
     @property
     def address(self) -> str:
@@ -42,6 +44,7 @@ class FreezableProxy:
     async def _accept(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         up_reader, up_writer = await asyncio.open_connection(self.target_host, self.target_port)
         self._writers += [writer, up_writer]
+        self.connections += 1
         for src, dst in ((reader, up_writer), (up_reader, writer)):
             task = asyncio.create_task(self._pump(src, dst))
             self._tasks.add(task)
