@@ -13,7 +13,6 @@
 | ``served_scheduler`` | a scheduler over mutual TLS with one fake executor registered |
 | ``net_fault`` | a loopback TCP proxy whose traffic can be frozen (a partition) |
 | ``redis_server`` | a throwaway redis-server on a free port |
-| ``task_gateway`` | a stand-in gateway serving only SubmitTask and GetTask, for client tests |
 | ``metrics`` | Prometheus exposition text as a dict; a fake NVML module |
 | ``promql`` | metric names in the PromQL of the deploy/observability files |
 """
