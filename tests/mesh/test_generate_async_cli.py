@@ -2,7 +2,8 @@
 trusts the test CA with ``--tls-ca``). What it prints is the model's own greedy answer
 (a ``Generate`` of the same request): for one prompt the text and its
 ``[length; N tokens; task ID]`` line, with no header; for several prompts each answer
-under its prompt; for ``--n 2`` each under its choice. A Ctrl-C once the tasks are
+under its prompt; for ``--n 2`` each under its choice; with ``--json`` the result
+object with its task id. A Ctrl-C once the tasks are
 submitted and polled exits 130 and names the tasks, which go on, with the
 ``meshserve task`` commands that follow them; the printed ``--cancel`` command ends a
 task CANCELLED and the mesh releases its blocks and lease. A Ctrl-C while a partition
@@ -90,6 +91,21 @@ async def test_two_greedy_choices_print_each_under_its_choice(mesh):
     (task_id,) = _submitted(err)
     assert (code, err) == (0, f"task {task_id} submitted\n")
     assert out == "".join(f"### [choice {i}]\n{ref.text}\n[length; 4 tokens; task {task_id}]\n\n" for i in (0, 1))
+
+
+async def test_json_prints_the_task_result_and_its_id(mesh):
+    ref = await _reference(mesh, "The capital of France is", 6)
+    code, out, err = await _generate(mesh, "--json", "--prompt", "The capital of France is", "--max-tokens", "6",
+                                     *GREEDY)
+    (task_id,) = _submitted(err)
+    assert (code, err) == (0, f"task {task_id} submitted\n")
+    (line,) = out.splitlines()
+    got = json.loads(line)
+    assert (got["token_ids"], got["text"], got["finish_reason"], got["cached"], got["task_id"]) == (
+        ref.token_ids, ref.text, "length", False, task_id)
+    assert (got["usage"]["completion_tokens"], got["executor_id"]) == (6, "executor-0")
+    status = await get_task(mesh.stub, task_id)
+    assert status.state == gateway_pb2.TASK_STATE_SUCCEEDED and list(status.choices[0].token_ids) == ref.token_ids
 
 
 def _polled(task_ids: list[str]) -> bool:
