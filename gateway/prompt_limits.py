@@ -46,31 +46,37 @@ class PromptLimits:
 
     def check(self, request: GenerationRequest, max_model_len: int) -> None:
         """Raises ``InvalidArgument`` when the request's prompt is over a cap or is not
-        valid Unicode (a lone surrogate, which JSON can carry and UTF-8 cannot)."""
+        valid Unicode (a lone surrogate, which JSON can carry and UTF-8 cannot), naming
+        the message (``chat.messages[3].content``) that holds it."""
         if request.prompt is not None:
-            self._check_bytes("prompt", [request.prompt])
+            self._check_bytes("prompt", [("prompt", request.prompt)])
         if request.chat is not None:
             if len(request.chat) > self.max_messages:
                 raise InvalidArgument(f"chat.messages has {len(request.chat)} messages; the limit is "
                                       f"{self.max_messages}")
-            self._check_bytes("chat.messages", [c for _, c in request.chat if isinstance(c, str)])
+            self._check_bytes("chat.messages", [(f"chat.messages[{i}].content", c)
+                                                for i, (_, c) in enumerate(request.chat) if isinstance(c, str)])
         if request.prompt_token_ids is not None and len(request.prompt_token_ids) >= max_model_len:
             raise InvalidArgument(f"prompt has {len(request.prompt_token_ids)} tokens; max_model_len is "
                                   f"{max_model_len} (prompt + at least 1 output token)")
 
-    def _check_bytes(self, field: str, texts: list[str]) -> None:
+    def _check_bytes(self, field: str, texts: list[tuple[str, str]]) -> None:
         over = f"{field} is over the limit of {self.max_prompt_bytes} bytes (UTF-8)"
-        if sum(len(t) for t in texts) > self.max_prompt_bytes:  # a character is 1 to 4 UTF-8 bytes
+        if sum(len(t) for _, t in texts) > self.max_prompt_bytes:  # a character is 1 to 4 UTF-8 bytes
             raise InvalidArgument(over)
         size = 0
-        for text in texts:  # encoded once: its size, and JSON's lone surrogates ("\ud800") no tokenizer takes
+        for name, text in texts:  # encoded once: its size, and JSON's lone surrogates ("\ud800") no tokenizer takes
             if text.isascii():
                 size += len(text)
                 continue
             try:
                 size += len(text.encode("utf-8"))
             except UnicodeEncodeError as exc:
-                raise InvalidArgument(f"{field} is not valid Unicode: a lone surrogate at character "
-                                      f"{exc.start}") from None
+                raise not_unicode(name, exc) from None
         if size > self.max_prompt_bytes:
             raise InvalidArgument(over)
+
+
+def not_unicode(name: str, exc: UnicodeEncodeError) -> InvalidArgument:
+    """The refusal of a text holding a lone surrogate, naming it and the character."""
+    return InvalidArgument(f"{name} is not valid Unicode: a lone surrogate at character {exc.start}")

@@ -21,6 +21,7 @@ from meshserve.errors import InvalidArgument
 from meshserve.sampling import DEFAULT_MAX_TOKENS, SamplingParams
 
 from gateway.http.schemas import MAX_PROMPTS, ChatCompletionRequest, CompletionRequest, SamplingFields
+from gateway.prompt_limits import not_unicode
 from gateway.request import GenerationRequest
 
 
@@ -90,13 +91,20 @@ def completion_requests(body: CompletionRequest, request_id: str) -> list[Genera
     with ``-i`` appended when there are several).
 
     Raises:
-        InvalidArgument: no prompt, more than ``MAX_PROMPTS``, or a field meshserve
-            does not implement.
+        InvalidArgument: no prompt, more than ``MAX_PROMPTS``, a prompt of several that
+            is not valid Unicode (``prompt[1]``), or a field meshserve does not implement.
     """
     _refuse_unsupported(body)
     prompts = _prompts(body.prompt)
     if len(prompts) > MAX_PROMPTS:
         raise InvalidArgument(f"prompt takes at most {MAX_PROMPTS} prompts, got {len(prompts)}")
+    if len(prompts) > 1:  # the core sees one prompt at a time: the element is named here
+        for i, p in enumerate(prompts):
+            if isinstance(p, str) and not p.isascii():
+                try:
+                    p.encode("utf-8")
+                except UnicodeEncodeError as exc:
+                    raise not_unicode(f"prompt[{i}]", exc) from None
     params = _sampling(body, body.max_tokens or DEFAULT_MAX_TOKENS, body.logprobs)
     out = []
     for i, p in enumerate(prompts):

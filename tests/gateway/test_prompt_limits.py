@@ -44,7 +44,7 @@ async def core(tokenizer):
      f"request_id has {MAX_REQUEST_ID_LEN + 1} characters; the limit is {MAX_REQUEST_ID_LEN}"),
     (GenerationRequest(prompt="ab\ud800"), "prompt is not valid Unicode: a lone surrogate at character 2"),
     (GenerationRequest(chat=(("user", "é\udfff"),)),
-     "chat.messages is not valid Unicode: a lone surrogate at character 1"),
+     "chat.messages[0].content is not valid Unicode: a lone surrogate at character 1"),
 ])
 async def test_oversized_requests_are_refused_with_the_field_and_its_cap(core, request_, message):
     """C37: 100,000 messages and oversized prompts: INVALID_ARGUMENT naming the field and
