@@ -33,7 +33,7 @@ from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from gateway.generation import GatewayCore
-from gateway.http.errors import HttpError, http_error, validation_error
+from gateway.http.errors import HttpError, RequestRefused, http_error, validation_error
 from gateway.http.openai_routes import OpenAIRoutes
 from gateway.http.task_routes import TaskRoutes
 from gateway.task_api import TaskAPI
@@ -145,6 +145,10 @@ def create_app(core: GatewayCore, tenants: TenantRegistry, tasks: TaskAPI, ready
     @app.exception_handler(ValidationError)
     async def on_bad_task_body(_: Request, exc: ValidationError) -> JSONResponse:
         return validation_error(list(exc.errors())).response()
+
+    @app.exception_handler(RequestRefused)  # a body that is not a JSON object (gateway.http.bodies)
+    async def on_refused(_: Request, exc: RequestRefused) -> JSONResponse:
+        return exc.error.response()
 
     @app.exception_handler(StarletteHTTPException)
     async def on_http(_: Request, exc: StarletteHTTPException) -> JSONResponse:

@@ -13,6 +13,7 @@ ModelNotFound          404     invalid_request_error       model_not_found
 NotFound (a task)      404     invalid_request_error       not_found
 AlreadyExists          409     invalid_request_error       conflict
 body too large         413     invalid_request_error       request_too_large
+body not JSON          415     invalid_request_error       unsupported_media_type
 ResourceExhausted      429     rate_limit_error            rate_limit_exceeded (+ Retry-After)
  … with no retry delay 429     insufficient_quota          insufficient_quota (+ x-should-retry: false)
 Unavailable            503     service_unavailable_error   service_unavailable (+ Retry-After: 1)
@@ -63,6 +64,14 @@ class HttpError:
         if self.final:
             headers["x-should-retry"] = "false"
         return JSONResponse(self.body(), status_code=self.status, headers=headers or None)
+
+
+class RequestRefused(Exception):
+    """Raised by the HTTP adapter with the error to answer (``gateway.http.bodies``)."""
+
+    def __init__(self, error: HttpError):
+        super().__init__(error.message)
+        self.error = error
 
 
 _BY_CLASS: list[tuple[type[MeshError], int, str, str | None]] = [
@@ -123,14 +132,60 @@ def http_error(exc: BaseException) -> HttpError:
     return HttpError(500, f"internal error: {type(exc).__name__}: {exc}", "internal_error")
 
 
+# What each union field of the bodies takes, for the one message a value none of its forms fits gets
+# (keyed by the field's path without list indices).
+_UNION_FORMS = {
+    "prompt": "a string, a list of strings, a list of token ids (integers) or a list of lists of token ids",
+    "stop": "a string or a list of strings",
+    "messages.content": "a string, a list of text parts or null",
+    "tool_choice": "a string or an object",
+    "function_call": "a string or an object",
+}
+_TYPE_NAMES = {"str", "int", "float", "bool", "list", "dict"}
+_TYPE_NAME = re.compile(r"[A-Z]\w*|.*[\[\-].*")  # ContentPart, list[int], function-after[...]
+
+
+def _is_tag(part) -> bool:
+    """Whether a pydantic location part names a union member (``str``, ``list[int]``,
+    ``ContentPart``, ``function-after[…]``) rather than a field or an index."""
+    return isinstance(part, str) and (part in _TYPE_NAMES or bool(_TYPE_NAME.fullmatch(part)))
+
+
+def _path(loc) -> list:
+    """A location without ``body`` and the union members' type names."""
+    return [p for p in loc if p != "body" and not _is_tag(p)]
+
+
+def _message(param: str | None, msg: str) -> HttpError:
+    msg = msg.removeprefix("Value error, ")  # pydantic's wording of our ValueErrors
+    return HttpError(400, f"{param}: {msg}" if param else msg, "invalid_request_error", "invalid_value", param)
+
+
 def validation_error(errors: list[dict]) -> HttpError:
-    """A body pydantic refused (400), naming the first bad field as ``param``."""
+    """A body pydantic refused (400), naming the first bad field as ``param`` in the
+    body's dotted form (``messages.0.content``), without the type names pydantic puts
+    in a union's locations. A value that fits none of a union field's forms gets one
+    message listing them; one that fits a form's shape only (a list, with a bad
+    element) gets that form's error (``stop.0: Input should be a valid string``)."""
     first = errors[0] if errors else {}
     if first.get("type") == "json_invalid":  # its loc is a character offset, not a field
         return HttpError(400, f"the body is not valid JSON: {first.get('ctx', {}).get('error', '')}",
                          "invalid_request_error", "invalid_value")
-    loc = [str(p) for p in first.get("loc", ()) if p != "body"]
-    param = ".".join(loc) or None
-    msg = first.get("msg", "invalid request body").removeprefix("Value error, ")  # pydantic's wording of our ValueErrors
-    message = f"{param}: {msg}" if param else msg
-    return HttpError(400, message, "invalid_request_error", "invalid_value", param)
+    loc = tuple(first.get("loc", ()))
+    tag_at = next((i for i, part in enumerate(loc) if _is_tag(part)), None)
+    if tag_at is None:
+        return _message(".".join(str(p) for p in _path(loc)) or None, first.get("msg", "invalid request body"))
+    field = loc[:tag_at]
+    param = ".".join(str(p) for p in _path(field)) or None
+    members: dict[str, list[dict]] = {}  # the union's members, each with its errors
+    for error in errors:
+        e_loc = tuple(error.get("loc", ()))
+        if e_loc[:tag_at] == field and len(e_loc) > tag_at and _is_tag(e_loc[tag_at]):
+            members.setdefault(e_loc[tag_at], []).append(error)
+    inside = [errs for errs in members.values() if any(len(e["loc"]) > tag_at + 1 for e in errs)]
+    if len(inside) == 1:  # the value has one member's shape: that member's complaint is the one that helps
+        error = next(e for e in inside[0] if len(e["loc"]) > tag_at + 1)
+        return _message(".".join(str(p) for p in _path(error["loc"])), error.get("msg", ""))
+    forms = _UNION_FORMS.get(".".join(p for p in _path(field) if isinstance(p, str)),
+                             ", ".join(members) or "another type")
+    return _message(param, f"Input should be {forms}")

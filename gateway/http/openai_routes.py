@@ -1,7 +1,9 @@
 """The OpenAI-compatible routes: ``GET /v1/models``, ``POST /v1/completions``,
 ``POST /v1/chat/completions``, streamed (server-sent events) and not.
 
-A request: authenticate (``Authorization: Bearer KEY`` or ``x-api-key`` → the
+A request: read the body (``gateway.http.bodies``: a JSON object, else 415 or
+400 saying why) and validate it (pydantic: 400 naming the field), authenticate
+(``Authorization: Bearer KEY`` or ``x-api-key`` → the
 tenant, exactly as the gRPC API key), convert the body (``gateway.http.convert``),
 run one core stream per prompt (``GatewayCore.generate``) in an ``EventPump``,
 await its first event (so an error before any output gets its HTTP status), then:
@@ -33,6 +35,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from gateway.collector import ChoiceCollector
 from gateway.events import ChoiceResult, Delta
 from gateway.generation import GatewayCore
+from gateway.http.bodies import json_object
 from gateway.http.convert import chat_request, completion_requests
 from gateway.http.errors import http_error
 from gateway.http.formats import ChatFormat, CompletionFormat, usage_of
@@ -85,9 +88,10 @@ class OpenAIRoutes:
             {"id": name, "object": "model", "created": 0, "owned_by": "meshserve", "root": info.model_id,
              "max_model_len": info.max_model_len} for name in info.names]}
 
-    async def completions(self, body: CompletionRequest, request: Request) -> Response:
+    async def completions(self, request: Request) -> Response:
         """``POST /v1/completions``."""
         received_at = time.monotonic()
+        body = CompletionRequest.model_validate(await json_object(request))
         tenant = self.tenants.authenticate(headers_of(request))
         request_id = body.request_id or uuid.uuid4().hex
         requests = completion_requests(body, request_id)
@@ -95,9 +99,10 @@ class OpenAIRoutes:
                                body.logprobs is not None, body.return_token_ids)
         return await self._serve(request, body, tenant, requests, fmt, received_at)
 
-    async def chat_completions(self, body: ChatCompletionRequest, request: Request) -> Response:
+    async def chat_completions(self, request: Request) -> Response:
         """``POST /v1/chat/completions``."""
         received_at = time.monotonic()
+        body = ChatCompletionRequest.model_validate(await json_object(request))
         tenant = self.tenants.authenticate(headers_of(request))
         request_id = body.request_id or uuid.uuid4().hex
         gen = chat_request(body, self.core.model.max_model_len, request_id)

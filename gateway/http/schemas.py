@@ -5,22 +5,29 @@ Field names, types and defaults follow OpenAI's API reference for
 sampling fields vLLM accepts that clients send (``top_k``, ``min_p``,
 ``min_tokens``, ``repetition_penalty``, ``ignore_eos``, ``stop_token_ids``,
 ``priority``). Unknown fields are ignored, as OpenAI's servers and vLLM do.
-Ranges are checked once, by ``meshserve.sampling.validate`` in the core; what is
-checked here is only what the core cannot see (types, the OpenAI-only caps such
-as ``max_tokens`` >= 1 and ``top_logprobs`` <= 20, and fields meshserve does not
-implement, which are refused rather than silently ignored).
+Numbers are JSON numbers, as in OpenAI's API: an integer field (``max_tokens``,
+``n``, ``seed``, token ids…) takes an integer only, never a boolean, a float
+(``4.0``) or a string (``"4"``), which pydantic's lax mode would convert
+(``true`` → 1; vLLM takes them so); a float field takes any number but not a
+boolean or a string. ``user`` is at most 256 characters (it becomes the span
+attribute ``enduser.id``). Ranges are checked once, by
+``meshserve.sampling.validate`` in the core; what is checked here is only what
+the core cannot see (types, the OpenAI-only caps such as ``max_tokens`` >= 1 and
+``top_logprobs`` <= 20, and fields meshserve does not implement, which are
+refused rather than silently ignored).
 """
 
 from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, StrictFloat, StrictInt, field_validator, model_validator
 
 # What one request body may carry before any work is done (case C37): the core's
 # own caps bound each field; these bound what arrives before the core sees it.
 MAX_PROMPTS = 64  # prompts of one /v1/completions request
 MAX_MESSAGES = 4096  # messages of one chat request
+MAX_USER_CHARS = 256  # ``user``: an end-user id (a span attribute), bounded as ``request_id`` is
 
 
 class StreamOptions(BaseModel):
@@ -47,25 +54,25 @@ class SamplingFields(BaseModel):
         return data
 
     model: str | None = None
-    n: int = Field(1, ge=1)
+    n: StrictInt = Field(1, ge=1)
     stream: bool = False
     stream_options: StreamOptions | None = None
     stop: str | list[str] | None = None
-    seed: int | None = None
-    temperature: float | None = None
-    top_p: float | None = None
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
-    logit_bias: dict[str, float] | None = None
-    user: str | None = None
+    seed: StrictInt | None = None
+    temperature: StrictFloat | None = None
+    top_p: StrictFloat | None = None
+    presence_penalty: StrictFloat | None = None
+    frequency_penalty: StrictFloat | None = None
+    logit_bias: dict[str, StrictFloat] | None = None
+    user: str | None = Field(None, max_length=MAX_USER_CHARS)
     # vLLM's extra sampling fields
-    top_k: int | None = None
-    min_p: float | None = None
-    min_tokens: int | None = Field(None, ge=0)
-    repetition_penalty: float | None = None
+    top_k: StrictInt | None = None
+    min_p: StrictFloat | None = None
+    min_tokens: StrictInt | None = Field(None, ge=0)
+    repetition_penalty: StrictFloat | None = None
     ignore_eos: bool = False
-    stop_token_ids: list[int] | None = None
-    priority: int | None = None
+    stop_token_ids: list[StrictInt] | None = None
+    priority: StrictInt | None = None
     request_id: str | None = None
     return_token_ids: bool = False  # vLLM's: token ids beside the text (each chunk: its delta's)
 
@@ -81,11 +88,11 @@ class CompletionRequest(SamplingFields):
     token ids, or a list of token-id lists; each prompt gets ``n`` choices, choice
     ``i`` of the response belonging to prompt ``i // n``."""
 
-    prompt: str | list[str] | list[int] | list[list[int]]
-    max_tokens: int | None = Field(16, ge=1)
-    logprobs: int | None = Field(None, ge=0, le=20)
+    prompt: str | list[str] | list[StrictInt] | list[list[StrictInt]]
+    max_tokens: StrictInt | None = Field(16, ge=1)
+    logprobs: StrictInt | None = Field(None, ge=0, le=20)
     echo: bool = False
-    best_of: int | None = None
+    best_of: StrictInt | None = None
     suffix: str | None = None
 
 
@@ -133,10 +140,10 @@ class ChatCompletionRequest(SamplingFields):
     model's context (``max_model_len``), as in OpenAI's API and vLLM."""
 
     messages: list[ChatMessage] = Field(min_length=1, max_length=MAX_MESSAGES)
-    max_tokens: int | None = Field(None, ge=1)
-    max_completion_tokens: int | None = Field(None, ge=1)
+    max_tokens: StrictInt | None = Field(None, ge=1)
+    max_completion_tokens: StrictInt | None = Field(None, ge=1)
     logprobs: bool = False
-    top_logprobs: int | None = Field(None, ge=0, le=20)
+    top_logprobs: StrictInt | None = Field(None, ge=0, le=20)
     tools: list[Any] | None = None
     tool_choice: str | dict[str, Any] | None = None
     functions: list[Any] | None = None  # OpenAI's older name of tools

@@ -20,10 +20,11 @@ from __future__ import annotations
 
 from typing import Any
 
-from fastapi import APIRouter, Body, Request
+from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 from google.protobuf.json_format import MessageToDict
 
+from gateway.http.bodies import json_object
 from gateway.http.convert import chat_request, completion_requests
 from gateway.http.openai_routes import headers_of
 from gateway.http.schemas import ChatCompletionRequest, CompletionRequest
@@ -67,7 +68,13 @@ class TaskRoutes:
 
     def _generate_request(self, body: dict[str, Any]) -> gateway_pb2.GenerateRequest:
         """The body as the ``GenerateRequest`` SubmitTask takes (pydantic errors become 400),
-        with its ``callback_url`` (checked against the allow-list by ``TaskAPI.submit``)."""
+        with its ``callback_url`` (checked against the allow-list by ``TaskAPI.submit``). A
+        field sent as null is absent, as on the OpenAI routes; a body with both ``messages``
+        and ``prompt`` is refused (which one it meant is not known)."""
+        body = {key: value for key, value in body.items() if value is not None}
+        if "messages" in body and "prompt" in body:
+            raise InvalidArgument("prompt and messages cannot both be set: a task is a chat (messages) or a "
+                                  "completion (prompt)")
         callback_url = body.pop("callback_url", None)
         if callback_url is not None and not isinstance(callback_url, str):
             raise InvalidArgument("callback_url must be a string")
@@ -90,10 +97,11 @@ class TaskRoutes:
         message.callback_url = callback_url or ""
         return message
 
-    async def submit(self, request: Request, body: dict[str, Any] = Body(...)) -> JSONResponse:
+    async def submit(self, request: Request) -> JSONResponse:
         """``POST /v1/tasks`` (the key is checked before the body's fields: a caller
         without a valid key gets 401 for any JSON object; a body that is no JSON
-        object at all is refused by FastAPI first, 400)."""
+        object at all is refused first, 415 or 400: ``gateway.http.bodies``)."""
+        body = await json_object(request)
         context = HttpCallContext(request)
         self.tasks.tenants.authenticate(context.invocation_metadata())
         handle = await self.tasks.submit(self._generate_request(body), context)

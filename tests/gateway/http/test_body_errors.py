@@ -1,0 +1,163 @@
+"""What the HTTP API answers a body it cannot take: the exact status and OpenAI error
+body, saying what is wrong and naming the field as the body spells it (no type names
+of pydantic's unions), on a gateway whose scheduler is unreachable (every refusal
+here comes before any work)."""
+
+from __future__ import annotations
+
+import gzip
+import json
+
+import pytest
+import pytest_asyncio
+from pydantic import ValidationError
+
+from gateway.http.errors import validation_error
+from gateway.http.schemas import ChatCompletionRequest, CompletionRequest
+from tests.support.served_gateway import served_gateway
+
+JSON = {"content-type": "application/json"}
+CHAT = [{"role": "user", "content": "Hi"}]
+
+
+@pytest_asyncio.fixture
+async def served():
+    async with served_gateway() as served:
+        yield served
+
+
+def error(message: str, code: str | None = "invalid_value", param: str | None = None) -> dict:
+    return {"error": {"message": message, "type": "invalid_request_error", "param": param, "code": code}}
+
+
+async def post(client, path: str, content: bytes, headers: dict) -> tuple[int, dict]:
+    resp = await client.post(path, content=content, headers=headers)
+    return resp.status_code, resp.json()
+
+
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions", "/v1/tasks"])
+@pytest.mark.parametrize("content, headers, status, body", [
+    (gzip.compress(b'{"prompt": "Hi"}'), {**JSON, "content-encoding": "gzip"}, 415,
+     error("Content-Encoding 'gzip' is not supported; send the body uncompressed", "unsupported_media_type")),
+    (b'{"prompt": "Hi"}', {**JSON, "content-encoding": "identity, br"}, 415,
+     error("Content-Encoding 'br' is not supported; send the body uncompressed", "unsupported_media_type")),
+    (b'{"prompt": "Hi"}', {"content-type": "text/plain"}, 415,
+     error("Content-Type must be application/json; got 'text/plain'", "unsupported_media_type")),
+    (b'{"prompt": "Hi"}', {"content-type": "application/x-www-form-urlencoded"}, 415,  # curl -d without -H
+     error("Content-Type must be application/json; got 'application/x-www-form-urlencoded'",
+           "unsupported_media_type")),
+    (b'{"prompt": "Hi"}', {}, 415, error("Content-Type must be application/json; none was sent",
+                                         "unsupported_media_type")),
+    (b"", JSON, 400, error("the body is empty; send a JSON object")),
+    (gzip.compress(b'{"prompt": "Hi"}'), JSON, 400, error("the body is not valid UTF-8: byte 0x8b at offset 1")),
+    (b'{"prompt": "Hi\xff"}', JSON, 400, error("the body is not valid UTF-8: byte 0xff at offset 14")),
+    (b'{"prompt": "Hi", "seed": ' + b"1" * 5000 + b"}", JSON, 400,
+     error("the body holds an integer of more than 4300 digits")),
+    (b'{"prompt": ' + b"[" * 100_000 + b"]" * 100_000 + b"}", JSON, 400,
+     error("the body is not valid JSON: it is nested too deeply")),
+    (b"{not json", JSON, 400,
+     error("the body is not valid JSON: Expecting property name enclosed in double quotes (line 1, column 2)")),
+    (b'["Hi"]', JSON, 400, error("the body must be a JSON object, got an array")),
+])
+async def test_a_body_that_is_no_json_object_says_why(served, path, content, headers, status, body):
+    client, _ = served
+    assert await post(client, path, content, headers) == (status, body)
+
+
+async def test_a_json_content_type_with_a_charset_or_a_json_suffix_is_json(served):
+    client, _ = served
+    for content_type in ("application/json; charset=utf-8", "application/vnd.api+json"):
+        status, body = await post(client, "/v1/completions", b'{"prompt": "Hi", "max_tokens": 0}',
+                                  {"content-type": content_type})
+        assert (status, body["error"]["param"]) == (400, "max_tokens")  # read as JSON: judged by its fields
+
+
+@pytest.mark.parametrize("path, fields, param, message", [
+    ("/v1/completions", {"prompt": [True, False]}, "prompt",
+     "prompt: Input should be a string, a list of strings, a list of token ids (integers) or a list of lists "
+     "of token ids"),
+    ("/v1/completions", {"prompt": [1, "a"]}, "prompt",
+     "prompt: Input should be a string, a list of strings, a list of token ids (integers) or a list of lists "
+     "of token ids"),
+    ("/v1/completions", {"prompt": [[1, 2.0]]}, "prompt",
+     "prompt: Input should be a string, a list of strings, a list of token ids (integers) or a list of lists "
+     "of token ids"),
+    ("/v1/completions", {"prompt": "Hi", "max_tokens": True}, "max_tokens",
+     "max_tokens: Input should be a valid integer"),
+    ("/v1/completions", {"prompt": "Hi", "max_tokens": "4"}, "max_tokens",
+     "max_tokens: Input should be a valid integer"),
+    ("/v1/completions", {"prompt": "Hi", "max_tokens": 4.0}, "max_tokens",
+     "max_tokens: Input should be a valid integer"),
+    ("/v1/completions", {"prompt": "Hi", "stop_token_ids": [True]}, "stop_token_ids.0",
+     "stop_token_ids.0: Input should be a valid integer"),
+    ("/v1/completions", {"prompt": "Hi", "temperature": True}, "temperature",
+     "temperature: Input should be a valid number"),
+    ("/v1/completions", {"prompt": "Hi", "stop": [1]}, "stop.0", "stop.0: Input should be a valid string"),
+    ("/v1/completions", {"prompt": "Hi", "stop": 1}, "stop", "stop: Input should be a string or a list of strings"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": 5}]}, "messages.0.content",
+     "messages.0.content: Input should be a string, a list of text parts or null"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": [{"text": "Hi"}]}]},
+     "messages.0.content.0.type", "messages.0.content.0.type: Field required"),
+    ("/v1/chat/completions", {"messages": CHAT, "n": True}, "n", "n: Input should be a valid integer"),
+    ("/v1/tasks", {"prompt": [True]}, "prompt",
+     "prompt: Input should be a string, a list of strings, a list of token ids (integers) or a list of lists "
+     "of token ids"),
+    ("/v1/completions", {"prompt": "Hi", "user": "u" * 257}, "user", "user: String should have at most 256 characters"),
+    ("/v1/tasks", {"prompt": "Hi", "user": "u" * 257}, "user", "user: String should have at most 256 characters"),
+])
+async def test_a_field_of_the_wrong_type_is_named_as_the_body_spells_it(served, path, fields, param, message):
+    client, _ = served
+    assert await post(client, path, json.dumps(fields).encode(), JSON) == (400, error(message, param=param))
+
+
+@pytest.mark.parametrize("path, fields, param, message", [
+    ("/v1/completions", {"prompt": ["ok", "\ud800"]}, "prompt.1",
+     "prompt[1] is not valid Unicode: a lone surrogate at character 0"),
+    ("/v1/chat/completions", {"messages": [*CHAT, *CHAT, *CHAT, {"role": "user", "content": "ab\udfff"}]},
+     "messages.3.content", "chat.messages[3].content is not valid Unicode: a lone surrogate at character 2"),
+    ("/v1/tasks", {"messages": [*CHAT, {"role": "user", "content": "\ud800"}]}, "messages.1.content",
+     "chat.messages[1].content is not valid Unicode: a lone surrogate at character 0"),
+])
+async def test_a_lone_surrogate_names_the_prompt_or_message_holding_it(served, path, fields, param, message):
+    client, _ = served
+    content = json.dumps(fields).encode()  # ASCII: the surrogate as \ud800
+    assert await post(client, path, content, JSON) == (400, error(message, param=param))
+
+
+async def test_a_task_with_both_messages_and_prompt_is_refused_naming_prompt(served):
+    client, _ = served
+    content = json.dumps({"messages": CHAT, "prompt": "Hi"}).encode()
+    assert await post(client, "/v1/tasks", content, JSON) == (400, error(
+        "prompt and messages cannot both be set: a task is a chat (messages) or a completion (prompt)",
+        param="prompt"))
+
+
+async def test_a_null_messages_in_a_task_is_absent(served):
+    client, _ = served
+    resp = await client.post("/v1/tasks", json={"messages": None, "prompt": "Hi", "max_tokens": 2})
+    assert resp.status_code == 202, resp.text
+    resp = await client.post("/v1/tasks", json={"messages": CHAT, "prompt": None, "max_tokens": 2})
+    assert resp.status_code == 202, resp.text
+
+
+@pytest.mark.parametrize("fields", [
+    {"prompt": [1, 2, 3]}, {"prompt": [[1], [2, 3]]}, {"prompt": ["a", "b"]}, {"prompt": "a", "temperature": 1},
+    {"prompt": "a", "max_tokens": 4, "seed": 2**40, "stop_token_ids": [7], "user": "u" * 256},
+])
+def test_what_openai_and_vllm_both_take_is_still_taken(fields):
+    CompletionRequest.model_validate(fields)
+
+
+def test_a_union_error_inside_a_content_part_keeps_its_detail():
+    with pytest.raises(ValidationError) as info:
+        ChatCompletionRequest.model_validate({"messages": [{"role": "user", "content": [{"type": 5, "text": "x"}]}]})
+    e = validation_error(info.value.errors())
+    assert (e.status, e.message, e.param) == (400, "messages.0.content.0.type: Input should be a valid string",
+                                              "messages.0.content.0.type")
+
+
+def test_a_dict_key_in_a_location_is_kept():
+    with pytest.raises(ValidationError) as info:
+        CompletionRequest.model_validate({"prompt": "x", "logit_bias": {"1": True}})
+    e = validation_error(info.value.errors())
+    assert (e.message, e.param) == ("logit_bias.1: Input should be a valid number", "logit_bias.1")
