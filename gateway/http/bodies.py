@@ -10,7 +10,7 @@ body                                   status  message (code ``invalid_value`` f
 =====================================  ======  =====================================
 ``Content-Encoding`` other than        415     names the encoding
 identity (gzip, br, …)
-``Content-Type`` missing or not        415     names what was sent
+``Content-Type`` other than            415     names what was sent
 ``application/json`` (or ``+json``)
 empty                                  400     "the body is empty"
 not UTF-8 (RFC 8259: JSON is UTF-8)    400     the first bad byte's offset
@@ -19,6 +19,9 @@ an integer of more than 4300 digits    400     names the cap (Python's int parsi
 nested deeper than the parser goes     400     "nested too deeply"
 JSON but not an object                 400     names what it is
 =====================================  ======  =====================================
+
+A body sent with no ``Content-Type`` at all is read as JSON, as FastAPI (and so
+vLLM's server) reads it: a client that posts a JSON string without the header works.
 """
 
 from __future__ import annotations
@@ -53,7 +56,7 @@ async def json_object(request: Request) -> dict[str, Any]:
     """The request's body as a JSON object.
 
     Raises:
-        RequestRefused: 415 for an encoding or content type other than JSON's, 400
+        RequestRefused: 415 for an encoding or content type other than JSON's (none: JSON), 400
             (``invalid_value``) for a body that is empty, not UTF-8, not JSON or not an
             object (see the module table).
     """
@@ -62,9 +65,8 @@ async def json_object(request: Request) -> dict[str, Any]:
     if encoded:
         raise _unsupported(f"Content-Encoding {encoded[0]!r} is not supported; send the body uncompressed")
     content_type = request.headers.get("content-type")
-    if not content_type or not _is_json(content_type):
-        sent = f"got {content_type!r}" if content_type else "none was sent"
-        raise _unsupported(f"Content-Type must be application/json; {sent}")
+    if content_type is not None and not _is_json(content_type):
+        raise _unsupported(f"Content-Type must be application/json; got {content_type!r}")
     raw = await request.body()
     if not raw:
         raise _invalid("the body is empty; send a JSON object")
