@@ -181,6 +181,8 @@ class RedisTaskStore(TaskStore):
         except RedisError as exc:
             raise Unavailable(f"task store {self.url}: {exc}") from None
         if created == -1:
+            if await self.get(record.task_id) == record:
+                return  # the client retried after a lost reply: the first try landed, counted once
             raise ValueError(f"task {record.task_id!r} exists")
         if created == 0:
             raise tenant_bound_error(record.tenant, max_unfinished)

@@ -196,7 +196,10 @@ class TaskStore(abc.ABC):
             ResourceExhausted: the tenant has ``max_unfinished`` unfinished records
                 (``tenant_bound_error``), or the store holds its maximum of unfinished
                 tasks; nothing is stored.
-            ValueError: a record with this id exists (ids are made unique by the caller).
+            ValueError: another record with this id exists (ids are made unique by the
+                caller). A record equal to the stored one is no error: it is a retry whose
+                first try landed (the Redis client retries a command whose reply was lost
+                with its connection); the store is unchanged and the record counts once.
         """
 
     @abc.abstractmethod
@@ -295,7 +298,10 @@ class MemoryTaskStore(TaskStore):
 
     async def create(self, record: TaskRecord, max_unfinished: int | None = None) -> None:
         # no await below: the check and the add are one step of the event loop
-        if record.task_id in self._records:
+        existing = self._records.get(record.task_id)
+        if existing is not None:
+            if existing == record:
+                return  # a retry of this very create
             raise ValueError(f"task {record.task_id!r} exists")
         if max_unfinished is not None and len(self._unfinished.get(record.tenant, ())) >= max_unfinished:
             raise tenant_bound_error(record.tenant, max_unfinished)

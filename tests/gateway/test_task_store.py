@@ -74,6 +74,18 @@ async def test_create_then_get_returns_the_same_record(store_case):
         await store.create(record("task-1"))
 
 
+async def test_a_create_retried_after_its_first_try_landed_succeeds_and_counts_once(store_case):
+    """The Redis client retries a command whose reply was lost with its connection: the
+    same record again is no error, the store is unchanged and the tenant's count is 1."""
+    store, _ = store_case
+    rec = record("task-1", request_id="req-1", created_at=12.5, owner="gw-1", attempt=1, lease_until=99.0)
+    await store.create(rec, max_unfinished=1)
+    await store.create(rec, max_unfinished=1)
+    assert (await store.get("task-1"), await store.unfinished_count("acme")) == (rec, 1)
+    with pytest.raises(ValueError, match="task 'task-1' exists"):
+        await store.create(record("task-1", request_id="req-2"), max_unfinished=5)
+
+
 async def test_transitions_are_compare_and_set(store_case):
     store, _ = store_case
     await store.create(record("t"))
