@@ -96,6 +96,7 @@ async def start_gateway(
     result_cache: ResultCache | None = None, tasks: TaskRunner | None = None, metrics_port: int | None = None,
     tls: TLSConfig = PLAINTEXT, prompt_limits: PromptLimits | None = None, prefix_cache_scope: str = "tenant",
     callbacks: CallbackSender | None = None, http_port: int | None = None, health_port: int | None = None,
+    http_body_timeout_s: float | None = None,
 ) -> Service:
     """Starts the Gateway service. Its health is SERVING while the scheduler has an
     executor registered (``gateway.readiness``), checked every 0.5 s; the task
@@ -118,7 +119,9 @@ async def start_gateway(
     ``http_port``: serve the OpenAI-compatible HTTP API (``gateway.http``) there, in
     this event loop over the same core (0: a free port; None: none), as
     ``service.http`` (an ``HttpServer``); ``service.stop(grace_s)`` drains it alongside
-    the gRPC server, with the same grace.
+    the gRPC server, with the same grace. ``http_body_timeout_s``: its longest wait for
+    the next part of a request body not all arrived (then 408; None: 30 s,
+    ``gateway.http.body_guards.BODY_TIMEOUT_S``).
     ``health_port``: a plaintext health-only port (``Service``; None: none).
     """
     service = Service("meshserve.v1.Gateway", port, host, tls, public=True, health_port=health_port)
@@ -150,7 +153,8 @@ async def start_gateway(
 
         probe = servicer.readiness
         app = create_app(core, tenants, task_api, lambda: bool(probe.ready), core.metrics.registry,
-                         tasks_ready=task_api.store_ready)
+                         tasks_ready=task_api.store_ready,
+                         **({} if http_body_timeout_s is None else {"body_timeout_s": http_body_timeout_s}))
         service.http = HttpServer(app, http_port, host)  # type: ignore[attr-defined]
         try:
             await service.http.start()

@@ -18,7 +18,8 @@ GET  /version          ``{"version": meshserve's version}``
 =====================  =========================================================
 
 Every error is OpenAI's JSON error body (``gateway.http.errors``); a body over
-``max_body_bytes`` is refused with 413 before it is read whole (case C37).
+``max_body_bytes`` is refused with 413 before it is read whole (case C37), and one
+that stops arriving with 408 (``gateway.http.body_guards``).
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from gateway.generation import GatewayCore
+from gateway.http.body_guards import BODY_TIMEOUT_S, MAX_BODY_BYTES, BodyLimit, BodyTimeout
 from gateway.http.errors import HttpError, RequestRefused, http_error, validation_error
 from gateway.http.openai_routes import OpenAIRoutes
 from gateway.http.task_routes import TaskRoutes
@@ -41,59 +43,10 @@ from gateway.tenants import TenantRegistry
 from meshserve import __version__
 from meshserve.errors import MeshError
 
-MAX_BODY_BYTES = 8 << 20  # a request body's most bytes (8 MiB)
-
-
-class BodyLimit:
-    """ASGI middleware: a request whose body is larger than ``max_bytes`` gets 413
-    (by its Content-Length at once, else as soon as the bytes received pass it: the
-    413 is sent then, the application reads a disconnect, and whatever it answers
-    after that is dropped; an exception raised into it would come back as FastAPI's
-    400 "error parsing the body")."""
-
-    def __init__(self, app, max_bytes: int):
-        self.app, self.max_bytes = app, max_bytes
-
-    async def __call__(self, scope, receive, send):
-        if scope["type"] != "http":
-            return await self.app(scope, receive, send)
-        length = dict(scope["headers"]).get(b"content-length")
-        if length is not None and length.isdigit() and int(length) > self.max_bytes:
-            return await self._too_large(scope, receive, send)
-        received, refused = 0, False
-
-        async def limited():
-            nonlocal received, refused
-            if refused:
-                return {"type": "http.disconnect"}
-            message = await receive()
-            if message["type"] == "http.request":
-                received += len(message.get("body", b""))
-                if received > self.max_bytes:
-                    refused = True
-                    await self._too_large(scope, receive, send)
-                    return {"type": "http.disconnect"}
-            return message
-
-        async def unless_refused(message):
-            if not refused:
-                await send(message)
-
-        try:
-            await self.app(scope, limited, unless_refused)
-        except Exception:
-            if not refused:
-                raise  # after the 413, the application's complaint about the cut body is moot
-
-    async def _too_large(self, scope, receive, send):
-        error = HttpError(413, f"request body is larger than {self.max_bytes} bytes", "invalid_request_error",
-                          "request_too_large")
-        await error.response()(scope, receive, send)
-
 
 def create_app(core: GatewayCore, tenants: TenantRegistry, tasks: TaskAPI, ready: Callable[[], bool],
                registry: CollectorRegistry, max_body_bytes: int = MAX_BODY_BYTES,
-               tasks_ready: Callable[[], bool] = lambda: True) -> FastAPI:
+               tasks_ready: Callable[[], bool] = lambda: True, body_timeout_s: float = BODY_TIMEOUT_S) -> FastAPI:
     """The application over a core.
 
     Args:
@@ -104,6 +57,8 @@ def create_app(core: GatewayCore, tenants: TenantRegistry, tasks: TaskAPI, ready
         registry: the Prometheus registry ``/metrics`` serves (open mode only).
         max_body_bytes: a request body's most bytes.
         tasks_ready: True while the task store answers (``TaskStoreProbe``).
+        body_timeout_s: the longest wait for the next part of an incomplete body
+            (seconds; ``gateway.http.body_guards``).
     """
     app = FastAPI(title="meshserve", version=__version__, docs_url=None, redoc_url=None, openapi_url=None)
     app.include_router(OpenAIRoutes(core, tenants).router)
@@ -164,4 +119,5 @@ def create_app(core: GatewayCore, tenants: TenantRegistry, tasks: TaskAPI, ready
         return http_error(exc).response()
 
     app.add_middleware(BodyLimit, max_bytes=max_body_bytes)
+    app.add_middleware(BodyTimeout, timeout_s=body_timeout_s)
     return app

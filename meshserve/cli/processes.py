@@ -307,7 +307,8 @@ async def run_gateway(model: str | ModelSource, port: int, host: str, scheduler:
                       task_lease_s: float = 10.0, task_max_attempts: int = 3, http_port: int | None = None,
                       health_port: int | None = None, task_max_wait_s: float = 600.0,
                       drain_grace_s: float = 30.0,
-                      max_unfinished_tasks_per_tenant: int = DEFAULT_MAX_UNFINISHED_PER_TENANT) -> None:
+                      max_unfinished_tasks_per_tenant: int = DEFAULT_MAX_UNFINISHED_PER_TENANT,
+                      http_body_timeout_s: float | None = None) -> None:
     """Loads the tokenizer, serves the public Gateway until a signal; then it reports
     NOT_SERVING, refuses new calls and lets the calls in flight (gRPC and HTTP) and the
     running tasks finish for at most ``drain_grace_s`` seconds before it exits
@@ -329,8 +330,10 @@ async def run_gateway(model: str | ModelSource, port: int, host: str, scheduler:
     the most unfinished tasks of a tenant whose tenants-file entry sets no
     ``max_unfinished_tasks`` (``gateway.task_store``).
     Prometheus metrics on ``metrics_port`` (None: none); the OpenAI-compatible HTTP API
-    on ``http_port`` (None: none), in the same event loop; plaintext grpc.health.v1 alone on
-    ``health_port`` (None: none).
+    on ``http_port`` (None: none), in the same event loop, waiting at most
+    ``http_body_timeout_s`` seconds for each next part of a request body (None: 30 s,
+    ``gateway.http.body_guards``); plaintext grpc.health.v1 alone on ``health_port``
+    (None: none).
     """
     setup_tracing("gateway")
     holder = {}
@@ -356,7 +359,7 @@ async def run_gateway(model: str | ModelSource, port: int, host: str, scheduler:
                                             callbacks=callbacks, tls=tls,
                                             prompt_limits=PromptLimits(max_prompt_bytes, max_messages),
                                             prefix_cache_scope=prefix_cache_scope, http_port=http_port,
-                                            health_port=health_port)
+                                            health_port=health_port, http_body_timeout_s=http_body_timeout_s)
         http = holder["svc"].http
         log.info("gateway serving on %s%s%s", holder["svc"].address, f", HTTP on {http.url}" if http else "",
                  _health_note(holder["svc"]))

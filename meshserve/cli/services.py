@@ -281,6 +281,9 @@ def gateway(
                                         help="On SIGTERM or SIGINT: seconds to let the calls in flight (gRPC and "
                                              "HTTP) and the running tasks finish, refusing new calls, before it "
                                              "hands back the tasks left and exits."),
+    http_body_timeout_s: float = typer.Option(30.0, "--http-body-timeout-s", min=0.001,
+                                              help="HTTP: the longest wait for the next part of a request body "
+                                                   "that has not all arrived; then 408 and the connection closes."),
     traces: Optional[str] = TracesOpt, otlp_endpoint: Optional[str] = OtlpOpt,
     trace_sample_ratio: Optional[float] = SampleOpt,
     metrics_port: Optional[int] = MetricsPortOpt,
@@ -315,7 +318,8 @@ def gateway(
                                 max_prompt_bytes, max_messages, prefix_cache_scope, result_cache,
                                 callback_allow, callback_secret_file, task_lease_s, task_max_attempts, http_port,
                                 health_port, task_max_wait_s, drain_grace_s,
-                                max_unfinished_tasks_per_tenant=max_unfinished_tasks_per_tenant))
+                                max_unfinished_tasks_per_tenant=max_unfinished_tasks_per_tenant,
+                                http_body_timeout_s=http_body_timeout_s))
 
 
 def _check_scope(scope: str) -> None:
