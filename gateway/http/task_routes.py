@@ -78,6 +78,12 @@ class TaskRoutes:
         callback_url = body.pop("callback_url", None)
         if callback_url is not None and not isinstance(callback_url, str):
             raise InvalidArgument("callback_url must be a string")
+        if callback_url is not None and not callback_url.isascii():
+            try:  # JSON can carry a lone surrogate ("\ud800"); the wire cannot
+                callback_url.encode("utf-8")
+            except UnicodeEncodeError as exc:
+                raise InvalidArgument(f"callback_url is not valid Unicode: a lone surrogate at character "
+                                      f"{exc.start}") from None
         request_id = body.get("request_id") or ""
         if "messages" in body:
             gen = chat_request(ChatCompletionRequest.model_validate(body), self.tasks.core.model.max_model_len,

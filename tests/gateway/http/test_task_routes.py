@@ -6,6 +6,8 @@ receiver. Found by a fresh user: the HTTP route dropped ``callback_url`` silentl
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import pytest_asyncio
 
@@ -44,12 +46,14 @@ async def test_a_task_submitted_over_http_calls_its_callback_url_back(served):
 @pytest.mark.parametrize("callback_url, message", [
     ("http://169.254.169.254/latest", "callback_url names an internal address (169.254.169.254)"),
     (123, "callback_url must be a string"),
+    ("http://x/\ud800", "callback_url is not valid Unicode: a lone surrogate at character 9"),  # was a 500
 ])
 async def test_a_refused_callback_url_is_a_400_naming_it_and_no_task(served, callback_url, message):
     client, receiver = served
-    resp = await client.post("/v1/tasks", json={**BODY, "callback_url": callback_url})
+    resp = await client.post("/v1/tasks", content=json.dumps({**BODY, "callback_url": callback_url}).encode(),
+                             headers={"content-type": "application/json"})  # json.dumps escapes a surrogate
     assert resp.status_code == 400
-    assert resp.json()["error"]["message"] == message
+    assert (resp.json()["error"]["message"], resp.json()["error"]["param"]) == (message, "callback_url")
     assert receiver.received == []
 
 
