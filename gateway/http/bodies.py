@@ -20,12 +20,16 @@ nested deeper than the parser goes     400     "nested too deeply"
 JSON but not an object                 400     names what it is
 =====================================  ======  =====================================
 
-A body sent with no ``Content-Type`` at all is read as JSON, as FastAPI (and so
-vLLM's server) reads it: a client that posts a JSON string without the header works.
+A body sent with no ``Content-Type`` at all (or an empty one) is read as JSON, as
+FastAPI (and so vLLM's server) reads it: a client that posts a JSON string without
+the header works. A UTF-8 byte order mark before the JSON is skipped (RFC 8259
+lets a parser ignore it, and Python's ``json.loads`` of bytes, which FastAPI uses,
+does).
 """
 
 from __future__ import annotations
 
+import codecs
 import json
 import sys
 from typing import Any
@@ -65,15 +69,17 @@ async def json_object(request: Request) -> dict[str, Any]:
     if encoded:
         raise _unsupported(f"Content-Encoding {encoded[0]!r} is not supported; send the body uncompressed")
     content_type = request.headers.get("content-type")
-    if content_type is not None and not _is_json(content_type):
+    if content_type and not _is_json(content_type):
         raise _unsupported(f"Content-Type must be application/json; got {content_type!r}")
     raw = await request.body()
     if not raw:
         raise _invalid("the body is empty; send a JSON object")
+    bom = len(codecs.BOM_UTF8) if raw.startswith(codecs.BOM_UTF8) else 0  # a byte order mark first is skipped
     try:
-        text = raw.decode("utf-8")
+        text = raw[bom:].decode("utf-8")
     except UnicodeDecodeError as exc:
-        raise _invalid(f"the body is not valid UTF-8: byte 0x{raw[exc.start]:02x} at offset {exc.start}") from None
+        at = bom + exc.start
+        raise _invalid(f"the body is not valid UTF-8: byte 0x{raw[at]:02x} at offset {at}") from None
     try:
         body = json.loads(text)
     except json.JSONDecodeError as exc:

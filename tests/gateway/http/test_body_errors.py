@@ -71,6 +71,17 @@ async def test_a_json_content_type_with_a_charset_or_a_json_suffix_or_none_at_al
         assert (status, body["error"]["param"]) == (400, "max_tokens")  # read as JSON: judged by its fields
 
 
+async def test_a_byte_order_mark_or_an_empty_content_type_is_read_as_json(served):
+    """Found by a review: FastAPI's parsing took both, so clients that send them worked."""
+    client, _ = served
+    for content, headers in ((b'\xef\xbb\xbf{"prompt": "Hi", "max_tokens": 0}', JSON),
+                             (b'{"prompt": "Hi", "max_tokens": 0}', {"content-type": ""})):
+        status, body = await post(client, "/v1/completions", content, headers)
+        assert (status, body["error"]["param"]) == (400, "max_tokens")  # read as JSON: judged by its fields
+    assert await post(client, "/v1/completions", b'\xef\xbb\xbf{"prompt": "Hi\xff"}', JSON) == \
+        (400, error("the body is not valid UTF-8: byte 0xff at offset 17"))
+
+
 @pytest.mark.parametrize("path, fields, param, message", [
     ("/v1/completions", {"prompt": [True, False]}, "prompt",
      "prompt: Input should be a string, a list of strings, a list of token ids (integers) or a list of lists "
