@@ -186,9 +186,12 @@ class Mesh:
         (``executor.worker.distributed.cpu_shares``)."""
         c = self.config
         slots = max(c.executors, c.autoscale[1] if c.autoscale else 0, 1)
-        threads = int(_last_value(c.executor_args, "--num-threads") or self._threads())
-        ranks = (int(_last_value(c.executor_args, "--tensor-parallel-size") or 1)
-                 * int(_last_value(c.executor_args, "--pipeline-parallel-size") or 1))
+        try:
+            threads = int(_last_value(c.executor_args, "--num-threads") or self._threads())
+            ranks = (int(_last_value(c.executor_args, "--tensor-parallel-size") or 1)
+                     * int(_last_value(c.executor_args, "--pipeline-parallel-size") or 1))
+        except ValueError:  # not a number: nothing planned; the executor's own flag check says so
+            return
         cpus = usable_cpus()
         self.cpu_warning = oversubscription(cpus, slots, threads, ranks)
         if not c.cpu_affinity:

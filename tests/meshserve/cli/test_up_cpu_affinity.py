@@ -101,6 +101,17 @@ def test_the_executors_own_num_threads_is_what_is_planned(monkeypatch):
     assert Mesh(MeshConfig(cpu_affinity=True, executor_args=["--num-threads", "2"])).cpu_plan is None
 
 
+@pytest.mark.parametrize("cpu_affinity", [True, False])
+@pytest.mark.parametrize("flag", ["--num-threads", "--tensor-parallel-size", "--pipeline-parallel-size"])
+def test_a_thread_or_rank_count_that_is_no_number_plans_nothing_and_is_left_to_the_executor(
+        monkeypatch, cpu_affinity, flag):
+    """Found by a review: ``--num-threads abc`` raised a ValueError from the plan; the
+    executor's own flag check reports it (a usage error) when it starts."""
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1, 2, 3})
+    mesh = Mesh(MeshConfig(executors=3, cpu_affinity=cpu_affinity, executor_args=[flag, "abc"]))
+    assert (mesh.cpu_plan, mesh.cpu_note, mesh.cpu_warning) == (None, "", "")
+
+
 def test_default_threads_count_the_cores_the_launcher_may_use(monkeypatch):
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {4, 5})
     monkeypatch.setattr(os, "cpu_count", lambda: 16)
