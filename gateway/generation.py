@@ -45,7 +45,7 @@ from gateway.choices import Choice, RequestTimer
 from gateway.collector import ChoiceCollector, CompletedChoice, replay
 from gateway.events import ChoiceResult, Delta, Event, Queued
 from gateway.lease_renewal import LeaseActivity, renewing
-from gateway.mesh import Admission, Assignment, MeshClient
+from gateway.mesh import Admission, Assignment, MeshClient, RefusedByMesh
 from gateway.metrics import GatewayMetrics, RequestMetrics
 from gateway.prompt import PromptBuilder
 from gateway.prompt_memo import PromptMemo
@@ -56,17 +56,18 @@ from gateway.result_store import Coalescer, MemoryResultStore, ResultStore
 from gateway.tenants import Tenant
 from meshserve import trace_attributes as ta
 from meshserve.block_hash import cache_salt, routing_block_hashes
-from meshserve.errors import (AlreadyExists, InvalidArgument, MeshError, ModelNotFound, NotFound, PermissionDenied,
-                              ResourceExhausted, Unauthenticated, Unavailable)
+from meshserve.errors import (AlreadyExists, InvalidArgument, MeshError, ModelNotFound, NotFound, ResourceExhausted,
+                              Unavailable)
 from meshserve.request_ids import check_request_id, scoped_request_id
 from meshserve.sampling import INT32_MAX, INT32_MIN, validate
 from meshserve.telemetry import record_error, tracer
 
 _tracer = tracer(__name__)
-# The statuses with which the scheduler's Admit refuses a request before granting anything.
-# UNAVAILABLE is not one of them: a lost connection is UNAVAILABLE too, and the
-# Assignment may have been written before it broke.
-_ADMIT_REFUSALS = (InvalidArgument, AlreadyExists, ResourceExhausted, PermissionDenied, Unauthenticated, NotFound)
+# The errors with which the scheduler's Admit refuses a request before granting anything:
+# its caller-facing codes, and its PERMISSION_DENIED or UNAUTHENTICATED, which the mesh
+# client raises as ``RefusedByMesh``. A plain UNAVAILABLE is not one of them: a lost
+# connection is UNAVAILABLE too, and the Assignment may have been written before it broke.
+_ADMIT_REFUSALS = (InvalidArgument, AlreadyExists, ResourceExhausted, NotFound, RefusedByMesh)
 
 OnAssigned = Callable[[], Awaitable[None]]
 

@@ -14,7 +14,18 @@ from typing import AsyncIterator, Protocol, Sequence
 from opentelemetry import trace
 
 from gateway.events import FinishReason, Queued, TokenLogprob
+from meshserve.errors import Unavailable
 from meshserve.sampling import SamplingParams
+
+
+class RefusedByMesh(Unavailable):
+    """The scheduler or an executor refused the gateway's own call (PERMISSION_DENIED or
+    UNAUTHENTICATED): the gateway's certificate, a tenant the scheduler's tenants file
+    does not list, a lease the executor does not accept. The gateway authenticated the
+    caller and the scheduler signed the lease, so the fault is the mesh's, never the
+    caller's: callers get UNAVAILABLE naming the service's reason (a task is retried).
+    The service refused before granting anything: an ``Admit`` refused so holds no lease.
+    """
 
 
 @dataclass(frozen=True, slots=True)
@@ -100,6 +111,8 @@ class MeshClient(Protocol):
         """Queue updates, then (normally last) one ``Assignment``.
 
         Raises:
+            RefusedByMesh: the scheduler refused the gateway itself (its certificate, or a
+                tenant its tenants file does not list).
             MeshError: the scheduler's error, with its code (quota, overload, no executor).
         """
 
@@ -109,6 +122,7 @@ class MeshClient(Protocol):
         the call (the engine aborts the request and frees its blocks).
 
         Raises:
+            RefusedByMesh: the executor refused the lease or the gateway's certificate.
             MeshError: the executor's error, with its code.
         """
 

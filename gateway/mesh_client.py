@@ -4,7 +4,10 @@ The only gateway module besides the adapters that holds stubs and protobuf
 messages: it turns the core's plain data (``gateway.mesh``) into requests and
 the services' messages back into plain data, carries the request's W3C trace
 context in each call's metadata, and re-raises a failed call as the domain error
-of the same status code (``meshserve.errors.from_rpc_error``).
+of the same status code (``meshserve.errors.from_rpc_error``), except a
+PERMISSION_DENIED or UNAUTHENTICATED: only the mesh causes those (the gateway
+authenticated the caller), so they are ``gateway.mesh.RefusedByMesh``, UNAVAILABLE
+to callers.
 """
 
 from __future__ import annotations
@@ -17,9 +20,9 @@ import grpc
 from opentelemetry import trace
 
 from gateway.events import Queued
-from gateway.mesh import Admission, Assignment, ExecutorOutput
+from gateway.mesh import Admission, Assignment, ExecutorOutput, RefusedByMesh
 from gateway.proto_convert import finish_reason_from_proto, logprobs_from_proto
-from meshserve.errors import Unavailable, from_rpc_error
+from meshserve.errors import MeshError, from_rpc_error
 from meshserve.grpc_server import CHANNEL_OPTIONS, TOKEN_STREAM_CHANNEL_OPTIONS, open_channel
 from meshserve.sampling import SamplingParams, to_proto
 from meshserve.telemetry import outgoing_metadata
@@ -27,9 +30,19 @@ from meshserve.tls import PLAINTEXT, TLSConfig
 from meshserve.v1 import executor_pb2, executor_pb2_grpc, scheduler_pb2, scheduler_pb2_grpc
 
 log = logging.getLogger(__name__)
-# Execute's codes that only the mesh can cause (the gateway authenticated the caller and
-# the scheduler signed the lease): an executor refusing the lease or the gateway's certificate.
-_REFUSED_BY_EXECUTOR = (grpc.StatusCode.PERMISSION_DENIED, grpc.StatusCode.UNAUTHENTICATED)
+# The codes that only the mesh can cause (the gateway authenticated the caller and the
+# scheduler signed the lease): the scheduler refusing the gateway's certificate or a tenant
+# its tenants file lacks, an executor refusing the lease or the gateway's certificate.
+_REFUSED_BY_MESH = (grpc.StatusCode.PERMISSION_DENIED, grpc.StatusCode.UNAUTHENTICATED)
+
+
+def mesh_error(exc: grpc.aio.AioRpcError, service: str) -> MeshError:
+    """A failed call to ``service`` (``scheduler``, ``executor e1``) as its domain error:
+    ``RefusedByMesh`` (UNAVAILABLE) naming the service's code and reason for a refusal
+    of the gateway itself, else ``from_rpc_error``'s error of the same code."""
+    if exc.code() in _REFUSED_BY_MESH:
+        return RefusedByMesh(f"{service} refused the call ({exc.code().name}): {exc.details()}")
+    return from_rpc_error(exc, service)
 
 
 def output_from_proto(out: executor_pb2.ExecuteResponse) -> ExecutorOutput:
@@ -77,7 +90,15 @@ class GrpcMeshClient:
         return stub
 
     async def admit(self, admission: Admission, span: trace.Span) -> AsyncIterator[Queued | Assignment]:
-        """Scheduler.Admit (see ``gateway.mesh.MeshClient``); closing it early cancels the call."""
+        """Scheduler.Admit (see ``gateway.mesh.MeshClient``); closing it early cancels the call.
+
+        The scheduler's PERMISSION_DENIED or UNAUTHENTICATED (it refuses the gateway's
+        certificate, or a tenant its tenants file does not list while the gateway's
+        does) is the mesh's failure, not the caller's, whose key the gateway accepted:
+        it is raised as ``RefusedByMesh`` (UNAVAILABLE) naming the scheduler's reason.
+        Its caller-facing refusals keep their codes (RESOURCE_EXHAUSTED, INVALID_ARGUMENT,
+        ALREADY_EXISTS, NOT_FOUND).
+        """
         call = self._scheduler.Admit(admit_request(admission), metadata=outgoing_metadata(span))
         try:
             async for event in call:
@@ -88,7 +109,7 @@ class GrpcMeshClient:
                     yield Assignment(a.executor_id, a.address, a.lease_id, a.queue_s, a.lease, a.lease_ttl_s,
                                      admission.tenant)
         except grpc.aio.AioRpcError as exc:
-            raise from_rpc_error(exc, "scheduler") from None
+            raise mesh_error(exc, "scheduler") from None
         finally:
             call.cancel()  # no-op when the stream ended
 
@@ -98,8 +119,9 @@ class GrpcMeshClient:
 
         An executor's PERMISSION_DENIED or UNAUTHENTICATED (a lease it refuses, e.g. one
         that expired on its way on a loaded host, or a certificate it does not accept) is
-        the mesh's failure, not the caller's: it is raised as ``Unavailable`` (a task is
-        then retried under a new lease; a caller may retry), naming the executor's reason.
+        the mesh's failure, not the caller's: it is raised as ``RefusedByMesh`` (UNAVAILABLE:
+        a task is then retried under a new lease; a caller may retry), naming the
+        executor's reason.
         """
         request = executor_pb2.ExecuteRequest(request_id=request_id, lease_id=assignment.lease_id,
                                               prompt_token_ids=prompt_token_ids, priority=priority,
@@ -110,20 +132,18 @@ class GrpcMeshClient:
             async for out in call:
                 yield output_from_proto(out)
         except grpc.aio.AioRpcError as exc:
-            if exc.code() in _REFUSED_BY_EXECUTOR:
-                raise Unavailable(f"executor {assignment.executor_id} refused the call "
-                                  f"({exc.code().name}): {exc.details()}") from None
-            raise from_rpc_error(exc, f"executor {assignment.executor_id}") from None
+            raise mesh_error(exc, f"executor {assignment.executor_id}") from None
         finally:
             call.cancel()  # no-op when finished; aborts the engine requests otherwise
 
     async def renew(self, lease_id: str, span: trace.Span) -> None:
-        """Scheduler.RenewLease (see ``gateway.mesh.MeshClient``)."""
+        """Scheduler.RenewLease (see ``gateway.mesh.MeshClient``); a refusal of the gateway
+        itself is ``RefusedByMesh``, as for ``admit`` (the renewal loop logs it)."""
         try:
             await self._scheduler.RenewLease(scheduler_pb2.RenewLeaseRequest(lease_id=lease_id), timeout=5,
                                              metadata=outgoing_metadata(span))
         except grpc.aio.AioRpcError as exc:
-            raise from_rpc_error(exc, "scheduler") from None
+            raise mesh_error(exc, "scheduler") from None
 
     async def release(self, lease_id: str, num_generated_tokens: int | None, finished: bool,
                       span: trace.Span) -> None:

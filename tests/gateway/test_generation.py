@@ -15,7 +15,7 @@ import pytest_asyncio
 
 from gateway.events import ChoiceResult, Delta, FinishReason, Queued
 from gateway.generation import GatewayCore
-from gateway.mesh import Assignment, ExecutorOutput
+from gateway.mesh import Assignment, ExecutorOutput, RefusedByMesh
 from gateway.mesh_client import GrpcMeshClient
 from gateway.request import GenerationRequest, ModelInfo, SpanOptions
 from gateway.result_cache import ResultCache, cache_key
@@ -177,6 +177,7 @@ class AdmitEndsWith(StalledAfterAssignment):
 @pytest.mark.parametrize("error, released", [
     (Unavailable("scheduler: Stream removed (Socket closed)"), True),  # the connection broke: a grant may be on it
     (ResourceExhausted("scheduler: displaced"), False),  # the scheduler's refusal: it holds nothing
+    (RefusedByMesh("scheduler refused the call (PERMISSION_DENIED): unknown tenant 't'"), False),  # nor here
 ])
 async def test_an_admit_lost_with_its_connection_releases_the_proposed_id(tokenizer, error, released):
     mesh = AdmitEndsWith(error)
