@@ -32,9 +32,14 @@ import logging
 import math
 import re
 from dataclasses import dataclass
+from types import UnionType
+from typing import Annotated, Union, get_args, get_origin
 
 import grpc
 from fastapi.responses import JSONResponse
+from pydantic import BaseModel
+
+from gateway.http.schemas import ChatCompletionRequest, CompletionRequest
 
 from meshserve.errors import (AlreadyExists, InvalidArgument, MeshError, ModelNotFound, NotFound, PermissionDenied,
                               ResourceExhausted, Unauthenticated, Unavailable)
@@ -141,19 +146,61 @@ _UNION_FORMS = {
     "tool_choice": "a string or an object",
     "function_call": "a string or an object",
 }
-_TYPE_NAMES = {"str", "int", "float", "bool", "list", "dict"}
-_TYPE_NAME = re.compile(r"[A-Z]\w*|.*[\[\-].*")  # ContentPart, list[int], function-after[...]
 
 
-def _is_tag(part) -> bool:
-    """Whether a pydantic location part names a union member (``str``, ``list[int]``,
-    ``ContentPart``, ``function-after[…]``) rather than a field or an index."""
-    return isinstance(part, str) and (part in _TYPE_NAMES or bool(_TYPE_NAME.fullmatch(part)))
+def union_paths(annotation, path: tuple[str, ...] = ()) -> set[str]:
+    """The dotted field paths (names only, no list indices) under ``annotation`` (a body
+    model) that hold a union of more than one non-null type: where pydantic puts a member's
+    name (``str``, ``list[int]``) in an error's location, right after the field's name and
+    its indices. Inside a member the path goes on after a ``|`` (``a.|.b``). A dict's values
+    are not walked: a dict key in a location is the caller's, never a member's name."""
+    origin, args = get_origin(annotation), get_args(annotation)
+    if origin is Annotated:  # StrictInt: int with its constraints
+        return union_paths(args[0], path)
+    if origin in (Union, UnionType):
+        members = [a for a in args if a is not type(None)]
+        if len(members) == 1:  # ``X | None``: nullable, not a union (no name in the location)
+            return union_paths(members[0], path)
+        return {".".join(path)}.union(*(union_paths(m, (*path, "|")) for m in members))
+    if origin in (list, tuple, set, frozenset):
+        return set().union(*(union_paths(a, path) for a in args if a is not Ellipsis))
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return set().union(*(union_paths(f.annotation, (*path, f.alias or name))
+                             for name, f in annotation.model_fields.items()))
+    return set()
+
+
+_UNION_PATHS = union_paths(ChatCompletionRequest) | union_paths(CompletionRequest)
+
+
+def _tag_positions(loc) -> list[int]:
+    """The positions in a pydantic location (without FastAPI's leading ``body``) of union
+    members' names: each part right after a union field's name (and its indices), found
+    from the body models' fields, not from how the part looks (a ``logit_bias`` key
+    ``Abc`` or ``a-b`` is a key)."""
+    field: list[str] = []
+    tags = []
+    for i, part in enumerate(loc):
+        if not isinstance(part, str):
+            continue  # a list index
+        if ".".join(field) in _UNION_PATHS:
+            tags.append(i)
+            field.append("|")
+        else:
+            field.append(part)
+    return tags
 
 
 def _path(loc) -> list:
-    """A location without ``body`` and the union members' type names."""
-    return [p for p in loc if p != "body" and not _is_tag(p)]
+    """A location without the union members' names."""
+    tags = _tag_positions(loc)
+    return [p for i, p in enumerate(loc) if i not in tags]
+
+
+def _without_body(loc) -> tuple:
+    """A location without FastAPI's leading ``body`` (a body model has no field of that name)."""
+    loc = tuple(loc)
+    return loc[1:] if loc[:1] == ("body",) else loc
 
 
 def _message(param: str | None, msg: str) -> HttpError:
@@ -171,21 +218,22 @@ def validation_error(errors: list[dict]) -> HttpError:
     if first.get("type") == "json_invalid":  # its loc is a character offset, not a field
         return HttpError(400, f"the body is not valid JSON: {first.get('ctx', {}).get('error', '')}",
                          "invalid_request_error", "invalid_value")
-    loc = tuple(first.get("loc", ()))
-    tag_at = next((i for i, part in enumerate(loc) if _is_tag(part)), None)
-    if tag_at is None:
-        return _message(".".join(str(p) for p in _path(loc)) or None, first.get("msg", "invalid request body"))
+    loc = _without_body(first.get("loc", ()))
+    tags = _tag_positions(loc)
+    if not tags:
+        return _message(".".join(str(p) for p in loc) or None, first.get("msg", "invalid request body"))
+    tag_at = tags[0]
     field = loc[:tag_at]
-    param = ".".join(str(p) for p in _path(field)) or None
-    members: dict[str, list[dict]] = {}  # the union's members, each with its errors
+    param = ".".join(str(p) for p in field) or None
+    members: dict[str, list[tuple]] = {}  # the union's members, each with its errors' locations and messages
     for error in errors:
-        e_loc = tuple(error.get("loc", ()))
-        if e_loc[:tag_at] == field and len(e_loc) > tag_at and _is_tag(e_loc[tag_at]):
-            members.setdefault(e_loc[tag_at], []).append(error)
-    inside = [errs for errs in members.values() if any(len(e["loc"]) > tag_at + 1 for e in errs)]
+        e_loc = _without_body(error.get("loc", ()))
+        if e_loc[:tag_at] == field and len(e_loc) > tag_at:  # the same union: the part at tag_at is a member's
+            members.setdefault(e_loc[tag_at], []).append((e_loc, error.get("msg", "")))
+    inside = [errs for errs in members.values() if any(len(e_loc) > tag_at + 1 for e_loc, _ in errs)]
     if len(inside) == 1:  # the value has one member's shape: that member's complaint is the one that helps
-        error = next(e for e in inside[0] if len(e["loc"]) > tag_at + 1)
-        return _message(".".join(str(p) for p in _path(error["loc"])), error.get("msg", ""))
-    forms = _UNION_FORMS.get(".".join(p for p in _path(field) if isinstance(p, str)),
+        e_loc, msg = next((e_loc, msg) for e_loc, msg in inside[0] if len(e_loc) > tag_at + 1)
+        return _message(".".join(str(p) for p in _path(e_loc)), msg)
+    forms = _UNION_FORMS.get(".".join(p for p in field if isinstance(p, str)),
                              ", ".join(members) or "another type")
     return _message(param, f"Input should be {forms}")

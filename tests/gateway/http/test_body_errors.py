@@ -12,7 +12,7 @@ import pytest
 import pytest_asyncio
 from pydantic import ValidationError
 
-from gateway.http.errors import validation_error
+from gateway.http.errors import union_paths, validation_error
 from gateway.http.schemas import ChatCompletionRequest, CompletionRequest
 from tests.support.served_gateway import served_gateway
 
@@ -114,6 +114,15 @@ async def test_a_byte_order_mark_or_an_empty_content_type_is_read_as_json(served
      "of token ids"),
     ("/v1/completions", {"prompt": "Hi", "user": "u" * 257}, "user", "user: String should have at most 256 characters"),
     ("/v1/tasks", {"prompt": "Hi", "user": "u" * 257}, "user", "user: String should have at most 256 characters"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": [{"type": "text", "text": 5}]}]},
+     "messages.0.content.0.text", "messages.0.content.0.text: Input should be a valid string"),
+    ("/v1/chat/completions", {"messages": CHAT, "tool_choice": 5}, "tool_choice",
+     "tool_choice: Input should be a string or an object"),
+    ("/v1/chat/completions", {"messages": CHAT, "function_call": 5}, "function_call",
+     "function_call: Input should be a string or an object"),
+    ("/v1/tasks", {"prompt": {"text": "Hi"}}, "prompt",
+     "prompt: Input should be a string, a list of strings, a list of token ids (integers) or a list of lists "
+     "of token ids"),
 ])
 async def test_a_field_of_the_wrong_type_is_named_as_the_body_spells_it(served, path, fields, param, message):
     client, _ = served
@@ -171,3 +180,37 @@ def test_a_dict_key_in_a_location_is_kept():
         CompletionRequest.model_validate({"prompt": "x", "logit_bias": {"1": True}})
     e = validation_error(info.value.errors())
     assert (e.message, e.param) == ("logit_bias.1: Input should be a valid number", "logit_bias.1")
+
+
+@pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/completions", "/v1/tasks"])
+@pytest.mark.parametrize("key", ["Abc", "a-b", "str", "int", "list[int]", "ContentPart", "body", "x[0]"])
+async def test_a_logit_bias_key_that_looks_like_a_type_name_is_named_as_a_key(served, path, key):
+    """Pydantic names a union's members in its error locations (``str``, ``list[int]``);
+    a dict key spelled like one is still the caller's key, in ``param`` and the message."""
+    client, _ = served
+    fields = {"messages": CHAT} if path == "/v1/chat/completions" else {"prompt": "Hi"}
+    content = json.dumps({**fields, "logit_bias": {key: "x"}}).encode()
+    assert await post(client, path, content, JSON) == (
+        400, error(f"logit_bias.{key}: Input should be a valid number", param=f"logit_bias.{key}"))
+
+
+def test_the_union_fields_are_found_from_the_body_models():
+    """Where pydantic names union members: right after these fields (``|``: inside a
+    member), never after a dict's key, nor after ``X | None`` (nullable, no member name)."""
+    from typing import Any
+
+    from pydantic import BaseModel
+
+    class Inner(BaseModel):
+        x: int | str
+        y: str | None = None
+
+    class Outer(BaseModel):
+        a: list[Inner | int]
+        d: dict[str, int | str]
+        n: Inner | None = None
+        free: Any = None
+
+    assert union_paths(Outer) == {"a", "a.|.x", "n.x"}
+    assert union_paths(ChatCompletionRequest) | union_paths(CompletionRequest) == {
+        "prompt", "stop", "messages.content", "tool_choice", "function_call"}
