@@ -20,7 +20,8 @@ def rpc_error(code: grpc.StatusCode, details: str, trailing=()) -> grpc.aio.AioR
 
 
 @pytest.mark.parametrize("code, details, message", [
-    (Code.PERMISSION_DENIED, "unknown tenant 'b'", "scheduler refused the call (PERMISSION_DENIED): unknown tenant 'b'"),
+    (Code.PERMISSION_DENIED, "unknown tenant 'b'",
+     "scheduler refused the call (PERMISSION_DENIED): unknown tenant 'b'"),
     (Code.UNAUTHENTICATED, "/meshserve.v1.Scheduler/Admit needs a client certificate naming a meshserve role",
      "scheduler refused the call (UNAUTHENTICATED): /meshserve.v1.Scheduler/Admit needs a client certificate "
      "naming a meshserve role"),
