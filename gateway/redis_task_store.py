@@ -50,6 +50,7 @@ from redis.exceptions import RedisError, WatchError
 
 from gateway.task_store import TaskRecord, TaskState, TaskStore, tenant_bound_error
 from meshserve.errors import Unavailable
+from meshserve.urls import redact_url
 
 KEY_PREFIX = "meshserve:task:"
 # a Redis that does not answer (a blocked port) fails a call within these, as UNAVAILABLE (C39)
@@ -152,12 +153,15 @@ class RedisTaskStore(TaskStore):
         ttl_s: seconds a finished record lives.
         unfinished_ttl_s: seconds an unfinished record lives (default one day).
 
-    Errors: a Redis failure is ``Unavailable`` (the message names the store).
+    Attributes:
+        url: the URL as messages show it: without its user and password (``redact_url``).
+
+    Errors: a Redis failure is ``Unavailable`` (the message names the store, redacted).
     """
 
     def __init__(self, url: str, ttl_s: float = 3600.0, unfinished_ttl_s: float = 86_400.0):
         super().__init__(ttl_s)
-        self.url = url
+        self.url = redact_url(url)  # the only copy kept: the client holds the credentials
         self.unfinished_ttl_ms = max(1, int(unfinished_ttl_s * 1000))
         self._redis = redis_client(url)
         self._create = self._redis.register_script(_CREATE)

@@ -49,6 +49,7 @@ from gateway.collector import CompletedChoice
 from gateway.proto_convert import task_result, task_result_choices
 from gateway.redis_task_store import redis_client, shielded
 from gateway.result_cache import ResultCache
+from meshserve.urls import redact_url
 
 log = logging.getLogger(__name__)
 
@@ -121,7 +122,8 @@ class RedisResultStore(ResultStore):
     """Entries in Redis, shared by gateways (see the module docstring).
 
     Args:
-        url: ``redis://host:port/db``.
+        url: ``redis://host:port/db``; kept (``url``) and logged without its user and
+            password (``redact_url``).
         ttl_s: seconds an entry lives (> 0).
         lock_s: how long a computing lock lives if its leader dies (seconds).
         op_timeout_s: one Redis call's bound (seconds): far above a healthy call on a
@@ -136,7 +138,8 @@ class RedisResultStore(ResultStore):
         if not ttl_s > 0 or not lock_s > 0 or not op_timeout_s > 0 or bypass_s < 0:
             raise ValueError(f"result cache TTL, lock time and call timeout must be > 0 s, got {ttl_s}, {lock_s}, "
                              f"{op_timeout_s}")
-        self.url, self.ttl_ms, self.lock_ms = url, max(1, int(ttl_s * 1000)), max(1, int(lock_s * 1000))
+        self.url = redact_url(url)  # as logged: without its user and password
+        self.ttl_ms, self.lock_ms = max(1, int(ttl_s * 1000)), max(1, int(lock_s * 1000))
         self.op_timeout_s, self.bypass_s, self.clock = op_timeout_s, bypass_s, clock
         self._redis = redis_client(url)
         self._unlock = self._redis.register_script(_UNLOCK)

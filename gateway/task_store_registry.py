@@ -9,6 +9,7 @@ from __future__ import annotations
 from gateway.redis_task_store import RedisTaskStore
 from gateway.task_store import MemoryTaskStore, TaskStore
 from meshserve.errors import InvalidArgument
+from meshserve.urls import redact_url
 
 
 def open_task_store(url: str, ttl_s: float = 3600.0, max_tasks: int = 10_000) -> TaskStore:
@@ -37,4 +38,4 @@ def task_store_kind(url: str) -> str:
         return "memory"
     if url.split("://", 1)[0] in ("redis", "rediss", "unix") and "://" in url:
         return "redis"
-    raise InvalidArgument(f"--task-store must be 'memory' or a redis://host:port/db URL, got {url!r}")
+    raise InvalidArgument(f"--task-store must be 'memory' or a redis://host:port/db URL, got {redact_url(url)!r}")

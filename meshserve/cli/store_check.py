@@ -13,6 +13,8 @@ from __future__ import annotations
 
 from typing import Sequence
 
+from meshserve.urls import redact_url
+
 STORE_FLAGS = ("--task-store", "--result-cache")
 """The gateway's flags that name a store: ``memory`` or a Redis URL."""
 
@@ -32,8 +34,8 @@ async def check_stores(stores: dict[str, str]) -> None:
     """Pings each store of ``stores`` (flag → URL), in order.
 
     Raises:
-        ConnectionError: one did not answer; one line naming its flag, URL and the
-            reason, e.g. ``--task-store redis://127.0.0.1:6390/0: PING failed: Error
+        ConnectionError: one did not answer; one line naming its flag, URL (without
+            its user and password, ``redact_url``) and the reason, e.g. ``--task-store redis://127.0.0.1:6390/0: PING failed: Error
             111 connecting to 127.0.0.1:6390. Connect call failed ...``.
     """
     if not stores:
@@ -44,4 +46,4 @@ async def check_stores(stores: dict[str, str]) -> None:
         try:
             await ping(url)
         except ConnectionError as exc:
-            raise ConnectionError(f"{flag} {url}: PING failed: {exc}") from None
+            raise ConnectionError(f"{flag} {redact_url(url)}: PING failed: {exc}") from None

@@ -12,7 +12,7 @@
 | ``served_kvstore`` | a kvstore on its own thread, and fault-injecting store/servicer wrappers |
 | ``served_scheduler`` | a scheduler over mutual TLS with one fake executor registered |
 | ``net_fault`` | a loopback TCP proxy whose traffic can be frozen (a partition) |
-| ``redis_server`` | a throwaway redis-server on a free port |
+| ``redis_server`` | a throwaway redis-server on a free port; an ACL user on it (``acl_user``) |
 | ``metrics`` | Prometheus exposition text as a dict; a fake NVML module |
 | ``promql`` | metric names in the PromQL of the deploy/observability files |
 """

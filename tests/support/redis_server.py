@@ -110,3 +110,20 @@ def redis_url_or_skip() -> Iterator[str]:
             yield url
     except FileNotFoundError as exc:
         pytest.skip(str(exc))
+
+
+def acl_user(url: str, name: str, password: str, *rules: str) -> str:
+    """Creates the ACL user ``name`` with ``password``, every key and channel and the
+    command ``rules`` (e.g. ``"+@all", "-@scripting"``) on the Redis at ``url`` (which
+    it reaches as the default user); returns ``url`` with that user's credentials,
+    ``redis://NAME:PASSWORD@HOST:PORT/DB``."""
+    import redis
+
+    admin = redis.Redis.from_url(url)
+    try:
+        admin.acl_setuser(name, enabled=True, reset=True, passwords=[f"+{password}"], keys=["*"],
+                          channels=["*"], commands=list(rules))
+    finally:
+        admin.close()
+    scheme, rest = url.split("://", 1)
+    return f"{scheme}://{name}:{password}@{rest}"

@@ -167,15 +167,15 @@ def test_gateway_bad_flag_is_a_usage_error(args, message):
     assert message in " ".join(result.output.replace("│", " ").split())
 
 
-def test_gateway_with_an_unreachable_redis_is_one_line():
+def test_gateway_with_an_unreachable_redis_is_one_line_without_the_urls_password():
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]   # closed again: nothing listens there
     result = runner.invoke(app, ["gateway", "--scheduler", "127.0.0.1:1", "--insecure", "--port", "0",
-                                 "--task-store", f"redis://127.0.0.1:{port}/0"])
+                                 "--task-store", f"redis://meshserve:s3cret-pw@127.0.0.1:{port}/0"])
     assert result.exit_code == 1
-    assert result.output.startswith(f"error: task store redis://127.0.0.1:{port}/0 cannot be reached: ")
-    assert "Traceback" not in result.output
+    assert result.output.startswith(f"error: task store redis://***@127.0.0.1:{port}/0 cannot be reached: ")
+    assert "Traceback" not in result.output and "s3cret-pw" not in result.output
 
 
 @pytest.mark.parametrize("value", ["nan", "inf", "-1", "0"])

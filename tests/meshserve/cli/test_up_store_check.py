@@ -59,6 +59,16 @@ def test_a_task_store_nothing_listens_on_is_one_line_and_nothing_starts(spawned)
     assert spawned == []
 
 
+def test_the_store_check_names_the_store_without_its_user_and_password(spawned):
+    port = free_port()
+    result = runner.invoke(app, ["up", "--port", "0", "--http-port", "0", "--task-store",
+                                 f"redis://meshserve:s3cret-pw@127.0.0.1:{port}/0"])
+    assert result.exit_code == 1
+    assert result.stderr == (f"error: --task-store redis://***@127.0.0.1:{port}/0: PING failed: Error 111 connecting "
+                             f"to 127.0.0.1:{port}. Connect call failed ('127.0.0.1', {port}).\n")
+    assert spawned == []
+
+
 def test_a_task_store_that_never_answers_fails_at_the_pings_bound(spawned, paused_redis):
     result = runner.invoke(app, ["up", "--port", "0", "--http-port", "0", "--task-store", paused_redis.url])
     assert result.exit_code == 1
