@@ -181,7 +181,7 @@ class RedisTaskStore(TaskStore):
         args = [encode(record), self.unfinished_ttl_ms, record.lease_until if record.owner else 0.0,
                 max_unfinished or 0, record.task_id]
         try:
-            created, _count = await self._create(keys=keys, args=args)
+            created, count = await self._create(keys=keys, args=args)
         except RedisError as exc:
             raise Unavailable(f"task store {self.url}: {exc}") from None
         if created == -1:
@@ -189,7 +189,7 @@ class RedisTaskStore(TaskStore):
                 return  # the client retried after a lost reply: the first try landed, counted once
             raise ValueError(f"task {record.task_id!r} exists")
         if created == 0:
-            raise tenant_bound_error(record.tenant, max_unfinished)
+            raise tenant_bound_error(record.tenant, count, max_unfinished)
 
     async def unfinished_count(self, tenant: str) -> int:
         try:

@@ -35,7 +35,7 @@ gateway with ``claim_callback``.
 
 **A bound per tenant.** ``create(record, max_unfinished=N)`` refuses a record
 whose tenant already has N unfinished (QUEUED or RUNNING) records, with
-``ResourceExhausted`` naming the bound, and stores nothing; the count and the
+``ResourceExhausted`` naming the tenant's count and its bound, and stores nothing; the count and the
 add are one atomic step, so concurrent submits (on one gateway, or on gateways
 sharing a Redis) never pass the bound together. A record stops counting at its
 final transition, and when it expires (Redis: ``unfinished_ttl_s``).
@@ -157,11 +157,13 @@ class TaskRecord:
                 and (callback_fence is None or self.callback_owner == callback_fence))
 
 
-def tenant_bound_error(tenant: str, bound: int) -> ResourceExhausted:
-    """The refusal of a submit over its tenant's bound (retry after 1 s)."""
-    return ResourceExhausted(f"tenant {tenant!r} has {bound} unfinished tasks (queued or running), its bound "
-                             f"(max_unfinished_tasks, default --max-unfinished-tasks-per-tenant); submit again "
-                             f"once one of them finishes", retry_after_s=1.0)
+def tenant_bound_error(tenant: str, count: int, bound: int) -> ResourceExhausted:
+    """The refusal of a submit over its tenant's bound (retry after 1 s): ``count`` is the
+    tenant's unfinished tasks as the store counted them, which may be above ``bound``
+    (a bound lowered since, or gateways sharing a store with different bounds)."""
+    return ResourceExhausted(f"tenant {tenant!r} has {count} unfinished tasks (queued or running); its bound is "
+                             f"{bound} (max_unfinished_tasks, default --max-unfinished-tasks-per-tenant); submit "
+                             f"again once one of them finishes", retry_after_s=1.0)
 
 
 class TaskStore(abc.ABC):
@@ -193,8 +195,8 @@ class TaskStore(abc.ABC):
                 included (tasks); None: no bound.
 
         Raises:
-            ResourceExhausted: the tenant has ``max_unfinished`` unfinished records
-                (``tenant_bound_error``), or the store holds its maximum of unfinished
+            ResourceExhausted: the tenant has ``max_unfinished`` or more unfinished
+                records (``tenant_bound_error``, with the count), or the store holds its maximum of unfinished
                 tasks; nothing is stored.
             ValueError: another record with this id exists (ids are made unique by the
                 caller). A record equal to the stored one is no error: it is a retry whose
@@ -303,8 +305,9 @@ class MemoryTaskStore(TaskStore):
             if existing == record:
                 return  # a retry of this very create
             raise ValueError(f"task {record.task_id!r} exists")
-        if max_unfinished is not None and len(self._unfinished.get(record.tenant, ())) >= max_unfinished:
-            raise tenant_bound_error(record.tenant, max_unfinished)
+        count = len(self._unfinished.get(record.tenant, ()))
+        if max_unfinished is not None and count >= max_unfinished:
+            raise tenant_bound_error(record.tenant, count, max_unfinished)
         if len(self._records) >= self.max_tasks:
             self._purge(make_room=True)
         if len(self._records) >= self.max_tasks:

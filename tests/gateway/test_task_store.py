@@ -207,8 +207,9 @@ async def test_a_pending_callback_is_claimed_renewed_by_its_holder_and_taken_ove
     assert await store.claim_callback("t1", "gw-c", 9999.0, 10.0) is None
 
 
-BOUND_MESSAGE = ("tenant 'acme' has 2 unfinished tasks (queued or running), its bound (max_unfinished_tasks, "
-                 "default --max-unfinished-tasks-per-tenant); submit again once one of them finishes")
+def bound_message(count: int, bound: int) -> str:
+    return (f"tenant 'acme' has {count} unfinished tasks (queued or running); its bound is {bound} "
+            "(max_unfinished_tasks, default --max-unfinished-tasks-per-tenant); submit again once one of them finishes")
 
 
 async def test_a_tenant_at_its_bound_is_refused_nothing_is_stored_and_other_tenants_are_not(store_case):
@@ -217,12 +218,24 @@ async def test_a_tenant_at_its_bound_is_refused_nothing_is_stored_and_other_tena
         await store.create(record(task_id), max_unfinished=2)
     with pytest.raises(ResourceExhausted) as info:
         await store.create(record("a3"), max_unfinished=2)
-    assert (str(info.value), info.value.retry_after_s) == (BOUND_MESSAGE, 1.0)
+    assert (str(info.value), info.value.retry_after_s) == (bound_message(2, 2), 1.0)
     assert await store.get("a3") is None
     await store.create(record("g1", tenant="globex"), max_unfinished=2)
     await store.create(record("a4"))  # no bound given: stored, and counted
     assert [await store.unfinished_count(t) for t in ("acme", "globex", "nobody")] == [3, 1, 0]
     assert sorted(await store.claimable(1e12)) == ["a1", "a2", "a4", "g1"]  # the lease index holds the stored
+
+
+async def test_a_refusal_states_the_tenants_real_count_when_it_is_above_the_bound(store_case):
+    """A bound lowered since the tasks were stored, or gateways sharing a store with
+    different bounds: the count the refusal names is the tenant's, not the bound."""
+    store, _ = store_case
+    for i in range(5):
+        await store.create(record(f"t{i}"), max_unfinished=10)
+    with pytest.raises(ResourceExhausted) as info:
+        await store.create(record("t9"), max_unfinished=2)
+    assert str(info.value) == bound_message(5, 2)
+    assert (await store.get("t9"), await store.unfinished_count("acme")) == (None, 5)
 
 
 async def test_every_final_state_frees_a_place_and_running_or_handed_back_tasks_still_count(store_case):

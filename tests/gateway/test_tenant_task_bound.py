@@ -40,9 +40,9 @@ DEFAULT_BOUND = 3  # the gateway's --max-unfinished-tasks-per-tenant here: tenan
 BODY = {"prompt": "Hello", "max_tokens": 4, "temperature": 0}
 
 
-def bound_message(tenant: str, bound: int) -> str:
-    return (f"tenant {tenant!r} has {bound} unfinished tasks (queued or running), its bound (max_unfinished_tasks, "
-            "default --max-unfinished-tasks-per-tenant); submit again once one of them finishes")
+def bound_message(tenant: str, count: int, bound: int) -> str:
+    return (f"tenant {tenant!r} has {count} unfinished tasks (queued or running); its bound is {bound} "
+            "(max_unfinished_tasks, default --max-unfinished-tasks-per-tenant); submit again once one of them finishes")
 
 
 @pytest_asyncio.fixture(params=["memory", "redis"])
@@ -87,7 +87,7 @@ async def test_a_submit_over_the_tenants_bound_is_resource_exhausted_over_grpc_a
     seeded = await seed(store, "a", 2)
     with pytest.raises(grpc.aio.AioRpcError) as info:
         await submit_task(stub, request(), (("x-api-key", "key-a"),))
-    assert (info.value.code(), info.value.details()) == (grpc.StatusCode.RESOURCE_EXHAUSTED, bound_message("a", 2))
+    assert (info.value.code(), info.value.details()) == (grpc.StatusCode.RESOURCE_EXHAUSTED, bound_message("a", 2, 2))
     assert dict(info.value.trailing_metadata())["retry-after-s"] == "1.000"
     assert (await records(store), await store.unfinished_count("a")) == (2, 2)
     # another tenant is served meanwhile
@@ -104,7 +104,7 @@ async def test_a_submit_over_the_bound_is_a_429_with_retry_after_over_http(serve
     await seed(store, "a", 2)
     resp = await client.post("/v1/tasks", json=BODY, headers={"authorization": "Bearer key-a"})
     assert (resp.status_code, resp.headers["retry-after"]) == (429, "1")
-    assert resp.json() == {"error": {"message": bound_message("a", 2), "type": "rate_limit_error", "param": None,
+    assert resp.json() == {"error": {"message": bound_message("a", 2, 2), "type": "rate_limit_error", "param": None,
                                      "code": "rate_limit_exceeded"}}
     assert (await records(store), await store.unfinished_count("a")) == (2, 2)
     resp = await client.post("/v1/tasks", json=BODY, headers={"authorization": "Bearer key-b"})
@@ -117,7 +117,7 @@ async def test_a_tenant_without_a_bound_of_its_own_gets_the_gateways_default(ser
     with pytest.raises(grpc.aio.AioRpcError) as info:
         await submit_task(stub, request(), (("x-api-key", "key-c"),))
     assert (info.value.code(), info.value.details()) == (grpc.StatusCode.RESOURCE_EXHAUSTED,
-                                                         bound_message("c", DEFAULT_BOUND))
+                                                         bound_message("c", DEFAULT_BOUND, DEFAULT_BOUND))
     resp = await client.post("/v1/tasks", json=BODY, headers={"x-api-key": "key-c"})
-    assert resp.status_code == 429 and resp.json()["error"]["message"] == bound_message("c", DEFAULT_BOUND)
+    assert resp.status_code == 429 and resp.json()["error"]["message"] == bound_message("c", DEFAULT_BOUND, DEFAULT_BOUND)
     assert (await records(store), await store.unfinished_count("c")) == (DEFAULT_BOUND, DEFAULT_BOUND)
