@@ -28,10 +28,22 @@ its create and its task's end leaves a member that counts while the record is
 unfinished (another gateway takes the task over and ends it) and stops counting
 when the record expires, never later: nothing stays counted for ever.
 
+Two members outlive what they count: a task ended by a gateway of the previous
+version (which knew no set, during a rolling upgrade) and a record deleted or
+evicted. Where it matters, at the bound, the script drops them before it
+refuses: it reads the members' records (at most ``bound`` that still count, each
+stale member once) and removes those gone or final, then counts again. It does
+so at most once per ``SWEEP_INTERVAL_S`` (1 s, the refusal's Retry-After) and
+tenant (the key ``meshserve:tasks:swept:<tenant>``), so a tenant that keeps
+submitting at its bound costs Redis one such read a second. ``unfinished_count``
+counts the members as they are (a stale one until the next sweep).
+
 Durability across a Redis restart is Redis's own: the server must run with
 ``appendonly yes`` and ``appendfsync always`` (``deploy/compose`` and
 ``deploy/k8s`` ship that configuration), so an acknowledged SubmitTask's record
-survives a restart (C39).
+survives a restart (C39). It must also run with ``maxmemory-policy noeviction``
+(Redis's default): an eviction policy could drop a tenant's set, lifting its bound,
+or an unfinished record, losing its task.
 """
 
 from __future__ import annotations
@@ -101,17 +113,56 @@ async def shielded(coro):
 LEASES_KEY = "meshserve:tasks:leases"  # sorted set: unfinished task id -> lease end (Unix s; 0: unowned)
 CALLBACKS_KEY = "meshserve:tasks:callbacks"  # sorted set: task id with a pending callback -> delivery lease end
 UNFINISHED_PREFIX = "meshserve:tasks:unfinished:"  # + tenant: sorted set: unfinished task id -> record expiry (ms)
+SWEPT_PREFIX = "meshserve:tasks:swept:"  # + tenant: present for SWEEP_INTERVAL_S after a sweep of its set
+SWEEP_INTERVAL_S = 1.0  # the refusal's Retry-After: a retry after it sweeps again
+HEAD_BYTES = 1024  # how much of a record a sweep reads to find its state (``encode`` writes it fourth)
 
-# KEYS: the record, the lease index, the tenant's unfinished set; ARGV: the record's
-# JSON, the unfinished TTL (ms), its lease score, the bound (0: none), the task id.
+# KEYS: the record, the lease index, the tenant's unfinished set, its sweep marker; ARGV:
+# the record's JSON, the unfinished TTL (ms), its lease score, the bound (0: none), the
+# task id, the record key prefix, the sweep interval (ms), the first final state's number.
 # Returns {1, count after} (created), {0, count} (at the bound), {-1, count} (id exists).
+#
+# At the bound, before refusing (at most once per sweep interval and tenant), the
+# sweep drops the members that no longer count: a record gone (deleted, evicted) or
+# final (ended by a gateway of a version that left its member behind). It reads the
+# members in set order and stops once ``bound`` of them count or the count is below the
+# bound: at most ``bound`` records that count, and each stale member once. A record's
+# state is read from its head as ``encode`` writes it (task_id, tenant, request_id,
+# state: a match there is the top-level field, since a quote inside a JSON string is
+# escaped), else from the whole record with cjson.
 _CREATE = """
+local function counts(key)
+  local head = redis.call('GETRANGE', key, 0, %d)
+  if head == '' then return false end
+  local state = string.match(head, '^{"task_id":"[^"]*","tenant":"[^"]*","request_id":"[^"]*","state":(%%d+)[,}]')
+  if state == nil then
+    local ok, record = pcall(cjson.decode, redis.call('GET', key))
+    if not ok or type(record) ~= 'table' or type(record['state']) ~= 'number' then return true end
+    state = record['state']
+  end
+  return tonumber(state) < tonumber(ARGV[8])
+end
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 redis.call('ZREMRANGEBYSCORE', KEYS[3], '-inf', '(' .. now)
 local count = redis.call('ZCARD', KEYS[3])
 if redis.call('EXISTS', KEYS[1]) == 1 then return {-1, count} end
 local bound = tonumber(ARGV[4])
+if bound > 0 and count >= bound and redis.call('SET', KEYS[4], '1', 'NX', 'PX', ARGV[7]) then
+  local live = 0
+  while count >= bound and live < bound do
+    local ids = redis.call('ZRANGE', KEYS[3], live, bound - 1)
+    if #ids == 0 then break end
+    for _, id in ipairs(ids) do
+      if counts(ARGV[6] .. id) then
+        live = live + 1
+      else
+        redis.call('ZREM', KEYS[3], id)
+        count = count - 1
+      end
+    end
+  end
+end
 if bound > 0 and count >= bound then return {0, count} end
 local expires = now + tonumber(ARGV[2])
 redis.call('SET', KEYS[1], ARGV[1], 'PXAT', expires)
@@ -120,7 +171,7 @@ redis.call('ZADD', KEYS[3], expires, ARGV[5])
 local last = redis.call('ZRANGE', KEYS[3], -1, -1, 'WITHSCORES')
 redis.call('PEXPIREAT', KEYS[3], math.ceil(tonumber(last[2])))
 return {1, count + 1}
-"""
+""" % (HEAD_BYTES - 1)
 _FIELDS = {f.name for f in fields(TaskRecord)}
 _BYTES_FIELDS = ("result", "request")
 
@@ -177,9 +228,11 @@ class RedisTaskStore(TaskStore):
             raise ConnectionError(f"task store {self.url} cannot be reached: {exc}") from None
 
     async def create(self, record: TaskRecord, max_unfinished: int | None = None) -> None:
-        keys = [KEY_PREFIX + record.task_id, LEASES_KEY, UNFINISHED_PREFIX + record.tenant]
+        keys = [KEY_PREFIX + record.task_id, LEASES_KEY, UNFINISHED_PREFIX + record.tenant,
+                SWEPT_PREFIX + record.tenant]
         args = [encode(record), self.unfinished_ttl_ms, record.lease_until if record.owner else 0.0,
-                max_unfinished or 0, record.task_id]
+                max_unfinished or 0, record.task_id, KEY_PREFIX, max(1, int(SWEEP_INTERVAL_S * 1000)),
+                int(TaskState.SUCCEEDED)]
         try:
             created, count = await self._create(keys=keys, args=args)
         except RedisError as exc:

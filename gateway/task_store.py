@@ -38,7 +38,9 @@ whose tenant already has N unfinished (QUEUED or RUNNING) records, with
 ``ResourceExhausted`` naming the tenant's count and its bound, and stores nothing; the count and the
 add are one atomic step, so concurrent submits (on one gateway, or on gateways
 sharing a Redis) never pass the bound together. A record stops counting at its
-final transition, and when it expires (Redis: ``unfinished_ttl_s``).
+final transition, and when it expires (Redis: ``unfinished_ttl_s``); in Redis a
+tenant found at its bound is checked first for records gone or ended without
+leaving its count (``gateway.redis_task_store``).
 ``unfinished_count(tenant)`` reads the count.
 
 A finished record lives ``ttl_s`` seconds

@@ -120,6 +120,14 @@ def test_compose_gateway_serves_grpc_and_http_with_redis_tasks(compose):
     assert "--http-port" in gateway["command"] and "redis://redis:6379/0" in gateway["command"]
 
 
+REDIS_ARGS = ["--appendonly", "yes", "--appendfsync", "always", "--maxmemory-policy", "noeviction"]
+"""What the task store requires of its Redis (docs/api.md): an fsync per write, no eviction."""
+
+
+def test_compose_redis_runs_as_the_task_store_requires(compose):
+    assert compose["services"]["redis"]["command"] == ["redis-server", *REDIS_ARGS]
+
+
 def test_the_gateway_and_the_executors_get_longer_than_their_drain_grace_before_sigkill(compose):
     """A stopped gateway lets its streams in flight finish for --drain-grace-s (an
     executor its requests): the orchestrator's grace before SIGKILL is longer."""
@@ -182,6 +190,12 @@ def test_strict_validation_rejects_an_unknown_field(tmp_path):
     deployment = by_kind(render(K8S / "overlays" / "cpu"), "Deployment")["gateway"]
     deployment["spec"]["template"]["spec"]["containers"][0]["readinessProbe"]["grpcc"] = {"port": 1}
     assert validate([deployment], tmp_path).returncode != 0
+
+
+@pytest.mark.parametrize("overlay", ["cpu", "gpu"])
+def test_k8s_redis_runs_as_the_task_store_requires(overlay):
+    redis = by_kind(render(K8S / "overlays" / overlay), "Deployment")["redis"]
+    assert redis["spec"]["template"]["spec"]["containers"][0]["args"] == REDIS_ARGS
 
 
 @pytest.mark.parametrize("overlay", ["cpu", "gpu"])

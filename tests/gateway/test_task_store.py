@@ -3,11 +3,13 @@ redis-server), plus the memory store's bound and the URL parsing."""
 
 from __future__ import annotations
 
+import asyncio
+from dataclasses import replace
+
 import pytest
 
-import asyncio
-
-from gateway.redis_task_store import KEY_PREFIX, UNFINISHED_PREFIX, RedisTaskStore, decode, encode
+from gateway.redis_task_store import (KEY_PREFIX, LEASES_KEY, SWEPT_PREFIX, UNFINISHED_PREFIX, RedisTaskStore,
+                                      decode, encode)
 from gateway.task_store import FINISHED, UNFINISHED, MemoryTaskStore, TaskRecord, TaskState
 from gateway.task_store_registry import open_task_store
 from meshserve.errors import InvalidArgument, ResourceExhausted
@@ -303,3 +305,88 @@ async def test_an_unfinished_record_that_expires_stops_counting_with_it(redis_ur
             KEY_PREFIX + "t3")
     finally:
         await store.close()
+
+
+@pytest.fixture
+async def redis_store(redis_url):
+    """A Redis task store on an emptied database."""
+    store = RedisTaskStore(redis_url, ttl_s=TTL_S)
+    await store._redis.flushdb()
+    yield store
+    await store.close()
+
+
+async def end_as_the_previous_version(store: RedisTaskStore, task_id: str, state: TaskState) -> None:
+    """A final transition as a gateway of the previous version wrote it (during a rolling
+    upgrade): the record, final, with the finished TTL, out of the lease index; its
+    tenant's unfinished set left as it was."""
+    key = KEY_PREFIX + task_id
+    ended = replace(decode(await store._redis.get(key)), state=state, owner="")
+    await store._redis.set(key, encode(ended), px=int(TTL_S * 1000))
+    await store._redis.zrem(LEASES_KEY, task_id)
+
+
+async def members(store: RedisTaskStore, tenant: str = "acme") -> list[str]:
+    return [m.decode() for m in await store._redis.zrange(UNFINISHED_PREFIX + tenant, 0, -1)]
+
+
+@pytest.mark.parametrize("state", FINISHED)
+async def test_a_task_ended_by_a_gateway_of_the_previous_version_stops_counting_at_the_bound(redis_store, state):
+    store = redis_store
+    await store.create(record("x1", owner="gw-new", attempt=1, lease_until=1e12), max_unfinished=1)
+    await end_as_the_previous_version(store, "x1", state)
+    assert await store.unfinished_count("acme") == 1  # its member stays until a submit meets the bound
+    await store.create(record("x2"), max_unfinished=1)
+    assert (await members(store), await store.unfinished_count("acme")) == (["x2"], 1)
+    assert (await store.get("x1")).state == state
+
+
+async def test_a_record_deleted_or_evicted_stops_counting_at_the_bound(redis_store):
+    store = redis_store
+    for task_id in ("e1", "e2"):
+        await store.create(record(task_id), max_unfinished=2)
+    await store._redis.delete(KEY_PREFIX + "e1")  # what an eviction under maxmemory does
+    await store.create(record("e3"), max_unfinished=2)
+    assert (await members(store), await store.unfinished_count("acme")) == (["e2", "e3"], 2)
+    with pytest.raises(ResourceExhausted) as info:
+        await store.create(record("e4"), max_unfinished=2)
+    assert str(info.value) == bound_message(2, 2)
+
+
+async def test_the_sweep_at_the_bound_keeps_every_unfinished_record_and_drops_only_stale_ones(redis_store):
+    """Records whose head does not give their state (a long request id; one whose quotes
+    mimic the state field) are read whole; running and handed-back tasks keep counting."""
+    store = redis_store
+    ids = {"q1": "", "q2": "r" * 2000, "q3": '","state":4,"x":"', "q4": "plain", "q5": "then ended"}
+    for task_id, request_id in ids.items():
+        await store.create(record(task_id, request_id=request_id), max_unfinished=5)
+    await store.transition("q1", (TaskState.QUEUED,), TaskState.RUNNING, started_at=1.0)
+    await store.claim("q2", "gw-b", 1000.0, 10.0)
+    await store.transition("q2", UNFINISHED, TaskState.QUEUED, owner="", lease_until=0.0)  # handed back
+    with pytest.raises(ResourceExhausted) as info:
+        await store.create(record("q6"), max_unfinished=5)
+    assert str(info.value) == bound_message(5, 5)
+    assert await members(store) == ["q1", "q2", "q3", "q4", "q5"]
+    await store._redis.delete(SWEPT_PREFIX + "acme")  # the sweep interval passed
+    await end_as_the_previous_version(store, "q5", TaskState.SUCCEEDED)
+    await end_as_the_previous_version(store, "q2", TaskState.FAILED)
+    await store.create(record("q6"), max_unfinished=5)
+    assert await members(store) == ["q1", "q3", "q4", "q6"]
+
+
+async def test_a_tenant_at_its_bound_is_swept_at_most_once_per_interval(redis_store):
+    """The sweep reads up to ``bound`` records: refusals in a row within the interval (the
+    refusal's Retry-After, 1 s) count without it, and the next one after it sweeps."""
+    store = redis_store
+    for task_id in ("a1", "a2"):
+        await store.create(record(task_id), max_unfinished=2)
+    with pytest.raises(ResourceExhausted):
+        await store.create(record("a3"), max_unfinished=2)
+    assert 0 < await store._redis.pttl(SWEPT_PREFIX + "acme") <= 1000
+    await store._redis.delete(KEY_PREFIX + "a1")
+    with pytest.raises(ResourceExhausted) as info:
+        await store.create(record("a3"), max_unfinished=2)
+    assert (str(info.value), await members(store)) == (bound_message(2, 2), ["a1", "a2"])
+    await store._redis.delete(SWEPT_PREFIX + "acme")  # as its expiry does after the interval
+    await store.create(record("a3"), max_unfinished=2)
+    assert await members(store) == ["a2", "a3"]
