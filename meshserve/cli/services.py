@@ -301,7 +301,8 @@ def gateway(
         task_store_kind(task_store)
         _check_scope(prefix_cache_scope)
         if result_cache != "memory" and not result_cache.startswith(("redis://", "rediss://", "unix://")):
-            raise ValueError(f"--result-cache must be 'memory' or a redis://host:port/db URL, got {redact_url(result_cache)!r}")
+            raise ValueError(f"--result-cache must be 'memory' or a redis://host:port/db URL, "
+                             f"got {redact_url(result_cache)!r}")
         if callback_allow:
             from gateway.callbacks import CallbackPolicy
 

@@ -119,5 +119,6 @@ async def test_a_tenant_without_a_bound_of_its_own_gets_the_gateways_default(ser
     assert (info.value.code(), info.value.details()) == (grpc.StatusCode.RESOURCE_EXHAUSTED,
                                                          bound_message("c", DEFAULT_BOUND, DEFAULT_BOUND))
     resp = await client.post("/v1/tasks", json=BODY, headers={"x-api-key": "key-c"})
-    assert resp.status_code == 429 and resp.json()["error"]["message"] == bound_message("c", DEFAULT_BOUND, DEFAULT_BOUND)
+    assert resp.status_code == 429
+    assert resp.json()["error"]["message"] == bound_message("c", DEFAULT_BOUND, DEFAULT_BOUND)
     assert (await records(store), await store.unfinished_count("c")) == (DEFAULT_BOUND, DEFAULT_BOUND)
