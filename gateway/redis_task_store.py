@@ -51,6 +51,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import json
+import re
 from dataclasses import asdict, fields, replace
 from typing import Iterable
 
@@ -59,6 +60,7 @@ from redis.asyncio.retry import Retry
 from redis.backoff import ExponentialBackoff, NoBackoff
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import RedisError, WatchError
+from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from gateway.task_store import TaskRecord, TaskState, TaskStore, tenant_bound_error
 from meshserve.errors import Unavailable
@@ -79,27 +81,76 @@ def redis_client(url: str) -> aioredis.Redis:
                              retry_on_error=[RedisConnectionError])
 
 
-async def ping(url: str, timeout_s: float = PING_TIMEOUT_S) -> None:
-    """One PING to the Redis at ``url``, tried once and bounded by ``timeout_s`` in all
-    (connecting and selecting its database included): the check ``meshserve up`` makes
-    before it starts anything.
+MIN_REDIS_VERSION = (6, 2)  # SET ... PXAT (the create script)
+
+
+class StoreUnfit(ConnectionError):
+    """A Redis that answers but cannot run the task store (too old, or its user may not
+    run scripts); the message is the reason."""
+
+
+def _version(text: str) -> tuple[int, ...]:
+    """``"7.0.15"`` → ``(7, 0, 15)``; ``()`` when it has no number."""
+    return tuple(int(part) for part in re.findall(r"\d+", text)[:3])
+
+
+async def check_serves_tasks(client: aioredis.Redis) -> None:
+    """Whether the Redis behind ``client`` can run the task store, checked once at start
+    (a readiness poll only PINGs): its version is 6.2 or later (``INFO server``; the
+    create script writes with ``PXAT``) and the create script loads (``SCRIPT LOAD``:
+    an ACL user without ``@scripting`` cannot). Without this check such a Redis passes
+    every PING, the task path says ready, and every submit is refused UNAVAILABLE.
 
     Raises:
-        ConnectionError: no PONG; the message is the reason only (redis-py's, or the
-            timeout), for the caller to name the URL and the flag.
+        StoreUnfit: it cannot; the message is the reason, one line.
+        RedisError: the Redis did not answer.
+    """
+    try:
+        info = await client.info("server")
+    except RedisError as exc:
+        if isinstance(exc, (RedisConnectionError, RedisTimeoutError)):
+            raise
+        raise StoreUnfit(f"INFO server failed: {exc}") from None
+    version = str(info.get("redis_version", "unknown"))
+    if _version(version) < MIN_REDIS_VERSION:
+        raise StoreUnfit(f"Redis {version} is older than 6.2, which the task store needs (SET ... PXAT)")
+    try:
+        await client.script_load(_CREATE)
+    except RedisError as exc:
+        if isinstance(exc, (RedisConnectionError, RedisTimeoutError)):
+            raise
+        raise StoreUnfit(f"SCRIPT LOAD failed: {exc}") from None
+
+
+async def ping(url: str, timeout_s: float = PING_TIMEOUT_S, serves_tasks: bool = False) -> None:
+    """One PING to the Redis at ``url``, tried once and bounded by ``timeout_s`` in all
+    (connecting and selecting its database included): the check ``meshserve up`` makes
+    before it starts anything; with ``serves_tasks``, then ``check_serves_tasks``
+    (within the same bound).
+
+    Raises:
+        ConnectionError: no PONG (``PING failed: `` and redis-py's reason, or the
+            timeout), or ``StoreUnfit``; the message is the reason only, for the caller
+            to name the URL and the flag.
     """
     try:
         client = aioredis.from_url(url, socket_connect_timeout=timeout_s, socket_timeout=timeout_s,
                                    retry=Retry(NoBackoff(), 0))
     except ValueError as exc:  # a URL redis-py cannot read (a scheme, a port)
-        raise ConnectionError(str(exc)) from None
+        raise ConnectionError(f"PING failed: {exc}") from None
+    step = "PING"
     try:
         async with asyncio.timeout(timeout_s):
             await client.ping()
+            if serves_tasks:
+                step = "the task store's check"
+                await check_serves_tasks(client)
+    except StoreUnfit:
+        raise
     except TimeoutError:
-        raise ConnectionError(f"no answer within {timeout_s:g} s") from None
+        raise ConnectionError(f"{step} failed: no answer within {timeout_s:g} s") from None
     except (RedisError, OSError) as exc:
-        raise ConnectionError(str(exc)) from None
+        raise ConnectionError(f"{step} failed: {exc}") from None
     finally:
         await client.aclose()
 
@@ -224,6 +275,15 @@ class RedisTaskStore(TaskStore):
     async def check(self) -> None:
         try:
             await self._redis.ping()
+        except RedisError as exc:
+            raise ConnectionError(f"task store {self.url} cannot be reached: {exc}") from None
+
+    async def check_at_start(self) -> None:
+        await self.check()
+        try:
+            await check_serves_tasks(self._redis)
+        except StoreUnfit as exc:
+            raise StoreUnfit(f"task store {self.url} cannot serve tasks: {exc}") from None
         except RedisError as exc:
             raise ConnectionError(f"task store {self.url} cannot be reached: {exc}") from None
 

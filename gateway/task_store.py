@@ -271,6 +271,16 @@ class TaskStore(abc.ABC):
             ConnectionError: it cannot.
         """
 
+    async def check_at_start(self) -> None:
+        """The gateway's check before it starts: ``check``, then whether the store's server
+        can serve it (Redis: its version and the create script, ``check_serves_tasks``).
+        Made once; the readiness polls run ``check`` alone.
+
+        Raises:
+            ConnectionError: it cannot; one line naming the store and the reason.
+        """
+        await self.check()
+
     async def close(self) -> None:
         """Releases connections (a no-op in memory)."""
 

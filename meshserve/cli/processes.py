@@ -320,7 +320,8 @@ async def run_gateway(model: str | ModelSource, port: int, host: str, scheduler:
     ``result_cache_size``: entries of the result cache (0: off), each living
     ``result_cache_ttl_s`` seconds. ``task_store``: ``memory`` or a Redis URL;
     finished tasks live ``task_ttl_s`` seconds; the memory store keeps at most
-    ``max_tasks``. An unreachable Redis stops the start with ``ConnectionError``.
+    ``max_tasks``. A Redis unreachable, or unable to serve tasks (older than 6.2, a
+    user without ``@scripting``), stops the start with ``ConnectionError``.
     ``result_cache``: ``memory`` (the LRU of ``result_cache_size`` entries) or a
     Redis URL (shared by gateways; ``result_cache_ttl_s``). ``callback_allow``:
     the task callback allow-list, signed with the key in ``callback_secret_file``.
@@ -340,7 +341,7 @@ async def run_gateway(model: str | ModelSource, port: int, host: str, scheduler:
 
     async def start():
         store = open_task_store(task_store, task_ttl_s, max_tasks)
-        await store.check()  # before the tokenizer loads: an unreachable Redis fails fast
+        await store.check_at_start()  # before the tokenizer loads: a Redis unreachable or unfit fails fast
         tokenizer, info = await asyncio.to_thread(model_info, model)
         tenants = TenantRegistry.from_file(tenants_file) if tenants_file else TenantRegistry.open()
         if result_cache != "memory":

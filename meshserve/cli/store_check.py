@@ -6,7 +6,8 @@ has loaded the model (tens of seconds): a typo in a ``redis://`` URL or a stoppe
 Redis was reported that late. ``check_stores`` pings each Redis the gateway will
 be given (``--task-store``, and ``--result-cache`` when a ``--config`` file's
 ``[gateway]`` table names one) first, once each with a short bound
-(``gateway.redis_task_store.ping``).
+(``gateway.redis_task_store.ping``), and checks that the task store's Redis can
+serve it, as the gateway's own start does.
 """
 
 from __future__ import annotations
@@ -31,12 +32,17 @@ def redis_stores(gateway_args: Sequence[str]) -> dict[str, str]:
 
 
 async def check_stores(stores: dict[str, str]) -> None:
-    """Pings each store of ``stores`` (flag → URL), in order.
+    """Pings each store of ``stores`` (flag → URL), in order; checks the task store's
+    Redis can serve it as the gateway will at start (``check_serves_tasks``: version
+    6.2 or later, the create script loads).
 
     Raises:
-        ConnectionError: one did not answer; one line naming its flag, URL (without
-            its user and password, ``redact_url``) and the reason, e.g. ``--task-store redis://127.0.0.1:6390/0: PING failed: Error
-            111 connecting to 127.0.0.1:6390. Connect call failed ...``.
+        ConnectionError: one did not answer, or the task store's cannot serve it; one
+            line naming its flag, URL (without its user and password, ``redact_url``)
+            and the reason, e.g. ``--task-store redis://127.0.0.1:6390/0: PING failed:
+            Error 111 connecting to 127.0.0.1:6390. Connect call failed ...`` or
+            ``--task-store redis://***@127.0.0.1:6390/0: SCRIPT LOAD failed: this user
+            has no permissions to run the 'script|load' command``.
     """
     if not stores:
         return
@@ -44,6 +50,6 @@ async def check_stores(stores: dict[str, str]) -> None:
 
     for flag, url in stores.items():
         try:
-            await ping(url)
+            await ping(url, serves_tasks=flag == "--task-store")
         except ConnectionError as exc:
-            raise ConnectionError(f"{flag} {redact_url(url)}: PING failed: {exc}") from None
+            raise ConnectionError(f"{flag} {redact_url(url)}: {exc}") from None

@@ -9,10 +9,11 @@ from dataclasses import replace
 import pytest
 
 from gateway.redis_task_store import (KEY_PREFIX, LEASES_KEY, SWEPT_PREFIX, UNFINISHED_PREFIX, RedisTaskStore,
-                                      decode, encode)
+                                      StoreUnfit, check_serves_tasks, decode, encode)
 from gateway.task_store import FINISHED, UNFINISHED, MemoryTaskStore, TaskRecord, TaskState
 from gateway.task_store_registry import open_task_store
 from meshserve.errors import InvalidArgument, ResourceExhausted
+from tests.support.redis_server import acl_user
 
 TTL_S = 100.0  # long beside the test's real duration: only the tests' advance() makes it pass
 
@@ -183,6 +184,58 @@ async def test_unreachable_redis_fails_the_check():
     with pytest.raises(ConnectionError, match="cannot be reached"):
         await store.check()
     await store.close()
+
+
+async def test_the_start_check_refuses_a_redis_user_that_may_not_run_scripts_the_readiness_ping_does_not(redis_url):
+    url = acl_user(redis_url, "noscript-start", "s3cret-pw", "+@all", "-@scripting")
+    store = RedisTaskStore(url)
+    try:
+        await store.check()  # a readiness poll: PING only
+        with pytest.raises(StoreUnfit) as info:
+            await store.check_at_start()
+    finally:
+        await store.close()
+    assert str(info.value) == (f"task store {redis_url.replace('redis://', 'redis://***@')} cannot serve tasks: "
+                               "SCRIPT LOAD failed: this user has no permissions to run the 'script|load' command")
+
+
+async def test_the_start_check_passes_a_redis_that_serves_tasks_and_loads_the_create_script(redis_url):
+    store = RedisTaskStore(redis_url)
+    try:
+        await store._redis.script_flush()
+        await store.check_at_start()
+        assert await store._redis.script_exists(store._create.sha) == [True]
+    finally:
+        await store.close()
+
+
+class ServerOfVersion:
+    """The two calls ``check_serves_tasks`` makes, answered as a Redis of ``version``
+    (no Redis older than 6.2 is at hand)."""
+
+    def __init__(self, version: str):
+        self.version, self.loaded = version, []
+
+    async def info(self, section: str) -> dict:
+        return {"redis_version": self.version} if section == "server" else {}
+
+    async def script_load(self, script: str) -> str:
+        self.loaded.append(script)
+        return "sha"
+
+
+@pytest.mark.parametrize("version, fit", [("5.0.14", False), ("6.0.16", False), ("6.2.0", True), ("6.2.14", True),
+                                          ("7.0.15", True), ("10.0.0", True)])
+async def test_the_start_check_needs_redis_6_2_or_later(version, fit):
+    server = ServerOfVersion(version)
+    if fit:
+        await check_serves_tasks(server)
+        assert len(server.loaded) == 1
+    else:
+        with pytest.raises(StoreUnfit) as info:
+            await check_serves_tasks(server)
+        assert str(info.value) == f"Redis {version} is older than 6.2, which the task store needs (SET ... PXAT)"
+        assert server.loaded == []
 
 
 async def test_a_pending_callback_is_claimed_renewed_by_its_holder_and_taken_over_after_its_lease(store_case):

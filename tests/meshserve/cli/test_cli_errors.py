@@ -7,6 +7,7 @@ from typer.testing import CliRunner
 
 from executor.engine.config import EngineConfig
 from meshserve.cli import app
+from tests.support.redis_server import acl_user, redis_process
 
 runner = CliRunner()
 
@@ -176,6 +177,19 @@ def test_gateway_with_an_unreachable_redis_is_one_line_without_the_urls_password
     assert result.exit_code == 1
     assert result.output.startswith(f"error: task store redis://***@127.0.0.1:{port}/0 cannot be reached: ")
     assert "Traceback" not in result.output and "s3cret-pw" not in result.output
+
+
+def test_gateway_with_a_redis_user_that_may_not_run_scripts_is_one_line_before_the_model_loads():
+    try:
+        with redis_process() as redis:
+            url = acl_user(redis.url, "noscript", "s3cret-pw", "+@all", "-@scripting")
+            result = runner.invoke(app, ["gateway", "--scheduler", "127.0.0.1:1", "--insecure", "--port", "0",
+                                         "--task-store", url])
+    except FileNotFoundError as exc:
+        pytest.skip(str(exc))
+    assert result.exit_code == 1
+    assert result.output == (f"error: task store redis://***@127.0.0.1:{redis.port}/0 cannot serve tasks: SCRIPT LOAD "
+                             f"failed: this user has no permissions to run the 'script|load' command\n")
 
 
 @pytest.mark.parametrize("value", ["nan", "inf", "-1", "0"])

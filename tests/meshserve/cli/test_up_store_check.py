@@ -8,7 +8,7 @@ from typer.testing import CliRunner
 from meshserve.cli import app
 from meshserve.cli.launcher import Mesh
 from meshserve.cli.store_check import redis_stores
-from tests.support.redis_server import free_port, redis_process
+from tests.support.redis_server import acl_user, free_port, redis_process
 
 runner = CliRunner()
 
@@ -85,6 +85,21 @@ def test_a_database_redis_does_not_have_is_refused_before_anything_starts(spawne
         pytest.skip(str(exc))
     assert result.exit_code == 1
     assert result.stderr == f"error: --task-store {url}: PING failed: DB index is out of range\n"
+    assert spawned == []
+
+
+def test_a_task_store_whose_user_may_not_run_scripts_is_refused_before_anything_starts(spawned):
+    """It answers PING, and the gateway would say its task path is ready, but every
+    submit would fail: ``up`` checks what the gateway's start checks."""
+    try:
+        with redis_process() as redis:
+            url = acl_user(redis.url, "noscript", "s3cret-pw", "+@all", "-@scripting")
+            result = runner.invoke(app, ["up", "--port", "0", "--http-port", "0", "--task-store", url])
+    except FileNotFoundError as exc:
+        pytest.skip(str(exc))
+    assert result.exit_code == 1
+    assert result.stderr == (f"error: --task-store redis://***@127.0.0.1:{redis.port}/0: SCRIPT LOAD failed: this "
+                             f"user has no permissions to run the 'script|load' command\n")
     assert spawned == []
 
 
