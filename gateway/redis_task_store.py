@@ -94,6 +94,14 @@ def _version(text: str) -> tuple[int, ...]:
     return tuple(int(part) for part in re.findall(r"\d+", text)[:3])
 
 
+def version_unfit(version: str) -> str | None:
+    """Why a Redis of ``version`` (``INFO server``'s ``redis_version``) cannot run the
+    task store, or None when it can (6.2 or later)."""
+    if _version(version) < MIN_REDIS_VERSION:
+        return f"Redis {version} is older than 6.2, which the task store needs (SET ... PXAT)"
+    return None
+
+
 async def check_serves_tasks(client: aioredis.Redis) -> None:
     """Whether the Redis behind ``client`` can run the task store, checked once at start
     (a readiness poll only PINGs): its version is 6.2 or later (``INFO server``; the
@@ -111,9 +119,9 @@ async def check_serves_tasks(client: aioredis.Redis) -> None:
         if isinstance(exc, (RedisConnectionError, RedisTimeoutError)):
             raise
         raise StoreUnfit(f"INFO server failed: {exc}") from None
-    version = str(info.get("redis_version", "unknown"))
-    if _version(version) < MIN_REDIS_VERSION:
-        raise StoreUnfit(f"Redis {version} is older than 6.2, which the task store needs (SET ... PXAT)")
+    reason = version_unfit(str(info.get("redis_version", "unknown")))
+    if reason is not None:
+        raise StoreUnfit(reason)
     try:
         await client.script_load(_CREATE)
     except RedisError as exc:
