@@ -122,7 +122,8 @@ def generate(
                 name, details = ((choices.code().name, choices.details()) if isinstance(choices, grpc.aio.AioRpcError)
                                  else (choices.code, choices.message))
                 err = {"error": {"code": name, "message": details}}
-                print(json.dumps(err) if as_json else f"error: {name}: {details}",
+                whose = f" (prompt {p!r})" if len(prompt) > 1 else ""  # which one failed: the others printed
+                print(json.dumps(err) if as_json else f"error{whose}: {name}: {details}",
                       file=sys.stdout if as_json else sys.stderr)
                 continue
             if isinstance(choices, BaseException):
@@ -218,6 +219,9 @@ def task_command(
                 print(f"error: {exc.code().name}: {exc.details()}", file=sys.stderr)
                 return 1
         print(json.dumps(MessageToDict(status, preserving_proto_field_name=True)))
+        if cancel and status.state in (gateway_pb2.TASK_STATE_SUCCEEDED, gateway_pb2.TASK_STATE_FAILED):
+            state = gateway_pb2.TaskState.Name(status.state).removeprefix("TASK_STATE_")
+            print(f"task {task_id} had already finished ({state}): nothing cancelled", file=sys.stderr)
         return 1 if status.state == gateway_pb2.TASK_STATE_FAILED else 0
 
     sys.exit(asyncio.run(main()))

@@ -209,3 +209,26 @@ async def test_ctrl_c_while_a_partition_keeps_the_gateway_silent_says_no_task_id
         130, "", "interrupted before the gateway acknowledged a task (a submit in flight may still have been "
                  "accepted); no task id to follow\n")
     await mesh.wait_released()
+
+
+async def test_a_failed_prompt_among_several_is_named_in_its_error_line(mesh):
+    """Found by a new user: with several prompts a refused one printed a bare
+    ``error: CODE: …`` line that did not say which prompt it was."""
+    long_prompt = "word " * 2000  # past the engine's max_model_len (1024): INVALID_ARGUMENT at submit
+    ref = await _reference(mesh, "The capital of Spain is", 4)
+    code, out, err = await _generate(mesh, "--prompt", "The capital of Spain is", "--prompt", long_prompt,
+                                     "--max-tokens", "4", *GREEDY)
+    (task_id,) = _submitted(err)
+    assert (code, out) == (1, f"### The capital of Spain is\n{ref.text}\n[length; 4 tokens; task {task_id}]\n\n")
+    (error_line,) = [line for line in err.splitlines() if line.startswith("error")]
+    assert error_line.startswith(f"error (prompt {long_prompt!r}): INVALID_ARGUMENT: prompt has ")
+
+
+async def test_cancelling_a_task_that_already_finished_says_nothing_was_cancelled(mesh):
+    code, _, err = await _generate(mesh, "--prompt", "The capital of Spain is", "--max-tokens", "2", *GREEDY)
+    (task_id,) = _submitted(err)
+    assert code == 0
+    proc = await _cli("task", task_id, "--cancel", *_addr(mesh))
+    out, err = await asyncio.wait_for(proc.communicate(), 120)
+    assert (proc.returncode, json.loads(out)["state"], err.decode()) == (
+        0, "TASK_STATE_SUCCEEDED", f"task {task_id} had already finished (SUCCEEDED): nothing cancelled\n")
