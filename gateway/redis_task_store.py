@@ -64,7 +64,7 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from gateway.task_store import TaskRecord, TaskState, TaskStore, tenant_bound_error
 from meshserve.errors import Unavailable
-from meshserve.urls import redact_url
+from meshserve.urls import UNREADABLE, redact_url
 
 KEY_PREFIX = "meshserve:task:"
 # a Redis that does not answer (a blocked port) fails a call within these, as UNAVAILABLE (C39)
@@ -76,9 +76,12 @@ PING_TIMEOUT_S = 3.0  # ``ping``'s bound: the whole check, connecting included
 def redis_client(url: str) -> aioredis.Redis:
     """A client with bounded calls (the timeouts above) that reconnects once more on a
     dropped connection (a killed client, a restarted server) before failing."""
-    return aioredis.from_url(url, socket_connect_timeout=REDIS_CONNECT_TIMEOUT_S, socket_timeout=REDIS_TIMEOUT_S,
-                             retry=Retry(ExponentialBackoff(cap=0.2, base=0.02), 2),
-                             retry_on_error=[RedisConnectionError])
+    try:
+        return aioredis.from_url(url, socket_connect_timeout=REDIS_CONNECT_TIMEOUT_S, socket_timeout=REDIS_TIMEOUT_S,
+                                 retry=Retry(ExponentialBackoff(cap=0.2, base=0.02), 2),
+                                 retry_on_error=[RedisConnectionError])
+    except ValueError:  # redis-py's message may quote a piece of the password
+        raise ValueError(f"{redact_url(url)}: {UNREADABLE}") from None
 
 
 MIN_REDIS_VERSION = (6, 2)  # SET ... PXAT (the create script)
@@ -144,8 +147,8 @@ async def ping(url: str, timeout_s: float = PING_TIMEOUT_S, serves_tasks: bool =
     try:
         client = aioredis.from_url(url, socket_connect_timeout=timeout_s, socket_timeout=timeout_s,
                                    retry=Retry(NoBackoff(), 0))
-    except ValueError as exc:  # a URL redis-py cannot read (a scheme, a port)
-        raise ConnectionError(f"PING failed: {exc}") from None
+    except ValueError:  # a URL redis-py cannot read (a scheme, a port); its message may quote the password
+        raise ConnectionError(f"PING failed: {UNREADABLE}") from None
     step = "PING"
     try:
         async with asyncio.timeout(timeout_s):

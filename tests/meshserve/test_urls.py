@@ -20,6 +20,11 @@ from meshserve.urls import redact_url
     ("redis://h:1/0?username=user&password=s3cret&health_check_interval=2",
      "redis://h:1/0?username=***&password=***&health_check_interval=2"),
     ("unix:///run/redis.sock?Password=s3c@ret#x", "unix:///run/redis.sock?Password=***#x"),
+    # found by a review: keys redis-py decodes, its TLS key's password, a URL without "://"
+    ("redis://h:1/0?pass%77ord=s3cret&db=0", "redis://h:1/0?pass%77ord=***&db=0"),
+    ("rediss://h/0?ssl_password=s3cret", "rediss://h/0?ssl_password=***"),
+    ("redis:/user:s3cret@h:6379/0", "***@h:6379/0"),
+    ("user:s3cret@h:6379", "***@h:6379"),
 ])
 def test_a_url_is_shown_without_its_user_and_password(url, shown):
     assert redact_url(url) == shown

@@ -69,6 +69,18 @@ def test_the_store_check_names_the_store_without_its_user_and_password(spawned):
     assert spawned == []
 
 
+def test_a_password_with_an_unescaped_slash_is_not_quoted_by_the_url_error(spawned):
+    """Found by a review: redis-py read the rest of the password as the port and quoted
+    it ("Port could not be cast to integer value as 'hun'")."""
+    from meshserve.urls import UNREADABLE
+
+    result = runner.invoke(app, ["up", "--port", "0", "--http-port", "0", "--task-store",
+                                 "redis://meshserve:hun/ter2@127.0.0.1:6379/0"])
+    assert result.exit_code == 1
+    assert result.stderr == f"error: --task-store redis://***@127.0.0.1:6379/0: PING failed: {UNREADABLE}\n"
+    assert "hun" not in result.stderr and spawned == []
+
+
 def test_a_task_store_that_never_answers_fails_at_the_pings_bound(spawned, paused_redis):
     result = runner.invoke(app, ["up", "--port", "0", "--http-port", "0", "--task-store", paused_redis.url])
     assert result.exit_code == 1
