@@ -7,9 +7,10 @@ import asyncio
 from dataclasses import replace
 
 import pytest
+import redis
 
 from gateway.redis_task_store import (KEY_PREFIX, LEASES_KEY, SWEPT_PREFIX, UNFINISHED_PREFIX, RedisTaskStore,
-                                      StoreUnfit, decode, encode, version_unfit)
+                                      StoreUnfit, _server_version, decode, encode, version_unfit)
 from gateway.task_store import FINISHED, UNFINISHED, MemoryTaskStore, TaskRecord, TaskState
 from gateway.task_store_registry import open_task_store
 from meshserve.errors import InvalidArgument, ResourceExhausted
@@ -209,10 +210,29 @@ async def test_the_start_check_passes_a_redis_that_serves_tasks_and_loads_the_cr
         await store.close()
 
 
+async def test_the_start_check_passes_an_application_user_that_may_not_run_info(redis_url):
+    """Found by a review: ``+@all -@dangerous`` (a common application ACL) may not run
+    INFO, yet the store works with it: the version comes from HELLO then."""
+    url = acl_user(redis_url, "app-start", "s3cret-pw", "+@all", "-@dangerous")
+    admin, store = RedisTaskStore(redis_url), RedisTaskStore(url)
+    try:
+        with pytest.raises(redis.exceptions.NoPermissionError):
+            await store._redis.info("server")
+        real = (await admin._redis.info("server"))["redis_version"]
+        assert await _server_version(store._redis) == real  # from HELLO
+        await store.check_at_start()
+        await store.create(record("t-app"), max_unfinished=1)
+        assert await store.unfinished_count("acme") == 1
+    finally:
+        await store.close()
+        await admin.close()
+
+
 @pytest.mark.parametrize("version, reason", [
     ("5.0.14", "Redis 5.0.14 is older than 6.2, which the task store needs (SET ... PXAT)"),
     ("6.0.16", "Redis 6.0.16 is older than 6.2, which the task store needs (SET ... PXAT)"),
-    ("6.2.0", None), ("6.2.14", None), ("7.0.15", None), ("10.0.0", None)])
+    ("6.2.0", None), ("6.2.14", None), ("7.0.15", None), ("10.0.0", None),
+    (None, None), ("unknown", None)])  # not known: the script load checks what it can
 def test_the_start_check_needs_redis_6_2_or_later(version, reason):
     """No Redis older than 6.2 is at hand: the version rule alone (the check's other
     half, the script load, runs against the real server above)."""
@@ -388,8 +408,9 @@ async def test_a_record_deleted_or_evicted_stops_counting_at_the_bound(redis_sto
 
 
 async def test_the_sweep_at_the_bound_keeps_every_unfinished_record_and_drops_only_stale_ones(redis_store):
-    """Records whose head does not give their state (a long request id; one whose quotes
-    mimic the state field) are read whole; running and handed-back tasks keep counting."""
+    """A short record whose head does not give its state (quotes that mimic the state
+    field) is read whole; a long one (a request id escaped past the head) counts until
+    it expires, never read whole; running and handed-back tasks keep counting."""
     store = redis_store
     ids = {"q1": "", "q2": "r" * 2000, "q3": '","state":4,"x":"', "q4": "plain", "q5": "then ended"}
     for task_id, request_id in ids.items():
@@ -404,8 +425,9 @@ async def test_the_sweep_at_the_bound_keeps_every_unfinished_record_and_drops_on
     await store._redis.delete(SWEPT_PREFIX + "acme")  # the sweep interval passed
     await end_as_the_previous_version(store, "q5", TaskState.SUCCEEDED)
     await end_as_the_previous_version(store, "q2", TaskState.FAILED)
+    await end_as_the_previous_version(store, "q3", TaskState.CANCELLED)
     await store.create(record("q6"), max_unfinished=5)
-    assert await members(store) == ["q1", "q3", "q4", "q6"]
+    assert await members(store) == ["q1", "q2", "q4", "q6"]  # q2 ended, but its head hides it: counted
 
 
 async def test_a_tenant_at_its_bound_is_swept_at_most_once_per_interval(redis_store):
