@@ -72,9 +72,9 @@ async def json_object(request: Request) -> dict[str, Any]:
     if content_type and not _is_json(content_type):
         raise _unsupported(f"Content-Type must be application/json; got {content_type!r}")
     raw = await request.body()
-    if not raw:
-        raise _invalid("the body is empty; send a JSON object")
     bom = len(codecs.BOM_UTF8) if raw.startswith(codecs.BOM_UTF8) else 0  # a byte order mark first is skipped
+    if len(raw) == bom:
+        raise _invalid("the body is empty; send a JSON object")
     try:
         text = raw[bom:].decode("utf-8")
     except UnicodeDecodeError as exc:

@@ -122,7 +122,8 @@ def generate(
                 name, details = ((choices.code().name, choices.details()) if isinstance(choices, grpc.aio.AioRpcError)
                                  else (choices.code, choices.message))
                 err = {"error": {"code": name, "message": details}}
-                whose = f" (prompt {p!r})" if len(prompt) > 1 else ""  # which one failed: the others printed
+                shown = p if len(p) <= 60 else p[:60] + "…"  # a long prompt is named by its start
+                whose = f" (prompt {shown!r})" if len(prompt) > 1 else ""  # which one failed: the others printed
                 print(json.dumps(err) if as_json else f"error{whose}: {name}: {details}",
                       file=sys.stdout if as_json else sys.stderr)
                 continue

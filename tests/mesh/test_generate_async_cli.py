@@ -221,7 +221,7 @@ async def test_a_failed_prompt_among_several_is_named_in_its_error_line(mesh):
     (task_id,) = _submitted(err)
     assert (code, out) == (1, f"### The capital of Spain is\n{ref.text}\n[length; 4 tokens; task {task_id}]\n\n")
     (error_line,) = [line for line in err.splitlines() if line.startswith("error")]
-    assert error_line.startswith(f"error (prompt {long_prompt!r}): INVALID_ARGUMENT: prompt has ")
+    assert error_line.startswith(f"error (prompt {long_prompt[:60] + '…'!r}): INVALID_ARGUMENT: prompt has ")
 
 
 async def test_cancelling_a_task_that_already_finished_says_nothing_was_cancelled(mesh):

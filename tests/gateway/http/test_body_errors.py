@@ -81,6 +81,8 @@ async def test_a_byte_order_mark_or_an_empty_content_type_is_read_as_json(served
         assert (status, body["error"]["param"]) == (400, "max_tokens")  # read as JSON: judged by its fields
     assert await post(client, "/v1/completions", b'\xef\xbb\xbf{"prompt": "Hi\xff"}', JSON) == \
         (400, error("the body is not valid UTF-8: byte 0xff at offset 17"))
+    assert await post(client, "/v1/completions", b"\xef\xbb\xbf", JSON) == (
+        400, error("the body is empty; send a JSON object"))
 
 
 @pytest.mark.parametrize("path, fields, param, message", [
