@@ -73,14 +73,21 @@ REDIS_TIMEOUT_S = 4.0
 PING_TIMEOUT_S = 3.0  # ``ping``'s bound: the whole check, connecting included
 
 
-def redis_client(url: str) -> aioredis.Redis:
-    """A client with bounded calls (the timeouts above) that reconnects once more on a
-    dropped connection (a killed client, a restarted server) before failing."""
+def redis_client(url: str, connect_timeout_s: float = REDIS_CONNECT_TIMEOUT_S, timeout_s: float = REDIS_TIMEOUT_S,
+                 retries: int = 2) -> aioredis.Redis:
+    """A client with bounded calls (the timeouts above) that reconnects ``retries`` more
+    times on a dropped connection (a killed client, a restarted server) before failing.
+
+    Raises:
+        ValueError: a URL redis-py cannot read; the message names it redacted
+            (redis-py's own may quote a piece of the password).
+    """
+    retry = Retry(ExponentialBackoff(cap=0.2, base=0.02), retries) if retries else Retry(NoBackoff(), 0)
+    again = {"retry_on_error": [RedisConnectionError]} if retries else {}
     try:
-        return aioredis.from_url(url, socket_connect_timeout=REDIS_CONNECT_TIMEOUT_S, socket_timeout=REDIS_TIMEOUT_S,
-                                 retry=Retry(ExponentialBackoff(cap=0.2, base=0.02), 2),
-                                 retry_on_error=[RedisConnectionError])
-    except ValueError:  # redis-py's message may quote a piece of the password
+        return aioredis.from_url(url, socket_connect_timeout=connect_timeout_s, socket_timeout=timeout_s, retry=retry,
+                                 **again)
+    except ValueError:
         raise ValueError(f"{redact_url(url)}: {UNREADABLE}") from None
 
 
@@ -165,9 +172,8 @@ async def ping(url: str, timeout_s: float = PING_TIMEOUT_S, serves_tasks: bool =
             to name the URL and the flag.
     """
     try:
-        client = aioredis.from_url(url, socket_connect_timeout=timeout_s, socket_timeout=timeout_s,
-                                   retry=Retry(NoBackoff(), 0))
-    except ValueError:  # a URL redis-py cannot read (a scheme, a port); its message may quote the password
+        client = redis_client(url, timeout_s, timeout_s, retries=0)
+    except ValueError:  # a URL redis-py cannot read (a scheme, a port)
         raise ConnectionError(f"PING failed: {UNREADABLE}") from None
     step = "PING"
     try:
