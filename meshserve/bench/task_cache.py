@@ -110,14 +110,14 @@ async def http_cached_latency(http: httpx.AsyncClient, body: dict, n: int,
 
 def second_gateway(mesh: Mesh, tree: str, log_path: str) -> tuple[subprocess.Popen, str, str]:
     """Starts a gateway from the source tree ``tree`` with the mesh gateway's flags (new
-    ports); returns it, its gRPC address and its HTTP address."""
+    ports) and stores (in its environment); returns it, its gRPC address and its HTTP address."""
     args = mesh.command_lines()["gateway"]
     port, http_port = free_port(), free_port()
     for flag, value in (("--port", port), ("--http-port", http_port), ("--metrics-port", free_port())):
         for i, arg in enumerate(args[:-1]):
             if arg == flag:
                 args[i + 1] = str(value)
-    env = dict(os.environ, PYTHONPATH=os.path.abspath(tree), PYTHONUNBUFFERED="1")
+    env = dict(os.environ, **mesh.service_env["gateway"], PYTHONPATH=os.path.abspath(tree), PYTHONUNBUFFERED="1")
     log = open(log_path, "w")  # noqa: SIM115 - owned by the child
     proc = subprocess.Popen([sys.executable, "-m", "meshserve.cli", *args], cwd=tree, env=env, stdout=log,
                             stderr=subprocess.STDOUT)

@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from meshserve.certs import has_certs, write_certs
-from meshserve.cli.store_check import check_stores, redis_stores
+from meshserve.cli.store_check import check_stores, redis_stores, stores_in_env
 from meshserve.cli.stop_order import DRAIN_GRACE_S, PARENT_ENV, stop_in_order, stop_order
 from meshserve.cpu_affinity import ENV as CPU_AFFINITY_ENV
 from meshserve.cpu_affinity import CpuPlan, format_cpu_list, oversubscription, plan_cpus, unpinned_note, usable_cpus
@@ -176,6 +176,7 @@ class Mesh:
         self.cpu_warning = ""  # the executors' threads outnumber the cores ("": they fit)
         self._plan_cpus()
         self.cpus: dict[str, str] = {}  # service name -> the cores it is pinned to ("0-2,5"), when pinned
+        self.service_env: dict[str, dict[str, str]] = {}  # service name -> its added environment
         self._executor_slots: dict[str, int] = {}  # executor name -> its slot in cpu_plan.executor_cpus
 
     def _plan_cpus(self) -> None:
@@ -241,9 +242,11 @@ class Mesh:
         self.metrics_addresses[name] = f"127.0.0.1:{port}"
         return ["--metrics-port", str(port)]
 
-    def _spawn(self, name: str, args: list[str], cpus: tuple[int, ...] | None = None) -> None:
+    def _spawn(self, name: str, args: list[str], cpus: tuple[int, ...] | None = None,
+               env: dict[str, str] | None = None) -> None:
         """Starts ``meshserve ARGS`` as service ``name``, pinned to ``cpus`` when given
-        (else to the services' cores of ``cpu_plan``, when there is one).
+        (else to the services' cores of ``cpu_plan``, when there is one), with ``env``
+        added to this process's environment.
 
         Raises:
             RuntimeError: called from a thread other than the main one. Linux stops a
@@ -257,7 +260,8 @@ class Mesh:
         if self.config.log_dir is not None:
             self.config.log_dir.mkdir(parents=True, exist_ok=True)
             out = open(self.config.log_dir / f"{name}.log", "w")  # noqa: SIM115 - owned by the child
-        env = dict(os.environ, PYTHONUNBUFFERED="1")
+        self.service_env[name] = dict(env or {})
+        env = dict(os.environ, **self.service_env[name], PYTHONUNBUFFERED="1")
         env[PARENT_ENV] = str(os.getpid())  # the service stops if this process dies (stop_with_parent)
         if cpus is None and self.cpu_plan is not None:
             cpus = self.cpu_plan.service_cpus
@@ -291,7 +295,8 @@ class Mesh:
         return gw
 
     def command_lines(self) -> dict[str, list[str]]:
-        """Service name → the ``meshserve`` arguments it was started with."""
+        """Service name → the ``meshserve`` arguments it was started with (the gateway's
+        stores are in ``service_env``, not here)."""
         return {name: list(proc.args[3:]) for name, proc in self.procs}
 
     async def _wait(self, name: str, address: str, service: str = "") -> None:
@@ -321,7 +326,7 @@ class Mesh:
         if http_port and not port_is_free(int(http_port)):  # checked now, not after the model loads
             raise OSError(f"HTTP port {http_port} on 127.0.0.1 is in use (another meshserve up?); "
                           "choose one with --http-port")
-        await check_stores(redis_stores(["--task-store", c.task_store, *c.gateway_args]))
+        await check_stores(redis_stores(["--task-store", c.task_store, *c.gateway_args], os.environ))
         if c.tls_dir is not None and not has_certs(c.tls_dir):
             write_certs(c.tls_dir)  # raises ValueError on a directory with a CA but missing role files
         try:
@@ -347,7 +352,8 @@ class Mesh:
                 self.add_executor()
             for name, address in zip(list(self.executor_names), list(self.executor_addresses)):
                 await self._wait(name, address)
-            self._spawn("gateway", self._gateway_args())
+            args, store_env = stores_in_env(self._gateway_args(), os.environ)  # no Redis password in `ps`
+            self._spawn("gateway", args, env=store_env)
             # with no executor (up --autoscale 0..N: scale to zero) the gateway is alive, not ready
             await self._wait("gateway", self.gateway_address, "" if c.executors else LIVENESS_SERVICE)
         except BaseException:

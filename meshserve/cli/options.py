@@ -44,8 +44,9 @@ RevisionOpt = typer.Option(None, "--revision", help="Revision (branch, tag or co
 TokenizerOpt = typer.Option(None, "--tokenizer", help="Tokenizer folder or Hugging Face id (default: the model's).")
 ChatTemplateOpt = typer.Option(None, "--chat-template", help="Jinja chat template: a file, or the template "
                                "itself (default: the tokenizer's).")
-TaskStoreOpt = typer.Option("memory", "--task-store", help="Async task store: memory, or "
-                            "redis://host:port/db (shared by gateways).")
+TaskStoreOpt = typer.Option("memory", "--task-store", envvar="MESHSERVE_TASK_STORE",
+                            help="Async task store: memory, or redis://host:port/db (shared by gateways); a "
+                                 "URL with a password belongs in the variable (a command line shows in ps).")
 
 
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?i?b?)?\s*$", re.IGNORECASE)

@@ -265,8 +265,9 @@ def gateway(
                                          help="Most UTF-8 bytes of a prompt (or of all chat contents)."),
     max_messages: int = typer.Option(1024, "--max-messages", min=1, help="Most chat messages of a request."),
     prefix_cache_scope: str = PrefixCacheScopeOpt,
-    result_cache: str = typer.Option("memory", "--result-cache", help="Result cache: memory (the LRU of "
-                                     "--result-cache-size entries) or redis://host:port/db (shared by gateways)."),
+    result_cache: str = typer.Option("memory", "--result-cache", envvar="MESHSERVE_RESULT_CACHE",
+                                     help="Result cache: memory (the LRU of --result-cache-size entries) or "
+                                          "redis://host:port/db (shared by gateways)."),
     callback_allow: Optional[list[str]] = typer.Option(None, "--callback-allow", help="A URL prefix task callbacks "
                                                        "may name (repeatable; none: callbacks refused)."),
     callback_secret_file: Optional[str] = typer.Option(None, "--callback-secret-file", help="File holding the "

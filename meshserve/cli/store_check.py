@@ -12,23 +12,56 @@ serve it, as the gateway's own start does.
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Mapping, Sequence
 
 from meshserve.urls import redact_url
 
-STORE_FLAGS = ("--task-store", "--result-cache")
-"""The gateway's flags that name a store: ``memory`` or a Redis URL."""
+STORE_ENV = {"--task-store": "MESHSERVE_TASK_STORE", "--result-cache": "MESHSERVE_RESULT_CACHE"}
+"""The gateway's flags that name a store (``memory`` or a Redis URL) → the environment
+variable each reads when the flag is not given. A URL with a password belongs in the
+variable: a command line is visible to every user of the host (``ps``)."""
+
+STORE_FLAGS = tuple(STORE_ENV)
 
 
-def redis_stores(gateway_args: Sequence[str]) -> dict[str, str]:
-    """Flag → URL of each Redis store in a gateway's arguments, as the gateway reads
-    them (the last value of a flag given twice wins); ``memory`` is left out."""
+def gateway_stores(gateway_args: Sequence[str], environ: Mapping[str, str]) -> dict[str, str]:
+    """Flag → value of each store flag as a gateway started with ``gateway_args`` in
+    the environment ``environ`` reads it: the flag's last value when given, else its
+    variable (``STORE_ENV``) when set; a flag with neither is left out."""
     out: dict[str, str] = {}
-    for flag in STORE_FLAGS:
+    for flag, var in STORE_ENV.items():
         values = [gateway_args[i + 1] for i, a in enumerate(gateway_args[:-1]) if a == flag]
-        if values and values[-1] != "memory":
+        if values:
             out[flag] = values[-1]
+        elif environ.get(var):
+            out[flag] = environ[var]
     return out
+
+
+def redis_stores(gateway_args: Sequence[str], environ: Mapping[str, str] | None = None) -> dict[str, str]:
+    """Flag → URL of each Redis store a gateway reads (``gateway_stores``; ``memory``
+    left out)."""
+    return {flag: url for flag, url in gateway_stores(gateway_args, environ or {}).items() if url != "memory"}
+
+
+def stores_in_env(gateway_args: Sequence[str], environ: Mapping[str, str]) -> tuple[list[str], dict[str, str]]:
+    """A gateway's arguments with its store flags moved into its environment, so that a
+    Redis password never shows on its command line.
+
+    Returns:
+        ``gateway_args`` without any store flag and its value, and variable → value
+        (``STORE_ENV``) for each store the gateway reads (``gateway_stores``), to add
+        to its environment: the same stores, read from there.
+    """
+    args: list[str] = []
+    i = 0
+    while i < len(gateway_args):
+        if gateway_args[i] in STORE_ENV and i + 1 < len(gateway_args):
+            i += 2
+            continue
+        args.append(gateway_args[i])
+        i += 1
+    return args, {STORE_ENV[flag]: value for flag, value in gateway_stores(gateway_args, environ).items()}
 
 
 async def check_stores(stores: dict[str, str]) -> None:

@@ -22,17 +22,19 @@ def tls_flags(role: str) -> list[str]:
 
 
 class GatewayProcess:
-    """One ``meshserve gateway`` process (task store ``redis_url``, task lease
-    ``lease_s``) and a stub of it; ``extra``: more flags."""
+    """One ``meshserve gateway`` process (task store ``redis_url``, given in its
+    environment as ``meshserve up`` gives it; task lease ``lease_s``) and a stub of it;
+    ``extra``: more flags."""
 
     def __init__(self, scheduler: str, redis_url: str, log_path, extra: tuple[str, ...] = (), lease_s: float = 2.0):
         self.port = free_port()
         self.log = open(log_path, "w")  # noqa: SIM115 - closed in stop()
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "meshserve.cli", "gateway", "--scheduler", scheduler, "--port", str(self.port),
-             "--task-store", redis_url, "--task-lease-s", str(lease_s), "--log-level", "warning",
+             "--task-lease-s", str(lease_s), "--log-level", "warning",
              *tls_flags("gateway"), *extra],  # the shared mesh runs mutual TLS
-            stdout=self.log, stderr=subprocess.STDOUT, env=dict(os.environ, PYTHONUNBUFFERED="1"))
+            stdout=self.log, stderr=subprocess.STDOUT,
+            env=dict(os.environ, MESHSERVE_TASK_STORE=redis_url, PYTHONUNBUFFERED="1"))
         self.channel = channel(f"127.0.0.1:{self.port}", role_tls("client"))
         self.stub = gateway_pb2_grpc.GatewayStub(self.channel)
 

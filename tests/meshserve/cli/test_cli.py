@@ -13,6 +13,7 @@ from typer.main import get_command
 from meshserve.cli import app, main
 from meshserve.cli.mesh import mesh_config
 from meshserve.cli.launcher import Mesh, MeshConfig
+from meshserve.cli.store_check import stores_in_env
 
 COMMANDS = ["scheduler", "executor", "kvstore", "gateway", "up", "demo", "generate", "bench", "sim", "task", "certs"]
 
@@ -65,6 +66,10 @@ def test_up_hands_result_cache_and_task_store_to_the_gateway():
     assert mesh._gateway_args() == ["gateway", "--port", "50061", "--scheduler", "127.0.0.1:50062",
                                     "--model", "default", "--result-cache-size", "128",
                                     "--task-store", "redis://127.0.0.1:6390/2", "--insecure"]
+    # spawned with the store in its environment: a Redis password never shows in `ps`
+    assert stores_in_env(mesh._gateway_args(), {}) == (
+        ["gateway", "--port", "50061", "--scheduler", "127.0.0.1:50062", "--model", "default",
+         "--result-cache-size", "128", "--insecure"], {"MESHSERVE_TASK_STORE": "redis://127.0.0.1:6390/2"})
 
 
 def test_mesh_gateway_defaults_match_the_gateway_command():

@@ -7,7 +7,7 @@ from typer.testing import CliRunner
 
 from executor.engine.config import EngineConfig
 from meshserve.cli import app
-from tests.support.redis_server import acl_user, redis_process
+from tests.support.redis_server import acl_user, free_port, redis_process
 
 runner = CliRunner()
 
@@ -177,6 +177,15 @@ def test_gateway_with_an_unreachable_redis_is_one_line_without_the_urls_password
     assert result.exit_code == 1
     assert result.output.startswith(f"error: task store redis://***@127.0.0.1:{port}/0 cannot be reached: ")
     assert "Traceback" not in result.output and "s3cret-pw" not in result.output
+
+
+def test_gateway_reads_its_task_store_from_the_environment_without_the_flag(monkeypatch):
+    port = free_port()
+    monkeypatch.setenv("MESHSERVE_TASK_STORE", f"redis://meshserve:s3cret-pw@127.0.0.1:{port}/0")
+    result = runner.invoke(app, ["gateway", "--scheduler", "127.0.0.1:1", "--insecure", "--port", "0"])
+    assert result.exit_code == 1
+    assert result.output.startswith(f"error: task store redis://***@127.0.0.1:{port}/0 cannot be reached: ")
+    assert "s3cret-pw" not in result.output
 
 
 def test_gateway_with_a_redis_user_that_may_not_run_scripts_is_one_line_before_the_model_loads():

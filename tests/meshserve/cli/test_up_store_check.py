@@ -7,7 +7,7 @@ from typer.testing import CliRunner
 
 from meshserve.cli import app
 from meshserve.cli.launcher import Mesh
-from meshserve.cli.store_check import redis_stores
+from meshserve.cli.store_check import redis_stores, stores_in_env
 from tests.support.redis_server import acl_user, free_port, redis_process
 
 runner = CliRunner()
@@ -19,7 +19,7 @@ def spawned(monkeypatch):
     so a test sees whether the checks let it get that far."""
     names = []
 
-    def spawn(self, name, args, cpus=None):
+    def spawn(self, name, args, cpus=None, env=None):
         names.append(name)
         raise RuntimeError(f"spawned {name}")
 
@@ -46,6 +46,37 @@ def test_the_stores_are_read_as_the_gateway_reads_its_flags():
     assert redis_stores(["--task-store", "memory", "--result-cache", "redis://b:2/1", "--task-store",
                          "unix:///run/redis.sock"]) == {"--task-store": "unix:///run/redis.sock",
                                                         "--result-cache": "redis://b:2/1"}
+
+
+def test_a_store_flag_not_given_is_read_from_its_environment_variable():
+    env = {"MESHSERVE_TASK_STORE": "redis://u:pw@a:1/0", "MESHSERVE_RESULT_CACHE": "memory"}
+    assert redis_stores(["--port", "1"], env) == {"--task-store": "redis://u:pw@a:1/0"}
+    # a flag given wins over its variable, as the gateway reads them (typer's envvar)
+    assert redis_stores(["--task-store", "memory", "--result-cache", "redis://b:2/1"], env) == {
+        "--result-cache": "redis://b:2/1"}
+    assert redis_stores(["--port", "1"], {"MESHSERVE_TASK_STORE": ""}) == {}
+
+
+def test_the_gateway_of_up_gets_its_stores_in_its_environment_not_on_its_command_line():
+    args = ["gateway", "--port", "1", "--task-store", "redis://u:pw@a:1/0", "--insecure", "--result-cache",
+            "memory", "--task-store", "redis://u:pw2@c:3/0", "--drain-grace-s", "5"]
+    assert stores_in_env(args, {}) == (
+        ["gateway", "--port", "1", "--insecure", "--drain-grace-s", "5"],
+        {"MESHSERVE_TASK_STORE": "redis://u:pw2@c:3/0", "MESHSERVE_RESULT_CACHE": "memory"})
+    # a variable up inherited reaches the gateway as it is; one a flag overrides is overridden
+    assert stores_in_env(["gateway", "--task-store", "memory"], {"MESHSERVE_TASK_STORE": "redis://a:1/0",
+                                                                 "MESHSERVE_RESULT_CACHE": "redis://b:2/1"}) == (
+        ["gateway"], {"MESHSERVE_TASK_STORE": "memory", "MESHSERVE_RESULT_CACHE": "redis://b:2/1"})
+
+
+def test_a_task_store_in_the_environment_is_checked_like_the_flag(spawned, monkeypatch):
+    port = free_port()
+    monkeypatch.setenv("MESHSERVE_TASK_STORE", f"redis://meshserve:s3cret-pw@127.0.0.1:{port}/0")
+    result = runner.invoke(app, ["up", "--port", "0", "--http-port", "0"])
+    assert result.exit_code == 1
+    assert result.stderr == (f"error: --task-store redis://***@127.0.0.1:{port}/0: PING failed: Error 111 connecting "
+                             f"to 127.0.0.1:{port}. Connect call failed ('127.0.0.1', {port}).\n")
+    assert spawned == []
 
 
 def test_a_task_store_nothing_listens_on_is_one_line_and_nothing_starts(spawned):
