@@ -173,11 +173,12 @@ class KVStoreServicer(kvstore_pb2_grpc.KVStoreServicer):
         wake = asyncio.Event()
         self._watchers.add(wake)
         try:
-            cursor = request.cursor
+            cursor, need_snapshot = request.cursor, request.cursor == 0  # 0: the caller holds nothing yet
             while True:
                 wake.clear()
-                events = self.store.events.since(cursor) if cursor else None
+                events = None if need_snapshot else self.store.events.since(cursor)
                 if events is None:
+                    need_snapshot = False  # an empty store's cursor is 0 too: it waits after its snapshot
                     cursor, blocks = self.store.snapshot()
                     for ns, block_hash, tier in blocks:
                         yield kvstore_pb2.PlacementEvent(seq=cursor, kind=PlacementKind.STORED, namespace=ns,

@@ -106,6 +106,29 @@ async def test_get_leases_are_released_when_the_stream_is_cancelled(served):
     store.check_integrity()
 
 
+async def test_watch_placements_on_an_empty_store_sends_one_snapshot_end_then_waits(served):
+    """An empty store's cursor is 0, which also means "no snapshot yet": the stream
+    sent snapshot markers back to back, without end, until the first block was stored
+    (each kvstore start, for every scheduler following it)."""
+    _, client = served
+    events: asyncio.Queue = asyncio.Queue()
+
+    async def follow():
+        async for e in client.watch(0):
+            events.put_nowait(e)
+
+    task = asyncio.create_task(follow())
+    first = await asyncio.wait_for(events.get(), 60)
+    await asyncio.sleep(0.5)
+    assert ((first.seq, first.kind, first.snapshot), events.qsize()) == (
+        (0, kvstore_pb2.PLACEMENT_KIND_SNAPSHOT_END, True), 0)
+    await client.put(FP, [(1, payload(1))])
+    e = await asyncio.wait_for(events.get(), 60)
+    assert (e.seq, e.kind, e.block_hash, e.snapshot) == (1, kvstore_pb2.PLACEMENT_KIND_STORED, hash_to_bytes(1),
+                                                          False)
+    task.cancel()
+
+
 async def test_watch_placements_snapshot_then_deltas(served):
     _, client = served
     await client.put(FP, [(1, payload(1)), (2, payload(2))])
