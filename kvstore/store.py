@@ -30,6 +30,7 @@ Single-threaded: the service calls it from its event loop only.
 
 from __future__ import annotations
 
+import logging
 from collections import Counter, OrderedDict
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -39,6 +40,8 @@ from kvstore.events import PlacementKind, PlacementLog
 from kvstore.tiers import DiskTier, MemoryTier, Tier
 from meshserve.errors import InvalidArgument, NotFound
 from meshserve.kvstore_payload import checksum as crc32
+
+logger = logging.getLogger(__name__)
 
 NAMESPACE_BYTES = 16
 
@@ -210,6 +213,16 @@ class KVStore:
         state.lru[key] = entry
         state.used += entry.size
 
+    def _insert_on_disk(self, key: bytes, data: bytes, entry: _Entry) -> bool:
+        """Writes a block to the disk tier; False (logged, nothing kept) when the
+        medium fails (disk full…): the caller counts the block as removed."""
+        try:
+            self._insert(self.disk, key, data, entry)
+        except OSError as exc:
+            logger.warning("kvstore: block %s not written to the disk tier, dropped: %s", key[16:].hex(), exc)
+            return False
+        return True
+
     def _drop(self, state: _TierState, key: bytes) -> _Entry:
         entry = state.lru.pop(key)
         state.used -= entry.size
@@ -243,8 +256,8 @@ class KVStore:
         if state is self.memory:
             self._counters["memory_evictions"] += 1
             disk = self.disk
-            if disk is not None and data is not None and self._make_room(disk, entry.size):
-                self._insert(disk, key, data, entry)
+            if disk is not None and data is not None and self._make_room(disk, entry.size) \
+                    and self._insert_on_disk(key, data, entry):
                 self.events.append(PlacementKind.MOVED, ns, block_hash, "disk")
                 return
         else:
@@ -282,8 +295,9 @@ class KVStore:
             if self._make_room(self.memory, entry.size):
                 self._insert(self.memory, key, data, entry)
                 self.events.append(PlacementKind.MOVED, namespace, block_hash, "memory")
-            else:
-                self._insert(self.disk, key, data, entry)
+            elif not self._insert_on_disk(key, data, entry):  # its bytes are read: this Get still gets them
+                self._counters["blocks_removed"] += 1
+                self.events.append(PlacementKind.REMOVED, namespace, block_hash, "disk")
         self._counters["bytes_out"] += len(data)
         return data, entry.checksum
 

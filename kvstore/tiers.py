@@ -11,6 +11,7 @@ the 16-byte chain hash.
 from __future__ import annotations
 
 import abc
+import contextlib
 import os
 import shutil
 from pathlib import Path
@@ -90,9 +91,14 @@ class DiskTier(Tier):
     def write(self, key: bytes, data: bytes) -> None:
         path = self._path(key)
         tmp = path.with_suffix(".tmp")
-        with open(tmp, "wb") as f:
-            f.write(data)
-        os.replace(tmp, path)
+        try:
+            with open(tmp, "wb") as f:
+                f.write(data)
+            os.replace(tmp, path)
+        except OSError:
+            with contextlib.suppress(OSError):
+                tmp.unlink(missing_ok=True)  # a partial file would hold the space a full disk lacks
+            raise
 
     def read(self, key: bytes) -> bytes | None:
         try:

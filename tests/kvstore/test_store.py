@@ -70,6 +70,43 @@ def test_memory_evictions_demote_to_disk_then_disk_lru(tmp_path):
     store.check_integrity()
 
 
+def _unwritable_on_disk(directory, h: int) -> None:
+    """The disk tier's next write of block ``h`` fails (IsADirectoryError: a folder
+    holds its temporary file's name), as a full disk's would, while reads still work."""
+    (directory / ((NS + h.to_bytes(16, "little")).hex() + ".tmp")).mkdir()
+
+
+def test_a_demotion_the_disk_cannot_write_removes_the_block_and_the_put_succeeds(tmp_path):
+    store = KVStore(memory_bytes=200, disk_dir=tmp_path / "kv", disk_bytes=200)
+    put(store, 1), put(store, 2)
+    _unwritable_on_disk(tmp_path / "kv", 1)
+    assert put(store, 3) == PutStatus.STORED   # evicting 1 to disk failed: 1 is gone, logged as removed
+    assert (store.lru_order("memory"), store.lru_order("disk")) == ([(NS, 2), (NS, 3)], [])
+    assert store.lookup(NS, [1]) == 0
+    assert [(e.kind, e.block_hash, e.tier) for e in store.events.since(2)] == [
+        (PlacementKind.REMOVED, 1, "memory"), (PlacementKind.STORED, 3, "memory")]
+    s = store.stats()
+    assert (s.memory_evictions, s.blocks_removed, s.disk_used_bytes) == (1, 1, 0)
+    assert put(store, 4) == PutStatus.STORED   # later puts still demote to disk
+    assert store.lru_order("disk") == [(NS, 2)]
+    store.check_integrity()
+
+
+def test_a_disk_read_that_cannot_be_written_back_still_answers_and_removes_the_block(tmp_path):
+    store = KVStore(memory_bytes=200, disk_dir=tmp_path / "kv", disk_bytes=200)
+    for h in (1, 2, 3):
+        put(store, h)                        # 1 demoted to disk
+    assert (store.acquire("a", NS, [2]), store.acquire("b", NS, [3])) == (1, 1)  # memory cannot make room
+    _unwritable_on_disk(tmp_path / "kv", 1)
+    data, crc = store.read(NS, 1)            # left disk to be promoted; no room, and disk cannot take it back
+    assert (data, crc) == (block(1), checksum(block(1)))
+    assert (store.lookup(NS, [1]), store.lru_order("disk")) == (0, [])
+    assert [(e.kind, e.block_hash, e.tier) for e in store.events.since(4)] == [(PlacementKind.REMOVED, 1, "disk")]
+    assert (store.stats().blocks_removed, store.stats().disk_used_bytes) == (1, 0)
+    store.release("a"), store.release("b")
+    store.check_integrity()
+
+
 def test_leased_blocks_are_never_evicted():
     store = KVStore(memory_bytes=300)
     for h in (1, 2, 3):
