@@ -56,7 +56,10 @@ does not list in its last report (the request is not running there: its gateway
 died before Execute, or Execute ended); an expired lease its executor still
 lists is kept while it is listed, since its blocks are really held. So a dead
 gateway's leases come back at most ``lease_ttl_s`` + one report interval after
-its last renewal or listing.
+its last renewal or listing. An executor that drops off its Connect stream
+leaves its leases detached, not void (``remove_executor``): they keep their
+quota charge until released or expired, since it may still run their requests;
+when it registers again and lists them, they are its own again.
 """
 
 from __future__ import annotations
@@ -438,15 +441,18 @@ class AdmissionCore:
         listed = set(lease_ids) | set(counts)
         self.registry.report(executor_id, num_free_blocks, num_running, num_waiting, listed)
         expires_at = self._clock() + self.config.lease_ttl_s
+        executor = self.registry.get(executor_id)
         for lease_id in listed:  # a listed lease is running there: the listing renews it
             lease = self._leases.get(lease_id)
             if lease is not None and lease.executor_id == executor_id:
                 lease.expires_at = max(lease.expires_at, expires_at)
+                if executor is not None and lease_id not in executor.leases:  # detached by a lost link: back
+                    executor.leases[lease_id] = lease
+                    lease.listed = lease.acked = True
         for lease_id, reported in counts.items():
             lease = self._leases.get(lease_id)
             if lease is None or lease.executor_id != executor_id:
                 continue
-            executor = self.registry.get(executor_id)
             lease.reported_tokens = reported * executor.block_size if executor is not None else None
             charge = reported if reported > 0 else lease.reserved_blocks
             self.quotas.recharge(lease.tenant, lease.num_blocks, charge)
@@ -500,14 +506,22 @@ class AdmissionCore:
         executor.draining = True
         return True
 
-    def remove_executor(self, executor_id: str) -> list[Lease]:
-        """Drops an executor and voids its leases."""
-        leases = self.registry.remove(executor_id)
-        self.prefix_index.drop(executor_id)
+    def remove_executor(self, executor_id: str, state: ExecutorState | None = None) -> list[Lease]:
+        """Drops an executor (only when it is still ``state``, when given: a newer
+        registration of the id is left alone) and returns its leases, now detached.
+
+        A detached lease keeps its quota charge and its request id: its executor may
+        only have lost its link to the scheduler and still run the request, holding
+        its blocks. It ends like any lease: released by its gateway (an executor
+        that died fails its Execute call), or expired ``lease_ttl_s`` after its last
+        renewal or listing; or it is taken back by the executor when that registers
+        again under the same id and lists it (``on_capacity``).
+        """
+        leases = self.registry.remove(executor_id, state)
+        if self.registry.get(executor_id) is None:
+            self.prefix_index.drop(executor_id)
         for lease in leases:
-            if self._leases.pop(lease.lease_id, None) is not None:
-                self._leased_request_ids.discard(lease.request_id)
-                self.quotas.free(lease.tenant, lease.num_blocks)
+            lease.listed = False  # no executor lists it now: it may expire
         return leases
 
     def renew(self, lease_id: str) -> float | None:

@@ -303,9 +303,13 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
                     drained = True  # every lease routed to it is released: it may leave
                     yield pb.SchedulerCommand(drain_ack=pb.DrainAck(executor_id=reg.executor_id, done=True))
         finally:
-            lost = self.core.remove_executor(reg.executor_id)
+            detached = self.core.remove_executor(reg.executor_id, state)
             self._on_registry_change(len(list(self.core.registry)))
-            log.info("executor %s disconnected (%d leases void)", reg.executor_id, len(lost))
+            if self.core.registry.get(reg.executor_id) is None:
+                log.info("executor %s disconnected (%d leases detached: they end when released or expired, "
+                         "unless it registers again and lists them)", reg.executor_id, len(detached))
+            else:
+                log.info("executor %s: an old Connect stream ended after it registered again", reg.executor_id)
             self._fail_orphans()
             self._dispatch()
 

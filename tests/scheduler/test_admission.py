@@ -101,15 +101,16 @@ def test_queue_bound_and_cancel():
     assert core.cancel("a") is False
 
 
-def test_removed_executor_voids_its_leases():
+def test_removed_executor_detaches_its_leases_until_their_gateway_releases_them():
     core = AdmissionCore()
     core.registry.add(executor("e0"))
     core.submit(req("a"))
     (_, lease), = core.dispatch()
     assert core.num_leases() == 1
     assert [x.lease_id for x in core.remove_executor("e0")] == [lease.lease_id]
-    assert core.num_leases() == 0
-    assert core.release(lease.lease_id) is False
+    assert (core.num_leases(), core.lease(lease.lease_id).listed) == (1, False)
+    assert core.release(lease.lease_id) is True
+    assert (core.num_leases(), core.release(lease.lease_id)) == (0, False)
 
 
 def test_n_choices_count_n_times_the_blocks_capped_at_the_cache():

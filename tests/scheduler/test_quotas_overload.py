@@ -56,8 +56,61 @@ def test_quota_blocked_request_waits_for_its_own_tenant_blocks():
     assert core.quotas.snapshot() == {"x": 2}
     assert ids(core.dispatch()) == ["a1"]
     assert core.quotas.snapshot() == {"a": 2, "x": 2}
-    core.remove_executor("e0")  # voided leases give their blocks back
+    detached = core.remove_executor("e0")  # it may still run them: they stay charged
+    assert core.quotas.snapshot() == {"a": 2, "x": 2}
+    for lease in detached:
+        core.release(lease.lease_id)
     assert core.quotas.snapshot() == {}
+
+
+def test_a_quota_holds_across_an_executors_lost_link():
+    """Found by a review: the scheduler dropped an executor whose Connect stream went
+    silent and freed its leases' quota, while the executor kept running them; back
+    again, it listed leases the scheduler no longer knew, and the tenant got a second
+    request past its quota (6 blocks held, quota 4)."""
+    clock = Clock()
+    core = core_with(num_blocks=20, clock=clock, tenant_quotas={"a": 4}, lease_ttl_s=10.0)
+    core.submit(req("r1", tokens=47))  # 3 blocks
+    (_, lease), = core.dispatch()
+    core.on_capacity("e0", 17, 1, 0, [lease.lease_id], {lease.lease_id: 3})
+    core.remove_executor("e0")                                     # silent for executor_timeout_s
+    core.registry.add(ExecutorState("e0", "addr", "m", 20, 16, 4096))  # registers again, r1 still running
+    core.on_capacity("e0", 17, 1, 0, [lease.lease_id], {lease.lease_id: 3})
+    core.submit(req("r2", tokens=47))
+    assert (core.dispatch(), core.quotas.snapshot()) == ([], {"a": 3})  # r2 waits for a's own blocks
+    assert list(core.registry.get("e0").leases) == [lease.lease_id]
+    clock.t += 60.0                      # listed: kept past its lifetime, as any lease its executor runs
+    assert core.expire_leases() == []
+    core.release(lease.lease_id)
+    assert ids(core.dispatch()) == ["r2"]
+
+
+def test_a_detached_lease_no_executor_lists_expires_and_frees_its_quota():
+    clock = Clock()
+    core = core_with(num_blocks=20, clock=clock, tenant_quotas={"a": 4}, lease_ttl_s=10.0)
+    core.submit(req("r1", tokens=47))
+    (_, lease), = core.dispatch()
+    core.on_capacity("e0", 17, 1, 0, [lease.lease_id], {lease.lease_id: 3})
+    core.remove_executor("e0")           # gone for good: its gateway died too, nobody releases
+    clock.t += 9.9
+    assert (core.expire_leases(), core.quotas.snapshot()) == ([], {"a": 3})
+    clock.t += 0.2
+    assert [x.lease_id for x in core.expire_leases()] == [lease.lease_id]
+    assert (core.num_leases(), core.quotas.snapshot()) == (0, {})
+
+
+def test_an_old_stream_ending_after_its_executor_registered_again_removes_nothing():
+    core = core_with(num_blocks=20)
+    old = core.registry.get("e0")
+    core.submit(req("r1"))
+    (_, lease), = core.dispatch()
+    new = ExecutorState("e0", "addr", "m", 20, 16, 4096)
+    core.registry.add(new)               # reconnected before the old stream was found dead
+    assert list(new.leases) == [lease.lease_id]
+    assert core.remove_executor("e0", old) == []
+    assert core.registry.get("e0") is new and core.num_leases() == 1
+    assert [x.lease_id for x in core.remove_executor("e0", new)] == [lease.lease_id]
+    assert core.registry.get("e0") is None
 
 
 def test_request_alone_over_its_quota_is_resource_exhausted():
