@@ -222,6 +222,8 @@ class KVStoreConnector(KVConnector):
                 resp = await self._client.put(self.fingerprint, blocks, metadata=outgoing_metadata(span), timeout=60)
             self._count(published_blocks=resp.num_stored + resp.num_existing, bytes_out=size,
                         publish_dropped_blocks=resp.num_no_space)
+            if resp.num_no_space:  # which were refused is not said: offer them all again later
+                self._forget([h for h, _ in blocks])
             span.set_attributes({"meshserve.kvstore.stored_blocks": resp.num_stored,
                                  "meshserve.kvstore.no_space_blocks": resp.num_no_space})
         except Exception as exc:  # noqa: BLE001 - a lost publish only costs a later recompute

@@ -94,6 +94,41 @@ def wait_until(predicate) -> None:
         time.sleep(0.01)
 
 
+def test_a_block_the_store_had_no_room_for_is_offered_again():
+    """Found by a review: a block refused for lack of room (leased blocks fill the
+    store) stayed "known" to its publisher, which never offered it again."""
+    fp = KVStoreFingerprint(ModelFingerprint("m", "r"), KVLayout(4, 1, 1, 2, "float32"))
+    served = ServedKVStore(KVStore(memory_bytes=fp.block_bytes))  # room for one block
+    connector = KVStoreConnector(served.address, fp)
+    try:
+        connector.publish([(1, b"\x01" * fp.block_bytes)])
+        connector.flush()
+
+        async def pin():
+            return served.store.acquire("reader", fp.namespace, [1])  # a Get streams block 1
+
+        assert served.call(pin()) == 1
+        connector.publish([(2, b"\x02" * fp.block_bytes)])
+        connector.flush()
+        assert (connector.stats().publish_dropped_blocks, connector.is_known(1), connector.is_known(2)) == (
+            1, True, False)
+
+        async def unpin():
+            served.store.release("reader")
+
+        served.call(unpin())
+        connector.publish([(2, b"\x02" * fp.block_bytes)])  # what build_connector_meta now offers again
+        connector.flush()
+
+        async def stored():
+            return served.store.lookup(fp.namespace, [2])
+
+        assert (served.call(stored()), connector.is_known(2)) == (1, True)
+    finally:
+        connector.close()
+        served.stop()
+
+
 def test_cancelled_fetch_releases_leases_and_never_reports():
     DelayingServicer.get_delay_s = STALL_S  # the transfer stalls after its first message until cancelled
     served = ServedKVStore(KVStore(memory_bytes=1 << 20), servicer_cls=DelayingServicer)
