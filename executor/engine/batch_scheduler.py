@@ -268,6 +268,12 @@ class BatchScheduler:
     def _preempt(self, request: Request, state: _StepState) -> None:
         self.running.remove(request)
         self.kv.free(request.request_id, keep_hashes=True)
+        num_loaded = self.connector.discard_loads(request.request_id) if self.connector is not None else 0
+        if num_loaded:  # admitted this step with fetched blocks it will now recompute: they served nothing
+            self.kvstore_hit_tokens -= num_loaded * self.kv.block_size
+            if request.num_preemptions == 0:  # its counts were set at this admission
+                request.num_cached_tokens -= request.num_kvstore_tokens
+                request.num_kvstore_tokens = 0
         state.budget += state.scheduled.pop(request.request_id, 0)
         state.preempted.append(request.request_id)
         request.status = RequestStatus.PREEMPTED

@@ -163,7 +163,8 @@ class KVConnectorScheduler:
         self.connector = connector
         self.kv = kv_cache_manager
         self._fetches: dict[str, _Fetch] = {}
-        self._loads: list[tuple[int, bytes | bytearray]] = []  # (block_id, payload) of the step being scheduled
+        self._loads: dict[str, list[tuple[int, bytes | bytearray]]] = {}  # request id -> (block_id, payload)
+        # of the step being scheduled
 
     # -- fetch ----------------------------------------------------------------
 
@@ -226,8 +227,16 @@ class KVConnectorScheduler:
     def update_state_after_alloc(self, request: Request, num_hit_blocks: int, new_block_ids: list[int]) -> None:
         """The request was scheduled with ``new_block_ids`` after its local hit: the
         first of them receive its loadable payloads this step; its fetch state ends."""
-        self._loads.extend(zip(new_block_ids, self._usable(request, num_hit_blocks)))
+        loads = list(zip(new_block_ids, self._usable(request, num_hit_blocks)))
+        if loads:
+            self._loads[request.request_id] = loads
         self._fetches.pop(request.request_id, None)
+
+    def discard_loads(self, request_id: str) -> int:
+        """Drops the loads ``update_state_after_alloc`` recorded for a request this
+        step (it was preempted before the step ran: its blocks are free again);
+        returns how many blocks it had."""
+        return len(self._loads.pop(request_id, ()))
 
     def _usable(self, request: Request, num_hit_blocks: int) -> list:
         fetch = self._fetches.get(request.request_id)
@@ -249,11 +258,13 @@ class KVConnectorScheduler:
                 ``num_computed_tokens`` advances).
 
         Returns:
-            The loads recorded by ``update_state_after_alloc``, and the full blocks
+            The loads recorded by ``update_state_after_alloc`` for requests still
+            scheduled (a request preempted since holds none of its blocks), and the full blocks
             this step completes whose hash neither the prefix cache nor the store
             (as far as the connector knows) holds yet, each once.
         """
-        loads, self._loads = self._loads, []
+        loads = [load for request, _ in scheduled for load in self._loads.get(request.request_id, ())]
+        self._loads = {}
         if not self.kv.enable_caching:
             return loads, []
         saves: list[BlockSave] = []

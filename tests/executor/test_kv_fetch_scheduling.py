@@ -43,7 +43,7 @@ class Mesh:
     """A batch scheduler with a connector's scheduler half over a served store, a
     second connector playing another executor that publishes blocks, and a fake clock."""
 
-    def __init__(self, servicer_cls=None, budget: int = 64, fetch_timeout_s: float = 60.0):
+    def __init__(self, servicer_cls=None, budget: int = 64, fetch_timeout_s: float = 60.0, **config):
         kwargs = {"servicer_cls": servicer_cls} if servicer_cls else {}
         self.served = ServedKVStore(KVStore(memory_bytes=1 << 20), **kwargs)
         self.connector = KVStoreConnector(self.served.address, FP, fetch_timeout_s=fetch_timeout_s)
@@ -51,7 +51,8 @@ class Mesh:
         self.fetched = threading.Event()
         self.connector.set_waker(self.fetched.set)
         kv = KVCacheManager(32, BS, enable_caching=True, fingerprint=FP.model)
-        self.s = BatchScheduler(BatchSchedulerConfig(max_num_seqs=4, max_num_batched_tokens=budget), kv)
+        config.setdefault("max_num_seqs", 4)
+        self.s = BatchScheduler(BatchSchedulerConfig(max_num_batched_tokens=budget, **config), kv)
         self.half = KVConnectorScheduler(self.connector, kv)
         self.s.set_kv_connector(self.half)
         self.now = [0.0]
@@ -251,5 +252,37 @@ def test_a_retry_under_the_same_id_never_loads_the_aborted_requests_fetch():
         assert shares(out) == {"r": 18} and out.kv_loads == []
         assert (new.num_cached_tokens, new.num_kvstore_tokens, m.s.kvstore_hit_tokens) == (0, 0, 0)
         assert m.connector.poll() == [] and m.connector._fetches == {}
+    finally:
+        m.close()
+
+
+def test_a_request_preempted_in_the_step_that_admitted_it_loads_nothing():
+    """Found by a review: L, admitted with 3 fetched blocks, was preempted later in
+    the same step (W, of a higher priority, came in the second pass over a full
+    ``max_num_seqs``); its loads stayed in the step's ``kv_loads`` for blocks it no
+    longer held, and it reported 12 kvstore tokens it never used."""
+    m = Mesh(budget=32, max_num_seqs=2, long_prefill_token_threshold=8)
+    try:
+        shared = list(range(40))
+        a = Request("A", shared, SamplingParams(max_tokens=4, ignore_eos=True), 0, 0, 10_000)
+        m.s.add_request(a)
+        m.wait_fetched()                        # nothing stored: A computes the shared prefix
+        m.step()
+        low = Request("L", [50 + i for i in range(13)], SamplingParams(max_tokens=4, ignore_eos=True), 0, 2, 10_000)
+        m.publish_elsewhere(low, 3)
+        high = Request("W", shared + [99] * 3, SamplingParams(max_tokens=4, ignore_eos=True), 1, 1, 10_000)
+        m.s.add_request(high)
+        m.wait_fetched()
+        m.s.add_request(low)
+        m.wait_fetched()
+        out, _ = m.step()
+        assert (out.preempted_request_ids, out.kv_loads, m.s.kv.get_block_ids("L")) == (["L"], [], [])
+        assert (low.num_cached_tokens, low.num_kvstore_tokens, m.s.kvstore_hit_tokens) == (0, 0, 0)
+        finals = {}
+        for _ in range(40):
+            _, results = m.step()
+            finals.update({r.request_id: r for r in results if r.finished})
+        assert (finals["L"].num_cached_tokens, finals["L"].num_kvstore_tokens) == (0, 0)
+        assert (sorted(finals), m.s.kv.block_pool.num_free_blocks) == (["A", "L", "W"], 32)  # every block back
     finally:
         m.close()
