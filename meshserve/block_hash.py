@@ -20,8 +20,8 @@ well. The root has no dtype: the gateway, which computes the chain of a prompt
 for routing, cannot know the dtype an executor picked (``--dtype auto`` depends on
 its hardware), and one engine's prefix cache holds one dtype only.
 
-What makes cached *bytes* incompatible between executors (dtype, KV layout,
-tensor-parallel rank) is named once, in the kvstore's namespace: the kvstore
+What makes cached *bytes* incompatible between executors (dtype, KV layout)
+is named once, in the kvstore's namespace: the kvstore
 keys a block by ``(KVStoreFingerprint.namespace, chain hash)``, so two executors
 share a stored block only when its bytes mean the same thing to both (case C06
 for dtypes).
@@ -83,8 +83,11 @@ class KVLayout:
             executor, parallel or not, stores whole-model blocks.
         head_dim: channels per head (>= 1).
         dtype: element type: ``"float32"``, ``"bfloat16"`` or ``"float16"``.
-        tp_rank: tensor-parallel rank of the holder, in [0, tp_size).
-        tp_size: tensor-parallel group size (>= 1).
+        tp_rank: tensor-parallel rank of a payload split by rank, in [0, tp_size);
+            0 for whole-model payloads, the only kind executors store (a parallel
+            group reassembles its blocks: ``executor.worker.kv_connector``).
+        tp_size: tensor-parallel split of the payload (>= 1); 1 for whole-model
+            payloads, so executors of any parallel layout share blocks.
 
     Raises:
         ValueError: a size below 1, an unknown dtype, or a rank outside the group.
