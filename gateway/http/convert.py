@@ -17,6 +17,10 @@ Mappings that are not one-to-one:
 
 from __future__ import annotations
 
+import re
+from contextlib import aclosing
+from typing import AsyncIterator, TypeVar
+
 from meshserve.errors import InvalidArgument
 from meshserve.sampling import DEFAULT_MAX_TOKENS, SamplingParams
 
@@ -113,3 +117,29 @@ def completion_requests(body: CompletionRequest, request_id: str) -> list[Genera
         out.append(GenerationRequest(prompt=text, prompt_token_ids=ids, sampling=params, priority=body.priority,
                                      request_id=rid, model=body.model))
     return out
+
+
+_PROMPT_FIELD = re.compile(r"^prompt(?:_token_ids)?(?=[\s\[]|$)")
+T = TypeVar("T")
+
+
+def prompt_named(error: InvalidArgument, index: int | None) -> InvalidArgument:
+    """A prompt's error with the prompt named as the completions body names it: the
+    core's ``prompt_token_ids[3] = …`` and ``prompt has … tokens`` become
+    ``prompt[3] = …`` and ``prompt has …`` for a body's only prompt (``index``
+    None), ``prompt[1][3] = …`` and ``prompt[1] has …`` for its element 1 (the
+    400's ``param`` then reads ``prompt.1.3``). Other errors are returned as they are."""
+    name = "prompt" if index is None else f"prompt[{index}]"
+    message = _PROMPT_FIELD.sub(name, str(error), count=1)
+    return error if message == str(error) else InvalidArgument(message)
+
+
+async def naming_prompt(stream: AsyncIterator[T], index: int | None) -> AsyncIterator[T]:
+    """``stream``, its ``InvalidArgument`` naming the prompt (``prompt_named``)."""
+    async with aclosing(stream) as events:
+        try:
+            async for event in events:
+                yield event
+        except InvalidArgument as exc:
+            raise prompt_named(exc, index) from None
+

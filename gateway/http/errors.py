@@ -122,6 +122,8 @@ def http_error(exc: BaseException) -> HttpError:
                          retry_after_s=max(1, math.ceil(exc.retry_after_s)))
     if isinstance(exc, Unavailable):
         return HttpError(503, message, "service_unavailable_error", "service_unavailable", retry_after_s=1)
+    if isinstance(exc, InvalidArgument) and message.startswith("chat.messages"):
+        message = message.removeprefix("chat.")  # the gRPC request's chat is the body's messages
     for cls, status, kind, code in _BY_CLASS:
         if isinstance(exc, cls):
             param = "model" if cls is ModelNotFound else _param_of(message) if cls is InvalidArgument else None

@@ -36,13 +36,14 @@ from gateway.collector import ChoiceCollector
 from gateway.events import ChoiceResult, Delta
 from gateway.generation import GatewayCore
 from gateway.http.bodies import json_object
-from gateway.http.convert import chat_request, completion_requests
+from gateway.http.convert import chat_request, completion_requests, naming_prompt, prompt_named
 from gateway.http.errors import http_error
 from gateway.http.formats import ChatFormat, CompletionFormat, usage_of
 from gateway.http.schemas import ChatCompletionRequest, CompletionRequest, SamplingFields
 from gateway.http.streams import ClientDisconnected, EventPump, until_disconnect
 from gateway.request import GenerationRequest, SpanOptions
 from gateway.tenants import Tenant, TenantRegistry
+from meshserve.errors import InvalidArgument
 from meshserve.telemetry import context_from_metadata
 
 CLIENT_CLOSED = 499  # nginx's "client closed request"
@@ -97,7 +98,7 @@ class OpenAIRoutes:
         requests = completion_requests(body, request_id)
         fmt = CompletionFormat(f"cmpl-{request_id}", body.model or self.served_name, body.n, self.core.tokenizer,
                                body.logprobs is not None, body.return_token_ids)
-        return await self._serve(request, body, tenant, requests, fmt, received_at)
+        return await self._serve(request, body, tenant, requests, fmt, received_at, prompts=True)
 
     async def chat_completions(self, request: Request) -> Response:
         """``POST /v1/chat/completions``."""
@@ -112,22 +113,29 @@ class OpenAIRoutes:
 
     async def _serve(self, request: Request, body: SamplingFields, tenant: Tenant,
                      requests: list[GenerationRequest], fmt: ChatFormat | CompletionFormat,
-                     received_at: float) -> Response:
+                     received_at: float, prompts: bool = False) -> Response:
+        """Runs ``requests`` and answers them as ``fmt`` says; ``prompts``: they are a
+        completions body's, and a prompt's error names it as the body does."""
         options = SpanOptions(parent=context_from_metadata(headers_of(request)), stream=body.stream,
                               attributes={"enduser.id": body.user} if body.user else {})
         on_done = None
         if len(requests) == 1:
             streams = [self.core.generate(requests[0], tenant, options, received_at)]
+            if prompts:
+                streams = [naming_prompt(streams[0], None)]
         else:  # every prompt validated before any is admitted: a bad one must not strand the others' leases
             prepared = []
             try:
-                for r in requests:
-                    prepared.append(await self.core.prepare_async(r, tenant, received_at))
+                for i, r in enumerate(requests):
+                    try:
+                        prepared.append(await self.core.prepare_async(r, tenant, received_at))
+                    except InvalidArgument as exc:
+                        raise prompt_named(exc, i) from None
             except BaseException:
                 for p in prepared:
                     self.core.end(p)
                 raise
-            streams = [self.core.run(p, options) for p in prepared]
+            streams = [naming_prompt(self.core.run(p, options), i) for i, p in enumerate(prepared)]
 
             def on_done() -> None:  # a stream the pump never started was cancelled: its request ends here
                 for p in prepared:

@@ -136,14 +136,39 @@ async def test_a_field_of_the_wrong_type_is_named_as_the_body_spells_it(served, 
     ("/v1/completions", {"prompt": ["ok", "\ud800"]}, "prompt.1",
      "prompt[1] is not valid Unicode: a lone surrogate at character 0"),
     ("/v1/chat/completions", {"messages": [*CHAT, *CHAT, *CHAT, {"role": "user", "content": "ab\udfff"}]},
-     "messages.3.content", "chat.messages[3].content is not valid Unicode: a lone surrogate at character 2"),
+     "messages.3.content", "messages[3].content is not valid Unicode: a lone surrogate at character 2"),
     ("/v1/tasks", {"messages": [*CHAT, {"role": "user", "content": "\ud800"}]}, "messages.1.content",
-     "chat.messages[1].content is not valid Unicode: a lone surrogate at character 0"),
+     "messages[1].content is not valid Unicode: a lone surrogate at character 0"),
 ])
 async def test_a_lone_surrogate_names_the_prompt_or_message_holding_it(served, path, fields, param, message):
     client, _ = served
     content = json.dumps(fields).encode()  # ASCII: the surrogate as \ud800
     assert await post(client, path, content, JSON) == (400, error(message, param=param))
+
+
+@pytest.mark.parametrize("prompt, param, message", [
+    ([[1, 2], [1_000_000_000]], "prompt.1.0", "prompt[1][0] = 1000000000 is outside the vocabulary [0, {vocab})"),
+    ([[1, 2], []], "prompt.1", "prompt[1] must not be empty"),
+    ([-1], "prompt.0", "prompt[0] = -1 is outside the vocabulary [0, {vocab})"),
+    (["ok", "x " * 9000], "prompt.1", "prompt[1] has 9001 tokens; max_model_len is {max_len} (prompt + at least "
+                                      "1 output token)"),
+    ("x " * 9000, "prompt", "prompt has 9001 tokens; max_model_len is {max_len} (prompt + at least 1 output token)"),
+])
+async def test_a_bad_prompt_of_a_completions_body_is_named_as_the_body_spells_it(served, prompt, param, message):
+    """Found by a review: the core's ``prompt_token_ids[0]`` was named for a body that has
+    no such field, and an error in one prompt of a list did not say which."""
+    client, svc = served
+    core = svc.servicer.core
+    content = json.dumps({"prompt": prompt, "max_tokens": 1}).encode()
+    expected = message.format(vocab=core.prompts.vocab_size, max_len=core.model.max_model_len)
+    assert await post(client, "/v1/completions", content, JSON) == (400, error(expected, param=param))
+
+
+async def test_a_tasks_token_prompt_is_named_as_the_body_spells_it(served):
+    client, _ = served
+    content = json.dumps({"prompt": [5, -1], "max_tokens": 1}).encode()
+    assert await post(client, "/v1/tasks", content, JSON) == (400, error(
+        "prompt[1] = -1 is outside the vocabulary [0, 49152)", param="prompt.1"))
 
 
 async def test_a_task_with_both_messages_and_prompt_is_refused_naming_prompt(served):

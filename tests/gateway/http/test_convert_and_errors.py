@@ -76,6 +76,12 @@ def test_an_invalid_argument_names_its_field_as_the_body_spells_it(message, para
     assert http_error(InvalidArgument(message)).param == param
 
 
+def test_a_messages_error_says_messages_as_the_body_does():
+    error = http_error(InvalidArgument("chat.messages[1].role must be one of system, user, assistant, got 'tool'"))
+    assert (error.message, error.param) == (
+        "messages[1].role must be one of system, user, assistant, got 'tool'", "messages.1.role")
+
+
 @pytest.mark.parametrize("part, message", [
     ({"type": "image_url", "image_url": {"url": "https://x/y.png"}},
      "messages.0.content: only text parts are supported, got a part of type 'image_url'"),
