@@ -29,6 +29,12 @@ from meshserve.telemetry import outgoing_metadata
 from meshserve.tls import PLAINTEXT, TLSConfig
 from meshserve.v1 import executor_pb2, executor_pb2_grpc, scheduler_pb2, scheduler_pb2_grpc
 
+EXECUTOR_TLS_NAME = "executor"
+"""The name an executor's certificate must carry as a DNS SAN (``meshserve certs`` puts
+each role's name in its certificate): the gateway checks it whatever address the
+executor advertises, since pod IPs and container names are not known when
+certificates are made. Its role URI still decides what it may call."""
+
 log = logging.getLogger(__name__)
 # The codes that only the mesh can cause (the gateway authenticated the caller and the
 # scheduler signed the lease): the scheduler refusing the gateway's certificate or a tenant
@@ -84,7 +90,9 @@ class GrpcMeshClient:
     def _executor(self, address: str) -> executor_pb2_grpc.ExecutorStub:
         stub = self._executors.get(address)
         if stub is None:
-            channel = open_channel(address, self.tls, TOKEN_STREAM_CHANNEL_OPTIONS)
+            # an executor advertises a pod IP or a container name, which no certificate made in
+            # advance can hold: its certificate is checked against its role's name instead
+            channel = open_channel(address, self.tls, TOKEN_STREAM_CHANNEL_OPTIONS, server_name=EXECUTOR_TLS_NAME)
             self._channels.append(channel)
             stub = self._executors[address] = executor_pb2_grpc.ExecutorStub(channel)
         return stub

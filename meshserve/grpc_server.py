@@ -186,11 +186,15 @@ async def run_until_signal(start: Callable[[], Awaitable[None]], stop: Callable[
     await stop()
 
 
-def open_channel(address: str, tls: TLSConfig = PLAINTEXT, options=CHANNEL_OPTIONS) -> grpc.aio.Channel:
+def open_channel(address: str, tls: TLSConfig = PLAINTEXT, options=CHANNEL_OPTIONS,
+                 server_name: str | None = None) -> grpc.aio.Channel:
     """A channel to ``address`` (host:port): TLS with ``tls``'s CA and client
-    certificate, or plaintext with ``PLAINTEXT``. The host is checked against the
-    server certificate's SANs."""
+    certificate, or plaintext with ``PLAINTEXT``. The server certificate's SANs must
+    name ``server_name`` when given (gRPC's ``grpc.ssl_target_name_override``), else
+    the host dialled."""
     if tls.enabled:
+        if server_name:
+            options = (*options, ("grpc.ssl_target_name_override", server_name))
         return grpc.aio.secure_channel(address, tls.channel_credentials(), options=options)
     return grpc.aio.insecure_channel(address, options=options)
 
