@@ -215,7 +215,10 @@ def test_services_have_native_grpc_probes_on_the_health_port_tls_secret_and_conf
         assert container["readinessProbe"]["grpc"] == {"port": HEALTH_PORT}  # "": ready to serve
         # liveness asks the service that is SERVING while the process listens, ready or not
         assert container["livenessProbe"]["grpc"] == {"port": HEALTH_PORT, "service": LIVENESS_SERVICE}
-        assert container.get("startupProbe", container["readinessProbe"])["grpc"] == {"port": HEALTH_PORT}
+        startup = container.get("startupProbe", container["readinessProbe"])["grpc"]
+        # a gateway waits for executors alive but not ready: its start is its liveness
+        assert startup == ({"port": HEALTH_PORT, "service": LIVENESS_SERVICE} if name == "gateway"
+                           else {"port": HEALTH_PORT})
         assert HEALTH_PORT not in [p["port"] for p in services[name]["spec"]["ports"]]  # kubelet only
         assert {"name": "certs", "secret": {"secretName": "meshserve-tls"}} in pod["volumes"]
         assert pod["securityContext"]["runAsNonRoot"] is True
@@ -242,6 +245,10 @@ def test_a_loading_executor_is_not_killed_by_liveness(overlay):
         container = deployments[name]["spec"]["template"]["spec"]["containers"][0]
         assert container["livenessProbe"]["grpc"] == {"port": HEALTH_PORT, "service": LIVENESS_SERVICE}
         assert container["readinessProbe"]["grpc"] == {"port": HEALTH_PORT}
+    # found by a review: the gateway's startup probe asked the overall status, NOT_SERVING until an
+    # executor registers, so a gateway waiting for loading executors was restarted after 5 minutes
+    gateway = deployments["gateway"]["spec"]["template"]["spec"]["containers"][0]
+    assert gateway["startupProbe"]["grpc"] == {"port": HEALTH_PORT, "service": LIVENESS_SERVICE}
 
 
 def test_gpu_overlay_gives_executors_a_gpu_and_the_cuda_image():
