@@ -46,7 +46,7 @@ from meshserve.errors import AlreadyExists, InvalidArgument
 from meshserve.grpc_server import CHANNEL_OPTIONS, Service, open_channel
 from meshserve.lease_token import LeaseVerifier
 from meshserve.request_ids import check_request_id, scoped_request_id
-from meshserve.sampling import params_from_proto
+from meshserve.sampling import SamplingParams, params_from_proto
 from meshserve.telemetry import context_from_grpc
 from meshserve.timeouts import wait_for
 from meshserve.tls import PLAINTEXT, TLSConfig
@@ -89,7 +89,8 @@ class ExecutorServicer(executor_pb2_grpc.ExecutorServicer):
             raise AlreadyExists(f"request_id {request.request_id!r} is already in use by an unfinished request")
         # the one check of this request in the executor: INVALID_ARGUMENT before any choice starts
         checked = eng.check_request(request.prompt_token_ids, params_from_proto(request.sampling))
-        checked = dataclasses.replace(checked, cache_salt=cache_salt(self.prefix_cache_scope, claims.tenant))
+        checked = dataclasses.replace(checked, cache_salt=cache_salt(self.prefix_cache_scope, claims.tenant),
+                                      sampling_params=within_lease(checked.sampling_params, claims.max_tokens))
         spans = ExecuteSpans(context_from_grpc(context), request.request_id, self.executor_id, self.model_id,
                              len(checked.prompt_token_ids), checked.sampling_params, claims.priority)
         self.active_leases[engine_id] = claims.lease_id
@@ -185,6 +186,14 @@ class LinkConfig:
     max_hashes_per_message: int = 8192  # 16 bytes each: 128 KiB messages
     tls: TLSConfig = PLAINTEXT  # the executor's certificate (role executor), or plaintext
     started_at: float | None = None  # time.monotonic() when the process began (cold start = register - this)
+
+
+def within_lease(params: SamplingParams, max_tokens: int) -> SamplingParams:
+    """``params`` with ``max_tokens`` (and ``min_tokens``) at most the lease's bound
+    (``LeaseClaims.max_tokens``: what its tenant's KV quota holds; 0: none)."""
+    if not max_tokens or params.max_tokens <= max_tokens:
+        return params
+    return dataclasses.replace(params, max_tokens=max_tokens, min_tokens=min(params.min_tokens, max_tokens))
 
 
 def lease_num_blocks(num_blocks_by_request: Mapping[str, int], active_leases: dict[str, str]) -> dict[str, int]:

@@ -43,7 +43,7 @@ from opentelemetry import trace
 
 from gateway.choices import Choice, RequestTimer
 from gateway.collector import ChoiceCollector, CompletedChoice, replay
-from gateway.events import ChoiceResult, Delta, Event, Queued
+from gateway.events import ChoiceResult, Delta, Event, FinishReason, Queued
 from gateway.lease_renewal import LeaseActivity, renewing
 from gateway.mesh import Admission, Assignment, MeshClient, RefusedByMesh
 from gateway.metrics import GatewayMetrics, RequestMetrics
@@ -313,8 +313,16 @@ class GatewayCore:
                 async for event in events:
                     collector.feed(event)
                     yield event
-            if collector.complete(p.params.n):
+            if collector.complete(p.params.n) and not self._cut_by_lease(p, collector.choices()):
                 flight.value = tuple(collector.choices())
+
+    def _cut_by_lease(self, p: Prepared, choices: list[CompletedChoice]) -> bool:
+        """A choice ended "length" before its ``max_tokens`` and the context's end: its
+        lease bounded it (``LeaseClaims.max_tokens``, its tenant's KV quota), an answer
+        that a tenant of another quota sharing the cache scope must not get."""
+        limit = min(p.params.max_tokens, self.model.max_model_len - len(p.prompt_ids))
+        return any(c.result is not None and c.result.finish_reason == FinishReason.LENGTH and len(c.token_ids) < limit
+                   for c in choices)
 
     def _replay(self, p: Prepared, span: trace.Span, cached: tuple[CompletedChoice, ...]):
         """A result-cache hit's events, observed as a request whose tokens all came at once."""

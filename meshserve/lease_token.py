@@ -65,6 +65,9 @@ class LeaseClaims:
         expires_at_unix_s: wall-clock expiry (Unix seconds).
         nonce: 16 random bytes, accepted once per verifier.
         priority: the priority class admission gave it (ceiling applied).
+        max_tokens: the most tokens each choice may generate, from its tenant's KV
+            quota (``scheduler.quotas.quota_max_tokens``); 0: no bound but the
+            request's own ``max_tokens``.
     """
 
     lease_id: str
@@ -75,17 +78,18 @@ class LeaseClaims:
     expires_at_unix_s: float
     nonce: bytes
     priority: int = 0
+    max_tokens: int = 0
 
     def to_proto(self) -> scheduler_pb2.LeaseClaims:
         return scheduler_pb2.LeaseClaims(
             lease_id=self.lease_id, request_id=self.request_id, tenant=self.tenant, executor_id=self.executor_id,
             num_blocks=self.num_blocks, expires_at_unix_s=self.expires_at_unix_s, nonce=self.nonce,
-            priority=self.priority)
+            priority=self.priority, max_tokens=self.max_tokens)
 
     @classmethod
     def from_proto(cls, msg: scheduler_pb2.LeaseClaims) -> LeaseClaims:
         return cls(msg.lease_id, msg.request_id, msg.tenant, msg.executor_id, msg.num_blocks,
-                   msg.expires_at_unix_s, bytes(msg.nonce), msg.priority)
+                   msg.expires_at_unix_s, bytes(msg.nonce), msg.priority, msg.max_tokens)
 
 
 class LeaseSigner:

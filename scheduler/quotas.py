@@ -62,3 +62,18 @@ class TenantQuotas:
     def snapshot(self) -> dict[str, int]:
         """Tenant → blocks held (tenants holding none are left out)."""
         return dict(self._held)
+
+
+def quota_max_tokens(quota: int | None, n: int, block_size: int, num_prompt_tokens: int) -> int:
+    """The most tokens each of a request's ``n`` choices may generate within its
+    tenant's quota of ``quota`` blocks: the largest ``m`` with
+    ``n × ceil((num_prompt_tokens + m) / block_size) <= quota`` (each choice counted
+    with the whole prompt, as admission counts it); 0 without a quota. At least 1
+    with one (0 means no bound): admission takes only a request whose
+    ``n × ceil((prompt + 1) / block_size)`` blocks fit the quota, and that one gets
+    at least 1 from the formula.
+    """
+    if quota is None:
+        return 0
+    return max(1, (quota // max(1, n)) * block_size - num_prompt_tokens)
+

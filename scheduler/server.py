@@ -51,6 +51,7 @@ from scheduler.kvstore_follower import KVStoreFollower
 from scheduler.metrics import SchedulerMetrics
 from scheduler.planner import Planner, PlannerConfig
 from scheduler.planner_loop import PlannerLoop, ready_executors
+from scheduler.quotas import quota_max_tokens
 from scheduler.registry import ExecutorState, Lease
 
 log = logging.getLogger(__name__)
@@ -86,10 +87,13 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
     def sign(self, lease: Lease, request_id: str, priority: int) -> bytes:
         """The signed lease of ``lease`` for the caller's (unscoped) ``request_id``."""
         ttl = self.core.config.lease_ttl_s
+        executor = self.core.registry.get(lease.executor_id)
+        max_tokens = quota_max_tokens(self.core.quotas.limit(lease.tenant), lease.n, executor.block_size,
+                                      lease.num_prompt_tokens) if executor is not None else 0
         return self.signer.sign(LeaseClaims(
             lease_id=lease.lease_id, request_id=request_id, tenant=lease.tenant, executor_id=lease.executor_id,
             num_blocks=lease.num_blocks, expires_at_unix_s=self.wall_clock() + ttl, nonce=new_nonce(),
-            priority=priority))
+            priority=priority, max_tokens=max_tokens))
 
     def _expire(self) -> None:
         """Releases expired leases nobody runs (their gateway is gone), then dispatches."""

@@ -158,7 +158,7 @@ class SchedulerCommand(_message.Message):
     def __init__(self, registered: _Optional[_Union[RegisterAck, _Mapping]] = ..., drain_ack: _Optional[_Union[DrainAck, _Mapping]] = ...) -> None: ...
 
 class LeaseClaims(_message.Message):
-    __slots__ = ("lease_id", "request_id", "tenant", "executor_id", "num_blocks", "expires_at_unix_s", "nonce", "priority")
+    __slots__ = ("lease_id", "request_id", "tenant", "executor_id", "num_blocks", "expires_at_unix_s", "nonce", "priority", "max_tokens")
     LEASE_ID_FIELD_NUMBER: _ClassVar[int]
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TENANT_FIELD_NUMBER: _ClassVar[int]
@@ -167,6 +167,7 @@ class LeaseClaims(_message.Message):
     EXPIRES_AT_UNIX_S_FIELD_NUMBER: _ClassVar[int]
     NONCE_FIELD_NUMBER: _ClassVar[int]
     PRIORITY_FIELD_NUMBER: _ClassVar[int]
+    MAX_TOKENS_FIELD_NUMBER: _ClassVar[int]
     lease_id: str
     request_id: str
     tenant: str
@@ -175,7 +176,8 @@ class LeaseClaims(_message.Message):
     expires_at_unix_s: float
     nonce: bytes
     priority: int
-    def __init__(self, lease_id: _Optional[str] = ..., request_id: _Optional[str] = ..., tenant: _Optional[str] = ..., executor_id: _Optional[str] = ..., num_blocks: _Optional[int] = ..., expires_at_unix_s: _Optional[float] = ..., nonce: _Optional[bytes] = ..., priority: _Optional[int] = ...) -> None: ...
+    max_tokens: int
+    def __init__(self, lease_id: _Optional[str] = ..., request_id: _Optional[str] = ..., tenant: _Optional[str] = ..., executor_id: _Optional[str] = ..., num_blocks: _Optional[int] = ..., expires_at_unix_s: _Optional[float] = ..., nonce: _Optional[bytes] = ..., priority: _Optional[int] = ..., max_tokens: _Optional[int] = ...) -> None: ...
 
 class SignedLease(_message.Message):
     __slots__ = ("claims", "signature")

@@ -19,7 +19,7 @@ class Clock:
 
 def claims(nonce: bytes = b"n" * 16, **overrides) -> LeaseClaims:
     fields = dict(lease_id="L1", request_id="r1", tenant="acme", executor_id="e0", num_blocks=3,
-                  expires_at_unix_s=1_010.0, nonce=nonce, priority=2)
+                  expires_at_unix_s=1_010.0, nonce=nonce, priority=2, max_tokens=20)
     fields.update(overrides)
     return LeaseClaims(**fields)
 
@@ -110,3 +110,16 @@ def test_without_the_scheduler_key_every_lease_is_refused():
 def test_public_key_of_the_wrong_size_is_rejected():
     with pytest.raises(ValueError, match="32 bytes"):
         LeaseVerifier("e0").set_public_key(b"short")
+
+
+@pytest.mark.parametrize("max_tokens, min_tokens, bound, expected", [
+    (50, 0, 0, (50, 0)),     # no bound
+    (50, 30, 20, (20, 20)),  # bounded, min_tokens with it
+    (10, 5, 20, (10, 5)),    # the request asks less than the bound
+])
+def test_the_executor_generates_at_most_the_leases_max_tokens(max_tokens, min_tokens, bound, expected):
+    from executor.server import within_lease
+    from meshserve.sampling import SamplingParams
+
+    params = within_lease(SamplingParams(max_tokens=max_tokens, min_tokens=min_tokens), bound)
+    assert (params.max_tokens, params.min_tokens) == expected

@@ -4,6 +4,7 @@ import pytest
 
 from meshserve.errors import InvalidArgument, ResourceExhausted
 from scheduler.admission import AdmissionCore, AdmissionRequest, SchedulerConfig
+from scheduler.quotas import quota_max_tokens
 from scheduler.registry import ExecutorState
 from scheduler.wait_estimate import WaitEstimator
 
@@ -217,3 +218,16 @@ def test_executor_reports_correct_the_tenant_charge():
     assert core.quotas.snapshot() == {"a": 5}
     with pytest.raises(InvalidArgument, match="lease_num_blocks must be >= 0"):
         core.on_capacity("e0", 57, 2, 0, [], {l1: -1})
+
+
+@pytest.mark.parametrize("quota, n, prompt, expected", [
+    (None, 1, 12, 0),       # no quota: no bound
+    (2, 1, 12, 20),         # 2 blocks of 16: 32 tokens, 12 of them the prompt
+    (2, 2, 12, 4),          # two choices: one block each
+    (3, 2, 12, 4),          # the odd block is no choice's
+    (8, 1, 100, 28),
+    (1, 1, 15, 1),          # the smallest request admission takes: ceil((15 + 1) / 16) = 1 block
+])
+def test_a_quota_bounds_the_tokens_each_choice_may_generate(quota, n, prompt, expected):
+    assert quota_max_tokens(quota, n, 16, prompt) == expected
+
