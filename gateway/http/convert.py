@@ -36,6 +36,8 @@ def _refuse_unsupported(body: SamplingFields) -> None:
     """Fields meshserve does not implement are refused (400 naming them), never ignored."""
     if body.logit_bias:
         raise InvalidArgument("logit_bias is not supported")
+    if body.stream_options is not None and not body.stream:  # as vLLM: it would be silently moot
+        raise InvalidArgument("stream_options is only allowed with stream: true")
     if isinstance(body, CompletionRequest):
         if body.echo:
             raise InvalidArgument("echo is not supported")

@@ -164,6 +164,16 @@ async def test_a_bad_prompt_of_a_completions_body_is_named_as_the_body_spells_it
     assert await post(client, "/v1/completions", content, JSON) == (400, error(expected, param=param))
 
 
+@pytest.mark.parametrize("path, fields", [
+    ("/v1/completions", {"prompt": "Hi", "stream_options": {"include_usage": True}}),
+    ("/v1/chat/completions", {"messages": CHAT, "stream": False, "stream_options": {"include_usage": True}}),
+])
+async def test_stream_options_without_a_stream_is_refused_as_vllm_refuses_it(served, path, fields):
+    client, _ = served
+    assert await post(client, path, json.dumps(fields).encode(), JSON) == (400, error(
+        "stream_options is only allowed with stream: true", param="stream_options"))
+
+
 async def test_a_tasks_token_prompt_is_named_as_the_body_spells_it(served):
     client, _ = served
     content = json.dumps({"prompt": [5, -1], "max_tokens": 1}).encode()
