@@ -1,0 +1,42 @@
+"""What the images carry, read from the files the Dockerfiles install: the wheel
+`pip install .` builds holds the CPU kernels' C/C++ sources (each kernel compiles its
+own at first start), the CPU image has the compilers to build them, and Triton's
+cache is under the writable /cache, not the read-only home /app."""
+
+import shutil
+import sys
+import zipfile
+
+from tests.support.deploy import DEPLOY, ROOT, run
+
+PACKAGES = ("meshserve", "gateway", "scheduler", "executor", "kvstore")
+
+
+def kernel_sources() -> set[str]:
+    return {p.relative_to(ROOT).as_posix() for pattern in ("*.c", "*.cpp") for p in (ROOT / "executor").rglob(pattern)}
+
+
+def test_the_wheel_ships_every_kernel_source(tmp_path):
+    """Builds the wheel (no dependencies, no isolation: about 2 s) from a copy of the
+    sources, as the images' `pip install --no-deps .` does."""
+    src = tmp_path / "src"
+    for name in PACKAGES:
+        shutil.copytree(ROOT / name, src / name, ignore=shutil.ignore_patterns("__pycache__", "*.so"))
+    for name in ("pyproject.toml", "README.md"):
+        shutil.copy(ROOT / name, src / name)
+    done = run(sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w",
+               str(tmp_path / "dist"), ".", cwd=src)
+    assert done.returncode == 0, done.stdout + done.stderr
+    (wheel,) = (tmp_path / "dist").glob("meshserve-*.whl")
+    shipped = {n for n in zipfile.ZipFile(wheel).namelist() if n.endswith((".c", ".cpp"))}
+    assert kernel_sources() == {"executor/attention/cpu_paged_attention.c", "executor/models/cpu_fused.c",
+                                "executor/models/cpu_gemm.c", "executor/models/cpu_ops.cpp"}
+    assert shipped == kernel_sources()
+
+
+def test_the_cpu_image_installs_the_kernels_compilers():
+    lines = (DEPLOY / "Dockerfile").read_text().splitlines()
+    install = next(line for line in lines if "apt-get install" in line)
+    assert install.split("--no-install-recommends")[1].split("\\")[0].split() == ["gcc", "g++", "ninja-build"]
+    assert lines[lines.index(next(line for line in lines if "apt-get update" in line)) - 1] \
+        == "# hadolint ignore=DL3008"
