@@ -6,6 +6,9 @@ cache is under the writable /cache, not the read-only home /app."""
 import shutil
 import sys
 import zipfile
+from pathlib import Path
+
+import pytest
 
 from tests.support.deploy import DEPLOY, ROOT, run
 
@@ -40,3 +43,21 @@ def test_the_cpu_image_installs_the_kernels_compilers():
     assert install.split("--no-install-recommends")[1].split("\\")[0].split() == ["gcc", "g++", "ninja-build"]
     assert lines[lines.index(next(line for line in lines if "apt-get update" in line)) - 1] \
         == "# hadolint ignore=DL3008"
+
+
+def image_env(dockerfile: str) -> dict[str, str]:
+    """Every ``ENV key=value`` of a Dockerfile (continuation lines joined)."""
+    text = (DEPLOY / dockerfile).read_text().replace("\\\n", " ")
+    return dict(pair.split("=", 1) for line in text.splitlines() if line.startswith("ENV ")
+                for pair in line.split()[1:])
+
+
+@pytest.mark.parametrize("dockerfile", ["Dockerfile", "Dockerfile.cuda"])
+def test_the_images_keep_tritons_cache_in_the_writable_cache_volume(dockerfile):
+    """Triton's default is $HOME/.triton/cache, and HOME is /app: read-only under Kubernetes'
+    readOnlyRootFilesystem. TRITON_CACHE_DIR is Triton 3.6's knob (triton.knobs.cache.dir)."""
+    env = image_env(dockerfile)
+    assert env["MESHSERVE_CACHE_DIR"] == "/cache" and env["TRITON_CACHE_DIR"] == "/cache/triton"
+    assert "VOLUME /cache" in (DEPLOY / dockerfile).read_text().splitlines()
+    knobs = pytest.importorskip("triton.knobs")
+    assert "TRITON_CACHE_DIR" in Path(knobs.__file__).read_text()
