@@ -1,0 +1,27 @@
+"""deploy/docker-compose.yml (with the observability file it includes) as compose
+resolves it: the services' runtime settings, field by field."""
+
+import shlex
+
+import pytest
+
+from tests.support.deploy import compose_config
+
+
+@pytest.fixture(scope="module")
+def compose() -> dict:
+    return compose_config()
+
+
+def args(compose: dict, service: str) -> list[str]:
+    """A service's command as a list of words (the executor's shell line split)."""
+    command = compose["services"][service]["command"]
+    return shlex.split(command[0]) if compose["services"][service].get("entrypoint") == ["sh", "-c"] else command
+
+
+def arg(words: list[str], flag: str) -> str:
+    return words[words.index(flag) + 1]
+
+
+def test_compose_executors_run_two_torch_threads(compose):
+    assert arg(args(compose, "executor"), "--num-threads") == "2"

@@ -1,0 +1,17 @@
+"""The rendered Kubernetes objects' runtime settings, field by field: executor
+threads, who owns the executors' replica count, disruption budgets, Redis's memory
+bound and network policy, where the API keys live, the GPU executors' rollout."""
+
+import pytest
+
+from tests.support.deploy import OVERLAYS, by_kind, container, overlay
+
+
+def arg(args: list[str], flag: str) -> str:
+    return args[args.index(flag) + 1]
+
+
+@pytest.mark.parametrize("name", ["cpu", "cpu-hpa"])
+def test_cpu_executors_run_as_many_torch_threads_as_they_request_cores(name):
+    executor = container(overlay(name), "executor")
+    assert arg(executor["args"], "--num-threads") == "2" == executor["resources"]["requests"]["cpu"]
