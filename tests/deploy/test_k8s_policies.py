@@ -15,3 +15,12 @@ def arg(args: list[str], flag: str) -> str:
 def test_cpu_executors_run_as_many_torch_threads_as_they_request_cores(name):
     executor = container(overlay(name), "executor")
     assert arg(executor["args"], "--num-threads") == "2" == executor["resources"]["requests"]["cpu"]
+
+
+@pytest.mark.parametrize("name", OVERLAYS)
+def test_the_autoscaler_alone_sets_the_executor_count(name):
+    """A replicas field in the manifest would reset the autoscaled count on every `kubectl apply`."""
+    objects = overlay(name)
+    assert "replicas" not in by_kind(objects, "Deployment")["executor"]["spec"]
+    scalers = {**by_kind(objects, "ScaledObject"), **by_kind(objects, "HorizontalPodAutoscaler")}
+    assert list(scalers) == ["executor"]
