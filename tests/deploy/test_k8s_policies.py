@@ -24,3 +24,9 @@ def test_the_autoscaler_alone_sets_the_executor_count(name):
     assert "replicas" not in by_kind(objects, "Deployment")["executor"]["spec"]
     scalers = {**by_kind(objects, "ScaledObject"), **by_kind(objects, "HorizontalPodAutoscaler")}
     assert list(scalers) == ["executor"]
+
+
+def test_disruption_budgets_let_drains_evict_unready_pods():
+    budgets = by_kind(overlay("cpu"), "PodDisruptionBudget")
+    assert {name: b["spec"]["unhealthyPodEvictionPolicy"] for name, b in budgets.items()} \
+        == {"executor": "AlwaysAllow", "gateway": "AlwaysAllow"}
