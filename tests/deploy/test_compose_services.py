@@ -25,3 +25,8 @@ def arg(words: list[str], flag: str) -> str:
 
 def test_compose_executors_run_two_torch_threads(compose):
     assert arg(args(compose, "executor"), "--num-threads") == "2"
+
+
+def test_compose_redis_is_bounded_below_its_kubernetes_limit_and_never_evicts(compose):
+    command = compose["services"]["redis"]["command"]
+    assert arg(command, "--maxmemory") == "384mb" and arg(command, "--maxmemory-policy") == "noeviction"

@@ -88,8 +88,10 @@ def test_compose_gateway_serves_grpc_and_http_with_redis_tasks(compose):
     assert "--http-port" in gateway["command"] and "redis://redis:6379/0" in gateway["command"]
 
 
-REDIS_ARGS = ["--appendonly", "yes", "--appendfsync", "always", "--maxmemory-policy", "noeviction"]
-"""What the task store requires of its Redis (docs/api.md): an fsync per write, no eviction."""
+REDIS_ARGS = ["--appendonly", "yes", "--appendfsync", "always", "--maxmemory", "384mb",
+              "--maxmemory-policy", "noeviction"]
+"""What the task store requires of its Redis (docs/api.md): an fsync per write, no eviction;
+a memory bound (below the pod's 512Mi limit) so that noeviction refuses writes before an OOM kill."""
 
 
 def test_compose_redis_runs_as_the_task_store_requires(compose):
@@ -133,7 +135,7 @@ def test_overlays_render_and_every_core_object_validates_strictly(overlay, tmp_p
     core = [o for o in objects if not o["apiVersion"].startswith("keda.sh/")]
     done = validate(core, tmp_path)
     assert done.returncode == 0, done.stdout + done.stderr
-    assert len(re.findall(r"passed for resource", done.stdout + done.stderr)) == len(core) == 13
+    assert len(re.findall(r"passed for resource", done.stdout + done.stderr)) == len(core) == 14
     assert {o["metadata"]["namespace"] for o in objects} == {"meshserve"}
 
 
@@ -236,4 +238,4 @@ def test_hpa_alternative_renders_and_validates(tmp_path):
     assert hpa["spec"]["behavior"]["scaleDown"]["stabilizationWindowSeconds"] == 30
     done = validate(objects, tmp_path)
     assert done.returncode == 0, done.stdout + done.stderr
-    assert len(re.findall(r"passed for resource", done.stdout + done.stderr)) == len(objects) == 14
+    assert len(re.findall(r"passed for resource", done.stdout + done.stderr)) == len(objects) == 15

@@ -30,3 +30,26 @@ def test_disruption_budgets_let_drains_evict_unready_pods():
     budgets = by_kind(overlay("cpu"), "PodDisruptionBudget")
     assert {name: b["spec"]["unhealthyPodEvictionPolicy"] for name, b in budgets.items()} \
         == {"executor": "AlwaysAllow", "gateway": "AlwaysAllow"}
+
+
+def mebibytes(quantity: str) -> float:
+    """A Kubernetes (``512Mi``) or Redis (``384mb``) memory size in MiB."""
+    units = {"Mi": 1, "Gi": 1024, "mb": 1e6 / 2**20, "gb": 1e9 / 2**20}
+    unit = next(u for u in units if quantity.endswith(u))
+    return float(quantity.removesuffix(unit)) * units[unit]
+
+
+@pytest.mark.parametrize("name", OVERLAYS)
+def test_redis_refuses_writes_before_its_memory_limit_kills_it(name):
+    redis = container(overlay(name), "redis")
+    assert arg(redis["args"], "--maxmemory") == "384mb" and arg(redis["args"], "--maxmemory-policy") == "noeviction"
+    assert mebibytes("384mb") < mebibytes(redis["resources"]["limits"]["memory"]) == 512
+
+
+@pytest.mark.parametrize("name", OVERLAYS)
+def test_only_gateway_pods_reach_redis(name):
+    policy = by_kind(overlay(name), "NetworkPolicy")["redis"]["spec"]
+    assert policy == {"podSelector": {"matchLabels": {"app.kubernetes.io/name": "redis"}},
+                      "policyTypes": ["Ingress"],
+                      "ingress": [{"from": [{"podSelector": {"matchLabels": {"app.kubernetes.io/name": "gateway"}}}],
+                                   "ports": [{"protocol": "TCP", "port": 6379}]}]}
