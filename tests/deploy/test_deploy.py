@@ -135,7 +135,7 @@ def test_overlays_render_and_every_core_object_validates_strictly(overlay, tmp_p
     core = [o for o in objects if not o["apiVersion"].startswith("keda.sh/")]
     done = validate(core, tmp_path)
     assert done.returncode == 0, done.stdout + done.stderr
-    assert len(re.findall(r"passed for resource", done.stdout + done.stderr)) == len(core) == 14
+    assert len(re.findall(r"passed for resource", done.stdout + done.stderr)) == len(core) == 15
     assert {o["metadata"]["namespace"] for o in objects} == {"meshserve"}
 
 
@@ -152,12 +152,10 @@ def test_k8s_redis_runs_as_the_task_store_requires(overlay):
 
 
 @pytest.mark.parametrize("overlay", ["cpu", "gpu"])
-def test_services_have_native_grpc_probes_on_the_health_port_tls_secret_and_configmap(overlay):
+def test_services_have_native_grpc_probes_on_the_health_port_and_the_tls_secret(overlay):
     objects = render(K8S / "overlays" / overlay)
     deployments, services = by_kind(objects, "Deployment"), by_kind(objects, "Service")
     assert set(deployments) == set(services) == {*SERVICES, "redis"}
-    config = next(iter(by_kind(objects, "ConfigMap").values()))
-    assert set(config["data"]) == {"tenants.toml", "pools.toml"}
     for name in SERVICES:
         pod = deployments[name]["spec"]["template"]["spec"]
         container = pod["containers"][0]
@@ -176,8 +174,6 @@ def test_services_have_native_grpc_probes_on_the_health_port_tls_secret_and_conf
         assert {"name": "certs", "secret": {"secretName": "meshserve-tls"}} in pod["volumes"]
         assert pod["securityContext"]["runAsNonRoot"] is True
         assert f"/certs/{name}.pem" in container["args"]
-    sched = deployments["scheduler"]["spec"]["template"]["spec"]
-    assert {"name": "config", "configMap": {"name": config["metadata"]["name"]}} in sched["volumes"]
     assert set(by_kind(objects, "PodDisruptionBudget")) == {"executor", "gateway"}
 
 
@@ -238,4 +234,4 @@ def test_hpa_alternative_renders_and_validates(tmp_path):
     assert hpa["spec"]["behavior"]["scaleDown"]["stabilizationWindowSeconds"] == 30
     done = validate(objects, tmp_path)
     assert done.returncode == 0, done.stdout + done.stderr
-    assert len(re.findall(r"passed for resource", done.stdout + done.stderr)) == len(objects) == 15
+    assert len(re.findall(r"passed for resource", done.stdout + done.stderr)) == len(objects) == 16

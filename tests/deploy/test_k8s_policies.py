@@ -53,3 +53,24 @@ def test_only_gateway_pods_reach_redis(name):
                       "policyTypes": ["Ingress"],
                       "ingress": [{"from": [{"podSelector": {"matchLabels": {"app.kubernetes.io/name": "gateway"}}}],
                                    "ports": [{"protocol": "TCP", "port": 6379}]}]}
+
+
+@pytest.mark.parametrize("name", OVERLAYS)
+def test_api_keys_are_in_a_secret_and_pools_in_the_configmap_both_at_config(name):
+    """The tenants file (API keys) is a Secret's, the pools file the ConfigMap's; the
+    gateway and the scheduler read both under /config, where their args name them."""
+    objects = overlay(name)
+    (secret,) = by_kind(objects, "Secret").values()
+    (config,) = by_kind(objects, "ConfigMap").values()
+    assert secret["metadata"]["name"].startswith("meshserve-tenants-") and set(secret["data"]) == {"tenants.toml"}
+    assert config["metadata"]["name"].startswith("meshserve-config-") and set(config["data"]) == {"pools.toml"}
+    for service in ("gateway", "scheduler"):
+        pod = by_kind(objects, "Deployment")[service]["spec"]["template"]["spec"]
+        assert {"name": "config", "projected": {"sources": [{"secret": {"name": secret["metadata"]["name"]}},
+                                                            {"configMap": {"name": config["metadata"]["name"]}}]}} \
+            in pod["volumes"]
+        assert {"name": "config", "mountPath": "/config", "readOnly": True} in pod["containers"][0]["volumeMounts"]
+        assert arg(pod["containers"][0]["args"], "--tenants") == "/config/tenants.toml"
+    assert arg(container(objects, "scheduler")["args"], "--pools") == "/config/pools.toml"
+    assert all("configMap" not in v for d in by_kind(objects, "Deployment").values()
+               for v in d["spec"]["template"]["spec"]["volumes"])  # no pod mounts the tenants as a ConfigMap
