@@ -30,3 +30,9 @@ def test_compose_executors_run_two_torch_threads(compose):
 def test_compose_redis_is_bounded_below_its_kubernetes_limit_and_never_evicts(compose):
     command = compose["services"]["redis"]["command"]
     assert arg(command, "--maxmemory") == "384mb" and arg(command, "--maxmemory-policy") == "noeviction"
+
+
+def test_grafana_lets_anonymous_visitors_view_only_from_this_host(compose):
+    grafana = compose["services"]["grafana"]
+    assert grafana["environment"]["GF_AUTH_ANONYMOUS_ORG_ROLE"] == "Viewer"
+    assert [(p["host_ip"], p["published"], p["target"]) for p in grafana["ports"]] == [("127.0.0.1", "3000", 3000)]
