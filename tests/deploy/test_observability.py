@@ -8,12 +8,14 @@ after a real run in tests/mesh/test_metrics.py.)
 promtool comes from Debian's ``prometheus`` package, installed by ``make setup``;
 these tests fail, not skip, without it."""
 
+import re
 import shutil
 import subprocess
 
+import grpc
 import yaml
 
-from tests.support.promql import OBSERVABILITY, alert_exprs, dashboard_exprs, metric_names
+from tests.support.promql import ALERTS, OBSERVABILITY, alert_exprs, dashboard_exprs, metric_names
 
 
 def promtool(*args: str) -> subprocess.CompletedProcess:
@@ -109,3 +111,23 @@ def test_otel_collector_config_wires_an_otlp_receiver_to_the_composed_jaeger():
     assert "./observability/otel-collector.yaml:/etc/otelcol/config.yaml:ro" in collector["volumes"]
     assert "--config=/etc/otelcol/config.yaml" in collector["command"] and "jaeger" in collector["depends_on"]
     assert compose["jaeger"]["environment"]["COLLECTOR_OTLP_ENABLED"] == "true"
+
+
+def alert_outcomes(alertname: str) -> set[str]:
+    """The ``outcome`` values an alert's numerator selects (``outcome=~"a|b"``)."""
+    rules = {r["alert"]: r for g in yaml.safe_load(ALERTS.read_text())["groups"] for r in g["rules"]}
+    (values,) = re.findall(r'outcome=~"([^"]+)"', rules[alertname]["expr"])
+    return set(values.split("|"))
+
+
+def test_the_error_rate_alert_counts_only_the_meshs_failures():
+    """``outcome`` is the lower-case gRPC status name (gateway/metrics.py ``outcome_of``):
+    the critical alert counts what the mesh failed at; the callers' mistakes and quotas
+    have their own warning. (promtool's cases: alerts_test.yml.)"""
+    codes = {code.name.lower() for code in grpc.StatusCode}
+    server = alert_outcomes("MeshserveErrorRate")
+    caller = alert_outcomes("MeshserveRequestsRefused")
+    assert server == {"unavailable", "internal", "unknown", "deadline_exceeded", "data_loss"}
+    assert caller == {"invalid_argument", "resource_exhausted", "not_found", "permission_denied", "already_exists",
+                      "failed_precondition", "out_of_range"}
+    assert server | caller <= codes and not server & caller and not {"ok", "cancelled"} & (server | caller)
