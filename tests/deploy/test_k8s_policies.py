@@ -74,3 +74,19 @@ def test_api_keys_are_in_a_secret_and_pools_in_the_configmap_both_at_config(name
     assert arg(container(objects, "scheduler")["args"], "--pools") == "/config/pools.toml"
     assert all("configMap" not in v for d in by_kind(objects, "Deployment").values()
                for v in d["spec"]["template"]["spec"]["volumes"])  # no pod mounts the tenants as a ConfigMap
+
+
+@pytest.mark.parametrize("name", OVERLAYS)
+def test_every_scraped_pod_serves_metrics_on_its_annotated_port(name):
+    """deploy/observability/prometheus-k8s.yml scrapes the container port named metrics,
+    at the prometheus.io/port annotation, as job meshserve-<app.kubernetes.io/name>."""
+    scraped = {}
+    for deployment in by_kind(overlay(name), "Deployment").values():
+        template = deployment["spec"]["template"]
+        annotations = template["metadata"].get("annotations", {})
+        if annotations.get("prometheus.io/scrape") == "true":
+            ports = {p["name"]: p["containerPort"] for p in template["spec"]["containers"][0]["ports"]}
+            scraped[template["metadata"]["labels"]["app.kubernetes.io/name"]] = (
+                str(ports["metrics"]), annotations["prometheus.io/port"])
+    assert scraped == {"gateway": ("9400", "9400"), "scheduler": ("9401", "9401"), "executor": ("9402", "9402"),
+                       "kvstore": ("9403", "9403")}

@@ -131,3 +131,57 @@ def test_the_error_rate_alert_counts_only_the_meshs_failures():
     assert caller == {"invalid_argument", "resource_exhausted", "not_found", "permission_denied", "already_exists",
                       "failed_precondition", "out_of_range"}
     assert server | caller <= codes and not server & caller and not {"ok", "cancelled"} & (server | caller)
+
+
+def relabel(rules: list[dict], labels: dict[str, str]) -> dict[str, str] | None:
+    """Prometheus's ``relabel_configs`` (actions keep and replace, the only ones used) on
+    one target's labels; None when a rule drops it."""
+    labels = dict(labels)
+    for rule in rules:
+        value = rule.get("separator", ";").join(labels.get(name, "") for name in rule.get("source_labels", []))
+        match = re.fullmatch(rule.get("regex", "(.*)"), value)
+        if rule.get("action", "replace") == "keep":
+            if not match:
+                return None
+        elif match:
+            labels[rule["target_label"]] = re.sub(r"\$(\d+)", lambda m: match.group(int(m.group(1))),
+                                                  rule.get("replacement", "$1"))
+    return labels
+
+
+def pod_target(name: str, port_name: str, annotations: dict[str, str]) -> dict[str, str]:
+    """The labels Kubernetes' pod discovery gives one container port of a pod."""
+    meta = {"__address__": f"10.1.2.3:{port_name}", "__meta_kubernetes_pod_ip": "10.1.2.3",
+            "__meta_kubernetes_pod_name": f"{name}-7d4b9-x2x5q", "__meta_kubernetes_pod_container_port_name": port_name,
+            "__meta_kubernetes_pod_label_app_kubernetes_io_name": name}
+    return meta | {"__meta_kubernetes_pod_annotation_" + k.replace(".", "_").replace("/", "_"): v
+                   for k, v in annotations.items()}
+
+
+def test_the_kubernetes_scrape_config_names_each_pods_job_as_the_alerts_expect(tmp_path):
+    """prometheus-k8s.yml: pods of the namespace meshserve with the prometheus.io/scrape
+    annotation, at their prometheus.io/port, as job meshserve-<app.kubernetes.io/name>
+    (MeshserveServiceDown selects ``job=~"meshserve-.*"``). promtool checks it; Debian's
+    promtool is built without Kubernetes discovery, so where it rejects the field the
+    same file with a static target instead is checked."""
+    config = yaml.safe_load((OBSERVABILITY / "prometheus-k8s.yml").read_text())
+    assert config["rule_files"] == ["alerts.yml"]
+    (job,) = config["scrape_configs"]
+    assert job["kubernetes_sd_configs"] == [{"role": "pod", "namespaces": {"names": ["meshserve"]}}]
+    done = promtool("check", "config", "prometheus-k8s.yml")
+    if "field kubernetes_sd_configs not found" in done.stdout + done.stderr:
+        static = {**config, "scrape_configs": [{**{k: v for k, v in job.items() if k != "kubernetes_sd_configs"},
+                                                "static_configs": [{"targets": ["10.1.2.3:9402"]}]}]}
+        (tmp_path / "prometheus-k8s.yml").write_text(yaml.safe_dump(static))
+        (tmp_path / "alerts.yml").write_text((OBSERVABILITY / "alerts.yml").read_text())
+        done = subprocess.run([shutil.which("promtool"), "check", "config", "prometheus-k8s.yml"], cwd=tmp_path,
+                              capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0 and "SUCCESS: 1 rule files found" in done.stdout + done.stderr, done.stdout
+    rules = job["relabel_configs"]
+    scraped = {"prometheus.io/scrape": "true", "prometheus.io/port": "9402"}
+    target = relabel(rules, pod_target("executor", "metrics", scraped))
+    assert (target["job"], target["__address__"], target["pod"]) \
+        == ("meshserve-executor", "10.1.2.3:9402", "executor-7d4b9-x2x5q")
+    assert relabel(rules, pod_target("executor", "grpc", scraped)) is None  # one target per pod, not per port
+    assert relabel(rules, pod_target("redis", "redis", {})) is None  # not annotated
+    assert re.fullmatch(r"meshserve-.*", relabel(rules, pod_target("gateway", "metrics", scraped))["job"])
