@@ -90,3 +90,10 @@ def test_every_scraped_pod_serves_metrics_on_its_annotated_port(name):
                 str(ports["metrics"]), annotations["prometheus.io/port"])
     assert scraped == {"gateway": ("9400", "9400"), "scheduler": ("9401", "9401"), "executor": ("9402", "9402"),
                        "kvstore": ("9403", "9403")}
+
+
+def test_gpu_executors_roll_out_in_place_without_a_surge_pod():
+    """No spare GPU waits for a surge pod: one old executor goes (it drains) before its new one comes."""
+    gpu = by_kind(overlay("gpu"), "Deployment")["executor"]["spec"]
+    assert gpu["strategy"] == {"type": "RollingUpdate", "rollingUpdate": {"maxSurge": 0, "maxUnavailable": 1}}
+    assert "strategy" not in by_kind(overlay("cpu"), "Deployment")["executor"]["spec"]  # CPU: the default surge
