@@ -36,3 +36,12 @@ def test_grafana_lets_anonymous_visitors_view_only_from_this_host(compose):
     grafana = compose["services"]["grafana"]
     assert grafana["environment"]["GF_AUTH_ANONYMOUS_ORG_ROLE"] == "Viewer"
     assert [(p["host_ip"], p["published"], p["target"]) for p in grafana["ports"]] == [("127.0.0.1", "3000", 3000)]
+
+
+@pytest.mark.parametrize("service", ["kvstore", "scheduler", "executor", "gateway"])
+def test_compose_services_send_their_traces_to_the_collector(compose, service):
+    """The collector (deploy/observability/otel-collector.yaml) takes OTLP/gRPC on 4317 and
+    passes the traces to Jaeger; without --traces a service exports none."""
+    words = args(compose, service)
+    assert arg(words, "--traces") == "otlp" and arg(words, "--otlp-endpoint") == "otel-collector:4317"
+    assert "otel-collector" in compose["services"]
