@@ -5,7 +5,7 @@ import shlex
 
 import pytest
 
-from tests.support.deploy import compose_config
+from tests.support.deploy import DEPLOY, compose_config
 
 
 @pytest.fixture(scope="module")
@@ -45,3 +45,20 @@ def test_compose_services_send_their_traces_to_the_collector(compose, service):
     words = args(compose, service)
     assert arg(words, "--traces") == "otlp" and arg(words, "--otlp-endpoint") == "otel-collector:4317"
     assert "otel-collector" in compose["services"]
+
+
+@pytest.mark.parametrize("dockerfile", ["Dockerfile", "Dockerfile.cuda"])
+def test_the_images_healthcheck_comment_says_what_compose_does(compose, dockerfile):
+    """The image's HEALTHCHECK asks MESHSERVE_HEALTH_ADDRESS over plaintext; compose never
+    sets that address but replaces the check of every meshserve service by its own over
+    mutual TLS, as the Dockerfile's comment says."""
+    for name in ("kvstore", "scheduler", "executor", "gateway"):
+        service = compose["services"][name]
+        assert "MESHSERVE_HEALTH_ADDRESS" not in (service.get("environment") or {}), name
+        test = service["healthcheck"]["test"]
+        assert test[1:4] == ["python", "-m", "meshserve.healthcheck"] and "--tls-ca" in test, name
+    lines = (DEPLOY / dockerfile).read_text().splitlines()
+    at = next(i for i, line in enumerate(lines) if line.startswith("ENV MESHSERVE_HEALTH_ADDRESS"))
+    comment = " ".join(line.lstrip("# ") for line in lines[at - 5:at])
+    assert comment.startswith("The image's check: the overall grpc.health.v1 status") and "over plaintext" in comment
+    assert "Compose sets no address: it replaces this check per service" in comment
