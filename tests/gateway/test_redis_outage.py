@@ -18,16 +18,12 @@ from gateway.task_readiness import TaskStoreProbe
 from gateway.task_runner import TaskRunner
 from gateway.task_store import TaskRecord, TaskState
 from meshserve.errors import Unavailable
-from tests.support.redis_server import redis_process
+from tests.support.redis_server import redis_process, redis_process_or_skip
 
 
 @pytest.fixture
 def redis():
-    try:
-        with redis_process() as handle:
-            yield handle
-    except FileNotFoundError as exc:
-        pytest.skip(str(exc))
+    yield from redis_process_or_skip()
 
 
 async def until_final(store, task_id: str) -> TaskRecord:

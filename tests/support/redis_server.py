@@ -112,6 +112,16 @@ def redis_url_or_skip() -> Iterator[str]:
         pytest.skip(str(exc))
 
 
+def redis_process_or_skip() -> Iterator[RedisProcess]:
+    """For a fixture (``yield from``): a ``RedisProcess`` started for it, stopped
+    afterwards; skips the test when redis-server is not installed."""
+    try:
+        with redis_process() as handle:
+            yield handle
+    except FileNotFoundError as exc:
+        pytest.skip(str(exc))
+
+
 def acl_user(url: str, name: str, password: str, *rules: str) -> str:
     """Creates the ACL user ``name`` with ``password``, every key and channel and the
     command ``rules`` (e.g. ``"+@all", "-@scripting"``) on the Redis at ``url`` (which

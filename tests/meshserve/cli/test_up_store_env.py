@@ -10,7 +10,7 @@ from meshserve.cli.launcher import Mesh, free_port
 from meshserve.cli.mesh import mesh_config
 from meshserve.client import build_request, channel, submit_task, wait_task
 from meshserve.v1 import gateway_pb2, gateway_pb2_grpc
-from tests.support.redis_server import acl_user, redis_process
+from tests.support.redis_server import acl_user, redis_process_or_skip
 
 PASSWORD = "s3cret-pw"
 
@@ -22,11 +22,7 @@ def _proc_file(pid: int, name: str) -> list[str]:
 
 @pytest.fixture
 def redis():
-    try:
-        with redis_process() as server:
-            yield server
-    except FileNotFoundError as exc:
-        pytest.skip(str(exc))
+    yield from redis_process_or_skip()
 
 
 @pytest.mark.model
