@@ -76,4 +76,3 @@ def quota_max_tokens(quota: int | None, n: int, block_size: int, num_prompt_toke
     if quota is None:
         return 0
     return max(1, (quota // max(1, n)) * block_size - num_prompt_tokens)
-

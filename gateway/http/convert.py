@@ -144,4 +144,3 @@ async def naming_prompt(stream: AsyncIterator[T], index: int | None) -> AsyncIte
                 yield event
         except InvalidArgument as exc:
             raise prompt_named(exc, index) from None
-
