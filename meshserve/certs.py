@@ -122,12 +122,19 @@ def write_certs(directory: str | os.PathLike, roles: Sequence[str] = ROLES, extr
     Returns the files written.
 
     Raises:
-        ValueError: an unknown role, or ``directory`` already holds a ``ca.pem``
-            (never overwritten: certificates issued from it would stop verifying).
+        ValueError: an unknown role; an extra host that is a role's name (every
+            certificate would carry it, and the gateway knows an executor by the name
+            ``executor`` alone: ``gateway.mesh_client.EXECUTOR_TLS_NAME``); or
+            ``directory`` already holds a ``ca.pem`` (never overwritten: certificates
+            issued from it would stop verifying).
     """
     unknown = sorted(set(roles) - set(ROLES))
     if unknown:
         raise ValueError(f"unknown role(s) {', '.join(unknown)} (roles: {', '.join(ROLES)})")
+    taken = [h for h in extra_hosts if h.lower().rstrip(".") in ROLES]
+    if taken:
+        raise ValueError(f"--host {taken[0]} is a role's name, which only that role's certificate carries (the "
+                         f"gateway knows an executor by the name 'executor'); every certificate gets the --host names")
     d = Path(directory)
     if (d / "ca.pem").exists():
         raise ValueError(f"{d / 'ca.pem'} exists; choose an empty directory")

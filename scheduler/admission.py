@@ -499,16 +499,15 @@ class AdmissionCore:
 
     def drain_executor(self, executor_id: str) -> bool:
         """Routes nothing new to an executor any more (it finishes its leases, then
-        leaves); False if it is unknown. Its leases stay valid until it disconnects."""
+        leaves); False if it is unknown. Its leases stay valid until released or expired."""
         executor = self.registry.get(executor_id)
         if executor is None:
             return False
         executor.draining = True
         return True
 
-    def remove_executor(self, executor_id: str, state: ExecutorState | None = None) -> list[Lease]:
-        """Drops an executor (only when it is still ``state``, when given: a newer
-        registration of the id is left alone) and returns its leases, now detached.
+    def remove_executor(self, executor_id: str) -> list[Lease]:
+        """Drops an executor and returns its leases, now detached.
 
         A detached lease keeps its quota charge and its request id: its executor may
         only have lost its link to the scheduler and still run the request, holding
@@ -517,9 +516,8 @@ class AdmissionCore:
         renewal or listing; or it is taken back by the executor when that registers
         again under the same id and lists it (``on_capacity``).
         """
-        leases = self.registry.remove(executor_id, state)
-        if self.registry.get(executor_id) is None:
-            self.prefix_index.drop(executor_id)
+        leases = self.registry.remove(executor_id)
+        self.prefix_index.drop(executor_id)
         for lease in leases:
             lease.listed = False  # no executor lists it now: it may expire
         return leases
@@ -548,6 +546,9 @@ class AdmissionCore:
         """A held lease, or None."""
         return self._leases.get(lease_id)
 
-    def num_leases(self) -> int:
-        """Leases currently held."""
-        return len(self._leases)
+    def num_leases(self, executor_id: str | None = None) -> int:
+        """Leases currently held (on ``executor_id`` only, when given: those detached
+        from it by a lost link included)."""
+        if executor_id is None:
+            return len(self._leases)
+        return sum(1 for lease in self._leases.values() if lease.executor_id == executor_id)

@@ -68,10 +68,12 @@ def quota_max_tokens(quota: int | None, n: int, block_size: int, num_prompt_toke
     """The most tokens each of a request's ``n`` choices may generate within its
     tenant's quota of ``quota`` blocks: the largest ``m`` with
     ``n × ceil((num_prompt_tokens + m) / block_size) <= quota`` (each choice counted
-    with the whole prompt, as admission counts it); 0 without a quota. At least 1
-    with one (0 means no bound): admission takes only a request whose
-    ``n × ceil((prompt + 1) / block_size)`` blocks fit the quota, and that one gets
-    at least 1 from the formula.
+    with the whole prompt, as admission counts it); 0 without a quota, at least 1
+    with one (0 would mean no bound). Admission takes a request whose
+    ``n × ceil((prompt + 1) / block_size)`` blocks, capped at the executor's whole
+    cache, fit the quota; without that cap the formula gives it at least 1, and a
+    request the cap let in (its choices share the prompt's blocks in the prefix
+    cache) gets 1.
     """
     if quota is None:
         return 0

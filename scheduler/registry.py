@@ -105,23 +105,15 @@ class ExecutorRegistry:
         return self._executors.get(executor_id)
 
     def add(self, state: ExecutorState) -> None:
-        """Registers (or re-registers, replacing) an executor; it starts fully free. A
-        registration that replaces a live one of the same id (it reconnected before
-        its old stream was found dead) takes over that one's leases."""
+        """Registers (or re-registers, replacing) an executor; it starts fully free."""
         state.num_free_blocks = state.num_free_blocks or state.num_blocks
-        old = self._executors.get(state.executor_id)
-        if old is not None:
-            state.leases.update(old.leases)
         self._executors[state.executor_id] = state
 
-    def remove(self, executor_id: str, state: ExecutorState | None = None) -> list[Lease]:
-        """Drops an executor (only when it is still ``state``, when given: a newer
-        registration of the id stays); returns the leases it held."""
-        current = self._executors.get(executor_id)
-        if current is None or (state is not None and current is not state):
-            return []
-        del self._executors[executor_id]
-        return list(current.leases.values())
+    def remove(self, executor_id: str) -> list[Lease]:
+        """Drops an executor; returns the leases it held (``AdmissionCore.remove_executor``
+        detaches them)."""
+        state = self._executors.pop(executor_id, None)
+        return list(state.leases.values()) if state else []
 
     def report(
         self, executor_id: str, num_free_blocks: int, num_running: int, num_waiting: int, lease_ids: set[str]

@@ -16,7 +16,8 @@ capacity report also sweeps the expired leases its executor no longer lists
 (``meshserve.request_ids``): the core sees ``scoped_request_id(tenant, id)``.
 An executor that stops (SIGTERM, scaled down) sends ``draining`` on its stream:
 from then on nothing new is routed to it, and the scheduler answers
-``drain_ack``; its leases stay valid until it disconnects (case C42). The
+``drain_ack``; its leases stay valid until they are released or expire (case
+C42), and ``drain_ack`` with ``done`` follows once none is left. The
 planner (``scheduler.planner``, run by ``scheduler.planner_loop``) learns from
 every admitted request, every released lease and every executor's cold start
 (``ExecutorRegister.startup_s``). With a start budget (scale to zero, case C44)
@@ -84,12 +85,12 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
                 fut.set_result(lease)
         self.planner_loop.observe()  # what is left queued: the planner's saturation sample
 
-    def sign(self, lease: Lease, request_id: str, priority: int) -> bytes:
-        """The signed lease of ``lease`` for the caller's (unscoped) ``request_id``."""
+    def sign(self, lease: Lease, executor: ExecutorState, request_id: str, priority: int) -> bytes:
+        """The signed lease of ``lease`` on ``executor`` for the caller's (unscoped)
+        ``request_id``, bounding its tokens to its tenant's quota (``quota_max_tokens``)."""
         ttl = self.core.config.lease_ttl_s
-        executor = self.core.registry.get(lease.executor_id)
         max_tokens = quota_max_tokens(self.core.quotas.limit(lease.tenant), lease.n, executor.block_size,
-                                      lease.num_prompt_tokens) if executor is not None else 0
+                                      lease.num_prompt_tokens)
         return self.signer.sign(LeaseClaims(
             lease_id=lease.lease_id, request_id=request_id, tenant=lease.tenant, executor_id=lease.executor_id,
             num_blocks=lease.num_blocks, expires_at_unix_s=self.wall_clock() + ttl, nonce=new_nonce(),
@@ -189,16 +190,18 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
                             self._expire_start_waits()
                 lease = fut.result()
                 executor = self.core.registry.get(lease.executor_id)
+                if executor is None:  # it dropped off between dispatch and now: its lease is released below
+                    raise Unavailable(f"executor {lease.executor_id} left before the request could start there")
                 queue_s = max(0.0, lease.assigned_at - req.arrival)
                 span.set_attributes({ta.EXECUTOR_ID: lease.executor_id, ta.QUEUE_WAIT_S: queue_s})
                 self.metrics.on_assigned(request.tenant, req.priority, queue_s)  # the ceiling applied
                 yield pb.AdmitEvent(
                     assignment=pb.Assignment(
                         executor_id=lease.executor_id,
-                        address=executor.address if executor else "",
+                        address=executor.address,
                         lease_id=lease.lease_id,
                         queue_s=queue_s,
-                        lease=self.sign(lease, request.request_id, req.priority),
+                        lease=self.sign(lease, executor, request.request_id, req.priority),
                         lease_ttl_s=self.core.config.lease_ttl_s,
                     )
                 )
@@ -303,17 +306,14 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
                     log.info("executor %s draining (grace %.1f s): no new requests routed to it",
                              reg.executor_id, msg.draining.grace_s)
                     yield pb.SchedulerCommand(drain_ack=pb.DrainAck(executor_id=reg.executor_id))
-                if state.draining and not state.leases and not drained:
-                    drained = True  # every lease routed to it is released: it may leave
+                if state.draining and not self.core.num_leases(reg.executor_id) and not drained:
+                    drained = True  # every lease routed to it (detached ones too) is released: it may leave
                     yield pb.SchedulerCommand(drain_ack=pb.DrainAck(executor_id=reg.executor_id, done=True))
         finally:
-            detached = self.core.remove_executor(reg.executor_id, state)
+            detached = self.core.remove_executor(reg.executor_id)
             self._on_registry_change(len(list(self.core.registry)))
-            if self.core.registry.get(reg.executor_id) is None:
-                log.info("executor %s disconnected (%d leases detached: they end when released or expired, "
-                         "unless it registers again and lists them)", reg.executor_id, len(detached))
-            else:
-                log.info("executor %s: an old Connect stream ended after it registered again", reg.executor_id)
+            log.info("executor %s disconnected (%d leases detached: they end when released or expired, unless it "
+                     "registers again and lists them)", reg.executor_id, len(detached))
             self._fail_orphans()
             self._dispatch()
 

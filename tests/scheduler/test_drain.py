@@ -87,6 +87,38 @@ async def test_a_draining_executor_gets_nothing_new_and_may_leave_once_its_lease
         await svc.stop(0.1)
 
 
+async def test_a_lease_detached_by_a_lost_link_holds_the_drain_until_it_is_released():
+    """Found by a review: x lost its link with a lease whose request had not reached it
+    yet (detached, not listed again); x came back and drained, and was told it may
+    leave at once, while that lease was still live and routed to x."""
+    svc = await start_scheduler(0, planner=PlannerConfig(interval_s=60.0, season_s=3600.0))
+    core = svc.servicer.core
+    channel = grpc.aio.insecure_channel(svc.address)
+    stub = scheduler_pb2_grpc.SchedulerStub(channel)
+    x = RecordingExecutor(stub, "x")
+    try:
+        await wait_for_condition(lambda: x.kinds() == [("registered", False)], 60, "x registered")
+        pending = await admit(stub, "r1")          # its gateway has not called Execute yet
+        await x.close()                            # the link drops: the lease is detached
+        await wait_for_condition(lambda: core.registry.get("x") is None, 60, "x dropped")
+        assert (core.lease(pending.lease_id).executor_id, core.num_leases("x")) == ("x", 1)
+        x = RecordingExecutor(stub, "x")           # back, and stopping
+        x.queue.put_nowait(pb.ExecutorMessage(draining=pb.ExecutorDraining(grace_s=30.0)))
+        x.queue.put_nowait(pb.ExecutorMessage(capacity=pb.CapacityReport(num_free_blocks=64)))
+        await wait_for_condition(lambda: core.registry.get("x") is not None and core.registry.get("x").draining,
+                                 60, "x draining")
+        await wait_for_condition(lambda: len(x.commands) >= 2, 60, "drain acknowledged")
+        assert x.kinds() == [("registered", False), ("drain_ack", False)]  # the detached lease remains
+        await stub.Release(pb.ReleaseRequest(lease_id=pending.lease_id))
+        x.queue.put_nowait(pb.ExecutorMessage(capacity=pb.CapacityReport(num_free_blocks=64)))
+        await wait_for_condition(lambda: len(x.commands) == 3, 60, "drain done")
+        assert x.kinds()[-1] == ("drain_ack", True) and core.num_leases("x") == 0
+        await x.close()
+    finally:
+        await channel.close()
+        await svc.stop(0.1)
+
+
 async def test_planner_metrics_are_exported_after_a_decision():
     svc = await start_scheduler(0, planner=PlannerConfig(interval_s=60.0, season_s=3600.0, min_executors=2,
                                                          capacity_tokens_per_s=500.0, cold_start_s=12.0))

@@ -100,20 +100,6 @@ def test_a_detached_lease_no_executor_lists_expires_and_frees_its_quota():
     assert (core.num_leases(), core.quotas.snapshot()) == (0, {})
 
 
-def test_an_old_stream_ending_after_its_executor_registered_again_removes_nothing():
-    core = core_with(num_blocks=20)
-    old = core.registry.get("e0")
-    core.submit(req("r1"))
-    (_, lease), = core.dispatch()
-    new = ExecutorState("e0", "addr", "m", 20, 16, 4096)
-    core.registry.add(new)               # reconnected before the old stream was found dead
-    assert list(new.leases) == [lease.lease_id]
-    assert core.remove_executor("e0", old) == []
-    assert core.registry.get("e0") is new and core.num_leases() == 1
-    assert [x.lease_id for x in core.remove_executor("e0", new)] == [lease.lease_id]
-    assert core.registry.get("e0") is None
-
-
 def test_request_alone_over_its_quota_is_resource_exhausted():
     core = core_with(num_blocks=20, tenant_quotas={"a": 4}, retry_after_s=2.5)
     with pytest.raises(ResourceExhausted, match="needs 5 KV blocks; tenant 'a' has a quota of 4") as info:

@@ -71,6 +71,17 @@ def test_certs_makes_a_ca_and_one_certificate_per_role_naming_it(tmp_path):
     assert again.exit_code == 0 and (tmp_path / "c" / "ca.pem").read_bytes() == before
 
 
+@pytest.mark.parametrize("host", ["executor", "Executor.", "scheduler"])
+def test_certs_refuses_a_role_name_as_an_extra_host(tmp_path, host):
+    """Found by a review: ``--host executor`` put the name by which the gateway knows an
+    executor into every role's certificate, so a client's certificate could pose as one."""
+    result = CliRunner().invoke(app, ["certs", str(tmp_path / "c"), "--host", "a.internal", "--host", host])
+    assert result.exit_code == 2
+    assert f"--host {host} is a role's name, which only that role's certificate carries" in " ".join(
+        result.output.replace("│", " ").split())
+    assert not (tmp_path / "c").exists()
+
+
 def test_up_runs_plaintext_by_default_and_mutual_tls_with_a_tls_dir(tmp_path):
     assert Mesh(MeshConfig())._tls_args("executor") == ["--insecure"]
     assert not Mesh(MeshConfig()).tls().enabled
