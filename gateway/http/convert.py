@@ -125,6 +125,14 @@ _PROMPT_FIELD = re.compile(r"^prompt(?:_token_ids)?(?=[\s\[]|$)")
 T = TypeVar("T")
 
 
+def lone_prompt_index(prompt: object) -> int | None:
+    """How a body's only prompt is named: None for a string or a token list (the body's
+    ``prompt`` itself), 0 for a list holding one prompt (``prompt[0]``)."""
+    if isinstance(prompt, list) and prompt and not all(isinstance(p, int) for p in prompt):
+        return 0
+    return None
+
+
 def prompt_named(error: InvalidArgument, index: int | None) -> InvalidArgument:
     """A prompt's error with the prompt named as the completions body names it: the
     core's ``prompt_token_ids[3] = …`` and ``prompt has … tokens`` become

@@ -36,7 +36,7 @@ from gateway.collector import ChoiceCollector
 from gateway.events import ChoiceResult, Delta
 from gateway.generation import GatewayCore
 from gateway.http.bodies import json_object
-from gateway.http.convert import chat_request, completion_requests, naming_prompt, prompt_named
+from gateway.http.convert import chat_request, completion_requests, lone_prompt_index, naming_prompt, prompt_named
 from gateway.http.errors import http_error
 from gateway.http.formats import ChatFormat, CompletionFormat, usage_of
 from gateway.http.schemas import ChatCompletionRequest, CompletionRequest, SamplingFields
@@ -98,7 +98,8 @@ class OpenAIRoutes:
         requests = completion_requests(body, request_id)
         fmt = CompletionFormat(f"cmpl-{request_id}", body.model or self.served_name, body.n, self.core.tokenizer,
                                body.logprobs is not None, body.return_token_ids)
-        return await self._serve(request, body, tenant, requests, fmt, received_at, prompts=True)
+        return await self._serve(request, body, tenant, requests, fmt, received_at, prompts=True,
+                                 lone_prompt=lone_prompt_index(body.prompt))
 
     async def chat_completions(self, request: Request) -> Response:
         """``POST /v1/chat/completions``."""
@@ -113,16 +114,17 @@ class OpenAIRoutes:
 
     async def _serve(self, request: Request, body: SamplingFields, tenant: Tenant,
                      requests: list[GenerationRequest], fmt: ChatFormat | CompletionFormat,
-                     received_at: float, prompts: bool = False) -> Response:
+                     received_at: float, prompts: bool = False, lone_prompt: int | None = None) -> Response:
         """Runs ``requests`` and answers them as ``fmt`` says; ``prompts``: they are a
-        completions body's, and a prompt's error names it as the body does."""
+        completions body's, and a prompt's error names it as the body does (a body's
+        only prompt as ``lone_prompt`` says: ``lone_prompt_index``)."""
         options = SpanOptions(parent=context_from_metadata(headers_of(request)), stream=body.stream,
                               attributes={"enduser.id": body.user} if body.user else {})
         on_done = None
         if len(requests) == 1:
             streams = [self.core.generate(requests[0], tenant, options, received_at)]
             if prompts:
-                streams = [naming_prompt(streams[0], None)]
+                streams = [naming_prompt(streams[0], lone_prompt)]
         else:  # every prompt validated before any is admitted: a bad one must not strand the others' leases
             prepared = []
             try:

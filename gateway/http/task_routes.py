@@ -25,7 +25,7 @@ from fastapi.responses import JSONResponse
 from google.protobuf.json_format import MessageToDict
 
 from gateway.http.bodies import json_object
-from gateway.http.convert import chat_request, completion_requests, prompt_named
+from gateway.http.convert import chat_request, completion_requests, lone_prompt_index, prompt_named
 from gateway.http.openai_routes import headers_of
 from gateway.http.schemas import ChatCompletionRequest, CompletionRequest
 from gateway.proto_convert import request_to_proto
@@ -114,7 +114,7 @@ class TaskRoutes:
             generate = self._generate_request(body)
             handle = await self.tasks.submit(generate, context)
         except InvalidArgument as exc:
-            raise (exc if "messages" in body else prompt_named(exc, None)) from None
+            raise (exc if "messages" in body else prompt_named(exc, lone_prompt_index(body.get("prompt")))) from None
         return JSONResponse(_json(handle), status_code=202)
 
     async def get(self, task_id: str, request: Request) -> dict:

@@ -150,6 +150,9 @@ async def test_a_lone_surrogate_names_the_prompt_or_message_holding_it(served, p
     ([[1, 2], [1_000_000_000]], "prompt.1.0", "prompt[1][0] = 1000000000 is outside the vocabulary [0, {vocab})"),
     ([[1, 2], []], "prompt.1", "prompt[1] must not be empty"),
     ([-1], "prompt.0", "prompt[0] = -1 is outside the vocabulary [0, {vocab})"),
+    ([[5, -1]], "prompt.0.1", "prompt[0][1] = -1 is outside the vocabulary [0, {vocab})"),  # a list of one
+    (["x " * 9000], "prompt.0", "prompt[0] has 9001 tokens; max_model_len is {max_len} (prompt + at least 1 output "
+                                "token)"),
     (["ok", "x " * 9000], "prompt.1", "prompt[1] has 9001 tokens; max_model_len is {max_len} (prompt + at least "
                                       "1 output token)"),
     ("x " * 9000, "prompt", "prompt has 9001 tokens; max_model_len is {max_len} (prompt + at least 1 output token)"),
@@ -174,11 +177,14 @@ async def test_stream_options_without_a_stream_is_refused_as_vllm_refuses_it(ser
         "stream_options is only allowed with stream: true", param="stream_options"))
 
 
-async def test_a_tasks_token_prompt_is_named_as_the_body_spells_it(served):
+@pytest.mark.parametrize("prompt, param, message", [
+    ([5, -1], "prompt.1", "prompt[1] = -1 is outside the vocabulary [0, 49152)"),
+    ([[5, -1]], "prompt.0.1", "prompt[0][1] = -1 is outside the vocabulary [0, 49152)"),
+])
+async def test_a_tasks_token_prompt_is_named_as_the_body_spells_it(served, prompt, param, message):
     client, _ = served
-    content = json.dumps({"prompt": [5, -1], "max_tokens": 1}).encode()
-    assert await post(client, "/v1/tasks", content, JSON) == (400, error(
-        "prompt[1] = -1 is outside the vocabulary [0, 49152)", param="prompt.1"))
+    content = json.dumps({"prompt": prompt, "max_tokens": 1}).encode()
+    assert await post(client, "/v1/tasks", content, JSON) == (400, error(message, param=param))
 
 
 async def test_a_task_with_both_messages_and_prompt_is_refused_naming_prompt(served):
