@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import math
+import os
 import signal
 import sys
 import threading
@@ -19,6 +20,7 @@ from typing import TYPE_CHECKING, Optional
 
 import typer
 
+from meshserve.cli.store_check import STORE_ENV
 from meshserve.cli.options import (ChatTemplateOpt, ExecutorCapacityOpt, InsecureOpt, OtlpOpt, PlannerIntervalOpt,
                                    PlannerSeasonOpt, ResultCacheSizeOpt, SampleOpt, ScaleDownCooldownOpt,
                                    ServedModelNameOpt, TaskStoreOpt, TLSCAOpt, TLSCertOpt, TLSKeyOpt, TokenizerOpt,
@@ -102,7 +104,8 @@ def _given_again(ctx: typer.Context, model: str, dtype: str | None, kv_cache_mem
     """Service → the flags ``up`` passes ahead of a ``--config`` file's (its defaults, which
     the file overrides) that were given on its command line: passed again after the
     file's, so that they win over it like every other flag of ``up`` (only with a file:
-    without one nothing comes between)."""
+    without one nothing comes between). A store's variable (``MESHSERVE_TASK_STORE``,
+    ``MESHSERVE_RESULT_CACHE``) counts as given: flag, then variable, then file."""
     again: dict[str, list[str]] = {"executor": [], "gateway": [], "kvstore": []}
     for name, value, flag, services in (
             ("model", model, "--model", ("executor", "gateway")), ("dtype", dtype, "--dtype", ("executor",)),
@@ -113,6 +116,9 @@ def _given_again(ctx: typer.Context, model: str, dtype: str | None, kv_cache_mem
         if _given(ctx, name) and value is not None:
             for service in services:
                 again[service] += [flag, str(value)]
+    result_cache = os.environ.get(STORE_ENV["--result-cache"])
+    if result_cache:  # up has no --result-cache flag; its variable wins over the file, as MESHSERVE_TASK_STORE does
+        again["gateway"] += ["--result-cache", result_cache]
     return again
 
 

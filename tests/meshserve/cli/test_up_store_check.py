@@ -166,3 +166,20 @@ def test_a_task_store_that_answers_lets_the_services_start(spawned):
     assert result.exit_code == 1
     assert result.stderr == "error: spawned scheduler\n"
     assert spawned == ["scheduler"]
+
+
+@pytest.mark.parametrize("variable, flag", [("MESHSERVE_RESULT_CACHE", "--result-cache"),
+                                            ("MESHSERVE_TASK_STORE", "--task-store")])
+def test_a_stores_variable_wins_over_the_config_file_for_both_stores(spawned, tmp_path, monkeypatch, variable, flag):
+    """Found by a review: the task store's variable won over a --config file, the result
+    cache's lost to it. Which URL the store check pings says which one the gateway gets."""
+    file_port, env_port = free_port(), free_port()
+    config = tmp_path / "mesh.toml"
+    key = flag.removeprefix("--")
+    config.write_text(f'[gateway]\n{key} = "redis://127.0.0.1:{file_port}/0"\n')
+    monkeypatch.setenv(variable, f"redis://127.0.0.1:{env_port}/0")
+    result = runner.invoke(app, ["up", "--port", "0", "--http-port", "0", "--config", str(config)])
+    assert result.exit_code == 1
+    assert result.stderr.startswith(f"error: {flag} redis://127.0.0.1:{env_port}/0: PING failed: ")
+    assert spawned == []
+
