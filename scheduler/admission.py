@@ -311,10 +311,13 @@ class AdmissionCore:
         cap = self.quotas.limit(req.tenant)
         if not fitting:
             return  # no executor yet (scale to zero): checked when one registers
-        need = min(blocks_needed(e, req) for e in fitting)
+        executor = min(fitting, key=lambda e: blocks_needed(e, req))
+        need = blocks_needed(executor, req)
         if cap is not None and need > cap:
+            choices = f"{req.n} choices of " if req.n > 1 else ""
             raise ResourceExhausted(
-                f"request needs {need} KV blocks; tenant {req.tenant!r} has a quota of {cap} blocks",
+                f"request needs {need} KV blocks ({choices}a prompt of {req.num_prompt_tokens} tokens + 1, in blocks "
+                f"of {executor.block_size}); tenant {req.tenant!r} has a quota of {cap} blocks",
                 None,  # it never fits, however long the caller waits: no retry delay
             )
 

@@ -102,11 +102,15 @@ def test_a_detached_lease_no_executor_lists_expires_and_frees_its_quota():
 
 def test_request_alone_over_its_quota_is_resource_exhausted():
     core = core_with(num_blocks=20, tenant_quotas={"a": 4}, retry_after_s=2.5)
-    with pytest.raises(ResourceExhausted, match="needs 5 KV blocks; tenant 'a' has a quota of 4") as info:
+    with pytest.raises(ResourceExhausted) as info:
         core.submit(req("big", tokens=79))  # ceil(80 / 16) = 5
+    assert str(info.value) == ("request needs 5 KV blocks (a prompt of 79 tokens + 1, in blocks of 16); tenant 'a' "
+                               "has a quota of 4 blocks")
     assert info.value.retry_after_s is None  # it never fits: no retry delay
-    with pytest.raises(ResourceExhausted, match="needs 6 KV blocks"):
+    with pytest.raises(ResourceExhausted) as info:
         core.submit(req("n3", tokens=31, n=3))
+    assert str(info.value) == ("request needs 6 KV blocks (3 choices of a prompt of 31 tokens + 1, in blocks of 16); "
+                               "tenant 'a' has a quota of 4 blocks")
     core.submit(req("ok", tokens=63))  # 4 blocks: exactly the quota
     assert ids(core.dispatch()) == ["ok"]
 
