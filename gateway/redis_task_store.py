@@ -58,6 +58,7 @@ from typing import Iterable
 import redis.asyncio as aioredis
 from redis.asyncio.retry import Retry
 from redis.backoff import ExponentialBackoff, NoBackoff
+from redis.exceptions import AuthenticationError
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import RedisError, WatchError
 from redis.exceptions import TimeoutError as RedisTimeoutError
@@ -114,6 +115,43 @@ def version_unfit(version: str | None) -> str | None:
     return None
 
 
+NEEDS_PASSWORD = ("this Redis needs a password: give it in the URL (redis://:PASSWORD@host:port/db, or "
+                  "redis://USER:PASSWORD@host:port/db for an ACL user), best in MESHSERVE_TASK_STORE or "
+                  "MESHSERVE_RESULT_CACHE, which ps does not show")
+
+
+def redis_reason(exc: BaseException) -> str:
+    """redis-py's reason for a failed call, said plainly where it is cryptic: a Redis
+    that wants a password and got none answers NOAUTH, or refuses the client's HELLO
+    ("HELLO must be called with the client already authenticated…"): ``NEEDS_PASSWORD``."""
+    text = str(exc)
+    if isinstance(exc, AuthenticationError) and ("HELLO must be called" in text or "NOAUTH" in text
+                                                 or "Authentication required" in text):
+        return NEEDS_PASSWORD
+    return text
+
+
+async def durability_warning(client: aioredis.Redis) -> str | None:
+    """Why the tasks in the Redis behind ``client`` would not survive a restart of it
+    (its append-only file is off: ``INFO persistence``'s ``aof_enabled`` is 0), or
+    None (it is on, or the user may not run INFO). The store works either way; the
+    deployments run ``appendonly yes`` with ``appendfsync always``.
+
+    Raises:
+        RedisError: the Redis did not answer.
+    """
+    try:
+        info = await client.info("persistence")
+    except (RedisConnectionError, RedisTimeoutError):
+        raise
+    except RedisError:  # not allowed (NOPERM): nothing to say
+        return None
+    if str(info.get("aof_enabled", "1")) == "0":
+        return ("it runs without its append-only file (appendonly no), so a restart of Redis loses every task; "
+                "run it with --appendonly yes --appendfsync always")
+    return None
+
+
 async def _server_version(client: aioredis.Redis) -> str | None:
     """The server's version: ``INFO server``'s, else ``HELLO``'s (a user without
     ``@dangerous``, a common application ACL, may not run INFO); None when neither
@@ -160,11 +198,11 @@ async def check_serves_tasks(client: aioredis.Redis) -> None:
         raise StoreUnfit(f"SCRIPT LOAD failed: {exc}") from None
 
 
-async def ping(url: str, timeout_s: float = PING_TIMEOUT_S, serves_tasks: bool = False) -> None:
+async def ping(url: str, timeout_s: float = PING_TIMEOUT_S, serves_tasks: bool = False) -> str | None:
     """One PING to the Redis at ``url``, tried once and bounded by ``timeout_s`` in all
     (connecting and selecting its database included): the check ``meshserve up`` makes
-    before it starts anything; with ``serves_tasks``, then ``check_serves_tasks``
-    (within the same bound).
+    before it starts anything; with ``serves_tasks``, then ``check_serves_tasks`` and
+    ``durability_warning`` (within the same bound), whose warning it returns.
 
     Raises:
         ConnectionError: no PONG (``PING failed: `` and redis-py's reason, or the
@@ -182,12 +220,14 @@ async def ping(url: str, timeout_s: float = PING_TIMEOUT_S, serves_tasks: bool =
             if serves_tasks:
                 step = "the task store's check"
                 await check_serves_tasks(client)
+                return await durability_warning(client)
+            return None
     except StoreUnfit:
         raise
     except TimeoutError:
         raise ConnectionError(f"{step} failed: no answer within {timeout_s:g} s") from None
     except (RedisError, OSError) as exc:
-        raise ConnectionError(f"{step} failed: {exc}") from None
+        raise ConnectionError(f"{step} failed: {redis_reason(exc)}") from None
     finally:
         await client.aclose()
 
@@ -318,16 +358,18 @@ class RedisTaskStore(TaskStore):
         try:
             await self._redis.ping()
         except RedisError as exc:
-            raise ConnectionError(f"task store {self.url} cannot be reached: {exc}") from None
+            raise ConnectionError(f"task store {self.url} cannot be reached: {redis_reason(exc)}") from None
 
-    async def check_at_start(self) -> None:
+    async def check_at_start(self) -> str | None:
         await self.check()
         try:
             await check_serves_tasks(self._redis)
+            warning = await durability_warning(self._redis)
         except StoreUnfit as exc:
             raise StoreUnfit(f"task store {self.url} cannot serve tasks: {exc}") from None
         except RedisError as exc:
-            raise ConnectionError(f"task store {self.url} cannot be reached: {exc}") from None
+            raise ConnectionError(f"task store {self.url} cannot be reached: {redis_reason(exc)}") from None
+        return None if warning is None else f"task store {self.url}: {warning}"
 
     async def create(self, record: TaskRecord, max_unfinished: int | None = None) -> None:
         keys = [KEY_PREFIX + record.task_id, LEASES_KEY, UNFINISHED_PREFIX + record.tenant,

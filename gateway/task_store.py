@@ -271,15 +271,20 @@ class TaskStore(abc.ABC):
             ConnectionError: it cannot.
         """
 
-    async def check_at_start(self) -> None:
+    async def check_at_start(self) -> str | None:
         """The gateway's check before it starts: ``check``, then whether the store's server
         can serve it (Redis: its version and the create script, ``check_serves_tasks``).
         Made once; the readiness polls run ``check`` alone.
+
+        Returns:
+            A warning to log, one line naming the store (Redis: its tasks would not
+            survive its restart, ``durability_warning``), or None.
 
         Raises:
             ConnectionError: it cannot; one line naming the store and the reason.
         """
         await self.check()
+        return None
 
     async def close(self) -> None:
         """Releases connections (a no-op in memory)."""

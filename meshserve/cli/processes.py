@@ -341,7 +341,9 @@ async def run_gateway(model: str | ModelSource, port: int, host: str, scheduler:
 
     async def start():
         store = open_task_store(task_store, task_ttl_s, max_tasks)
-        await store.check_at_start()  # before the tokenizer loads: a Redis unreachable or unfit fails fast
+        warning = await store.check_at_start()  # before the tokenizer loads: a Redis unreachable or unfit fails fast
+        if warning:
+            log.warning("%s", warning)
         tokenizer, info = await asyncio.to_thread(model_info, model)
         tenants = TenantRegistry.from_file(tenants_file) if tenants_file else TenantRegistry.open()
         if result_cache != "memory":

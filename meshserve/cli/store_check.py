@@ -12,6 +12,7 @@ serve it, as the gateway's own start does.
 
 from __future__ import annotations
 
+import sys
 from typing import Mapping, Sequence
 
 from meshserve.urls import redact_url
@@ -67,7 +68,8 @@ def stores_in_env(gateway_args: Sequence[str], environ: Mapping[str, str]) -> tu
 async def check_stores(stores: dict[str, str]) -> None:
     """Pings each store of ``stores`` (flag → URL), in order; checks the task store's
     Redis can serve it as the gateway will at start (``check_serves_tasks``: version
-    6.2 or later, the create script loads).
+    6.2 or later, the create script loads), and prints a ``warning:`` line to stderr
+    when its tasks would not survive a restart of it (``durability_warning``).
 
     Raises:
         ConnectionError: one did not answer, or the task store's cannot serve it; one
@@ -83,6 +85,8 @@ async def check_stores(stores: dict[str, str]) -> None:
 
     for flag, url in stores.items():
         try:
-            await ping(url, serves_tasks=flag == "--task-store")
+            warning = await ping(url, serves_tasks=flag == "--task-store")
         except ConnectionError as exc:
             raise ConnectionError(f"{flag} {redact_url(url)}: {exc}") from None
+        if warning:
+            print(f"warning: {flag} {redact_url(url)}: {warning}", file=sys.stderr)
