@@ -124,7 +124,7 @@ def generate(
                 err = {"error": {"code": name, "message": details}}
                 shown = p if len(p) <= 60 else p[:60] + "…"  # a long prompt is named by its start
                 whose = f" (prompt {shown!r})" if len(prompt) > 1 else ""  # which one failed: the others printed
-                print(json.dumps(err) if as_json else f"error{whose}: {name}: {details}",
+                print(json.dumps(err) if as_json else f"error{whose}: {name}: {details}{key_hint(name, api_key)}",
                       file=sys.stdout if as_json else sys.stderr)
                 continue
             if isinstance(choices, BaseException):
@@ -157,6 +157,14 @@ def generate(
         print(interrupted_note(task_ids, len(prompt), follow, key_given), file=sys.stderr)
         code = 130  # as a shell reports a command ended by SIGINT
     sys.exit(code)
+
+
+def key_hint(code: str, api_key: Optional[str]) -> str:
+    """What to add to an error of status ``code`` for a call made with ``api_key``: how
+    this command sends a key, when the gateway wanted one and got none."""
+    if code == "UNAUTHENTICATED" and not api_key:
+        return f" (this command sends one with --api-key KEY or {API_KEY_ENV})"
+    return ""
 
 
 def _tls_flags(cert: Optional[str], key: Optional[str], ca: Optional[str], insecure: bool) -> list[str]:
@@ -217,7 +225,8 @@ def task_command(
                 else:
                     status = await (wait_task if wait else get_task)(stub, task_id, metadata)
             except grpc.aio.AioRpcError as exc:
-                print(f"error: {exc.code().name}: {exc.details()}", file=sys.stderr)
+                print(f"error: {exc.code().name}: {exc.details()}{key_hint(exc.code().name, api_key)}",
+                      file=sys.stderr)
                 return 1
         print(json.dumps(MessageToDict(status, preserving_proto_field_name=True)))
         if cancel and status.state in (gateway_pb2.TASK_STATE_SUCCEEDED, gateway_pb2.TASK_STATE_FAILED):

@@ -1,0 +1,43 @@
+"""``meshserve generate`` and ``meshserve task`` against a gateway that wants an API
+key, called without one: the error says how this command sends a key, on a real
+gateway (its scheduler unreachable: the key is checked first)."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import sys
+
+import pytest_asyncio
+
+from gateway.tenants import TenantRegistry
+from tests.support.served_gateway import served_gateway
+
+MISSING = ("missing API key: send 'x-api-key: <key>' or 'authorization: Bearer <key>' (this command sends one with "
+           "--api-key KEY or MESHSERVE_API_KEY)")
+
+
+@pytest_asyncio.fixture
+async def keyed(tmp_path):
+    tenants = tmp_path / "tenants.toml"
+    tenants.write_text('[[tenants]]\nname = "acme"\napi_keys = ["key-acme"]\n')
+    async with served_gateway(tenants=TenantRegistry.from_file(tenants)) as (_, svc):
+        yield svc.address
+
+
+async def meshserve(*args: str) -> tuple[int, str]:
+    env = {k: v for k, v in os.environ.items() if k != "MESHSERVE_API_KEY"}
+    proc = await asyncio.create_subprocess_exec(sys.executable, "-m", "meshserve.cli", *args, env=env,
+                                                stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.PIPE)
+    _, err = await asyncio.wait_for(proc.communicate(), 120)
+    return proc.returncode, err.decode()
+
+
+async def test_generate_without_a_key_says_how_to_send_one(keyed):
+    assert await meshserve("generate", "--addr", keyed, "--insecure", "--prompt", "Hi") == (
+        1, f"error: UNAUTHENTICATED: {MISSING}\n")
+
+
+async def test_task_without_a_key_says_how_to_send_one(keyed):
+    assert await meshserve("task", "task-1", "--addr", keyed, "--insecure") == (
+        1, f"error: UNAUTHENTICATED: {MISSING}\n")
