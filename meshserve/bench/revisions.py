@@ -20,6 +20,7 @@ import argparse
 import json
 import os
 import statistics
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -46,6 +47,7 @@ def checkout(revision: str):
         yield tree
     finally:
         subprocess.run(["git", "worktree", "remove", "--force", str(tree)], check=False)
+        shutil.rmtree(root, ignore_errors=True)  # the folder holding the worktree
 
 
 def run_bench(tree: Path, target: str, seed: int, report: Path) -> float:

@@ -97,7 +97,8 @@ def run_demo(port: int, executors: int, max_tokens: int) -> int:
         return 1
     if mesh.cpu_warning:
         console.print(f"warning: {mesh.cpu_warning}")
-    console.print(f"Starting the mesh (scheduler, {executors} executor(s), gateway); logs in {log_dir} …")
+    console.print(f"Starting the mesh (scheduler, {executors} executor(s), gateway); logs in {log_dir} (kept if "
+                  "something fails) …", soft_wrap=True)
     rc = 1
     try:
         t0 = time.monotonic()

@@ -24,6 +24,7 @@ def test_a_revision_is_checked_out_detached_and_removed_afterwards(monkeypatch):
         assert (tree / "README.md").read_bytes() == committed
         assert str(tree) in git("worktree", "list")
     assert not tree.exists() and str(tree) not in git("worktree", "list")
+    assert not tree.parent.exists()  # the temporary folder that held it too
 
 
 def test_a_folder_is_used_as_it_is(tmp_path):
