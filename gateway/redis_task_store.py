@@ -147,20 +147,21 @@ async def durability_warning(client: aioredis.Redis) -> str | None:
     except RedisError:  # not allowed (NOPERM): nothing to say
         return None
     if str(info.get("aof_enabled", "1")) == "0":
-        return ("it runs without its append-only file (appendonly no), so a restart of Redis loses every task; "
-                "run it with --appendonly yes --appendfsync always")
+        return ("it runs without its append-only file (appendonly no), so a restart of Redis loses the tasks "
+                "written since its last snapshot (all of them without snapshots); run it with --appendonly yes "
+                "--appendfsync always")
     return None
 
 
-async def _server_version(client: aioredis.Redis) -> str | None:
-    """The server's version: ``INFO server``'s, else ``HELLO``'s (a user without
-    ``@dangerous``, a common application ACL, may not run INFO); None when neither
-    may be run.
+async def _server_fields(client: aioredis.Redis, section: str = "server") -> dict[str, object]:
+    """``INFO <section>``'s fields, else ``HELLO``'s (a user without ``@dangerous``, a
+    common application ACL, may not run INFO; every user may run HELLO, which names the
+    version and the role); {} when neither may be run.
 
     Raises:
         RedisError: the Redis did not answer (a connection error or a timeout).
     """
-    for ask in (lambda: client.info("server"), lambda: client.execute_command("HELLO")):
+    for ask in (lambda: client.info(section), lambda: client.execute_command("HELLO")):
         try:
             reply = await ask()
         except (RedisConnectionError, RedisTimeoutError):
@@ -170,18 +171,32 @@ async def _server_version(client: aioredis.Redis) -> str | None:
         if isinstance(reply, (list, tuple)):  # HELLO in RESP2: key, value, key, value…
             reply = dict(zip(reply[::2], reply[1::2]))
         fields = {(k.decode() if isinstance(k, bytes) else str(k)): v for k, v in dict(reply).items()}
-        version = fields.get("redis_version", fields.get("version"))
-        if version is not None:
-            return version.decode() if isinstance(version, bytes) else str(version)
-    return None
+        return {k: (v.decode() if isinstance(v, bytes) else v) for k, v in fields.items()}
+    return {}
+
+
+async def _server_version(client: aioredis.Redis) -> str | None:
+    """The server's version (``_server_fields``), or None when it cannot be asked."""
+    fields = await _server_fields(client)
+    version = fields.get("redis_version", fields.get("version"))
+    return None if version is None else str(version)
+
+
+async def _server_role(client: aioredis.Redis) -> str | None:
+    """``master`` or ``slave``/``replica`` (``INFO replication``, else ``HELLO``), or
+    None when it cannot be asked."""
+    role = (await _server_fields(client, "replication")).get("role")
+    return None if role is None else str(role)
 
 
 async def check_serves_tasks(client: aioredis.Redis) -> None:
     """Whether the Redis behind ``client`` can run the task store, checked once at start
     (a readiness poll only PINGs): its version is 6.2 or later (``INFO server``, or
-    ``HELLO`` for a user that may not run INFO; the create script writes with ``PXAT``) and the create script loads (``SCRIPT LOAD``:
-    an ACL user without ``@scripting`` cannot). Without this check such a Redis passes
-    every PING, the task path says ready, and every submit is refused UNAVAILABLE.
+    ``HELLO`` for a user that may not run INFO; the create script writes with
+    ``PXAT``), it is a primary, not a read-only replica (``INFO replication``, or
+    ``HELLO``), and the create script loads (``SCRIPT LOAD``: an ACL user without
+    ``@scripting`` cannot). Without this check such a Redis passes every PING, the
+    task path says ready, and every submit is refused UNAVAILABLE.
 
     Raises:
         StoreUnfit: it cannot; the message is the reason, one line.
@@ -190,6 +205,9 @@ async def check_serves_tasks(client: aioredis.Redis) -> None:
     reason = version_unfit(await _server_version(client))
     if reason is not None:
         raise StoreUnfit(reason)
+    role = await _server_role(client)
+    if role is not None and role != "master":  # a replica answers PING and refuses every write
+        raise StoreUnfit(f"this Redis is a read-only replica (role {role}): give the task store its primary's URL")
     try:
         await client.script_load(_CREATE)
     except RedisError as exc:

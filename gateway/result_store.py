@@ -47,7 +47,7 @@ from redis.exceptions import RedisError
 
 from gateway.collector import CompletedChoice
 from gateway.proto_convert import task_result, task_result_choices
-from gateway.redis_task_store import redis_client, shielded
+from gateway.redis_task_store import redis_client, redis_reason, shielded
 from gateway.result_cache import ResultCache
 from meshserve.urls import redact_url
 
@@ -151,7 +151,7 @@ class RedisResultStore(ResultStore):
         self.errors += 1
         self._bypass_until = self.clock() + self.bypass_s
         log.warning("result cache %s: %s failed (bypassed for %.1f s): %s", self.url, what, self.bypass_s,
-                    f"{type(exc).__name__}: {exc}")
+                    f"{type(exc).__name__}: {redis_reason(exc)}")
 
     async def _call(self, what: str, call: Callable[[], Awaitable], failed):
         """``await call()`` bounded by ``op_timeout_s``; ``failed`` (and the bypass

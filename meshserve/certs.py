@@ -115,6 +115,16 @@ def _write(path: Path, data: bytes, private: bool = False) -> None:
         path.chmod(0o600)
 
 
+def check_extra_hosts(extra_hosts: Sequence[str]) -> None:
+    """Raises ``ValueError`` for an extra host that is a role's name: every certificate
+    would carry it, and the gateway knows an executor by the name ``executor`` alone
+    (``gateway.mesh_client.EXECUTOR_TLS_NAME``)."""
+    taken = [h for h in extra_hosts if h.strip().lower().rstrip(".") in ROLES]
+    if taken:
+        raise ValueError(f"--host {taken[0]} is a role's name, which only that role's certificate carries (the "
+                         f"gateway knows an executor by the name 'executor'); every certificate gets the --host names")
+
+
 def write_certs(directory: str | os.PathLike, roles: Sequence[str] = ROLES, extra_hosts: Sequence[str] = (),
                 valid_days: int = 365) -> list[Path]:
     """Makes a new CA in ``directory`` (created if missing) and one certificate per role;
@@ -131,10 +141,7 @@ def write_certs(directory: str | os.PathLike, roles: Sequence[str] = ROLES, extr
     unknown = sorted(set(roles) - set(ROLES))
     if unknown:
         raise ValueError(f"unknown role(s) {', '.join(unknown)} (roles: {', '.join(ROLES)})")
-    taken = [h for h in extra_hosts if h.lower().rstrip(".") in ROLES]
-    if taken:
-        raise ValueError(f"--host {taken[0]} is a role's name, which only that role's certificate carries (the "
-                         f"gateway knows an executor by the name 'executor'); every certificate gets the --host names")
+    check_extra_hosts(extra_hosts)
     d = Path(directory)
     if (d / "ca.pem").exists():
         raise ValueError(f"{d / 'ca.pem'} exists; choose an empty directory")

@@ -315,9 +315,10 @@ class AdmissionCore:
         need = blocks_needed(executor, req)
         if cap is not None and need > cap:
             choices = f"{req.n} choices of " if req.n > 1 else ""
+            capped = f", at most the executor's {executor.num_blocks}" if need == executor.num_blocks else ""
             raise ResourceExhausted(
                 f"request needs {need} KV blocks ({choices}a prompt of {req.num_prompt_tokens} tokens + 1, in blocks "
-                f"of {executor.block_size}); tenant {req.tenant!r} has a quota of {cap} blocks",
+                f"of {executor.block_size}{capped}); tenant {req.tenant!r} has a quota of {cap} blocks",
                 None,  # it never fits, however long the caller waits: no retry delay
             )
 

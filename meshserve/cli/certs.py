@@ -12,10 +12,15 @@ def certs(
     valid_days: int = typer.Option(365, "--valid-days", min=1, help="Days the certificates are valid."),
 ) -> None:
     """Make a development CA and one certificate per role (kept if DIR holds a set)."""
-    from meshserve.certs import ROLES, has_certs, write_certs
+    from meshserve.certs import ROLES, check_extra_hosts, has_certs, write_certs
 
+    try:
+        check_extra_hosts(host)
+    except ValueError as exc:
+        raise typer.BadParameter(str(exc)) from None
     if has_certs(directory):
-        typer.echo(f"{directory} already holds a CA and every role's certificate: kept")
+        ignored = f" (--host {', '.join(host)} not added: remove the directory to issue new ones)" if host else ""
+        typer.echo(f"{directory} already holds a CA and every role's certificate: kept{ignored}")
         return
     try:
         written = write_certs(directory, ROLES, host, valid_days)

@@ -115,7 +115,7 @@ def generate(
                                                                                         on_delta=on_delta)
                      for r in reqs)
             results = await asyncio.gather(*calls, return_exceptions=True)
-        code = 0
+        code, hinted = 0, False
         for p, choices in zip(prompt, results):
             if isinstance(choices, (grpc.aio.AioRpcError, TaskFailed)):
                 code = 1
@@ -124,7 +124,9 @@ def generate(
                 err = {"error": {"code": name, "message": details}}
                 shown = p if len(p) <= 60 else p[:60] + "…"  # a long prompt is named by its start
                 whose = f" (prompt {shown!r})" if len(prompt) > 1 else ""  # which one failed: the others printed
-                print(json.dumps(err) if as_json else f"error{whose}: {name}: {details}{key_hint(name, api_key)}",
+                shown_hint = "" if hinted else key_hint(name, api_key)  # said once, not per prompt
+                hinted = hinted or bool(shown_hint)
+                print(json.dumps(err) if as_json else f"error{whose}: {name}: {details}{shown_hint}",
                       file=sys.stdout if as_json else sys.stderr)
                 continue
             if isinstance(choices, BaseException):

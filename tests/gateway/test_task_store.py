@@ -204,10 +204,31 @@ async def test_the_start_check_passes_a_redis_that_serves_tasks_and_loads_the_cr
     store = RedisTaskStore(redis_url)
     try:
         await store._redis.script_flush()
-        await store.check_at_start()
+        warning = await store.check_at_start()  # the test Redis keeps no append-only file
         assert await store._redis.script_exists(store._create.sha) == [True]
     finally:
         await store.close()
+    assert warning == (f"task store {redis_url}: it runs without its append-only file (appendonly no), so a restart "
+                       "of Redis loses the tasks written since its last snapshot (all of them without snapshots); run "
+                       "it with --appendonly yes --appendfsync always")
+
+
+async def test_the_start_check_refuses_a_read_only_replica(redis_url):
+    """Found by a review: a replica answers PING, loads the script and says its version,
+    then refuses every submit ("You can't write against a read only replica")."""
+    from tests.support.redis_server import replica_of
+
+    with replica_of(redis_url) as url:  # redis_url's fixture skips the test without redis-server
+        for user in (url, acl_user(url, "app-replica", "s3cret-pw", "+@all", "-@dangerous")):  # INFO, then HELLO
+            store = RedisTaskStore(user)
+            try:
+                with pytest.raises(StoreUnfit) as info:
+                    await store.check_at_start()
+            finally:
+                await store.close()
+            assert str(info.value).endswith("cannot serve tasks: this Redis is a read-only replica (role "
+                                            f"{'slave' if user == url else 'replica'}): give the task store its "
+                                            "primary's URL")
 
 
 async def test_the_start_check_passes_an_application_user_that_may_not_run_info(redis_url):

@@ -111,6 +111,11 @@ def test_request_alone_over_its_quota_is_resource_exhausted():
         core.submit(req("n3", tokens=31, n=3))
     assert str(info.value) == ("request needs 6 KV blocks (3 choices of a prompt of 31 tokens + 1, in blocks of 16); "
                                "tenant 'a' has a quota of 4 blocks")
+    small = core_with(num_blocks=4, tenant_quotas={"a": 3})  # n × blocks capped at the executor's cache
+    with pytest.raises(ResourceExhausted) as info:
+        small.submit(req("n3", tokens=31, n=3))
+    assert str(info.value) == ("request needs 4 KV blocks (3 choices of a prompt of 31 tokens + 1, in blocks of 16, "
+                               "at most the executor's 4); tenant 'a' has a quota of 3 blocks")
     core.submit(req("ok", tokens=63))  # 4 blocks: exactly the quota
     assert ids(core.dispatch()) == ["ok"]
 

@@ -112,6 +112,27 @@ def redis_url_or_skip() -> Iterator[str]:
         pytest.skip(str(exc))
 
 
+@contextmanager
+def replica_of(url: str, timeout_s: float = 10.0) -> Iterator[str]:
+    """A redis-server replicating the one at ``url`` (``--replicaof``); yields its URL.
+
+    Raises:
+        FileNotFoundError: no ``redis-server`` on the PATH.
+    """
+    binary = shutil.which("redis-server")
+    if binary is None:
+        raise FileNotFoundError("redis-server is not installed (make setup installs it)")
+    host, port = url.removeprefix("redis://").split("/")[0].rsplit(":", 1)
+    own = free_port()
+    proc = _spawn([binary, "--port", str(own), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
+                   "--replicaof", host, port], own, timeout_s)
+    try:
+        yield f"redis://127.0.0.1:{own}/0"
+    finally:
+        proc.terminate()
+        proc.wait(timeout=10)
+
+
 def redis_process_or_skip() -> Iterator[RedisProcess]:
     """For a fixture (``yield from``): a ``RedisProcess`` started for it, stopped
     afterwards; skips the test when redis-server is not installed."""

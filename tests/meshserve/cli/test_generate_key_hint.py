@@ -38,6 +38,13 @@ async def test_generate_without_a_key_says_how_to_send_one(keyed):
         1, f"error: UNAUTHENTICATED: {MISSING}\n")
 
 
+async def test_the_hint_comes_once_for_several_prompts(keyed):
+    code, err = await meshserve("generate", "--addr", keyed, "--insecure", "--prompt", "a", "--prompt", "b")
+    assert (code, err.splitlines()) == (1, [
+        f"error (prompt 'a'): UNAUTHENTICATED: {MISSING}",
+        f"error (prompt 'b'): UNAUTHENTICATED: {MISSING.split(' (this command')[0]}"])
+
+
 async def test_task_without_a_key_says_how_to_send_one(keyed):
     assert await meshserve("task", "task-1", "--addr", keyed, "--insecure") == (
         1, f"error: UNAUTHENTICATED: {MISSING}\n")

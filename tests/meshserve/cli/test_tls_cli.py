@@ -80,6 +80,17 @@ def test_certs_refuses_a_role_name_as_an_extra_host(tmp_path, host):
     assert f"--host {host} is a role's name, which only that role's certificate carries" in " ".join(
         result.output.replace("│", " ").split())
     assert not (tmp_path / "c").exists()
+    assert CliRunner().invoke(app, ["certs", str(tmp_path / "d")]).exit_code == 0  # a set exists: checked still
+    again = CliRunner().invoke(app, ["certs", str(tmp_path / "d"), "--host", host])
+    assert again.exit_code == 2
+
+
+def test_certs_says_new_hosts_are_not_added_to_a_kept_set(tmp_path):
+    assert CliRunner().invoke(app, ["certs", str(tmp_path / "c")]).exit_code == 0
+    again = CliRunner().invoke(app, ["certs", str(tmp_path / "c"), "--host", "executor-1.internal"])
+    assert (again.exit_code, again.output) == (0, f"{tmp_path / 'c'} already holds a CA and every role's certificate: "
+                                                  "kept (--host executor-1.internal not added: remove the directory to "
+                                                  "issue new ones)\n")
 
 
 def test_up_runs_plaintext_by_default_and_mutual_tls_with_a_tls_dir(tmp_path):

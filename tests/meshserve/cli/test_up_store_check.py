@@ -165,8 +165,9 @@ def test_a_task_store_that_answers_lets_the_services_start(spawned):
         pytest.skip(str(exc))
     assert result.exit_code == 1
     assert result.stderr == (f"warning: --task-store {redis.url}: it runs without its append-only file (appendonly "
-                             f"no), so a restart of Redis loses every task; run it with --appendonly yes "
-                             f"--appendfsync always\nerror: spawned scheduler\n")  # a test Redis keeps no file
+                             f"no), so a restart of Redis loses the tasks written since its last snapshot (all of "
+                             f"them without snapshots); run it with --appendonly yes --appendfsync always\n"
+                             f"error: spawned scheduler\n")  # a test Redis keeps no file
     assert spawned == ["scheduler"]
 
 
@@ -179,20 +180,21 @@ def test_a_durable_task_store_starts_without_a_warning(spawned, tmp_path):
     assert (result.exit_code, result.stderr) == (1, "error: spawned scheduler\n")
 
 
-def test_a_redis_that_wants_a_password_says_so(spawned):
+@pytest.mark.parametrize("query", ["", "?protocol=2"])  # RESP3 refuses the HELLO, RESP2 answers NOAUTH
+def test_a_redis_that_wants_a_password_says_so(spawned, query):
     try:
         with redis_process() as redis:
             import redis as redis_py
 
             redis_py.Redis.from_url(redis.url).config_set("requirepass", "s3cret-pw")  # the default user needs it
-            result = runner.invoke(app, ["up", "--port", "0", "--http-port", "0", "--task-store", redis.url])
+            result = runner.invoke(app, ["up", "--port", "0", "--http-port", "0", "--task-store", redis.url + query])
     except FileNotFoundError as exc:
         pytest.skip(str(exc))
     assert result.exit_code == 1
-    assert result.stderr == (f"error: --task-store {redis.url}: PING failed: this Redis needs a password: give it in "
-                             f"the URL (redis://:PASSWORD@host:port/db, or redis://USER:PASSWORD@host:port/db for an "
-                             f"ACL user), best in MESHSERVE_TASK_STORE or MESHSERVE_RESULT_CACHE, which ps does not "
-                             f"show\n")
+    assert result.stderr == (f"error: --task-store {redis.url}{query}: PING failed: this Redis needs a password: "
+                             f"give it in the URL (redis://:PASSWORD@host:port/db, or redis://USER:PASSWORD@host:port/db "
+                             f"for an ACL user), best in MESHSERVE_TASK_STORE or MESHSERVE_RESULT_CACHE, which ps does "
+                             f"not show\n")
     assert spawned == []
 
 
