@@ -105,11 +105,8 @@ def redis_server(timeout_s: float = 10.0, _process: bool = False, persist_dir: s
 def redis_url_or_skip() -> Iterator[str]:
     """For a fixture (``yield from``): the URL of a redis-server started for it, stopped
     afterwards; skips the test when redis-server is not installed."""
-    try:
-        with redis_server() as url:
-            yield url
-    except FileNotFoundError as exc:
-        pytest.skip(str(exc))
+    for handle in redis_process_or_skip():
+        yield handle.url
 
 
 @contextmanager
