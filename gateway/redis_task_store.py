@@ -206,7 +206,7 @@ async def check_serves_tasks(client: aioredis.Redis) -> None:
     if reason is not None:
         raise StoreUnfit(reason)
     role = await _server_role(client)
-    if role is not None and role != "master":  # a replica answers PING and refuses every write
+    if role is not None and role not in ("master", "primary"):  # a replica answers PING, refuses every write
         raise StoreUnfit(f"this Redis is a read-only replica (role {role}): give the task store its primary's URL")
     try:
         await client.script_load(_CREATE)
