@@ -36,6 +36,7 @@ from gateway.task_store import MemoryTaskStore
 from gateway.tenants import TenantRegistry
 from meshserve.errors import InvalidArgument
 from meshserve.grpc_server import NOT_SERVING, SERVING, Service
+from meshserve.metrics import priority_classes
 from meshserve.telemetry import context_from_grpc
 from meshserve.tls import PLAINTEXT, TLSConfig
 from meshserve.v1 import gateway_pb2, gateway_pb2_grpc
@@ -129,6 +130,8 @@ async def start_gateway(
     core = GatewayCore(tokenizer, model, mesh, hash_block_size, result_cache, prompt_limits=prompt_limits,
                        prefix_cache_scope=prefix_cache_scope)
     tenants = tenants or TenantRegistry.open()
+    core.metrics.priority_label.reserve(priority_classes((t.default_priority for t in tenants.tenants),
+                                                        (t.max_priority for t in tenants.tenants)))
     task_api = TaskAPI(core, tenants, tasks or TaskRunner(MemoryTaskStore()), callbacks)
     servicer = GatewayServicer(core, tenants, task_api)
     gateway_pb2_grpc.add_GatewayServicer_to_server(servicer, service.server)

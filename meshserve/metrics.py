@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import logging
 import threading
-from typing import Callable, TypeVar
+from typing import Callable, Iterable, TypeVar
 
 from prometheus_client import CollectorRegistry, Info, ProcessCollector, start_http_server
 
@@ -46,7 +46,9 @@ OTHER = "other"
 class BoundedLabel:
     """Maps label values to at most ``max_values`` distinct ones: the first
     ``max_values`` values seen keep their name, every later new value becomes
-    ``"other"``. Thread-safe.
+    ``"other"``. Values ``reserve``d (the configured ones) always keep their name,
+    beside the ``max_values`` first seen, so callers' junk values cannot push them
+    into ``"other"``. Thread-safe.
 
     Args:
         max_values: distinct values kept (>= 0; 0 folds everything into "other").
@@ -60,13 +62,19 @@ class BoundedLabel:
             raise ValueError(f"max_values must be >= 0, got {max_values}")
         self.max_values = max_values
         self._kept: set[str] = set()
+        self._reserved: set[str] = set()
         self._lock = threading.Lock()
+
+    def reserve(self, values: Iterable[object]) -> None:
+        """``values`` keep their own label whenever they come, outside the count."""
+        with self._lock:
+            self._reserved.update(str(v) for v in values if str(v) != OTHER)
 
     def __call__(self, value: object) -> str:
         """The label value to use for ``value`` (its ``str``, or ``"other"``)."""
         text = str(value)
         with self._lock:
-            if text in self._kept:
+            if text in self._kept or text in self._reserved:
                 return text
             if len(self._kept) < self.max_values and text != OTHER:
                 self._kept.add(text)
@@ -77,7 +85,7 @@ class BoundedLabel:
     def kept(self) -> frozenset[str]:
         """The values that keep their own label."""
         with self._lock:
-            return frozenset(self._kept)
+            return frozenset(self._kept | self._reserved)
 
 
 def snapshot(read: Callable[[], T], attempts: int = 5) -> T:
@@ -147,3 +155,18 @@ class MetricsServer:
         self._server.server_close()
         self._thread.join(timeout=5)
         self._thread = None
+
+
+def priority_classes(defaults: Iterable[int], ceilings: Iterable[int | None], most: int = DEFAULT_MAX_PRIORITY_LABELS
+                     ) -> list[int]:
+    """The priority classes a mesh is configured for, to ``BoundedLabel.reserve``: every
+    integer from the lowest default priority (0 at least) to the highest ceiling, when
+    that span holds at most ``most`` values; else the configured values alone.
+
+    Args:
+        defaults: the tenants' ``default_priority`` values.
+        ceilings: their ``max_priority`` values (None: no ceiling).
+    """
+    values = {0, *defaults, *(c for c in ceilings if c is not None)}
+    low, high = min(values), max(values)
+    return list(range(low, high + 1)) if high - low < most else sorted(values)

@@ -43,6 +43,7 @@ from meshserve.grpc_server import EXECUTORS_HEALTH_SERVICE, NOT_SERVING, SERVING
 from meshserve.timeouts import wait_for
 from meshserve.tls import PLAINTEXT, TLSConfig
 from meshserve.lease_token import LeaseClaims, LeaseSigner, new_nonce
+from meshserve.metrics import priority_classes
 from meshserve.request_ids import check_request_id, scoped_request_id
 from meshserve.telemetry import context_from_grpc, record_error, tracer
 from meshserve.v1 import scheduler_pb2 as pb
@@ -73,6 +74,8 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
         self.planner = planner or Planner(PlannerConfig(), start=core.clock())
         self.planner_loop = PlannerLoop(self.planner, core, core.clock)
         self.metrics = SchedulerMetrics(core, planner=self.planner)
+        limits = (core.config.tenant_limits or {}).values()
+        self.metrics.priority_label.reserve(priority_classes((), (t.max_priority for t in limits)))
         self._waiters: dict[str, asyncio.Future[Lease]] = {}
         self._on_registry_change = on_registry_change or (lambda _n: None)
 

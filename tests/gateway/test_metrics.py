@@ -66,3 +66,13 @@ def test_outcome_names():
     assert [outcome_of(e) for e in (None, InvalidArgument("x"), asyncio.CancelledError(), GeneratorExit(),
                                      RpcError(), KeyError("bug"))] == [
         "ok", "invalid_argument", "cancelled", "cancelled", "deadline_exceeded", "internal"]
+
+
+async def test_the_gateways_priority_labels_keep_its_tenants_classes(tmp_path):
+    from gateway.tenants import TenantRegistry
+    from tests.support.served_gateway import served_gateway
+
+    tenants = tmp_path / "tenants.toml"
+    tenants.write_text('[[tenants]]\nname = "a"\napi_keys = ["key-a"]\ndefault_priority = 1\nmax_priority = 4\n')
+    async with served_gateway(tenants=TenantRegistry.from_file(tenants)) as (_, svc):
+        assert svc.servicer.core.metrics.priority_label.kept == {"0", "1", "2", "3", "4"}

@@ -7,7 +7,7 @@ import pytest
 from prometheus_client import Counter
 
 from meshserve.device_metrics import CpuUtilization, DeviceCollector, cuda_index
-from meshserve.metrics import OTHER, BoundedLabel, MetricsServer, new_registry, snapshot
+from meshserve.metrics import OTHER, BoundedLabel, MetricsServer, new_registry, priority_classes, snapshot
 from tests.support.metrics import fake_nvml, samples
 
 
@@ -20,6 +20,25 @@ def test_bounded_label_keeps_the_first_values_and_folds_the_rest():
     assert BoundedLabel(3)(OTHER) == OTHER and BoundedLabel(1)(5) == "5"
     with pytest.raises(ValueError):
         BoundedLabel(-1)
+
+
+def test_reserved_values_keep_their_label_after_junk_filled_the_slots():
+    """Found by a review: a caller sending priorities -1, -2, … took every priority
+    label slot, and the real classes then landed in "other"."""
+    label = BoundedLabel(3)
+    label.reserve(priority_classes([0], [2]))  # a tenant's default 0 and ceiling 2: classes 0, 1, 2
+    assert [label(v) for v in (-1, -2, -3, -4, 0, 1, 2, 3)] == ["-1", "-2", "-3", OTHER, "0", "1", "2", OTHER]
+    assert label.kept == {"-1", "-2", "-3", "0", "1", "2"}
+
+
+@pytest.mark.parametrize("defaults, ceilings, expected", [
+    ([], [], [0]),                       # no tenants file: the default class only
+    ([0], [5, None], [0, 1, 2, 3, 4, 5]),
+    ([-2], [1], [-2, -1, 0, 1]),
+    ([0], [100], [0, 100]),              # a span wider than the label slots: the configured values alone
+])
+def test_the_configured_priority_classes(defaults, ceilings, expected):
+    assert priority_classes(defaults, ceilings) == expected
 
 
 def test_metrics_server_serves_its_own_registry_and_stops():

@@ -31,3 +31,12 @@ def test_scheduler_metrics_follow_the_core():
                {"tenant": "other", "priority": "2", "code": "resource_exhausted"}) == 1
     assert get("meshserve_scheduler_predictor_observed_total") == 0
     assert get("meshserve_scheduler_predictor_abs_error_tokens") == 0.0
+
+
+def test_the_schedulers_priority_labels_keep_its_tenants_classes():
+    from scheduler.admission import SchedulerConfig
+    from scheduler.server import SchedulerServicer
+    from scheduler.tenant_limits import TenantLimits
+
+    core = AdmissionCore(SchedulerConfig(tenant_limits={"a": TenantLimits(max_priority=3), "b": TenantLimits()}))
+    assert SchedulerServicer(core).metrics.priority_label.kept == {"0", "1", "2", "3"}
