@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from meshserve.certs import has_certs, write_certs
+from meshserve.cli.arglists import last_value, without
 from meshserve.cli.store_check import check_stores, redis_stores, stores_in_env
 from meshserve.cli.stop_order import DRAIN_GRACE_S, PARENT_ENV, stop_in_order, stop_order
 from meshserve.cpu_affinity import ENV as CPU_AFFINITY_ENV
@@ -67,26 +68,6 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
-
-
-def _last_value(args: list[str], flag: str) -> str | None:
-    """The value of the last ``flag VALUE`` in ``args`` (None when absent)."""
-    values = [args[i + 1] for i, a in enumerate(args[:-1]) if a == flag]
-    return values[-1] if values else None
-
-
-def _without(args: list[str], flag: str) -> list[str]:
-    """``args`` less every ``flag VALUE`` pair."""
-    out: list[str] = []
-    skip = False
-    for a in args:
-        if skip:
-            skip = False
-        elif a == flag:
-            skip = True
-        else:
-            out.append(a)
-    return out
 
 
 @dataclass
@@ -188,9 +169,9 @@ class Mesh:
         c = self.config
         slots = max(c.executors, c.autoscale[1] if c.autoscale else 0, 1)
         try:
-            threads = int(_last_value(c.executor_args, "--num-threads") or self._threads())
-            ranks = (int(_last_value(c.executor_args, "--tensor-parallel-size") or 1)
-                     * int(_last_value(c.executor_args, "--pipeline-parallel-size") or 1))
+            threads = int(last_value(c.executor_args, "--num-threads") or self._threads())
+            ranks = (int(last_value(c.executor_args, "--tensor-parallel-size") or 1)
+                     * int(last_value(c.executor_args, "--pipeline-parallel-size") or 1))
         except ValueError:  # not a number: nothing planned; the executor's own flag check says so
             return
         cpus = usable_cpus()
@@ -282,16 +263,16 @@ class Mesh:
               *self._metrics_args("gateway"), *self._tls_args("gateway"), *c.gateway_args]
         if c.tenants_file:
             gw += ["--tenants", c.tenants_file]
-        block_size = _last_value(c.executor_args, "--block-size")
+        block_size = last_value(c.executor_args, "--block-size")
         if block_size is not None:  # the gateway hashes prompts in the executors' blocks
             gw += ["--block-size", block_size]
         if c.http_port is not None:
             gw += ["--http-port", str(c.http_port)]
-        http_port = _last_value(gw, "--http-port")
+        http_port = last_value(gw, "--http-port")
         if http_port is not None:  # the one that wins, resolved, passed once
             port = int(http_port) or free_port()
             self.http_address = f"127.0.0.1:{port}"
-            gw = [*_without(gw, "--http-port"), "--http-port", str(port)]
+            gw = [*without(gw, "--http-port"), "--http-port", str(port)]
         return gw
 
     def command_lines(self) -> dict[str, list[str]]:
@@ -322,7 +303,7 @@ class Mesh:
         c = self.config
         if c.port and not port_is_free(c.port):
             raise OSError(f"port {c.port} on 127.0.0.1 is in use (another meshserve up?); choose one with --port")
-        http_port = c.http_port if c.http_port is not None else _last_value(c.gateway_args, "--http-port")
+        http_port = c.http_port if c.http_port is not None else last_value(c.gateway_args, "--http-port")
         if http_port and not port_is_free(int(http_port)):  # checked now, not after the model loads
             raise OSError(f"HTTP port {http_port} on 127.0.0.1 is in use (another meshserve up?); "
                           "choose one with --http-port")
@@ -407,11 +388,11 @@ class Mesh:
 
     def gateway_drain_grace_s(self) -> float:
         """The gateway's ``--drain-grace-s`` (seconds its calls in flight get at a stop)."""
-        return float(_last_value(self.config.gateway_args, "--drain-grace-s") or DRAIN_GRACE_S)
+        return float(last_value(self.config.gateway_args, "--drain-grace-s") or DRAIN_GRACE_S)
 
     def stop_order(self) -> list[tuple[list[str], float]]:
         """The services, tier by tier, with each tier's bound (``meshserve.cli.stop_order``)."""
-        executor_grace = float(_last_value(self.config.executor_args, "--drain-grace-s") or DRAIN_GRACE_S)
+        executor_grace = float(last_value(self.config.executor_args, "--drain-grace-s") or DRAIN_GRACE_S)
         return stop_order([name for name, _ in self.procs], self.gateway_drain_grace_s(), executor_grace)
 
     def stop(self) -> list[str]:

@@ -15,14 +15,13 @@ from __future__ import annotations
 import sys
 from typing import Mapping, Sequence
 
+from meshserve.cli.arglists import last_value, without
 from meshserve.urls import redact_url
 
 STORE_ENV = {"--task-store": "MESHSERVE_TASK_STORE", "--result-cache": "MESHSERVE_RESULT_CACHE"}
 """The gateway's flags that name a store (``memory`` or a Redis URL) → the environment
 variable each reads when the flag is not given. A URL with a password belongs in the
 variable: a command line is visible to every user of the host (``ps``)."""
-
-STORE_FLAGS = tuple(STORE_ENV)
 
 
 def gateway_stores(gateway_args: Sequence[str], environ: Mapping[str, str]) -> dict[str, str]:
@@ -31,11 +30,9 @@ def gateway_stores(gateway_args: Sequence[str], environ: Mapping[str, str]) -> d
     variable (``STORE_ENV``) when set; a flag with neither is left out."""
     out: dict[str, str] = {}
     for flag, var in STORE_ENV.items():
-        values = [gateway_args[i + 1] for i, a in enumerate(gateway_args[:-1]) if a == flag]
-        if values:
-            out[flag] = values[-1]
-        elif environ.get(var):
-            out[flag] = environ[var]
+        value = last_value(gateway_args, flag) or environ.get(var)
+        if value:
+            out[flag] = value
     return out
 
 
@@ -54,14 +51,9 @@ def stores_in_env(gateway_args: Sequence[str], environ: Mapping[str, str]) -> tu
         (``STORE_ENV``) for each store the gateway reads (``gateway_stores``), to add
         to its environment: the same stores, read from there.
     """
-    args: list[str] = []
-    i = 0
-    while i < len(gateway_args):
-        if gateway_args[i] in STORE_ENV and i + 1 < len(gateway_args):
-            i += 2
-            continue
-        args.append(gateway_args[i])
-        i += 1
+    args = list(gateway_args)
+    for flag in STORE_ENV:
+        args = without(args, flag)
     return args, {STORE_ENV[flag]: value for flag, value in gateway_stores(gateway_args, environ).items()}
 
 
