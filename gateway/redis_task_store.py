@@ -131,37 +131,28 @@ def redis_reason(exc: BaseException) -> str:
     return text
 
 
-async def durability_warning(client: aioredis.Redis) -> str | None:
-    """Why the tasks in the Redis behind ``client`` would not survive a restart of it
-    (its append-only file is off: ``INFO persistence``'s ``aof_enabled`` is 0), or
-    None (it is on, or the user may not run INFO). The store works either way; the
-    deployments run ``appendonly yes`` with ``appendfsync always``.
-
-    Raises:
-        RedisError: the Redis did not answer.
-    """
-    try:
-        info = await client.info("persistence")
-    except (RedisConnectionError, RedisTimeoutError):
-        raise
-    except RedisError:  # not allowed (NOPERM): nothing to say
-        return None
-    if str(info.get("aof_enabled", "1")) == "0":
+def durability_warning(fields: dict[str, object]) -> str | None:
+    """Why the tasks in a Redis of ``fields`` (``_server_fields``) would not survive a
+    restart of it (its append-only file is off: ``INFO``'s ``aof_enabled`` is 0), or
+    None (it is on, or the user may not run INFO: HELLO does not say). The store works
+    either way; the deployments run ``appendonly yes`` with ``appendfsync always``."""
+    if str(fields.get("aof_enabled", "1")) == "0":
         return ("it runs without its append-only file (appendonly no), so a restart of Redis loses the tasks "
                 "written since its last snapshot (all of them without snapshots); run it with --appendonly yes "
                 "--appendfsync always")
     return None
 
 
-async def _server_fields(client: aioredis.Redis, section: str = "server") -> dict[str, object]:
-    """``INFO <section>``'s fields, else ``HELLO``'s (a user without ``@dangerous``, a
-    common application ACL, may not run INFO; every user may run HELLO, which names the
-    version and the role); {} when neither may be run.
+async def _server_fields(client: aioredis.Redis) -> dict[str, object]:
+    """``INFO``'s fields (its default sections: the version, the role, the persistence),
+    else ``HELLO``'s (a user without ``@dangerous``, a common application ACL, may not
+    run INFO; every user may run HELLO, which names the version and the role); {} when
+    neither may be run. One round trip for all the start checks.
 
     Raises:
         RedisError: the Redis did not answer (a connection error or a timeout).
     """
-    for ask in (lambda: client.info(section), lambda: client.execute_command("HELLO")):
+    for ask in (client.info, lambda: client.execute_command("HELLO")):
         try:
             reply = await ask()
         except (RedisConnectionError, RedisTimeoutError):
@@ -175,37 +166,37 @@ async def _server_fields(client: aioredis.Redis, section: str = "server") -> dic
     return {}
 
 
-async def _server_version(client: aioredis.Redis) -> str | None:
-    """The server's version (``_server_fields``), or None when it cannot be asked."""
-    fields = await _server_fields(client)
+def _version_of(fields: dict[str, object]) -> str | None:
     version = fields.get("redis_version", fields.get("version"))
     return None if version is None else str(version)
 
 
-async def _server_role(client: aioredis.Redis) -> str | None:
-    """``master`` or ``slave``/``replica`` (``INFO replication``, else ``HELLO``), or
-    None when it cannot be asked."""
-    role = (await _server_fields(client, "replication")).get("role")
-    return None if role is None else str(role)
+async def _server_version(client: aioredis.Redis) -> str | None:
+    """The server's version (``_server_fields``), or None when it cannot be asked."""
+    return _version_of(await _server_fields(client))
 
 
-async def check_serves_tasks(client: aioredis.Redis) -> None:
+async def check_serves_tasks(client: aioredis.Redis) -> str | None:
     """Whether the Redis behind ``client`` can run the task store, checked once at start
-    (a readiness poll only PINGs): its version is 6.2 or later (``INFO server``, or
-    ``HELLO`` for a user that may not run INFO; the create script writes with
-    ``PXAT``), it is a primary, not a read-only replica (``INFO replication``, or
-    ``HELLO``), and the create script loads (``SCRIPT LOAD``: an ACL user without
+    (a readiness poll only PINGs), from one ``INFO`` (or ``HELLO`` for a user that may
+    not run INFO, ``_server_fields``): its version is 6.2 or later (the create script
+    writes with ``PXAT``), it is a primary, not a read-only replica, and the create
+    script loads (``SCRIPT LOAD``: an ACL user without
     ``@scripting`` cannot). Without this check such a Redis passes every PING, the
     task path says ready, and every submit is refused UNAVAILABLE.
+
+    Returns:
+        ``durability_warning``'s warning, or None.
 
     Raises:
         StoreUnfit: it cannot; the message is the reason, one line.
         RedisError: the Redis did not answer.
     """
-    reason = version_unfit(await _server_version(client))
+    fields = await _server_fields(client)
+    reason = version_unfit(_version_of(fields))
     if reason is not None:
         raise StoreUnfit(reason)
-    role = await _server_role(client)
+    role = fields.get("role")
     if role is not None and role not in ("master", "primary"):  # a replica answers PING, refuses every write
         raise StoreUnfit(f"this Redis is a read-only replica (role {role}): give the task store its primary's URL")
     try:
@@ -214,13 +205,14 @@ async def check_serves_tasks(client: aioredis.Redis) -> None:
         if isinstance(exc, (RedisConnectionError, RedisTimeoutError)):
             raise
         raise StoreUnfit(f"SCRIPT LOAD failed: {exc}") from None
+    return durability_warning(fields)
 
 
 async def ping(url: str, timeout_s: float = PING_TIMEOUT_S, serves_tasks: bool = False) -> str | None:
     """One PING to the Redis at ``url``, tried once and bounded by ``timeout_s`` in all
     (connecting and selecting its database included): the check ``meshserve up`` makes
-    before it starts anything; with ``serves_tasks``, then ``check_serves_tasks`` and
-    ``durability_warning`` (within the same bound), whose warning it returns.
+    before it starts anything; with ``serves_tasks``, then ``check_serves_tasks``
+    (within the same bound), whose warning it returns.
 
     Raises:
         ConnectionError: no PONG (``PING failed: `` and redis-py's reason, or the
@@ -237,8 +229,7 @@ async def ping(url: str, timeout_s: float = PING_TIMEOUT_S, serves_tasks: bool =
             await client.ping()
             if serves_tasks:
                 step = "the task store's check"
-                await check_serves_tasks(client)
-                return await durability_warning(client)
+                return await check_serves_tasks(client)
             return None
     except StoreUnfit:
         raise
@@ -381,8 +372,7 @@ class RedisTaskStore(TaskStore):
     async def check_at_start(self) -> str | None:
         await self.check()
         try:
-            await check_serves_tasks(self._redis)
-            warning = await durability_warning(self._redis)
+            warning = await check_serves_tasks(self._redis)
         except StoreUnfit as exc:
             raise StoreUnfit(f"task store {self.url} cannot serve tasks: {exc}") from None
         except RedisError as exc:
