@@ -104,12 +104,12 @@ _FIELD_PATH = re.compile(r"[a-z_][a-z0-9_]*(?:\[\d+\]|\.[a-z_][a-z0-9_]*)*")
 def _param_of(message: str) -> str | None:
     """The field an InvalidArgument message names first, in the body's dotted form as
     pydantic's errors give it (``"top_p must be…"`` → ``top_p``;
-    ``"chat.messages[0].role must…"`` → ``messages.0.role``: the gRPC request's
-    ``chat`` is the body's ``messages``)."""
+    ``"messages[0].role must…"`` → ``messages.0.role``; ``http_error`` has already
+    renamed the gRPC request's ``chat.messages`` to the body's ``messages``)."""
     first = message.split(" ", 1)[0].rstrip(":,")
     if not _FIELD_PATH.fullmatch(first):
         return None
-    return re.sub(r"\[(\d+)\]", r".\1", first).removeprefix("chat.")
+    return re.sub(r"\[(\d+)\]", r".\1", first)
 
 
 def http_error(exc: BaseException) -> HttpError:
@@ -122,7 +122,7 @@ def http_error(exc: BaseException) -> HttpError:
                          retry_after_s=max(1, math.ceil(exc.retry_after_s)))
     if isinstance(exc, Unavailable):
         return HttpError(503, message, "service_unavailable_error", "service_unavailable", retry_after_s=1)
-    if isinstance(exc, InvalidArgument) and message.startswith("chat.messages"):
+    if isinstance(exc, InvalidArgument):
         message = message.removeprefix("chat.")  # the gRPC request's chat is the body's messages
     for cls, status, kind, code in _BY_CLASS:
         if isinstance(exc, cls):

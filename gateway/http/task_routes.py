@@ -114,7 +114,7 @@ class TaskRoutes:
             generate = self._generate_request(body)
             handle = await self.tasks.submit(generate, context)
         except InvalidArgument as exc:
-            raise (exc if "messages" in body else prompt_named(exc, lone_prompt_index(body.get("prompt")))) from None
+            raise prompt_named(exc, lone_prompt_index(body.get("prompt"))) from None  # a chat's errors unchanged
         return JSONResponse(_json(handle), status_code=202)
 
     async def get(self, task_id: str, request: Request) -> dict:
