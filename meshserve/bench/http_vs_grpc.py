@@ -28,7 +28,7 @@ from pathlib import Path
 import httpx2 as httpx
 
 from meshserve.bench.stats import percentile
-from meshserve.cli.launcher import Mesh, MeshConfig, free_port
+from meshserve.cli.launcher import Mesh, MeshConfig
 from meshserve.client import build_request, channel, generate
 from meshserve.v1 import gateway_pb2_grpc
 
@@ -93,7 +93,7 @@ async def run(args) -> dict:
     mesh = None
     if args.addr is None:
         log_dir = Path(tempfile.mkdtemp(prefix="meshserve-http-vs-grpc-"))
-        mesh = Mesh(MeshConfig(port=free_port(), executors=1, model=args.model, http_port=0, log_dir=log_dir,
+        mesh = Mesh(MeshConfig(port=0, executors=1, model=args.model, http_port=0, log_dir=log_dir,
                                executor_args=["--dtype", args.dtype, "--max-num-seqs", str(max(8, args.concurrency))]))
         await mesh.start()
         args.addr, args.http_addr = mesh.gateway_address, mesh.http_address

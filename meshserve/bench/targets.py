@@ -28,7 +28,7 @@ from meshserve.bench.loop import RequestResult, checked_result
 from meshserve.bench.target import Target, resolve_dtype
 from meshserve.bench.vllm_target import VLLMTarget
 from meshserve.bench.workload import BenchRequest
-from meshserve.cli.launcher import Mesh, MeshConfig, free_port
+from meshserve.cli.launcher import Mesh, MeshConfig
 from meshserve.tls import PLAINTEXT, TLSConfig
 from meshserve.cli.options import parse_bytes
 from meshserve.client import build_request, channel, generate
@@ -134,7 +134,7 @@ class MeshTarget(Target):
         if c.compile:
             args.append("--compile")
         # --num-threads comes from threads_per_executor
-        self.mesh = Mesh(MeshConfig(port=free_port(), executors=c.executors, model=c.model, executor_args=args,
+        self.mesh = Mesh(MeshConfig(port=0, executors=c.executors, model=c.model, executor_args=args,
                                     log_dir=self.log_dir, threads_per_executor=c.threads,
                                     tls_dir=Path(c.tls_dir) if c.tls_dir else None,
                                     cpu_affinity=c.cpu_affinity))

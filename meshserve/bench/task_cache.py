@@ -195,7 +195,7 @@ async def main(opts: argparse.Namespace) -> dict:
     r = aioredis.from_url(opts.redis)
     await r.flushdb()
     await r.aclose()
-    mesh = Mesh(MeshConfig(port=free_port(), task_store=opts.redis, http_port=0, metrics=True,
+    mesh = Mesh(MeshConfig(port=0, task_store=opts.redis, http_port=0, metrics=True,
                            gateway_args=["--result-cache", opts.redis]))
     await mesh.start()
     try:

@@ -23,14 +23,14 @@ from dataclasses import replace
 from pathlib import Path
 
 from meshserve.bench import BenchConfig, WorkloadSpec, run_bench
-from meshserve.cli.launcher import Mesh, MeshConfig, free_port
+from meshserve.cli.launcher import Mesh, MeshConfig
 
 
 async def run(opts: argparse.Namespace) -> dict:
     tmp = Path(tempfile.mkdtemp(prefix="meshserve-tls-bench-"))
     meshes = {
-        "plaintext": Mesh(MeshConfig(port=free_port(), model=opts.model, log_dir=tmp / "plaintext-logs")),
-        "mtls": Mesh(MeshConfig(port=free_port(), model=opts.model, log_dir=tmp / "mtls-logs",
+        "plaintext": Mesh(MeshConfig(port=0, model=opts.model, log_dir=tmp / "plaintext-logs")),
+        "mtls": Mesh(MeshConfig(port=0, model=opts.model, log_dir=tmp / "mtls-logs",
                                 tls_dir=tmp / "certs")),
     }
     spec = WorkloadSpec(num_requests=opts.num_requests, seed=opts.seed, prompt_len_median=opts.prompt_len_median,

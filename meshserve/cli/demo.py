@@ -19,7 +19,7 @@ from rich.live import Live
 from rich.table import Table
 
 from meshserve.bench.stats import percentile
-from meshserve.cli.launcher import Mesh, MeshConfig, free_port
+from meshserve.cli.launcher import Mesh, MeshConfig
 from meshserve.cli.options import show_model_conversion
 from meshserve.client import build_request, channel, generate
 from meshserve.model_files import resolve_model
@@ -87,7 +87,7 @@ def run_demo(port: int, executors: int, max_tokens: int) -> int:
         signal.signal(sig, signal.default_int_handler)
     console = Console()
     log_dir = Path(tempfile.mkdtemp(prefix="meshserve-demo-"))
-    mesh = Mesh(MeshConfig(port=port or free_port(), executors=executors, log_dir=log_dir, cpu_affinity=True))
+    mesh = Mesh(MeshConfig(port=port or 0, executors=executors, log_dir=log_dir, cpu_affinity=True))
     show_model_conversion()  # a first run dequantizes the bundled GGUF once, before the services start
     try:
         resolve_model(mesh.config.model)

@@ -75,7 +75,8 @@ class MeshConfig:
     """What ``meshserve up`` starts.
 
     Attributes:
-        port: the gateway's public port.
+        port: the gateway's public port (0: a free port, chosen just before the gateway
+            starts, so that nothing else takes it while the executors load).
         executors: number of executor processes.
         model: model alias or path (see ``meshserve.model_files``).
         executor_args: extra ``meshserve executor`` flags (dtype, KV memory…).
@@ -137,11 +138,9 @@ class Mesh:
     """The processes of one local mesh."""
 
     def __init__(self, config: MeshConfig):
-        if not config.port:  # 0: a free port, chosen now (its address is what start() waits on)
-            config.port = free_port()
         self.config = config
         self.procs: list[tuple[str, subprocess.Popen]] = []
-        self.gateway_address = f"127.0.0.1:{config.port}"
+        self.gateway_address = f"127.0.0.1:{config.port}" if config.port else ""  # port 0: set by start()
         self.scheduler_address = ""
         self.kvstore_address = ""
         self.executor_addresses: list[str] = []
@@ -280,6 +279,18 @@ class Mesh:
         stores are in ``service_env``, not here)."""
         return {name: list(proc.args[3:]) for name, proc in self.procs}
 
+    def _log_tail(self, name: str, lines: int = 5) -> str:
+        """The last ``lines`` lines of service ``name``'s log, as a suffix of an error
+        message ("": no ``log_dir``, the log went to the terminal)."""
+        if self.config.log_dir is None:
+            return ""
+        path = self.config.log_dir / f"{name}.log"
+        try:
+            tail = path.read_text(errors="replace").splitlines()[-lines:]
+        except OSError:
+            return ""
+        return f"; {path} ends:\n" + "\n".join(tail) if tail else f"; {path} is empty"
+
     async def _wait(self, name: str, address: str, service: str = "") -> None:
         proc = dict(self.procs)[name]
         task = asyncio.create_task(wait_serving(address, self.config.startup_timeout_s, service=service,
@@ -287,7 +298,7 @@ class Mesh:
         while not task.done():
             if proc.poll() is not None:
                 task.cancel()
-                raise RuntimeError(f"{name} exited with code {proc.returncode} during start-up")
+                raise RuntimeError(f"{name} exited with code {proc.returncode} during start-up{self._log_tail(name)}")
             await asyncio.sleep(0.2)
         await task
 
@@ -333,6 +344,9 @@ class Mesh:
                 self.add_executor()
             for name, address in zip(list(self.executor_names), list(self.executor_addresses)):
                 await self._wait(name, address)
+            if not c.port:  # chosen now, not before the executors loaded: a port free a minute ago may not be
+                c.port = free_port()
+                self.gateway_address = f"127.0.0.1:{c.port}"
             args, store_env = stores_in_env(self._gateway_args(), os.environ)  # no Redis password in `ps`
             self._spawn("gateway", args, env=store_env)
             # with no executor (up --autoscale 0..N: scale to zero) the gateway is alive, not ready

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from meshserve.cli.autoscale import LOAD_METRIC, LocalAutoscaler, parse_range, plan, read_desired, read_gauge
-from meshserve.cli.launcher import Mesh, free_port
+from meshserve.cli.launcher import Mesh
 from meshserve.cli.mesh import mesh_config
 from meshserve.client import build_request, channel, generate
 from meshserve.v1 import gateway_pb2_grpc
@@ -69,7 +69,7 @@ async def test_up_autoscale_adds_an_executor_as_the_load_rises_and_drains_it_aft
     cold start on this busy 2-core machine, up to 44 s measured, can exceed the ramp), then
     stops; the executor is drained after that (8 s cooldown) and exits cleanly (0); every
     request succeeds."""
-    config = mesh_config(free_port(), 1, "default", "float32", "64MiB", [], None, str(tmp_path / "logs"), metrics=True)
+    config = mesh_config(0, 1, "default", "float32", "64MiB", [], None, str(tmp_path / "logs"), metrics=True)
     config.scheduler_args += [*PLANNER, "--min-executors", "1", "--max-executors", "2"]
     mesh = Mesh(config)
     await mesh.start()
@@ -118,7 +118,7 @@ async def test_up_autoscale_from_zero_starts_an_executor_for_a_waiting_request(t
     declared failed, killed, and executor-1 started at the same poll. The request completes
     within executor-1's start + 10 s; one idle window (4 s) after its readiness executor-1
     drains and exits (0), back to zero; the killed executor is no failure of the mesh."""
-    config = mesh_config(free_port(), 0, "default", "float32", "64MiB", [], None, str(tmp_path / "logs"), metrics=True)
+    config = mesh_config(0, 0, "default", "float32", "64MiB", [], None, str(tmp_path / "logs"), metrics=True)
     config.scheduler_args += ["--planner-interval-s", "1", "--planner-season-s", "3600", "--scale-down-cooldown-s",
                               "4", "--no-forecast", "--min-executors", "0", "--max-executors", "1",
                               "--start-budget-s", "600"]

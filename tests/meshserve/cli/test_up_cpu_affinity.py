@@ -10,7 +10,7 @@ from typer.testing import CliRunner
 
 from meshserve.cli import app
 from meshserve.cli import mesh as mesh_cli
-from meshserve.cli.launcher import Mesh, MeshConfig, default_threads_per_executor, free_port
+from meshserve.cli.launcher import Mesh, MeshConfig, default_threads_per_executor
 from meshserve.client import build_request, channel, generate
 from meshserve.cpu_affinity import format_cpu_list
 from meshserve.v1 import gateway_pb2_grpc
@@ -145,7 +145,7 @@ async def test_the_executor_has_its_own_core_and_the_services_the_rest(tmp_path)
     allowed = sorted(os.sched_getaffinity(0))
     if len(allowed) < 2:
         pytest.skip("needs two cores")
-    mesh = Mesh(MeshConfig(port=free_port(), executor_args=["--dtype", "float32", "--kv-cache-memory", "64MiB"],
+    mesh = Mesh(MeshConfig(port=0, executor_args=["--dtype", "float32", "--kv-cache-memory", "64MiB"],
                            threads_per_executor=1, log_dir=tmp_path, cpu_affinity=True))
     await mesh.start()
     try:

@@ -15,8 +15,9 @@ import grpc
 import httpx2 as httpx
 import pytest
 
-from meshserve.cli.launcher import Mesh, MeshConfig, free_port
+from meshserve.cli.launcher import Mesh, MeshConfig
 from meshserve.cli.mesh import mesh_config
+from meshserve.grpc_server import LIVENESS_SERVICE
 from meshserve.client import build_request, channel, generate
 from meshserve.v1 import gateway_pb2_grpc
 from tests.support.mesh_harness import wait_for_condition
@@ -129,17 +130,12 @@ def _raised(fn) -> BaseException | None:
     return None
 
 
-def test_up_port_zero_is_a_free_port_chosen_at_once():
-    mesh = Mesh(MeshConfig(port=0))
-    assert mesh.config.port > 0 and mesh.gateway_address == f"127.0.0.1:{mesh.config.port}"
-
-
 MAX_TOKENS = 160  # long enough that both calls are still streaming when the stop begins
 
 
 @pytest.mark.model
 async def test_stop_lets_the_calls_in_flight_finish_before_the_mesh_goes(tmp_path):
-    config = mesh_config(free_port(), 1, "default", "float32", "256MiB", [], None, str(tmp_path), http_port=0,
+    config = mesh_config(0, 1, "default", "float32", "256MiB", [], None, str(tmp_path), http_port=0,
                          gateway_args=["--drain-grace-s", "120"])
     mesh = Mesh(config)
     await mesh.start()
@@ -185,7 +181,7 @@ async def test_stop_lets_the_calls_in_flight_finish_before_the_mesh_goes(tmp_pat
 
 @pytest.mark.model
 async def test_a_call_after_the_gateway_began_stopping_is_unavailable(tmp_path):
-    config = mesh_config(free_port(), 1, "default", "float32", "256MiB", [], None, str(tmp_path),
+    config = mesh_config(0, 1, "default", "float32", "256MiB", [], None, str(tmp_path),
                          gateway_args=["--drain-grace-s", "120"])
     mesh = Mesh(config)
     await mesh.start()
@@ -260,7 +256,7 @@ def test_up_stopped_from_its_terminal_stops_every_service_in_order(how, tmp_path
     of their own, never get. Either way ``up`` stops them all in order and exits 0.
     ``up`` SIGKILLed stops nothing itself: each service gets SIGTERM from Linux
     (``stop_with_parent``) and exits, none is left holding its ports."""
-    up = subprocess.Popen([sys.executable, "-m", "meshserve.cli", "up", "--port", str(free_port()),
+    up = subprocess.Popen([sys.executable, "-m", "meshserve.cli", "up", "--port", "0",
                            "--executors", "1", "--dtype", "float32", "--kv-cache-memory", "256MiB", "--no-metrics",
                            "--http-port", "0", "--log-dir", str(tmp_path)],
                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
@@ -301,3 +297,29 @@ def test_up_stopped_from_its_terminal_stops_every_service_in_order(how, tmp_path
             except ProcessLookupError:
                 pass
         up.wait()
+
+
+async def test_a_service_that_exits_during_start_up_is_named_with_the_end_of_its_log(tmp_path):
+    mesh = Mesh(MeshConfig(port=0, executors=0, log_dir=tmp_path, scheduler_args=["--no-such-flag"]))
+    with pytest.raises(RuntimeError) as info:
+        await mesh.start()
+    message = str(info.value)
+    assert message.startswith(f"scheduler exited with code 2 during start-up; {tmp_path / 'scheduler.log'} ends:\n")
+    assert "No such option: --no-such-flag" in message
+    assert mesh.gateway_address == ""  # port 0: the gateway's port is chosen only when it starts
+
+
+@pytest.mark.model
+async def test_port_zero_gives_the_gateway_a_port_chosen_when_it_starts(tmp_path):
+    mesh = Mesh(MeshConfig(port=0, executors=0, log_dir=tmp_path))
+    assert mesh.gateway_address == ""
+    try:
+        await mesh.start()
+        port = mesh.command_lines()["gateway"][mesh.command_lines()["gateway"].index("--port") + 1]
+        assert mesh.gateway_address == f"127.0.0.1:{port}" and mesh.config.port == int(port)
+        async with channel(mesh.gateway_address) as ch:
+            from grpc_health.v1 import health_pb2, health_pb2_grpc
+            reply = await health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(service=LIVENESS_SERVICE))
+            assert reply.status == health_pb2.HealthCheckResponse.SERVING
+    finally:
+        mesh.stop()

@@ -6,7 +6,7 @@ Redis."""
 import pytest
 import redis.asyncio as aioredis
 
-from meshserve.cli.launcher import Mesh, free_port
+from meshserve.cli.launcher import Mesh
 from meshserve.cli.mesh import mesh_config
 from meshserve.client import build_request, channel, submit_task, wait_task
 from meshserve.v1 import gateway_pb2, gateway_pb2_grpc
@@ -28,7 +28,7 @@ def redis():
 @pytest.mark.model
 async def test_up_keeps_the_task_stores_password_off_every_command_line(redis, tmp_path):
     url = acl_user(redis.url, "meshserve", PASSWORD, "+@all")
-    mesh = Mesh(mesh_config(free_port(), 1, "default", "float32", "256MiB", [], None, str(tmp_path), task_store=url))
+    mesh = Mesh(mesh_config(0, 1, "default", "float32", "256MiB", [], None, str(tmp_path), task_store=url))
     await mesh.start()
     try:
         for name, proc in mesh.procs:
