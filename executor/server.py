@@ -339,6 +339,18 @@ class SchedulerLink(BackgroundTask):
             backoff = min(backoff * 2, 5.0)
 
 
+def bind_executor_service(port: int, host: str = "127.0.0.1", tls: TLSConfig = PLAINTEXT,
+                          health_port: int | None = None) -> Service:
+    """The executor's ``Service``, its ports bound (not yet serving: a call waits until
+    ``start_executor`` starts it). Bound before the model loads, a port chosen for the
+    executor is not taken by another process meanwhile.
+
+    Raises:
+        OSError: ``port`` or ``health_port`` cannot be bound.
+    """
+    return Service("meshserve.v1.Executor", port, host, tls, health_port=health_port)
+
+
 async def start_executor(
     engine: LLMEngine,
     port: int,
@@ -357,6 +369,7 @@ async def start_executor(
     prefix_cache_scope: str = "tenant",
     started_at: float | None = None,
     health_port: int | None = None,
+    service: Service | None = None,
 ) -> tuple[Service, AsyncEngine, SchedulerLink | None]:
     """Starts the engine thread, the Executor service and its scheduler link.
 
@@ -385,11 +398,14 @@ async def start_executor(
     ``prefix_cache_scope``: ``tenant`` (prefix KV blocks shared only between requests
     of the same tenant, the lease's) or ``global`` (``meshserve.block_hash.cache_salt``).
     ``health_port``: a plaintext health-only port (``Service``; None: none).
+    ``service``: the executor's ``Service``, already bound (``bind_executor_service``;
+    None: bound here, from ``port``, ``host``, ``tls`` and ``health_port``).
 
     Raises:
         TimeoutError: the scheduler did not accept the registration within 60 s.
     """
-    service = Service("meshserve.v1.Executor", port, host, tls, health_port=health_port)
+    if service is None:
+        service = bind_executor_service(port, host, tls, health_port)
     if kvstore_address and engine.kv_connector is None:
         from executor.kvstore_connector import KVStoreConnector
 

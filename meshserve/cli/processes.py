@@ -254,20 +254,21 @@ async def run_executor(engine_config: EngineConfig, port: int, host: str, schedu
     started_at = time.monotonic()
     from executor.drain import drain
     from executor.engine.llm_engine import LLMEngine  # torch: imported only when an executor starts
-    from executor.server import start_executor
+    from executor.server import bind_executor_service, start_executor
 
     setup_tracing("executor")
     holder = {}
     done = asyncio.Event()
 
     async def start():
+        service = bind_executor_service(port, host, tls, health_port)  # held while the model loads
         engine = await asyncio.to_thread(LLMEngine, engine_config)
         svc, async_engine, link = await start_executor(engine, port, host, scheduler, executor_id, pool,
                                                     advertise_address, step_timeout_s, kvstore_address,
                                                     kvstore_fetch_timeout_s, metrics_port, peak_flops,
                                                     max_buffered_outputs, tls=tls,
                                                     prefix_cache_scope=prefix_cache_scope, started_at=started_at,
-                                                    health_port=health_port)
+                                                    health_port=health_port, service=service)
         async_engine.on_failure(lambda _exc: done.set())  # exit non-zero: the orchestrator restarts us
         on_rank_failure = getattr(engine.worker_group, "on_failure", None)  # a parallel group's ranks
         if on_rank_failure is not None:
