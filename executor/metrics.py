@@ -213,7 +213,8 @@ class SlowReaderCollector(Collector):
 
 def executor_registry(stats: Callable[[], EngineStats], num_params: int, device: str = "cpu",
                       peak_flops: float | None = None, nvml=None,
-                      slow_reader_aborts: Callable[[], int] | None = None) -> CollectorRegistry:
+                      slow_reader_aborts: Callable[[], int] | None = None,
+                      registry: CollectorRegistry | None = None) -> CollectorRegistry:
     """The executor's registry: engine counters (``EngineCollector``) and device
     utilization (``DeviceCollector``: NVML on CUDA, process CPU otherwise).
 
@@ -224,8 +225,10 @@ def executor_registry(stats: Callable[[], EngineStats], num_params: int, device:
         peak_flops: peak FLOP/s for the MFU (default ``default_peak_flops(device)``).
         nvml: an NVML module for tests (default ``pynvml`` on CUDA).
         slow_reader_aborts: the count of slow-reader aborts (None: not exported).
+        registry: a ``new_registry("executor")`` to fill, one already served while the
+            model loaded (None: a new one).
     """
-    registry = new_registry("executor")
+    registry = registry or new_registry("executor")
     registry.register(EngineCollector(stats, num_params, peak_flops or default_peak_flops(device)))
     registry.register(DeviceCollector(device, nvml))
     if slow_reader_aborts is not None:

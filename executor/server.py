@@ -340,15 +340,22 @@ class SchedulerLink(BackgroundTask):
 
 
 def bind_executor_service(port: int, host: str = "127.0.0.1", tls: TLSConfig = PLAINTEXT,
-                          health_port: int | None = None) -> Service:
+                          health_port: int | None = None, metrics_port: int | None = None) -> Service:
     """The executor's ``Service``, its ports bound (not yet serving: a call waits until
     ``start_executor`` starts it). Bound before the model loads, a port chosen for the
-    executor is not taken by another process meanwhile.
+    executor is not taken by another process meanwhile. With ``metrics_port`` (0: a free
+    one) ``/metrics`` serves at once, the process metrics alone until ``start_executor``
+    adds the engine's.
 
     Raises:
-        OSError: ``port`` or ``health_port`` cannot be bound.
+        OSError: ``port``, ``health_port`` or ``metrics_port`` cannot be bound.
     """
-    return Service("meshserve.v1.Executor", port, host, tls, health_port=health_port)
+    service = Service("meshserve.v1.Executor", port, host, tls, health_port=health_port)
+    if metrics_port is not None:
+        from meshserve.metrics import new_registry
+
+        service.serve_metrics(new_registry("executor"), metrics_port)
+    return service
 
 
 async def start_executor(
@@ -399,7 +406,8 @@ async def start_executor(
     of the same tenant, the lease's) or ``global`` (``meshserve.block_hash.cache_salt``).
     ``health_port``: a plaintext health-only port (``Service``; None: none).
     ``service``: the executor's ``Service``, already bound (``bind_executor_service``;
-    None: bound here, from ``port``, ``host``, ``tls`` and ``health_port``).
+    None: bound here, from ``port``, ``host``, ``tls`` and ``health_port``); when it
+    serves metrics already, the engine's join them (``metrics_port`` is then unused).
 
     Raises:
         TimeoutError: the scheduler did not accept the registration within 60 s.
@@ -415,12 +423,14 @@ async def start_executor(
     async_engine = AsyncEngine(engine, on_stats=lambda _stats: [link.notify() for link in links],
                                on_kv_events=lambda events: [link.on_kv_events(events) for link in links],
                                max_buffered_outputs=max_buffered_outputs)
-    if metrics_port is not None:
+    if metrics_port is not None or service.metrics is not None:
         from executor.metrics import executor_registry
 
-        service.serve_metrics(executor_registry(async_engine.stats, engine.num_params, engine.config.device,
-                                                peak_flops, slow_reader_aborts=lambda: async_engine.num_overflowed),
-                            metrics_port)
+        registry = executor_registry(async_engine.stats, engine.num_params, engine.config.device, peak_flops,
+                                     slow_reader_aborts=lambda: async_engine.num_overflowed,
+                                     registry=service.metrics.registry if service.metrics else None)
+        if service.metrics is None:
+            service.serve_metrics(registry, metrics_port)
     await async_engine.start()
     servicer = ExecutorServicer(async_engine, engine.model_id, prefix_cache_scope=prefix_cache_scope)
     executor_pb2_grpc.add_ExecutorServicer_to_server(servicer, service.server)

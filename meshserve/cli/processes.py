@@ -261,7 +261,7 @@ async def run_executor(engine_config: EngineConfig, port: int, host: str, schedu
     done = asyncio.Event()
 
     async def start():
-        service = bind_executor_service(port, host, tls, health_port)  # held while the model loads
+        service = bind_executor_service(port, host, tls, health_port, metrics_port)  # held while the model loads
         engine = await asyncio.to_thread(LLMEngine, engine_config)
         svc, async_engine, link = await start_executor(engine, port, host, scheduler, executor_id, pool,
                                                     advertise_address, step_timeout_s, kvstore_address,

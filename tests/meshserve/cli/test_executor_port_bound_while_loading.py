@@ -1,9 +1,10 @@
-"""``meshserve executor`` binds its gRPC (and health) port before the model loads, so a
+"""``meshserve executor`` binds its gRPC, health and metrics ports before the model loads, so a
 port chosen for it (``meshserve up`` picks a free one) is not taken by another process
 during the load; calls wait until it serves."""
 
 from __future__ import annotations
 
+import httpx2 as httpx
 import pytest
 
 import executor.engine.llm_engine as llm_engine
@@ -12,14 +13,20 @@ from meshserve.cli.launcher import free_port, port_is_free
 
 
 async def test_the_executor_holds_its_ports_while_its_model_loads(monkeypatch):
-    port, health_port = free_port(), free_port()
+    port, health_port, metrics_port = free_port(), free_port(), free_port()
     seen = {}
 
     def loading(_config):
-        seen.update(port=port_is_free(port), health_port=port_is_free(health_port))
+        seen.update(port=port_is_free(port), health_port=port_is_free(health_port),
+                    metrics_port=port_is_free(metrics_port),
+                    metrics=httpx.get(f"http://127.0.0.1:{metrics_port}/metrics").text)
         raise RuntimeError("the model failed to load")
 
     monkeypatch.setattr(llm_engine, "LLMEngine", loading)
     with pytest.raises(RuntimeError, match="the model failed to load"):
-        await processes.run_executor(None, port, "127.0.0.1", "127.0.0.1:1", "executor-x", health_port=health_port)
-    assert seen == {"port": False, "health_port": False}
+        await processes.run_executor(None, port, "127.0.0.1", "127.0.0.1:1", "executor-x", health_port=health_port,
+                                     metrics_port=metrics_port)
+    metrics = seen.pop("metrics")
+    assert seen == {"port": False, "health_port": False, "metrics_port": False}
+    assert 'meshserve_build_info{service="executor"' in metrics  # served while loading, the engine's not yet
+    assert "meshserve_engine" not in metrics
