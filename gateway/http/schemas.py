@@ -9,7 +9,8 @@ Numbers are JSON numbers, as in OpenAI's API: an integer field (``max_tokens``,
 ``n``, ``seed``, token ids…) takes an integer only, never a boolean, a float
 (``4.0``) or a string (``"4"``), which pydantic's lax mode would convert
 (``true`` → 1; vLLM takes them so); a float field takes any number but not a
-boolean or a string. ``user`` is at most 256 characters (it becomes the span
+boolean or a string; a boolean field (``stream``, ``echo``, ``logprobs`` of a chat…)
+takes ``true`` or ``false`` only, never ``1`` or ``"yes"``. ``user`` is at most 256 characters (it becomes the span
 attribute ``enduser.id``). Ranges are checked once, by
 ``meshserve.sampling.validate`` in the core; what is checked here is only what
 the core cannot see (types, the OpenAI-only caps such as ``max_tokens`` >= 1 and
@@ -21,7 +22,8 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictFloat, StrictInt, field_validator, model_validator
+from pydantic import (BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, field_validator,
+                      model_validator)
 
 # What one request body may carry before any work is done (case C37): the core's
 # own caps bound each field; these bound what arrives before the core sees it.
@@ -34,8 +36,8 @@ class StreamOptions(BaseModel):
     """``stream_options``: with ``include_usage`` a last chunk carries the usage
     (``choices`` empty) and every other chunk ``"usage": null``."""
 
-    include_usage: bool = False
-    continuous_usage_stats: bool = False
+    include_usage: StrictBool = False
+    continuous_usage_stats: StrictBool = False
 
 
 class SamplingFields(BaseModel):
@@ -55,7 +57,7 @@ class SamplingFields(BaseModel):
 
     model: str | None = None
     n: StrictInt = Field(1, ge=1)
-    stream: bool = False
+    stream: StrictBool = False
     stream_options: StreamOptions | None = None
     stop: str | list[str] | None = None
     seed: StrictInt | None = None
@@ -70,11 +72,11 @@ class SamplingFields(BaseModel):
     min_p: StrictFloat | None = None
     min_tokens: StrictInt | None = Field(None, ge=0)
     repetition_penalty: StrictFloat | None = None
-    ignore_eos: bool = False
+    ignore_eos: StrictBool = False
     stop_token_ids: list[StrictInt] | None = None
     priority: StrictInt | None = None
     request_id: str | None = None
-    return_token_ids: bool = False  # vLLM's: token ids beside the text (each chunk: its delta's)
+    return_token_ids: StrictBool = False  # vLLM's: token ids beside the text (each chunk: its delta's)
 
     def stop_strings(self) -> tuple[str, ...]:
         """``stop`` as a tuple of strings (one string is one stop string)."""
@@ -91,7 +93,7 @@ class CompletionRequest(SamplingFields):
     prompt: str | list[str] | list[StrictInt] | list[list[StrictInt]]
     max_tokens: StrictInt | None = Field(16, ge=1)
     logprobs: StrictInt | None = Field(None, ge=0, le=20)
-    echo: bool = False
+    echo: StrictBool = False
     best_of: StrictInt | None = None
     suffix: str | None = None
 
@@ -142,7 +144,7 @@ class ChatCompletionRequest(SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1, max_length=MAX_MESSAGES)
     max_tokens: StrictInt | None = Field(None, ge=1)
     max_completion_tokens: StrictInt | None = Field(None, ge=1)
-    logprobs: bool = False
+    logprobs: StrictBool = False
     top_logprobs: StrictInt | None = Field(None, ge=0, le=20)
     tools: list[Any] | None = None
     tool_choice: str | dict[str, Any] | None = None
