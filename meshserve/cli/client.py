@@ -33,7 +33,23 @@ leaves the field unset and the gateway applies ``meshserve.sampling.SamplingPara
 default (written out here, since importing it would import grpc for ``--help``; a test
 keeps them equal)."""
 
+
+def _printable_ascii_key(api_key: Optional[str]) -> Optional[str]:
+    """``--api-key``'s check: a key is printable ASCII, as gRPC metadata carries it and as
+    a tenants file holds it (a key with a stray ``\\r`` or a non-ASCII letter would fail
+    inside gRPC, not as a usage error).
+
+    Raises:
+        typer.BadParameter: any other character (exit code 2).
+    """
+    if api_key is not None and not (api_key.isascii() and api_key.isprintable()):
+        raise typer.BadParameter(f"the key (from --api-key or {API_KEY_ENV}) must be printable ASCII; "
+                                 "it holds a control or non-ASCII character")
+    return api_key
+
+
 ApiKeyOpt = typer.Option(None, "--api-key", envvar=API_KEY_ENV, show_default="none: the open tenant",
+                         callback=_printable_ascii_key,
                          help="The caller's key, sent as x-api-key (a gateway with --tenants needs one).")
 
 

@@ -48,3 +48,23 @@ async def test_the_hint_comes_once_for_several_prompts(keyed):
 async def test_task_without_a_key_says_how_to_send_one(keyed):
     assert await meshserve("task", "task-1", "--addr", keyed, "--insecure") == (
         1, f"error: UNAUTHENTICATED: {MISSING}\n")
+
+
+def test_a_key_grpc_cannot_send_is_a_usage_error_naming_it_not_a_traceback():
+    """A key with a non-ASCII letter or a control character (a ``\\r`` left by a key
+    file) fails inside gRPC's metadata; the commands refuse it first, exit code 2."""
+    from typer.testing import CliRunner
+
+    from meshserve.cli import app
+
+    runner = CliRunner()
+    want = ("the key (from --api-key or MESHSERVE_API_KEY) must be printable ASCII; it holds a control or "
+            "non-ASCII character")
+    for args, env in ((["generate", "--addr", "127.0.0.1:1", "--insecure", "--prompt", "Hi", "--api-key", "ключ"], {}),
+                      (["generate", "--addr", "127.0.0.1:1", "--insecure", "--prompt", "Hi", "--async"],
+                       {"MESHSERVE_API_KEY": "key-acme\r"}),
+                      (["task", "some-task", "--addr", "127.0.0.1:1", "--insecure"], {"MESHSERVE_API_KEY": "k\x01"})):
+        result = runner.invoke(app, args, env=env)
+        assert result.exit_code == 2, result.output
+        assert want in " ".join(result.output.replace("│", " ").split()), result.output
+        assert "Traceback" not in result.output
