@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from gateway.detokenizer import IncrementalDetokenizer
+from gateway.detokenizer import MAX_HELD_TOKENS, IncrementalDetokenizer
 
 pytestmark = pytest.mark.model
 
@@ -112,6 +112,42 @@ def test_window_stays_small(tokenizer):
     pieces = stream(counting, ids)
     assert len(ids) > 400
     assert counting.longest <= 6
+    assert_invariant(tokenizer, ids, pieces)
+
+
+def test_a_long_run_of_malformed_byte_tokens_keeps_the_window_bounded(tokenizer):
+    """Token 111 (byte 0xA1) decodes to U+FFFD alone: a run of it keeps the text ending in
+    U+FFFD, which held every token until the end (each call decoding all of them, 4,000
+    tokens took 6 s). The settled part is emitted as the run goes on, text exact."""
+
+    class Counting:
+        def __init__(self):
+            self.longest = 0
+
+        def decode(self, ids, **kwargs):
+            self.longest = max(self.longest, len(ids))
+            return tokenizer.decode(ids, **kwargs)
+
+    counting = Counting()
+    ids = [111] * 500 + tokenizer.encode(" ok 你好", add_special_tokens=False) + [111] * 500
+    pieces = stream(counting, ids)
+    assert counting.longest <= 2 * (MAX_HELD_TOKENS + 1)  # the held tokens and the text before them
+    assert_invariant(tokenizer, ids, pieces)
+    during_run = "".join(pieces[:500])  # emitted as the run went, at most MAX_HELD_TOKENS + 1 held
+    assert set(during_run) == {"\ufffd"} and 500 - MAX_HELD_TOKENS - 1 <= len(during_run) <= 500 - 3
+
+
+@settings(max_examples=60, deadline=None)
+@given(data=st.data(), chunks=st.integers(1, 4), with_prompt=st.booleans())
+def test_long_runs_of_byte_tokens_match_full_decode(tokenizer, data, chunks, with_prompt):
+    """Case C03 with runs longer than MAX_HELD_TOKENS: partial characters, malformed
+    bytes and U+FFFD itself, mixed with whole tokens."""
+    byte_ids = tokenizer.encode("你好🙂🚀é\ufffd", add_special_tokens=False)
+    token = st.one_of(st.sampled_from(byte_ids), st.sampled_from([111, 130, 160, 190]),
+                      st.integers(0, len(tokenizer) - 1))
+    ids = data.draw(st.lists(token, min_size=MAX_HELD_TOKENS, max_size=80))
+    prompt = data.draw(st.lists(token, min_size=1, max_size=8)) if with_prompt else None
+    pieces = stream(tokenizer, ids, chunks, prompt_token_ids=prompt)
     assert_invariant(tokenizer, ids, pieces)
 
 
