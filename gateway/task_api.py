@@ -44,7 +44,7 @@ from gateway.task_wait import WaitingLines
 from gateway.tenants import Tenant, TenantRegistry
 from meshserve import trace_attributes as ta
 from meshserve.errors import InvalidArgument, ResourceExhausted, Unavailable
-from meshserve.request_ids import MAX_REQUEST_ID_LEN
+from meshserve.request_ids import MAX_REQUEST_ID_LEN, attempt_request_id
 from meshserve.telemetry import context_from_grpc, record_error, tracer
 from meshserve.v1 import gateway_pb2
 
@@ -259,9 +259,9 @@ class TaskAPI:
         message = gateway_pb2.GenerateRequest.FromString(record.request)
         options = self._span_options(record.task_id, record.traceparent)
 
-        # attempt n > 1 runs as "<request id>.attempt<n>": the scheduler may still hold the
-        # lease of an earlier attempt (its gateway died holding it) under the plain id
-        request_id = f"{message.request_id or record.task_id}.attempt{record.attempt}"
+        # the scheduler may still hold the lease of an earlier attempt (its gateway died
+        # holding it) under the plain id
+        request_id = attempt_request_id(message.request_id or record.task_id, record.attempt)
 
         async def work(hooks: TaskHooks) -> bytes:
             request = dataclasses.replace(request_from_proto(message), request_id=request_id)

@@ -29,3 +29,12 @@ def check_request_id(request_id: str) -> None:
 def scoped_request_id(tenant: str, request_id: str) -> str:
     """The key of ``request_id`` within ``tenant``: ``"<len(tenant)>:<tenant>/<request_id>"``."""
     return f"{len(tenant)}:{tenant}/{request_id}"
+
+
+def attempt_request_id(request_id: str, attempt: int) -> str:
+    """The id attempt ``attempt`` (> 1) of a task runs under: ``"<request_id>.attempt<n>"``,
+    so that it never meets a lease an earlier attempt may still hold under the plain id.
+    A ``request_id`` too long for the suffix is cut to fit ``MAX_REQUEST_ID_LEN``: a
+    valid id never fails its retry as the caller's mistake."""
+    suffix = f".attempt{attempt}"
+    return request_id[: MAX_REQUEST_ID_LEN - len(suffix)] + suffix
