@@ -24,7 +24,10 @@ core.prepare(request, tenant)`` raises at once on a bad request; ``core.run(prep
 will never run. Cancellation is the adapter's: it cancels the task iterating (or
 closes the iterator); the core's ``finally`` blocks cancel the executor call (the
 engine frees the request's blocks), release the lease, free the request id, end the
-span and observe the metrics exactly once.
+span and observe the metrics exactly once. A request whose id is held by one that is
+ending (releasing its lease: its caller went away or got its last message) waits for
+that end, at most ``ENDING_WAIT_S``, instead of being refused: a retry under the same
+id right after a cancel is served.
 
 Spans (OpenTelemetry, ``meshserve.trace_attributes``): one per request,
 ``"{operation} {model}"``, child of ``SpanOptions.parent``; its context travels to
@@ -67,6 +70,8 @@ _tracer = tracer(__name__)
 # its caller-facing codes, and its PERMISSION_DENIED or UNAUTHENTICATED, which the mesh
 # client raises as ``RefusedByMesh``. A plain UNAVAILABLE is not one of them: a lost
 # connection is UNAVAILABLE too, and the Assignment may have been written before it broke.
+ENDING_WAIT_S = 10.0
+"""Longest a request waits for an ending one under its id (its lease's Release: at most 5 s)."""
 _ADMIT_REFUSALS = (InvalidArgument, AlreadyExists, ResourceExhausted, NotFound, RefusedByMesh)
 
 OnAssigned = Callable[[], Awaitable[None]]
@@ -124,6 +129,7 @@ class GatewayCore:
         cache_salt(prefix_cache_scope, "")  # validates
         self.prefix_cache_scope = prefix_cache_scope
         self._in_flight: set[str] = set()  # scoped request ids of unfinished requests
+        self._ending: dict[str, asyncio.Event] = {}  # those releasing their lease: set when the id is free
 
     async def close(self) -> None:
         """Closes the mesh client's and the result store's connections."""
@@ -157,6 +163,8 @@ class GatewayCore:
         limits are checked before, on the loop (cheap). Raises as ``prepare``."""
         timer, priority, metrics = self._start(request, tenant, received_at)
         try:
+            if request.request_id:
+                await self._wait_ending(scoped_request_id(tenant.name, request.request_id))
             request_id = self._check_before_tokenizing(request, tenant.name)
             prompt_ids = self.prompt_memo.lookup(request)  # a repeated prompt: no thread, no tokenizer
             if prompt_ids is None:
@@ -165,6 +173,16 @@ class GatewayCore:
         except BaseException as exc:
             metrics.end(time.monotonic(), exc)
             raise
+
+    async def _wait_ending(self, scoped_id: str) -> None:
+        """Waits, at most ``ENDING_WAIT_S``, until the request ending under ``scoped_id``
+        (if any) has ended; one still running is not waited for (``AlreadyExists`` follows)."""
+        ending = self._ending.get(scoped_id)
+        if ending is not None:
+            try:
+                await asyncio.wait_for(ending.wait(), ENDING_WAIT_S)
+            except TimeoutError:
+                pass
 
     def _start(self, request: GenerationRequest, tenant: Tenant, received_at: float | None):
         """The request's timer, priority (the tenant's default, under its ceiling) and metrics."""
@@ -219,7 +237,11 @@ class GatewayCore:
             return
         prepared.ended = True
         prepared.metrics.end(time.monotonic(), error)
-        self._in_flight.discard(scoped_request_id(prepared.tenant, prepared.request_id))
+        scoped_id = scoped_request_id(prepared.tenant, prepared.request_id)
+        self._in_flight.discard(scoped_id)
+        ending = self._ending.pop(scoped_id, None)
+        if ending is not None:
+            ending.set()
 
     async def generate(self, request: GenerationRequest, tenant: Tenant, options: SpanOptions = SpanOptions(),
                        received_at: float | None = None) -> AsyncIterator[Event]:
@@ -385,6 +407,8 @@ class GatewayCore:
                 answered = True
             raise
         finally:
+            if assignment is not None or not answered:  # the id is ending: a retry under it waits, not refused
+                self._ending.setdefault(scoped_request_id(p.tenant, p.request_id), asyncio.Event())
             if assignment is not None:
                 generated = p.num_generated_tokens if choices else None
                 await self.mesh.release(assignment.lease_id, generated, finished, span)

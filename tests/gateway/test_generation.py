@@ -262,3 +262,45 @@ async def test_tokens_after_a_choices_stop_string_are_charged_too(tokenizer):
     results = [e async for e in core.generate(request, TENANT) if isinstance(e, ChoiceResult)]
     assert sorted(r.usage.completion_tokens for r in results)[0] < len(first)  # choice 0 was cut at "."
     assert mesh.releases == [("lease-1", len(first) + len(second), True)]
+
+
+class SlowRelease(Streams):
+    """``Streams`` whose Release calls wait until ``released`` is set (a scheduler slow
+    to answer), each recorded once it returns."""
+
+    def __init__(self, length: int) -> None:
+        super().__init__(length)
+        self.released = asyncio.Event()
+        self.releasing = asyncio.Event()
+
+    async def release(self, lease_id, num_generated_tokens, finished, span):
+        self.releasing.set()
+        await self.released.wait()
+        await super().release(lease_id, num_generated_tokens, finished, span)
+
+
+async def test_a_retry_under_the_id_of_a_cancelled_request_waits_for_its_end_instead_of_being_refused(tokenizer):
+    """Found by a review: a caller that cancels and retries at once under the same
+    request_id got ALREADY_EXISTS while the old request released its lease. The retry now
+    waits for that end (its id freed after the Release), then runs; an id whose request is
+    still running is refused at once."""
+    mesh = SlowRelease(40)
+    core = GatewayCore(tokenizer, MODEL, mesh)
+    request = GenerationRequest(prompt_token_ids=(5, 6, 7), sampling=SamplingParams(max_tokens=40), request_id="r8")
+    running = aclosing(core.generate(request, TENANT))
+    events = await running.__aenter__()
+    await anext(events)  # the first delta: the request runs
+    with pytest.raises(AlreadyExists):  # a second request under a running request's id
+        async for _ in core.generate(request, TENANT):
+            pass
+    closing = asyncio.create_task(running.__aexit__(None, None, None))  # the caller goes away
+    await mesh.releasing.wait()
+    again = core.generate(request, TENANT)
+    retry = asyncio.create_task(anext(again))
+    await asyncio.sleep(0.05)
+    assert not retry.done()  # waiting for the old request's end, not refused
+    mesh.released.set()
+    await closing
+    assert isinstance(await retry, Delta)
+    await again.aclose()
+    assert mesh.releases == [("lease-1", 1, False), ("lease-1", 1, False)]
