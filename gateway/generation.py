@@ -27,7 +27,8 @@ engine frees the request's blocks), release the lease, free the request id, end 
 span and observe the metrics exactly once. A request whose id is held by one that is
 ending (releasing its lease: its caller went away or got its last message) waits for
 that end, at most ``ENDING_WAIT_S``, instead of being refused: a retry under the same
-id right after a cancel is served.
+id right after a cancel or a deadline is served (one under the id of a request still
+running after ``RUNNING_GRACE_S`` is refused).
 
 Spans (OpenTelemetry, ``meshserve.trace_attributes``): one per request,
 ``"{operation} {model}"``, child of ``SpanOptions.parent``; its context travels to
@@ -72,6 +73,8 @@ _tracer = tracer(__name__)
 # connection is UNAVAILABLE too, and the Assignment may have been written before it broke.
 ENDING_WAIT_S = 10.0
 """Longest a request waits for an ending one under its id (its lease's Release: at most 5 s)."""
+RUNNING_GRACE_S = 0.25
+"""How long a request under the id of a running one waits for that one to begin ending."""
 _ADMIT_REFUSALS = (InvalidArgument, AlreadyExists, ResourceExhausted, NotFound, RefusedByMesh)
 
 OnAssigned = Callable[[], Awaitable[None]]
@@ -176,7 +179,13 @@ class GatewayCore:
 
     async def _wait_ending(self, scoped_id: str) -> None:
         """Waits, at most ``ENDING_WAIT_S``, until the request ending under ``scoped_id``
-        (if any) has ended; one still running is not waited for (``AlreadyExists`` follows)."""
+        (if any) has ended. One still running is given ``RUNNING_GRACE_S`` to begin its
+        end (a caller whose deadline passed retries before the gateway has seen it pass),
+        then not waited for (``AlreadyExists`` follows)."""
+        loop = asyncio.get_running_loop()
+        grace_end = loop.time() + RUNNING_GRACE_S
+        while scoped_id in self._in_flight and scoped_id not in self._ending and loop.time() < grace_end:
+            await asyncio.sleep(0.01)
         ending = self._ending.get(scoped_id)
         if ending is not None:
             try:

@@ -14,7 +14,7 @@ import pytest
 import pytest_asyncio
 
 from gateway.events import ChoiceResult, Delta, FinishReason, Queued
-from gateway.generation import GatewayCore
+from gateway.generation import RUNNING_GRACE_S, GatewayCore
 from gateway.mesh import Assignment, ExecutorOutput, RefusedByMesh
 from gateway.mesh_client import GrpcMeshClient
 from gateway.request import GenerationRequest, ModelInfo, SpanOptions
@@ -280,23 +280,28 @@ class SlowRelease(Streams):
 
 
 async def test_a_retry_under_the_id_of_a_cancelled_request_waits_for_its_end_instead_of_being_refused(tokenizer):
-    """Found by a review: a caller that cancels and retries at once under the same
-    request_id got ALREADY_EXISTS while the old request released its lease. The retry now
-    waits for that end (its id freed after the Release), then runs; an id whose request is
-    still running is refused at once."""
+    """Found by a review: a caller that cancels (or whose deadline passes) and retries at
+    once under the same request_id got ALREADY_EXISTS while the old request released its
+    lease, or before the gateway saw the old call end. The retry now waits for that end
+    (the id is freed after the Release), then runs; an id whose request is still running
+    after ``RUNNING_GRACE_S`` is refused."""
     mesh = SlowRelease(40)
     core = GatewayCore(tokenizer, MODEL, mesh)
     request = GenerationRequest(prompt_token_ids=(5, 6, 7), sampling=SamplingParams(max_tokens=40), request_id="r8")
     running = aclosing(core.generate(request, TENANT))
     events = await running.__aenter__()
     await anext(events)  # the first delta: the request runs
+    loop = asyncio.get_running_loop()
+    started = loop.time()
     with pytest.raises(AlreadyExists):  # a second request under a running request's id
         async for _ in core.generate(request, TENANT):
             pass
-    closing = asyncio.create_task(running.__aexit__(None, None, None))  # the caller goes away
-    await mesh.releasing.wait()
+    assert loop.time() - started >= RUNNING_GRACE_S
     again = core.generate(request, TENANT)
-    retry = asyncio.create_task(anext(again))
+    retry = asyncio.create_task(anext(again))  # sent before the gateway sees the first call end
+    await asyncio.sleep(RUNNING_GRACE_S / 5)
+    closing = asyncio.create_task(running.__aexit__(None, None, None))  # ... which it now does
+    await mesh.releasing.wait()
     await asyncio.sleep(0.05)
     assert not retry.done()  # waiting for the old request's end, not refused
     mesh.released.set()
