@@ -76,7 +76,8 @@ class GatewayServicer:
         the stream ends after the last one). Choices interleave; every delta and
         result names its choice's index.
         Errors: INVALID_ARGUMENT (bad parameters, empty prompt, prompt longer than
-        the context), UNAUTHENTICATED, RESOURCE_EXHAUSTED, UNAVAILABLE (no executor).
+        the context), UNAUTHENTICATED, ALREADY_EXISTS (request_id in use), NOT_FOUND
+        (a model not served here), RESOURCE_EXHAUSTED, UNAVAILABLE (no executor).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
