@@ -15,7 +15,8 @@ cooldown), clamps it to MIN..MAX and
   exits by itself;
 * declares an executor that is not ready (SERVING) within ``start_budget_s`` of
   its start failed: it is killed (``Mesh.abandon_executor``) and, the count being
-  short, replaced at the same poll (case C44). A loading executor is never
+  short, replaced at the same poll (case C44); its readiness is watched for that
+  whole budget (even past the mesh's ``startup_timeout_s``). A loading executor is never
   killed before that (the Kubernetes counterpart: the startup probe's budget,
   before which liveness is not asked).
 
@@ -151,8 +152,12 @@ class LocalAutoscaler:
         return desired
 
     async def _watch_ready(self, name: str, address: str) -> None:
+        """Records ``name`` ready once it is SERVING. Watches as long as it may be starting:
+        the start budget (``overdue`` stops the watch then), at least the mesh's
+        ``startup_timeout_s``, so a budget above that timeout is not cut short."""
+        timeout_s = max(self.start_budget_s, self.mesh.config.startup_timeout_s)
         try:
-            await wait_serving(address, self.mesh.config.startup_timeout_s, tls=self.mesh.tls("client"))
+            await wait_serving(address, timeout_s, tls=self.mesh.tls("client"))
         except TimeoutError:
             return  # the start budget fails it
         finally:

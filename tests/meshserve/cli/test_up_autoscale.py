@@ -6,6 +6,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
@@ -29,6 +30,94 @@ def test_autoscale_range_and_plan():
     assert read_desired("# HELP x\nmeshserve_scheduler_desired_executors 3.0\n") == 3
     assert read_desired("meshserve_scheduler_executors 1.0\n") is None
     assert read_gauge("meshserve_scheduler_load_tokens_per_second 12.5\n", LOAD_METRIC) == 12.5
+
+
+class FakeClock:
+    def __init__(self):
+        self.t = 0.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+class FakeMesh:
+    """What ``LocalAutoscaler.step`` uses of a ``Mesh``: `up --autoscale 0..1 --start-budget-s 600`
+    (the services' own start-up timeout stays 300 s)."""
+
+    def __init__(self, clock: FakeClock):
+        self.config = SimpleNamespace(start_budget_s=600.0, startup_timeout_s=300.0)
+        self.metrics_addresses = {"scheduler": "unused"}
+        self.executor_names: list[str] = []
+        self.killed: list[tuple[float, str]] = []
+        self.clock = clock
+        self.started = 0
+
+    def tls(self, role):
+        return None
+
+    def add_executor(self) -> tuple[str, str]:
+        name = f"executor-{self.started}"
+        self.started += 1
+        self.executor_names.append(name)
+        return name, f"addr-{name}"
+
+    def abandon_executor(self, name: str) -> None:
+        self.executor_names.remove(name)
+        self.killed.append((self.clock(), name))
+
+    def exit_code(self, name: str):
+        return None
+
+
+async def test_an_executor_ready_after_the_startup_timeout_but_within_its_start_budget_is_ready(monkeypatch):
+    """Start budget 600 s, the services' start-up timeout 300 s: an executor SERVING 400 s
+    after its start is recorded ready at 400 s and never killed (the readiness watch lasts
+    the start budget, not the 300 s timeout); one never SERVING is failed at 600 s, not
+    at 599 s, and replaced at the same step."""
+    clock = FakeClock()
+    serving: set[str] = set()
+    timeouts: list[float] = []
+
+    async def wait_serving(address, timeout_s, service="", tls=None):
+        timeouts.append(timeout_s)
+        start = clock()
+        while address not in serving:
+            if clock() - start >= timeout_s:
+                raise TimeoutError(f"{address} not SERVING after {timeout_s:.0f} s")
+            await asyncio.sleep(0)
+
+    async def settle():  # lets the readiness watches see the clock
+        for _ in range(20):
+            await asyncio.sleep(0)
+
+    monkeypatch.setattr("meshserve.cli.autoscale.wait_serving", wait_serving)
+    mesh = FakeMesh(clock)
+    scaler = LocalAutoscaler(mesh, 0, 1, clock=clock)
+
+    async def desired_one():
+        return 1
+
+    scaler._read = desired_one
+    for t, becomes_serving in [(0.0, None), (350.0, None), (400.0, "addr-executor-0"), (650.0, None)]:
+        clock.t = t
+        if becomes_serving:
+            serving.add(becomes_serving)
+        await settle()
+        await scaler.step()
+        await settle()
+    assert [(e.time, e.kind, e.name) for e in scaler.events] == [(0.0, "start", "executor-0"),
+                                                                (400.0, "ready", "executor-0")]
+    assert mesh.killed == [] and scaler.starting == {} and timeouts == [600.0]
+
+    clock.t, mesh.executor_names = 1000.0, []  # executor-0 gone: executor-1 starts and never serves
+    for t in (1000.0, 1599.0, 1600.0):
+        clock.t = t
+        await scaler.step()
+        await settle()
+    assert [(e.time, e.kind, e.name) for e in scaler.events[2:]] == [
+        (1000.0, "start", "executor-1"), (1600.0, "failed", "executor-1"), (1600.0, "start", "executor-2")]
+    assert mesh.killed == [(1600.0, "executor-1")] and list(scaler.starting) == ["executor-2"]
+    scaler._stop_watch("executor-2")
 
 
 def test_up_rejects_a_bad_range_before_starting_anything():
