@@ -51,7 +51,10 @@ runs only while more executors are *ready* (registered, not draining; from
 ready executor is needed and the surplus of ``desired`` over raw is made of
 executors still starting, the timer is held (reset), so an executor asked for
 is never given up before it is ready: at scale-to-zero, the executor started
-for a request waits out the idle window *after* its readiness. A step down then
+for a request waits out the idle window *after* its readiness. The hold lasts
+only while demand is recent (``observe`` saw a request queued within the last
+cold start + ``interval_s``): an executor that never becomes ready is not
+restarted for ever with nothing queued, and the mesh returns to zero. A step down then
 removes a starting executor first (``meshserve.cli.autoscale.plan``), so the
 ready count never falls below raw. With no ``observe`` call yet (the planner
 alone) the timer is never held.
@@ -196,6 +199,7 @@ class Planner:
         self._last_change = -math.inf
         self._below_since: float | None = None
         self.ready: int | None = None  # ready executors at the last observe (None: never observed)
+        self._queued_at = -math.inf  # the last observe that saw a request queued
         self.last: Decision | None = None
 
     # -- observations ----------------------------------------------------------
@@ -225,6 +229,8 @@ class Planner:
         self._executors = max(self._executors, num_executors)
         self._saturated = self._saturated and num_queued > 0 and num_executors > 0
         self._observed = True
+        if num_queued > 0:
+            self._queued_at = now
 
     @property
     def capacity_tokens_per_s(self) -> float:
@@ -312,6 +318,12 @@ class Planner:
             self.last = dataclasses.replace(self.last, desired=1, raw=max(1, self.last.raw))
         return self.last
 
+    def demand_recent(self, now: float) -> bool:
+        """Whether ``observe`` saw a request queued within the last cold start + interval
+        before ``now`` (seconds): the idle timer is held for executors still starting only
+        then, so one that never becomes ready is not restarted for ever with nothing queued."""
+        return now - self._queued_at <= self.cold_start_s + self.config.interval_s
+
     def _stabilize(self, now: float, raw: int) -> None:
         cooldown = self.config.scale_down_cooldown_s
         if raw >= self.desired:
@@ -319,7 +331,7 @@ class Planner:
             if raw > self.desired:
                 self.desired, self._last_change = raw, now
             return
-        if self.ready is not None and self.ready <= raw:
+        if self.ready is not None and self.ready <= raw and self.demand_recent(now):
             self._below_since = None  # no ready executor idles: the surplus is still starting (C44)
             return
         if self._below_since is None:

@@ -252,3 +252,38 @@ def test_wake_from_zero_changes_nothing_while_an_executor_is_ready_or_nothing_wa
     assert planner.wake_from_zero(1.0, 3) is None and planner.desired == 0
     planner.observe(2.0, 0, 0)
     assert planner.wake_from_zero(2.0, 0) is None and planner.desired == 0
+
+
+def test_an_executor_that_never_becomes_ready_is_not_restarted_once_nothing_is_queued():
+    """Start budget 30 s, every start 60 s: the request ends UNAVAILABLE at 30 s; starting
+    executors are held for it (each failed one replaced) only while a request was queued
+    within cold start + interval (last queued at 29 s, 60 + 1 s: until 90 s); the idle
+    timer then runs and drains the last starting executor one window (20 s) later, at
+    111 s: back to zero, no start after 90 s."""
+    mesh = ColdStartMesh(start_s=60.0, start_budget_s=30.0)
+    mesh.submit("r")
+    mesh.run_until(600.0)
+    assert {rid: (t, type(exc)) for rid, (t, exc) in mesh.failed.items()} == {"r": (30.0, Unavailable)}
+    assert mesh.events == [(0.0, "start", "executor-0"), (30.0, "failed", "executor-0"),
+                           (30.0, "start", "executor-1"), (60.0, "failed", "executor-1"),
+                           (60.0, "start", "executor-2"), (90.0, "failed", "executor-2"),
+                           (90.0, "start", "executor-3"), (111.0, "drain", "executor-3")]
+    assert [t for t, d, _, _ in mesh.trace if d == 1] == [float(t) for t in range(0, 111)]
+    assert mesh.running == [] and mesh.starting == {}
+
+
+def test_the_idle_timer_is_held_for_a_starting_executor_only_while_requests_were_queued_lately():
+    """The planner alone (interval 1 s, cold start 60 s, idle window 20 s): woken at 0 s, a
+    request queued until 299 s and no executor ever ready. Desired stays 1 while requests
+    wait and for cold start + interval after the last one (360 s), then the window runs:
+    0 from 381 s."""
+    planner = Planner(PlannerConfig(interval_s=1.0, season_s=3600.0, min_executors=0, max_executors=2,
+                                    scale_down_cooldown_s=IDLE_S, predictive=False), start=0.0)
+    planner.observe(0.0, 0, 1)
+    assert planner.wake_from_zero(0.0, 1).desired == 1
+    desired = {}
+    for t in range(1, 601):
+        planner.observe(float(t), 0, 1 if t < 300 else 0)
+        desired[t] = planner.decide(float(t)).desired
+    assert [t for t, d in desired.items() if d == 1] == list(range(1, 381))
+    assert (planner.demand_recent(360.0), planner.demand_recent(361.0)) == (True, False)
