@@ -161,11 +161,13 @@ class Decision:
 @dataclass(frozen=True)
 class History:
     """A copy of the planner's history: per-interval token loads (tokens/s) and arrival
-    rates (requests/s), oldest first, and how many intervals to forecast."""
+    rates (requests/s), oldest first, how many intervals to forecast, and how many
+    intervals have closed in all (the forecasters re-fit on it once the history is full)."""
 
     tokens: list[float]
     requests: list[float]
     steps: int
+    closed: int
 
 
 @dataclass(frozen=True)
@@ -187,6 +189,7 @@ class Planner:
         self._tokens_forecaster = SeasonalForecaster(config.season_length)
         self._requests_forecaster = SeasonalForecaster(config.season_length)
         self._bucket_end = start + config.interval_s
+        self.intervals_closed = 0  # intervals added to the history, those since dropped included
         self._tokens = 0.0
         self._requests = 0
         self._served = 0.0
@@ -253,6 +256,7 @@ class Planner:
             self._tokens, self._requests, self._served = 0.0, 0, 0.0
             self._saturated, self._observed, self._executors = True, False, 0
             self._bucket_end += cfg.interval_s
+            self.intervals_closed += 1
 
     # -- the decision ----------------------------------------------------------
     def snapshot(self, now: float) -> History:
@@ -260,7 +264,7 @@ class Planner:
         which may then run in another thread)."""
         self._roll(now)
         steps = max(1, math.ceil((self.cold_start_s + self.config.interval_s) / self.config.interval_s))
-        return History(list(self.tokens_history), list(self.requests_history), steps)
+        return History(list(self.tokens_history), list(self.requests_history), steps, self.intervals_closed)
 
     def forecast(self, history: History) -> Forecast | None:
         """The largest forecast load and arrival rate over ``history.steps`` intervals, or
@@ -268,10 +272,10 @@ class Planner:
         forecasters: safe in a worker thread while the planner observes."""
         if not self.config.predictive:
             return None
-        tokens = self._tokens_forecaster.forecast(history.tokens, history.steps)
+        tokens = self._tokens_forecaster.forecast(history.tokens, history.steps, history.closed)
         if tokens is None:
             return None
-        requests = self._requests_forecaster.forecast(history.requests, history.steps)
+        requests = self._requests_forecaster.forecast(history.requests, history.steps, history.closed)
         return Forecast(float(tokens.max()), float(requests.max()) if requests is not None else 0.0)
 
     def decide(self, now: float, num_queued_tokens: int = 0, forecast: Forecast | None | bool = True) -> Decision:

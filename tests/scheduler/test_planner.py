@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from scheduler.forecast import SeasonalForecaster
-from scheduler.planner import Planner, PlannerConfig
+from scheduler.planner import Forecast, Planner, PlannerConfig
 
 DAY = 86400.0
 INTERVAL = 300.0  # 288 intervals a day
@@ -47,6 +47,44 @@ def test_forecaster_needs_two_seasons():
     assert f.forecast([1.0, 2.0, 3.0, 4.0] * 2, 2) is not None
     with pytest.raises(ValueError):
         SeasonalForecaster(1)
+
+
+def test_forecaster_re_fits_once_per_season_of_new_points_after_the_history_is_full():
+    """Season 12, history capped at two seasons (24 points, its oldest dropped as each new
+    one closes): the optimized fit runs at 24 points seen and every 12 more (36 ... 144),
+    counted on the points seen, not on the capped history's length."""
+    f = SeasonalForecaster(12)
+    series = [float((i * 7) % 12) for i in range(150)]
+    fits = []
+    for seen in range(24, 150):
+        f.forecast(series[seen - 24:seen], 1, seen)
+        if f.fitted_at == seen:
+            fits.append(seen)
+    assert fits == list(range(24, 145, 12))
+
+
+def test_planner_history_counts_intervals_closed_beyond_the_kept_history():
+    planner = Planner(PlannerConfig(interval_s=1.0, season_s=12.0, history_seasons=2, cold_start_s=0.0), start=0.0)
+    planner.on_arrival(0.5, 100)
+    history = planner.snapshot(150.0)
+    assert (len(history.tokens), history.closed, history.tokens[0]) == (24, 150, 0.0)
+    assert planner.forecast(history) == Forecast(0.0, 0.0)
+    fitted = []
+    for now in (150.0, 161.0, 162.0):
+        planner.forecast(planner.snapshot(now))
+        fitted.append(planner._tokens_forecaster.fitted_at)
+    assert fitted == [150, 150, 162]  # re-fit after a season (12 intervals) closed, the history full
+
+
+def test_forecaster_with_too_few_points_for_the_quick_fit_fits_fully_instead_of_raising():
+    """Season 6: the quick re-fit (heuristic initial state) needs 16 points; at 12 to 15 the
+    optimized fit runs each time and forecasts the exact continuation of a periodic series;
+    at 16 the quick re-fit is used again (the last optimized fit stays at 15)."""
+    f = SeasonalForecaster(6)
+    for n in range(12, 17):
+        forecast = f.forecast([float(i % 6) for i in range(n)], 6)
+        assert forecast.round(6).tolist() == [float((n + k) % 6) for k in range(6)]
+        assert f.fitted_at == min(n, 15)
 
 
 def step_load(t: np.ndarray) -> np.ndarray:
