@@ -36,6 +36,7 @@ class PlannerLoop(BackgroundTask):
         self.core = core
         self.clock = clock
         self.sleep = sleep
+        self._forecast_failures: set[str] = set()  # kinds (exception class names) logged already
 
     def observe(self) -> None:
         """Samples the mesh's state (saturation) now; cheap, called on every dispatch too."""
@@ -46,10 +47,20 @@ class PlannerLoop(BackgroundTask):
 
     async def tick(self) -> Decision:
         """One decision now; the forecast (a Holt-Winters fit, up to about a second)
-        runs in a worker thread, off the event loop."""
+        runs in a worker thread, off the event loop. A forecast that raises is logged
+        (once per kind of error) and the decision is taken without it (the reactive
+        floor alone)."""
         self.observe()
         history = self.planner.snapshot(self.clock())
-        forecast = await asyncio.to_thread(self.planner.forecast, history)
+        try:
+            forecast = await asyncio.to_thread(self.planner.forecast, history)
+        except Exception as exc:  # noqa: BLE001 - a failed fit must not stop the reactive floor
+            forecast = None
+            kind = type(exc).__name__
+            if kind not in self._forecast_failures:
+                self._forecast_failures.add(kind)
+                log.warning("planner forecast failed (%s: %s); deciding on the reactive floor alone, "
+                            "further %s failures not logged", kind, exc, kind, exc_info=exc)
         self.observe()
         queued_tokens = sum(r.queued_tokens for r in self.core.queued())
         return self.planner.decide(self.clock(), queued_tokens, forecast)

@@ -183,3 +183,44 @@ def test_scale_down_steps_one_per_cooldown_after_the_load_fell():
     4→3→2→1 at 30 s intervals from the first decision that saw it, then 1→0 30 s after 200 s."""
     trace = run_c43([(0.0, 400.0), (60.0, 100.0), (200.0, 0.0)], 300.0)
     assert [(t, d) for t, d in changes(trace)] == [(5.0, 4), (95.0, -1), (125.0, -1), (155.0, -1), (235.0, -1)]
+
+
+def test_the_planner_loop_decides_on_the_reactive_floor_when_the_forecast_fails(caplog):
+    """A forecast that raises does not stop the decision: each tick decides without it
+    (predictive None; 250 tokens/s last interval at 100 tokens/s per executor: 3), and
+    each kind of error is logged once, not on every tick."""
+    import asyncio
+    import logging
+
+    from scheduler.admission import AdmissionCore, SchedulerConfig
+    from scheduler.planner_loop import PlannerLoop
+
+    class Clock:
+        t = 0.0
+
+        def __call__(self) -> float:
+            return self.t
+
+    clock = Clock()
+    planner = Planner(PlannerConfig(interval_s=1.0, season_s=12.0, min_executors=0, max_executors=4,
+                                    capacity_tokens_per_s=100.0, target_utilization=1.0), start=0.0)
+    errors = [ValueError("bad fit"), ValueError("bad fit"), np.linalg.LinAlgError("singular")]
+
+    def failing_forecast(history):
+        raise errors.pop(0)
+
+    planner.forecast = failing_forecast
+    loop = PlannerLoop(planner, AdmissionCore(SchedulerConfig()), clock=clock)
+    decisions = []
+    with caplog.at_level(logging.WARNING, logger="scheduler.planner_loop"):
+        for t in (1.0, 2.0, 3.0):
+            planner.on_arrival(t - 0.5, 250)
+            clock.t = t
+            decision = asyncio.run(loop.tick())
+            decisions.append((decision.desired, decision.predictive, decision.reactive))
+    assert decisions == [(3, None, 3)] * 3
+    assert [r.getMessage() for r in caplog.records] == [
+        "planner forecast failed (ValueError: bad fit); deciding on the reactive floor alone, "
+        "further ValueError failures not logged",
+        "planner forecast failed (LinAlgError: singular); deciding on the reactive floor alone, "
+        "further LinAlgError failures not logged"]
