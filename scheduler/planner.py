@@ -219,8 +219,9 @@ class Planner:
         self._served += num_tokens
 
     def on_cold_start(self, seconds: float) -> None:
-        """An executor took ``seconds`` from its process start to registration."""
-        if seconds >= 0:
+        """An executor took ``seconds`` from its process start to registration; a negative or
+        non-finite value (NaN, infinity: nothing to plan for) is ignored."""
+        if math.isfinite(seconds) and seconds >= 0:
             self._cold_starts.append(seconds)
 
     def observe(self, now: float, num_executors: int, num_queued: int) -> None:

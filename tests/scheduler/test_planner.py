@@ -224,3 +224,16 @@ def test_the_planner_loop_decides_on_the_reactive_floor_when_the_forecast_fails(
         "further ValueError failures not logged",
         "planner forecast failed (LinAlgError: singular); deciding on the reactive floor alone, "
         "further LinAlgError failures not logged"]
+
+
+def test_a_non_finite_or_negative_cold_start_is_ignored_and_decisions_go_on():
+    """A registration reporting an infinite, NaN or negative start time leaves the cold start
+    planned for at the configured 60 s (lead 120 s, 2 intervals); a finite one is used."""
+    planner = Planner(PlannerConfig(interval_s=60.0, season_s=3600.0, min_executors=0, max_executors=4), start=0.0)
+    for seconds in (math.inf, -math.inf, math.nan, -1.0):
+        planner.on_cold_start(seconds)
+    decision = planner.decide(61.0)
+    steps = planner.snapshot(61.0).steps
+    assert (decision.desired, decision.cold_start_s, decision.lead_s, steps) == (0, 60.0, 120.0, 2)
+    planner.on_cold_start(45.0)
+    assert (planner.decide(122.0).cold_start_s, planner.snapshot(122.0).steps) == (45.0, 2)
