@@ -7,10 +7,10 @@ request (``on_arrival``: requests and tokens), every finished lease
 (``scheduler.planner_loop``) calls ``decide`` once per ``interval_s``.
 
 **History.** Arrivals are counted in intervals of ``interval_s`` seconds; each
-closed interval adds its token load (tokens/s: prompt + max output tokens of
-the requests that arrived in it) and arrival rate (requests/s) to the history
-(an interval with no arrivals adds 0). At most ``history_seasons`` seasons are
-kept.
+closed interval adds its token load (tokens/s: prompt + n × predicted output
+tokens of the requests that arrived in it, the admission core's ``cost``) and
+arrival rate (requests/s) to the history (an interval with no arrivals adds 0).
+At most ``history_seasons`` seasons are kept.
 
 **Capacity of one executor** (tokens/s). An interval in which requests waited
 in the admission queue at every observation (``observe``: the queue left after
@@ -207,8 +207,9 @@ class Planner:
 
     # -- observations ----------------------------------------------------------
     def on_arrival(self, now: float, num_tokens: int, num_requests: int = 1) -> None:
-        """``num_requests`` requests arrived at ``now`` with ``num_tokens`` of work
-        (prompt + max output tokens, all of them together)."""
+        """``num_requests`` requests arrived at ``now`` (seconds) with ``num_tokens`` of work
+        (prompt + n × predicted output tokens, all of them together: the scheduler passes
+        each request's admission ``cost``)."""
         self._roll(now)
         self._requests += num_requests
         self._tokens += num_tokens
