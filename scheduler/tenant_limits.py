@@ -64,7 +64,8 @@ class TokenBucket:
         self._at = now
 
     def _refill(self, now: float) -> None:
-        self.level = min(self.capacity, self.level + (now - self._at) * self.rate)
+        # a clock that steps back refills nothing (it must not drain the bucket)
+        self.level = min(self.capacity, self.level + max(0.0, now - self._at) * self.rate)
         self._at = max(self._at, now)
 
     def wait_s(self, amount: float, now: float) -> float:

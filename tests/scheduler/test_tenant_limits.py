@@ -102,6 +102,15 @@ def test_token_bucket_refills_to_capacity_and_may_go_into_debt():
     assert bucket.level == 100.0
 
 
+def test_token_bucket_keeps_its_level_when_the_clock_steps_back():
+    bucket = TokenBucket(rate=10.0, capacity=100.0, now=50.0)
+    bucket.take(40, now=50.0)
+    assert bucket.wait_s(10, now=45.0) == 0.0  # 5 s back: nothing refilled, nothing drained
+    assert bucket.level == 60.0
+    assert bucket.wait_s(100, now=51.0) == pytest.approx(3.0)  # refills from 50 s, the latest time seen
+    assert bucket.level == 70.0
+
+
 def test_without_configured_limits_any_tenant_is_admitted():
     core = AdmissionCore()
     core.registry.add(ExecutorState("e0", "addr", "m", 64, 16, 1024))
