@@ -113,7 +113,9 @@ class PoolsConfig:
         """From the parsed file (see the module docstring).
 
         Raises:
-            ValueError: unknown keys or bad values.
+            ValueError: unknown keys or bad values (``priorities`` not a list of
+                integers, ``spill_to`` not a list of pool names, ``idle_free_fraction``
+                not a number in [0, 1]).
         """
         unknown = set(data) - {"default_pool", "pools"}
         if unknown:
@@ -123,13 +125,18 @@ class PoolsConfig:
             if not isinstance(body, Mapping) or set(body) - _POOL_FIELDS:
                 raise ValueError(f"pool {name!r}: expected a table with keys from {sorted(_POOL_FIELDS)}")
             priorities = body.get("priorities", [])
-            if not all(isinstance(p, int) and not isinstance(p, bool) for p in priorities):
-                raise ValueError(f"pool {name!r}: priorities must be integers")
+            if not isinstance(priorities, (list, tuple)) or not all(
+                    isinstance(p, int) and not isinstance(p, bool) for p in priorities):
+                raise ValueError(f"pool {name!r}: priorities must be a list of integers, "
+                                 f"e.g. [1, 2], got {priorities!r}")
             spill = body.get("spill_to", [])
-            if not all(isinstance(s, str) for s in spill):
-                raise ValueError(f"pool {name!r}: spill_to must be pool names")
-            pools[name] = PoolSpec(name, tuple(priorities), tuple(spill),
-                                   float(body.get("idle_free_fraction", 0.5)))
+            if not isinstance(spill, (list, tuple)) or not all(isinstance(s, str) for s in spill):
+                raise ValueError(f"pool {name!r}: spill_to must be a list of pool names, "
+                                 f"e.g. [\"batch\"], got {spill!r}")
+            fraction = body.get("idle_free_fraction", 0.5)
+            if not isinstance(fraction, (int, float)) or isinstance(fraction, bool):
+                raise ValueError(f"pool {name!r}: idle_free_fraction must be a number in [0, 1], got {fraction!r}")
+            pools[name] = PoolSpec(name, tuple(priorities), tuple(spill), float(fraction))
         return cls(pools, str(data.get("default_pool", DEFAULT_POOL)))
 
     @classmethod

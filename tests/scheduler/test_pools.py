@@ -56,6 +56,18 @@ def test_config_maps_priority_classes_and_validates():
         PoolsConfig.from_dict({"pool": {}})
 
 
+@pytest.mark.parametrize("body, message", [
+    ({"priorities": 1}, "pool 'a': priorities must be a list of integers, e.g. [1, 2], got 1"),
+    ({"priorities": [1, "2"]}, "pool 'a': priorities must be a list of integers, e.g. [1, 2], got [1, '2']"),
+    ({"spill_to": "b"}, "pool 'a': spill_to must be a list of pool names, e.g. [\"batch\"], got 'b'"),
+    ({"idle_free_fraction": [0.5]}, "pool 'a': idle_free_fraction must be a number in [0, 1], got [0.5]"),
+])
+def test_pools_file_of_the_wrong_types_is_a_value_error_that_says_what_is_expected(body, message):
+    with pytest.raises(ValueError) as err:
+        PoolsConfig.from_dict({"pools": {"a": body, "b": {}}})
+    assert str(err.value) == message
+
+
 def test_pools_file_is_read(tmp_path):
     path = tmp_path / "pools.toml"
     path.write_text('default_pool = "batch"\n[pools.interactive]\npriorities = [1, 2]\nspill_to = ["batch"]\n'
