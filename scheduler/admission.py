@@ -8,15 +8,19 @@ each call; the policies themselves live in their own modules.)
 **Order.** ``dispatch`` walks the queue in the order of its ``QueuePolicy``
 (``scheduler.queue_policy``: fcfs, priority classes, or shortest-job-first on
 predicted cost with aging). Each request goes where ``scheduler.placement``
-says (its pool or an idle spill target, an executor with room, the cheapest by
-the routing cost of ``scheduler.routing``); if none can take it, the walk skips
-every later request of the same pool (all requests without a pools file), so
-a large request at the head is never starved by smaller ones behind it, and a
-saturated pool does not hold up another pool.
+says (its pool or an idle spill target, an executor with room within its
+tenant's quota, the cheapest by the routing cost of ``scheduler.routing``); if
+no executor has room for it, the walk skips every later request of the same
+model and pool (pool None without a pools file), so a large request at the
+head is never starved by smaller ones behind it, and a saturated pool or model
+does not hold up another.
 
 **Tenant quotas** (``scheduler.quotas``). A request whose tenant would exceed its
 ``kv_quota_blocks`` with it is *skipped*, not stopped at: it waits until its own
-tenant's leases end, and requests of other tenants behind it go on. A request
+tenant's leases end, and requests of other tenants behind it go on. Its blocks
+differ between executors (block size, the cap at a whole cache), so it goes only
+to an executor where its quota covers them; when only executors it needs too
+many blocks on have room, it is skipped the same way. A request
 that alone needs more blocks than its tenant's quota is refused at once
 (RESOURCE_EXHAUSTED with no retry delay: waiting never makes it fit). A lease is charged the blocks admission reserved for it
 until its executor reports how many blocks the lease's requests hold
@@ -64,6 +68,7 @@ when it registers again and lists them, they are its own again.
 
 from __future__ import annotations
 
+import functools
 import itertools
 import time
 import uuid
@@ -389,21 +394,22 @@ class AdmissionCore:
         """Assigns queued requests in policy order (see the module docstring)."""
         now = self._clock()
         assigned: list[tuple[AdmissionRequest, Lease]] = []
-        blocked: set[str | None] = set()  # pools whose head request found no executor
+        blocked: set[tuple[str, str | None]] = set()  # (model, pool) whose head request found no executor
         if self.predictor.stats()["num_observed"]:
             for req in self._queue.values():
                 if req.prediction_level == "prior":
                     self._predict(req)  # queued before the predictor knew anything: ask again
         for req in self.policy.order(list(self._queue.values()), now):
             own = self.config.pools.pool_of(req.priority) if self.config.pools is not None else None
-            if own in blocked or self._quota_blocked(req):
-                continue  # behind a blocked head of its pool, or waits for its own tenant's blocks
-            placement, _ = self.placer.choose(req, now)
+            if (req.model, own) in blocked or self._quota_blocked(req):
+                continue  # behind a blocked head of its model and pool, or waits for its own tenant's blocks
+            capped = self.quotas.limit(req.tenant) is not None
+            allows = functools.partial(self.quotas.allows, req.tenant) if capped else None
+            placement, _ = self.placer.choose(req, now, allows)
             if placement is None:
-                blocked.add(own)
-                continue
-            if not self.quotas.allows(req.tenant, placement.num_blocks):
-                continue
+                if allows is None or self.placer.choose(req, now)[0] is None:
+                    blocked.add((req.model, own))  # no executor has room: the requests behind it wait
+                continue  # else only its tenant's quota keeps it off those with room: it is skipped
             self._remove(req.request_id)
             lease = Lease(
                 lease_id=req.lease_id or uuid.uuid4().hex, request_id=req.request_id, executor_id=placement.executor.executor_id,

@@ -4,7 +4,10 @@ Pure, no gRPC. For one request the admission core asks ``choose``:
 
 1. **executors of its model** that could ever hold it (prompt + 1 token within
    ``max_model_len`` and one choice's blocks within the whole cache);
-2. **room**: not draining (an executor that stops takes nothing new), available blocks (reported free minus pending promises, see
+2. **room**: within its tenant's quota (the blocks it needs there, with what
+   the tenant holds, at most ``kv_quota_blocks``: block sizes and cache caps
+   make that differ between executors), not draining (an executor that stops
+   takes nothing new), available blocks (reported free minus pending promises, see
    ``scheduler.registry``) >= the blocks the request needs, and no more than
    ``max_engine_waiting`` requests (default 0) waiting inside its engine — an
    engine that already queues work (batch full, KV short) gets no more, so the
@@ -48,7 +51,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Protocol, Sequence
+from typing import Callable, Protocol, Sequence
 
 from scheduler.pools import PoolChoice, PoolsConfig, candidate_executors, reachable_pools
 from scheduler.kvstore_index import KVStoreIndex
@@ -175,9 +178,17 @@ class Placer:
         """No request waiting in its engine and >= ``free_fraction`` of its blocks available."""
         return e.num_waiting == 0 and e.available_blocks(now, self.pending_timeout_s) >= free_fraction * e.num_blocks
 
-    def choose(self, req: Placeable, now: float) -> tuple[Placement | None, PoolChoice]:
-        """The executor for ``req`` now, or None (wait), and the pool choice behind it."""
+    def choose(self, req: Placeable, now: float,
+               quota_allows: Callable[[int], bool] | None = None) -> tuple[Placement | None, PoolChoice]:
+        """The executor for ``req`` now, or None (wait), and the pool choice behind it.
+
+        ``quota_allows(blocks)``: whether the request's tenant may take that many more
+        blocks now; an executor where ``blocks_needed`` exceeds what it allows is no
+        candidate (None: no quota).
+        """
         def has_room(e: ExecutorState) -> bool:
+            if quota_allows is not None and not quota_allows(blocks_needed(e, req)):
+                return False  # its tenant's quota does not cover the blocks it needs there
             if e.draining:
                 return False  # it finishes what it holds and leaves
             if self.max_engine_waiting is not None and e.num_waiting > self.max_engine_waiting:

@@ -73,6 +73,31 @@ def test_head_of_line_waits_and_release_unblocks():
     assert len(core) == 0
 
 
+def test_a_head_request_without_room_holds_back_smaller_requests_of_its_model():
+    core = AdmissionCore()
+    core.registry.add(executor("e0", num_blocks=8))
+    core.registry.report("e0", 2, 1, 0, set())  # 2 blocks free
+    core.submit(req("big", tokens=63))  # needs 4 blocks
+    core.submit(req("small", tokens=1))  # needs 1: it would fit, but waits behind big
+    assert core.dispatch() == []
+    assert [r.request_id for r in core.queued()] == ["big", "small"]
+    core.registry.report("e0", 5, 0, 0, set())
+    assert [(r.request_id, lease.num_blocks) for r, lease in core.dispatch()] == [("big", 4), ("small", 1)]
+
+
+def test_a_head_request_without_room_does_not_hold_back_another_models_requests():
+    core = AdmissionCore()
+    core.registry.add(executor("ex-a", num_blocks=10, model="A"))
+    core.registry.add(executor("ex-b", num_blocks=1000, model="B"))
+    core.submit(req("a1", tokens=100, model="A"))  # 7 blocks
+    assert [r.request_id for r, _ in core.dispatch()] == ["a1"]
+    core.submit(req("a2", tokens=100, model="A"))  # ex-a has 3 blocks left: waits
+    core.submit(req("a3", tokens=1, model="A"))  # 1 block would fit: waits behind a2
+    core.submit(req("b1", tokens=100, model="B"))
+    assert [(r.request_id, lease.executor_id) for r, lease in core.dispatch()] == [("b1", "ex-b")]
+    assert [r.request_id for r in core.queued()] == ["a2", "a3"]
+
+
 def test_acknowledged_lease_is_not_counted_twice_and_pending_expires():
     clock = Clock()
     core = AdmissionCore(SchedulerConfig(pending_timeout_s=5.0), clock=clock)

@@ -44,6 +44,43 @@ def test_a_flooding_tenant_cannot_take_the_other_tenants_share():
     assert len(core) == 36
 
 
+def placed(assigned):
+    return [(r.request_id, lease.executor_id, lease.num_blocks) for r, lease in assigned]
+
+
+def test_a_request_goes_where_its_quota_covers_its_blocks_capped_at_a_small_cache():
+    core = AdmissionCore(SchedulerConfig(tenant_quotas={"t": 12}), clock=Clock())
+    core.registry.add(ExecutorState("small", "addr", "m", 10, 16, 4096))  # 4 x 7 blocks, capped at 10
+    core.registry.add(ExecutorState("big", "addr", "m", 1000, 16, 4096))  # 4 x 7 = 28 blocks > 12
+    core.submit(AdmissionRequest("r1", "t", 0, 100, 10, "m", n=4))
+    assert placed(core.dispatch()) == [("r1", "small", 10)]
+    assert core.quotas.snapshot() == {"t": 10}
+    assert len(core) == 0
+
+
+def test_a_request_goes_where_its_quota_covers_its_blocks_in_a_larger_block_size():
+    core = AdmissionCore(SchedulerConfig(tenant_quotas={"t": 5}), clock=Clock())
+    core.registry.add(ExecutorState("bs32", "addr", "m", 100, 32, 4096))  # 101 tokens: 4 blocks
+    core.registry.add(ExecutorState("bs16", "addr", "m", 1000, 16, 4096))  # 101 tokens: 7 blocks > 5
+    core.submit(AdmissionRequest("r1", "t", 0, 100, 10, "m"))
+    assert placed(core.dispatch()) == [("r1", "bs32", 4)]
+    assert core.quotas.snapshot() == {"t": 4}
+
+
+def test_a_request_its_quota_keeps_off_the_executor_with_room_is_skipped_not_a_head_of_line_block():
+    core = AdmissionCore(SchedulerConfig(tenant_quotas={"t": 12}), clock=Clock())
+    core.registry.add(ExecutorState("small", "addr", "m", 10, 16, 4096))
+    core.registry.add(ExecutorState("big", "addr", "m", 1000, 16, 4096))
+    core.registry.report("small", 0, 1, 0, set())  # full: only big has room, where r1 needs 28 blocks
+    core.submit(AdmissionRequest("r1", "t", 0, 100, 10, "m", n=4))
+    core.submit(AdmissionRequest("u1", "u", 0, 100, 10, "m"))  # tenant u: no quota
+    assert placed(core.dispatch()) == [("u1", "big", 7)]
+    assert [r.request_id for r in core.queued()] == ["r1"]
+    core.registry.report("small", 10, 0, 0, set())
+    assert placed(core.dispatch()) == [("r1", "small", 10)]
+    assert core.quotas.snapshot() == {"t": 10, "u": 7}
+
+
 def test_quota_blocked_request_waits_for_its_own_tenant_blocks():
     core = core_with(num_blocks=20, tenant_quotas={"a": 3})
     core.submit(req("a0", tokens=31))  # 2 blocks
