@@ -81,6 +81,7 @@ from scheduler.placement import Placer, blocks_needed, fits_ever
 from scheduler.pools import PoolsConfig
 from scheduler.predictor import OutputLengthPredictor
 from scheduler.prefix_index import PrefixIndex
+from scheduler.queue_order import QueueOrder
 from scheduler.queue_policy import QueuePolicy
 from scheduler.quotas import TenantQuotas
 from scheduler.registry import ExecutorRegistry, ExecutorState, Lease
@@ -181,6 +182,8 @@ class AdmissionCore:
     def __init__(self, config: SchedulerConfig | None = None, clock: Callable[[], float] = time.monotonic):
         self.config = config or SchedulerConfig()
         self.policy = QueuePolicy(self.config.queue_policy, self.config.max_queue_wait_s)
+        self._order = QueueOrder(self.policy)  # positions and waits: one sort per queue change
+        self._version = 0  # bumped on every change of the queue's members or costs
         self.registry = ExecutorRegistry()
         self.prefix_index = PrefixIndex()
         self.kvstore_index = KVStoreIndex()  # filled by scheduler.kvstore_follower (--kvstore)
@@ -239,6 +242,7 @@ class AdmissionCore:
         req.arrival = req.arrival or self._clock()
         req.seq = next(self._seq)
         self._queue[req.request_id] = req
+        self._version += 1
         self._queued_tokens += req.queued_tokens
         if req.lease_id:
             self._queued_lease_ids.add(req.lease_id)
@@ -310,7 +314,10 @@ class AdmissionCore:
         prediction = self.predictor.predict(req.tenant, req.num_prompt_tokens, req.max_tokens)
         req.predicted_output_tokens = prediction.tokens
         req.prediction_level = prediction.level
-        req.cost = req.num_prompt_tokens + max(1, req.n) * prediction.tokens
+        cost = req.num_prompt_tokens + max(1, req.n) * prediction.tokens
+        if cost != req.cost:
+            req.cost = cost
+            self._version += 1  # the sjf order and the estimated waits change
 
     def _check_quota_alone(self, req: AdmissionRequest, fitting: list[ExecutorState]) -> None:
         cap = self.quotas.limit(req.tenant)
@@ -359,6 +366,7 @@ class AdmissionCore:
     def _remove(self, request_id: str) -> AdmissionRequest | None:
         req = self._queue.pop(request_id, None)
         if req is not None:
+            self._version += 1
             self._queued_tokens -= req.queued_tokens
             self._queued_lease_ids.discard(req.lease_id)
         return req
@@ -372,15 +380,17 @@ class AdmissionCore:
         return self.policy.order(list(self._queue.values()), self._clock())
 
     def position(self, request_id: str) -> int:
-        """0-based position in dispatch order now, or -1 if not queued."""
+        """0-based position in dispatch order now (sjf: at most ``ORDER_MAX_AGE_S`` ago,
+        ``scheduler.queue_order``), or -1 if not queued."""
         if request_id not in self._queue:
             return -1
-        return next(i for i, r in enumerate(self.queued()) if r.request_id == request_id)
+        return self._order.snapshot(self._queue.values(), self._version, self._clock()).index[request_id]
 
     def estimated_wait_s(self, position: int) -> float:
-        """Wait of the request at ``position`` (``scheduler.wait_estimate``); 0 when unknown."""
-        ahead = self.queued()[: max(0, position) + 1]
-        return self.waits.estimate(sum(r.cost for r in ahead), position)
+        """Wait of the request at ``position`` (``scheduler.wait_estimate``; the order as
+        ``position`` reads it), in seconds; 0 when unknown."""
+        snap = self._order.snapshot(self._queue.values(), self._version, self._clock())
+        return self.waits.estimate(snap.cost_upto[min(len(snap.order), max(0, position) + 1)], position)
 
     def __len__(self) -> int:
         return len(self._queue)
