@@ -96,18 +96,22 @@ def test_special_tokens_skipped_or_kept(tokenizer, skip):
     assert (tokenizer.eos_token in full) is not skip
 
 
+class CountingTokenizer:
+    """``tokenizer``'s ``decode``, recording the most ids one call was given."""
+
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+        self.longest = 0
+
+    def decode(self, ids, **kwargs):
+        self.longest = max(self.longest, len(ids))
+        return self.tokenizer.decode(ids, **kwargs)
+
+
 def test_window_stays_small(tokenizer):
     """O(1) per token: every decode call sees a few ids, however long the output."""
 
-    class Counting:
-        def __init__(self):
-            self.longest = 0
-
-        def decode(self, ids, **kwargs):
-            self.longest = max(self.longest, len(ids))
-            return tokenizer.decode(ids, **kwargs)
-
-    counting = Counting()
+    counting = CountingTokenizer(tokenizer)
     ids = tokenizer.encode((MULTIBYTE_TEXT + " ") * 40, add_special_tokens=False)
     pieces = stream(counting, ids)
     assert len(ids) > 400
@@ -120,15 +124,7 @@ def test_a_long_run_of_malformed_byte_tokens_keeps_the_window_bounded(tokenizer)
     U+FFFD, which held every token until the end (each call decoding all of them, 4,000
     tokens took 6 s). The settled part is emitted as the run goes on, text exact."""
 
-    class Counting:
-        def __init__(self):
-            self.longest = 0
-
-        def decode(self, ids, **kwargs):
-            self.longest = max(self.longest, len(ids))
-            return tokenizer.decode(ids, **kwargs)
-
-    counting = Counting()
+    counting = CountingTokenizer(tokenizer)
     ids = [111] * 500 + tokenizer.encode(" ok 你好", add_special_tokens=False) + [111] * 500
     pieces = stream(counting, ids)
     assert counting.longest <= 2 * (MAX_HELD_TOKENS + 1)  # the held tokens and the text before them
