@@ -51,7 +51,7 @@ import grpc
 from meshserve.bench.policy_workload import (TENANT_KEYS, Job, JobSpec, Outcome, a_clients, arm_order, call_counts,
                                              latency_stats, log_sigma, make_jobs, ratio, tenants_toml, ttft_stats)
 from meshserve.bench.workload import model_vocabulary
-from meshserve.cli.launcher import Mesh, MeshConfig, free_port
+from meshserve.cli.launcher import Mesh, MeshConfig
 from meshserve.client import build_request, channel, generate_choices
 from meshserve.model_files import resolve_model
 from meshserve.v1 import gateway_pb2_grpc
@@ -166,7 +166,7 @@ class _MeshRun:
                  tenants_file: str | None, name: str):
         base = Path(opts.log_dir) if opts.log_dir else Path(tempfile.mkdtemp(prefix="meshserve-policies-"))
         self.log_dir = base / name
-        self.config = MeshConfig(port=free_port(), executors=opts.executors, model=opts.model,
+        self.config = MeshConfig(port=0, executors=opts.executors, model=opts.model,
                                  executor_args=executor_args, tenants_file=tenants_file,
                                  scheduler_args=scheduler_args, log_dir=self.log_dir)
         self.mesh = None

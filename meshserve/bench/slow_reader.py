@@ -31,7 +31,7 @@ from pathlib import Path
 import grpc
 
 from meshserve.bench.stats import percentile
-from meshserve.cli.launcher import Mesh, MeshConfig, free_port
+from meshserve.cli.launcher import Mesh, MeshConfig
 from meshserve.client import build_request, channel, generate
 from meshserve.grpc_server import CHANNEL_OPTIONS, open_channel
 from meshserve.tls import PLAINTEXT
@@ -92,7 +92,7 @@ def scrape(url: str, name: str) -> float:
 
 async def run(opts: argparse.Namespace) -> dict:
     log_dir = Path(opts.log_dir or tempfile.mkdtemp(prefix="meshserve-c27-"))
-    cfg = MeshConfig(port=free_port(), executors=1, model=opts.model, log_dir=log_dir, metrics=True,
+    cfg = MeshConfig(port=0, executors=1, model=opts.model, log_dir=log_dir, metrics=True,
                      executor_args=["--dtype", opts.dtype, "--kv-cache-memory", opts.kv_cache_memory,
                                     "--max-buffered-outputs", str(opts.max_buffered_outputs)])
     mesh = Mesh(cfg)

@@ -302,7 +302,7 @@ async def test_a_retry_under_the_id_of_a_cancelled_request_waits_for_its_end_ins
     await asyncio.sleep(RUNNING_GRACE_S / 5)
     closing = asyncio.create_task(running.__aexit__(None, None, None))  # ... which it now does
     await mesh.releasing.wait()
-    await asyncio.sleep(0.05)
+    await asyncio.sleep(2 * RUNNING_GRACE_S)  # past the grace: only the ending mark keeps it waiting
     assert not retry.done()  # waiting for the old request's end, not refused
     mesh.released.set()
     await closing

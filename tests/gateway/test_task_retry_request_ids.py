@@ -6,6 +6,7 @@ mesh is a ``MeshClient`` whose executor goes away on the first call."""
 from __future__ import annotations
 
 import asyncio
+import hashlib
 
 import pytest
 
@@ -26,9 +27,12 @@ MODEL = ModelInfo("test-model", max_model_len=64, vocab_size=49152)
 
 def test_the_attempt_suffix_fits_the_limit():
     assert attempt_request_id("job", 2) == "job.attempt2"
-    long_id = "a" * MAX_REQUEST_ID_LEN
-    assert attempt_request_id(long_id, 3) == "a" * (MAX_REQUEST_ID_LEN - 9) + ".attempt3"
-    assert len(attempt_request_id(long_id, 10)) == MAX_REQUEST_ID_LEN
+    assert attempt_request_id("a" * (MAX_REQUEST_ID_LEN - 9), 2) == "a" * (MAX_REQUEST_ID_LEN - 9) + ".attempt2"
+    first, second = "batch/" + "x" * 246 + "0001", "batch/" + "x" * 246 + "0002"  # valid, differing at the end
+    digest = hashlib.sha256(first.encode()).hexdigest()[:16]
+    assert attempt_request_id(first, 3) == first[: MAX_REQUEST_ID_LEN - 26] + "~" + digest + ".attempt3"
+    assert attempt_request_id(first, 3) != attempt_request_id(second, 3)
+    assert len(attempt_request_id(first, 10)) == MAX_REQUEST_ID_LEN
 
 
 class ExecutorGoesAwayOnce:
