@@ -32,12 +32,23 @@ MAX_MESSAGES = 4096  # messages of one chat request
 MAX_USER_CHARS = 256  # ``user``: an end-user id (a span attribute), bounded as ``request_id`` is
 
 
+def _without_nulls(data: Any) -> Any:
+    """A body object with its ``null`` fields dropped: each reads as its default, as
+    OpenAI's servers and vLLM read it."""
+    if isinstance(data, dict):
+        return {key: value for key, value in data.items() if value is not None}
+    return data
+
+
 class StreamOptions(BaseModel):
     """``stream_options``: with ``include_usage`` a last chunk carries the usage
-    (``choices`` empty) and every other chunk ``"usage": null``."""
+    (``choices`` empty) and every other chunk ``"usage": null``. A field sent as null
+    is its default."""
 
     include_usage: StrictBool = False
     continuous_usage_stats: StrictBool = False
+
+    _null_is_the_default = model_validator(mode="before")(_without_nulls)
 
 
 class SamplingFields(BaseModel):
@@ -45,15 +56,9 @@ class SamplingFields(BaseModel):
 
     model_config = ConfigDict(extra="ignore")
 
-    @model_validator(mode="before")
-    @classmethod
-    def _null_is_the_default(cls, data: Any) -> Any:
-        """A top-level ``"field": null`` reads as the field's default (``"n": null`` is
-        1, ``"stream": null`` false), as OpenAI's servers and vLLM read it; a required
-        field sent as null is then missing (400)."""
-        if isinstance(data, dict):
-            return {key: value for key, value in data.items() if value is not None}
-        return data
+    # A top-level ``"field": null`` reads as the field's default (``"n": null`` is 1,
+    # ``"stream": null`` false); a required field sent as null is then missing (400).
+    _null_is_the_default = model_validator(mode="before")(_without_nulls)
 
     model: str | None = None
     n: StrictInt = Field(1, ge=1)

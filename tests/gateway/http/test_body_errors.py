@@ -267,3 +267,9 @@ def test_the_union_fields_are_found_from_the_body_models():
     assert union_paths(Outer) == {"a", "a.|.x", "n.x"}
     assert union_paths(ChatCompletionRequest) | union_paths(CompletionRequest) == {
         "prompt", "stop", "messages.content", "tool_choice", "function_call"}
+
+
+def test_a_null_inside_stream_options_is_its_default_as_at_the_top_level():
+    body = CompletionRequest.model_validate({"prompt": "a", "stream": True, "n": None,
+                                             "stream_options": {"include_usage": None, "continuous_usage_stats": None}})
+    assert (body.n, body.stream_options.include_usage, body.stream_options.continuous_usage_stats) == (1, False, False)
