@@ -111,6 +111,7 @@ class Service:
         self.drained_alongside: list = []  # async stop(grace_s) of servers that drain with the gRPC one
         self.host = host
         self.metrics = None  # a meshserve.metrics.MetricsServer once serve_metrics ran
+        self.started = False  # start() ran
         self.reflected: list[str] = [name]
 
     def _add_health_server(self, host: str, port: int) -> None:
@@ -151,6 +152,7 @@ class Service:
         await self.server.start()
         if self.health_server is not None:
             await self.health_server.start()
+        self.started = True
         await self.health.set(LIVENESS_SERVICE, SERVING)
 
     async def set_serving(self, serving: bool = True) -> None:
@@ -165,6 +167,10 @@ class Service:
         HTTP) stop at the same time, with the same grace."""
         for task in self.background:
             await task.stop()
+        if not self.started:  # gRPC frees a bound server's ports only once it was started
+            await self.server.start()
+            if self.health_server is not None:
+                await self.health_server.start()
         await self.health.enter_graceful_shutdown()
         await asyncio.gather(self.server.stop(grace_s), *(stop(grace_s) for stop in self.drained_alongside))
         if self.health_server is not None:

@@ -262,7 +262,11 @@ async def run_executor(engine_config: EngineConfig, port: int, host: str, schedu
 
     async def start():
         service = bind_executor_service(port, host, tls, health_port, metrics_port)  # held while the model loads
-        engine = await asyncio.to_thread(LLMEngine, engine_config)
+        try:
+            engine = await asyncio.to_thread(LLMEngine, engine_config)
+        except BaseException:
+            await service.stop(0)  # its ports are free again (an in-process caller lives on)
+            raise
         svc, async_engine, link = await start_executor(engine, port, host, scheduler, executor_id, pool,
                                                     advertise_address, step_timeout_s, kvstore_address,
                                                     kvstore_fetch_timeout_s, metrics_port, peak_flops,

@@ -30,3 +30,4 @@ async def test_the_executor_holds_its_ports_while_its_model_loads(monkeypatch):
     assert seen == {"port": False, "health_port": False, "metrics_port": False}
     assert 'meshserve_build_info{service="executor"' in metrics  # served while loading, the engine's not yet
     assert "meshserve_engine" not in metrics
+    assert [port_is_free(p) for p in (port, health_port, metrics_port)] == [True, True, True]  # freed on the failure
