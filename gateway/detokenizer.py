@@ -20,7 +20,13 @@ of U+FFFD the model writes) keeps the text ending in U+FFFD; once more than
 at least 3 characters (so 3 bytes: a UTF-8 character has at most 4, and no later
 byte can change what precedes them) is final and emitted, so the window, and the
 cost of a call, stay bounded however long the run (without it, 4,000 such tokens
-took 6 s of the gateway's event loop, measured).
+took 6 s of the gateway's event loop, measured). That holds for byte-level BPE,
+where each token decodes on its own bytes; a SentencePiece byte-fallback decoder
+(Llama 2, Mistral) decodes a run of ``<0xNN>`` tokens as one unit, so no boundary
+inside such a run is taken and such a run is held whole, as before. (Such a
+decoder can still change text already emitted: a valid byte run, emitted, that a
+later invalid byte joins becomes U+FFFD as a whole in the full decode; vLLM's
+algorithm shares this. Models emit valid UTF-8 in practice.)
 
 Invariant (tested, case C03)::
 
@@ -40,9 +46,11 @@ the final U+FFFD that ``decode`` shows, breaking the invariant.
 
 from __future__ import annotations
 
+import re
 from typing import Any, Sequence
 
 REPLACEMENT_CHAR = "\ufffd"
+_BYTE_TOKEN = re.compile(r"<0x[0-9A-Fa-f]{2}>")  # a SentencePiece byte-fallback token's piece
 # Prompt tokens used as decoding context: vLLM v1 tries suffixes of 4..23 tokens
 # and takes the first that decodes without U+FFFD.
 _MIN_CONTEXT_TOKENS = 4
@@ -70,6 +78,7 @@ class IncrementalDetokenizer:
         self._prefix_text = self._decode(context)  # text of window[:read]
         self._finished = False
         self.num_output_tokens = 0
+        self._byte_tokens: dict[int, bool] = {}  # token id -> a byte-fallback token (``_is_byte_token``)
 
     def add(self, token_ids: Sequence[int]) -> str:
         """Adds output token ids; returns the text that became final ("" if none).
@@ -113,6 +122,8 @@ class IncrementalDetokenizer:
         the window to the old read offset with ``k`` as the new one ("" if no boundary
         qualifies: the tokens stay held)."""
         for k in range(len(self._window) - 1, self._read, -1):
+            if self._is_byte_token(self._window[k - 1]) and self._is_byte_token(self._window[k]):
+                continue  # inside a run of byte-fallback tokens, decoded as one: later bytes may change it
             head = self._decode(self._window[:k])
             if len(text) - len(head) < _SETTLED_TAIL_CHARS or len(head) <= len(self._prefix_text):
                 continue
@@ -123,6 +134,18 @@ class IncrementalDetokenizer:
                 self._window, self._read, self._prefix_text = window, k - self._read, prefix_text
                 return piece
         return ""
+
+    def _is_byte_token(self, token_id: int) -> bool:
+        """Whether ``token_id`` is a SentencePiece byte-fallback token (``<0xNN>``, as in
+        Llama 2 and Mistral): their decoder turns a run of them into text as one unit, so
+        one invalid byte makes every byte of the run U+FFFD. Byte-level BPE (SmolLM2,
+        Llama 3, Qwen2) has none."""
+        known = self._byte_tokens.get(token_id)
+        if known is None:
+            to_tokens = getattr(self._tokenizer, "convert_ids_to_tokens", None)
+            piece = to_tokens(token_id) if to_tokens is not None else None
+            known = self._byte_tokens[token_id] = isinstance(piece, str) and _BYTE_TOKEN.fullmatch(piece) is not None
+        return known
 
     def _decode(self, ids: Sequence[int]) -> str:
         if not ids:

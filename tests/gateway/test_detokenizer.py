@@ -178,3 +178,35 @@ def test_random_token_ids_match_full_decode(tokenizer, data, chunks, skip, with_
     prompt = data.draw(st.lists(token, min_size=1, max_size=8)) if with_prompt else None
     pieces = stream(tokenizer, ids, chunks, prompt_token_ids=prompt, skip_special_tokens=skip)
     assert_invariant(tokenizer, ids, pieces, skip_special_tokens=skip)
+
+
+def byte_fallback_tokenizer():
+    """A Llama-2-style tokenizer (SentencePiece BPE with byte fallback, its decoder
+    included), built in memory: ``<0x00>``..``<0xFF>`` are ids 3..258."""
+    from tokenizers import Tokenizer, decoders, models, normalizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2, **{f"<0x{b:02X}>": 3 + b for b in range(256)}}
+    for piece in ["▁", "▁ok", "ok", "a", "▁a", "你", "▁hello"]:
+        vocab[piece] = len(vocab)
+    tokenizer = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token="<unk>", byte_fallback=True, fuse_unk=True))
+    tokenizer.normalizer = normalizers.Sequence([normalizers.Prepend("▁"), normalizers.Replace(" ", "▁")])
+    tokenizer.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(),
+                                           decoders.Strip(" ", 1, 0)])
+    return PreTrainedTokenizerFast(tokenizer_object=tokenizer, bos_token="<s>", eos_token="</s>", unk_token="<unk>")
+
+
+@pytest.mark.parametrize("byte_runs", [
+    [(0x98, 1), (0x7C, 4), (0x24, 6), (0x05, 3), (0x4E, 1)],  # one invalid byte: every byte of the run is U+FFFD
+    [(0xA1, 500)],
+    [(0xE4, 1), (0xBD, 1), (0xA0, 1), (0x41, 12)],  # 你 then A × 12: valid, one run
+])
+def test_a_run_of_byte_fallback_tokens_is_decoded_as_one_unit(byte_runs):
+    """Found by a review: a SentencePiece byte-fallback decoder turns a run of ``<0xNN>``
+    tokens into text as one unit, so a later byte changes the earlier ones; the settled
+    emission of a long run must not cut inside such a run."""
+    tokenizer = byte_fallback_tokenizer()
+    ids = [3 + byte for byte, count in byte_runs for _ in range(count)]
+    ids = tokenizer.convert_tokens_to_ids(["▁hello", "▁ok"]) + ids + tokenizer.convert_tokens_to_ids(["▁ok"])
+    for chunks in (1, 3):
+        assert_invariant(tokenizer, ids, stream(tokenizer, ids, chunks))
