@@ -91,6 +91,9 @@ def generate(
                                                   help="Top-k logprobs per prompt token, in [0, 20] (--json)."),
     priority: Optional[int] = typer.Option(None, "--priority", show_default="the tenant's",
                                            help="Priority class: higher runs first."),
+    request_id: Optional[str] = typer.Option(None, "--request-id", show_default="a new one",
+                                             help="The request's id (one --prompt only): a retry under the id of "
+                                                  "a call cancelled or timed out waits for its end."),
     api_key: Optional[str] = ApiKeyOpt,
     as_json: bool = typer.Option(False, "--json", help="One JSON object per prompt and choice, one per line."),
     async_task: bool = typer.Option(False, "--async", help="Submit each prompt as an async task (SubmitTask), "
@@ -105,6 +108,9 @@ def generate(
     from meshserve.v1 import gateway_pb2_grpc
 
     tls = tls_settings(tls_cert, tls_key, tls_ca, insecure, client=True)
+    if request_id is not None and len(prompt) > 1:
+        raise typer.BadParameter("one id names one request: give --request-id with one --prompt only",
+                                 param_hint="'--request-id'")
 
     async def main() -> int:
         metadata = (("x-api-key", api_key),) if api_key else ()
@@ -112,7 +118,8 @@ def generate(
             stub = gateway_pb2_grpc.GatewayStub(ch)
             try:
                 reqs = [build_request(None if chat else p, chat=[("user", p)] if chat else None,
-                                      max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
+                                      request_id=request_id or "", max_tokens=max_tokens, temperature=temperature,
+                                      top_p=top_p, top_k=top_k,
                                       seed=seed, stop=stop, ignore_eos=ignore_eos, priority=priority, min_p=min_p,
                                       min_tokens=min_tokens, repetition_penalty=repetition_penalty,
                                       presence_penalty=presence_penalty, frequency_penalty=frequency_penalty, n=n,
@@ -127,9 +134,8 @@ def generate(
                 task_ids.append(handle.task_id)
                 print(f"task {handle.task_id} submitted", file=sys.stderr, flush=True)
 
-            calls = (run_task(stub, r, metadata, on_submitted=submitted) if async_task else generate_choices(stub, r, metadata,
-                                                                                        on_delta=on_delta)
-                     for r in reqs)
+            calls = (run_task(stub, r, metadata, on_submitted=submitted) if async_task
+                     else generate_choices(stub, r, metadata, on_delta=on_delta) for r in reqs)
             results = await asyncio.gather(*calls, return_exceptions=True)
         code, hinted = 0, False
         for p, choices in zip(prompt, results):

@@ -135,7 +135,9 @@ def _check_autoscale_only(ctx: typer.Context, autoscale: str | None) -> None:
 
 def up(
     ctx: typer.Context,
-    port: int = typer.Option(50051, min=0, max=65535, help="Public gRPC port of the gateway (0: a free one, chosen when the gateway starts)."),
+    port: int = typer.Option(50051, min=0, max=65535,
+                             help="Public gRPC port of the gateway (0: a free one, chosen when the gateway starts; "
+                                  "HTTP stays on --http-port)."),
     http_port: Optional[int] = typer.Option(8000, "--http-port", min=0, max=65535,
                                             help="The gateway's OpenAI-compatible HTTP port (0: a free one)."),
     executors: int = typer.Option(1, min=1, help="Number of executor processes."),

@@ -143,6 +143,19 @@ async def _run_printed(line: str, *extra: str) -> tuple[int, dict]:
     return proc.returncode, json.loads(out)
 
 
+async def test_request_id_names_the_request_and_takes_one_prompt(mesh):
+    code, out, err = await _generate(mesh, "--prompt", "Water boils at", "--max-tokens", "2", "--request-id",
+                                     "cli-named-request", "--json", *GREEDY)
+    (task_id,) = _submitted(err)
+    assert code == 0 and json.loads(out)["task_id"] == task_id
+    status = await get_task(mesh.stub, task_id)
+    assert [c.result.request_id for c in status.choices] == ["cli-named-request"]
+    code, out, err = await _generate(mesh, "--prompt", "a", "--prompt", "b", "--request-id", "one-id")
+    assert (code, out) == (2, "")
+    message = " ".join(err.replace("│", " ").split())  # as rich's usage box wraps it
+    assert "one id names one request: give --request-id with one --prompt only" in message
+
+
 async def _state(mesh, task_id: str) -> int:
     return (await get_task(mesh.stub, task_id)).state
 

@@ -60,9 +60,9 @@ def test_a_key_grpc_cannot_send_is_a_usage_error_naming_it_not_a_traceback():
     runner = CliRunner()
     want = ("the key (from --api-key or MESHSERVE_API_KEY) must be printable ASCII; it holds a control or "
             "non-ASCII character")
-    for args, env in ((["generate", "--addr", "127.0.0.1:1", "--insecure", "--prompt", "Hi", "--api-key", "ключ"], {}),
-                      (["generate", "--addr", "127.0.0.1:1", "--insecure", "--prompt", "Hi", "--async"],
-                       {"MESHSERVE_API_KEY": "key-acme\r"}),
+    generate = ["generate", "--addr", "127.0.0.1:1", "--insecure", "--prompt", "Hi"]
+    for args, env in (([*generate, "--api-key", "ключ"], {}),
+                      ([*generate, "--async"], {"MESHSERVE_API_KEY": "key-acme\r"}),
                       (["task", "some-task", "--addr", "127.0.0.1:1", "--insecure"], {"MESHSERVE_API_KEY": "k\x01"})):
         result = runner.invoke(app, args, env=env)
         assert result.exit_code == 2, result.output

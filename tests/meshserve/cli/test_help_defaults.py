@@ -31,7 +31,7 @@ def test_generate_shows_a_default_for_every_option_it_leaves_unset():
         "--max-tokens": "16", "--temperature": "1.0", "--top-p": "1.0", "--top-k": "0", "--seed": "none: unseeded",
         "--min-p": "0.0", "--min-tokens": "0", "--repetition-penalty": "1.0", "--presence-penalty": "0.0",
         "--frequency-penalty": "0.0", "--n": "1", "--logprobs": "none: off", "--prompt-logprobs": "none: off",
-        "--priority": "the tenant's", "--api-key": "none: the open tenant",
+        "--priority": "the tenant's", "--api-key": "none: the open tenant", "--request-id": "a new one",
         "--tls-cert": True, "--tls-key": True, "--tls-ca": True}  # no certificate: plaintext (their help)
 
 
