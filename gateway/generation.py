@@ -67,14 +67,14 @@ from meshserve.sampling import INT32_MAX, INT32_MIN, validate
 from meshserve.telemetry import record_error, tracer
 
 _tracer = tracer(__name__)
-# The errors with which the scheduler's Admit refuses a request before granting anything:
-# its caller-facing codes, and its PERMISSION_DENIED or UNAUTHENTICATED, which the mesh
-# client raises as ``RefusedByMesh``. A plain UNAVAILABLE is not one of them: a lost
-# connection is UNAVAILABLE too, and the Assignment may have been written before it broke.
 ENDING_WAIT_S = 10.0
 """Longest a request waits for an ending one under its id (its lease's Release: at most 5 s)."""
 RUNNING_GRACE_S = 0.25
 """How long a request under the id of a running one waits for that one to begin ending."""
+# The errors with which the scheduler's Admit refuses a request before granting anything:
+# its caller-facing codes, and its PERMISSION_DENIED or UNAUTHENTICATED, which the mesh
+# client raises as ``RefusedByMesh``. A plain UNAVAILABLE is not one of them: a lost
+# connection is UNAVAILABLE too, and the Assignment may have been written before it broke.
 _ADMIT_REFUSALS = (InvalidArgument, AlreadyExists, ResourceExhausted, NotFound, RefusedByMesh)
 
 OnAssigned = Callable[[], Awaitable[None]]
