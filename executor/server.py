@@ -350,11 +350,18 @@ def bind_executor_service(port: int, host: str = "127.0.0.1", tls: TLSConfig = P
     Raises:
         OSError: ``port``, ``health_port`` or ``metrics_port`` cannot be bound.
     """
-    service = Service("meshserve.v1.Executor", port, host, tls, health_port=health_port)
-    if metrics_port is not None:
-        from meshserve.metrics import new_registry
+    metrics = None
+    if metrics_port is not None:  # bound first: it stops at once if the gRPC port cannot be bound
+        from meshserve.metrics import MetricsServer, new_registry
 
-        service.serve_metrics(new_registry("executor"), metrics_port)
+        metrics = MetricsServer(new_registry("executor"), metrics_port, host)
+    try:
+        service = Service("meshserve.v1.Executor", port, host, tls, health_port=health_port)
+    except BaseException:
+        if metrics is not None:
+            metrics.stop()
+        raise
+    service.metrics = metrics
     return service
 
 

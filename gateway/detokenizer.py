@@ -63,7 +63,8 @@ class IncrementalDetokenizer:
     """Turns a request's output token ids into final text pieces.
 
     Args:
-        tokenizer: a ``transformers`` tokenizer (only ``decode`` is used).
+        tokenizer: a ``transformers`` tokenizer (``decode``, and ``convert_ids_to_tokens``
+            when it has one).
         prompt_token_ids: the prompt's ids, used as decoding context (see the
             module docstring), or None to decode the output alone.
         skip_special_tokens: drop special tokens (EOS, chat markers) from the text.

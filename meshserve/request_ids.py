@@ -33,15 +33,20 @@ def scoped_request_id(tenant: str, request_id: str) -> str:
     return f"{len(tenant)}:{tenant}/{request_id}"
 
 
-def attempt_request_id(request_id: str, attempt: int) -> str:
-    """The id attempt ``attempt`` (> 1) of a task runs under: ``"<request_id>.attempt<n>"``,
-    so that it never meets a lease an earlier attempt may still hold under the plain id.
-    A ``request_id`` too long for the suffix is cut to fit ``MAX_REQUEST_ID_LEN``, keeping
-    ``~`` and 16 hex digits of the full id's SHA-256 (two long ids that differ only at
-    their end keep distinct retry ids): a valid id never fails its retry as the caller's
-    mistake."""
-    suffix = f".attempt{attempt}"
+def suffixed_request_id(request_id: str, suffix: str) -> str:
+    """``request_id + suffix``, the id of a request derived from the caller's (a task's
+    retry, one prompt of several). A ``request_id`` too long for the suffix is cut to fit
+    ``MAX_REQUEST_ID_LEN``, keeping ``~`` and 16 hex digits of the full id's SHA-256 (two
+    long ids that differ only at their end keep distinct derived ids): a valid id never
+    makes a derived one fail as the caller's mistake."""
     if len(request_id) + len(suffix) <= MAX_REQUEST_ID_LEN:
         return request_id + suffix
     digest = "~" + hashlib.sha256(request_id.encode("utf-8", "surrogatepass")).hexdigest()[:16]
     return request_id[: MAX_REQUEST_ID_LEN - len(digest) - len(suffix)] + digest + suffix
+
+
+def attempt_request_id(request_id: str, attempt: int) -> str:
+    """The id attempt ``attempt`` (> 1) of a task runs under: ``"<request_id>.attempt<n>"``
+    (``suffixed_request_id``), so that it never meets a lease an earlier attempt may still
+    hold under the plain id."""
+    return suffixed_request_id(request_id, f".attempt{attempt}")

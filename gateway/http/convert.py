@@ -22,6 +22,7 @@ from contextlib import aclosing
 from typing import AsyncIterator, TypeVar
 
 from meshserve.errors import InvalidArgument
+from meshserve.request_ids import check_request_id, suffixed_request_id
 from meshserve.sampling import DEFAULT_MAX_TOKENS, SamplingParams
 
 from gateway.http.schemas import MAX_PROMPTS, ChatCompletionRequest, CompletionRequest, SamplingFields
@@ -94,7 +95,8 @@ def _prompts(prompt) -> list[str | tuple[int, ...]]:
 
 def completion_requests(body: CompletionRequest, request_id: str) -> list[GenerationRequest]:
     """A completions body as one ``GenerationRequest`` per prompt (ids ``request_id``
-    with ``-i`` appended when there are several).
+    with ``-i`` appended when there are several, cut to fit as ``suffixed_request_id``
+    cuts them).
 
     Raises:
         InvalidArgument: no prompt, more than ``MAX_PROMPTS``, a prompt of several that
@@ -112,9 +114,11 @@ def completion_requests(body: CompletionRequest, request_id: str) -> list[Genera
                 except UnicodeEncodeError as exc:
                     raise not_unicode(f"prompt[{i}]", exc) from None
     params = _sampling(body, body.max_tokens or DEFAULT_MAX_TOKENS, body.logprobs)
+    if len(prompts) > 1:
+        check_request_id(request_id)  # the caller's own id; each prompt's derived one always fits
     out = []
     for i, p in enumerate(prompts):
-        rid = request_id if len(prompts) == 1 else f"{request_id}-{i}"
+        rid = request_id if len(prompts) == 1 else suffixed_request_id(request_id, f"-{i}")
         text, ids = (p, None) if isinstance(p, str) else (None, p)
         out.append(GenerationRequest(prompt=text, prompt_token_ids=ids, sampling=params, priority=body.priority,
                                      request_id=rid, model=body.model))

@@ -108,7 +108,7 @@ def generate(
     from meshserve.v1 import gateway_pb2_grpc
 
     tls = tls_settings(tls_cert, tls_key, tls_ca, insecure, client=True)
-    if request_id is not None and len(prompt) > 1:
+    if request_id and len(prompt) > 1:  # "" names nothing: each request gets a new id
         raise typer.BadParameter("one id names one request: give --request-id with one --prompt only",
                                  param_hint="'--request-id'")
 

@@ -198,8 +198,8 @@ def byte_fallback_tokenizer():
 
 @pytest.mark.parametrize("byte_runs", [
     [(0x98, 1), (0x7C, 4), (0x24, 6), (0x05, 3), (0x4E, 1)],  # one invalid byte: every byte of the run is U+FFFD
-    [(0xA1, 500)],
-    [(0xE4, 1), (0xBD, 1), (0xA0, 1), (0x41, 12)],  # 你 then A × 12: valid, one run
+    [(0xA1, 500)],  # a guard (held whole before and after): a long run stays exact
+    [(0xE4, 1), (0xBD, 1), (0xA0, 1), (0x41, 12)],  # a guard: 你 then A × 12, valid, one run
 ])
 def test_a_run_of_byte_fallback_tokens_is_decoded_as_one_unit(byte_runs):
     """Found by a review: a SentencePiece byte-fallback decoder turns a run of ``<0xNN>``

@@ -1,6 +1,8 @@
 """The HTTP adapter's pure parts, without a mesh: OpenAI bodies → ``GenerationRequest``
 and domain errors → OpenAI's error shape and status."""
 
+import hashlib
+
 import grpc
 import pytest
 
@@ -9,6 +11,7 @@ from gateway.http.errors import http_error, validation_error
 from gateway.http.schemas import ChatCompletionRequest, CompletionRequest
 from meshserve.errors import (AlreadyExists, InvalidArgument, MeshError, ModelNotFound, NotFound, ResourceExhausted,
                               Unauthenticated, Unavailable)
+from meshserve.request_ids import MAX_REQUEST_ID_LEN
 from meshserve.sampling import SamplingParams
 
 CHAT = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": [{"type": "text", "text": "Hi"},
@@ -37,6 +40,12 @@ def test_completion_prompts_of_every_form():
     assert [(r.prompt, r.prompt_token_ids, r.request_id) for r in completion_requests(
         CompletionRequest(prompt=["a", "b"]), "r")] == [("a", None, "r-0"), ("b", None, "r-1")]
     assert completion_requests(CompletionRequest(prompt=[1, 2, 3]), "r")[0].prompt_token_ids == (1, 2, 3)
+    long_id = "r" * MAX_REQUEST_ID_LEN  # valid: each prompt's id is cut to fit, never refused as the caller's
+    digest = hashlib.sha256(long_id.encode()).hexdigest()[:16]
+    assert [r.request_id for r in completion_requests(CompletionRequest(prompt=["a", "b"]), long_id)] == [
+        long_id[: MAX_REQUEST_ID_LEN - 19] + f"~{digest}-{i}" for i in range(2)]
+    with pytest.raises(InvalidArgument, match="request_id has 257 characters; the limit is 256"):
+        completion_requests(CompletionRequest(prompt=["a", "b"]), "r" * 257)
     assert [r.prompt_token_ids for r in completion_requests(CompletionRequest(prompt=[[1], [2, 3]]), "r")] == \
         [(1,), (2, 3)]
     assert completion_requests(CompletionRequest(prompt="x", logprobs=0), "r")[0].sampling.logprobs == 0

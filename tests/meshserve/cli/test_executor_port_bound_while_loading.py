@@ -4,6 +4,8 @@ during the load; calls wait until it serves."""
 
 from __future__ import annotations
 
+import socket
+
 import httpx2 as httpx
 import pytest
 
@@ -31,3 +33,21 @@ async def test_the_executor_holds_its_ports_while_its_model_loads(monkeypatch):
     assert 'meshserve_build_info{service="executor"' in metrics  # served while loading, the engine's not yet
     assert "meshserve_engine" not in metrics
     assert [port_is_free(p) for p in (port, health_port, metrics_port)] == [True, True, True]  # freed on the failure
+
+
+async def test_a_busy_port_fails_the_start_and_leaves_the_others_free():
+    busy = socket.socket()
+    busy.bind(("127.0.0.1", 0))
+    busy.listen()
+    try:
+        port, metrics_port = free_port(), free_port()
+        with pytest.raises(OSError, match="cannot listen on"):
+            await processes.run_executor(None, busy.getsockname()[1], "127.0.0.1", "127.0.0.1:1", "executor-x",
+                                         metrics_port=metrics_port)
+        assert port_is_free(metrics_port)  # the metrics port, bound first, was let go
+        with pytest.raises(OSError, match="metrics: cannot listen on"):
+            await processes.run_executor(None, port, "127.0.0.1", "127.0.0.1:1", "executor-x",
+                                         metrics_port=busy.getsockname()[1])
+        assert port_is_free(port)  # the gRPC port was never bound
+    finally:
+        busy.close()
