@@ -122,15 +122,18 @@ class IncrementalDetokenizer:
         a prefix of it with at least ``_SETTLED_TAIL_CHARS`` characters after, and slides
         the window to the old read offset with ``k`` as the new one ("" if no boundary
         qualifies: the tokens stay held)."""
+        window = self._window[self._read :]  # the window once slid: the same for every k
+        window_text = None  # its text, decoded once, when a boundary gets that far
         for k in range(len(self._window) - 1, self._read, -1):
             if self._is_byte_token(self._window[k - 1]) and self._is_byte_token(self._window[k]):
                 continue  # inside a run of byte-fallback tokens, decoded as one: later bytes may change it
             head = self._decode(self._window[:k])
-            if len(text) - len(head) < _SETTLED_TAIL_CHARS or len(head) <= len(self._prefix_text):
+            if (len(text) - len(head) < _SETTLED_TAIL_CHARS or len(head) <= len(self._prefix_text)
+                    or not text.startswith(head)):
                 continue
-            window = self._window[self._read :]
             prefix_text = self._decode(window[: k - self._read])
-            if text.startswith(head) and self._decode(window).startswith(prefix_text):
+            window_text = self._decode(window) if window_text is None else window_text
+            if window_text.startswith(prefix_text):
                 piece = head[len(self._prefix_text) :]
                 self._window, self._read, self._prefix_text = window, k - self._read, prefix_text
                 return piece
