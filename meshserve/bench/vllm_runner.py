@@ -5,7 +5,9 @@ named by ``--vllm-python`` need not have meshserve's dependencies, and vLLM is
 never one of them). Started as ``PYTHON vllm_runner.py --model DIR --dtype
 float32 --threads 1 ...``, it builds vLLM's offline engine (``vllm.LLMEngine``
 in-process: ``VLLM_ENABLE_V1_MULTIPROCESSING=0``, like the engine target's
-in-process engine; ``VLLM_CPU_OMP_THREADS_BIND`` = cores ``0..threads-1``),
+in-process engine; ``VLLM_CPU_OMP_THREADS_BIND`` = the first ``threads`` cores
+this process may run on, so ``taskset -c 1 meshserve bench ...`` puts both systems
+on core 1),
 prints one JSON line ``{"ready": true, "vllm": VERSION}`` and then serves runs,
 one JSON line each on stdin::
 
@@ -80,6 +82,13 @@ def run_closed_loop(engine, requests: list[dict], concurrency: int) -> dict:
                          "end": end[r["id"]]} for r in requests], "wall_s": wall}
 
 
+def omp_threads_bind(threads: int) -> str:
+    """``VLLM_CPU_OMP_THREADS_BIND``: the first ``threads`` cores of this process's
+    affinity mask, comma-separated (all of them when it has fewer)."""
+    cores = sorted(os.sched_getaffinity(0))[:max(1, threads)]
+    return ",".join(str(core) for core in cores)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", required=True, help="safetensors folder")
@@ -93,7 +102,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_false")
     args = parser.parse_args(argv)
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-    os.environ["VLLM_CPU_OMP_THREADS_BIND"] = "0" if args.threads == 1 else f"0-{args.threads - 1}"
+    os.environ["VLLM_CPU_OMP_THREADS_BIND"] = omp_threads_bind(args.threads)
     os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(max(1, args.kv_cache_gib))
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
     answers = os.fdopen(os.dup(1), "w")  # the protocol's own copy of stdout ...

@@ -324,6 +324,26 @@ def test_the_vllm_runner_imports_nothing_of_meshserve():
     assert 'if __name__ == "__main__":' in RUNNER.read_text()
 
 
+def test_the_vllm_runner_binds_its_threads_to_the_cores_the_bench_may_use():
+    """``taskset -c 1 meshserve bench ...`` runs vLLM's OpenMP thread on core 1 too, not on core 0."""
+    import importlib.util
+    import os
+
+    from meshserve.bench.vllm_target import RUNNER
+
+    spec = importlib.util.spec_from_file_location("vllm_runner_under_test", RUNNER)
+    runner = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(runner)  # imports vllm only inside main()
+    cores = sorted(os.sched_getaffinity(0))
+    try:
+        os.sched_setaffinity(0, {cores[-1]})
+        assert runner.omp_threads_bind(1) == str(cores[-1])
+        assert runner.omp_threads_bind(4) == str(cores[-1])  # never a core outside the mask
+    finally:
+        os.sched_setaffinity(0, set(cores))
+    assert runner.omp_threads_bind(len(cores)) == ",".join(map(str, cores))
+
+
 def test_hf_targets_refuse_sampled_requests_and_static_open_loop():
     sampled = [BenchRequest("bench-3", (20,), 4, Sampling(temperature=0.7))]
     with pytest.raises(ValueError, match="hf-continuous runs greedy requests with ignore_eos only; bench-3 asks "
