@@ -17,6 +17,12 @@ compiling (about a second). Where no compiler works, ``load`` returns ``None``
 once, logs why, and the backend keeps its torch path: nothing else changes.
 ``MESHSERVE_CPU_ATTENTION_KERNEL=0`` turns the kernel off.
 
+Where the CPU has AVX512-BF16 (Zen 4, Sapphire Rapids and later), a bfloat16 cache
+takes a vectorised path (``vdpbf16ps`` dot products, 16 keys' sums reduced together,
+values widened in registers): 2.3x the plain C path on one layer in cache and about
+1.4x over 30 layers read from memory, on one Zen 4 core (``python -m
+meshserve.bench.cpu_attention --dtype bfloat16 [--layers 30]``).
+
 The kernel runs on one thread; ``TorchAttentionBackend`` calls it only when torch
 itself runs on one thread (more threads: SDPA, which parallelises).
 """
