@@ -24,9 +24,10 @@ before its product with up. Measured against the torch ops of ``norm.py``,
 - rotary, float32 and bfloat16: bitwise.
 - RMSNorm with the residual add, float32 and bfloat16: bitwise. The statistic
   ``mean(x^2)`` is summed in float32 in the order of torch's own CPU sum (ATen's
-  cascade sum over vectors of ``sum_lanes()`` floats, ``mean_of_squares`` in the C);
-  a torch that sums in another order would leave the statistic within its last bit
-  (then a rare output one or two bfloat16 ulps off).
+  cascade sum over vectors of ``sum_lanes`` floats, ``mean_of_squares`` in the C: 8
+  on AVX2 and on AVX-512 CPUs alike with torch 2.13, measured at load); a torch that
+  sums in neither order would leave the statistic within its last bit (then a rare
+  output one or two bfloat16 ulps off; ``norm_bitwise`` false, logged).
 - SiLU-and-multiply: e^x is Cephes' polynomial (within 2 float32 ulp; torch's Sleef
   within 1), so in float32 a product may differ from torch's in its last bits; in
   bfloat16 the SiLU rounded to bfloat16 can differ by one ulp where the float32 value
@@ -48,7 +49,7 @@ from __future__ import annotations
 import ctypes
 import logging
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -67,8 +68,9 @@ _loaded: dict[str, object] = {}
 
 @dataclass(frozen=True)
 class FusedKernels:
-    """The library's functions (``ctypes``): float32, then bfloat16; and ``lanes``, the
-    float32 vector width of torch's CPU kernels here (``sum_lanes``)."""
+    """The library's functions (``ctypes``): float32, then bfloat16; ``lanes``, the float32
+    vector width of torch's sum here (``sum_lanes``), and ``norm_bitwise``: whether that
+    order was found (the norm then rounds bitwise as torch's ops)."""
 
     add_rms_norm: object
     rotary_inplace: object
@@ -77,16 +79,45 @@ class FusedKernels:
     rotary_inplace_bf16: object
     silu_mul_bf16: object
     lanes: int = 8
+    norm_bitwise: bool = True
 
 
 _UNSET = object()
 
 
-def sum_lanes() -> int:
-    """Floats per vector of torch's CPU kernels on this host (16 where ATen dispatches
-    to AVX512, else 8): the order of torch's float32 sums, which the norm's statistic
-    follows (``mean_of_squares`` in ``cpu_fused.c``)."""
-    return 16 if torch.backends.cpu.get_cpu_capability().upper().startswith("AVX512") else 8
+def sum_lanes(kernels: FusedKernels) -> int | None:
+    """Floats per vector of torch's float32 sum on this host: the order the norm's
+    statistic must follow (``mean_of_squares`` in ``cpu_fused.c``), 8 or 16.
+
+    Measured, not inferred from the CPU: torch dispatches its reductions to AVX2 code
+    (8 lanes) on most AVX-512 CPUs too (torch 2.13 on a Zen 4 core: 16-lane sums left
+    most float32 rows a unit in the last place off), and other builds may not. The
+    kernel's norm of probe rows (random, sizes 96 and 576: both orders differ there)
+    is compared with torch's; None where neither order matches (logged)."""
+    gen = torch.Generator().manual_seed(0)
+    weight_of = {hidden: torch.randn(hidden, generator=gen) for hidden in (96, 576)}
+    rows_of = {hidden: torch.randn(8, hidden, generator=gen) * 3 for hidden in weight_of}
+    for lanes in (8, 16):
+        probe = replace(kernels, lanes=lanes)
+        if all(torch.equal(_call_norm(probe, rows_of[h].clone(), weight_of[h], 1e-5),
+                           _torch_norm(rows_of[h], weight_of[h], 1e-5)) for h in weight_of):
+            return lanes
+    log.warning("the fused RMSNorm matches torch's float32 sum in neither 8- nor 16-float order here; its "
+                "statistic may differ from torch's in the last bit")
+    return None
+
+
+def _torch_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """``norm.RMSNorm._norm`` in float32 (the reference the probe matches)."""
+    variance = x.pow(2).mean(-1, keepdim=True)
+    return (x * variance.add_(eps).rsqrt_()).mul_(weight)
+
+
+def _call_norm(k: FusedKernels, residual: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    out = torch.empty_like(residual)
+    k.add_rms_norm(None, residual.data_ptr(), weight.data_ptr(), out.data_ptr(), residual.shape[0],
+                   residual.shape[1], eps, k.lanes)
+    return out
 
 
 TRACED = FusedKernels(None, None, None, None, None, None)
@@ -117,7 +148,9 @@ def _bind(lib: ctypes.CDLL) -> FusedKernels:
         rotary.argtypes = [ctypes.c_void_p] + [ctypes.c_int64] * 4 + [ctypes.c_void_p] * 2
         silu.argtypes = [ctypes.c_void_p] * 2 + [ctypes.c_int64] * 2
         functions += [norm, rotary, silu]
-    return FusedKernels(*functions, lanes=sum_lanes())
+    kernels = FusedKernels(*functions)
+    lanes = sum_lanes(kernels)
+    return replace(kernels, lanes=lanes or 8, norm_bitwise=lanes is not None)
 
 
 def usable(x: torch.Tensor) -> FusedKernels | None:
