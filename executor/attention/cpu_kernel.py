@@ -80,21 +80,33 @@ def library_path(compiler: str, source: Path = SOURCE, flags: tuple[str, ...] = 
     """Where the library built by ``compiler`` from ``source`` with ``flags`` for this CPU
     is cached (``kernels/<source stem>-<hash>.so``)."""
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=30).stdout
-    key = hashlib.sha256("\0".join([source.read_text(), version, _cpu_flags(), *flags]).encode()).hexdigest()[:16]
+    key = hashlib.sha256("\0".join([source.read_text(), version, _cpu_flags(), *flags, *_LINK]).encode()
+                         ).hexdigest()[:16]
     return cache_dir() / "kernels" / f"{source.stem}-{key}.so"
 
 
+_LINK = ("-shared", "-lm")
+"""The link step's flags: none of the compile flags. Linked with ``-ffast-math`` (or
+``-Ofast``, ``-funsafe-math-optimizations``), GCC adds ``crtfastmath.o``, whose
+constructor turns on flush-to-zero and denormals-are-zero in the MXCSR of the thread
+that loads the library, and of every thread it starts later: loading the attention
+kernel changed how all of that thread's torch ops round tiny numbers."""
+
+
 def build(compiler: str, target: Path, source: Path = SOURCE, flags: tuple[str, ...] = FLAGS) -> None:
-    """Compiles ``source`` into ``target`` (atomically: a temporary file renamed).
+    """Compiles ``source`` with ``flags`` (less ``-shared``) and links it with ``_LINK``
+    only, into ``target`` (atomically: a temporary file renamed).
 
     Raises:
         subprocess.CalledProcessError, OSError: the compiler failed or is missing.
     """
     target.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
-        out = Path(tmp) / target.name
-        subprocess.run([compiler, *flags, str(source), "-o", str(out), "-lm"], check=True, capture_output=True,
-                       text=True, timeout=300)
+        obj, out = Path(tmp) / f"{target.stem}.o", Path(tmp) / target.name
+        compile_flags = [flag for flag in flags if flag != "-shared"]
+        for command in ([compiler, *compile_flags, "-c", str(source), "-o", str(obj)],
+                        [compiler, _LINK[0], str(obj), "-o", str(out), *_LINK[1:]]):
+            subprocess.run(command, check=True, capture_output=True, text=True, timeout=300)
         os.replace(out, target)
 
 

@@ -23,6 +23,9 @@
  */
 #include <math.h>
 #include <stdint.h>
+#if defined(__SSE__)
+#include <xmmintrin.h>
+#endif
 #include <stdlib.h>
 #include <string.h>
 
@@ -330,8 +333,31 @@ static void one_request_bf16_dot(const uint16_t *restrict q, const void *key_cac
 }
 #endif
 
-/* Returns 0, or 1 when scratch memory could not be allocated. */
+/* Returns 0, or 1 when scratch memory could not be allocated. Runs with denormals
+ * flushed to zero (the caller's MXCSR restored on return): softmax weights below 1e-38
+ * add nothing, and on some CPUs each denormal operand costs a slow microcode assist. */
+static int paged_decode_attention_ftz(const void *q, const void *key_cache, const void *value_cache,
+                                      const int32_t *block_table, int64_t bt_stride, const int32_t *seq_lens,
+                                      void *out, int64_t n, int64_t H, int64_t KVH, int64_t D, int64_t bs,
+                                      float scale, int bf16);
+
 int paged_decode_attention(const void *q, const void *key_cache, const void *value_cache,
+                           const int32_t *block_table, int64_t bt_stride, const int32_t *seq_lens, void *out,
+                           int64_t n, int64_t H, int64_t KVH, int64_t D, int64_t bs, float scale, int bf16) {
+#if defined(__SSE__)
+    const unsigned int csr = _mm_getcsr();
+    _mm_setcsr(csr | 0x8040u); /* FTZ | DAZ */
+    const int rc = paged_decode_attention_ftz(q, key_cache, value_cache, block_table, bt_stride, seq_lens, out, n,
+                                              H, KVH, D, bs, scale, bf16);
+    _mm_setcsr(csr);
+    return rc;
+#else
+    return paged_decode_attention_ftz(q, key_cache, value_cache, block_table, bt_stride, seq_lens, out, n, H, KVH,
+                                      D, bs, scale, bf16);
+#endif
+}
+
+static int paged_decode_attention_ftz(const void *q, const void *key_cache, const void *value_cache,
                            const int32_t *block_table, int64_t bt_stride, const int32_t *seq_lens, void *out,
                            int64_t n, int64_t H, int64_t KVH, int64_t D, int64_t bs, float scale, int bf16) {
     int64_t max_len = 1;

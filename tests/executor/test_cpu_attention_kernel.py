@@ -174,3 +174,30 @@ def test_the_built_kernel_is_cached_on_disk(tmp_path, monkeypatch):
     monkeypatch.setattr(cpu_kernel, "build", lambda *a: pytest.fail("rebuilt a cached kernel"))
     assert cpu_kernel.load() is not None
     assert list((tmp_path / "kernels").glob("cpu_paged_attention-*.so")) == [built]
+
+
+def test_loading_the_kernels_leaves_the_process_rounding_of_tiny_numbers_alone(tmp_path):
+    """Built and loaded fresh in a new process: a denormal product stays a denormal after
+    each C kernel loads. A library linked with ``-ffast-math`` turns on flush-to-zero for
+    the thread that loads it (GCC's ``crtfastmath.o``): the attention kernel did, which
+    changed every later torch op of that thread (and of threads it started)."""
+    import os
+    import subprocess
+    import sys
+
+    script = (
+        "import torch\n"
+        "from executor.attention import cpu_kernel\n"
+        "from executor.models import cpu_fused, cpu_gemm\n"
+        "tiny = lambda: (torch.tensor([1e-38]) * 0.1).item()\n"
+        "before = tiny()\n"
+        "loaded = [cpu_kernel.load() is not None, cpu_fused.load() is not None, cpu_gemm.load() is not None]\n"
+        "print(before, tiny(), *loaded)\n")
+    env = {**os.environ, "MESHSERVE_CACHE_DIR": str(tmp_path)}
+    run = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=300,
+                         cwd=os.getcwd())
+    assert run.returncode == 0, run.stderr
+    before, after, *loaded = run.stdout.split()
+    if loaded[0] != "True":
+        pytest.skip("no C compiler on this host")
+    assert float(before) == float(after) == pytest.approx(1e-39, rel=1e-6)
