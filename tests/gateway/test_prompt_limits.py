@@ -5,6 +5,7 @@ tokenized off the event loop (case C37)."""
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
 
 import pytest
@@ -106,32 +107,54 @@ class LoopLagProbe:
         self._handle.cancel()
 
 
-async def test_a_16_mb_prompt_is_refused_by_the_byte_cap_without_stalling_the_loop(tokenizer):
-    """C37: a 16 MB prompt under the default caps: INVALID_ARGUMENT naming the cap, and
-    the event loop never stalls 100 ms meanwhile."""
+def record_builds(core: GatewayCore, probe: LoopLagProbe) -> list[tuple[int, int]]:
+    """Wraps ``core.prompt_memo.build`` (the tokenization and chat templating): the list
+    gets, for each build, the id of the thread it ran on and the probe's ticks while it ran."""
+    builds = []
+    build = core.prompt_memo.build
+
+    def recording(request):
+        ticks = probe.num_ticks
+        try:
+            return build(request)
+        finally:
+            builds.append((threading.get_ident(), probe.num_ticks - ticks))
+
+    core.prompt_memo.build = recording
+    return builds
+
+
+async def test_a_16_mb_prompt_is_refused_by_the_byte_cap_before_it_is_tokenized(tokenizer):
+    """C37: a 16 MB prompt under the default caps: INVALID_ARGUMENT naming the cap, checked
+    on the event loop before anything is tokenized (a check in microseconds: nothing
+    stalls the loop). The loop's longest stall is printed, not bounded: a loaded host
+    that deschedules the test stalls it however fast the check is."""
     core = GatewayCore(tokenizer, MODEL, GrpcMeshClient(f"127.0.0.1:{free_port()}"))
     probe = LoopLagProbe()
+    builds = record_builds(core, probe)
     probe.start()
     try:
         with pytest.raises(InvalidArgument, match=f"prompt is over the limit of {256 << 10} bytes"):
             await core.prepare_async(GenerationRequest(prompt="x" * (16 << 20)), ACME)
-        await asyncio.sleep(0.05)  # let the probe tick after the check
     finally:
         probe.stop()
         await core.close()
-    assert probe.num_ticks > 0 and probe.max_lag_s < 0.100
+    print(f"16 MB prompt refused; event-loop max lag {probe.max_lag_s * 1000:.1f} ms")
+    assert builds == []  # refused before the tokenizer saw it
 
 
 async def test_a_prompt_at_the_byte_cap_is_tokenized_off_the_event_loop(tokenizer):
     """C37: the largest prompt the default cap lets through (256 KiB) is tokenized in a
-    worker thread: the event loop's longest stall while it is tokenized stays under
-    100 ms, so another caller's health check is answered meanwhile (an event-loop-lag
-    probe measures it; tokenized on the loop, the loop would stall for the whole
-    tokenization, about half a second)."""
+    worker thread, and the event loop runs meanwhile (an event-loop-lag probe's callbacks
+    run while it is tokenized), so another caller's health check is answered meanwhile
+    (tokenized on the loop, the loop would stall for the whole tokenization, about half a
+    second). The loop's longest stall is printed, not bounded: a loaded host that
+    deschedules the test stalls it whatever runs where."""
     core = GatewayCore(tokenizer, MODEL, GrpcMeshClient(f"127.0.0.1:{free_port()}"))
     sentence = "the quick brown fox jumps over the lazy dog. "
     prompt = sentence * ((256 << 10) // len(sentence))
     probe = LoopLagProbe()
+    builds = record_builds(core, probe)
     probe.start()
     started = time.monotonic()
     try:
@@ -142,5 +165,6 @@ async def test_a_prompt_at_the_byte_cap_is_tokenized_off_the_event_loop(tokenize
         await core.close()
     print(f"256 KiB prompt: tokenized in {time.monotonic() - started:.2f} s; event-loop max lag "
           f"{probe.max_lag_s * 1000:.1f} ms over {probe.num_ticks} ticks")
-    assert probe.num_ticks > 0
-    assert probe.max_lag_s < 0.100
+    ((thread, ticks),) = builds
+    assert thread != threading.get_ident()  # not the event loop's thread
+    assert ticks > 0  # the loop ran its callbacks while the prompt was tokenized
