@@ -19,9 +19,10 @@ async def test_cancelled_before_it_ran_on_done_still_runs_and_no_stream_started(
         finally:
             log.append(f"finally {i}")
 
-    pump = EventPump([stream(0), stream(1)], on_done=lambda: log.append("on_done"))
+    done = asyncio.Event()
+    pump = EventPump([stream(0), stream(1)], on_done=lambda: (log.append("on_done"), done.set()))
     pump.cancel()  # before the event loop ran its task
-    await asyncio.sleep(0.01)
+    await asyncio.wait_for(done.wait(), 60)  # a hang bound: on_done never called
     assert log == ["on_done"]
 
 
@@ -35,8 +36,9 @@ async def test_on_done_runs_after_the_started_streams_clean_up():
         finally:
             log.append(f"finally {i}")
 
-    pump = EventPump([stream(0), stream(1)], on_done=lambda: log.append("on_done"))
+    done = asyncio.Event()
+    pump = EventPump([stream(0), stream(1)], on_done=lambda: (log.append("on_done"), done.set()))
     assert sorted([await pump.next(), await pump.next()]) == [(0, 0), (1, 1)]
     pump.cancel()
-    await asyncio.sleep(0.01)
+    await asyncio.wait_for(done.wait(), 60)  # a hang bound: on_done never called
     assert sorted(log[:2]) == ["finally 0", "finally 1"] and log[2:] == ["on_done"]
