@@ -91,14 +91,16 @@ async def test_the_task_path_is_not_ready_while_redis_does_not_answer_and_ready_
 
     async def report(ready: bool) -> None:
         reports.append(ready)
-    probe = TaskStoreProbe(store.check, report, timeout_s=0.2)
+    probe = TaskStoreProbe(store.check, report, timeout_s=30.0)  # an answering Redis: no slow host runs out
     assert await probe.check() is True
     redis.pause()
+    probe.timeout_s = 0.2  # a Redis that does not answer: unanswered past this bound
     try:
         assert await probe.check() is False
         assert await probe.check() is False
     finally:
         redis.resume()
+    probe.timeout_s = 30.0
     assert await probe.check() is True
     assert reports == [True, False, True]
     await store.close()

@@ -106,15 +106,17 @@ async def test_a_redis_that_does_not_answer_costs_a_call_at_most_its_timeout():
 
     try:
         with redis_process() as redis:
-            store = RedisResultStore(redis.url, op_timeout_s=1.0)
+            store = RedisResultStore(redis.url, op_timeout_s=30.0)  # an answering Redis: no slow host runs out
             await store.put("k", CHOICES)
             redis.pause()
+            store.op_timeout_s = 1.0
             try:
                 lookup = asyncio.create_task(store.get("k"))
                 done, _ = await asyncio.wait({lookup}, timeout=3.5)   # below the socket timeout (4 s)
                 assert done and lookup.result() is None and store.errors == 1
             finally:
                 redis.resume()
+            store.op_timeout_s = 30.0
             store._bypass_until = float("-inf")                   # the window is over
             assert await store.get("k") == CHOICES                # the cache resumes
             await store.close()
