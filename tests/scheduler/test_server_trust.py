@@ -21,8 +21,10 @@ LIMITS = {"acme": TenantLimits(max_priority=3), "globex": TenantLimits(requests_
 
 @contextlib.asynccontextmanager
 async def scheduler_with_executor(config: SchedulerConfig):
-    """A scheduler and one fake executor "e0" (64 blocks): yields (service, stub, the ack)."""
-    svc = await start_scheduler(0, config=config)
+    """A scheduler and one fake executor "e0" (64 blocks): yields (service, stub, the ack).
+    Its clock is held still: no rate-limit bucket refills during a test, however slowly
+    a loaded host runs it."""
+    svc = await start_scheduler(0, config=config, clock=lambda: 1000.0)
     channel = grpc.aio.insecure_channel(svc.address)
     stub = scheduler_pb2_grpc.SchedulerStub(channel)
     stop, acked = asyncio.Event(), asyncio.get_running_loop().create_future()
@@ -86,7 +88,7 @@ async def test_rate_limited_tenant_gets_resource_exhausted_with_retry_delay_othe
         assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
         assert "1 requests/s" in info.value.details()
         delay = float(dict(info.value.trailing_metadata())["retry-after-s"])
-        assert 0.0 < delay <= 1.0
+        assert delay == 1.0  # an empty bucket of 1 request/s
         for i in range(5):
             assert (await admit(stub, request_id=f"a{i}", tenant="acme")).lease_id
 
