@@ -170,16 +170,17 @@ def wait_no_leases(m: Mesh) -> None:
 
 def test_expired_fetches_late_completions_and_aborts():
     DelayingServicer.get_delay_s = 3600.0       # a Get never finishes: only its deadline (the fake clock) ends it
-    m = Mesh(servicer_cls=DelayingServicer, fetch_timeout_s=5.0)
+    # the same timeout bounds the Get's gRPC call on the real clock: 600 s, past any stall of the host
+    m = Mesh(servicer_cls=DelayingServicer, fetch_timeout_s=600.0)
     try:
         r = make_request("r", 10)
         m.publish_elsewhere(r, 2)
         m.s.add_request(r)
-        assert m.s.wake_deadline() == 5.0
-        m.now[0] = 4.9
+        assert m.s.wake_deadline() == 600.0
+        m.now[0] = 599.9
         out, results = m.step()
         assert out.is_empty and results == [] and m.s.has_unfinished_requests()
-        m.now[0] = 5.0
+        m.now[0] = 600.0
         out, _ = m.step()                       # given up: recomputes
         assert shares(out) == {"r": 10} and out.kv_loads == [] and m.s.wake_deadline() is None
         assert m.connector.stats().fetch_failures == 1
