@@ -298,9 +298,10 @@ async def test_a_retry_under_the_id_of_a_cancelled_request_waits_for_its_end_ins
             pass
     assert loop.time() - started >= RUNNING_GRACE_S
     again = core.generate(request, TENANT)
-    retry = asyncio.create_task(anext(again))  # sent before the gateway sees the first call end
-    await asyncio.sleep(RUNNING_GRACE_S / 5)
-    closing = asyncio.create_task(running.__aexit__(None, None, None))  # ... which it now does
+    retry = asyncio.create_task(anext(again))  # sent before the gateway sees the first call end...
+    closing = asyncio.create_task(running.__aexit__(None, None, None))  # ... which it does just after
+    # (both start in one turn of the loop, the retry first: a stall of the host after it, longer than
+    # the grace, cannot come between the retry's wait and the old request's end)
     await mesh.releasing.wait()
     await asyncio.sleep(2 * RUNNING_GRACE_S)  # past the grace: only the ending mark keeps it waiting
     assert not retry.done()  # waiting for the old request's end, not refused
