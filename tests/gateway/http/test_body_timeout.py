@@ -103,24 +103,26 @@ async def test_a_stalled_body_is_refused_and_the_app_reads_a_disconnect():
 
 
 async def test_the_bound_is_per_part_and_never_covers_the_wait_after_the_body():
-    """Eight parts 0.1 s apart (0.8 s in all) under a 0.5 s bound are read whole; then the
-    app waits 1 s for the client's disconnect and is not cut."""
+    """Ten parts 0.25 s apart (2.25 s in all) under a 2 s bound are read whole; then the
+    app waits 2.5 s for the client's disconnect and is not cut. (Each part comes 1.75 s
+    inside the bound: a loaded host that stalls the loop that long between two parts
+    would read as a stalled body.)"""
     log, client = [], Client()
 
     async def paced():
-        for _ in range(7):
+        for _ in range(9):
             client.messages.put_nowait({"type": "http.request", "body": b"x", "more_body": True})
-            await asyncio.sleep(0.1)
+            await asyncio.sleep(0.25)
         client.messages.put_nowait({"type": "http.request", "body": b"x", "more_body": False})
-        await asyncio.sleep(1.0)
+        await asyncio.sleep(2.5)
         client.messages.put_nowait({"type": "http.disconnect"})
 
     feeder = asyncio.create_task(paced())
-    sent = await _serve(BodyTimeout(reading_app(log), timeout_s=0.5), client)
+    sent = await _serve(BodyTimeout(reading_app(log), timeout_s=2.0), client)
     await feeder
-    assert log == ["http.request"] * 8 + ["http.disconnect"]
+    assert log == ["http.request"] * 10 + ["http.disconnect"]
     assert [m.get("status") for m in sent] == [200, None, None]
-    assert sent[1]["body"] == b"8"
+    assert sent[1]["body"] == b"10"
 
 
 async def test_a_timeout_of_zero_is_refused():
