@@ -10,6 +10,7 @@ RESOURCE_EXHAUSTED at once."""
 from __future__ import annotations
 
 import asyncio
+import time
 
 import grpc
 import pytest
@@ -35,6 +36,30 @@ REQUEST = build_request([(7 * i) % 500 + 40 for i in range(12)], max_tokens=4, t
                         ignore_eos=True)
 
 
+class SchedulerClock:
+    """The scheduler's clock here: held still, so that a rate-limit bucket refills only when
+    a test ``advance``s it, whatever time a loaded host takes between two admissions; or,
+    after ``run``, going on from where it stood at the real clock's pace."""
+
+    def __init__(self) -> None:
+        self.held_at, self.running_since = 1000.0, None
+
+    def __call__(self) -> float:
+        if self.running_since is None:
+            return self.held_at
+        return self.held_at + time.monotonic() - self.running_since
+
+    def advance(self, seconds: float) -> None:
+        assert self.running_since is None, "advance a held clock"
+        self.held_at += seconds
+
+    def run(self) -> None:
+        self.running_since = time.monotonic()
+
+    def hold(self) -> None:
+        self.held_at, self.running_since = self(), None
+
+
 @pytest_asyncio.fixture(scope="module")
 async def limited_mesh(tokenizer, tmp_path_factory):
     tenants_file = tmp_path_factory.mktemp("tenants") / "tenants.toml"
@@ -45,8 +70,10 @@ async def limited_mesh(tokenizer, tmp_path_factory):
                                             "fast": TenantLimits(requests_per_s=4.0), "small": TenantLimits()},
                              tenant_quotas={"small": 1}, executor_timeout_s=SHARED_MESH_EXECUTOR_TIMEOUT_S)
     tenants = TenantRegistry.from_file(tenants_file)
-    mesh = await start_local_mesh([make_engine()], tokenizer, tenants=tenants, scheduler_config=config)
-    mesh.tenants = tenants
+    clock = SchedulerClock()
+    mesh = await start_local_mesh([make_engine()], tokenizer, tenants=tenants, scheduler_config=config,
+                                  scheduler_clock=clock)
+    mesh.tenants, mesh.clock = tenants, clock
     yield mesh
     await mesh.stop()
 
@@ -62,8 +89,9 @@ async def held(stub, task_id: str) -> gateway_pb2.TaskStatus:
 
 
 async def test_a_rate_limited_task_waits_its_turn_and_succeeds_and_one_cancelled_while_waiting_ends(limited_mesh):
-    stub = limited_mesh.stub
-    first = await submit_task(stub, REQUEST, metadata=PACED)
+    stub, clock = limited_mesh.stub, limited_mesh.clock
+    first = await submit_task(stub, REQUEST, metadata=PACED)  # the bucket's one request
+    await wait_task(stub, first.task_id, metadata=PACED, poll_s=0.05, timeout_s=300)
     request = gateway_pb2.GenerateRequest()
     request.CopyFrom(REQUEST)
     request.request_id = "job-2"
@@ -75,13 +103,14 @@ async def test_a_rate_limited_task_waits_its_turn_and_succeeds_and_one_cancelled
     assert status.state == gateway_pb2.TASK_STATE_QUEUED and not status.HasField("queue_position")
     assert status.last_error.startswith("RESOURCE_EXHAUSTED: scheduler: tenant 'paced' is over its rate limit")
     assert 0.0 < status.estimated_wait_s <= 2.0
+    clock.advance(2.0)  # the bucket refills: the second's next ask, after its wait, is admitted
     done = [await wait_task(stub, t.task_id, metadata=PACED, poll_s=0.05, timeout_s=300) for t in (first, second)]
     assert [d.state for d in done] == [gateway_pb2.TASK_STATE_SUCCEEDED] * 2
     assert done[1].attempt == 1 and done[1].started_at_unix_s > done[0].started_at_unix_s
     assert list(done[1].choices[0].token_ids) == list(done[0].choices[0].token_ids)
     assert len(done[0].choices[0].token_ids) == 4
 
-    third = await submit_task(stub, REQUEST, metadata=PACED)  # the bucket is empty again: held
+    third = await submit_task(stub, REQUEST, metadata=PACED)  # the bucket is empty again (the clock held): held
     await held(stub, third.task_id)
     cancelled = await cancel_task(stub, third.task_id, metadata=PACED)
     assert cancelled.state == gateway_pb2.TASK_STATE_CANCELLED
@@ -112,11 +141,26 @@ async def test_a_tenants_waiting_tasks_all_succeed_at_about_one_refusal_each(lim
     before = {name: _sample(gateway, name, **labels) for name, labels in (
         ("meshserve_requests_total", {"outcome": "ok"}), ("meshserve_request_prompt_tokens_total", {}))}
     refused_before = _sample(scheduler, "meshserve_scheduler_requests_rejected_total", code="resource_exhausted")
-    handles = [await submit_task(stub, REQUEST, metadata=FAST) for _ in range(8)]  # a burst of 4 fits
-    done = [await wait_task(stub, h.task_id, metadata=FAST, poll_s=0.05, timeout_s=300) for h in handles]
+    clock = limited_mesh.clock
+
+    async def run_the_clock_at_the_first_refusal():
+        # held until then, the burst of 4 fits and no more, however slowly the submits come; then
+        # the bucket refills at its rate while the waiting tasks ask again
+        while _sample(scheduler, "meshserve_scheduler_requests_rejected_total",
+                      code="resource_exhausted") == refused_before:
+            await asyncio.sleep(0.005)
+        clock.run()
+
+    running = asyncio.create_task(run_the_clock_at_the_first_refusal())
+    try:
+        handles = [await submit_task(stub, REQUEST, metadata=FAST) for _ in range(8)]  # a burst of 4 fits
+        done = [await wait_task(stub, h.task_id, metadata=FAST, poll_s=0.05, timeout_s=300) for h in handles]
+    finally:
+        running.cancel()
+        clock.hold()
     assert [d.state for d in done] == [gateway_pb2.TASK_STATE_SUCCEEDED] * 8
-    # the tasks that waited carry their refusal; how many did depends on how fast the 8 submits
-    # came against the refill (4 at once on a quiet host, fewer on a loaded one)
+    # the tasks that waited carry their refusal: the first one refused, and those that asked before
+    # it made the line busy (4 when the submits come faster than the scheduler's answer, fewer else)
     waited = [d for d in done if "over its rate limit" in d.last_error]
     # (their order: first refused, first admitted, is checked in tests/gateway/test_task_wait.py; here
     # the tasks reach the scheduler in the order their works run, not always the order of submission)
@@ -163,6 +207,8 @@ async def test_a_task_the_result_cache_answers_does_not_wait_behind_its_tenants_
     svc = await start_gateway(tokenizer, info, limited_mesh.scheduler.address, 0, tenants=limited_mesh.tenants,
                               result_cache=ResultCache(16, ttl_s=600.0), tls=limited_mesh.tls("gateway"))
     other = build_request([(5 * i) % 400 + 60 for i in range(12)], max_tokens=4, temperature=0.0, ignore_eos=True)
+    clock = limited_mesh.clock
+    clock.advance(2.0)  # the paced bucket holds its one request (it stays empty after, the clock held)
     try:
         async with channel(svc.address, limited_mesh.tls("client")) as ch:
             stub = gateway_pb2_grpc.GatewayStub(ch)
@@ -176,6 +222,7 @@ async def test_a_task_the_result_cache_answers_does_not_wait_behind_its_tenants_
             assert hit.state == gateway_pb2.TASK_STATE_SUCCEEDED and hit.choices[0].result.cached
             assert list(hit.choices[0].token_ids) == list(first.choices[0].token_ids) and hit.last_error == ""
             assert still.state == gateway_pb2.TASK_STATE_QUEUED  # the hit did not wait for it
+            clock.advance(2.0)  # the bucket refills: behind's next ask is admitted
             final = await wait_task(stub, behind.task_id, metadata=PACED, poll_s=0.05, timeout_s=300)
             assert final.state == gateway_pb2.TASK_STATE_SUCCEEDED
     finally:
