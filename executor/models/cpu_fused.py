@@ -95,8 +95,11 @@ def sum_lanes(kernels: FusedKernels) -> int | None:
     kernel's norm of probe rows (random, sizes 96 and 576: both orders differ there)
     is compared with torch's; None where neither order matches (logged)."""
     gen = torch.Generator().manual_seed(0)
-    weight_of = {hidden: torch.randn(hidden, generator=gen) for hidden in (96, 576)}
-    rows_of = {hidden: torch.randn(8, hidden, generator=gen) * 3 for hidden in weight_of}
+    # float32 on the CPU whatever the process's default dtype and device: the kernel reads and
+    # writes float32 through raw pointers (bfloat16 rows were overrun, meta ones were null)
+    f32 = {"dtype": torch.float32, "device": "cpu", "generator": gen}
+    weight_of = {hidden: torch.randn(hidden, **f32) for hidden in (96, 576)}
+    rows_of = {hidden: torch.randn(8, hidden, **f32) * 3 for hidden in weight_of}
     for lanes in (8, 16):
         probe = replace(kernels, lanes=lanes)
         if all(torch.equal(_call_norm(probe, rows_of[h].clone(), weight_of[h], 1e-5),

@@ -113,6 +113,41 @@ def test_the_norm_finds_torchs_sum_order_on_this_host(kernels):
     assert not torch.equal(cpu_fused.add_rms_norm(other, None, x.clone(), norm.weight, norm.eps), want)
 
 
+def test_the_sum_order_probe_is_float32_on_the_cpu_whatever_torchs_defaults(kernel_cache):
+    """The probe at load makes its own rows: float32 CPU tensors whatever default dtype or
+    device the loading process set (``torch.set_default_dtype``/``set_default_device``). Rows
+    of the default dtype were overrun by the float32 kernel in bfloat16 (heap corruption),
+    misread in float64 (no order found), and on the meta device handed it a null pointer."""
+    import ast
+    import os
+    import subprocess
+    import sys
+
+    script = (
+        "import torch\n"
+        "torch.set_num_threads(1)\n"
+        "from executor.models import cpu_fused\n"
+        "found = []\n"
+        "for dtype, device in ((torch.float32, 'cpu'), (torch.float64, 'cpu'), (torch.bfloat16, 'cpu'),\n"
+        "                      (torch.float32, 'meta')):\n"
+        "    torch.set_default_dtype(dtype)\n"
+        "    torch.set_default_device(device)\n"
+        "    cpu_fused._loaded.clear()\n"
+        "    k = cpu_fused.load()\n"
+        "    torch.set_default_dtype(torch.float32)\n"
+        "    torch.set_default_device('cpu')\n"
+        "    found.append(None if k is None else (k.lanes, k.norm_bitwise))\n"
+        "print(repr(found))\n")
+    env = {**os.environ, "MESHSERVE_CACHE_DIR": str(kernel_cache)}
+    run = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=300,
+                         cwd=os.getcwd())
+    assert run.returncode == 0, run.stderr[-2000:]
+    found = ast.literal_eval(run.stdout.strip().splitlines()[-1])
+    if found[0] is None:
+        pytest.skip("no C compiler on this host")
+    assert found == [found[0]] * 4
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_norm_kernel_without_residual_leaves_its_input_alone(kernels, monkeypatch, dtype):
     x = torch.randn(4, 576, generator=torch.Generator().manual_seed(3)).to(dtype)
