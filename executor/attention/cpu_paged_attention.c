@@ -55,8 +55,9 @@ static inline const float *row(const void *base, int64_t off, int64_t D, int bf1
 
 /* The next request's key and value rows, prefetched into L2 while this request
  * computes, a few lines at a time (`prefetch_step`, called `steps` times over the
- * request: one slice per query head of each group of rows, so the misses are spread over the request's compute instead of
- * arriving in bursts that fill the miss queues and stall it).
+ * request: one slice per query head of each group of rows, so the misses are spread
+ * over the request's compute instead of arriving in bursts that fill the miss queues
+ * and stall it).
  * A request's rows are scattered over the cache in blocks, so the hardware
  * prefetcher, which follows one stream, stalls at every block edge; with the 30
  * layers' keys and values read from memory each decode step those stalls were most
@@ -214,8 +215,10 @@ static inline __attribute__((always_inline)) __m512 hsum16(const __m512 *v) {
     __m512 c[4];
     for (int g = 0; g < 4; g++) {
         const __m512 *w = v + 4 * g;
-        const __m512d a = _mm512_castps_pd(_mm512_add_ps(_mm512_unpacklo_ps(w[0], w[1]), _mm512_unpackhi_ps(w[0], w[1])));
-        const __m512d b = _mm512_castps_pd(_mm512_add_ps(_mm512_unpacklo_ps(w[2], w[3]), _mm512_unpackhi_ps(w[2], w[3])));
+        const __m512d a =
+            _mm512_castps_pd(_mm512_add_ps(_mm512_unpacklo_ps(w[0], w[1]), _mm512_unpackhi_ps(w[0], w[1])));
+        const __m512d b =
+            _mm512_castps_pd(_mm512_add_ps(_mm512_unpacklo_ps(w[2], w[3]), _mm512_unpackhi_ps(w[2], w[3])));
         c[g] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(a, b)), _mm512_castpd_ps(_mm512_unpackhi_pd(a, b)));
     }
     const __m512 lo = _mm512_add_ps(_mm512_shuffle_f32x4(c[0], c[1], 0x88), _mm512_shuffle_f32x4(c[0], c[1], 0xDD));
@@ -336,10 +339,10 @@ static void one_request_bf16_dot(const uint16_t *restrict q, const void *key_cac
 /* Returns 0, or 1 when scratch memory could not be allocated. Runs with denormals
  * flushed to zero (the caller's MXCSR restored on return): softmax weights below 1e-38
  * add nothing, and on some CPUs each denormal operand costs a slow microcode assist. */
-static int paged_decode_attention_ftz(const void *q, const void *key_cache, const void *value_cache,
-                                      const int32_t *block_table, int64_t bt_stride, const int32_t *seq_lens,
-                                      void *out, int64_t n, int64_t H, int64_t KVH, int64_t D, int64_t bs,
-                                      float scale, int bf16);
+static __attribute__((noinline)) int paged_decode_attention_ftz(
+    const void *q, const void *key_cache, const void *value_cache, const int32_t *block_table, int64_t bt_stride,
+    const int32_t *seq_lens, void *out, int64_t n, int64_t H, int64_t KVH, int64_t D, int64_t bs, float scale,
+    int bf16); /* not inlined: no float work may move across the MXCSR writes around its call */
 
 int paged_decode_attention(const void *q, const void *key_cache, const void *value_cache,
                            const int32_t *block_table, int64_t bt_stride, const int32_t *seq_lens, void *out,
@@ -357,9 +360,10 @@ int paged_decode_attention(const void *q, const void *key_cache, const void *val
 #endif
 }
 
-static int paged_decode_attention_ftz(const void *q, const void *key_cache, const void *value_cache,
-                           const int32_t *block_table, int64_t bt_stride, const int32_t *seq_lens, void *out,
-                           int64_t n, int64_t H, int64_t KVH, int64_t D, int64_t bs, float scale, int bf16) {
+static __attribute__((noinline)) int paged_decode_attention_ftz(
+    const void *q, const void *key_cache, const void *value_cache, const int32_t *block_table, int64_t bt_stride,
+    const int32_t *seq_lens, void *out, int64_t n, int64_t H, int64_t KVH, int64_t D, int64_t bs, float scale,
+    int bf16) {
     int64_t max_len = 1;
     for (int64_t r = 0; r < n; r++)
         if (seq_lens[r] > max_len) max_len = seq_lens[r];

@@ -130,7 +130,8 @@ def pack(weight: torch.Tensor) -> torch.Tensor | None:
         except RuntimeError as err:  # e.g. bfloat16 without AVX-512: oneDNN refuses
             log.debug("oneDNN cannot pack a %s %s weight (%s); using F.linear", tuple(weight.shape), weight.dtype, err)
             return None
-    probe = torch.randn(3, weight.shape[1], generator=torch.Generator().manual_seed(0)).to(weight.dtype)
+    probe = torch.randn(3, weight.shape[1], generator=torch.Generator().manual_seed(0), dtype=torch.float32,
+                        device="cpu").to(weight.dtype)
     try:
         with torch.no_grad():
             got = linear(probe, weight, None, packed).float()

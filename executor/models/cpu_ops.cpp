@@ -17,7 +17,7 @@ typedef void (*silu_fn)(const float*, float*, int64_t, int64_t);
 typedef int (*attn_fn)(const void*, const void*, const void*, const int32_t*, int64_t, const int32_t*, void*,
                        int64_t, int64_t, int64_t, int64_t, int64_t, float, int);
 static norm_fn k_norm; static rot_fn k_rot; static silu_fn k_silu; static attn_fn k_attn;
-static int32_t k_lanes = 8;  // the norm's sum order: cpu_fused.sum_lanes()
+static int32_t k_lanes = 8;  // the norm's sum order: cpu_fused.FusedKernels.lanes (measured at load)
 typedef int32_t (*gemm_fn)(const float*, int64_t, int64_t, int64_t, const float*, int64_t, float*, int64_t);
 static gemm_fn k_gemm;  // cpu_gemm.c's packed_gemm, where it was built (set_gemm)
 
