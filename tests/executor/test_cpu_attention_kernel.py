@@ -5,6 +5,7 @@ import torch
 
 from executor.attention import build_attention_metadata, cpu_kernel
 from executor.attention.torch_backend import TorchAttentionBackend
+from tests.support.kernels import run_fresh_process
 
 
 @pytest.fixture
@@ -181,10 +182,6 @@ def test_loading_the_kernels_leaves_the_process_rounding_of_tiny_numbers_alone(t
     each C kernel loads. A library linked with ``-ffast-math`` turns on flush-to-zero for
     the thread that loads it (GCC's ``crtfastmath.o``): the attention kernel did, which
     changed every later torch op of that thread (and of threads it started)."""
-    import os
-    import subprocess
-    import sys
-
     script = (
         "import torch\n"
         "from executor.attention import cpu_kernel\n"
@@ -193,11 +190,7 @@ def test_loading_the_kernels_leaves_the_process_rounding_of_tiny_numbers_alone(t
         "before = tiny()\n"
         "loaded = [cpu_kernel.load() is not None, cpu_fused.load() is not None, cpu_gemm.load() is not None]\n"
         "print(before, tiny(), *loaded)\n")
-    env = {**os.environ, "MESHSERVE_CACHE_DIR": str(tmp_path)}
-    run = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=300,
-                         cwd=os.getcwd())
-    assert run.returncode == 0, run.stderr
-    before, after, *loaded = run.stdout.split()
+    before, after, *loaded = run_fresh_process(script, tmp_path).split()
     if loaded[0] != "True":
         pytest.skip("no C compiler on this host")
     assert float(before) == float(after) == pytest.approx(1e-39, rel=1e-6)

@@ -12,7 +12,7 @@ import torch
 from executor.models import cpu_fused
 from executor.models.norm import RMSNorm
 from executor.models.rotary import RotaryEmbedding
-from tests.support.kernels import load_fresh
+from tests.support.kernels import load_fresh, run_fresh_process
 
 def _assert_norm_matches(got: torch.Tensor, want: torch.Tensor, bitwise: bool) -> None:
     """Bitwise where the kernels found torch's float32 sum order at load (``bitwise``:
@@ -119,9 +119,6 @@ def test_the_sum_order_probe_is_float32_on_the_cpu_whatever_torchs_defaults(kern
     of the default dtype were overrun by the float32 kernel in bfloat16 (heap corruption),
     misread in float64 (no order found), and on the meta device handed it a null pointer."""
     import ast
-    import os
-    import subprocess
-    import sys
 
     script = (
         "import torch\n"
@@ -138,11 +135,7 @@ def test_the_sum_order_probe_is_float32_on_the_cpu_whatever_torchs_defaults(kern
         "    torch.set_default_device('cpu')\n"
         "    found.append(None if k is None else (k.lanes, k.norm_bitwise))\n"
         "print(repr(found))\n")
-    env = {**os.environ, "MESHSERVE_CACHE_DIR": str(kernel_cache)}
-    run = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=300,
-                         cwd=os.getcwd())
-    assert run.returncode == 0, run.stderr[-2000:]
-    found = ast.literal_eval(run.stdout.strip().splitlines()[-1])
+    found = ast.literal_eval(run_fresh_process(script, kernel_cache).strip().splitlines()[-1])
     if found[0] is None:
         pytest.skip("no C compiler on this host")
     assert found == [found[0]] * 4

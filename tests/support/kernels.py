@@ -15,3 +15,21 @@ def load_fresh(module, cache, monkeypatch, why_not: str):
     if loaded is None:
         pytest.skip(why_not)
     return loaded
+
+
+def run_fresh_process(script: str, cache) -> str:
+    """Runs the Python ``script`` in a new interpreter (this checkout as its working
+    directory) whose kernels build into ``cache``; returns its standard output.
+
+    Raises:
+        AssertionError: the process exited with an error (its stderr's end in the message).
+    """
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "MESHSERVE_CACHE_DIR": str(cache)}
+    run = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=300,
+                         cwd=os.getcwd())
+    assert run.returncode == 0, run.stderr[-2000:]
+    return run.stdout
