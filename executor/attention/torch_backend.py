@@ -106,6 +106,7 @@ class _DecodeGroup:
     blocks: torch.Tensor             # (group * max_blocks,) int64, padded with block 0
     length: int                      # max_blocks * block_size (padded key length)
     mask: _Masks                     # (group, 1, 1, length), True = a real key
+    padding: torch.Tensor | None = None  # (group, 1, length, 1), True = not a key; None when every slot is one
 
 
 @dataclass
@@ -221,8 +222,10 @@ class TorchAttentionBackend(AttentionBackend):
             high = max(num_blocks[start:end])
             key_pos = torch.arange(high * bs, device=md.seq_lens.device)
             allowed = (key_pos[None, :] < md.seq_lens[start:end, None]).view(end - start, 1, 1, high * bs)
+            padded = any(n < high * bs for n in md.seq_lens_cpu[start:end])
             groups.append(_DecodeGroup(start, end, md.block_table[start:end, :high].reshape(-1).long(),
-                                       high * bs, _Masks(allowed)))
+                                       high * bs, _Masks(allowed),
+                                       (~allowed).view(end - start, 1, high * bs, 1) if padded else None))
         return groups
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: KVCache,
@@ -275,6 +278,9 @@ class TorchAttentionBackend(AttentionBackend):
         key_ws, value_ws = self._workspace(key_cache, g.blocks.numel())
         keys = _gather(key_cache, g.blocks, n, g.length, key_ws)
         values = _gather(value_cache, g.blocks, n, g.length, value_ws)
+        if g.padding is not None:  # slots past a request's keys hold what earlier owners left: a NaN or an
+            keys.masked_fill_(g.padding, 0)  # inf there would survive the mask (NaN + -inf, 0 * NaN) and
+            values.masked_fill_(g.padding, 0)  # poison this request
         o = F.scaled_dot_product_attention(q[g.start:g.end].unsqueeze(2), keys, values, attn_mask=g.mask.get(q.dtype),
                                            scale=scale, enable_gqa=True)
         return o.squeeze(2)

@@ -194,3 +194,29 @@ def test_loading_the_kernels_leaves_the_process_rounding_of_tiny_numbers_alone(t
     if loaded[0] != "True":
         pytest.skip("no C compiler on this host")
     assert float(before) == float(after) == pytest.approx(1e-39, rel=1e-6)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_stale_non_finite_values_past_a_requests_keys_do_not_reach_the_sdpa_decode(dtype):
+    """The padded SDPA path (several threads, float16, no compiler) gathers whole blocks: the
+    slots past a request's keys hold what their earlier owner left. A NaN or inf there (a
+    request that overflowed) must not survive the mask (NaN + -inf, 0 * NaN): the output
+    equals that of a clean cache, bitwise, for the decodes beside it too."""
+    q, k, v, cache, md = _batch([1, 1, 1], [4, 30, 9], 4, 2, 64, 16, dtype, seed=6)
+    assert md.block_table.tolist() == [[2, 0], [4, 5], [3, 0]]  # block 0 holds no key: padding only
+    clean = (cache[0].clone(), cache[1].clone())
+    for row, first_stale in ((0, 5), (2, 10)):  # past each request's seq_len, in its last block
+        block = int(md.block_table[row, 0])
+        cache[0][block, first_stale:] = float("nan")
+        cache[1][block, first_stale:] = float("inf")
+    cache[0][0] = float("nan")  # block 0 pads the short requests' block rows in their group
+    cache[1][0] = float("-inf")
+    backend = TorchAttentionBackend()
+    backend._kernel = None  # the padded SDPA path
+    backend.plan(md)
+    assert md.plan.decodes is not None
+    stale_out = backend.forward(q, k, v, cache, md, 0.125)
+    md.plan = None
+    backend.plan(md)
+    want = backend.forward(q, k, v, clean, md, 0.125)
+    assert not stale_out.isnan().any() and torch.equal(stale_out, want)
