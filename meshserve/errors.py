@@ -45,6 +45,12 @@ class AlreadyExists(MeshError):
     code = grpc.StatusCode.ALREADY_EXISTS
 
 
+class Cancelled(MeshError):
+    """The caller withdrew the request (e.g. released its proposed lease id while queued)."""
+
+    code = grpc.StatusCode.CANCELLED
+
+
 class Unavailable(MeshError):
     """No executor (or another service) can take the request now."""
 

@@ -375,6 +375,16 @@ class AdmissionCore:
         """Removes a queued request (its caller went away)."""
         return self._remove(request_id) is not None
 
+    def withdraw(self, lease_id: str) -> AdmissionRequest | None:
+        """Removes and returns the queued request that proposed ``lease_id``, or None: its
+        caller released the lease before it was granted (a Release can reach the scheduler
+        before the caller's cancelled Admit does; granted then, the lease would wait for
+        its expiry)."""
+        if not lease_id or lease_id not in self._queued_lease_ids:
+            return None
+        req = next(r for r in self._queue.values() if r.lease_id == lease_id)
+        return self._remove(req.request_id)
+
     def queued(self) -> list[AdmissionRequest]:
         """Queued requests in dispatch order now."""
         return self.policy.order(list(self._queue.values()), self._clock())

@@ -38,7 +38,8 @@ import grpc
 from opentelemetry import trace
 
 from meshserve import trace_attributes as ta
-from meshserve.errors import AlreadyExists, InvalidArgument, MeshError, NotFound, ResourceExhausted, Unavailable
+from meshserve.errors import (AlreadyExists, Cancelled, InvalidArgument, MeshError, NotFound, ResourceExhausted,
+                             Unavailable)
 from meshserve.grpc_server import EXECUTORS_HEALTH_SERVICE, NOT_SERVING, SERVING, Service
 from meshserve.timeouts import wait_for
 from meshserve.tls import PLAINTEXT, TLSConfig
@@ -219,7 +220,7 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
                     self._dispatch()
         except Exception as exc:
             record_error(span, exc)
-            if isinstance(exc, MeshError):  # refused, displaced, or no executor left
+            if isinstance(exc, MeshError) and not isinstance(exc, Cancelled):  # refused, displaced, no executor
                 self.metrics.on_rejected(request.tenant, request.priority, exc)
             raise
         finally:
@@ -242,6 +243,8 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
                 self.planner.on_served(self.core.clock(), lease.num_prompt_tokens + done)
             if self.core.release(request.lease_id, tokens, generated):
                 self._dispatch()
+            elif (withdrawn := self.core.withdraw(request.lease_id)) is not None:  # released before its grant
+                self._fail(withdrawn.request_id, Cancelled("the caller released its lease id before it was granted"))
         return pb.ReleaseResponse()
 
     async def RenewLease(self, request: pb.RenewLeaseRequest, context: grpc.aio.ServicerContext

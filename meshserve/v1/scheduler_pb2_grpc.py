@@ -76,6 +76,8 @@ class SchedulerServicer:
 
     def Release(self, request, context):
         """Ends a lease: the request finished, failed or was cancelled. Idempotent.
+        Released while its Admit is still queued, a proposed lease_id withdraws that
+        request (its Admit ends with CANCELLED).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -192,6 +192,32 @@ async def test_a_malformed_lease_id_is_invalid_argument(scheduler, lease_id):
     assert svc.servicer.core.num_leases() == 0 and len(svc.servicer.core) == 0
 
 
+async def test_a_release_of_a_queued_requests_proposed_id_withdraws_it():
+    """A gateway's Release of its proposed lease id can reach the scheduler before its
+    cancelled Admit does; granted then, the assignment could be written to the stream
+    before the cancel arrives and the lease would wait for its expiry. The Release
+    withdraws the queued request instead: its Admit ends CANCELLED, nothing is granted
+    when the blocks free up, and nothing is left queued or leased."""
+    import uuid
+
+    async with served_scheduler(SchedulerConfig(), num_blocks=1) as (svc, stub):
+        core = svc.servicer.core
+        hold = await _events(stub, request_id="hold", tenant="a", num_prompt_tokens=15)
+        proposed = uuid.uuid4().hex
+        call = stub.Admit(pb.AdmitRequest(model="m", max_tokens=16, request_id="x", tenant="a",
+                                          num_prompt_tokens=15, lease_id=proposed))
+        await call.read()  # queued behind hold
+        assert len(core) == 1 and core.lease_id_in_use(proposed)
+        await stub.Release(pb.ReleaseRequest(lease_id=proposed))
+        assert len(core) == 0 and not core.lease_id_in_use(proposed)
+        with pytest.raises(grpc.aio.AioRpcError) as info:
+            await call.read()
+        assert info.value.code() == grpc.StatusCode.CANCELLED
+        assert info.value.details() == "the caller released its lease id before it was granted"
+        await stub.Release(pb.ReleaseRequest(lease_id=hold[-1].assignment.lease_id))
+        assert core.num_leases() == 0 and len(core) == 0 and core.quotas.snapshot() == {}
+
+
 @pytest.mark.parametrize("order", ["cancel-release-grant", "release-cancel-grant", "grant-cancel-release"])
 async def test_a_release_of_the_proposed_id_racing_the_grant_strands_nothing(order):
     """The caller's Release of its proposed id can reach the scheduler before the grant
