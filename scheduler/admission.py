@@ -199,7 +199,7 @@ class AdmissionCore:
         self._queued_tokens = 0
         self._leases: dict[str, Lease] = {}
         self._leased_request_ids: set[str] = set()  # request ids holding a lease (duplicate check)
-        self._queued_lease_ids: set[str] = set()  # the queued requests' proposed lease ids (lease_id_in_use)
+        self._queued_by_lease_id: dict[str, str] = {}  # a queued request's proposed lease id -> its request id
         self._seq = itertools.count()
 
     # -- queue -----------------------------------------------------------------
@@ -245,13 +245,13 @@ class AdmissionCore:
         self._version += 1
         self._queued_tokens += req.queued_tokens
         if req.lease_id:
-            self._queued_lease_ids.add(req.lease_id)
+            self._queued_by_lease_id[req.lease_id] = req.request_id
         return displaced
 
     def lease_id_in_use(self, lease_id: str) -> bool:
         """Whether ``lease_id`` is a lease's, a queued request's proposed one, or one an
         executor still lists (a released lease whose run has not ended there yet)."""
-        return (lease_id in self._leases or lease_id in self._queued_lease_ids
+        return (lease_id in self._leases or lease_id in self._queued_by_lease_id
                 or any(lease_id in e.listed_lease_ids for e in self.registry))
 
     def _what(self, req: AdmissionRequest) -> str:
@@ -368,7 +368,7 @@ class AdmissionCore:
         if req is not None:
             self._version += 1
             self._queued_tokens -= req.queued_tokens
-            self._queued_lease_ids.discard(req.lease_id)
+            self._queued_by_lease_id.pop(req.lease_id, None)
         return req
 
     def cancel(self, request_id: str) -> bool:
@@ -380,10 +380,8 @@ class AdmissionCore:
         caller released the lease before it was granted (a Release can reach the scheduler
         before the caller's cancelled Admit does; granted then, the lease would wait for
         its expiry)."""
-        if not lease_id or lease_id not in self._queued_lease_ids:
-            return None
-        req = next(r for r in self._queue.values() if r.lease_id == lease_id)
-        return self._remove(req.request_id)
+        request_id = self._queued_by_lease_id.get(lease_id) if lease_id else None
+        return None if request_id is None else self._remove(request_id)
 
     def queued(self) -> list[AdmissionRequest]:
         """Queued requests in dispatch order now."""
