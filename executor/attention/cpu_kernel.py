@@ -105,7 +105,7 @@ def build(compiler: str, target: Path, source: Path = SOURCE, flags: tuple[str, 
         obj, out = Path(tmp) / f"{target.stem}.o", Path(tmp) / target.name
         compile_flags = [flag for flag in flags if flag != "-shared"]
         for command in ([compiler, *compile_flags, "-c", str(source), "-o", str(obj)],
-                        [compiler, _LINK[0], str(obj), "-o", str(out), *_LINK[1:]]):
+                        [compiler, str(obj), "-o", str(out), *_LINK]):
             subprocess.run(command, check=True, capture_output=True, text=True, timeout=300)
         os.replace(out, target)
 

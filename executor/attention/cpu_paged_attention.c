@@ -336,31 +336,9 @@ static void one_request_bf16_dot(const uint16_t *restrict q, const void *key_cac
 }
 #endif
 
-/* Returns 0, or 1 when scratch memory could not be allocated. Runs with denormals
- * flushed to zero (the caller's MXCSR restored on return): softmax weights below 1e-38
- * add nothing, and on some CPUs each denormal operand costs a slow microcode assist. */
-static __attribute__((noinline)) int paged_decode_attention_ftz(
-    const void *q, const void *key_cache, const void *value_cache, const int32_t *block_table, int64_t bt_stride,
-    const int32_t *seq_lens, void *out, int64_t n, int64_t H, int64_t KVH, int64_t D, int64_t bs, float scale,
-    int bf16); /* not inlined: no float work may move across the MXCSR writes around its call */
-
-int paged_decode_attention(const void *q, const void *key_cache, const void *value_cache,
-                           const int32_t *block_table, int64_t bt_stride, const int32_t *seq_lens, void *out,
-                           int64_t n, int64_t H, int64_t KVH, int64_t D, int64_t bs, float scale, int bf16) {
-#if defined(__SSE__)
-    const unsigned int csr = _mm_getcsr();
-    _mm_setcsr(csr | 0x8040u); /* FTZ | DAZ */
-    const int rc = paged_decode_attention_ftz(q, key_cache, value_cache, block_table, bt_stride, seq_lens, out, n,
-                                              H, KVH, D, bs, scale, bf16);
-    _mm_setcsr(csr);
-    return rc;
-#else
-    return paged_decode_attention_ftz(q, key_cache, value_cache, block_table, bt_stride, seq_lens, out, n, H, KVH,
-                                      D, bs, scale, bf16);
-#endif
-}
-
-static __attribute__((noinline)) int paged_decode_attention_ftz(
+/* One call's work; not inlined, so that no float work moves across the MXCSR writes
+ * around its call. Returns 0, or 1 when scratch memory could not be allocated. */
+static __attribute__((noinline)) int attend(
     const void *q, const void *key_cache, const void *value_cache, const int32_t *block_table, int64_t bt_stride,
     const int32_t *seq_lens, void *out, int64_t n, int64_t H, int64_t KVH, int64_t D, int64_t bs, float scale,
     int bf16) {
@@ -382,20 +360,20 @@ static __attribute__((noinline)) int paged_decode_attention_ftz(
                                           bf16_dot_steps(L, H, KVH, D, bs), bs, block_bytes);
             one_request_bf16_dot((const uint16_t *)q + q_off, key_cache, value_cache, blocks, L, H, KVH, D, bs,
                                  scale, scores, acc, &ahead);
-            for (int64_t i = 0; i < H * D; i++) ((uint16_t *)out)[q_off + i] = bf16_store(acc[i]);
-            continue;
-        }
+        } else
 #endif
-        Prefetcher ahead = prefetcher(key_cache, value_cache, next_blocks, next_len, 2 * ((L + 3) / 4) * H, bs,
-                                      block_bytes);
-        for (int64_t i = 0; i < H * D; i++)
-            qs[i] = scale * (bf16 ? bf16_load(((const uint16_t *)q)[q_off + i]) : ((const float *)q)[q_off + i]);
-        if (D == 64) /* a constant head size lets the compiler unroll the dot products */
-            one_request(qs, key_cache, value_cache, blocks, L, H, KVH, 64, bs, bf16, scores, acc, tmp, &ahead);
-        else if (D == 128)
-            one_request(qs, key_cache, value_cache, blocks, L, H, KVH, 128, bs, bf16, scores, acc, tmp, &ahead);
-        else
-            one_request(qs, key_cache, value_cache, blocks, L, H, KVH, D, bs, bf16, scores, acc, tmp, &ahead);
+        {
+            Prefetcher ahead = prefetcher(key_cache, value_cache, next_blocks, next_len, 2 * ((L + 3) / 4) * H, bs,
+                                          block_bytes);
+            for (int64_t i = 0; i < H * D; i++)
+                qs[i] = scale * (bf16 ? bf16_load(((const uint16_t *)q)[q_off + i]) : ((const float *)q)[q_off + i]);
+            if (D == 64) /* a constant head size lets the compiler unroll the dot products */
+                one_request(qs, key_cache, value_cache, blocks, L, H, KVH, 64, bs, bf16, scores, acc, tmp, &ahead);
+            else if (D == 128)
+                one_request(qs, key_cache, value_cache, blocks, L, H, KVH, 128, bs, bf16, scores, acc, tmp, &ahead);
+            else
+                one_request(qs, key_cache, value_cache, blocks, L, H, KVH, D, bs, bf16, scores, acc, tmp, &ahead);
+        }
         for (int64_t i = 0; i < H * D; i++) {
             if (bf16)
                 ((uint16_t *)out)[q_off + i] = bf16_store(acc[i]);
@@ -405,4 +383,22 @@ static __attribute__((noinline)) int paged_decode_attention_ftz(
     }
     free(scores);
     return 0;
+}
+
+/* Returns 0, or 1 when scratch memory could not be allocated. Runs with denormals
+ * flushed to zero (the caller's MXCSR restored on return): softmax weights below 1e-38
+ * add nothing, and on some CPUs each denormal operand costs a slow microcode assist. */
+int paged_decode_attention(const void *q, const void *key_cache, const void *value_cache,
+                           const int32_t *block_table, int64_t bt_stride, const int32_t *seq_lens, void *out,
+                           int64_t n, int64_t H, int64_t KVH, int64_t D, int64_t bs, float scale, int bf16) {
+#if defined(__SSE__)
+    const unsigned int csr = _mm_getcsr();
+    _mm_setcsr(csr | 0x8040u); /* FTZ | DAZ */
+#endif
+    const int rc = attend(q, key_cache, value_cache, block_table, bt_stride, seq_lens, out, n, H, KVH, D, bs, scale,
+                          bf16);
+#if defined(__SSE__)
+    _mm_setcsr(csr);
+#endif
+    return rc;
 }
