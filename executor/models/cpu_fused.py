@@ -111,12 +111,14 @@ def sum_lanes(kernels: FusedKernels) -> int | None:
 
 
 def _torch_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """``norm.RMSNorm._norm`` in float32 (the reference the probe matches)."""
+    """``norm.RMSNorm._norm`` in float32 (the reference the probe matches; norm.py imports
+    this module, so it is not imported from there)."""
     variance = x.pow(2).mean(-1, keepdim=True)
     return (x * variance.add_(eps).rsqrt_()).mul_(weight)
 
 
 def _call_norm(k: FusedKernels, residual: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """The float32 kernel itself (not ``add_rms_norm``, which callers may wrap)."""
     out = torch.empty_like(residual)
     k.add_rms_norm(None, residual.data_ptr(), weight.data_ptr(), out.data_ptr(), residual.shape[0],
                    residual.shape[1], eps, k.lanes)
