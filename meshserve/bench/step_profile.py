@@ -96,8 +96,9 @@ def instrument(engine) -> None:
         from executor.models import cpu_gemm
     except ImportError:
         cpu_gemm = None
-    if cpu_gemm is not None and hasattr(cpu_gemm, "panel_linear"):
-        _wrap(cpu_gemm, "panel_linear", "ms.gemm_kernel")  # the float32 GEMM kernel: a C call too
+    for name in ("panel_linear", "panel_linear_bf16"):  # the GEMM kernels: C calls too
+        if cpu_gemm is not None and hasattr(cpu_gemm, name):
+            _wrap(cpu_gemm, name, "ms.gemm_kernel")
     import executor.worker.model_runner as mr
 
     build = mr.SamplingBatch.build
