@@ -230,7 +230,7 @@ class Sampler:
                 batch.penalties.apply(logits)
             if batch.banned is not None:
                 logits[batch.banned] = float("-inf")
-        tokens = logits.argmax(dim=-1)
+        tokens = argmax_rows(logits)
         if not batch.all_greedy:
             tokens = torch.where(batch.greedy, tokens, self._sample(logits, batch))
         return SamplerOutput(tokens, self._logprobs(raw, tokens, batch.logprobs))
@@ -243,7 +243,7 @@ class Sampler:
             logits = _apply_top_k_top_p(logits, batch.top_k if batch.use_top_k else None,
                                         batch.top_p if batch.use_top_p else None)
         probs = torch.softmax(logits, dim=-1)
-        return (probs / self._exponential_noise(probs, batch.generators)).argmax(dim=-1)
+        return argmax_rows(probs / self._exponential_noise(probs, batch.generators))
 
     @staticmethod
     def _logprobs(raw: torch.Tensor, tokens: torch.Tensor, ks: list[int | None] | None) -> list | None:
@@ -267,6 +267,37 @@ class Sampler:
             if g is not None:
                 q[i].exponential_(generator=g)
         return q.clamp_min_(torch.finfo(torch.float32).tiny)
+
+
+ARGMAX_CHUNK = 128
+"""Values in each chunk ``argmax_rows`` cuts a row into (measured on one Zen 4 core, 32 rows
+of 49,152: 16 → 3.1 ms, 32 → 0.55, 64 → 0.31, 128 → 0.25, 256 → 0.23)."""
+
+
+def argmax_rows(x: torch.Tensor) -> torch.Tensor:
+    """Each row's ``argmax``, the first index on ties, as ``x.argmax(dim=-1)``: ``x``
+    ``(num_reqs, vocab_size)`` float32 with no NaN → ``(num_reqs,)`` int64.
+
+    On CPU, torch's ``argmax`` walks a row one value at a time (2.9 ms for 32 rows of
+    49,152 on one Zen 4 core) while its ``amax`` is vectorised (0.12 ms). So the row is cut
+    into chunks of ``ARGMAX_CHUNK``: the chunks' maxima (``amax``), the first chunk whose
+    maximum is the row's (``argmax`` over 1/128 of the values), the first index of that
+    maximum inside it, and the values past the last whole chunk compared apart (they win
+    only when strictly larger, as they come last): 0.25 ms, the same indices. Elsewhere (a
+    GPU, rows under two chunks) ``argmax`` itself."""
+    rows, n = x.shape
+    if x.device.type != "cpu" or n < 2 * ARGMAX_CHUNK or x.stride(-1) != 1:
+        return x.argmax(dim=-1)
+    body = n - n % ARGMAX_CHUNK
+    chunks = x[:, :body].view(rows, body // ARGMAX_CHUNK, ARGMAX_CHUNK)
+    chunk_max = chunks.amax(dim=-1)
+    best_chunk = chunk_max.argmax(dim=-1)
+    every_row = torch.arange(rows, device=x.device)
+    index = best_chunk * ARGMAX_CHUNK + chunks[every_row, best_chunk].argmax(dim=-1)
+    if body < n:
+        tail_max, tail_index = x[:, body:].max(dim=-1)
+        index = torch.where(tail_max > chunk_max[every_row, best_chunk], tail_index + body, index)
+    return index
 
 
 def _apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from executor.worker.sampler import Sampler, SamplingBatch
+from executor.worker.sampler import ARGMAX_CHUNK, Sampler, SamplingBatch, argmax_rows
 from meshserve.sampling import SamplingParams
 
 VOCAB = 1000
@@ -27,6 +27,25 @@ def test_greedy_is_exact_argmax_first_index_on_ties():
     tokens = sample(Sampler(), x, [SamplingParams(temperature=0.0)] * 4)
     assert tokens == x.argmax(dim=-1).tolist()
     assert tokens[2] == 10
+
+
+@pytest.mark.parametrize("vocab", [49152, 1000, 2 * ARGMAX_CHUNK, 2 * ARGMAX_CHUNK + 1, 100003, 7])
+def test_the_chunked_argmax_gives_torchs_first_index_of_each_rows_maximum(vocab):
+    """Ties inside a chunk, across chunks, between the whole chunks and the values past
+    them, a maximum only in that tail, rows of one value, infinities (as nan_to_num left
+    them: finite)."""
+    g = torch.Generator().manual_seed(vocab)
+    ties = torch.randint(-3, 4, (16, vocab), generator=g).float()  # many ties everywhere
+    spread = torch.randn(16, vocab, generator=g)
+    edges = torch.full((8, vocab), -1.0)
+    edges[0, -1] = edges[0, 3] = 2.0  # the tail ties the body: the body's index comes first
+    edges[1, -1] = 2.0  # the maximum only past the last whole chunk
+    edges[2, vocab // 2] = edges[2, vocab // 2 + 1] = 2.0
+    edges[3] = torch.finfo(torch.float32).min
+    edges[4, vocab - 2:] = torch.finfo(torch.float32).max
+    for x in (ties, spread, edges):
+        assert torch.equal(argmax_rows(x), x.argmax(dim=-1))
+    assert argmax_rows(edges)[:5].tolist() == [3, vocab - 1, vocab // 2, 0, vocab - 2]
 
 
 def test_top_k_1_and_tiny_top_p_equal_greedy_at_any_temperature():
