@@ -15,14 +15,15 @@ Each step's wall time is split into parts, by the region an op runs in (the
 ModelRunner's calls are wrapped in ``record_function`` ranges here, not in the
 serving code) and, inside the model, by the op:
 
-* ``gemm``: the linear layers and the LM head (the float32 CPU GEMM kernel's calls,
-  ``cpu_gemm.panel_linear``, and ``mkldnn::_linear_pointwise``,
+* ``gemm``: the linear layers and the LM head (the CPU GEMM kernels' calls,
+  ``cpu_gemm.panel_linear`` and ``panel_linear_bf16``, and ``mkldnn::_linear_pointwise``,
   ``aten::mm``/``addmm``/``linear``);
 * ``attention``: the KV cache writes, block gathers and SDPA inside the model,
   the CPU decode kernel's calls (``cpu_kernel.decode_attention``, C code the
   profiler sees as one range), plus the backend's per-step ``plan``;
 * ``norm/elementwise``: everything else inside the model (RMSNorm, rotary,
-  SiLU·mul, residual adds, embedding, copies);
+  SiLU·mul, residual adds, embedding, copies), the fused kernels' calls among them
+  (``cpu_fused.add_rms_norm``, ``rotate_``, ``silu_mul``);
 * ``metadata``: the ModelRunner's input building (``_prepare_inputs``: token ids,
   positions, slot mapping, block tables);
 * ``sampling``: building the sampling batch and the sampler;
@@ -60,7 +61,8 @@ _ATTN_OPS = ("aten::index_copy_", "aten::index_select", "aten::scaled_dot_produc
              "aten::_scaled_dot_product_flash_attention_for_cpu", "aten::_scaled_dot_product_attention_math")
 _REGIONS = {"ms.prepare_inputs": "metadata", "ms.plan": "attention", "ms.model": "model",
             "ms.logits": "model", "ms.sampling": "sampling", "ms.schedule": "scheduling",
-            "ms.attention_kernel": "attention", "ms.gemm_kernel": "gemm"}
+            "ms.attention_kernel": "attention", "ms.gemm_kernel": "gemm",
+            "ms.fused_kernel": "norm/elementwise"}
 
 
 def _wrap(obj, name: str, label: str):
@@ -99,6 +101,13 @@ def instrument(engine) -> None:
     for name in ("panel_linear", "panel_linear_bf16"):  # the GEMM kernels: C calls too
         if cpu_gemm is not None and hasattr(cpu_gemm, name):
             _wrap(cpu_gemm, name, "ms.gemm_kernel")
+    try:
+        from executor.models import cpu_fused
+    except ImportError:
+        cpu_fused = None
+    for name in ("add_rms_norm", "rotate_", "silu_mul"):  # the fused norm, rotary and SiLU kernels: C calls
+        if cpu_fused is not None and hasattr(cpu_fused, name):
+            _wrap(cpu_fused, name, "ms.fused_kernel")
     import executor.worker.model_runner as mr
 
     build = mr.SamplingBatch.build
@@ -157,10 +166,10 @@ def breakdown(events, wall_us: float) -> dict[str, float]:
         else:
             parts[kind] += self_us
     model_total = (region_total["ms.model"] + region_total["ms.logits"] - region_total["ms.attention_kernel"]
-                   - region_total["ms.gemm_kernel"])
+                   - region_total["ms.gemm_kernel"] - region_total["ms.fused_kernel"])
     parts["model python"] = max(0.0, model_total - region_ops["ms.model"] - region_ops["ms.logits"])
     for name in ("ms.prepare_inputs", "ms.plan", "ms.sampling", "ms.schedule",
-                 "ms.attention_kernel", "ms.gemm_kernel"):  # their Python (and C) counts with them
+                 "ms.attention_kernel", "ms.gemm_kernel", "ms.fused_kernel"):  # their Python (and C) counts with them
         parts[_REGIONS[name]] += max(0.0, region_total[name] - region_ops[name])
     parts["python"] = max(0.0, wall_us - sum(parts.values()))
     return dict(parts)

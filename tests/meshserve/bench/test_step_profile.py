@@ -49,9 +49,10 @@ def test_a_kernel_range_inside_the_model_counts_as_its_part_not_as_model_python(
     model = _Event("ms.model", cpu_time_total=10_000, self_cpu_time_total=0)
     kernel = _Event("ms.attention_kernel", cpu_time_total=4_000, self_cpu_time_total=4_000, cpu_parent=model)
     gemm_kernel = _Event("ms.gemm_kernel", cpu_time_total=1_500, self_cpu_time_total=1_200, cpu_parent=model)
+    fused_kernel = _Event("ms.fused_kernel", cpu_time_total=800, self_cpu_time_total=800, cpu_parent=model)
     sampling = _Event("ms.sampling", cpu_time_total=700, self_cpu_time_total=100)
     events = [
-        model, kernel, gemm_kernel, sampling,
+        model, kernel, gemm_kernel, fused_kernel, sampling,
         _Event("aten::mm", 1_000, 1_000, cpu_parent=model),
         _Event("aten::index_select", 300, 300, cpu_parent=model),
         _Event("aten::add", 200, 200, cpu_parent=model),
@@ -62,9 +63,10 @@ def test_a_kernel_range_inside_the_model_counts_as_its_part_not_as_model_python(
     parts = breakdown(events, wall_us=12_000)
     assert parts["gemm"] == 1_000 + 300 + (1_500 - 300)  # aten::mm, the op inside the kernel, the kernel's own time
     assert parts["attention"] == 300 + 4_000  # index_select and the attention kernel's range
-    assert parts["norm/elementwise"] == 200
-    # The model's range less both kernel ranges, less the ops directly in it: 10,000 - 4,000 - 1,500 - 1,500.
-    assert parts["model python"] == 3_000
+    assert parts["norm/elementwise"] == 200 + 800  # aten::add and the fused kernels' range
+    # The model's range less the three kernel ranges, less the ops directly in it: 10,000 - 4,000 - 1,500 - 800
+    # - 1,500.
+    assert parts["model python"] == 2_200
     assert parts["sampling"] == 600 + (700 - 600)
     assert parts["scheduling"] == 0 and parts["metadata"] == 0
-    assert parts["python"] == 12_000 - (2_500 + 4_300 + 200 + 3_000 + 700)
+    assert parts["python"] == 12_000 - (2_500 + 4_300 + 1_000 + 2_200 + 700)
