@@ -117,7 +117,8 @@ static _Thread_local int64_t scratch_pairs;
 int32_t packed_gemm_bf16(const uint16_t *x, int64_t m, int64_t k, int64_t ldx, const uint16_t *bp, int64_t n,
                          const uint16_t *bias, uint16_t *y, int64_t ldy) {
     int64_t panels = (n + NR - 1) / NR, kp = (k + 1) / 2;
-    int64_t mc_max = (A_BLOCK_BYTES / (4 * kp)) / MR * MR;
+    if (m <= 0) return 0;  // (no block to size: the divisions below would be by zero)
+    int64_t mc_max = (A_BLOCK_BYTES / (4 * (kp > 0 ? kp : 1))) / MR * MR;  // k = 0: each output its bias
     if (mc_max < MR) mc_max = MR;
     int64_t blocks = (m + mc_max - 1) / mc_max;  // as even as whole tiles allow: no small last block
     mc_max = ((m + blocks - 1) / blocks + MR - 1) / MR * MR;
@@ -143,7 +144,7 @@ int32_t packed_gemm_bf16(const uint16_t *x, int64_t m, int64_t k, int64_t ldx, c
             }
         // the next panel, spread over this block's tiles: pf_step bytes a step of kp, in
         // pf_lines cache lines when a step has more than one line to fetch (few tiles)
-        int64_t steps = tiles * kp, per_step = (kp * NR * 4 + steps - 1) / steps;
+        int64_t steps = tiles * kp > 0 ? tiles * kp : 1, per_step = (kp * NR * 4 + steps - 1) / steps;
         int64_t pf_lines = per_step > 128 ? 3 : per_step > 64 ? 2 : 1;
         int64_t pf_step = pf_lines > 1 ? 64 * pf_lines : per_step;
         for (int64_t p = 0; p < panels; p++) {

@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from executor.models import cpu_gemm
-from tests.support.kernels import load_fresh
+from tests.support.kernels import load_fresh, run_fresh_process
 
 
 @pytest.fixture
@@ -139,3 +139,26 @@ def test_the_environment_switch_turns_the_kernel_off(kernel_cache, monkeypatch):
     monkeypatch.setenv("MESHSERVE_CPU_GEMM_KERNEL", "0")
     monkeypatch.setattr(cpu_gemm, "_loaded", {})
     assert cpu_gemm.load_bf16() is None
+
+
+def test_the_c_function_takes_zero_rows_and_zero_features_without_dividing_by_zero(kernel, kernel_cache):
+    """``packed_gemm_bf16`` itself (as ``packed_gemm``, the float32 one, does) with m = 0:
+    nothing written; with k = 0: each output is its bias. It divided by the rows' block
+    count and by the feature pairs, 0 here: SIGFPE, the whole process gone. Run in a child
+    process so that a crash fails this test only."""
+    script = (
+        "import torch\n"
+        "torch.set_num_threads(1)\n"
+        "from executor.models import cpu_gemm\n"
+        "k = cpu_gemm.load_bf16()\n"
+        "x, bias = torch.ones(2, 4, dtype=torch.bfloat16), torch.arange(5.0).bfloat16()\n"
+        "packed = cpu_gemm.pack_panels_bf16(torch.ones(5, 4, dtype=torch.bfloat16), k)\n"
+        "y = torch.full((2, 5), 7.0, dtype=torch.bfloat16)\n"
+        "rc = k.packed_gemm(x.data_ptr(), 0, 4, 4, packed.data_ptr(), 5, bias.data_ptr(), y.data_ptr(), 5)\n"
+        "print(rc, y.float().tolist())\n"
+        "empty = cpu_gemm.pack_panels_bf16(torch.ones(5, 0, dtype=torch.bfloat16), k)\n"
+        "rc = k.packed_gemm(x.data_ptr(), 2, 0, 4, empty.data_ptr(), 5, bias.data_ptr(), y.data_ptr(), 5)\n"
+        "print(rc, y.float().tolist())\n")
+    zero_rows, zero_features = run_fresh_process(script, kernel_cache).strip().splitlines()[-2:]
+    assert zero_rows == "0 " + str([[7.0] * 5] * 2)
+    assert zero_features == "0 " + str([[0.0, 1.0, 2.0, 3.0, 4.0]] * 2)
