@@ -266,7 +266,8 @@ def panel_linear_bf16(x: torch.Tensor, packed: torch.Tensor, weight_shape: tuple
     Raises:
         RuntimeError: ``x`` or ``bias`` is not a bfloat16 CPU tensor of the weight's sizes,
             or ``packed`` is not its panels (as ``F.linear`` raises on mismatched shapes).
-        MemoryError: the kernel's scratch buffer (at most 384 KiB) cannot be allocated.
+        MemoryError: the kernel's scratch buffer (384 KiB, more for inputs of over 24,576 features:
+            8 rows of them) cannot be allocated.
     """
     n, k = weight_shape
     if x.dtype != torch.bfloat16 or x.device.type != "cpu" or x.dim() < 1 or x.shape[-1] != k:
