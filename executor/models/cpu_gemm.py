@@ -61,17 +61,21 @@ _loaded: dict[str, object] = {}
 _UNSET = object()
 
 
+def _bound(fn, restype, *argtypes):
+    """``fn`` (a ``ctypes`` function) with its result and argument types set."""
+    fn.restype, fn.argtypes = restype, list(argtypes)
+    return fn
+
+
+_PTR, _I64 = ctypes.c_void_p, ctypes.c_int64
+
+
 class GemmKernel:
-    """The C library's functions (``ctypes``) and its panel width (columns a panel)."""
+    """``cpu_gemm.c``'s functions (``ctypes``) and its panel width (columns a panel)."""
 
     def __init__(self, lib: ctypes.CDLL):
-        self.pack_weight = lib.pack_weight
-        self.pack_weight.restype = None
-        self.pack_weight.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p]
-        self.packed_gemm = lib.packed_gemm
-        self.packed_gemm.restype = ctypes.c_int32
-        self.packed_gemm.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64,
-                                     ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64]
+        self.pack_weight = _bound(lib.pack_weight, None, _PTR, _I64, _I64, _PTR)
+        self.packed_gemm = _bound(lib.packed_gemm, ctypes.c_int32, _PTR, _I64, _I64, _I64, _PTR, _I64, _PTR, _I64)
         self.panel_width = int(lib.gemm_panel_width())
 
 
@@ -86,57 +90,42 @@ class GemmKernelBf16:
     def __init__(self, lib: ctypes.CDLL):
         if not lib.gemm_bf16_available():
             raise AttributeError("the bfloat16 GEMM was built without AVX512-BF16")
-        self.pack_weight = lib.pack_weight_bf16
-        self.pack_weight.restype = None
-        self.pack_weight.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p]
-        self.packed_gemm = lib.packed_gemm_bf16
-        self.packed_gemm.restype = ctypes.c_int32
-        self.packed_gemm.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64,
-                                     ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p,
-                                     ctypes.c_int64]
+        self.pack_weight = _bound(lib.pack_weight_bf16, None, _PTR, _I64, _I64, _PTR)
+        self.packed_gemm = _bound(lib.packed_gemm_bf16, ctypes.c_int32, _PTR, _I64, _I64, _I64, _PTR, _I64, _PTR,
+                                  _PTR, _I64)  # the bias pointer before the output
         self.panel_width = int(lib.gemm_bf16_panel_width())
 
 
-def _has_avx2_fma() -> bool:
-    flags = set(cpu_kernel._cpu_flags().split())
-    return {"avx2", "fma"} <= flags
+def _load_once(key: str, cpu_flags: set[str], lacking: str, label: str, source: Path, bind):
+    """``bind(library)`` of the kernel built from ``source`` (``cpu_kernel.build_and_load``),
+    kept in ``_loaded[key]``; ``None`` where this CPU lacks one of ``cpu_flags``."""
+    kernel = _loaded.get(key, _UNSET)
+    if kernel is not _UNSET:
+        return kernel
+    with _lock:
+        if key not in _loaded:
+            if cpu_flags <= set(cpu_kernel._cpu_flags().split()):
+                _loaded[key] = cpu_kernel.build_and_load(label, source, FLAGS, "MESHSERVE_CPU_GEMM_KERNEL",
+                                                         "oneDNN packed weights", bind)
+            else:
+                log.info("this CPU lacks %s: oneDNN packed weights instead of the %s", lacking, label)
+                _loaded[key] = None
+        return _loaded[key]
 
 
 def load() -> GemmKernel | None:
     """The float32 GEMM kernel, built if needed; ``None`` where it cannot be (not x86 with
     AVX2 and FMA, no compiler, a failed build, ``MESHSERVE_CPU_GEMM_KERNEL=0``). Once per
     process."""
-    kernel = _loaded.get("k", _UNSET)
-    if kernel is not _UNSET:
-        return kernel
-    with _lock:
-        if "k" not in _loaded:
-            if _has_avx2_fma():
-                _loaded["k"] = cpu_kernel.build_and_load("CPU GEMM kernel", SOURCE, FLAGS, "MESHSERVE_CPU_GEMM_KERNEL",
-                                                         "oneDNN packed weights", GemmKernel)
-            else:
-                log.info("this CPU lacks AVX2 or FMA: oneDNN packed weights instead of the CPU GEMM kernel")
-                _loaded["k"] = None
-        return _loaded["k"]
+    return _load_once("k", {"avx2", "fma"}, "AVX2 or FMA", "CPU GEMM kernel", SOURCE, GemmKernel)
 
 
 def load_bf16() -> GemmKernelBf16 | None:
     """The bfloat16 GEMM kernel, built if needed; ``None`` where it cannot be (a CPU without
     AVX512-BF16, no compiler, a failed build, ``MESHSERVE_CPU_GEMM_KERNEL=0``). Once per
     process."""
-    kernel = _loaded.get("bf16", _UNSET)
-    if kernel is not _UNSET:
-        return kernel
-    with _lock:
-        if "bf16" not in _loaded:
-            if {"avx512f", "avx512bw", "avx512vl", "avx512_bf16"} <= set(cpu_kernel._cpu_flags().split()):
-                _loaded["bf16"] = cpu_kernel.build_and_load("bfloat16 CPU GEMM kernel", SOURCE_BF16, FLAGS,
-                                                            "MESHSERVE_CPU_GEMM_KERNEL", "oneDNN packed weights",
-                                                            GemmKernelBf16)
-            else:
-                log.info("this CPU lacks AVX512-BF16: oneDNN packed weights for bfloat16")
-                _loaded["bf16"] = None
-        return _loaded["bf16"]
+    return _load_once("bf16", {"avx512f", "avx512bw", "avx512vl", "avx512_bf16"}, "AVX512-BF16",
+                      "bfloat16 CPU GEMM kernel", SOURCE_BF16, GemmKernelBf16)
 
 
 def is_panel_packed(packed: torch.Tensor | None) -> bool:

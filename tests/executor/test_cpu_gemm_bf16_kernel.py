@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from executor.models import cpu_gemm
-from tests.support.kernels import load_fresh, run_fresh_process
+from tests.support.kernels import load_fresh, run_fresh_process, small_ints
 
 
 @pytest.fixture
@@ -23,12 +23,6 @@ def kernel(kernel_cache, monkeypatch, one_thread):
 def _randn(*shape: int, seed: int) -> torch.Tensor:
     return torch.randn(*shape, generator=torch.Generator().manual_seed(seed)).bfloat16()
 
-
-def _small_ints(*shape: int, seed: int) -> torch.Tensor:
-    """Integers in [-8, 8] as bfloat16 (exact: 8 bits of mantissa hold them): products and
-    sums over a few thousand terms stay below 2**24, so every float32 sum is exact, and
-    results below 2**8 in magnitude round to bfloat16 exactly."""
-    return torch.randint(-8, 9, shape, generator=torch.Generator().manual_seed(seed)).bfloat16()
 
 
 def test_panels_hold_feature_pairs_of_the_weight_columns_and_zeros_past_the_last(kernel):
@@ -51,7 +45,7 @@ def test_products_are_exact_where_the_float32_sums_are(kernel, m, k, n):
     """Small integers: every pair product and float32 partial sum is exact, so the result
     is the integer product rounded once to bfloat16 (exact below 256 in magnitude),
     whatever the tile, panel, odd feature count and row-block edges."""
-    x, w = _small_ints(m, k, seed=m), _small_ints(n, k, seed=n)
+    x, w = small_ints(m, k, seed=m, dtype=torch.bfloat16), small_ints(n, k, seed=n, dtype=torch.bfloat16)
     got = cpu_gemm.panel_linear_bf16(x, cpu_gemm.pack_panels_bf16(w, kernel), (n, k), None)
     want = (x.long() @ w.long().T).float().bfloat16()
     assert got.shape == (m, n) and got.dtype == torch.bfloat16

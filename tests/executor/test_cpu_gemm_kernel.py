@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from executor.models import cpu_gemm
-from tests.support.kernels import load_fresh
+from tests.support.kernels import load_fresh, small_ints
 
 
 @pytest.fixture
@@ -22,11 +22,6 @@ def kernel(kernel_cache, monkeypatch, one_thread):
 def _randn(*shape: int, seed: int) -> torch.Tensor:
     return torch.randn(*shape, generator=torch.Generator().manual_seed(seed))
 
-
-def _small_ints(*shape: int, seed: int) -> torch.Tensor:
-    """Integers in [-8, 8] as float32: their products and sums over a few thousand terms
-    stay below 2**24, so every float32 operation on them is exact."""
-    return torch.randint(-8, 9, shape, generator=torch.Generator().manual_seed(seed)).float()
 
 
 def test_panels_hold_the_weight_columns_in_order_and_zeros_past_the_last(kernel):
@@ -47,7 +42,7 @@ def test_panels_hold_the_weight_columns_in_order_and_zeros_past_the_last(kernel)
 def test_products_are_exact_where_float32_is(kernel, m, k, n):
     """Every product and partial sum of small integers is exact in float32, so the kernel's
     result must equal the integer product, whatever the tile and block edges."""
-    x, w = _small_ints(m, k, seed=m), _small_ints(n, k, seed=n)
+    x, w = small_ints(m, k, seed=m), small_ints(n, k, seed=n)
     got = cpu_gemm.panel_linear(x, cpu_gemm.pack_panels(w, kernel), n)
     want = (x.long() @ w.long().T).float()
     assert got.shape == (m, n)

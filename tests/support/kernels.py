@@ -33,3 +33,14 @@ def run_fresh_process(script: str, cache) -> str:
                          cwd=os.getcwd())
     assert run.returncode == 0, run.stderr[-2000:]
     return run.stdout
+
+
+def small_ints(*shape: int, seed: int, dtype=None):
+    """Integers in [-8, 8] (exact in float32 and in bfloat16) as ``dtype`` (default
+    float32): their products and float32 sums over a few thousand terms stay below 2**24,
+    so a GEMM on them sums exactly, and its result is the integer product (rounded once to
+    bfloat16 where the output is bfloat16)."""
+    import torch
+
+    values = torch.randint(-8, 9, shape, generator=torch.Generator().manual_seed(seed))
+    return values.to(dtype or torch.float32)
