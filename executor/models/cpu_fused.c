@@ -247,18 +247,29 @@ void rotary_inplace_bf16(uint16_t *x, int64_t row_stride, int64_t n, int64_t hea
     }
 }
 
+/* bf16(silu(g)) for each of the 65,536 bfloat16 gates g (by their bits), as float32: the
+ * SiLU of a bfloat16 input rounded to bfloat16 depends on its 16 bits only, so it is
+ * computed once, when the library loads, and looked up (2x faster than computing it per
+ * element: 32 rows of 1,536, 45 -> 23 us on one Zen 4 core; the same bits). 256 KiB. */
+static float silu_bf16_table[65536];
+
+__attribute__((constructor)) static void fill_silu_bf16_table(void) {
+    for (uint32_t h = 0; h < 65536; h++) {
+        float g = bf16_load((uint16_t)h);
+        silu_bf16_table[h] = bf16_round(g / (1.0f + exp_approx(-g)));
+    }
+}
+
 /* silu_mul on bfloat16 rows, rounding as torch's F.silu(gate).mul_(up) does: SiLU in
  * float32 rounded to bfloat16 (ATen's silu kernel for reduced floats), then the product
- * with up rounded: out = bf16(bf16(g / (1 + e^-g)) * u). e^x is exp_approx (torch: Sleef),
- * so where the float32 SiLU lies within an ulp or two of a bfloat16 rounding boundary
- * the rounded SiLU can differ from torch's by one bfloat16 ulp. */
+ * with up rounded: out = bf16(bf16(g / (1 + e^-g)) * u), the first factor from
+ * silu_bf16_table. e^x is exp_approx (torch: Sleef), so where the float32 SiLU lies
+ * within an ulp or two of a bfloat16 rounding boundary the rounded SiLU can differ from
+ * torch's by one bfloat16 ulp. */
 void silu_mul_bf16(const uint16_t *gate_up, uint16_t *out, int64_t n, int64_t inter) {
     for (int64_t r = 0; r < n; r++) {
         const uint16_t *g = gate_up + r * 2 * inter, *u = g + inter;
         uint16_t *o = out + r * inter;
-        for (int64_t i = 0; i < inter; i++) {
-            float gi = bf16_load(g[i]);
-            o[i] = bf16_store(bf16_round(gi / (1.0f + exp_approx(-gi))) * bf16_load(u[i]));
-        }
+        for (int64_t i = 0; i < inter; i++) o[i] = bf16_store(silu_bf16_table[g[i]] * bf16_load(u[i]));
     }
 }

@@ -32,7 +32,9 @@ before its product with up. Measured against the torch ops of ``norm.py``,
   within 1), so in float32 a product may differ from torch's in its last bits; in
   bfloat16 the SiLU rounded to bfloat16 can differ by one ulp where the float32 value
   lies next to a rounding boundary: over all 65,280 finite bfloat16 gates, none does
-  against torch 2.13's AVX2 exponential.
+  against torch 2.13's AVX2 exponential. (In bfloat16 the rounded SiLU of each of the
+  65,536 gates is computed once, when the library loads, and looked up: 2x faster, the
+  same bits.)
 
 The C is compiled with ``-ffinite-math-only -fno-trapping-math`` too, which lets the
 compiler vectorise the clamps of that exponential; activations are finite.
