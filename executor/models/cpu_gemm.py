@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import ctypes
 import logging
+import math
 import threading
 from pathlib import Path
 
@@ -143,13 +144,7 @@ def pack_panels(weight: torch.Tensor, kernel: GemmKernel) -> torch.Tensor:
         raise ValueError(f"pack_panels takes a 2-D float32 CPU weight, not {tuple(weight.shape)} {weight.dtype}")
     n, k = weight.shape
     w = kernel.panel_width
-    panels = -(-n // w)
-    flat = huge_pages.empty((panels * k * w + 16,), torch.float32)
-    offset = (-flat.data_ptr() // 4) % 16  # to a 64-byte boundary
-    out = flat[offset:offset + panels * k * w].view(panels, k, w)
-    source = weight.detach().contiguous()  # held for the call: a copy when the weight is strided
-    kernel.pack_weight(source.data_ptr(), n, k, out.data_ptr())
-    return out
+    return _packed(weight, kernel, (-(-n // w), k, w))
 
 
 def pack_panels_bf16(weight: torch.Tensor, kernel: GemmKernelBf16) -> torch.Tensor:
@@ -161,13 +156,20 @@ def pack_panels_bf16(weight: torch.Tensor, kernel: GemmKernelBf16) -> torch.Tens
         raise ValueError(f"pack_panels_bf16 takes a 2-D bfloat16 CPU weight, not {tuple(weight.shape)} "
                          f"{weight.dtype}")
     n, k = weight.shape
-    w, pairs = kernel.panel_width, -(-k // 2)
-    panels = -(-n // w)
-    flat = huge_pages.empty((panels * pairs * 2 * w + 32,), torch.bfloat16)
-    offset = (-flat.data_ptr() // 2) % 32  # to a 64-byte boundary
-    out = flat[offset:offset + panels * pairs * 2 * w].view(panels, pairs, 2 * w)
-    source = weight.detach().contiguous()
-    kernel.pack_weight(source.data_ptr(), n, k, out.data_ptr())
+    w = kernel.panel_width
+    return _packed(weight, kernel, (-(-n // w), -(-k // 2), 2 * w))
+
+
+def _packed(weight: torch.Tensor, kernel: GemmKernel | GemmKernelBf16, shape: tuple[int, ...]) -> torch.Tensor:
+    """A new ``shape`` tensor of ``weight``'s dtype, 64-byte aligned (the kernels' aligned
+    loads), on huge pages where Linux gives them, filled by ``kernel.pack_weight``."""
+    per_line = 64 // weight.element_size()
+    numel = math.prod(shape)
+    flat = huge_pages.empty((numel + per_line,), weight.dtype)
+    offset = (-flat.data_ptr() // weight.element_size()) % per_line  # to a 64-byte boundary
+    out = flat[offset:offset + numel].view(shape)
+    source = weight.detach().contiguous()  # held for the call: a copy when the weight is strided
+    kernel.pack_weight(source.data_ptr(), weight.shape[0], weight.shape[1], out.data_ptr())
     return out
 
 
