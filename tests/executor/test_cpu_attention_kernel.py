@@ -3,8 +3,9 @@
 import pytest
 import torch
 
-from executor.attention import build_attention_metadata, cpu_kernel
+from executor.attention import cpu_kernel
 from executor.attention.torch_backend import TorchAttentionBackend
+from tests.support.kernels import paged_batch as _batch
 from tests.support.kernels import run_fresh_process
 
 
@@ -16,24 +17,6 @@ def kernel(tmp_path, monkeypatch):
     if fn is None:
         pytest.skip("no C compiler on this host: the backend keeps its SDPA path")
     return fn
-
-
-def _batch(query_lens, contexts, num_heads, num_kv_heads, head_dim, block_size, dtype, seed=0):
-    gen = torch.Generator().manual_seed(seed)
-    need = [-(-(c + q) // block_size) for c, q in zip(contexts, query_lens)]
-    perm = torch.randperm(sum(need) + 3, generator=gen).tolist()  # scattered blocks
-    block_ids, i = [], 0
-    for n in need:
-        block_ids.append(perm[i:i + n])
-        i += n
-    shape = (len(perm), block_size, num_kv_heads, head_dim)
-    cache = (torch.randn(shape, generator=gen).to(dtype), torch.randn(shape, generator=gen).to(dtype))
-    md = build_attention_metadata(query_lens, contexts, block_ids, block_size)
-    tokens = sum(query_lens)
-    q = torch.randn(tokens, num_heads, head_dim, generator=gen).to(dtype)
-    k = torch.randn(tokens, num_kv_heads, head_dim, generator=gen).to(dtype)
-    v = torch.randn(tokens, num_kv_heads, head_dim, generator=gen).to(dtype)
-    return q, k, v, cache, md
 
 
 @pytest.mark.parametrize("num_heads, num_kv_heads, head_dim, block_size", [(9, 3, 64, 16), (4, 4, 32, 1),
@@ -109,9 +92,9 @@ def test_backend_on_one_thread_runs_a_step_of_short_prefills_as_one_kernel_call(
     q, k, v, cache, md = _batch(query_lens, contexts, 9, 3, 64, 16, torch.float32, seed=3)
     backend = TorchAttentionBackend()
     backend.plan(md)
+    got = backend.forward(q, k, v, cache, md, 0.125)  # float32: not the bfloat16 prefill kernel's
     assert md.plan.tokens is not None and md.plan.tokens.seq_lens.tolist() == [
         41, 18, 3, *range(1, 8), *range(10, 30)]
-    got = backend.forward(q, k, v, cache, md, 0.125)
     want, ref_cache = _sdpa_reference(query_lens, contexts, monkeypatch, seed=3)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
     assert torch.equal(cache[0], ref_cache[0]) and torch.equal(cache[1], ref_cache[1])
@@ -128,8 +111,8 @@ def test_backend_on_one_thread_runs_long_prefills_in_sdpa_and_decodes_in_the_ker
     q, k, v, cache, md = _batch(query_lens, contexts, 9, 3, 64, 16, torch.float32, seed=3)
     backend = TorchAttentionBackend()
     backend.plan(md)
-    assert md.plan.decodes is None and md.plan.num_decodes == 3 and md.plan.tokens is None  # the kernel's
     got = backend.forward(q, k, v, cache, md, 0.125)
+    assert md.plan.decodes is None and md.plan.num_decodes == 3 and md.plan.tokens is None  # the kernel's
     want, ref_cache = _sdpa_reference(query_lens, contexts, monkeypatch, seed=3)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
     assert torch.equal(got[3:], want[3:])  # prefills: the same SDPA calls
@@ -141,8 +124,8 @@ def test_a_prefill_only_step_uses_the_kernel_when_short_and_sdpa_when_long(kerne
         q, k, v, cache, md = _batch(query_lens, contexts, 9, 3, 64, 16, torch.float32, seed=4)
         backend = TorchAttentionBackend()
         backend.plan(md)
-        assert (md.plan.tokens is not None) is in_kernel and md.plan.decodes == []
         got = backend.forward(q, k, v, cache, md, 0.125)
+        assert (md.plan.tokens is not None) is in_kernel and md.plan.decodes == []
         with monkeypatch.context() as m:
             want, _ = _sdpa_reference(query_lens, contexts, m, seed=4)
             m.setattr(cpu_kernel, "_loaded", {})

@@ -44,3 +44,28 @@ def small_ints(*shape: int, seed: int, dtype=None):
 
     values = torch.randint(-8, 9, shape, generator=torch.Generator().manual_seed(seed))
     return values.to(dtype or torch.float32)
+
+
+def paged_batch(query_lens, contexts, num_heads, num_kv_heads, head_dim, block_size, dtype, seed=0):
+    """One attention step over a paged cache of random values: ``(q, k, v, (key_cache,
+    value_cache), metadata)``, request ``i`` with ``query_lens[i]`` new tokens after
+    ``contexts[i]`` cached ones, its blocks scattered over the cache (three spare)."""
+    import torch
+
+    from executor.attention import build_attention_metadata
+
+    gen = torch.Generator().manual_seed(seed)
+    need = [-(-(c + q) // block_size) for c, q in zip(contexts, query_lens)]
+    perm = torch.randperm(sum(need) + 3, generator=gen).tolist()  # scattered blocks
+    block_ids, i = [], 0
+    for n in need:
+        block_ids.append(perm[i:i + n])
+        i += n
+    shape = (len(perm), block_size, num_kv_heads, head_dim)
+    cache = (torch.randn(shape, generator=gen).to(dtype), torch.randn(shape, generator=gen).to(dtype))
+    md = build_attention_metadata(query_lens, contexts, block_ids, block_size)
+    tokens = sum(query_lens)
+    q = torch.randn(tokens, num_heads, head_dim, generator=gen).to(dtype)
+    k = torch.randn(tokens, num_kv_heads, head_dim, generator=gen).to(dtype)
+    v = torch.randn(tokens, num_kv_heads, head_dim, generator=gen).to(dtype)
+    return q, k, v, cache, md
