@@ -36,6 +36,7 @@
  * position) add exact zeros. So a token's result depends on its own prefix only: chunked
  * and whole prefills, and any batch, give the same bits.
  */
+#include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -121,7 +122,7 @@ static inline void interleave(const uint16_t *a, const uint16_t *b, uint32_t *ds
 }
 
 /* e^x, lane by lane, to about 1 ulp (Cephes' expf: x = n ln 2 + r, |r| <= ln 2 / 2, a degree-6
- * polynomial in r, scaled by 2^n); exactly 0 below -87.3 (masked keys, which are -1e30: the
+ * polynomial in r, scaled by 2^n); exactly 0 below -87.3 (masked keys, which are -inf: the
  * kernel is built without -ffast-math, so that no sum is reassociated). */
 static inline __m512 exp512(__m512 x) {
     const __mmask16 zero = _mm512_cmp_ps_mask(x, _mm512_set1_ps(-87.3f), _CMP_LT_OQ);
@@ -160,7 +161,7 @@ static inline __attribute__((always_inline)) void tile(
     }
     for (int r = 0; r < RW; r++) {
         w->pos[r] = (int32_t)(r < rows ? pos0 + r / G : last);
-        w->m[r] = -1e30f;
+        w->m[r] = -INFINITY; /* not a finite sentinel: scores below it would all weigh 0 */
         w->l[r] = 0.0f;
     }
     memset(w->o, 0, sizeof(float) * (size_t)(D * RW));
@@ -182,14 +183,14 @@ static inline __attribute__((always_inline)) void tile(
         for (int t = 0; t < nk; t++)
             for (int j = 0; j < 3; j++) {
                 __m512 v = _mm512_load_ps(w->s + t * RW + 16 * j);
-                if (masked) { /* keys past a row's position: -1e30, weight exactly 0 */
+                if (masked) { /* keys past a row's position: -inf, weight exactly 0 */
                     const __mmask16 late = _mm512_cmpgt_epi32_mask(_mm512_set1_epi32((int32_t)(t0 + t)), posv[j]);
-                    v = _mm512_mask_mov_ps(v, late, _mm512_set1_ps(-1e30f));
+                    v = _mm512_mask_mov_ps(v, late, _mm512_set1_ps(-INFINITY));
                     _mm512_store_ps(w->s + t * RW + 16 * j, v);
                 }
                 mx[j] = _mm512_max_ps(mx[j], v);
             }
-        for (int j = 0; j < 3; j++) { /* the first block: e^(-1e30 - max) = 0 */
+        for (int j = 0; j < 3; j++) { /* the first block: e^(-inf - max) = 0 */
             alpha[j] = exp512(_mm512_sub_ps(_mm512_loadu_ps(w->m + 16 * j), mx[j]));
             _mm512_storeu_ps(w->m + 16 * j, mx[j]);
             sum[j] = _mm512_setzero_ps();
