@@ -129,6 +129,8 @@ def build_and_load(label: str, source: Path, flags: tuple[str, ...], switch: str
         if not path.exists():
             log.info("building the %s into %s", label, path)
             build(compiler, path, source, flags)
+        else:
+            log.info("loading the %s from %s", label, path)
         return bind(ctypes.CDLL(str(path)))
     except (OSError, subprocess.SubprocessError, AttributeError) as err:
         detail = getattr(err, "stderr", "") or err

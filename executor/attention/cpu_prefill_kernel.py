@@ -2,9 +2,9 @@
 step's prefill chunks over the paged bfloat16 cache, tiled over query rows, for CPUs with
 AVX512-BF16; built once, cached on disk, called through ``ctypes``.
 
-Why a kernel: the decode kernel (``cpu_kernel.py``) takes each prompt token as a query
-row of its own and so reads every key once per later token of the prompt, and past
-``PREFILL_KERNEL_MAX_LEN`` tokens the torch backend falls back to SDPA. Here a tile of 48
+Why a kernel: past ``PREFILL_KERNEL_MAX_LEN`` tokens the torch backend ran its prefill
+chunks in SDPA (and the decode kernel, which takes each prompt token as a query row of its
+own, reads every key once per later token of the prompt). Here a tile of 48
 query rows (a kv head's query heads over consecutive tokens of one request) shares every
 key and value it reads, and both products run on ``VDPBF16PS`` (the algorithm and its
 rounding: the C file's header). On one Zen 4 core, one prompt over SmolLM2-135M's 30
@@ -16,7 +16,9 @@ Each token's result depends on its own prefix only (key blocks at absolute posit
 masked keys adding exact zeros): chunked and whole prefills give the same bits, in any
 batch. It differs from the decode kernel's result for the same token by rounding (the
 probabilities are rounded to bfloat16 before the weighted sum, as in ATen's flash
-attention for bfloat16).
+attention for bfloat16), so the backend uses it only for steps with a chunk longer than
+``PREFILL_KERNEL_MAX_LEN`` (where SDPA ran before): shorter ones keep the decode kernel's
+token rows, bitwise the decodes of the same tokens.
 
 Built with the decode kernel's machinery (``cpu_kernel.build_and_load``) but without
 ``-ffast-math``: its sums must not be reassociated. ``MESHSERVE_CPU_PREFILL_KERNEL=0``

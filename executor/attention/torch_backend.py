@@ -25,15 +25,18 @@ Per layer:
    9 of 227 27.4 against 33.9 (1.24x), 2 of 384 17.8 against 19.3; one of 768 31.5
    against 24.4 (SDPA's tiles reuse each key over many queries, so it wins on long
    prompts). Each token's result depends on its own prefix only: batch-invariant.
-   In bfloat16 on a CPU with AVX512-BF16 (head_dim 64 or 128), every prefill chunk,
-   whatever its length, goes instead to the prefill kernel (``cpu_prefill_kernel.py``),
-   one call for the step's chunks beside the decode kernel's one call for its decodes:
-   tiles of query rows share each key and value they read (30 layers of one
-   SmolLM2-135M prompt on one Zen 4 core: 150 tokens 8.5 ms against the decode
-   kernel's 11.5 and SDPA's 29.5; 416 tokens 45 against 79 and 172; 790 tokens 152
-   against 276 and 459). The dtype is known only at ``forward``: a plan made for the
-   prefill kernel falls back there (and later plans skip it) when the tensors are not
-   its kind.
+   In bfloat16 on a CPU with AVX512-BF16 (head_dim 64 or 128), a step with a longer
+   chunk runs its prefill chunks in the prefill kernel (``cpu_prefill_kernel.py``)
+   instead of SDPA, one call for them beside the decode kernel's one call for the
+   decodes: tiles of query rows share each key and value they read (30 layers of one
+   SmolLM2-135M prompt on one Zen 4 core: 416 tokens 45 ms against SDPA's 172 and
+   the token rows' 80, 790 tokens 155 against 471 and 281; at 150 tokens 8.7 against
+   the token rows' 12.8, but short chunks keep the token rows: there a prompt token's
+   row is bitwise its decode, so a prompt gives the same bits cached or not, chunked
+   or not, preempted and recomputed or not, which the prefill kernel, rounding its
+   probabilities to bfloat16, does not give against the decode kernel). The dtype is
+   known only at ``forward``: a plan made for the prefill kernel falls back there (and
+   later plans skip it) when the tensors are not its kind.
 
 Grouping the decodes trades padding against calls: the gather and the attention
 cost about the same per padded key whatever the group, and each group costs a
@@ -203,8 +206,8 @@ class TorchAttentionBackend(AttentionBackend):
     def plan(self, md: AttentionMetadata) -> None:
         kernel = self._cpu_kernel(md)
         rows = None
-        if (kernel and md.num_decodes < md.num_reqs and self._prefill_kernel_takes is not False
-                and self._cpu_prefill_kernel() is not None):
+        if (kernel and md.num_decodes < md.num_reqs and max(md.seq_lens_cpu[md.num_decodes:]) > PREFILL_KERNEL_MAX_LEN
+                and self._prefill_kernel_takes is not False and self._cpu_prefill_kernel() is not None):
             rows = _prefill_rows(md)  # the dtype is known at forward, which may still fall back
         tokens, prefills = (None, []) if rows else self._plan_prefill_fallback(md, kernel)
         decodes = None if kernel and md.num_decodes else self._plan_decodes(md)  # None: the kernel decodes

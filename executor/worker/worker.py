@@ -26,7 +26,7 @@ import logging
 
 import torch
 
-from executor.attention import cpu_kernel
+from executor.attention import cpu_kernel, cpu_prefill_kernel
 from executor.attention.registry import resolve_backend_name
 from executor.engine.config import EngineConfig
 from executor.engine.scheduler_output import ModelRunnerOutput, SchedulerOutput
@@ -88,6 +88,8 @@ class Worker:
         if self.device.type == "cpu" and torch.get_num_threads() == 1:
             cpu_kernel.load()  # build (or load) the CPU decode kernel now, not in the first request's step
             cpu_fused.load()  # and the fused norm/rotary/SiLU kernels
+            if self.loaded.dtype == torch.bfloat16:
+                cpu_prefill_kernel.load()  # and the bfloat16 prefill-attention kernel
         self.spec = ModelSpec(
             model_id=files.model_id, revision=files.revision, dtype=str(self.loaded.dtype).removeprefix("torch."),
             num_layers=int(hf.num_hidden_layers), num_kv_heads=num_kv_heads, head_dim=layers[0].head_dim,

@@ -174,3 +174,26 @@ def test_backend_runs_decodes_in_the_decode_kernel_and_prefills_in_the_prefill_k
     assert md32.plan.prefill_rows is None and md32.plan.prefills  # SDPA: a chunk is over PREFILL_KERNEL_MAX_LEN
     backend.plan(md32)
     assert md32.plan.prefill_rows is None  # later plans know
+
+
+def test_backend_keeps_short_bfloat16_prefills_as_decode_kernel_rows(kernel, one_thread):
+    """A bfloat16 step whose chunks are all at most PREFILL_KERNEL_MAX_LEN tokens (context
+    included) keeps one decode-kernel call with every prompt token a query row: each prompt
+    token's output is bitwise its decode, so a prompt gets the same bits cached or not,
+    chunked or not (the prefill kernel rounds its probabilities to bfloat16: it would not)."""
+    from executor.attention.torch_backend import PREFILL_KERNEL_MAX_LEN
+
+    decode_kernel = cpu_kernel.load()
+    if decode_kernel is None:
+        pytest.skip("no decode kernel")
+    query_lens, contexts = [1, 1, 30, PREFILL_KERNEL_MAX_LEN - 9], [40, 17, 0, 9]
+    q, k, v, cache, md = paged_batch(query_lens, contexts, 9, 3, 64, 16, torch.bfloat16, seed=4)
+    backend = TorchAttentionBackend()
+    backend.plan(md)
+    assert md.plan.prefill_rows is None and md.plan.tokens is not None
+    got = backend.forward(q, k, v, cache, md, 0.125)
+    for row, (request, keys) in {0: (0, 41), 2: (2, 1), 31: (2, 30), 32: (3, 10), 406: (3, 384)}.items():
+        alone = cpu_kernel.decode_attention(decode_kernel, q[row:row + 1], *cache,
+                                            md.block_table[request:request + 1],
+                                            torch.tensor([keys], dtype=torch.int32), 0.125)
+        assert torch.equal(alone[0], got[row]), row

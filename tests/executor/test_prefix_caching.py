@@ -109,3 +109,31 @@ def test_higher_priority_preempts_the_latest_lower_priority_request(tokenizer):
     assert 1 <= len(outputs["hi"]) <= 8 and len(outputs["eq"]) >= 1
     engine.check_integrity()
     assert engine.stats().num_free_blocks == engine.num_blocks
+
+
+def test_bfloat16_prompts_get_the_same_bits_warm_and_cold(tokenizer):
+    """Case C08 in bfloat16, the dtype ``auto`` picks on CPUs with native bfloat16, on one
+    thread (the CPU kernels' path): a 49-token prompt, prefilled in one chunk cold and warm
+    computing only its last token (a step shaped like a decode, which the decode kernel
+    runs), and a 100-token one prefilled in chunks of 64 cold and of 4 tokens warm give the
+    cold runs' tokens and logprobs bit for bit."""
+    engine = LLMEngine(EngineConfig(dtype="bfloat16", num_threads=1,
+                                    cache=CacheConfig(block_size=16, num_blocks=64),
+                                    batch=BatchSchedulerConfig(max_num_seqs=8, max_num_batched_tokens=64)))
+
+    def run(request_id: str, prompt: list[int]) -> list[tuple[int, float]]:
+        engine.add_request(request_id, prompt, SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True,
+                                                              logprobs=0))
+        got = []
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                got += [(entry.token_id, entry.logprob) for entry in out.logprobs]
+        return got
+
+    for n, salt in ((49, "delta"), (100, "epsilon")):
+        p = prompt_of(tokenizer, n, salt)
+        cold = run(f"{salt}-cold", p)
+        assert len(cold) == 6
+        assert run(f"{salt}-warm", p) == cold
+    stats = engine.stats()
+    assert stats.prefix_cache_hit_tokens == 48 + 96
