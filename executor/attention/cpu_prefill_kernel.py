@@ -16,9 +16,9 @@ Each token's result depends on its own prefix only (key blocks at absolute posit
 masked keys adding exact zeros): chunked and whole prefills give the same bits, in any
 batch. It differs from the decode kernel's result for the same token by rounding (the
 probabilities are rounded to bfloat16 before the weighted sum, as in ATen's flash
-attention for bfloat16), so the backend uses it only for steps with a chunk longer than
-``PREFILL_KERNEL_MAX_LEN`` (where SDPA ran before): shorter ones keep the decode kernel's
-token rows, bitwise the decodes of the same tokens.
+attention for bfloat16), so the backend uses it only for chunks longer than
+``PREFILL_KERNEL_MAX_LEN`` (where SDPA ran before): shorter ones, in any step, keep the
+decode kernel's token rows, bitwise the decodes of the same tokens.
 
 Built with the decode kernel's machinery (``cpu_kernel.build_and_load``) but without
 ``-ffast-math``: its sums must not be reassociated. ``MESHSERVE_CPU_PREFILL_KERNEL=0``

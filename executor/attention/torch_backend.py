@@ -25,18 +25,19 @@ Per layer:
    9 of 227 27.4 against 33.9 (1.24x), 2 of 384 17.8 against 19.3; one of 768 31.5
    against 24.4 (SDPA's tiles reuse each key over many queries, so it wins on long
    prompts). Each token's result depends on its own prefix only: batch-invariant.
-   In bfloat16 on a CPU with AVX512-BF16 (head_dim 64 or 128), a step with a longer
-   chunk runs its prefill chunks in the prefill kernel (``cpu_prefill_kernel.py``)
-   instead of SDPA, one call for them beside the decode kernel's one call for the
-   decodes: tiles of query rows share each key and value they read (30 layers of one
+   In bfloat16 on a CPU with AVX512-BF16 (head_dim 64 or 128), a step's longer chunks
+   run in the prefill kernel (``cpu_prefill_kernel.py``) instead of SDPA, one call for
+   them beside the decode kernel's one call for the decodes and the shorter chunks'
+   token rows: tiles of query rows share each key and value they read (30 layers of one
    SmolLM2-135M prompt on one Zen 4 core: 416 tokens 45 ms against SDPA's 172 and
    the token rows' 80, 790 tokens 155 against 471 and 281; at 150 tokens 8.7 against
-   the token rows' 12.8, but short chunks keep the token rows: there a prompt token's
-   row is bitwise its decode, so a prompt gives the same bits cached or not, chunked
-   or not, preempted and recomputed or not, which the prefill kernel, rounding its
-   probabilities to bfloat16, does not give against the decode kernel). The dtype is
-   known only at ``forward``: a plan made for the prefill kernel falls back there (and
-   later plans skip it) when the tensors are not its kind.
+   the token rows' 12.8, but short chunks keep the token rows, in any step: there a
+   prompt token's row is bitwise its decode, so a prompt gives the same bits cached or
+   not, chunked or not, preempted and recomputed or not, beside a long one or not,
+   which the prefill kernel, rounding its probabilities to bfloat16, does not give
+   against the decode kernel). The dtype is known only at ``forward``: a plan made for
+   the prefill kernel falls back there (and later plans skip it) when the tensors are
+   not its kind.
 
 Grouping the decodes trades padding against calls: the gather and the attention
 cost about the same per padded key whatever the group, and each group costs a
@@ -76,7 +77,8 @@ _UNSET = object()
 
 PREFILL_KERNEL_MAX_LEN = 384
 """Longest prefill chunk (``seq_len``, context included, tokens) whose queries go through
-the CPU kernel one token a row; a step with a longer chunk runs its prefills in SDPA.
+the CPU kernel one token a row; a step with a longer chunk runs its prefills in SDPA
+(in bfloat16 with the prefill kernel, only its longer chunks run there).
 Measured crossover on one AVX2 core: the kernel 1.08x SDPA for 2 prompts of 384, 0.78x
 for one of 768."""
 
@@ -131,11 +133,15 @@ class _TokenRows:
 
 @dataclass
 class _PrefillRows:
-    """The step's prefill chunks as the CPU prefill kernel takes them."""
+    """The step's long prefill chunks as the CPU prefill kernel takes them, and, when the
+    step also has short ones, its other tokens as decode-kernel rows."""
 
-    block_table: torch.Tensor        # (num_prefills, max_blocks) int32
-    query_start: torch.Tensor        # (num_prefills + 1,) int32: rows of the prefill tokens, from 0
-    seq_lens: torch.Tensor           # (num_prefills,) int32
+    block_table: torch.Tensor        # (num_long, max_blocks) int32
+    query_start: torch.Tensor        # (num_long + 1,) int32: rows of the long chunks' tokens, from 0
+    seq_lens: torch.Tensor           # (num_long,) int32
+    rows: torch.Tensor | None = None    # (tokens,) int64: the long chunks' token rows; None: all of q[num_decodes:]
+    others: torch.Tensor | None = None  # (tokens,) int64: the other token rows (decodes, short chunks)
+    other_tokens: _TokenRows | None = None  # their decode-kernel rows
 
 
 @dataclass
@@ -283,6 +289,16 @@ class TorchAttentionBackend(AttentionBackend):
         if plan.prefill_rows is not None and not cpu_prefill_kernel.supports(q, key_cache):  # e.g. float32
             self._prefill_kernel_takes, plan.prefill_rows = False, None  # later plans skip it
             plan.tokens, plan.prefills = self._plan_prefill_fallback(md, self._kernel)
+        if plan.prefill_rows is not None and plan.prefill_rows.rows is not None:  # long and short chunks
+            rows, q = plan.prefill_rows, q.contiguous()
+            out = torch.empty_like(q)  # decodes and short chunks in the decode kernel: bitwise their decodes
+            out.index_copy_(0, rows.others, cpu_kernel.decode_attention(
+                self._kernel, q.index_select(0, rows.others), key_cache, value_cache, rows.other_tokens.block_table,
+                rows.other_tokens.seq_lens, scale))
+            out.index_copy_(0, rows.rows, cpu_prefill_kernel.prefill_attention(
+                self._prefill_kernel, q.index_select(0, rows.rows), key_cache, value_cache, rows.block_table,
+                rows.query_start, rows.seq_lens, scale))
+            return out
         if plan.prefill_rows is not None:  # decodes in the decode kernel, prefills in the prefill kernel
             n, q = plan.num_decodes, q.contiguous()
             out = torch.empty_like(q)
@@ -356,19 +372,37 @@ class TorchAttentionBackend(AttentionBackend):
 
 
 def _prefill_rows(md: AttentionMetadata) -> _PrefillRows:
-    """The prefill requests' block table rows, query starts (from their first token) and
-    key counts."""
-    n = md.num_decodes
-    starts = md.query_start_loc[n:]
-    return _PrefillRows(md.block_table[n:], (starts - starts[0]).to(torch.int32), md.seq_lens[n:])
+    """The long prefill chunks' (``seq_len > PREFILL_KERNEL_MAX_LEN``) block table rows,
+    query starts (from their first token) and key counts. When the step also has short
+    chunks, those and the decodes stay decode-kernel rows (``rows``, ``others``,
+    ``other_tokens``): a short prompt gets the same bits whether a long one shares its
+    step or not."""
+    n, qsl = md.num_decodes, md.query_start_loc_cpu
+    long = [i for i in range(n, md.num_reqs) if md.seq_lens_cpu[i] > PREFILL_KERNEL_MAX_LEN]
+    if len(long) == md.num_reqs - n:  # every chunk long: they are the rows from num_decodes on
+        starts = md.query_start_loc[n:]
+        return _PrefillRows(md.block_table[n:], (starts - starts[0]).to(torch.int32), md.seq_lens[n:])
+    device = md.query_start_loc.device
+    is_long = torch.zeros(md.num_tokens, dtype=torch.bool)
+    lens = []
+    for i in long:
+        is_long[qsl[i]:qsl[i + 1]] = True
+        lens.append(qsl[i + 1] - qsl[i])
+    reqs = torch.tensor(long, dtype=torch.int64, device=device)
+    query_start = torch.tensor(np.cumsum([0, *lens]), dtype=torch.int32, device=device)
+    others = (~is_long).nonzero().squeeze(1).to(device)
+    return _PrefillRows(md.block_table.index_select(0, reqs), query_start, md.seq_lens.index_select(0, reqs),
+                        is_long.nonzero().squeeze(1).to(device), others, _token_rows(md, others))
 
 
-def _token_rows(md: AttentionMetadata) -> _TokenRows:
-    """Each token's block table row and key count (``position + 1``), built with tensor
-    ops (no per-token Python)."""
+def _token_rows(md: AttentionMetadata, rows: torch.Tensor | None = None) -> _TokenRows:
+    """Each token's (or only ``rows``') block table row and key count (``position + 1``),
+    built with tensor ops (no per-token Python)."""
     query_lens = md.query_start_loc[1:] - md.query_start_loc[:-1]
     req = torch.repeat_interleave(torch.arange(md.num_reqs, device=query_lens.device), query_lens)
     token = torch.arange(md.num_tokens, dtype=torch.int32, device=query_lens.device)
+    if rows is not None:
+        req, token = req[rows], token[rows]
     seq_lens = token - md.query_start_loc[req] + md.num_computed_tokens[req] + 1
     return _TokenRows(md.block_table.index_select(0, req), seq_lens.to(torch.int32))
 

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from executor.attention import build_attention_metadata, cpu_kernel, cpu_prefill_kernel
-from executor.attention.torch_backend import TorchAttentionBackend
+from executor.attention.torch_backend import PREFILL_KERNEL_MAX_LEN, TorchAttentionBackend
 from tests.support.kernels import load_fresh, paged_batch
 
 
@@ -148,13 +148,13 @@ def test_the_switch_turns_it_off(tmp_path, monkeypatch):
 
 
 def test_backend_runs_decodes_in_the_decode_kernel_and_prefills_in_the_prefill_kernel(kernel, one_thread):
-    """A bfloat16 step of 3 decodes and 2 prefill chunks: one call of each kernel, the
+    """A bfloat16 step of 3 decodes and 2 long prefill chunks: one call of each kernel, the
     decode rows bitwise the decode kernel's, the prefill rows the prefill kernel's, all
     close to float32 attention; a float32 step falls back and says so in its plan."""
     decode_kernel = cpu_kernel.load()
     if decode_kernel is None:
         pytest.skip("no decode kernel")
-    query_lens, contexts = [1, 1, 1, 7, 400], [40, 17, 2, 0, 9]
+    query_lens, contexts = [1, 1, 1, 7, 400], [40, 17, 2, 380, 9]
     q, k, v, cache, md = paged_batch(query_lens, contexts, 9, 3, 64, 16, torch.bfloat16, seed=3)
     backend = TorchAttentionBackend()
     backend.plan(md)
@@ -181,8 +181,6 @@ def test_backend_keeps_short_bfloat16_prefills_as_decode_kernel_rows(kernel, one
     included) keeps one decode-kernel call with every prompt token a query row: each prompt
     token's output is bitwise its decode, so a prompt gets the same bits cached or not,
     chunked or not (the prefill kernel rounds its probabilities to bfloat16: it would not)."""
-    from executor.attention.torch_backend import PREFILL_KERNEL_MAX_LEN
-
     decode_kernel = cpu_kernel.load()
     if decode_kernel is None:
         pytest.skip("no decode kernel")
@@ -197,3 +195,33 @@ def test_backend_keeps_short_bfloat16_prefills_as_decode_kernel_rows(kernel, one
                                             md.block_table[request:request + 1],
                                             torch.tensor([keys], dtype=torch.int32), 0.125)
         assert torch.equal(alone[0], got[row]), row
+
+
+def test_backend_keeps_short_chunks_beside_a_long_one_as_decode_kernel_rows(kernel, one_thread):
+    """A bfloat16 step with long chunks (past PREFILL_KERNEL_MAX_LEN) and short ones: only the
+    long ones go to the prefill kernel (each bitwise its run alone); the decodes and the short
+    chunks keep the decode kernel's rows, so a short prompt's bits do not depend on whether a
+    long prompt shares its step."""
+    decode_kernel = cpu_kernel.load()
+    if decode_kernel is None:
+        pytest.skip("no decode kernel")
+    query_lens, contexts = [1, 1, 30, 400, 20, 500, 7], [40, 3, 0, 0, 100, 0, 377]
+    q, k, v, cache, md = paged_batch(query_lens, contexts, 9, 3, 64, 16, torch.bfloat16, seed=7)
+    backend = TorchAttentionBackend()
+    backend.plan(md)
+    assert md.plan.prefill_rows.query_start.tolist() == [0, 400, 900]
+    got = backend.forward(q, k, v, cache, md, 0.125)
+    for r in range(md.num_reqs):
+        start, end = md.query_start_loc_cpu[r], md.query_start_loc_cpu[r + 1]
+        if md.seq_lens_cpu[r] > PREFILL_KERNEL_MAX_LEN:
+            alone = cpu_prefill_kernel.prefill_attention(kernel, q[start:end], *cache, md.block_table[r:r + 1],
+                                                         torch.tensor([0, end - start], dtype=torch.int32),
+                                                         md.seq_lens[r:r + 1], 0.125)
+            assert torch.equal(alone, got[start:end]), r
+            continue
+        for row in range(start, end):
+            keys = torch.tensor([contexts[r] + row - start + 1], dtype=torch.int32)
+            alone = cpu_kernel.decode_attention(decode_kernel, q[row:row + 1], *cache, md.block_table[r:r + 1],
+                                                keys, 0.125)
+            assert torch.equal(alone[0], got[row]), (r, row)
+    torch.testing.assert_close(got.float(), _reference(q, cache, md, 0.125), rtol=2e-2, atol=2e-2)

@@ -137,3 +137,30 @@ def test_bfloat16_prompts_get_the_same_bits_warm_and_cold(tokenizer):
         assert run(f"{salt}-warm", p) == cold
     stats = engine.stats()
     assert stats.prefix_cache_hit_tokens == 48 + 96
+
+
+def test_a_short_bfloat16_prompt_beside_a_long_one_gets_the_bits_it_gets_alone(tokenizer):
+    """A 100-token bfloat16 prompt prefilled cold in one step with a 450-token one (a chunk
+    past PREFILL_KERNEL_MAX_LEN, which the prefill kernel runs) keeps the decode kernel's
+    rows: its warm run alone (96 tokens cached, 4 computed) gives the same tokens and
+    logprobs bit for bit."""
+    engine = LLMEngine(EngineConfig(dtype="bfloat16", num_threads=1,
+                                    cache=CacheConfig(block_size=16, num_blocks=64),
+                                    batch=BatchSchedulerConfig(max_num_seqs=8, max_num_batched_tokens=1024)))
+    short, long = prompt_of(tokenizer, 100, "zeta"), prompt_of(tokenizer, 450, "eta")
+    params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True, logprobs=0)
+    got: dict[str, list[tuple[int, float]]] = {"cold": [], "long": [], "warm": []}
+    engine.add_request("cold", short, params)
+    engine.add_request("long", long, params)
+    steps = []
+    while engine.has_unfinished_requests():
+        outs = engine.step()
+        steps.append({out.request_id for out in outs})
+        for out in outs:
+            got[out.request_id] += [(entry.token_id, entry.logprob) for entry in out.logprobs]
+    assert steps[0] == {"cold", "long"}  # one step prefilled both
+    engine.add_request("warm", short, params)
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            got[out.request_id] += [(entry.token_id, entry.logprob) for entry in out.logprobs]
+    assert len(got["cold"]) == 4 and got["warm"] == got["cold"]
