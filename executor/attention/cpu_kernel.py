@@ -138,6 +138,25 @@ def build_and_load(label: str, source: Path, flags: tuple[str, ...], switch: str
         return None
 
 
+def load_once(loaded: dict, lock: threading.Lock, key: str, cpu_flags: set[str], lacking: str, label: str,
+              source: Path, flags: tuple[str, ...], switch: str, fallback: str,
+              bind: Callable[[ctypes.CDLL], object]) -> object | None:
+    """``build_and_load``'s result for ``source``, kept in ``loaded[key]`` (a kernel
+    module's cache, read without ``lock`` once set, filled under it); ``None``, logged,
+    where this CPU lacks one of ``cpu_flags`` (``lacking`` names them in the log)."""
+    kernel = loaded.get(key, _UNSET)
+    if kernel is not _UNSET:
+        return kernel
+    with lock:
+        if key not in loaded:
+            if cpu_flags <= set(_cpu_flags().split()):
+                loaded[key] = build_and_load(label, source, flags, switch, fallback, bind)
+            else:
+                log.info("this CPU lacks %s: %s instead of the %s", lacking, fallback, label)
+                loaded[key] = None
+        return loaded[key]
+
+
 def _bind_attention(lib: ctypes.CDLL):
     fn = lib.paged_decode_attention
     fn.restype = ctypes.c_int

@@ -1,8 +1,8 @@
 /* Causal prefill attention over the paged KV cache for one CPU thread with AVX512-BF16
  * (Zen 4, Cooper Lake, Sapphire Rapids and later), bfloat16 cache, head_dim 64 or 128.
  *
- * Built and loaded by executor/attention/cpu_prefill_kernel.py (gcc -O3 -march=native
- * -ffast-math, cached on disk); plain C, no torch headers, called through ctypes.
+ * Built and loaded by executor/attention/cpu_prefill_kernel.py (gcc -O3 -march=native,
+ * without -ffast-math, cached on disk); plain C, no torch headers, called through ctypes.
  *
  * Shapes (all contiguous, bfloat16 unless said):
  *   q            (T, H, D)               the step's prefill tokens, request r's rows

@@ -45,7 +45,6 @@ MAX_GROUP = 48
 
 _lock = threading.Lock()
 _loaded: dict[str, object] = {}
-_UNSET = object()
 
 
 def _bind(lib: ctypes.CDLL):
@@ -62,17 +61,9 @@ def load():
     """The kernel's ``ctypes`` function, built if needed; ``None`` where it cannot be (no
     AVX512-BF16, no compiler, a failed build, or ``MESHSERVE_CPU_PREFILL_KERNEL=0``).
     Once per process."""
-    fn = _loaded.get("fn", _UNSET)  # no lock once loaded
-    if fn is not _UNSET:
-        return fn
-    with _lock:
-        if "fn" not in _loaded:
-            _loaded["fn"] = None
-            if "avx512_bf16" in cpu_kernel._cpu_flags().split():
-                _loaded["fn"] = cpu_kernel.build_and_load(
-                    "CPU prefill-attention kernel", SOURCE, FLAGS, "MESHSERVE_CPU_PREFILL_KERNEL",
-                    "the decode kernel or SDPA for prefills", _bind)
-        return _loaded["fn"]
+    return cpu_kernel.load_once(_loaded, _lock, "fn", {"avx512f", "avx512bw", "avx512_bf16"}, "AVX512-BF16",
+                                "CPU prefill-attention kernel", SOURCE, FLAGS, "MESHSERVE_CPU_PREFILL_KERNEL",
+                                "the decode kernel or SDPA for prefills", _bind)
 
 
 def supports(q: torch.Tensor, key_cache: torch.Tensor) -> bool:

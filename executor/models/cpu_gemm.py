@@ -59,7 +59,6 @@ _PACK_BATCH_HINT = 32
 """Rows oneDNN tunes its packed layout for; any number of rows works."""
 _lock = threading.Lock()
 _loaded: dict[str, object] = {}
-_UNSET = object()
 
 
 def _bound(fn, restype, *argtypes):
@@ -98,20 +97,10 @@ class GemmKernelBf16:
 
 
 def _load_once(key: str, cpu_flags: set[str], lacking: str, label: str, source: Path, bind):
-    """``bind(library)`` of the kernel built from ``source`` (``cpu_kernel.build_and_load``),
+    """``bind(library)`` of the GEMM kernel built from ``source`` (``cpu_kernel.load_once``),
     kept in ``_loaded[key]``; ``None`` where this CPU lacks one of ``cpu_flags``."""
-    kernel = _loaded.get(key, _UNSET)
-    if kernel is not _UNSET:
-        return kernel
-    with _lock:
-        if key not in _loaded:
-            if cpu_flags <= set(cpu_kernel._cpu_flags().split()):
-                _loaded[key] = cpu_kernel.build_and_load(label, source, FLAGS, "MESHSERVE_CPU_GEMM_KERNEL",
-                                                         "oneDNN packed weights", bind)
-            else:
-                log.info("this CPU lacks %s: oneDNN packed weights instead of the %s", lacking, label)
-                _loaded[key] = None
-        return _loaded[key]
+    return cpu_kernel.load_once(_loaded, _lock, key, cpu_flags, lacking, label, source, FLAGS,
+                                "MESHSERVE_CPU_GEMM_KERNEL", "oneDNN packed weights", bind)
 
 
 def load() -> GemmKernel | None:
