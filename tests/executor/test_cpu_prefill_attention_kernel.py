@@ -15,14 +15,6 @@ def kernel(tmp_path, monkeypatch):
                       "no AVX512-BF16 on this CPU (or no C compiler): prefills keep the decode kernel or SDPA")
 
 
-@pytest.fixture
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 def _reference(q, cache, md, scale):
     """Causal attention in float32 over each request's keys gathered from the cache
     (their bfloat16 values, exactly), ``(tokens, heads, head_dim)`` float32."""
