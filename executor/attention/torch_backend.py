@@ -25,6 +25,9 @@ Per layer:
    9 of 227 27.4 against 33.9 (1.24x), 2 of 384 17.8 against 19.3; one of 768 31.5
    against 24.4 (SDPA's tiles reuse each key over many queries, so it wins on long
    prompts). Each token's result depends on its own prefix only: batch-invariant.
+   A step that also has longer chunks runs only those in SDPA; its short chunks' tokens
+   stay such rows beside the decodes, so a prompt gets the same bits beside a long one
+   as alone (and as its tokens get as decodes: cached, chunked or preempted alike).
    In bfloat16 on a CPU with AVX512-BF16 (head_dim 64 or 128), a step's longer chunks
    run in the prefill kernel (``cpu_prefill_kernel.py``) instead of SDPA, one call for
    them beside the decode kernel's one call for the decodes and the shorter chunks'
@@ -39,14 +42,6 @@ Per layer:
    the prefill kernel falls back there (and later plans skip it) when the tensors are
    not its kind.
 
-Grouping the decodes trades padding against calls: the gather and the attention
-cost about the same per padded key whatever the group, and each group costs a
-fixed ~``_GROUP_COST_KEYS`` keys' worth of calls, so ``plan`` splits the decodes
-into the consecutive groups of least total cost (a small dynamic program; the
-ModelRunner orders decodes longest first, so groups are runs of similar lengths).
-Padded keys are masked out exactly (weight 0): a request's group changes at most
-the rounding of its output.
-
 The gathers write into two workspaces the backend keeps (one for keys, one for
 values, grown to the largest gather seen, reused by every group, layer and step):
 a fresh multi-megabyte tensor per gather costs its page faults every time, which
@@ -54,137 +49,24 @@ made a decode step's attention at 32 requests about 1.7x as slow on one AVX2 cor
 (all layers run one after the other, and SDPA's output is a new tensor, so
 nothing returned ever points into a workspace).
 
-Gather indices and masks depend only on the step, so ``plan`` builds them once and
-all layers reuse them; masks are additive (``0``/``-inf``) in the query dtype,
-made at the first layer that needs them, so SDPA does not convert a boolean mask
-in every layer. When one SDPA call covers the whole batch (only decodes in one
-group, or a single prefill chunk), its output is returned as is, with no copy.
+Planning (which path each token takes, gather indices, masks) is ``torch_plan``'s. When
+one SDPA call covers the whole batch (only decodes in one group, or a single prefill
+chunk), its output is returned as is, with no copy.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-
-import numpy as np
 import torch
 import torch.nn.functional as F
 
 from executor.attention import cpu_kernel, cpu_prefill_kernel
 from executor.attention.backend import AttentionBackend, KVCache
 from executor.attention.metadata import AttentionMetadata
+from executor.attention.torch_plan import (PREFILL_KERNEL_MAX_LEN, DecodeGroup, PaddedDecodePlan, PrefillChunk,
+                                           SplitRows, TorchPlan, plan_decodes, plan_prefill_fallback, plan_prefills,
+                                           prefill_rows)
 
 _UNSET = object()
-
-PREFILL_KERNEL_MAX_LEN = 384
-"""Longest prefill chunk (``seq_len``, context included, tokens) whose queries go through
-the CPU kernel one token a row; a step with a longer chunk runs its prefills in SDPA
-(in bfloat16 with the prefill kernel, only its longer chunks run there).
-Measured crossover on one AVX2 core: the kernel 1.08x SDPA for 2 prompts of 384, 0.78x
-for one of 768."""
-
-_GROUP_COST_KEYS = 64
-"""Fixed cost of one more decode group (two gathers and one SDPA call per layer),
-in padded keys per request of the same cost: about 60 µs against about 0.8 µs per
-key on one AVX2 core for a 3-KV-head, head_dim-64 model."""
-
-
-@dataclass
-class _Masks:
-    """An additive mask built from a boolean one (True = attend), per query dtype."""
-
-    allowed: torch.Tensor
-    by_dtype: dict[torch.dtype, torch.Tensor] = field(default_factory=dict)
-
-    def get(self, dtype: torch.dtype) -> torch.Tensor:
-        mask = self.by_dtype.get(dtype)
-        if mask is None:
-            mask = torch.zeros(self.allowed.shape, dtype=dtype, device=self.allowed.device)
-            mask.masked_fill_(~self.allowed, float("-inf"))
-            self.by_dtype[dtype] = mask
-        return mask
-
-
-@dataclass
-class _Prefill:
-    start: int                       # first token row of the chunk
-    end: int                         # one past its last token row
-    seq_len: int                     # context + chunk (tokens)
-    blocks: torch.Tensor | None      # (num_blocks_needed,) int64; None when no context
-    mask: _Masks | None              # (query_len, seq_len), True = attend; None when no context
-
-
-@dataclass
-class _DecodeGroup:
-    start: int                       # first decode request (= token row) of the group
-    end: int                         # one past its last
-    blocks: torch.Tensor             # (group * max_blocks,) int64, padded with block 0
-    length: int                      # max_blocks * block_size (padded key length)
-    mask: _Masks                     # (group, 1, 1, length), True = a real key
-    padding: torch.Tensor | None = None  # (group, 1, length, 1), True = not a key; None when every slot is one
-
-
-@dataclass
-class _TokenRows:
-    """Every token of the step as one query row of the CPU kernel."""
-
-    block_table: torch.Tensor        # (num_tokens, max_blocks) int32: its request's row
-    seq_lens: torch.Tensor           # (num_tokens,) int32: its position + 1 (keys it attends)
-
-
-@dataclass
-class _PrefillRows:
-    """The step's long prefill chunks as the CPU prefill kernel takes them, and, when the
-    step also has short ones, its other tokens as decode-kernel rows."""
-
-    block_table: torch.Tensor        # (num_long, max_blocks) int32
-    query_start: torch.Tensor        # (num_long + 1,) int32: rows of the long chunks' tokens, from 0
-    seq_lens: torch.Tensor           # (num_long,) int32
-    rows: torch.Tensor | None = None    # (tokens,) int64: the long chunks' token rows; None: all of q[num_decodes:]
-    others: torch.Tensor | None = None  # (tokens,) int64: the other token rows (decodes, short chunks)
-    other_tokens: _TokenRows | None = None  # their decode-kernel rows
-
-
-@dataclass
-class _TorchPlan:
-    decodes: list[_DecodeGroup] | None  # None: the decodes run in the CPU kernel
-    prefills: list[_Prefill]
-    num_decodes: int = 0
-    tokens: _TokenRows | None = None    # set: the whole step is one kernel call
-    prefill_rows: _PrefillRows | None = None  # set: the prefills run in the prefill kernel
-
-
-@dataclass
-class PaddedDecodePlan:
-    """The plan of a decode-only step padded to a fixed batch size (a bucket of
-    ``executor.worker.compiled_decode``): every layer runs
-    ``cpu_kernel.padded_decode_attention``, which needs no other planning."""
-
-    num_valid: torch.Tensor          # 0-dim int64: the real decodes, the first rows; the rest is padding
-
-
-def decode_groups(num_blocks: list[int], block_size: int, group_cost_keys: int = _GROUP_COST_KEYS) -> list[int]:
-    """Splits decodes with ``num_blocks[i]`` blocks each into consecutive groups that
-    minimise ``sum(group_cost_keys + len(group) * max_blocks(group) * block_size)``.
-
-    Returns:
-        The group boundaries ``[0, ..., len(num_blocks)]``.
-    """
-    n = len(num_blocks)
-    if n == 0:
-        return [0]
-    blocks = np.asarray(num_blocks, dtype=np.int64)
-    best = np.zeros(n + 1, dtype=np.int64)     # best[j]: least cost of the first j decodes
-    cut = np.zeros(n + 1, dtype=np.int64)      # cut[j]: where the last group of that best split starts
-    run_max = np.empty(0, dtype=np.int64)      # run_max[i]: max(blocks[i:j])
-    for j in range(n):
-        run_max = np.maximum(np.append(run_max, 0), blocks[j])
-        cost = best[: j + 1] + group_cost_keys + (j + 1 - np.arange(j + 1)) * run_max * block_size
-        cut[j + 1] = int(np.argmin(cost))
-        best[j + 1] = cost[cut[j + 1]]
-    bounds = [n]
-    while bounds[-1] > 0:
-        bounds.append(int(cut[bounds[-1]]))
-    return bounds[::-1]
 
 
 class TorchAttentionBackend(AttentionBackend):
@@ -214,34 +96,10 @@ class TorchAttentionBackend(AttentionBackend):
         rows = None
         if (kernel and md.num_decodes < md.num_reqs and max(md.seq_lens_cpu[md.num_decodes:]) > PREFILL_KERNEL_MAX_LEN
                 and self._prefill_kernel_takes is not False and self._cpu_prefill_kernel() is not None):
-            rows = _prefill_rows(md)  # the dtype is known at forward, which may still fall back
-        tokens, prefills = (None, []) if rows else self._plan_prefill_fallback(md, kernel)
-        decodes = None if kernel and md.num_decodes else self._plan_decodes(md)  # None: the kernel decodes
-        md.plan = _TorchPlan(decodes, prefills, md.num_decodes, tokens, rows)
-
-    def _plan_prefill_fallback(self, md: AttentionMetadata, kernel) -> tuple[_TokenRows | None, list[_Prefill]]:
-        """Without the prefill kernel: every token a query row of the decode kernel when
-        every chunk is short, else one SDPA call per chunk."""
-        if kernel and md.num_decodes < md.num_reqs and max(md.seq_lens_cpu[md.num_decodes:]) <= PREFILL_KERNEL_MAX_LEN:
-            return _token_rows(md), []
-        return None, self._plan_prefills(md)
-
-    @staticmethod
-    def _plan_prefills(md: AttentionMetadata) -> list[_Prefill]:
-        """One SDPA call's inputs per prefill chunk (gathered blocks and a shifted causal
-        mask for a chunk after cached context)."""
-        device = md.slot_mapping.device
-        prefills = []
-        for i in range(md.num_decodes, md.num_reqs):
-            start, end = md.query_start_loc_cpu[i], md.query_start_loc_cpu[i + 1]
-            ctx, seq_len = md.num_computed_tokens_cpu[i], md.seq_lens_cpu[i]
-            blocks = mask = None
-            if ctx:
-                blocks = md.block_table[i, : -(-seq_len // md.block_size)].long()
-                q_pos = torch.arange(ctx, seq_len, device=device)
-                mask = _Masks(torch.arange(seq_len, device=device)[None, :] <= q_pos[:, None])
-            prefills.append(_Prefill(start, end, seq_len, blocks, mask))
-        return prefills
+            rows = prefill_rows(md)  # the dtype is known at forward, which may still fall back
+        tokens, prefills, split = (None, [], None) if rows else plan_prefill_fallback(md, kernel is not None)
+        decodes = None if kernel and md.num_decodes else plan_decodes(md)  # None: the kernel decodes
+        md.plan = TorchPlan(decodes, prefills, md.num_decodes, tokens, rows, split)
 
     def _cpu_kernel(self, md: AttentionMetadata):
         """The CPU kernel (``cpu_kernel``) when this step can use it, else None."""
@@ -257,22 +115,6 @@ class TorchAttentionBackend(AttentionBackend):
             self._prefill_kernel = cpu_prefill_kernel.load()
         return self._prefill_kernel
 
-    @staticmethod
-    def _plan_decodes(md: AttentionMetadata) -> list[_DecodeGroup]:
-        bs = md.block_size
-        num_blocks = [-(-n // bs) for n in md.seq_lens_cpu[: md.num_decodes]]
-        bounds = decode_groups(num_blocks, bs)
-        groups = []
-        for start, end in zip(bounds[:-1], bounds[1:]):
-            high = max(num_blocks[start:end])
-            key_pos = torch.arange(high * bs, device=md.seq_lens.device)
-            allowed = (key_pos[None, :] < md.seq_lens[start:end, None]).view(end - start, 1, 1, high * bs)
-            padded = any(n < high * bs for n in md.seq_lens_cpu[start:end])
-            groups.append(_DecodeGroup(start, end, md.block_table[start:end, :high].reshape(-1).long(),
-                                       high * bs, _Masks(allowed),
-                                       (~allowed).view(end - start, 1, high * bs, 1) if padded else None))
-        return groups
-
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: KVCache,
                 md: AttentionMetadata, scale: float) -> torch.Tensor:
         if isinstance(md.plan, PaddedDecodePlan):  # one op, traceable by torch.compile
@@ -281,20 +123,17 @@ class TorchAttentionBackend(AttentionBackend):
                                                                  scale)
         if md.plan is None:
             self.plan(md)
-        plan: _TorchPlan = md.plan
+        plan: TorchPlan = md.plan
         key_cache, value_cache = kv_cache
         num_blocks, block_size, num_kv_heads, head_dim = key_cache.shape
         key_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, md.slot_mapping, k)
         value_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, md.slot_mapping, v)
         if plan.prefill_rows is not None and not cpu_prefill_kernel.supports(q, key_cache):  # e.g. float32
             self._prefill_kernel_takes, plan.prefill_rows = False, None  # later plans skip it
-            plan.tokens, plan.prefills = self._plan_prefill_fallback(md, self._kernel)
+            plan.tokens, plan.prefills, plan.split = plan_prefill_fallback(md, self._kernel is not None)
         if plan.prefill_rows is not None and plan.prefill_rows.rows is not None:  # long and short chunks
             rows, q = plan.prefill_rows, q.contiguous()
-            out = torch.empty_like(q)  # decodes and short chunks in the decode kernel: bitwise their decodes
-            out.index_copy_(0, rows.others, cpu_kernel.decode_attention(
-                self._kernel, q.index_select(0, rows.others), key_cache, value_cache, rows.other_tokens.block_table,
-                rows.other_tokens.seq_lens, scale))
+            out = self._split_rows(q, key_cache, value_cache, rows.split, scale)
             out.index_copy_(0, rows.rows, cpu_prefill_kernel.prefill_attention(
                 self._prefill_kernel, q.index_select(0, rows.rows), key_cache, value_cache, rows.block_table,
                 rows.query_start, rows.seq_lens, scale))
@@ -309,14 +148,20 @@ class TorchAttentionBackend(AttentionBackend):
             cpu_prefill_kernel.prefill_attention(self._prefill_kernel, q[n:], key_cache, value_cache,
                                                  rows.block_table, rows.query_start, rows.seq_lens, scale, out[n:])
             return out
-        if (plan.decodes is None or plan.tokens is not None) and not cpu_kernel.supports(q, key_cache):
-            if plan.tokens is not None:  # e.g. float16: SDPA prefills
-                plan.tokens, plan.prefills = None, self._plan_prefills(md)
+        if (plan.decodes is None or plan.tokens is not None or plan.split is not None) and not cpu_kernel.supports(
+                q, key_cache):
+            if plan.tokens is not None or plan.split is not None:  # e.g. float16: SDPA prefills
+                plan.tokens, plan.split, plan.prefills = None, None, plan_prefills(md)
             if plan.decodes is None:  # and padded decode groups
-                plan.decodes = self._plan_decodes(md)
+                plan.decodes = plan_decodes(md)
         if plan.tokens is not None:  # every token a query row over its own prefix: one call
             return cpu_kernel.decode_attention(self._kernel, q, key_cache, value_cache, plan.tokens.block_table,
                                                plan.tokens.seq_lens, scale)
+        if plan.split is not None:  # decodes and short chunks: bitwise their decodes; long chunks in SDPA
+            out = self._split_rows(q, key_cache, value_cache, plan.split, scale)
+            for p in plan.prefills:
+                out[p.start:p.end] = self._prefill(q, k, v, key_cache, value_cache, p, scale)
+            return out
         if plan.decodes is None:
             n = plan.num_decodes
             decoded = cpu_kernel.decode_attention(self._kernel, q[:n], key_cache, value_cache, md.block_table[:n],
@@ -339,7 +184,18 @@ class TorchAttentionBackend(AttentionBackend):
             out[p.start:p.end] = self._prefill(q, k, v, key_cache, value_cache, p, scale)
         return out
 
-    def _decode(self, q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, g: _DecodeGroup,
+    def _split_rows(self, q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, split: SplitRows,
+                    scale: float) -> torch.Tensor:
+        """A new ``q``-shaped output with the decodes' and short chunks' rows written by the
+        decode kernel (bitwise what each gets as a decode); the long chunks' rows are left
+        for the caller."""
+        out = torch.empty_like(q)
+        out.index_copy_(0, split.others, cpu_kernel.decode_attention(
+            self._kernel, q.index_select(0, split.others), key_cache, value_cache, split.other_tokens.block_table,
+            split.other_tokens.seq_lens, scale))
+        return out
+
+    def _decode(self, q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, g: DecodeGroup,
                 scale: float) -> torch.Tensor:
         """Rows ``g.start:g.end`` of the output, ``(group, num_heads, head_dim)``."""
         n = g.end - g.start
@@ -354,7 +210,7 @@ class TorchAttentionBackend(AttentionBackend):
         return o.squeeze(2)
 
     def _prefill(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_cache: torch.Tensor,
-                 value_cache: torch.Tensor, p: _Prefill, scale: float) -> torch.Tensor:
+                 value_cache: torch.Tensor, p: PrefillChunk, scale: float) -> torch.Tensor:
         """Rows ``p.start:p.end`` of the output, ``(query_len, num_heads, head_dim)``."""
         qi = q[p.start:p.end].transpose(0, 1).unsqueeze(0)
         if p.blocks is None:
@@ -369,42 +225,6 @@ class TorchAttentionBackend(AttentionBackend):
             o = F.scaled_dot_product_attention(qi, ki, vi, attn_mask=p.mask.get(q.dtype), scale=scale,
                                                enable_gqa=True)
         return o.squeeze(0).transpose(0, 1)
-
-
-def _prefill_rows(md: AttentionMetadata) -> _PrefillRows:
-    """The long prefill chunks' (``seq_len > PREFILL_KERNEL_MAX_LEN``) block table rows,
-    query starts (from their first token) and key counts. When the step also has short
-    chunks, those and the decodes stay decode-kernel rows (``rows``, ``others``,
-    ``other_tokens``): a short prompt gets the same bits whether a long one shares its
-    step or not."""
-    n, qsl = md.num_decodes, md.query_start_loc_cpu
-    long = [i for i in range(n, md.num_reqs) if md.seq_lens_cpu[i] > PREFILL_KERNEL_MAX_LEN]
-    if len(long) == md.num_reqs - n:  # every chunk long: they are the rows from num_decodes on
-        starts = md.query_start_loc[n:]
-        return _PrefillRows(md.block_table[n:], (starts - starts[0]).to(torch.int32), md.seq_lens[n:])
-    device = md.query_start_loc.device
-    is_long = torch.zeros(md.num_tokens, dtype=torch.bool)
-    lens = []
-    for i in long:
-        is_long[qsl[i]:qsl[i + 1]] = True
-        lens.append(qsl[i + 1] - qsl[i])
-    reqs = torch.tensor(long, dtype=torch.int64, device=device)
-    query_start = torch.tensor(np.cumsum([0, *lens]), dtype=torch.int32, device=device)
-    others = (~is_long).nonzero().squeeze(1).to(device)
-    return _PrefillRows(md.block_table.index_select(0, reqs), query_start, md.seq_lens.index_select(0, reqs),
-                        is_long.nonzero().squeeze(1).to(device), others, _token_rows(md, others))
-
-
-def _token_rows(md: AttentionMetadata, rows: torch.Tensor | None = None) -> _TokenRows:
-    """Each token's (or only ``rows``') block table row and key count (``position + 1``),
-    built with tensor ops (no per-token Python)."""
-    query_lens = md.query_start_loc[1:] - md.query_start_loc[:-1]
-    req = torch.repeat_interleave(torch.arange(md.num_reqs, device=query_lens.device), query_lens)
-    token = torch.arange(md.num_tokens, dtype=torch.int32, device=query_lens.device)
-    if rows is not None:
-        req, token = req[rows], token[rows]
-    seq_lens = token - md.query_start_loc[req] + md.num_computed_tokens[req] + 1
-    return _TokenRows(md.block_table.index_select(0, req), seq_lens.to(torch.int32))
 
 
 def _gather(cache: torch.Tensor, blocks: torch.Tensor, batch: int, length: int,

@@ -50,7 +50,8 @@ from pathlib import Path
 import torch
 
 from executor.attention import AttentionMetadata, cpu_kernel
-from executor.attention.torch_backend import PaddedDecodePlan, TorchAttentionBackend
+from executor.attention.torch_backend import TorchAttentionBackend
+from executor.attention.torch_plan import PaddedDecodePlan
 from executor.models import cpu_fused, cpu_gemm, cpu_ops
 from meshserve.model_files import cache_dir
 

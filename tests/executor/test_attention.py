@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from executor.attention import available_backends, build_attention_metadata, get_backend
-from executor.attention.torch_backend import decode_groups
+from executor.attention.torch_plan import decode_groups
 
 HEAD_DIM = 32
 

@@ -104,19 +104,30 @@ def test_backend_on_one_thread_runs_a_step_of_short_prefills_as_one_kernel_call(
         assert torch.equal(alone[0], got[row])
 
 
-def test_backend_on_one_thread_runs_long_prefills_in_sdpa_and_decodes_in_the_kernel(kernel, one_thread, monkeypatch):
-    from executor.attention.torch_backend import PREFILL_KERNEL_MAX_LEN
+def test_backend_on_one_thread_runs_long_prefills_in_sdpa_and_the_other_tokens_in_the_kernel(kernel, one_thread,
+                                                                                             monkeypatch):
+    """A long chunk (past PREFILL_KERNEL_MAX_LEN) runs in SDPA; the decodes and the short
+    chunk beside it stay kernel rows, each bitwise the kernel's decode of that token alone
+    (so the short prompt gets the bits it gets without the long one)."""
+    from executor.attention.torch_plan import PREFILL_KERNEL_MAX_LEN
 
     query_lens, contexts = [1, 1, 1, 7, PREFILL_KERNEL_MAX_LEN], [40, 17, 2, 0, 9]
     q, k, v, cache, md = _batch(query_lens, contexts, 9, 3, 64, 16, torch.float32, seed=3)
     backend = TorchAttentionBackend()
     backend.plan(md)
-    got = backend.forward(q, k, v, cache, md, 0.125)
-    assert md.plan.decodes is None and md.plan.num_decodes == 3 and md.plan.tokens is None  # the kernel's
+    got = backend.forward(q, k, v, cache, md, 0.125)  # float32: not the bfloat16 prefill kernel's
+    plan = md.plan
+    assert plan.decodes is None and plan.num_decodes == 3 and plan.tokens is None and plan.prefill_rows is None
+    assert plan.split.others.tolist() == list(range(10)) and [(p.start, p.end) for p in plan.prefills] == [(10, 394)]
+    assert plan.split.other_tokens.seq_lens.tolist() == [41, 18, 3, *range(1, 8)]
     want, ref_cache = _sdpa_reference(query_lens, contexts, monkeypatch, seed=3)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
-    assert torch.equal(got[3:], want[3:])  # prefills: the same SDPA calls
+    assert torch.equal(got[10:], want[10:])  # the long chunk: the same SDPA call
     assert torch.equal(cache[0], ref_cache[0]) and torch.equal(cache[1], ref_cache[1])
+    for row, (request, length) in {0: (0, 41), 3: (3, 1), 9: (3, 7)}.items():
+        alone = cpu_kernel.decode_attention(kernel, q[row:row + 1], *cache, md.block_table[request:request + 1],
+                                            torch.tensor([length], dtype=torch.int32), 0.125)
+        assert torch.equal(alone[0], got[row])
 
 
 def test_a_prefill_only_step_uses_the_kernel_when_short_and_sdpa_when_long(kernel, one_thread, monkeypatch):

@@ -5,7 +5,8 @@ import pytest
 import torch
 
 from executor.attention import build_attention_metadata, cpu_kernel, cpu_prefill_kernel
-from executor.attention.torch_backend import PREFILL_KERNEL_MAX_LEN, TorchAttentionBackend
+from executor.attention.torch_backend import TorchAttentionBackend
+from executor.attention.torch_plan import PREFILL_KERNEL_MAX_LEN
 from tests.support.kernels import load_fresh, paged_batch
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 
 from executor.attention import cpu_kernel, cpu_prefill_kernel
+from executor.attention.torch_backend import TorchAttentionBackend
 from executor.engine.config import BatchSchedulerConfig, CacheConfig, EngineConfig
 from executor.engine.llm_engine import LLMEngine
 from meshserve.sampling import SamplingParams
@@ -142,15 +143,21 @@ def test_bfloat16_prompts_get_the_same_bits_warm_and_cold(tokenizer):
     assert stats.prefix_cache_hit_tokens == 48 + 96
 
 
-def test_a_short_bfloat16_prompt_beside_a_long_one_gets_the_bits_it_gets_alone(tokenizer):
-    """A 100-token bfloat16 prompt prefilled cold in one step with a 450-token one (a chunk
-    past PREFILL_KERNEL_MAX_LEN, which the prefill kernel runs) keeps the decode kernel's
-    rows: its warm run alone (96 tokens cached, 4 computed) gives the same tokens and
-    logprobs bit for bit. Without the prefill kernel (no AVX512-BF16: AVX2-only CPUs) such a
-    step runs all its prefills in SDPA, as in float32, and this does not hold."""
-    if cpu_kernel.load() is None or cpu_prefill_kernel.load() is None:
-        pytest.skip("no CPU prefill-attention kernel here (it needs AVX512-BF16 and a C compiler)")
-    engine = LLMEngine(EngineConfig(dtype="bfloat16", num_threads=1,
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("prefill_kernel", ["on", "off"])
+def test_a_short_prompt_beside_a_long_one_gets_the_bits_it_gets_alone(tokenizer, monkeypatch, dtype, prefill_kernel):
+    """A 100-token prompt prefilled cold in one step with a 450-token one (a chunk past
+    PREFILL_KERNEL_MAX_LEN, which SDPA runs, or in bfloat16 the prefill kernel where the CPU
+    has one) keeps the decode kernel's rows: its warm run alone (96 tokens cached, 4
+    computed) gives the same tokens and logprobs bit for bit. ``off`` switches the prefill
+    kernel off (``MESHSERVE_CPU_PREFILL_KERNEL=0``), as on an AVX2-only CPU."""
+    if cpu_kernel.load() is None:
+        pytest.skip("no CPU attention kernel here (it needs a C compiler)")
+    if prefill_kernel == "on" and (dtype == "float32" or cpu_prefill_kernel.load() is None):
+        pytest.skip("the prefill kernel runs bfloat16 only, on AVX512-BF16")
+    if prefill_kernel == "off":
+        monkeypatch.setattr(TorchAttentionBackend, "_cpu_prefill_kernel", lambda self: None)
+    engine = LLMEngine(EngineConfig(dtype=dtype, num_threads=1,
                                     cache=CacheConfig(block_size=16, num_blocks=64),
                                     batch=BatchSchedulerConfig(max_num_seqs=8, max_num_batched_tokens=1024)))
     short, long = prompt_of(tokenizer, 100, "zeta"), prompt_of(tokenizer, 450, "eta")
