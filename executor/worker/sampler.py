@@ -222,7 +222,11 @@ class Sampler:
         so the result is always a valid token id (never from a NaN).
         """
         finfo = torch.finfo(torch.float32)
-        raw = torch.nan_to_num(logits.float(), nan=finfo.min, posinf=finfo.max, neginf=finfo.min)
+        raw = logits.float()
+        if raw is logits:  # float32 already: the caller's tensor stays as it is
+            raw = torch.nan_to_num(raw, nan=finfo.min, posinf=finfo.max, neginf=finfo.min)
+        else:  # the float32 copy is ours: no second (num_reqs, vocab_size) tensor and its page faults
+            raw.nan_to_num_(nan=finfo.min, posinf=finfo.max, neginf=finfo.min)
         logits = raw
         if batch.penalties is not None or batch.banned is not None:
             logits = raw.clone()

@@ -83,6 +83,21 @@ def test_mixed_batch_keeps_greedy_rows_exact_and_never_nan():
     assert all(0 <= t < VOCAB for t in tokens)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_nan_and_inf_logits_are_replaced_in_the_samplers_copy_not_in_the_callers_tensor(dtype):
+    """float32 logits are copied before NaN/inf are replaced; bfloat16 ones are replaced in
+    their float32 copy, in place. Either way the caller's tensor keeps its NaN and inf."""
+    x = logits(3, seed=8).to(dtype)
+    x[0, :] = float("nan")
+    x[0, 9] = 2.0
+    x[1, 4] = float("inf")
+    x[2, 11] = float("-inf")
+    before = x.clone()
+    out = Sampler()(x, SamplingBatch.build([SamplingParams(temperature=0.0, logprobs=0)] * 3, [None] * 3, VOCAB))
+    assert out.token_ids.tolist() == [9, 4, before[2].float().nan_to_num(neginf=-1e30).argmax().item()]
+    assert torch.equal(x.isnan(), before.isnan()) and torch.equal(x.nan_to_num(), before.nan_to_num())
+
+
 def test_seeded_request_gives_same_tokens_alone_and_in_any_batch():
     x = logits(6, seed=7)
     seeded = SamplingParams(temperature=1.0, top_p=0.95, seed=1234)
