@@ -11,44 +11,13 @@ from executor.engine.config import BatchSchedulerConfig, CacheConfig, EngineConf
 from executor.engine.llm_engine import LLMEngine
 from meshserve.sampling import SamplingParams
 from tests.support.reference import HFReference, assert_greedy_matches
+from tests.support.tiny_models import KINDS, save_tiny, tiny_config
 
 pytestmark = pytest.mark.model
 
-COMMON = dict(vocab_size=512, hidden_size=96, intermediate_size=128, num_hidden_layers=2, num_attention_heads=6,
-              num_key_value_heads=2, max_position_embeddings=256, initializer_range=0.15, eos_token_id=2)
-LLAMA3_ROPE = {"rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0, "low_freq_factor": 1.0,
-               "high_freq_factor": 4.0, "original_max_position_embeddings": 32}
-
-
-def _config(kind: str):
-    from transformers import LlamaConfig, MistralConfig, Qwen2Config
-
-    if kind == "llama-tied-llama3-rope":
-        return LlamaConfig(**COMMON, tie_word_embeddings=True, rope_parameters=LLAMA3_ROPE)
-    if kind == "llama-bias":
-        return LlamaConfig(**COMMON, attention_bias=True, mlp_bias=True, tie_word_embeddings=False)
-    if kind == "qwen2":
-        return Qwen2Config(**COMMON, tie_word_embeddings=False)
-    if kind == "mistral-sliding-window":
-        return MistralConfig(**{**COMMON, "head_dim": 16}, sliding_window=96, tie_word_embeddings=False)
-    raise ValueError(kind)
-
-
-def _save_tiny(kind: str, path) -> None:
-    from transformers import AutoModelForCausalLM
-
-    torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(_config(kind), dtype=torch.float32)
-    with torch.no_grad():  # random biases (zero-initialised by default) so they matter
-        for name, p in model.named_parameters():
-            if name.endswith("bias"):
-                p.normal_(0, 0.5)
-    model.save_pretrained(path)
-
-
-@pytest.mark.parametrize("kind", ["llama-tied-llama3-rope", "llama-bias", "qwen2", "mistral-sliding-window"])
+@pytest.mark.parametrize("kind", KINDS)
 def test_tiny_model_matches_transformers(kind, tmp_path):
-    _save_tiny(kind, tmp_path)
+    save_tiny(kind, tmp_path)
     gen = torch.Generator().manual_seed(1)
     prompts = [torch.randint(3, 512, (n,), generator=gen).tolist() for n in (1, 15, 17, 40, 70)]
     max_new = 20
@@ -64,7 +33,7 @@ def test_tiny_model_matches_transformers(kind, tmp_path):
 
 
 def test_bfloat16_runs(tmp_path):
-    _save_tiny("qwen2", tmp_path)
+    save_tiny("qwen2", tmp_path)
     engine = LLMEngine(EngineConfig(model=str(tmp_path), dtype="bfloat16", cache=CacheConfig(num_blocks=16)))
     assert engine.worker_group.worker.kv_caches[0][0].dtype == torch.bfloat16
     outputs = engine.generate([[5, 6, 7], [8] * 20], SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True))
@@ -81,7 +50,7 @@ round in steps of about 0.016, and our matmuls and attention round in other orde
 def test_bfloat16_matches_the_bfloat16_reference_within_its_tolerance(kind, tmp_path):
     """The bfloat16 path against transformers in bfloat16: greedy tokens equal up to a
     near tie (``BF16_TIE_TOL``), at most one prompt of five diverging there."""
-    _save_tiny(kind, tmp_path)
+    save_tiny(kind, tmp_path)
     gen = torch.Generator().manual_seed(2)
     prompts = [torch.randint(3, 512, (n,), generator=gen).tolist() for n in (3, 16, 33, 50, 70)]
     refs = HFReference(tmp_path, dtype=torch.bfloat16).greedy_many(prompts, 16)
@@ -100,7 +69,7 @@ def test_norm_and_rotary_are_bitwise_the_reference():
     from executor.models.norm import RMSNorm
     from executor.models.rotary import RotaryEmbedding, rope_inv_freq
 
-    config = _config("llama-tied-llama3-rope")
+    config = tiny_config("llama-tied-llama3-rope")
     gen = torch.Generator().manual_seed(0)
     for dtype in (torch.float32, torch.bfloat16):
         x, residual = (torch.randn(2, 7, 96, generator=gen) * 3).to(dtype)
