@@ -36,6 +36,7 @@ from torch import nn
 
 from executor.attention import Attention, AttentionBackend, AttentionMetadata
 from executor.models import cpu_fused
+from executor.models.cpu_decoder_stack import DecoderStack
 from executor.models.checkpoint import materialize
 from executor.models.embedding import ParallelLMHead, VocabParallelEmbedding
 from executor.models.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
@@ -44,6 +45,7 @@ from executor.models.parallel import SINGLE, PipelineStage, TensorParallel
 from executor.models.rotary import RotaryEmbedding, head_dim_of, rope_inv_freq
 
 _LAYER = re.compile(r"layers\.(\d+)\.(.*)")
+_UNBUILT = object()
 
 # checkpoint name fragment -> (our parameter fragment, shard id)
 _STACKED = (
@@ -163,6 +165,7 @@ class LlamaForCausalLM(nn.Module):
         self.rotary = rotary = RotaryEmbedding(inv_freq, max_positions, scaling, dtype)
         self.layers = nn.ModuleList(LlamaDecoderLayer(config, rotary, backend, tp, dtype) for _ in self.pp.layers)
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
+        self.decoder_stack: DecoderStack | None | object = _UNBUILT  # the C driver (cpu_decoder_stack), once packed
         self.embed_tokens = self.norm = self.lm_head = None
         if self.pp.is_first:
             self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, tp, dtype)
@@ -197,6 +200,11 @@ class LlamaForCausalLM(nn.Module):
         """This stage's decoder layers over ``x`` (``residual`` None at the first layer
         of the model): the ``(x, residual)`` pair the next stage continues from."""
         rope = self.rotary.lookup(positions)
+        if not torch.compiler.is_compiling():  # (a compiled graph holds the layers' ops instead)
+            if self.decoder_stack is _UNBUILT:  # once packed: the layers' parameters never move after
+                self.decoder_stack = DecoderStack.for_model(self.layers, self.rotary.cos.dtype)
+            if self.decoder_stack is not None and self.decoder_stack.takes(x, rope, md):  # one C call
+                return self.decoder_stack.run(x, residual, rope, md)
         for layer in self.layers:
             x, residual = layer(rope, x, residual, md)
         return x, residual
@@ -218,6 +226,7 @@ class LlamaForCausalLM(nn.Module):
         for module in self.modules():
             if module is not self and hasattr(module, "process_weights_after_loading"):
                 module.process_weights_after_loading()
+        self.decoder_stack = _UNBUILT  # bound to the new packed weights at the next step
 
     def _stage_name(self, name: str) -> str | None:
         """A checkpoint name as this stage's parameter name (layer indices made local),
@@ -241,6 +250,7 @@ class LlamaForCausalLM(nn.Module):
         Raises:
             KeyError: a checkpoint tensor has no parameter to go to.
         """
+        self.decoder_stack = None  # its pointers go stale with the packed copies, until process_weights_after_loading
         for module in self.modules():  # packed copies go stale: process_weights_after_loading() again
             if getattr(module, "packed_weight", None) is not None:
                 module.packed_weight = None

@@ -33,7 +33,7 @@ from executor.engine.scheduler_output import ModelRunnerOutput, SchedulerOutput
 from executor.engine.worker_group import ModelSpec
 from executor.model_loader import load_model
 from executor.worker.kv_cache import allocate_kv_storage, layer_views
-from executor.models import cpu_fused
+from executor.models import cpu_decoder_stack, cpu_fused
 from executor.models.checkpoint import checkpoint_num_params
 from executor.models.parallel import COMM, SINGLE, TensorParallel
 from executor.worker.cuda_graphs import CUDAGraphRunner, graph_batch_sizes, graphs_off_reason
@@ -88,6 +88,7 @@ class Worker:
         if self.device.type == "cpu" and torch.get_num_threads() == 1:
             cpu_kernel.load()  # build (or load) the CPU decode kernel now, not in the first request's step
             cpu_fused.load()  # and the fused norm/rotary/SiLU kernels
+            cpu_decoder_stack.load()  # and the driver running the layers of decode-kernel steps in one call
             if self.loaded.dtype == torch.bfloat16:
                 cpu_prefill_kernel.load()  # and the bfloat16 prefill-attention kernel
         self.spec = ModelSpec(

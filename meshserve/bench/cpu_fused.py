@@ -53,6 +53,7 @@ def main(argv: list[str] | None = None) -> int:
     md, input_ids, positions = decode_step_inputs(loaded, args.batch, args.context)
     layers = loaded.model.attention_layers()
     backend = layers[0].backend
+    loaded.model.decoder_stack = None  # the eager layers on both sides (the driver: meshserve.bench.cpu_decoder_stack)
 
     def step() -> torch.Tensor:
         md.plan = None

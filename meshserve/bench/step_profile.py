@@ -24,6 +24,9 @@ serving code) and, inside the model, by the op:
 * ``norm/elementwise``: everything else inside the model (RMSNorm, rotary,
   SiLU·mul, residual adds, embedding, copies), the fused kernels' calls among them
   (``cpu_fused.add_rms_norm``, ``rotate_``, ``silu_mul``);
+* ``decoder stack``: the decoder layers run in one C call (``cpu_decoder_stack``, on
+  decode-kernel steps): the same GEMM, attention and fused kernels as the parts above,
+  not told apart inside it (``MESHSERVE_CPU_DECODER_STACK=0`` profiles the eager layers);
 * ``metadata``: the ModelRunner's input building (``_prepare_inputs``: token ids,
   positions, slot mapping, block tables);
 * ``sampling``: building the sampling batch and the sampler;
@@ -55,14 +58,15 @@ from contextlib import contextmanager
 
 from meshserve.sampling import SamplingParams
 
-PARTS = ("gemm", "attention", "norm/elementwise", "model python", "metadata", "sampling", "scheduling", "python")
+PARTS = ("gemm", "attention", "norm/elementwise", "decoder stack", "model python", "metadata", "sampling",
+         "scheduling", "python")
 _GEMM_OPS = ("mkldnn::_linear_pointwise", "aten::mm", "aten::addmm", "aten::bmm", "aten::linear", "aten::matmul")
 _ATTN_OPS = ("aten::index_copy_", "aten::index_select", "aten::scaled_dot_product_attention",
              "aten::_scaled_dot_product_flash_attention_for_cpu", "aten::_scaled_dot_product_attention_math")
 _REGIONS = {"ms.prepare_inputs": "metadata", "ms.plan": "attention", "ms.model": "model",
             "ms.logits": "model", "ms.sampling": "sampling", "ms.schedule": "scheduling",
             "ms.attention_kernel": "attention", "ms.gemm_kernel": "gemm",
-            "ms.fused_kernel": "norm/elementwise"}
+            "ms.fused_kernel": "norm/elementwise", "ms.decoder_stack": "decoder stack"}
 
 
 def _wrap(obj, name: str, label: str):
@@ -108,6 +112,12 @@ def instrument(engine) -> None:
     for name in ("add_rms_norm", "rotate_", "silu_mul"):  # the fused norm, rotary and SiLU kernels: C calls
         if cpu_fused is not None and hasattr(cpu_fused, name):
             _wrap(cpu_fused, name, "ms.fused_kernel")
+    try:
+        from executor.models.cpu_decoder_stack import DecoderStack
+    except ImportError:
+        DecoderStack = None
+    if DecoderStack is not None:  # every layer of a decode-kernel step in one C call: its parts are not apart
+        _wrap(DecoderStack, "run", "ms.decoder_stack")
     import executor.worker.model_runner as mr
 
     build = mr.SamplingBatch.build
@@ -166,10 +176,11 @@ def breakdown(events, wall_us: float) -> dict[str, float]:
         else:
             parts[kind] += self_us
     model_total = (region_total["ms.model"] + region_total["ms.logits"] - region_total["ms.attention_kernel"]
-                   - region_total["ms.gemm_kernel"] - region_total["ms.fused_kernel"])
+                   - region_total["ms.gemm_kernel"] - region_total["ms.fused_kernel"]
+                   - region_total["ms.decoder_stack"])
     parts["model python"] = max(0.0, model_total - region_ops["ms.model"] - region_ops["ms.logits"])
-    for name in ("ms.prepare_inputs", "ms.plan", "ms.sampling", "ms.schedule",
-                 "ms.attention_kernel", "ms.gemm_kernel", "ms.fused_kernel"):  # their Python (and C) counts with them
+    for name in ("ms.prepare_inputs", "ms.plan", "ms.sampling", "ms.schedule", "ms.attention_kernel",
+                 "ms.gemm_kernel", "ms.fused_kernel", "ms.decoder_stack"):  # their Python (and C) counts with them
         parts[_REGIONS[name]] += max(0.0, region_total[name] - region_ops[name])
     parts["python"] = max(0.0, wall_us - sum(parts.values()))
     return dict(parts)

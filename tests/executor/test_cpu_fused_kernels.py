@@ -249,7 +249,9 @@ def test_bfloat16_silu_mul_rounds_the_silu_then_its_product_with_up_as_torch(ker
 def test_a_bfloat16_model_computes_the_same_logits_and_greedy_tokens_with_the_kernels_off(
         small_model, kernel_cache, monkeypatch, one_thread):
     """S in bfloat16 on one thread: one decode step's logits bitwise, and the greedy tokens
-    of a few prompts, the same with ``MESHSERVE_CPU_FUSED_KERNELS=0`` (the torch ops)."""
+    of a few prompts, the same with ``MESHSERVE_CPU_FUSED_KERNELS=0`` (the torch ops). The
+    eager layers on both sides (``MESHSERVE_CPU_DECODER_STACK=0``: the driver, which calls
+    the kernels from C, has its own tests)."""
     from executor.engine.config import BatchSchedulerConfig, CacheConfig, EngineConfig
     from executor.engine.llm_engine import LLMEngine
     from executor.model_loader import load_model
@@ -257,6 +259,7 @@ def test_a_bfloat16_model_computes_the_same_logits_and_greedy_tokens_with_the_ke
     from meshserve.sampling import SamplingParams
 
     monkeypatch.setenv("MESHSERVE_CACHE_DIR", str(kernel_cache))
+    monkeypatch.setenv("MESHSERVE_CPU_DECODER_STACK", "0")
     gen = torch.Generator().manual_seed(7)
     prompts = [torch.randint(3, 49152, (n,), generator=gen).tolist() for n in (5, 17, 40)]
     loaded = load_model(small_model, dtype="bfloat16", device="cpu")

@@ -1,0 +1,201 @@
+"""The decoder layers of a step in one C call (``cpu_decoder_stack.c``) where every token
+is a row of the CPU decode-attention kernel: decode-only steps and steps of short prefill
+chunks, on a CPU running torch on one thread, float32 or bfloat16, one rank.
+
+The eager layers (``executor.models.llama``) call C kernels for all their work there (the
+GEMMs on packed panels, the fused norm, rotary and SiLU-and-multiply, the paged decode
+attention), yet spend about as long again between them in Python: module calls, argument
+checks, views, fresh tensors. ``cpu_decoder_stack.c`` calls the same kernels through
+their function pointers, in the same order, on the same inputs, so its outputs are
+bitwise the eager path's (tested), without that Python: one decode step of SmolLM2-135M
+in bfloat16 on one Zen 4 core, 1 request 22 -> 16 ms, 32 requests 69 -> 64 ms
+(``python -m meshserve.bench.cpu_decoder_stack``). The pointer tables are built once per
+model (weights never move once packed) and rebuilt when a layer's KV cache is rebound; a step
+whose layers no longer hold the panels it was built with runs eagerly. Parameters are
+read through their pointers: updated in place (``copy_``) they are seen; a replaced
+tensor needs ``process_weights_after_loading``, which builds the driver again.
+
+Anything else (several threads, a GPU, tensor parallelism, a GEMM without panels, a
+step with SDPA or prefill-kernel work, ``torch.compile`` tracing) runs the eager layers;
+``MESHSERVE_CPU_DECODER_STACK=0`` turns it off.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import threading
+from pathlib import Path
+
+import torch
+
+from executor.attention import cpu_kernel
+from executor.attention.metadata import AttentionMetadata
+from executor.attention.torch_plan import TorchPlan
+from executor.models import cpu_fused, cpu_gemm
+
+SOURCE = Path(__file__).with_name("cpu_decoder_stack.c")
+FLAGS = ("-O3", "-march=native", "-fPIC", "-shared", "-std=c11")
+SWITCH = "MESHSERVE_CPU_DECODER_STACK"
+_lock = threading.Lock()
+_loaded: dict[str, object] = {}
+_UNSET = object()
+_P, _I64, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
+
+
+class _Stack(ctypes.Structure):
+    _fields_ = [("gemm", _P), ("norm", _P), ("rotary", _P), ("silu", _P), ("attention", _P),
+                ("bf16", _I64), ("lanes", _I64), ("hidden", _I64), ("heads", _I64), ("kv_heads", _I64),
+                ("head_dim", _I64), ("inter", _I64), ("block_size", _I64), ("eps", _F), ("scale", _F)]
+
+
+class _Layer(ctypes.Structure):
+    _fields_ = [(name, _P) for name in ("norm1", "qkv", "qkv_bias", "o", "o_bias", "norm2", "gate_up",
+                                        "gate_up_bias", "down", "down_bias", "key_cache", "value_cache")]
+
+
+def _bind(lib: ctypes.CDLL):
+    run = lib.decoder_stack
+    run.restype = ctypes.c_int32
+    run.argtypes = [_P, _P, _I64, _P, _P, ctypes.c_int32, _I64, _P, _P, _P, _P, _I64, _P, _P]
+    scratch = lib.stack_scratch_bytes
+    scratch.restype, scratch.argtypes = _I64, [_P, _I64]
+    return run, scratch
+
+
+def load():
+    """``(decoder_stack, stack_scratch_bytes)`` as ``ctypes`` functions, built if needed;
+    ``None`` where they cannot be (no compiler, a failed build, ``MESHSERVE_CPU_DECODER_STACK=0``).
+    Once per process."""
+    fns = _loaded.get("fns", _UNSET)
+    if fns is not _UNSET:
+        return fns
+    with _lock:
+        if "fns" not in _loaded:
+            _loaded["fns"] = cpu_kernel.build_and_load("CPU decoder-stack driver", SOURCE, FLAGS, SWITCH,
+                                                       "the eager decoder layers", _bind)
+        return _loaded["fns"]
+
+
+def _address(fn) -> int:
+    return ctypes.cast(fn, ctypes.c_void_p).value
+
+
+def _ptr(t: torch.Tensor | None) -> int | None:
+    return None if t is None else t.data_ptr()
+
+
+class DecoderStack:
+    """The C driver bound to one model's layers (``LlamaForCausalLM.layers``).
+
+    Build it with ``DecoderStack.for_model``, which returns ``None`` where the driver
+    cannot run this model at all; ``run`` then returns ``None`` for a step it does not take.
+    """
+
+    def __init__(self, fns, stack: _Stack, layers, linears: list, dtype: torch.dtype):
+        self._run, self._scratch_bytes = fns
+        self._stack, self._layers, self.dtype = stack, layers, dtype
+        self._linears = linears  # every layer's four linear modules, in table order
+        self._packed = [m.packed_weight for m in linears]  # the panels the table names (held: never freed under it)
+        self._bound: list | None = None  # each layer's (key_cache, value_cache) the table was built for
+        self._table = None
+
+    @classmethod
+    def for_model(cls, layers, dtype: torch.dtype) -> DecoderStack | None:
+        """The driver for ``layers`` (``LlamaDecoderLayer``s of one rank, packed for the CPU
+        GEMM), or None: a dtype other than float32/bfloat16, tensor parallelism, a linear
+        layer without panels, a missing kernel, or the switch off."""
+        if os.environ.get(SWITCH, "1") == "0" or dtype not in (torch.float32, torch.bfloat16) or not len(layers):
+            return None
+        first = layers[0]
+        attn, mlp = first.self_attn, first.mlp
+        linears = [m for layer in layers for m in (layer.self_attn.qkv_proj, layer.self_attn.o_proj,
+                                                   layer.mlp.gate_up_proj, layer.mlp.down_proj)]
+        if any(m.tp.world_size != 1 or not cpu_gemm.is_panel_packed(m.packed_weight)
+               or m.packed_weight.dtype != dtype or m.weight.device.type != "cpu" for m in linears):
+            return None
+        gemm = cpu_gemm.load_bf16() if dtype == torch.bfloat16 else cpu_gemm.load()
+        fused, attention, fns = cpu_fused.load(), cpu_kernel.load(), load()
+        if gemm is None or fused is None or attention is None or fns is None:
+            return None
+        bf16 = dtype == torch.bfloat16
+        eps = {layer.input_layernorm.eps for layer in layers} | {layer.post_attention_layernorm.eps for layer in layers}
+        if len(eps) != 1:
+            return None
+        stack = _Stack(
+            gemm=_address(gemm.packed_gemm),
+            norm=_address(fused.add_rms_norm_bf16 if bf16 else fused.add_rms_norm),
+            rotary=_address(fused.rotary_inplace_bf16 if bf16 else fused.rotary_inplace),
+            silu=_address(fused.silu_mul_bf16 if bf16 else fused.silu_mul),
+            attention=_address(attention), bf16=int(bf16), lanes=fused.lanes,
+            hidden=attn.qkv_proj.weight.shape[1], heads=attn.num_heads, kv_heads=attn.num_kv_heads,
+            head_dim=attn.head_dim, inter=mlp.down_proj.weight.shape[1], block_size=0, eps=eps.pop(),
+            scale=attn.attn.scale)
+        return cls(fns, stack, layers, linears, dtype)
+
+    def _layer_table(self):
+        """The layers' pointer table, rebuilt when a KV cache was (re)bound."""
+        caches = [layer.self_attn.attn.kv_cache for layer in self._layers]
+        if self._bound is not None and all(a is b for a, b in zip(caches, self._bound)):
+            return self._table
+        table = (_Layer * len(self._layers))()
+        for entry, layer, (key_cache, value_cache) in zip(table, self._layers, caches):
+            a, m = layer.self_attn, layer.mlp
+            entry.norm1, entry.norm2 = _ptr(layer.input_layernorm.weight), _ptr(layer.post_attention_layernorm.weight)
+            entry.qkv, entry.qkv_bias = _ptr(a.qkv_proj.packed_weight), _ptr(a.qkv_proj.bias)
+            entry.o, entry.o_bias = _ptr(a.o_proj.packed_weight), _ptr(a.o_proj.bias)
+            entry.gate_up, entry.gate_up_bias = _ptr(m.gate_up_proj.packed_weight), _ptr(m.gate_up_proj.bias)
+            entry.down, entry.down_bias = _ptr(m.down_proj.packed_weight), _ptr(m.down_proj.bias)
+            entry.key_cache, entry.value_cache = key_cache.data_ptr(), value_cache.data_ptr()
+        self._stack.block_size = caches[0][0].shape[1]
+        self._bound, self._table = caches, table
+        return table
+
+    def takes(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], md: AttentionMetadata) -> bool:
+        """Whether ``run`` takes this step: every token a decode-kernel row (a decode-only
+        plan of the torch backend's kernel, or its token rows), torch on one thread, ``x``
+        and the rotary table of the model's dtype, every layer's KV cache bound, contiguous,
+        of that dtype."""
+        plan = md.plan
+        if any(m.packed_weight is not p for m, p in zip(self._linears, self._packed)):
+            return False  # panels dropped or replaced (load_weights, a benchmark's plain F.linear side)
+        if (not isinstance(plan, TorchPlan) or x.dtype != self.dtype or x.device.type != "cpu" or x.dim() != 2
+                or rope[0].dtype != self.dtype or torch.get_num_threads() != 1 or torch.compiler.is_compiling()):
+            return False
+        if plan.tokens is None and not (plan.decodes is None and not plan.prefills and plan.prefill_rows is None
+                                        and plan.split is None and plan.num_decodes == md.num_tokens):
+            return False
+        for layer in self._layers:
+            cache = layer.self_attn.attn.kv_cache
+            if cache is None or not cpu_kernel.supports(x, cache[0]) or not cache[1].is_contiguous():
+                return False
+        return True
+
+    def run(self, x: torch.Tensor, residual: torch.Tensor | None, rope: tuple[torch.Tensor, torch.Tensor],
+            md: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+        """The layers over ``x`` ``(num_tokens, hidden)`` (``residual`` None at the model's
+        first layer, ``x`` the embeddings), as ``LlamaForCausalLM.run_layers``; ``rope`` the
+        step's ``RotaryEmbedding.lookup``. Call it only where ``takes`` said yes.
+
+        Raises:
+            MemoryError: a kernel could not allocate its scratch memory.
+        """
+        table = self._layer_table()
+        plan: TorchPlan = md.plan
+        if plan.tokens is not None:
+            block_table, seq_lens = plan.tokens.block_table, plan.tokens.seq_lens
+        else:
+            block_table, seq_lens = md.block_table, md.seq_lens
+        n = x.shape[0]
+        x = x.contiguous()
+        has_residual = residual is not None
+        residual = residual.contiguous() if has_residual else torch.empty_like(x)
+        cos, sin = (t.contiguous() for t in rope)
+        stack = ctypes.byref(self._stack)
+        scratch = torch.empty(self._scratch_bytes(stack, n), dtype=torch.uint8)
+        rc = self._run(stack, table, len(self._layers), x.data_ptr(), residual.data_ptr(), int(has_residual), n,
+                       cos.data_ptr(), sin.data_ptr(), md.slot_mapping.data_ptr(), block_table.data_ptr(),
+                       block_table.stride(0), seq_lens.data_ptr(), scratch.data_ptr())
+        if rc:
+            raise MemoryError("a CPU kernel of the decoder stack could not allocate its scratch memory")
+        return x, residual

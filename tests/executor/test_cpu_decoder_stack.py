@@ -1,0 +1,185 @@
+"""The decoder layers in one C call (executor/models/cpu_decoder_stack.c): bitwise the eager
+layers' hidden states, residual stream and KV cache writes, for every architecture the engine
+serves, in float32 and bfloat16, on decode-only steps and on steps of short prefill chunks
+(token rows); the engine's greedy tokens and logprobs the same with it off; the steps and
+models it does not take left to the eager layers."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from executor.attention import build_attention_metadata, cpu_kernel
+from executor.models import cpu_decoder_stack
+from executor.models.cpu_decoder_stack import DecoderStack
+from tests.support.tiny_models import KINDS, save_tiny
+
+BLOCK = 16
+
+
+@pytest.fixture(scope="module")
+def tiny_models(tmp_path_factory):
+    paths = {}
+    for kind in KINDS:
+        paths[kind] = tmp_path_factory.mktemp(kind)
+        save_tiny(kind, paths[kind])
+    return paths
+
+
+@pytest.fixture
+def driver(one_thread):
+    if cpu_decoder_stack.load() is None or cpu_kernel.load() is None:
+        pytest.skip("no C compiler on this host")
+
+
+def _step(loaded, query_lens: list[int], contexts: list[int], seed: int):
+    """A step's metadata, ids and positions over a random KV cache bound to every layer
+    (each request's blocks scattered over it)."""
+    gen = torch.Generator().manual_seed(seed)
+    need = [-(-(c + q) // BLOCK) for q, c in zip(query_lens, contexts)]
+    perm = torch.randperm(sum(need) + 3, generator=gen).tolist()
+    blocks, i = [], 0
+    for n in need:
+        blocks.append(perm[i:i + n])
+        i += n
+    layers = loaded.model.attention_layers()
+    shape = (len(perm), BLOCK, layers[0].num_kv_heads, layers[0].head_dim)
+    for layer in layers:
+        layer.kv_cache = (torch.randn(shape, generator=gen).to(loaded.dtype),
+                          torch.randn(shape, generator=gen).to(loaded.dtype))
+    md = build_attention_metadata(query_lens, contexts, blocks, BLOCK)
+    ids = torch.randint(3, loaded.vocab_size, (sum(query_lens),), generator=gen)
+    positions = torch.cat([torch.arange(c, c + q) for q, c in zip(query_lens, contexts)])
+    return md, ids, positions
+
+
+def _forward(loaded, md, ids, positions, stack: DecoderStack | None):
+    """Hidden states after the layers (before the final norm), the residual stream and the
+    KV caches (copies of the bound ones, which stay as they were), through ``stack`` or,
+    when None, the eager layers."""
+    model = loaded.model
+    bound = [layer.kv_cache for layer in model.attention_layers()]
+    caches = [tuple(c.clone() for c in cache) for cache in bound]
+    for layer, cache in zip(model.attention_layers(), caches):
+        layer.kv_cache = cache
+    md.plan = None
+    model.attention_layers()[0].backend.plan(md)
+    model.decoder_stack = None
+    try:
+        with torch.inference_mode():
+            x, rope = model.embed(ids), model.rotary.lookup(positions)
+            if stack is not None:
+                assert stack.takes(x, rope, md)
+                x, residual = stack.run(x, None, rope, md)
+            else:
+                x, residual = model.run_layers(x, None, positions, md)
+    finally:
+        for layer, cache in zip(model.attention_layers(), bound):
+            layer.kv_cache = cache
+    return x, residual, caches
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("kind", KINDS)
+def test_the_driver_is_bitwise_the_eager_layers(tiny_models, driver, kind, dtype):
+    """Decode-only (one token of each of 5 requests) and token rows (2 decodes beside
+    prefill chunks of 7 and 20 tokens, one after cached context): the hidden states, the
+    residual stream and every layer's KV cache equal bit for bit."""
+    from executor.model_loader import load_model
+
+    loaded = load_model(tiny_models[kind], dtype=dtype, device="cpu")
+    stack = DecoderStack.for_model(loaded.model.layers, loaded.dtype)
+    assert stack is not None
+    steps = {"decode": ([1] * 5, [40, 17, 2, 63, 9]), "token rows": ([1, 1, 7, 20], [30, 5, 0, 9])}
+    for name, (query_lens, contexts) in steps.items():
+        md, ids, positions = _step(loaded, query_lens, contexts, seed=len(name))
+        got = _forward(loaded, md, ids, positions, stack)
+        want = _forward(loaded, md, ids, positions, None)
+        assert got[0].dtype == loaded.dtype and got[0].shape == (len(ids), loaded.hf_config.hidden_size)
+        assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]), name
+        for (k_got, v_got), (k_want, v_want) in zip(got[2], want[2]):
+            assert torch.equal(k_got, k_want) and torch.equal(v_got, v_want), name
+        assert not torch.equal(got[2][0][0], loaded.model.attention_layers()[0].kv_cache[0])  # the step wrote
+
+
+def test_steps_with_other_attention_work_and_other_settings_stay_eager(tiny_models, driver, monkeypatch):
+    """A long chunk (SDPA, or the prefill kernel: no decode-kernel rows), a step not yet
+    planned, several threads: ``takes`` says no. float16, unpacked weights (after
+    ``load_weights``) and ``MESHSERVE_CPU_DECODER_STACK=0``: no driver at all."""
+    from executor.attention.torch_plan import PREFILL_KERNEL_MAX_LEN
+    from executor.model_loader import load_model
+
+    loaded = load_model(tiny_models["llama-bias"], dtype="float32", device="cpu")
+    model = loaded.model
+    stack = DecoderStack.for_model(model.layers, torch.float32)
+    md, ids, positions = _step(loaded, [1, 1, 3], [10, 20, 0], seed=1)
+    x, rope = model.embed(ids), model.rotary.lookup(positions)
+    assert not stack.takes(x, rope, md)  # not planned
+    model.attention_layers()[0].backend.plan(md)
+    assert stack.takes(x, rope, md)
+    assert not stack.takes(x.to(torch.bfloat16), rope, md)  # not the model's dtype
+    down = model.layers[1].mlp.down_proj
+    panels, down.packed_weight = down.packed_weight, None  # F.linear in this layer now
+    assert not stack.takes(x, rope, md)
+    down.packed_weight = panels
+    assert stack.takes(x, rope, md)
+    torch.set_num_threads(2)
+    try:
+        assert not stack.takes(x, rope, md)
+    finally:
+        torch.set_num_threads(1)
+    long = PREFILL_KERNEL_MAX_LEN - 8
+    md, ids, positions = _step(loaded, [1, 3, 20], [10, 0, long], seed=2)
+    model.attention_layers()[0].backend.plan(md)
+    assert md.plan.split is not None or md.plan.prefill_rows is not None  # SDPA or the prefill kernel takes it
+    assert not stack.takes(model.embed(ids), model.rotary.lookup(positions % 256), md)  # (the model's 256 positions)
+
+    assert DecoderStack.for_model(model.layers, torch.float16) is None
+    monkeypatch.setenv(cpu_decoder_stack.SWITCH, "0")
+    assert DecoderStack.for_model(model.layers, torch.float32) is None
+    monkeypatch.delenv(cpu_decoder_stack.SWITCH)
+    model.load_weights([])  # drops the packed panels the driver's pointers name
+    assert model.decoder_stack is None and DecoderStack.for_model(model.layers, torch.float32) is None
+    model.process_weights_after_loading()
+    assert DecoderStack.for_model(model.layers, torch.float32) is not None
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_the_engine_gives_the_same_tokens_and_logprobs_with_the_driver_off(tiny_models, driver, monkeypatch, dtype):
+    """Greedy generation with top-3 logprobs through the engine (prefills as token rows,
+    then decodes; 5 prompts over a 2-sequence batch, so requests join and leave): equal with
+    ``MESHSERVE_CPU_DECODER_STACK=0``, and the driver ran the steps it takes."""
+    from executor.engine.config import BatchSchedulerConfig, CacheConfig, EngineConfig
+    from executor.engine.llm_engine import LLMEngine
+    from meshserve.sampling import SamplingParams
+
+    runs = []
+    original = DecoderStack.run
+
+    def counted(self, *args):
+        runs[-1] += 1
+        return original(self, *args)
+
+    monkeypatch.setattr(DecoderStack, "run", counted)
+    gen = torch.Generator().manual_seed(4)
+    prompts = [torch.randint(3, 512, (n,), generator=gen).tolist() for n in (1, 9, 17, 40, 70)]
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True, logprobs=3)
+    got = {}
+    for switch in ("1", "0"):
+        monkeypatch.setenv(cpu_decoder_stack.SWITCH, switch)
+        runs.append(0)
+        engine = LLMEngine(EngineConfig(model=str(tiny_models["qwen2"]), dtype=dtype, num_threads=1,
+                                        cache=CacheConfig(block_size=BLOCK, num_blocks=64),
+                                        batch=BatchSchedulerConfig(max_num_seqs=2, max_num_batched_tokens=48)))
+        for i, prompt in enumerate(prompts):
+            engine.add_request(str(i), prompt, params)
+        outputs: dict[str, list] = {}
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                outputs.setdefault(out.request_id, []).extend(
+                    (e.token_id, e.logprob, tuple(e.top_token_ids), tuple(e.top_logprobs)) for e in out.logprobs)
+        assert engine.stats().num_free_blocks == 64
+        got[switch] = outputs
+    assert runs[0] > 12 and runs[1] == 0
+    assert [len(got["1"][str(i)]) for i in range(5)] == [12] * 5
+    assert got["1"] == got["0"]
