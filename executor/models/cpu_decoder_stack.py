@@ -8,8 +8,8 @@ attention), yet spend about as long again between them in Python: module calls, 
 checks, views, fresh tensors. ``cpu_decoder_stack.c`` calls the same kernels through
 their function pointers, in the same order, on the same inputs, so its outputs are
 bitwise the eager path's (tested), without that Python: one decode step of SmolLM2-135M
-in bfloat16 on one Zen 4 core, 1 request 22 -> 16 ms, 32 requests 69 -> 64 ms
-(``python -m meshserve.bench.cpu_decoder_stack``). The pointer tables are built once per
+(forward + logits) in bfloat16 on one Zen 4 core, 1 request 23.9 -> 16.5 ms, 32 requests
+68.3 -> 55.8 ms (``python -m meshserve.bench.cpu_decoder_stack``; ``reports/cpu-speed/``). The pointer tables are built once per
 model (weights never move once packed) and rebuilt when a layer's KV cache is rebound; a step
 whose layers no longer hold the panels it was built with runs eagerly. Parameters are
 read through their pointers: updated in place (``copy_``) they are seen; a replaced
