@@ -29,14 +29,12 @@ count (decode growth and prefix sharing included), except that a report of 0
 (the request waits in the engine, or was preempted) keeps the reservation:
 those blocks will be needed again.
 
-**Overload.** The queue holds at most ``max_queue_len`` requests and
-``max_queue_tokens`` queued prompt tokens (``n * num_prompt_tokens`` each; an
-empty queue always takes one request). An arrival that does not fit displaces
-queued requests of strictly lower priority (lowest priority first, latest
-arrival first within it) if that makes room; otherwise the arrival is refused.
-Displaced and refused requests get RESOURCE_EXHAUSTED with a retry delay: the
-estimated wait of the queue's tail (at least ``retry_after_s`` when nothing is
-measured yet).
+**Overload** (``scheduler.admission_queue``). The queue holds at most
+``max_queue_len`` requests and ``max_queue_tokens`` queued prompt tokens; an
+arrival that does not fit displaces queued requests of strictly lower priority,
+or is refused. Displaced and refused requests get RESOURCE_EXHAUSTED with a
+retry delay: the estimated wait of the queue's tail (at least ``retry_after_s``
+when nothing is measured yet).
 
 **Tenants** (``scheduler.tenant_limits``). With ``tenant_limits`` set, only the
 tenants it lists are admitted (PERMISSION_DENIED otherwise), a request's
@@ -69,19 +67,18 @@ when it registers again and lists them, they are its own again.
 from __future__ import annotations
 
 import functools
-import itertools
 import time
 import uuid
 from dataclasses import dataclass, field
 from typing import Callable, Iterable, Mapping
 
 from meshserve.errors import AlreadyExists, InvalidArgument, PermissionDenied, ResourceExhausted, Unavailable
+from scheduler.admission_queue import AdmissionQueue, AdmissionRequest
 from scheduler.kvstore_index import KVStoreIndex
 from scheduler.placement import Placer, blocks_needed, fits_ever
 from scheduler.pools import PoolsConfig
 from scheduler.predictor import OutputLengthPredictor
 from scheduler.prefix_index import PrefixIndex
-from scheduler.queue_order import QueueOrder
 from scheduler.queue_policy import QueuePolicy
 from scheduler.quotas import TenantQuotas
 from scheduler.registry import ExecutorRegistry, ExecutorState, Lease
@@ -146,44 +143,13 @@ class SchedulerConfig:
     start_budget_s: float | None = None
 
 
-@dataclass
-class AdmissionRequest:
-    """A request waiting for an executor (from ``AdmitRequest``).
-
-    ``seq``, ``cost`` and ``predicted_output_tokens`` are set by ``submit``.
-    """
-
-    request_id: str
-    tenant: str
-    priority: int
-    num_prompt_tokens: int
-    max_tokens: int
-    model: str = ""
-    arrival: float = 0.0
-    n: int = 1  # choices (sampling.n)
-    block_hashes: tuple[bytes, ...] = ()  # the prompt's chain hashes (16 bytes each), for routing
-    hash_block_size: int = 0  # tokens per block of those hashes
-    seq: int = 0
-    cost: float = 0.0  # num_prompt_tokens + n * predicted_output_tokens (tokens)
-    predicted_output_tokens: int = 0
-    prediction_level: str = ""  # the predictor level that answered (``prior``: re-asked at dispatch)
-    no_executor_since: float | None = None  # when it last found no executor of its model (scale to zero)
-    lease_id: str = ""  # the caller's id for its lease (AdmitRequest.lease_id); "": a uuid4 at dispatch
-
-    @property
-    def queued_tokens(self) -> int:
-        """Prompt tokens it adds to the queue's token bound."""
-        return max(1, self.n) * self.num_prompt_tokens
-
-
 class AdmissionCore:
     """Admission queue, quotas and dispatch over an ``ExecutorRegistry``."""
 
     def __init__(self, config: SchedulerConfig | None = None, clock: Callable[[], float] = time.monotonic):
         self.config = config or SchedulerConfig()
         self.policy = QueuePolicy(self.config.queue_policy, self.config.max_queue_wait_s)
-        self._order = QueueOrder(self.policy)  # positions and waits: one sort per queue change
-        self._version = 0  # bumped on every change of the queue's members or costs
+        self._queue = AdmissionQueue(self.policy, self.config.max_queue_len, self.config.max_queue_tokens)
         self.registry = ExecutorRegistry()
         self.prefix_index = PrefixIndex()
         self.kvstore_index = KVStoreIndex()  # filled by scheduler.kvstore_follower (--kvstore)
@@ -195,12 +161,8 @@ class AdmissionCore:
         self.waits = WaitEstimator()
         self.rates = RateLimiter(dict(self.config.tenant_limits or {}))
         self._clock = clock
-        self._queue: dict[str, AdmissionRequest] = {}
-        self._queued_tokens = 0
         self._leases: dict[str, Lease] = {}
         self._leased_request_ids: set[str] = set()  # request ids holding a lease (duplicate check)
-        self._queued_by_lease_id: dict[str, str] = {}  # a queued request's proposed lease id -> its request id
-        self._seq = itertools.count()
 
     # -- queue -----------------------------------------------------------------
     def servable(self, req: AdmissionRequest) -> bool:
@@ -240,18 +202,13 @@ class AdmissionCore:
         self.rates.admit(req.tenant, req.num_prompt_tokens * max(1, req.n), self._clock())
         self._predict(req)
         req.arrival = req.arrival or self._clock()
-        req.seq = next(self._seq)
-        self._queue[req.request_id] = req
-        self._version += 1
-        self._queued_tokens += req.queued_tokens
-        if req.lease_id:
-            self._queued_by_lease_id[req.lease_id] = req.request_id
+        self._queue.add(req)
         return displaced
 
     def lease_id_in_use(self, lease_id: str) -> bool:
         """Whether ``lease_id`` is a lease's, a queued request's proposed one, or one an
         executor still lists (a released lease whose run has not ended there yet)."""
-        return (lease_id in self._leases or lease_id in self._queued_by_lease_id
+        return (lease_id in self._leases or self._queue.has_lease_id(lease_id)
                 or any(lease_id in e.listed_lease_ids for e in self.registry))
 
     def _what(self, req: AdmissionRequest) -> str:
@@ -278,7 +235,7 @@ class AdmissionCore:
         blocks than its tenant's quota); returns them with the error."""
         budget, now = self.config.start_budget_s, self._clock()
         out: list[tuple[AdmissionRequest, Exception]] = []
-        for req in list(self._queue.values()):
+        for req in list(self._queue):
             executors = self.placer.executors_for(req)
             if executors:
                 req.no_executor_since = None
@@ -294,7 +251,7 @@ class AdmissionCore:
                 out.append((req, Unavailable(
                     f"no executor of {self._what(req)} was ready within the start budget of {budget:g} s")))
         for req, _ in out:
-            self._remove(req.request_id)
+            self._queue.remove(req.request_id)
         return out
 
     def _tenant_limits(self, tenant: str) -> TenantLimits:
@@ -317,7 +274,7 @@ class AdmissionCore:
         cost = req.num_prompt_tokens + max(1, req.n) * prediction.tokens
         if cost != req.cost:
             req.cost = cost
-            self._version += 1  # the sjf order and the estimated waits change
+            self._queue.changed()  # the sjf order and the estimated waits change
 
     def _check_quota_alone(self, req: AdmissionRequest, fitting: list[ExecutorState]) -> None:
         cap = self.quotas.limit(req.tenant)
@@ -334,70 +291,49 @@ class AdmissionCore:
                 None,  # it never fits, however long the caller waits: no retry delay
             )
 
-    def _over(self, count: int, tokens: int) -> bool:
-        bound = self.config.max_queue_tokens
-        return count > self.config.max_queue_len or (bound is not None and count > 1 and tokens > bound)
-
     def _make_room(self, req: AdmissionRequest) -> list[AdmissionRequest]:
         """Displaces lower-priority requests so ``req`` fits the bounds, or raises."""
-        count, tokens = len(self._queue) + 1, self._queued_tokens + req.queued_tokens
-        victims: list[AdmissionRequest] = []
-        lower = sorted((q for q in self._queue.values() if q.priority < req.priority),
-                       key=lambda q: (q.priority, -q.arrival, -q.seq))
-        for victim in lower:
-            if not self._over(count, tokens):
-                break
-            victims.append(victim)
-            count, tokens = count - 1, tokens - victim.queued_tokens
-        if self._over(count, tokens):
+        victims = self._queue.victims_for(req)
+        if victims is None:
             raise ResourceExhausted(
-                f"admission queue is full ({len(self._queue)} requests, {self._queued_tokens} prompt tokens; "
+                f"admission queue is full ({len(self._queue)} requests, {self._queue.tokens} prompt tokens; "
                 f"bounds {self.config.max_queue_len} requests, {self.config.max_queue_tokens} tokens)",
                 self.retry_delay_s(),
             )
         for victim in victims:
-            self._remove(victim.request_id)
+            self._queue.remove(victim.request_id)
         return victims
 
     def retry_delay_s(self) -> float:
         """Suggested retry delay: the estimated wait of the queue's tail, at least ``retry_after_s``."""
         return max(self.config.retry_after_s, self.estimated_wait_s(len(self._queue) - 1))
 
-    def _remove(self, request_id: str) -> AdmissionRequest | None:
-        req = self._queue.pop(request_id, None)
-        if req is not None:
-            self._version += 1
-            self._queued_tokens -= req.queued_tokens
-            self._queued_by_lease_id.pop(req.lease_id, None)
-        return req
-
     def cancel(self, request_id: str) -> bool:
         """Removes a queued request (its caller went away)."""
-        return self._remove(request_id) is not None
+        return self._queue.remove(request_id) is not None
 
     def withdraw(self, lease_id: str) -> AdmissionRequest | None:
         """Removes and returns the queued request that proposed ``lease_id``, or None: its
         caller released the lease before it was granted (a Release can reach the scheduler
         before the caller's cancelled Admit does; granted then, the lease would wait for
         its expiry)."""
-        request_id = self._queued_by_lease_id.get(lease_id) if lease_id else None
-        return None if request_id is None else self._remove(request_id)
+        return self._queue.withdraw(lease_id)
 
     def queued(self) -> list[AdmissionRequest]:
         """Queued requests in dispatch order now."""
-        return self.policy.order(list(self._queue.values()), self._clock())
+        return self._queue.ordered(self._clock())
 
     def position(self, request_id: str) -> int:
         """0-based position in dispatch order now (sjf: at most ``ORDER_MAX_AGE_S`` ago,
         ``scheduler.queue_order``), or -1 if not queued."""
         if request_id not in self._queue:
             return -1
-        return self._order.snapshot(self._queue.values(), self._version, self._clock()).index[request_id]
+        return self._queue.snapshot(self._clock()).index[request_id]
 
     def estimated_wait_s(self, position: int) -> float:
         """Wait of the request at ``position`` (``scheduler.wait_estimate``; the order as
         ``position`` reads it), in seconds; 0 when unknown."""
-        snap = self._order.snapshot(self._queue.values(), self._version, self._clock())
+        snap = self._queue.snapshot(self._clock())
         return self.waits.estimate(snap.cost_upto[min(len(snap.order), max(0, position) + 1)], position)
 
     def __len__(self) -> int:
@@ -414,10 +350,10 @@ class AdmissionCore:
         assigned: list[tuple[AdmissionRequest, Lease]] = []
         blocked: set[tuple[str, str | None]] = set()  # (model, pool) whose head request found no executor
         if self.predictor.stats()["num_observed"]:
-            for req in self._queue.values():
+            for req in self._queue:
                 if req.prediction_level == "prior":
                     self._predict(req)  # queued before the predictor knew anything: ask again
-        for req in self.policy.order(list(self._queue.values()), now):
+        for req in self._queue.ordered(now):
             own = self.config.pools.pool_of(req.priority) if self.config.pools is not None else None
             if (req.model, own) in blocked or self._quota_blocked(req):
                 continue  # behind a blocked head of its model and pool, or waits for its own tenant's blocks
@@ -428,7 +364,7 @@ class AdmissionCore:
                 if allows is None or self.placer.choose(req, now)[0] is None:
                     blocked.add((req.model, own))  # no executor has room: the requests behind it wait
                 continue  # else only its tenant's quota keeps it off those with room: it is skipped
-            self._remove(req.request_id)
+            self._queue.remove(req.request_id)
             lease = Lease(
                 lease_id=req.lease_id or uuid.uuid4().hex, request_id=req.request_id, executor_id=placement.executor.executor_id,
                 num_blocks=placement.num_blocks, tenant=req.tenant, assigned_at=now,

@@ -61,7 +61,7 @@ from scheduler.routing import Candidate, RoutingConfig, Scored, route
 
 
 class Placeable(Protocol):
-    """What placement reads of a request (``scheduler.admission.AdmissionRequest``)."""
+    """What placement reads of a request (``scheduler.admission_queue.AdmissionRequest``)."""
 
     model: str
     priority: int

@@ -4,10 +4,11 @@ Every waiting Admit call asks for its position and estimated wait each
 ``QUEUE_UPDATE_INTERVAL_S`` (0.5 s, ``scheduler.server``). Sorting the queue for
 each answer made one polling round of n waiters cost n × n log n (4,096 waiters:
 about 9 s of CPU with fcfs, 27 s with sjf, per 0.5 s round). Instead the admission
-core keeps a ``QueueOrder``: the queue in dispatch order, each request's index in
-it and the running sum of the requests' costs, rebuilt only when the queue
-changed since (the core bumps a version on every insertion, removal or cost
-change) or, for ``sjf``, when it is older than ``max_age_s``:
+queue (``scheduler.admission_queue``) keeps a ``QueueOrder``: the queue in dispatch
+order, each request's index in it and the running sum of the requests' costs,
+rebuilt only when the queue changed since (the admission queue bumps a version on
+every insertion, removal or cost change) or, for ``sjf``, when it is older than
+``max_age_s``:
 
 * ``fcfs`` and ``priority`` orders do not depend on time: a position or wait is
   exactly that of a fresh sort now.
@@ -30,7 +31,7 @@ ORDER_MAX_AGE_S = 0.5  # the sjf snapshot's largest age (seconds): the Admit str
 
 
 class Ordered(Protocol):
-    """What the order reads of a queued request (``scheduler.admission.AdmissionRequest``)."""
+    """What the order reads of a queued request (``scheduler.admission_queue.AdmissionRequest``)."""
 
     request_id: str
     priority: int

@@ -17,7 +17,8 @@ import argparse
 import json
 import time
 
-from scheduler.admission import AdmissionCore, AdmissionRequest, SchedulerConfig
+from scheduler.admission import AdmissionCore, SchedulerConfig
+from scheduler.admission_queue import AdmissionRequest
 from scheduler.queue_policy import QueuePolicy
 from scheduler.registry import ExecutorState
 

@@ -3,7 +3,8 @@
 import pytest
 
 from meshserve.errors import InvalidArgument, ResourceExhausted, Unavailable
-from scheduler.admission import AdmissionCore, AdmissionRequest, SchedulerConfig
+from scheduler.admission import AdmissionCore, SchedulerConfig
+from scheduler.admission_queue import AdmissionRequest
 from scheduler.registry import ExecutorState
 
 

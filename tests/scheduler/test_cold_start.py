@@ -14,7 +14,8 @@ import pytest
 from gateway.http.errors import http_error
 from meshserve.cli.autoscale import overdue, plan
 from meshserve.errors import InvalidArgument, Unavailable
-from scheduler.admission import AdmissionCore, AdmissionRequest, SchedulerConfig
+from scheduler.admission import AdmissionCore, SchedulerConfig
+from scheduler.admission_queue import AdmissionRequest
 from scheduler.planner import Planner, PlannerConfig
 from scheduler.registry import ExecutorState
 

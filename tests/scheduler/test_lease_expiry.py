@@ -1,7 +1,8 @@
 """Lease lifetime in the admission core: expiry unless renewed, reconciled with the
 executor's reports (a dead gateway's leases come back), on a fake clock."""
 
-from scheduler.admission import AdmissionCore, AdmissionRequest, SchedulerConfig
+from scheduler.admission import AdmissionCore, SchedulerConfig
+from scheduler.admission_queue import AdmissionRequest
 from scheduler.registry import ExecutorState
 
 

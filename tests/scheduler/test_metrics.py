@@ -2,7 +2,8 @@
 priority labels, leases, executors, assignments and rejections."""
 
 from meshserve.errors import ResourceExhausted
-from scheduler.admission import AdmissionCore, AdmissionRequest
+from scheduler.admission import AdmissionCore
+from scheduler.admission_queue import AdmissionRequest
 from scheduler.metrics import SchedulerMetrics
 from scheduler.registry import ExecutorState
 

@@ -3,7 +3,8 @@
 import pytest
 
 from meshserve.errors import Unavailable
-from scheduler.admission import AdmissionCore, AdmissionRequest, SchedulerConfig
+from scheduler.admission import AdmissionCore, SchedulerConfig
+from scheduler.admission_queue import AdmissionRequest
 from scheduler.pools import PoolsConfig, PoolSpec, candidate_executors
 from scheduler.registry import ExecutorState
 

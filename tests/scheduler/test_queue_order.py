@@ -5,7 +5,8 @@ import random
 
 import pytest
 
-from scheduler.admission import AdmissionCore, AdmissionRequest, SchedulerConfig
+from scheduler.admission import AdmissionCore, SchedulerConfig
+from scheduler.admission_queue import AdmissionRequest
 from scheduler.queue_order import ORDER_MAX_AGE_S, QueueOrder
 from scheduler.queue_policy import QueuePolicy
 from scheduler.registry import ExecutorState

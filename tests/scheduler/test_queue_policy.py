@@ -4,7 +4,8 @@ from dataclasses import dataclass
 
 import pytest
 
-from scheduler.admission import AdmissionCore, AdmissionRequest, SchedulerConfig
+from scheduler.admission import AdmissionCore, SchedulerConfig
+from scheduler.admission_queue import AdmissionRequest
 from scheduler.queue_policy import QueuePolicy
 from scheduler.registry import ExecutorState
 

@@ -2,7 +2,8 @@
 
 import pytest
 
-from scheduler.admission import AdmissionCore, AdmissionRequest, SchedulerConfig
+from scheduler.admission import AdmissionCore, SchedulerConfig
+from scheduler.admission_queue import AdmissionRequest
 from scheduler.prefix_index import PrefixIndex
 from scheduler.registry import ExecutorState
 from scheduler.routing import Candidate, RoutingConfig, Scored, route, score

@@ -4,7 +4,8 @@
 import pytest
 
 from meshserve.errors import PermissionDenied, ResourceExhausted
-from scheduler.admission import AdmissionCore, AdmissionRequest, SchedulerConfig
+from scheduler.admission import AdmissionCore, SchedulerConfig
+from scheduler.admission_queue import AdmissionRequest
 from scheduler.registry import ExecutorState
 from scheduler.tenant_limits import TenantLimits, TokenBucket
 

@@ -53,7 +53,8 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Mapping, Protocol
 
-from scheduler.admission import AdmissionCore, AdmissionRequest, SchedulerConfig
+from scheduler.admission import AdmissionCore, SchedulerConfig
+from scheduler.admission_queue import AdmissionRequest
 from scheduler.registry import ExecutorState
 from scheduler.routing import RoutingConfig
 
