@@ -1,9 +1,10 @@
 """The scheduler's pure core: the admission queue and dispatch to executors.
 
 No gRPC here: the servicer calls ``submit``, ``dispatch``, ``release`` and the
-registry methods, and turns the results into stream events. (Over 400 lines:
-the queue, the lease table and the quota and rate charges change together in
-each call; the policies themselves live in their own modules.)
+registry methods, and turns the results into stream events. The core decides;
+the queue (``scheduler.admission_queue``), the lease table
+(``scheduler.lease_table``) and the policies keep their own state in their own
+modules.
 
 **Order.** ``dispatch`` walks the queue in the order of its ``QueuePolicy``
 (``scheduler.queue_policy``: fcfs, priority classes, or shortest-job-first on
@@ -22,12 +23,9 @@ differ between executors (block size, the cap at a whole cache), so it goes only
 to an executor where its quota covers them; when only executors it needs too
 many blocks on have room, it is skipped the same way. A request
 that alone needs more blocks than its tenant's quota is refused at once
-(RESOURCE_EXHAUSTED with no retry delay: waiting never makes it fit). A lease is charged the blocks admission reserved for it
-until its executor reports how many blocks the lease's requests hold
-(``CapacityReport.lease_num_blocks``); from then on it is charged the reported
-count (decode growth and prefix sharing included), except that a report of 0
-(the request waits in the engine, or was preempted) keeps the reservation:
-those blocks will be needed again.
+(RESOURCE_EXHAUSTED with no retry delay: waiting never makes it fit). A lease is
+charged the blocks admission reserved for it until its executor reports how many
+its requests hold (``scheduler.lease_table``).
 
 **Overload** (``scheduler.admission_queue``). The queue holds at most
 ``max_queue_len`` requests and ``max_queue_tokens`` queued prompt tokens; an
@@ -48,20 +46,11 @@ for). ``expire_start_waits`` ends each request that has found no executor of its
 model for ``start_budget_s`` (UNAVAILABLE: the executor did not start in time),
 and each that the executors which came cannot hold (INVALID_ARGUMENT).
 
-**Lease lifetime.** A lease expires ``lease_ttl_s`` after its assignment, its
-last ``renew`` or the last report of its executor that listed it (the request
-runs there: its Execute call is open), whichever is latest. The gateway renews
-while no executor output reaches it (before Execute, or a request waiting in the
-executor); a request that streams is kept by its executor's reports, so it costs
-no renewal calls. ``expire_leases`` releases each expired lease that its executor
-does not list in its last report (the request is not running there: its gateway
-died before Execute, or Execute ended); an expired lease its executor still
-lists is kept while it is listed, since its blocks are really held. So a dead
-gateway's leases come back at most ``lease_ttl_s`` + one report interval after
-its last renewal or listing. An executor that drops off its Connect stream
-leaves its leases detached, not void (``remove_executor``): they keep their
-quota charge until released or expired, since it may still run their requests;
-when it registers again and lists them, they are its own again.
+**Leases** (``scheduler.lease_table``). A lease expires ``lease_ttl_s`` after
+its assignment, its last ``renew`` or the last report of its executor that
+listed it, whichever is latest; ``expire_leases`` releases each expired lease
+that its executor does not list. An executor that drops off its Connect stream
+leaves its leases detached, not void (``remove_executor``).
 """
 
 from __future__ import annotations
@@ -75,6 +64,7 @@ from typing import Callable, Iterable, Mapping
 from meshserve.errors import AlreadyExists, InvalidArgument, PermissionDenied, ResourceExhausted, Unavailable
 from scheduler.admission_queue import AdmissionQueue, AdmissionRequest
 from scheduler.kvstore_index import KVStoreIndex
+from scheduler.lease_table import LeaseTable
 from scheduler.placement import Placer, blocks_needed, fits_ever
 from scheduler.pools import PoolsConfig
 from scheduler.predictor import OutputLengthPredictor
@@ -115,7 +105,7 @@ class SchedulerConfig:
             (no report; they come at least every second) is dropped from the
             registry: nothing is routed to an unreachable executor (seconds).
         lease_ttl_s: a lease not renewed this long, and not listed by its
-            executor, is released (seconds; module docstring).
+            executor, is released (seconds; ``scheduler.lease_table``).
         start_budget_s: scale to zero: how long a request waits for an executor
             of its model to register when none does (seconds; module
             docstring); None: UNAVAILABLE at once.
@@ -161,8 +151,7 @@ class AdmissionCore:
         self.waits = WaitEstimator()
         self.rates = RateLimiter(dict(self.config.tenant_limits or {}))
         self._clock = clock
-        self._leases: dict[str, Lease] = {}
-        self._leased_request_ids: set[str] = set()  # request ids holding a lease (duplicate check)
+        self.lease_table = LeaseTable(self.registry, self.quotas, self.config.lease_ttl_s, clock)
 
     # -- queue -----------------------------------------------------------------
     def servable(self, req: AdmissionRequest) -> bool:
@@ -185,7 +174,7 @@ class AdmissionCore:
         """
         limits = self._tenant_limits(req.tenant)
         req.priority = limits.clamp_priority(req.priority)
-        if req.request_id in self._queue or req.request_id in self._leased_request_ids:
+        if req.request_id in self._queue or self.lease_table.holds_request(req.request_id):
             raise AlreadyExists(f"request_id {req.request_id!r} is already queued or running")
         if req.lease_id and self.lease_id_in_use(req.lease_id):
             raise AlreadyExists(f"lease_id {req.lease_id!r} is already in use")
@@ -208,7 +197,7 @@ class AdmissionCore:
     def lease_id_in_use(self, lease_id: str) -> bool:
         """Whether ``lease_id`` is a lease's, a queued request's proposed one, or one an
         executor still lists (a released lease whose run has not ended there yet)."""
-        return (lease_id in self._leases or self._queue.has_lease_id(lease_id)
+        return (lease_id in self.lease_table or self._queue.has_lease_id(lease_id)
                 or any(lease_id in e.listed_lease_ids for e in self.registry))
 
     def _what(self, req: AdmissionRequest) -> str:
@@ -366,17 +355,15 @@ class AdmissionCore:
                 continue  # else only its tenant's quota keeps it off those with room: it is skipped
             self._queue.remove(req.request_id)
             lease = Lease(
-                lease_id=req.lease_id or uuid.uuid4().hex, request_id=req.request_id, executor_id=placement.executor.executor_id,
+                lease_id=req.lease_id or uuid.uuid4().hex, request_id=req.request_id,
+                executor_id=placement.executor.executor_id,
                 num_blocks=placement.num_blocks, tenant=req.tenant, assigned_at=now,
                 num_prompt_tokens=req.num_prompt_tokens, n=max(1, req.n),
                 predicted_output_tokens=req.predicted_output_tokens,
                 num_hit_tokens=placement.hit_tokens, reserved_blocks=placement.num_blocks,
                 expires_at=now + self.config.lease_ttl_s,
             )
-            placement.executor.leases[lease.lease_id] = lease
-            self._leases[lease.lease_id] = lease
-            self._leased_request_ids.add(lease.request_id)
-            self.quotas.reserve(lease.tenant, lease.num_blocks)
+            self.lease_table.grant(lease, placement.executor)
             self.waits.on_dispatch(now)
             assigned.append((req, lease))
         return assigned
@@ -392,7 +379,8 @@ class AdmissionCore:
             lease_ids: leases it holds (they become acknowledged).
             lease_num_blocks: lease id → KV blocks its requests hold now (all
                 choices). A positive count replaces the lease's charge to its
-                tenant's quota; 0 keeps the admission reservation (module doc).
+                tenant's quota; 0 keeps the admission reservation
+                (``scheduler.lease_table``).
                 Leases of other executors or unknown leases are ignored.
 
         Raises:
@@ -404,23 +392,7 @@ class AdmissionCore:
             raise InvalidArgument(f"lease_num_blocks must be >= 0, got {bad}")
         listed = set(lease_ids) | set(counts)
         self.registry.report(executor_id, num_free_blocks, num_running, num_waiting, listed)
-        expires_at = self._clock() + self.config.lease_ttl_s
-        executor = self.registry.get(executor_id)
-        for lease_id in listed:  # a listed lease is running there: the listing renews it
-            lease = self._leases.get(lease_id)
-            if lease is not None and lease.executor_id == executor_id:
-                lease.expires_at = max(lease.expires_at, expires_at)
-                if executor is not None and lease_id not in executor.leases:  # detached by a lost link: back
-                    executor.leases[lease_id] = lease
-                    lease.listed = lease.acked = True
-        for lease_id, reported in counts.items():
-            lease = self._leases.get(lease_id)
-            if lease is None or lease.executor_id != executor_id:
-                continue
-            lease.reported_tokens = reported * executor.block_size if executor is not None else None
-            charge = reported if reported > 0 else lease.reserved_blocks
-            self.quotas.recharge(lease.tenant, lease.num_blocks, charge)
-            lease.num_blocks = charge
+        self.lease_table.on_report(executor_id, listed, counts)
 
     def on_kv_events(self, executor_id: str, stored: Iterable[bytes], removed: Iterable[bytes],
                      reset: bool = False) -> None:
@@ -444,14 +416,9 @@ class AdmissionCore:
         stands in for it, so a caller that leaves mid-stream still pays for what
         was generated.
         """
-        lease = self._leases.pop(lease_id, None)
+        lease = self.lease_table.release(lease_id)
         if lease is None:
             return False
-        self._leased_request_ids.discard(lease.request_id)
-        executor = self.registry.get(lease.executor_id)
-        if executor is not None:
-            executor.leases.pop(lease_id, None)
-        self.quotas.free(lease.tenant, lease.num_blocks)
         generated = num_generated_tokens if num_generated_tokens is not None else num_completion_tokens
         if generated is not None:
             self.rates.completed(lease.tenant, generated, self._clock())
@@ -489,30 +456,26 @@ class AdmissionCore:
     def renew(self, lease_id: str) -> float | None:
         """Extends a live lease by ``lease_ttl_s`` from now; returns the seconds it now
         has left, or None for an unknown (released, expired) lease."""
-        lease = self._leases.get(lease_id)
-        if lease is None:
-            return None
-        lease.expires_at = self._clock() + self.config.lease_ttl_s
-        return self.config.lease_ttl_s
+        return self.lease_table.renew(lease_id)
 
     def expire_leases(self) -> list[Lease]:
-        """Releases the expired leases their executors do not list (module docstring)."""
-        now = self._clock()
-        expired = [lease for lease in self._leases.values() if lease.expires_at <= now and not lease.listed]
+        """Releases the expired leases their executors do not list (``scheduler.lease_table``)."""
+        expired = self.lease_table.expired()
         for lease in expired:
             self.release(lease.lease_id)
         return expired
+
     def clock(self) -> float:
         """The core's clock now (seconds)."""
         return self._clock()
 
     def lease(self, lease_id: str) -> Lease | None:
         """A held lease, or None."""
-        return self._leases.get(lease_id)
+        return self.lease_table.get(lease_id)
 
     def num_leases(self, executor_id: str | None = None) -> int:
         """Leases currently held (on ``executor_id`` only, when given: those detached
         from it by a lost link included)."""
         if executor_id is None:
-            return len(self._leases)
-        return sum(1 for lease in self._leases.values() if lease.executor_id == executor_id)
+            return len(self.lease_table)
+        return self.lease_table.count(executor_id)
