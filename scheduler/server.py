@@ -49,8 +49,9 @@ from meshserve.request_ids import check_request_id, scoped_request_id
 from meshserve.telemetry import context_from_grpc, record_error, tracer
 from meshserve.v1 import scheduler_pb2 as pb
 from meshserve.v1 import scheduler_pb2_grpc
-from scheduler.admission import AdmissionCore, SchedulerConfig
+from scheduler.admission import AdmissionCore
 from scheduler.admission_queue import AdmissionRequest
+from scheduler.config import SchedulerConfig
 from scheduler.kvstore_follower import KVStoreFollower
 from scheduler.metrics import SchedulerMetrics
 from scheduler.planner import Planner, PlannerConfig

@@ -17,8 +17,9 @@ import argparse
 import json
 import time
 
-from scheduler.admission import AdmissionCore, SchedulerConfig
+from scheduler.admission import AdmissionCore
 from scheduler.admission_queue import AdmissionRequest
+from scheduler.config import SchedulerConfig
 from scheduler.queue_policy import QueuePolicy
 from scheduler.registry import ExecutorState
 

@@ -33,7 +33,7 @@ from meshserve.grpc_server import run_until_signal
 from meshserve.model_files import resolve_model
 from meshserve.telemetry import setup_tracing, shutdown_tracing
 from meshserve.tls import PLAINTEXT, TLSConfig
-from scheduler.admission import SchedulerConfig
+from scheduler.config import SchedulerConfig
 from scheduler.placement import KV_RESERVATIONS
 from scheduler.pools import PoolsConfig
 from scheduler.queue_policy import QueuePolicy

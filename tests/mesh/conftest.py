@@ -3,7 +3,7 @@
 import pytest
 import pytest_asyncio
 
-from scheduler.admission import SchedulerConfig
+from scheduler.config import SchedulerConfig
 from tests.support.engines import make_engine
 from tests.support.mesh_harness import SHARED_MESH_EXECUTOR_TIMEOUT_S, start_local_mesh
 

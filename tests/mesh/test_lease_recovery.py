@@ -21,7 +21,7 @@ from gateway.server import start_gateway
 from gateway.tenants import TenantRegistry
 from meshserve.client import build_request, channel, generate
 from meshserve.v1 import gateway_pb2_grpc
-from scheduler.admission import SchedulerConfig
+from scheduler.config import SchedulerConfig
 from scheduler.server import start_scheduler
 from scheduler.tenant_limits import TenantLimits
 from tests.support.engines import make_engine

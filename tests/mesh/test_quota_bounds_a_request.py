@@ -18,7 +18,7 @@ from gateway.server import start_gateway
 from gateway.tenants import TenantRegistry
 from meshserve.client import build_request, channel, generate_choices
 from meshserve.v1 import gateway_pb2_grpc
-from scheduler.admission import SchedulerConfig
+from scheduler.config import SchedulerConfig
 from scheduler.tenant_limits import TenantLimits
 from tests.support.engines import make_engine
 from tests.support.mesh_harness import SHARED_MESH_EXECUTOR_TIMEOUT_S, start_local_mesh, wait_for_condition

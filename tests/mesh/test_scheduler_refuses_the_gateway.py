@@ -24,7 +24,7 @@ from gateway.tenants import Tenant, TenantRegistry
 from meshserve.client import build_request, generate, submit_task, wait_task
 from meshserve.sampling import SamplingParams
 from meshserve.v1 import gateway_pb2
-from scheduler.admission import SchedulerConfig
+from scheduler.config import SchedulerConfig
 from scheduler.tenant_limits import TenantLimits
 from tests.support.engines import make_engine
 from tests.support.http_mesh import KEY_A, KEY_B, KEY_QUOTA, SERVED, write_tenants

@@ -24,7 +24,7 @@ from gateway.task_store import MemoryTaskStore
 from gateway.tenants import TenantRegistry
 from meshserve.client import build_request, cancel_task, channel, get_task, submit_task, wait_task
 from meshserve.v1 import gateway_pb2, gateway_pb2_grpc
-from scheduler.admission import SchedulerConfig
+from scheduler.config import SchedulerConfig
 from scheduler.tenant_limits import TenantLimits
 from tests.support.engines import make_engine
 from tests.support.mesh_harness import SHARED_MESH_EXECUTOR_TIMEOUT_S, start_local_mesh, wait_for_condition

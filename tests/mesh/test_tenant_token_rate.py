@@ -8,7 +8,7 @@ import grpc
 import pytest
 
 from meshserve.client import build_request
-from scheduler.admission import SchedulerConfig
+from scheduler.config import SchedulerConfig
 from scheduler.tenant_limits import TenantLimits
 from tests.support.engines import make_engine
 from tests.support.mesh_harness import SHARED_MESH_EXECUTOR_TIMEOUT_S, start_local_mesh, wait_for_condition

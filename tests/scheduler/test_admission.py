@@ -3,8 +3,9 @@
 import pytest
 
 from meshserve.errors import InvalidArgument, ResourceExhausted, Unavailable
-from scheduler.admission import AdmissionCore, SchedulerConfig
+from scheduler.admission import AdmissionCore
 from scheduler.admission_queue import AdmissionRequest
+from scheduler.config import SchedulerConfig
 from scheduler.registry import ExecutorState
 
 

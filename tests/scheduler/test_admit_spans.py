@@ -8,7 +8,7 @@ import pytest
 
 from meshserve.telemetry import memory_exporter
 from meshserve.v1 import scheduler_pb2 as pb
-from scheduler.admission import SchedulerConfig
+from scheduler.config import SchedulerConfig
 from tests.support.served_scheduler import served_scheduler
 
 TRACE_ID = 0x0AF7651916CD43DD8448EB211C80319C

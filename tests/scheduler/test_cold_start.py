@@ -14,8 +14,9 @@ import pytest
 from gateway.http.errors import http_error
 from meshserve.cli.autoscale import overdue, plan
 from meshserve.errors import InvalidArgument, Unavailable
-from scheduler.admission import AdmissionCore, SchedulerConfig
+from scheduler.admission import AdmissionCore
 from scheduler.admission_queue import AdmissionRequest
+from scheduler.config import SchedulerConfig
 from scheduler.planner import Planner, PlannerConfig
 from scheduler.registry import ExecutorState
 

@@ -10,8 +10,9 @@ from kvstore.server import start_kvstore
 from kvstore.store import KVStore
 from meshserve.block_hash import KVLayout, KVStoreFingerprint, ModelFingerprint, hash_to_bytes
 from meshserve.kvstore_client import KVStoreClient
-from scheduler.admission import AdmissionCore, SchedulerConfig
+from scheduler.admission import AdmissionCore
 from scheduler.admission_queue import AdmissionRequest
+from scheduler.config import SchedulerConfig
 from scheduler.kvstore_index import KVStoreIndex, MOVED, REMOVED, SNAPSHOT_END, STORED
 from scheduler.registry import ExecutorState
 from scheduler.routing import Candidate, RoutingConfig, score

@@ -1,8 +1,9 @@
 """Lease lifetime in the admission core: expiry unless renewed, reconciled with the
 executor's reports (a dead gateway's leases come back), on a fake clock."""
 
-from scheduler.admission import AdmissionCore, SchedulerConfig
+from scheduler.admission import AdmissionCore
 from scheduler.admission_queue import AdmissionRequest
+from scheduler.config import SchedulerConfig
 from scheduler.registry import ExecutorState
 
 

@@ -35,7 +35,7 @@ def test_scheduler_metrics_follow_the_core():
 
 
 def test_the_schedulers_priority_labels_keep_its_tenants_classes():
-    from scheduler.admission import SchedulerConfig
+    from scheduler.config import SchedulerConfig
     from scheduler.server import SchedulerServicer
     from scheduler.tenant_limits import TenantLimits
 

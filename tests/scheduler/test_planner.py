@@ -192,7 +192,8 @@ def test_the_planner_loop_decides_on_the_reactive_floor_when_the_forecast_fails(
     import asyncio
     import logging
 
-    from scheduler.admission import AdmissionCore, SchedulerConfig
+    from scheduler.admission import AdmissionCore
+    from scheduler.config import SchedulerConfig
     from scheduler.planner_loop import PlannerLoop
 
     class Clock:

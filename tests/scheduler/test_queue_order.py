@@ -5,8 +5,9 @@ import random
 
 import pytest
 
-from scheduler.admission import AdmissionCore, SchedulerConfig
+from scheduler.admission import AdmissionCore
 from scheduler.admission_queue import AdmissionRequest
+from scheduler.config import SchedulerConfig
 from scheduler.queue_order import ORDER_MAX_AGE_S, QueueOrder
 from scheduler.queue_policy import QueuePolicy
 from scheduler.registry import ExecutorState

@@ -4,8 +4,9 @@ from dataclasses import dataclass
 
 import pytest
 
-from scheduler.admission import AdmissionCore, SchedulerConfig
+from scheduler.admission import AdmissionCore
 from scheduler.admission_queue import AdmissionRequest
+from scheduler.config import SchedulerConfig
 from scheduler.queue_policy import QueuePolicy
 from scheduler.registry import ExecutorState
 

@@ -3,8 +3,9 @@
 import pytest
 
 from meshserve.errors import InvalidArgument, ResourceExhausted
-from scheduler.admission import AdmissionCore, SchedulerConfig
+from scheduler.admission import AdmissionCore
 from scheduler.admission_queue import AdmissionRequest
+from scheduler.config import SchedulerConfig
 from scheduler.quotas import quota_max_tokens
 from scheduler.registry import ExecutorState
 from scheduler.wait_estimate import WaitEstimator

@@ -2,8 +2,9 @@
 
 import pytest
 
-from scheduler.admission import AdmissionCore, SchedulerConfig
+from scheduler.admission import AdmissionCore
 from scheduler.admission_queue import AdmissionRequest
+from scheduler.config import SchedulerConfig
 from scheduler.prefix_index import PrefixIndex
 from scheduler.registry import ExecutorState
 from scheduler.routing import Candidate, RoutingConfig, Scored, route, score

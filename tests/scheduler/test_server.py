@@ -7,7 +7,7 @@ import pytest
 
 from meshserve.v1 import scheduler_pb2 as pb
 from meshserve.v1 import scheduler_pb2_grpc
-from scheduler.admission import SchedulerConfig
+from scheduler.config import SchedulerConfig
 from scheduler.server import start_scheduler
 from tests.support.mesh_harness import wait_for_condition
 from tests.support.served_scheduler import served_scheduler

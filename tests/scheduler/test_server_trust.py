@@ -12,7 +12,7 @@ from meshserve.lease_token import LeaseVerifier
 from meshserve.request_ids import MAX_REQUEST_ID_LEN
 from meshserve.v1 import scheduler_pb2 as pb
 from meshserve.v1 import scheduler_pb2_grpc
-from scheduler.admission import SchedulerConfig
+from scheduler.config import SchedulerConfig
 from scheduler.server import start_scheduler
 from scheduler.tenant_limits import TenantLimits
 

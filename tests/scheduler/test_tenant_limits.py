@@ -4,8 +4,9 @@
 import pytest
 
 from meshserve.errors import PermissionDenied, ResourceExhausted
-from scheduler.admission import AdmissionCore, SchedulerConfig
+from scheduler.admission import AdmissionCore
 from scheduler.admission_queue import AdmissionRequest
+from scheduler.config import SchedulerConfig
 from scheduler.registry import ExecutorState
 from scheduler.tenant_limits import TenantLimits, TokenBucket
 

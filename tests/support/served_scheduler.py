@@ -9,7 +9,7 @@ import contextlib
 
 from meshserve.v1 import scheduler_pb2 as pb
 from meshserve.v1 import scheduler_pb2_grpc
-from scheduler.admission import SchedulerConfig
+from scheduler.config import SchedulerConfig
 from meshserve.grpc_server import open_channel
 from scheduler.server import start_scheduler
 from tests.support.tls import role_tls

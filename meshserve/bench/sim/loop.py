@@ -53,8 +53,9 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Mapping, Protocol
 
-from scheduler.admission import AdmissionCore, SchedulerConfig
+from scheduler.admission import AdmissionCore
 from scheduler.admission_queue import AdmissionRequest
+from scheduler.config import SchedulerConfig
 from scheduler.registry import ExecutorState
 from scheduler.routing import RoutingConfig
 

@@ -4,7 +4,7 @@ served name: ``tests.support.http_mesh``)."""
 import pytest_asyncio
 
 from gateway.tenants import TenantRegistry
-from scheduler.admission import SchedulerConfig
+from scheduler.config import SchedulerConfig
 from tests.support.engines import make_engine
 from tests.support.http_mesh import SERVED, write_tenants
 from tests.support.mesh_harness import SHARED_MESH_EXECUTOR_TIMEOUT_S, start_local_mesh

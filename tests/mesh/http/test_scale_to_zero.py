@@ -10,7 +10,7 @@ import httpx2 as httpx
 
 from gateway.request import ModelInfo
 from gateway.server import start_gateway
-from scheduler.admission import SchedulerConfig
+from scheduler.config import SchedulerConfig
 from scheduler.planner import PlannerConfig
 from scheduler.server import start_scheduler
 from tests.support.mesh_harness import wait_for_condition
