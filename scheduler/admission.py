@@ -1,10 +1,11 @@
 """The scheduler's pure core: the admission queue and dispatch to executors.
 
 No gRPC here: the servicer calls ``submit``, ``dispatch``, ``release`` and the
-registry methods, and turns the results into stream events. The core decides;
-the queue (``scheduler.admission_queue``), the lease table
-(``scheduler.lease_table``) and the policies keep their own state in their own
-modules.
+registry methods, and turns the results into stream events. The core decides
+and keeps the parts in step; the queue (``scheduler.admission_queue``), the
+lease table (``scheduler.lease_table``), the settings (``scheduler.config``),
+the checks that refuse a request outright (``scheduler.admission_checks``) and
+the policies live in their own modules.
 
 **Order.** ``dispatch`` walks the queue in the order of its ``QueuePolicy``
 (``scheduler.queue_policy``: fcfs, priority classes, or shortest-job-first on
@@ -60,7 +61,8 @@ import time
 import uuid
 from typing import Callable, Iterable, Mapping
 
-from meshserve.errors import AlreadyExists, InvalidArgument, PermissionDenied, ResourceExhausted, Unavailable
+from meshserve.errors import AlreadyExists, InvalidArgument, ResourceExhausted, Unavailable
+from scheduler.admission_checks import check_fits, check_quota_alone, describe, tenant_limits
 from scheduler.admission_queue import AdmissionQueue, AdmissionRequest
 from scheduler.config import SchedulerConfig
 from scheduler.kvstore_index import KVStoreIndex
@@ -70,8 +72,8 @@ from scheduler.predictor import OutputLengthPredictor
 from scheduler.prefix_index import PrefixIndex
 from scheduler.queue_policy import QueuePolicy
 from scheduler.quotas import TenantQuotas
-from scheduler.registry import ExecutorRegistry, ExecutorState, Lease
-from scheduler.tenant_limits import RateLimiter, TenantLimits
+from scheduler.registry import ExecutorRegistry, Lease
+from scheduler.tenant_limits import RateLimiter
 from scheduler.wait_estimate import WaitEstimator
 
 
@@ -114,7 +116,7 @@ class AdmissionCore:
                 its ``lease_id`` is already a lease's or a queued request's.
             PermissionDenied: a tenant the configured tenants do not list.
         """
-        limits = self._tenant_limits(req.tenant)
+        limits = tenant_limits(self.config.tenant_limits, req.tenant)
         req.priority = limits.clamp_priority(req.priority)
         if req.request_id in self._queue or self.lease_table.holds_request(req.request_id):
             raise AlreadyExists(f"request_id {req.request_id!r} is already queued or running")
@@ -122,12 +124,12 @@ class AdmissionCore:
             raise AlreadyExists(f"lease_id {req.lease_id!r} is already in use")
         executors = self.placer.executors_for(req)
         if not executors and self.config.start_budget_s is None:
-            raise Unavailable(f"no executor is serving {self._what(req)}")
+            raise Unavailable(f"no executor is serving {describe(req, self.config.pools)}")
         if executors:
-            self._check_fits(req, executors)
+            check_fits(req, executors)
         else:
             req.no_executor_since = self._clock()  # scale to zero: waits for one to start
-        self._check_quota_alone(req, [e for e in executors if fits_ever(e, req)])
+        check_quota_alone(req, [e for e in executors if fits_ever(e, req)], self.quotas.limit(req.tenant))
         self.rates.check(req.tenant, req.num_prompt_tokens * max(1, req.n), self._clock())
         displaced = self._make_room(req)
         self.rates.admit(req.tenant, req.num_prompt_tokens * max(1, req.n), self._clock())
@@ -142,23 +144,6 @@ class AdmissionCore:
         return (lease_id in self.lease_table or self._queue.has_lease_id(lease_id)
                 or any(lease_id in e.listed_lease_ids for e in self.registry))
 
-    def _what(self, req: AdmissionRequest) -> str:
-        """``model 'x' in pool 'p' or its spill targets``: what no executor serves."""
-        what = f"model {req.model!r}" if req.model else "any model"
-        if self.config.pools is not None:
-            what += f" in pool {self.config.pools.pool_of(req.priority)!r} or its spill targets"
-        return what
-
-    @staticmethod
-    def _check_fits(req: AdmissionRequest, executors: list[ExecutorState]) -> None:
-        """Raises InvalidArgument if none of ``executors`` (non-empty) could ever hold ``req``."""
-        if not any(fits_ever(e, req) for e in executors):
-            limit = max(min(e.max_model_len, e.num_blocks * e.block_size) for e in executors)
-            raise InvalidArgument(
-                f"prompt has {req.num_prompt_tokens} tokens; the largest executor holds "
-                f"{limit - 1} prompt tokens (max_model_len and KV cache size)"
-            )
-
     def expire_start_waits(self) -> list[tuple[AdmissionRequest, Exception]]:
         """Scale to zero (module docstring): removes each queued request that has found
         no executor of its model for ``start_budget_s`` (with Unavailable) or that the
@@ -171,32 +156,20 @@ class AdmissionCore:
             if executors:
                 req.no_executor_since = None
                 try:
-                    self._check_fits(req, executors)
-                    self._check_quota_alone(req, [e for e in executors if fits_ever(e, req)])
+                    check_fits(req, executors)
+                    check_quota_alone(req, [e for e in executors if fits_ever(e, req)], self.quotas.limit(req.tenant))
                 except (InvalidArgument, ResourceExhausted) as exc:
                     out.append((req, exc))
                 continue
             if req.no_executor_since is None:
                 req.no_executor_since = now  # its executors left: it waits for new ones
             if budget is not None and now - req.no_executor_since >= budget:
+                what = describe(req, self.config.pools)
                 out.append((req, Unavailable(
-                    f"no executor of {self._what(req)} was ready within the start budget of {budget:g} s")))
+                    f"no executor of {what} was ready within the start budget of {budget:g} s")))
         for req, _ in out:
             self._queue.remove(req.request_id)
         return out
-
-    def _tenant_limits(self, tenant: str) -> TenantLimits:
-        """The tenant's limits (none when no limits are configured).
-
-        Raises:
-            PermissionDenied: limits are configured and do not list the tenant.
-        """
-        if self.config.tenant_limits is None:
-            return TenantLimits()
-        limits = self.config.tenant_limits.get(tenant)
-        if limits is None:
-            raise PermissionDenied(f"unknown tenant {tenant!r}")
-        return limits
 
     def _predict(self, req: AdmissionRequest) -> None:
         prediction = self.predictor.predict(req.tenant, req.num_prompt_tokens, req.max_tokens)
@@ -206,21 +179,6 @@ class AdmissionCore:
         if cost != req.cost:
             req.cost = cost
             self._queue.changed()  # the sjf order and the estimated waits change
-
-    def _check_quota_alone(self, req: AdmissionRequest, fitting: list[ExecutorState]) -> None:
-        cap = self.quotas.limit(req.tenant)
-        if not fitting:
-            return  # no executor yet (scale to zero): checked when one registers
-        executor = min(fitting, key=lambda e: blocks_needed(e, req))
-        need = blocks_needed(executor, req)
-        if cap is not None and need > cap:
-            choices = f"{req.n} choices of " if req.n > 1 else ""
-            capped = f", at most the executor's {executor.num_blocks}" if need == executor.num_blocks else ""
-            raise ResourceExhausted(
-                f"request needs {need} KV blocks ({choices}a prompt of {req.num_prompt_tokens} tokens + 1, in blocks "
-                f"of {executor.block_size}{capped}); tenant {req.tenant!r} has a quota of {cap} blocks",
-                None,  # it never fits, however long the caller waits: no retry delay
-            )
 
     def _make_room(self, req: AdmissionRequest) -> list[AdmissionRequest]:
         """Displaces lower-priority requests so ``req`` fits the bounds, or raises."""
