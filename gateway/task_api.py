@@ -38,7 +38,8 @@ from gateway.events import Queued
 from gateway.generation import GatewayCore, refused_for_now
 from gateway.proto_convert import request_from_proto, task_result
 from gateway.request import Prepared, SpanOptions
-from gateway.task_runner import TaskHooks, TaskRunner, Work
+from gateway.task_run import TaskHooks, Work
+from gateway.task_runner import TaskRunner
 from gateway.task_store import TaskRecord, TaskState
 from gateway.task_wait import WaitingLines
 from gateway.tenants import Tenant, TenantRegistry

@@ -2,20 +2,12 @@
 
 ``submit`` stores a QUEUED record claimed by this gateway (attempt 1) and
 starts the task's *work* — a coroutine function the gateway supplies that runs
-the generation and returns its result as bytes — as an asyncio task. The work
-gets ``TaskHooks``: awaiting ``hooks()`` marks the task RUNNING once the
-scheduler has assigned an executor; ``hooks.queued(position, wait)`` records
-its place in the scheduler's queue. The outcome becomes the final state:
-
-    work returns bytes            → SUCCEEDED (result stored)
-    work raises Unavailable (or an
-      upstream CANCELLED)         → retried (below), else FAILED with its code
-    work raises another MeshError → FAILED (its status code name and message)
-    work raises anything else     → FAILED, INTERNAL (our bug; logged)
-    cancel() / a CancelTask seen  → CANCELLED (the work is cancelled: its
-                                     executor call is cancelled, KV freed)
-    close() (gateway stopping)    → shared store: handed back (QUEUED, unowned)
-                                    for another gateway; memory: FAILED, UNAVAILABLE
+the generation and returns its result as bytes — as an asyncio task; each task
+runs as a ``TaskRun`` (``gateway.task_run``: its attempts, the ``TaskHooks`` its
+work reports through, the outcome that becomes its final state, retries, and
+its writes fenced by attempt). ``cancel`` and a ``CancelTask`` seen end it
+CANCELLED; ``close`` (the gateway stopping) hands it back (QUEUED, unowned) to
+another gateway with a shared store, or fails it (UNAVAILABLE) in memory.
 
 **Durable tasks** (a shared store, Redis, and a ``resume`` function that builds
 a task's work again from its stored record):
@@ -28,15 +20,9 @@ a task's work again from its stored record):
   lapsed (their gateway died, was SIGKILLed or stalled) or that were handed
   back, and runs them through ``resume``. A task claimed for the
   ``max_attempts + 1``-th time ends FAILED (UNAVAILABLE, with the last reason).
-* *Retries.* A work that raises ``Unavailable`` (its executor went away, the
-  scheduler had none) runs again after an exponential backoff
-  (``retry_backoff_s`` · 2^k) under the next attempt number, at most
-  ``max_attempts`` attempts in all; the task's caller has seen nothing yet, so
-  a retry is invisible but for ``attempt`` and ``last_error`` in its status.
-* *Exactly one result.* Every write of a holder is fenced by its attempt
-  number (``transition(..., fence=attempt)``): once another attempt owns the
-  task the old holder's writes are refused, so there is one final state, one
-  result and one ``on_final`` call (its callback) per task, whoever ran it.
+* *Retries* and *exactly one result*: ``gateway.task_run`` (a work that
+  raises ``Unavailable`` runs again under the next attempt number; every write
+  of a holder is fenced by its attempt number).
 
 **Durable callbacks.** A final transition of a task with a callback names
 this gateway its ``callback_owner`` with a lease (``lease_s``); ``on_final``
@@ -59,11 +45,7 @@ smaller than an adapter over a job library would be.
 Tenancy: ``get`` and ``cancel`` raise ``NotFound`` for another tenant's task,
 with the same message as for an unknown one, so ids leak nothing.
 
-Length: over the 400-line guide because claims, heartbeats, takeover, retries,
-hand-back and delivery leases are one state machine over one record, whose
-interleavings (a cancel during a retry, a renewal racing a final write) are
-easier to check in one place; the callback POST itself lives in
-``gateway.callback_delivery``.
+The callback POST itself lives in ``gateway.callback_delivery``.
 """
 
 from __future__ import annotations
@@ -72,9 +54,10 @@ import asyncio
 import logging
 import time
 import uuid
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from typing import Awaitable, Callable
 
+from gateway.task_run import Resume, TaskRun, Work
 from gateway.task_store import FINISHED, UNFINISHED, TaskRecord, TaskState, TaskStore
 from gateway.task_wait import DEFAULT_MAX_WAIT_S
 from meshserve.errors import MeshError, NotFound, Unavailable
@@ -82,70 +65,12 @@ from meshserve.timeouts import wait_for
 
 log = logging.getLogger(__name__)
 
-# upstream failures a task runs again after: its executor or scheduler went away (a
-# CANCELLED from upstream is an executor shutting down; our own cancel is CancelledError)
-RETRIED_CODES = ("UNAVAILABLE", "CANCELLED")
 # the bound on a tenant's unfinished tasks when its tenants-file entry sets none
 # (``meshserve gateway --max-unfinished-tasks-per-tenant``)
 DEFAULT_MAX_UNFINISHED_PER_TENANT = 1000
 
 
-# a task that waits (in the scheduler's queue, or out a refusal) is QUEUED; a taken-over
-# task's record keeps the state its dead holder left (RUNNING), and goes back to QUEUED here
-_WAITING = (TaskState.QUEUED, TaskState.RUNNING)
-
-
-class TaskHooks:
-    """What a task's work reports while it runs (one attempt).
-
-    ``await hooks()`` marks the task RUNNING (an executor was assigned);
-    ``await hooks.queued(position, estimated_wait_s)`` records its place in the
-    scheduler's queue (0-based position; seconds); ``await hooks.held(reason,
-    wait_s)`` a refusal it waits out. All are fenced by ``attempt``: a stale
-    attempt's reports are dropped.
-    """
-
-    def __init__(self, runner: TaskRunner, task_id: str, attempt: int):
-        self._runner, self.task_id, self.attempt = runner, task_id, attempt
-        self._last: tuple[int, float] | None = None
-
-    async def __call__(self) -> None:
-        await self._runner.store.transition(self.task_id, (TaskState.QUEUED,), TaskState.RUNNING, fence=self.attempt,
-                                            started_at=self._runner.clock(), queue_position=-1, estimated_wait_s=0.0)
-
-    async def queued(self, position: int, estimated_wait_s: float) -> None:
-        if self._last == (position, estimated_wait_s):
-            return
-        self._last = (position, estimated_wait_s)
-        await self._runner.store.transition(self.task_id, _WAITING, TaskState.QUEUED, fence=self.attempt,
-                                            queue_position=position, estimated_wait_s=estimated_wait_s)
-
-    async def held(self, reason: str, wait_s: float) -> None:
-        """Records that the scheduler refused the task for now (QUEUED, not in its
-        queue: ``queue_position`` -1) and that it is admitted again in ``wait_s``
-        seconds; ``reason`` becomes its ``last_error``."""
-        self._last = None
-        await self._runner.store.transition(self.task_id, _WAITING, TaskState.QUEUED, fence=self.attempt,
-                                            queue_position=-1, estimated_wait_s=wait_s, last_error=reason)
-
-
-Work = Callable[[TaskHooks], Awaitable[bytes]]
-MarkRunning = TaskHooks  # what older work functions called their argument
-Resume = Callable[[TaskRecord], Work]  # a task's work again, from its record (raises MeshError when it cannot)
 OnFinal = Callable[[TaskRecord], Awaitable[None]]  # after the one final transition (callbacks)
-
-
-@dataclass
-class _Running:
-    """One task whose work runs here."""
-
-    task: asyncio.Task
-    attempt: int
-    lock: asyncio.Lock  # orders the heartbeat's renewals with the attempt's own writes
-    lost: bool = False  # another attempt owns it, or it was cancelled elsewhere: write nothing
-    hand_back: bool = False  # the gateway stops: give it back, unowned
-    started: bool = False  # its coroutine has begun (a cancel before that would skip its cleanup)
-    cancel_at_start: bool = False
 
 
 class TaskRunner:
@@ -193,7 +118,7 @@ class TaskRunner:
         self.max_unfinished_per_tenant = max_unfinished_per_tenant
         self.resume, self.on_final, self.delivers_callbacks = resume, on_final, delivers_callbacks
         self.submit_timeout_s = submit_timeout_s
-        self._running: dict[str, _Running] = {}
+        self._running: dict[str, TaskRun] = {}
         self._delivering: dict[str, asyncio.Task] = {}  # task id -> its callback delivery (held here)
         self._finals: set[asyncio.Task] = set()
         self._loops: list[asyncio.Task] = []
@@ -201,6 +126,11 @@ class TaskRunner:
         self._draining = False  # set by drain: nothing more is claimed from other gateways
         self._claiming = asyncio.Lock()  # held by a takeover step (drain waits for the one under way)
         self._stopping = asyncio.Event()  # set by close: the loops stop between steps
+
+    @property
+    def closing(self) -> bool:
+        """Whether the gateway is stopping (``close`` began)."""
+        return self._closing
 
     @property
     def num_running(self) -> int:
@@ -281,9 +211,9 @@ class TaskRunner:
         if record.state.finished:
             return record
         cancelled = await self.store.transition(task_id, UNFINISHED, TaskState.CANCELLED, finished_at=self.clock(),
-                                                owner="", queue_position=-1, **self._callback_claim())
+                                                owner="", queue_position=-1, **self.callback_claim())
         if cancelled is not None:
-            self._final(cancelled)
+            self.handle_final(cancelled)
         self._cancel(task_id)
         return cancelled or await self.get(tenant, task_id)  # it finished meanwhile
 
@@ -343,7 +273,7 @@ class TaskRunner:
                 log.warning("task %s: callback not handed back (its lease will lapse): %s", task_id, exc)
 
     def _launch(self, task_id: str, attempt: int, work: Work) -> None:
-        running = _Running(None, attempt, asyncio.Lock())  # type: ignore[arg-type]
+        running = TaskRun(self, task_id, attempt)
         self._running[task_id] = running
         running.task = asyncio.create_task(self._run(task_id, running, work), name=f"task {task_id}")
 
@@ -358,114 +288,26 @@ class TaskRunner:
         else:
             running.cancel_at_start = True
 
-    async def _run(self, task_id: str, running: _Running, work: Work) -> None:
+    async def _run(self, task_id: str, running: TaskRun, work: Work) -> None:
         running.started = True
         if running.cancel_at_start:
             asyncio.current_task().cancel()  # raised at the work's first await, inside its own try
         try:
             while work is not None:
-                work = await self._attempt(task_id, running, work)
+                work = await running.run_attempt(work)
         finally:
             self._running.pop(task_id, None)
 
-    async def _attempt(self, task_id: str, running: _Running, work: Work) -> Work | None:
-        """Runs one attempt; returns the next attempt's work (a retry) or None (done)."""
-        try:
-            result = await work(TaskHooks(self, task_id, running.attempt))
-        except asyncio.CancelledError:
-            # the cancel is ours (close, cancel, a refused renewal) and handled here: a task
-            # left "cancelling" would break the timeouts inside the store's client calls below
-            asyncio.current_task().uncancel()
-            if running.lost:
-                return None
-            if running.hand_back:
-                await self._write(task_id, running, UNFINISHED, TaskState.QUEUED, owner="", lease_until=0.0,
-                                  queue_position=-1, estimated_wait_s=0.0,
-                                  last_error="handed back: its gateway stopped")
-            elif self._closing:
-                await self._finish(task_id, running, TaskState.FAILED, error_code="UNAVAILABLE",
-                                   error_message="the gateway stopped before the task finished")
-            else:
-                await self._finish(task_id, running, TaskState.CANCELLED)
-        except MeshError as exc:
-            retryable = exc.code.name in RETRIED_CODES
-            if retryable and self.resume is not None and running.attempt < self.max_attempts and not self._closing:
-                return await self._retry(task_id, running, exc)
-            await self._finish(task_id, running, TaskState.FAILED, error_code=exc.code.name, error_message=str(exc))
-        except Exception as exc:  # noqa: BLE001 - our own bug: recorded as INTERNAL, like a call's
-            log.exception("task %s failed", task_id)
-            await self._finish(task_id, running, TaskState.FAILED, error_code="INTERNAL",
-                               error_message=f"internal error: {type(exc).__name__}: {exc}")
-        else:
-            await self._finish(task_id, running, TaskState.SUCCEEDED, result=result)
-        return None
-
-    async def _retry(self, task_id: str, running: _Running, exc: MeshError) -> Work | None:
-        """Moves the task to its next attempt (QUEUED again), waits the backoff, and
-        builds the work again; None when the record went on without us."""
-        reason = f"attempt {running.attempt}: {exc.code.name}: {exc}"
-        log.warning("task %s: %s; retrying", task_id, reason)
-        delay_s = self.retry_backoff_s * 2 ** (running.attempt - 1)
-        record = await self._write(task_id, running, UNFINISHED, TaskState.QUEUED, attempt=running.attempt + 1,
-                                   last_error=reason, queue_position=-1, estimated_wait_s=delay_s,
-                                   lease_until=self.clock() + self.lease_s)
-        if record is None:
-            return None
-        running.attempt = record.attempt
-
-        async def after_backoff(hooks: TaskHooks) -> bytes:  # a cancel while waiting ends it like the work's
-            await asyncio.sleep(delay_s)
-            return await self._work_of(record, running)(hooks)
-        return after_backoff
-
-    def _work_of(self, record: TaskRecord, running: _Running) -> Work:
-        """``resume(record)``, or a work that raises why it cannot be resumed."""
-        try:
-            return self.resume(record)
-        except MeshError as exc:
-            error = exc  # the except block unbinds exc
-
-            async def failing(_hooks: TaskHooks) -> bytes:
-                raise error
-            return failing
-
-    async def _write(self, task_id: str, running: _Running, from_states, to_state: TaskState | None,
-                     **changes) -> TaskRecord | None:
-        """A fenced write of the running attempt (None, and ``lost``, when refused);
-        a store that cannot be reached is logged and leaves the record to its lease."""
-        async with running.lock:
-            try:
-                record = await self.store.transition(task_id, from_states, to_state, fence=running.attempt,
-                                                     **changes)
-            except MeshError as exc:
-                log.warning("task %s: its record could not be written (%s): %s", task_id, to_state, exc)
-                return None
-            running.lost = record is None
-            return record
-
-    async def _finish(self, task_id: str, running: _Running, state: TaskState, **changes) -> None:
-        """The final transition (a no-op when the task already ended or another attempt
-        owns it); the one that succeeds hands the record to ``on_final``. While the
-        store does not answer it is tried again every ``heartbeat_s`` for one
-        ``lease_s`` (the outcome is not thrown away over a short outage; past the
-        lease another gateway may run the task again, and the fence keeps one result)."""
-        for _ in range(max(1, round(self.lease_s / self.heartbeat_s))):
-            record = await self._write(task_id, running, UNFINISHED, state, finished_at=self.clock(), owner="",
-                                       queue_position=-1, **changes, **self._callback_claim())
-            if record is not None:
-                self._final(record)
-                return
-            if running.lost or self._closing:
-                return
-            await asyncio.sleep(self.heartbeat_s)
-
-    def _callback_claim(self) -> dict:
+    def callback_claim(self) -> dict:
         """The fields of a final transition that make this gateway its callback's deliverer."""
         if not self.delivers_callbacks:
             return {}
         return {"callback_owner": self.owner, "callback_lease_until": self.clock() + self.lease_s}
 
-    def _final(self, record: TaskRecord) -> None:
+    def handle_final(self, record: TaskRecord) -> None:
+        """Hands the record of a final transition (or of a callback delivery taken over)
+        to ``on_final``, in the background; a delivery this gateway holds is renewed by
+        the heartbeat while it runs."""
         if self.on_final is None:
             return
         task = self._background(self.on_final(record), f"task {record.task_id} final")
@@ -529,7 +371,7 @@ class TaskRunner:
                 if record is not None:
                     log.info("task %s: callback delivery taken over (%d attempts made)", task_id,
                              record.callback_attempts)
-                    self._final(record)
+                    self.handle_final(record)
 
     async def _take_over_tasks(self) -> None:
         now = self.clock()
@@ -540,16 +382,16 @@ class TaskRunner:
             if record is None:
                 continue  # another gateway was quicker
             log.info("task %s: taken over (attempt %d)", task_id, record.attempt)
-            running = _Running(None, record.attempt, asyncio.Lock())  # type: ignore[arg-type]
+            running = TaskRun(self, task_id, record.attempt)
             if record.attempt > self.max_attempts:
                 self._running[task_id] = running
                 try:
-                    await self._finish(task_id, running, TaskState.FAILED, error_code="UNAVAILABLE",
+                    await running.finish(TaskState.FAILED, error_code="UNAVAILABLE",
                                        error_message=f"gave up after {self.max_attempts} attempts "
                                                      f"({record.last_error or 'its gateway stopped'})")
                 finally:
                     self._running.pop(task_id, None)
                 continue
             self._running[task_id] = running
-            running.task = asyncio.create_task(self._run(task_id, running, self._work_of(record, running)),
+            running.task = asyncio.create_task(self._run(task_id, running, running.work_of(record)),
                                                name=f"task {task_id}")
