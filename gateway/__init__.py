@@ -32,7 +32,8 @@ Core (plain data, no protobuf, no gRPC; unit-tested directly):
 * ``gateway.task_store``: async task records (``TaskStore``: memory;
   ``gateway.redis_task_store``: Redis; ``gateway.task_store_registry``: the
   store a URL names); ``gateway.task_runner``: runs tasks in the background over
-  a store (``TaskRunner``).
+  a store (``TaskRunner``); ``gateway.task_run``: one task's attempts
+  (``TaskRun``) and the hooks its work reports through (``TaskHooks``).
 
 HTTP: ``gateway.http`` (OpenAI-compatible routes, the task routes, health, readiness,
 metrics and version, served by uvicorn in the gateway's event loop).

@@ -2,7 +2,7 @@
 unless an executor output came since the last one.
 
 The scheduler releases a lease that nobody renews for ``lease_ttl_s`` once its
-executor no longer runs it (``scheduler.admission``), so a gateway that dies
+executor no longer runs it (``scheduler.lease_table``), so a gateway that dies
 gives its leases back within a bounded time; a live gateway renews each lease
 it holds from the assignment until it releases it. Renewing four times per
 lifetime lets three renewals in a row fail (a scheduler briefly unreachable)

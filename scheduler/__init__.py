@@ -3,13 +3,16 @@
 A pure core (no gRPC; unit-tested directly and run by the simulators of
 ``meshserve sim``) and a thin servicer over it::
 
-    Admit / Release / Connect ─▶ server.py ─▶ admission.py: AdmissionCore
-                                                ├ queue_policy.py    order: FCFS, priority, SJF with aging
-                                                ├ predictor.py       output lengths, learnt from releases
-                                                ├ wait_estimate.py   estimated waits and retry delays
-                                                ├ quotas.py          tenant KV quotas
-                                                ├ registry.py        connected executors and their leases
-                                                └ placement.py       where a request goes now
+    Admit / Release / Connect ─▶ server.py ─▶ admission.py: AdmissionCore (config.py: SchedulerConfig)
+                                                ├ admission_queue.py  the queue: bounds, displacement, positions
+                                                ├ admission_checks.py refusals no wait cures
+                                                ├ lease_table.py      leases: lifetimes and quota charges
+                                                ├ queue_policy.py     order: FCFS, priority, SJF with aging
+                                                ├ predictor.py        output lengths, learnt from releases
+                                                ├ wait_estimate.py    estimated waits and retry delays
+                                                ├ quotas.py           tenant KV quotas
+                                                ├ registry.py         connected executors and their leases
+                                                └ placement.py        where a request goes now
                                                    ├ pools.py           instance pools and spill rules
                                                    ├ prefix_index.py    chain hash -> executors (KV events)
                                                    ├ kvstore_index.py   the kvstore's blocks

@@ -1,10 +1,10 @@
 """Tenant KV quotas: the blocks each tenant's leases hold across all executors.
 
-The admission core is the only writer: it ``reserve``s a lease's blocks when it
-assigns the lease, ``recharge``s the lease when its executor reports the blocks
-the lease's requests really hold (decode growth, prefix sharing; see
-``scheduler.admission``), and ``free``s the lease's current charge when the
-lease is released or its executor goes away. Until the first report a lease
+The admission core's lease table (``scheduler.lease_table``) is the only writer:
+it ``reserve``s a lease's blocks when the core assigns the lease, ``recharge``s
+the lease when its executor reports the blocks the lease's requests really hold
+(decode growth, prefix sharing), and ``free``s the lease's current charge when
+the lease is released. Until the first report a lease
 holds the blocks admission counted for it
 (``n * ceil((num_prompt_tokens + 1) / block_size)``, ``scheduler.placement``).
 

@@ -35,7 +35,7 @@ class Lease:
             executor's last per-lease report (blocks × block_size), or None.
         reserved_blocks: blocks admission reserved (``num_blocks`` starts
             there and follows the executor's per-lease reports, see
-            ``scheduler.admission``).
+            ``scheduler.lease_table``).
         expires_at: clock time at which it expires unless renewed (seconds).
         listed: its executor listed it in its last report (its request is there).
     """
