@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from executor.attention import build_attention_metadata, cpu_kernel
-from executor.models import cpu_decoder_stack
+from executor.models import cpu_decoder_stack, cpu_gemm
 from executor.models.cpu_decoder_stack import DecoderStack
 from tests.support.tiny_models import KINDS, save_tiny
 
@@ -30,6 +30,13 @@ def tiny_models(tmp_path_factory):
 def driver(one_thread):
     if cpu_decoder_stack.load() is None or cpu_kernel.load() is None:
         pytest.skip("no C compiler on this host")
+
+
+def needs_gemm(dtype: str) -> None:
+    """Skips where the dtype's GEMM kernel is missing (bfloat16 needs AVX512-BF16): the
+    layers then run oneDNN or ``F.linear``, which the driver does not call."""
+    if (cpu_gemm.load_bf16() if dtype == "bfloat16" else cpu_gemm.load()) is None:
+        pytest.skip(f"no {dtype} GEMM kernel on this CPU")
 
 
 def _step(loaded, query_lens: list[int], contexts: list[int], seed: int):
@@ -87,6 +94,7 @@ def test_the_driver_is_bitwise_the_eager_layers(tiny_models, driver, kind, dtype
     residual stream and every layer's KV cache equal bit for bit."""
     from executor.model_loader import load_model
 
+    needs_gemm(dtype)
     loaded = load_model(tiny_models[kind], dtype=dtype, device="cpu")
     stack = DecoderStack.for_model(loaded.model.layers, loaded.dtype)
     assert stack is not None
@@ -109,6 +117,7 @@ def test_steps_with_other_attention_work_and_other_settings_stay_eager(tiny_mode
     from executor.attention.torch_plan import PREFILL_KERNEL_MAX_LEN
     from executor.model_loader import load_model
 
+    needs_gemm("float32")
     loaded = load_model(tiny_models["llama-bias"], dtype="float32", device="cpu")
     model = loaded.model
     stack = DecoderStack.for_model(model.layers, torch.float32)
@@ -153,6 +162,7 @@ def test_the_engine_gives_the_same_tokens_and_logprobs_with_the_driver_off(tiny_
     from executor.engine.llm_engine import LLMEngine
     from meshserve.sampling import SamplingParams
 
+    needs_gemm(dtype)
     runs = []
     original = DecoderStack.run
 

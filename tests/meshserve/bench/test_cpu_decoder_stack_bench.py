@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from executor.models import cpu_decoder_stack
+from executor.models import cpu_decoder_stack, cpu_gemm
 from meshserve.bench import cpu_decoder_stack as bench
 from tests.support.tiny_models import save_tiny
 
@@ -16,6 +16,8 @@ pytestmark = pytest.mark.skipif(cpu_decoder_stack.load() is None, reason="no C c
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_both_ways_give_the_same_logits_and_are_timed(tmp_path, capsys, dtype):
+    if (cpu_gemm.load_bf16() if dtype == "bfloat16" else cpu_gemm.load()) is None:
+        pytest.skip(f"no {dtype} GEMM kernel on this CPU (bfloat16 needs AVX512-BF16): no driver")
     save_tiny("llama-bias", tmp_path / "model")
     out = tmp_path / "stack.json"
     assert bench.main(["--model", str(tmp_path / "model"), "--batch", "1", "3", "--context", "20", "--repeat", "2",
