@@ -100,14 +100,22 @@ def decode_step_inputs(loaded, batch: int, context: int):
     ``context`` tokens (``_contexts``) whose blocks are scattered over a random KV cache
     (as in a used pool), set on every attention layer. Returns ``(metadata,
     input_ids (batch,) int64, positions (batch,) int64)``; seeded (the same every call)."""
+    return step_inputs(loaded, [1] * batch, _contexts(batch, context))
+
+
+def step_inputs(loaded, query_lens: list[int], contexts: list[int], seed: int = 0, spare_blocks: int = 1):
+    """A step's inputs for ``loaded``'s model: request ``i`` computes ``query_lens[i]`` tokens
+    after ``contexts[i]`` cached ones (1 token: a decode), its blocks scattered over a random
+    KV cache of ``spare_blocks`` more blocks than the step needs, set on every attention
+    layer. Returns ``(metadata, input_ids (num_tokens,) int64, positions (num_tokens,) int64)``;
+    the same for the same ``seed``."""
     import torch
 
     from executor.attention import build_attention_metadata
 
-    contexts = _contexts(batch, context)
-    need = [-(-(c + 1) // BLOCK_SIZE) for c in contexts]
-    gen = torch.Generator().manual_seed(0)
-    perm = torch.randperm(sum(need) + 1, generator=gen).tolist()  # scattered blocks, as in a used pool
+    need = [-(-(c + q) // BLOCK_SIZE) for q, c in zip(query_lens, contexts)]
+    gen = torch.Generator().manual_seed(seed)
+    perm = torch.randperm(sum(need) + spare_blocks, generator=gen).tolist()  # scattered, as in a used pool
     block_ids, i = [], 0
     for n in need:
         block_ids.append(perm[i:i + n])
@@ -117,9 +125,10 @@ def decode_step_inputs(loaded, batch: int, context: int):
     for layer in layers:
         layer.kv_cache = (torch.randn(shape, generator=gen).to(loaded.dtype),
                           torch.randn(shape, generator=gen).to(loaded.dtype))
-    md = build_attention_metadata([1] * batch, contexts, block_ids, BLOCK_SIZE)
-    input_ids = torch.randint(0, loaded.vocab_size, (batch,), generator=gen)
-    return md, input_ids, torch.tensor(contexts)
+    md = build_attention_metadata(query_lens, contexts, block_ids, BLOCK_SIZE)
+    input_ids = torch.randint(0, loaded.vocab_size, (sum(query_lens),), generator=gen)
+    positions = torch.cat([torch.arange(c, c + q) for q, c in zip(query_lens, contexts)])
+    return md, input_ids, positions
 
 
 def forward(loaded, batch: int, context: int, repeat: int) -> tuple[Figure, Figure]:

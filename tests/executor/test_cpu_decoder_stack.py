@@ -9,12 +9,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from executor.attention import build_attention_metadata, cpu_kernel
+from executor.attention import cpu_kernel
 from executor.models import cpu_decoder_stack, cpu_gemm
 from executor.models.cpu_decoder_stack import DecoderStack
+from meshserve.bench.ceiling import BLOCK_SIZE as BLOCK, step_inputs
 from tests.support.tiny_models import KINDS, save_tiny
 
-BLOCK = 16
 
 
 @pytest.fixture(scope="module")
@@ -37,27 +37,6 @@ def needs_gemm(dtype: str) -> None:
     layers then run oneDNN or ``F.linear``, which the driver does not call."""
     if (cpu_gemm.load_bf16() if dtype == "bfloat16" else cpu_gemm.load()) is None:
         pytest.skip(f"no {dtype} GEMM kernel on this CPU")
-
-
-def _step(loaded, query_lens: list[int], contexts: list[int], seed: int):
-    """A step's metadata, ids and positions over a random KV cache bound to every layer
-    (each request's blocks scattered over it)."""
-    gen = torch.Generator().manual_seed(seed)
-    need = [-(-(c + q) // BLOCK) for q, c in zip(query_lens, contexts)]
-    perm = torch.randperm(sum(need) + 3, generator=gen).tolist()
-    blocks, i = [], 0
-    for n in need:
-        blocks.append(perm[i:i + n])
-        i += n
-    layers = loaded.model.attention_layers()
-    shape = (len(perm), BLOCK, layers[0].num_kv_heads, layers[0].head_dim)
-    for layer in layers:
-        layer.kv_cache = (torch.randn(shape, generator=gen).to(loaded.dtype),
-                          torch.randn(shape, generator=gen).to(loaded.dtype))
-    md = build_attention_metadata(query_lens, contexts, blocks, BLOCK)
-    ids = torch.randint(3, loaded.vocab_size, (sum(query_lens),), generator=gen)
-    positions = torch.cat([torch.arange(c, c + q) for q, c in zip(query_lens, contexts)])
-    return md, ids, positions
 
 
 def _forward(loaded, md, ids, positions, stack: DecoderStack | None):
@@ -100,7 +79,7 @@ def test_the_driver_is_bitwise_the_eager_layers(tiny_models, driver, kind, dtype
     assert stack is not None
     steps = {"decode": ([1] * 5, [40, 17, 2, 63, 9]), "token rows": ([1, 1, 7, 20], [30, 5, 0, 9])}
     for name, (query_lens, contexts) in steps.items():
-        md, ids, positions = _step(loaded, query_lens, contexts, seed=len(name))
+        md, ids, positions = step_inputs(loaded, query_lens, contexts, seed=len(name), spare_blocks=3)
         got = _forward(loaded, md, ids, positions, stack)
         want = _forward(loaded, md, ids, positions, None)
         assert got[0].dtype == loaded.dtype and got[0].shape == (len(ids), loaded.hf_config.hidden_size)
@@ -121,7 +100,7 @@ def test_steps_with_other_attention_work_and_other_settings_stay_eager(tiny_mode
     loaded = load_model(tiny_models["llama-bias"], dtype="float32", device="cpu")
     model = loaded.model
     stack = DecoderStack.for_model(model.layers, torch.float32)
-    md, ids, positions = _step(loaded, [1, 1, 3], [10, 20, 0], seed=1)
+    md, ids, positions = step_inputs(loaded, [1, 1, 3], [10, 20, 0], seed=1, spare_blocks=3)
     x, rope = model.embed(ids), model.rotary.lookup(positions)
     assert not stack.takes(x, rope, md)  # not planned
     model.attention_layers()[0].backend.plan(md)
@@ -138,7 +117,7 @@ def test_steps_with_other_attention_work_and_other_settings_stay_eager(tiny_mode
     finally:
         torch.set_num_threads(1)
     long = PREFILL_KERNEL_MAX_LEN - 8
-    md, ids, positions = _step(loaded, [1, 3, 20], [10, 0, long], seed=2)
+    md, ids, positions = step_inputs(loaded, [1, 3, 20], [10, 0, long], seed=2, spare_blocks=3)
     model.attention_layers()[0].backend.plan(md)
     assert md.plan.split is not None or md.plan.prefill_rows is not None  # SDPA or the prefill kernel takes it
     assert not stack.takes(model.embed(ids), model.rotary.lookup(positions % 256), md)  # (the model's 256 positions)
