@@ -104,7 +104,8 @@ class DecoderStack:
     def for_model(cls, layers, dtype: torch.dtype) -> DecoderStack | None:
         """The driver for ``layers`` (``LlamaDecoderLayer``s of one rank, packed for the CPU
         GEMM), or None: a dtype other than float32/bfloat16, tensor parallelism, a linear
-        layer without panels, a missing kernel, or the switch off."""
+        layer without panels, a norm weight or bias of another dtype, a missing kernel, or
+        the switch off."""
         if os.environ.get(SWITCH, "1") == "0" or dtype not in (torch.float32, torch.bfloat16) or not len(layers):
             return None
         first = layers[0]
@@ -112,8 +113,12 @@ class DecoderStack:
         linears = [m for layer in layers for m in (layer.self_attn.qkv_proj, layer.self_attn.o_proj,
                                                    layer.mlp.gate_up_proj, layer.mlp.down_proj)]
         if any(m.tp.world_size != 1 or not cpu_gemm.is_panel_packed(m.packed_weight)
-               or m.packed_weight.dtype != dtype or m.weight.device.type != "cpu" for m in linears):
+               or m.packed_weight.dtype != dtype or m.weight.device.type != "cpu"
+               or (m.bias is not None and m.bias.dtype != dtype) for m in linears):
             return None
+        if any(norm.weight.dtype != dtype for layer in layers
+               for norm in (layer.input_layernorm, layer.post_attention_layernorm)):
+            return None  # the eager norm keeps the torch ops there
         gemm = cpu_gemm.load_bf16() if dtype == torch.bfloat16 else cpu_gemm.load()
         fused, attention, fns = cpu_fused.load(), cpu_kernel.load(), load()
         if gemm is None or fused is None or attention is None or fns is None:

@@ -123,6 +123,10 @@ def test_steps_with_other_attention_work_and_other_settings_stay_eager(tiny_mode
     assert not stack.takes(model.embed(ids), model.rotary.lookup(positions % 256), md)  # (the model's 256 positions)
 
     assert DecoderStack.for_model(model.layers, torch.float16) is None
+    norm = model.layers[0].post_attention_layernorm
+    norm.weight.data = norm.weight.data.double()
+    assert DecoderStack.for_model(model.layers, torch.float32) is None  # the eager norm keeps the torch ops there
+    norm.weight.data = norm.weight.data.float()
     monkeypatch.setenv(cpu_decoder_stack.SWITCH, "0")
     assert DecoderStack.for_model(model.layers, torch.float32) is None
     monkeypatch.delenv(cpu_decoder_stack.SWITCH)
