@@ -10,10 +10,13 @@ their function pointers, in the same order, on the same inputs, so its outputs a
 bitwise the eager path's (tested), without that Python: one decode step of SmolLM2-135M
 (forward + logits) in bfloat16 on one Zen 4 core, 1 request 23.9 -> 16.5 ms, 32 requests
 68.3 -> 55.8 ms (``python -m meshserve.bench.cpu_decoder_stack``; ``reports/cpu-speed/``). The pointer tables are built once per
-model (weights never move once packed) and rebuilt when a layer's KV cache is rebound; a step
-whose layers no longer hold the panels it was built with runs eagerly. Parameters are
-read through their pointers: updated in place (``copy_``) they are seen; a replaced
-tensor needs ``process_weights_after_loading``, which builds the driver again.
+model and rebuilt whenever a layer's KV cache, norm weight or bias is another tensor, or at
+another address, than the table names (caches rebound; parameters replaced by
+``load_state_dict(..., assign=True)`` or moved by ``param.data = ...``, as ``share_memory()``
+does: their old memory may be freed); a step whose layers no longer hold the panels it was
+built with runs eagerly. Parameters are read through their pointers: updated in place
+(``copy_``) they are seen; a replaced linear weight needs ``process_weights_after_loading``
+(its panels are a packed copy), which builds the driver again.
 
 Anything else (several threads, a GPU, tensor parallelism, a GEMM without panels, a
 step with SDPA or prefill-kernel work, ``torch.compile`` tracing) runs the eager layers;
@@ -85,6 +88,11 @@ def _ptr(t: torch.Tensor | None) -> int | None:
     return None if t is None else t.data_ptr()
 
 
+def _fits(t: torch.Tensor, dtype: torch.dtype, numel: int) -> bool:
+    """Whether the C can read ``t`` as ``numel`` contiguous values of ``dtype`` on the CPU."""
+    return t.dtype == dtype and t.device.type == "cpu" and t.is_contiguous() and t.numel() == numel
+
+
 class DecoderStack:
     """The C driver bound to one model's layers (``LlamaForCausalLM.layers``).
 
@@ -97,7 +105,18 @@ class DecoderStack:
         self._stack, self._layers, self.dtype = stack, layers, dtype
         self._linears = linears  # every layer's four linear modules, in table order
         self._packed = [m.packed_weight for m in linears]  # the panels the table names (held: never freed under it)
-        self._bound: list | None = None  # each layer's (key_cache, value_cache) the table was built for
+        self._attention = [layer.self_attn.attn for layer in layers]  # (a module lookup a layer a step saved)
+        qkv = (stack.heads + 2 * stack.kv_heads) * stack.head_dim
+        # each layer's norm weights and biases in table order: where the module keeps it (a
+        # parameter replaced by load_state_dict(assign=True) is found there), its size, None allowed
+        self._params = [(module._parameters, name, size, name == "bias") for layer in layers
+                        for module, name, size in (
+                            (layer.input_layernorm, "weight", stack.hidden), (layer.self_attn.qkv_proj, "bias", qkv),
+                            (layer.self_attn.o_proj, "bias", stack.hidden),
+                            (layer.post_attention_layernorm, "weight", stack.hidden),
+                            (layer.mlp.gate_up_proj, "bias", 2 * stack.inter),
+                            (layer.mlp.down_proj, "bias", stack.hidden))]
+        self._named: list | None = None  # (tensor, address) of each norm weight, bias and KV cache the table names
         self._table = None
 
     @classmethod
@@ -139,21 +158,46 @@ class DecoderStack:
         return cls(fns, stack, layers, linears, dtype)
 
     def _layer_table(self):
-        """The layers' pointer table, rebuilt when a KV cache was (re)bound."""
-        caches = [layer.self_attn.attn.kv_cache for layer in self._layers]
-        if self._bound is not None and all(a is b for a, b in zip(caches, self._bound)):
+        """The layers' pointer table, or None where a layer's tensors are not what the kernels
+        read (a KV cache unbound, or not contiguous, of the model's dtype and geometry; a norm
+        weight or bias not a contiguous CPU tensor of the model's dtype and size: the eager
+        layers, which check theirs, run then). Rebuilt whenever a norm weight, a bias or a KV
+        cache is not the tensor, at the address, that it names: caches rebound, parameters
+        replaced (``load_state_dict(..., assign=True)``) or moved (``param.data = ...``, as
+        ``nn.Module._apply`` and ``share_memory()`` do), whose old memory may be freed."""
+        tensors = [params.get(name) for params, name, _, _ in self._params]
+        for attention in self._attention:
+            if attention.kv_cache is None:
+                self._named = self._table = None  # (and the caches it named are not held)
+                return None
+            tensors += attention.kv_cache
+        named = self._named
+        if named is not None and all(t is held and (t is None or t.data_ptr() == address)
+                                     for t, (held, address) in zip(tensors, named)):
             return self._table
+        self._named = self._table = None
+        params, caches = tensors[:len(self._params)], tensors[len(self._params):]
+        for t, (_, _, size, optional) in zip(params, self._params):
+            if not (_fits(t, self.dtype, size) if t is not None else optional):
+                return None
+        s = self._stack
+        block_size = caches[0].shape[1] if caches[0].dim() == 4 else 0
+        if not all(_fits(c, self.dtype, c.numel()) and c.shape == caches[0].shape and c.dim() == 4
+                   and tuple(c.shape[1:]) == (block_size, s.kv_heads, s.head_dim) for c in caches):
+            return None
         table = (_Layer * len(self._layers))()
-        for entry, layer, (key_cache, value_cache) in zip(table, self._layers, caches):
+        per_layer = len(self._params) // len(self._layers)
+        for i, (entry, layer) in enumerate(zip(table, self._layers)):
+            norm1, qkv_bias, o_bias, norm2, gate_up_bias, down_bias = params[i * per_layer:(i + 1) * per_layer]
             a, m = layer.self_attn, layer.mlp
-            entry.norm1, entry.norm2 = _ptr(layer.input_layernorm.weight), _ptr(layer.post_attention_layernorm.weight)
-            entry.qkv, entry.qkv_bias = _ptr(a.qkv_proj.packed_weight), _ptr(a.qkv_proj.bias)
-            entry.o, entry.o_bias = _ptr(a.o_proj.packed_weight), _ptr(a.o_proj.bias)
-            entry.gate_up, entry.gate_up_bias = _ptr(m.gate_up_proj.packed_weight), _ptr(m.gate_up_proj.bias)
-            entry.down, entry.down_bias = _ptr(m.down_proj.packed_weight), _ptr(m.down_proj.bias)
-            entry.key_cache, entry.value_cache = key_cache.data_ptr(), value_cache.data_ptr()
-        self._stack.block_size = caches[0][0].shape[1]
-        self._bound, self._table = caches, table
+            entry.norm1, entry.norm2 = _ptr(norm1), _ptr(norm2)
+            entry.qkv, entry.qkv_bias = _ptr(a.qkv_proj.packed_weight), _ptr(qkv_bias)
+            entry.o, entry.o_bias = _ptr(a.o_proj.packed_weight), _ptr(o_bias)
+            entry.gate_up, entry.gate_up_bias = _ptr(m.gate_up_proj.packed_weight), _ptr(gate_up_bias)
+            entry.down, entry.down_bias = _ptr(m.down_proj.packed_weight), _ptr(down_bias)
+            entry.key_cache, entry.value_cache = caches[2 * i].data_ptr(), caches[2 * i + 1].data_ptr()
+        s.block_size = block_size
+        self._named, self._table = [(t, None if t is None else t.data_ptr()) for t in tensors], table
         return table
 
     def takes(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], md: AttentionMetadata) -> bool:
@@ -170,11 +214,7 @@ class DecoderStack:
         if plan.tokens is None and not (plan.decodes is None and not plan.prefills and plan.prefill_rows is None
                                         and plan.split is None and plan.num_decodes == md.num_tokens):
             return False
-        for layer in self._layers:
-            cache = layer.self_attn.attn.kv_cache
-            if cache is None or not cpu_kernel.supports(x, cache[0]) or not cache[1].is_contiguous():
-                return False
-        return True
+        return self._layer_table() is not None
 
     def run(self, x: torch.Tensor, residual: torch.Tensor | None, rope: tuple[torch.Tensor, torch.Tensor],
             md: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
@@ -186,6 +226,8 @@ class DecoderStack:
             MemoryError: a kernel could not allocate its scratch memory.
         """
         table = self._layer_table()
+        if table is None:
+            raise RuntimeError("the decoder stack was run on a step it does not take (see takes)")
         plan: TorchPlan = md.plan
         if plan.tokens is not None:
             block_table, seq_lens = plan.tokens.block_table, plan.tokens.seq_lens

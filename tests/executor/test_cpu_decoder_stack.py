@@ -176,3 +176,52 @@ def test_the_engine_gives_the_same_tokens_and_logprobs_with_the_driver_off(tiny_
     assert runs[0] > 12 and runs[1] == 0
     assert [len(got["1"][str(i)]) for i in range(5)] == [12] * 5
     assert got["1"] == got["0"]
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("how", ["data", "assign"])
+def test_norm_weights_and_biases_given_new_memory_are_read_there(tiny_models, driver, dtype, how):
+    """The layers' norm weights and biases moved to new memory after the driver named them,
+    the KV caches left bound (as in serving): ``param.data = ...`` (what ``nn.Module._apply``
+    does, e.g. ``share_memory()``) or ``load_state_dict(..., assign=True)``. The driver reads
+    the new tensors, bitwise the eager layers, not the memory it named before (here kept
+    alive and overwritten; once freed, a use after free). A norm weight of another dtype
+    (the eager norm then runs torch's ops): the eager layers."""
+    from executor.model_loader import load_model
+
+    loaded = load_model(tiny_models["llama-bias"], dtype=dtype, device="cpu")
+    model = loaded.model
+    backend = model.attention_layers()[0].backend
+    stack = DecoderStack.for_model(model.layers, loaded.dtype)
+    md, ids, positions = _step(loaded, [1, 1, 7, 20], [30, 5, 0, 9], seed=3)  # caches bound once
+
+    def layers(driver: DecoderStack | None):
+        model.decoder_stack = driver
+        md.plan = None
+        backend.plan(md)
+        with torch.inference_mode():
+            x, rope = model.embed(ids), model.rotary.lookup(positions)
+            takes = driver is not None and driver.takes(x, rope, md)
+            return takes, model.run_layers(x, None, positions, md)
+
+    takes, got = layers(stack)
+    assert takes and torch.equal(got[0], layers(None)[1][0])  # the driver's table names these tensors now
+    named = [p for layer in model.layers for p in (
+        layer.input_layernorm.weight, layer.post_attention_layernorm.weight, layer.self_attn.qkv_proj.bias,
+        layer.self_attn.o_proj.bias, layer.mlp.gate_up_proj.bias, layer.mlp.down_proj.bias)]
+    old = [p.detach() for p in named]  # their memory, held
+    if how == "data":
+        for p in named:
+            p.data = p.data.clone()
+    else:
+        model.load_state_dict({k: v.clone() for k, v in model.state_dict().items()}, assign=True)
+    for t in old:
+        t.fill_(float("nan"))
+    takes, got = layers(stack)
+    want = layers(None)[1]
+    assert takes
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+
+    norm = model.layers[1].post_attention_layernorm
+    norm.weight = torch.nn.Parameter(norm.weight.detach().to(torch.float64), requires_grad=False)
+    assert not layers(stack)[0]
