@@ -117,6 +117,7 @@ class DecoderStack:
                             (layer.mlp.gate_up_proj, "bias", 2 * stack.inter),
                             (layer.mlp.down_proj, "bias", stack.hidden))]
         self._named: list | None = None  # (tensor, address) of each norm weight, bias and KV cache the table names
+        self._slots = 0  # the caches' slots (num_blocks * block_size)
         self._table = None
 
     @classmethod
@@ -196,7 +197,7 @@ class DecoderStack:
             entry.gate_up, entry.gate_up_bias = _ptr(m.gate_up_proj.packed_weight), _ptr(gate_up_bias)
             entry.down, entry.down_bias = _ptr(m.down_proj.packed_weight), _ptr(down_bias)
             entry.key_cache, entry.value_cache = caches[2 * i].data_ptr(), caches[2 * i + 1].data_ptr()
-        s.block_size = block_size
+        s.block_size, self._slots = block_size, caches[0].shape[0] * block_size
         self._named, self._table = [(t, None if t is None else t.data_ptr()) for t in tensors], table
         return table
 
@@ -204,7 +205,7 @@ class DecoderStack:
         """Whether ``run`` takes this step: every token a decode-kernel row (a decode-only
         plan of the torch backend's kernel, or its token rows), torch on one thread, ``x``
         and the rotary table of the model's dtype, every layer's KV cache bound, contiguous,
-        of that dtype."""
+        of that dtype, and every slot of ``md.slot_mapping`` in the caches."""
         plan = md.plan
         if any(m.packed_weight is not p for m, p in zip(self._linears, self._packed)):
             return False  # panels dropped or replaced (load_weights, a benchmark's plain F.linear side)
@@ -214,7 +215,16 @@ class DecoderStack:
         if plan.tokens is None and not (plan.decodes is None and not plan.prefills and plan.prefill_rows is None
                                         and plan.split is None and plan.num_decodes == md.num_tokens):
             return False
-        return self._layer_table() is not None
+        if self._layer_table() is None:
+            return False
+        # the C copies the K and V rows to their slots unchecked: a slot outside the caches (a
+        # metadata bug) goes to the eager layers, whose index_copy_ raises IndexError there
+        slots = md.slot_mapping
+        if (slots.dtype != torch.int64 or slots.dim() != 1 or not slots.is_contiguous() or len(slots) != len(x)
+                or not len(x)):
+            return False
+        low, high = torch.aminmax(slots)
+        return int(low) >= 0 and int(high) < self._slots
 
     def run(self, x: torch.Tensor, residual: torch.Tensor | None, rope: tuple[torch.Tensor, torch.Tensor],
             md: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:

@@ -225,3 +225,24 @@ def test_norm_weights_and_biases_given_new_memory_are_read_there(tiny_models, dr
     norm = model.layers[1].post_attention_layernorm
     norm.weight = torch.nn.Parameter(norm.weight.detach().to(torch.float64), requires_grad=False)
     assert not layers(stack)[0]
+
+
+@pytest.mark.parametrize("slot", ["past the end", "negative"])
+def test_a_slot_outside_the_caches_is_left_to_the_eager_layers_which_raise(tiny_models, driver, slot):
+    """A slot mapping outside the bound caches (a metadata bug): the eager layers raise
+    ``index_copy_``'s IndexError before writing anything; the driver, which copies the rows
+    itself, would write outside the caches' memory, so it does not take the step."""
+    from executor.model_loader import load_model
+
+    loaded = load_model(tiny_models["qwen2"], dtype="float32", device="cpu")
+    model = loaded.model
+    md, ids, positions = _step(loaded, [1, 1, 3], [10, 20, 0], seed=5)
+    key_cache = model.attention_layers()[0].kv_cache[0]
+    md.slot_mapping[1] = key_cache.shape[0] * key_cache.shape[1] + 3 if slot == "past the end" else -1
+    model.attention_layers()[0].backend.plan(md)
+    stack = DecoderStack.for_model(model.layers, loaded.dtype)
+    x, rope = model.embed(ids), model.rotary.lookup(positions)
+    assert not stack.takes(x, rope, md)
+    model.decoder_stack = stack
+    with pytest.raises(IndexError), torch.inference_mode():
+        model.run_layers(x, None, positions, md)
