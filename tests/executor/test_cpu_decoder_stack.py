@@ -193,7 +193,7 @@ def test_norm_weights_and_biases_given_new_memory_are_read_there(tiny_models, dr
     model = loaded.model
     backend = model.attention_layers()[0].backend
     stack = DecoderStack.for_model(model.layers, loaded.dtype)
-    md, ids, positions = _step(loaded, [1, 1, 7, 20], [30, 5, 0, 9], seed=3)  # caches bound once
+    md, ids, positions = step_inputs(loaded, [1, 1, 7, 20], [30, 5, 0, 9], seed=3, spare_blocks=3)  # caches bound once
 
     def layers(driver: DecoderStack | None):
         model.decoder_stack = driver
@@ -236,7 +236,7 @@ def test_a_slot_outside_the_caches_is_left_to_the_eager_layers_which_raise(tiny_
 
     loaded = load_model(tiny_models["qwen2"], dtype="float32", device="cpu")
     model = loaded.model
-    md, ids, positions = _step(loaded, [1, 1, 3], [10, 20, 0], seed=5)
+    md, ids, positions = step_inputs(loaded, [1, 1, 3], [10, 20, 0], seed=5, spare_blocks=3)
     key_cache = model.attention_layers()[0].kv_cache[0]
     md.slot_mapping[1] = key_cache.shape[0] * key_cache.shape[1] + 3 if slot == "past the end" else -1
     model.attention_layers()[0].backend.plan(md)
