@@ -10,8 +10,8 @@ their function pointers, in the same order, on the same inputs, so its outputs a
 bitwise the eager path's (tested), without that Python: one decode step of SmolLM2-135M
 (forward + logits) in bfloat16 on one Zen 4 core, 1 request 23.9 -> 16.5 ms, 32 requests
 68.3 -> 55.8 ms (``python -m meshserve.bench.cpu_decoder_stack``; ``reports/cpu-speed/``).
-The pointer tables are built once per model and rebuilt whenever a layer's KV cache, norm weight or bias is another tensor, or at
-another address, than the table names (caches rebound; parameters replaced by
+The pointer tables are built once per model and rebuilt whenever a layer's KV cache, norm
+weight or bias is another tensor, or at another address, than the table names (caches rebound; parameters replaced by
 ``load_state_dict(..., assign=True)`` or moved by ``param.data = ...``, as ``share_memory()``
 does: their old memory may be freed); a step whose layers no longer hold the panels it was
 built with runs eagerly. Parameters are read through their pointers: updated in place
