@@ -119,6 +119,7 @@ class DecoderStack:
         self._named: list | None = None  # (tensor, address) of each norm weight, bias and KV cache the table names
         self._slots = 0  # the caches' slots (num_blocks * block_size)
         self._table = None
+        self._taken = None  # (metadata, table) of the step takes() last said yes to: run() checks nothing twice
 
     @classmethod
     def for_model(cls, layers, dtype: torch.dtype) -> DecoderStack | None:
@@ -224,7 +225,10 @@ class DecoderStack:
                 or not len(x)):
             return False
         low, high = torch.aminmax(slots)
-        return int(low) >= 0 and int(high) < self._slots
+        if not (int(low) >= 0 and int(high) < self._slots):
+            return False
+        self._taken = (md, self._table)
+        return True
 
     def run(self, x: torch.Tensor, residual: torch.Tensor | None, rope: tuple[torch.Tensor, torch.Tensor],
             md: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
@@ -235,7 +239,8 @@ class DecoderStack:
         Raises:
             MemoryError: a kernel could not allocate its scratch memory.
         """
-        table = self._layer_table()
+        taken, self._taken = self._taken, None
+        table = taken[1] if taken is not None and taken[0] is md else self._layer_table()  # just checked by takes()
         if table is None:
             raise RuntimeError("the decoder stack was run on a step it does not take (see takes)")
         plan: TorchPlan = md.plan
