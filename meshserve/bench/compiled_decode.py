@@ -16,9 +16,9 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
-import time
+
+from meshserve.bench.stats import interleaved_ms
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -66,18 +66,14 @@ def main(argv: list[str] | None = None) -> int:
     def graph() -> torch.Tensor:
         return compiled.forward(input_ids, positions, md)
 
-    times = {side: {"wall": [], "cpu": []} for side in ("eager", "compiled")}
-    hidden = {}
+    def with_logits(forward) -> torch.Tensor:
+        hidden = forward()
+        loaded.model.compute_logits(hidden)
+        return hidden
+
     with torch.inference_mode():
-        for r in range(args.repeat + 1):  # the first round warms up
-            for side, forward in (("eager", eager), ("compiled", graph)):
-                wall, cpu = time.perf_counter(), time.thread_time()
-                hidden[side] = forward()
-                loaded.model.compute_logits(hidden[side])
-                if r:
-                    times[side]["wall"].append(time.perf_counter() - wall)
-                    times[side]["cpu"].append(time.thread_time() - cpu)
-    ms = {side: {k: round(statistics.median(v) * 1e3, 2) for k, v in d.items()} for side, d in times.items()}
+        ms, hidden = interleaved_ms({"eager": lambda: with_logits(eager),
+                                     "compiled": lambda: with_logits(graph)}, args.repeat)
     report = {"batch": args.batch, "bucket": bucket, "context": args.context, "repeat": args.repeat,
               "cpp_wrapper": bool(options.get("cpp_wrapper")), "cpp_operators": compiled.cpp_ops,
               "inductor_cache": cache,

@@ -15,9 +15,9 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
-import time
+
+from meshserve.bench.stats import interleaved_ms
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -61,17 +61,12 @@ def main(argv: list[str] | None = None) -> int:
             with torch.inference_mode():
                 return model.compute_logits(model(input_ids, positions, md))
 
-        times = {side: {"wall": [], "cpu": []} for side in ("eager", "driver")}
-        logits = {}
-        for r in range(args.repeat + 1):  # the first round warms up
-            for side, stack in (("eager", None), ("driver", driver)):
-                model.decoder_stack = stack
-                wall, cpu = time.perf_counter(), time.thread_time()
-                logits[side] = step()
-                if r:
-                    times[side]["wall"].append(time.perf_counter() - wall)
-                    times[side]["cpu"].append(time.thread_time() - cpu)
-        ms = {side: {k: round(statistics.median(v) * 1e3, 2) for k, v in d.items()} for side, d in times.items()}
+        def with_stack(stack):
+            model.decoder_stack = stack
+            return step()
+
+        ms, logits = interleaved_ms({"eager": lambda: with_stack(None),
+                                     "driver": lambda: with_stack(driver)}, args.repeat)
         row = {"batch": batch, "median_ms": ms,
                "cpu_eager_over_driver": round(ms["eager"]["cpu"] / ms["driver"]["cpu"], 3),
                "wall_eager_over_driver": round(ms["eager"]["wall"] / ms["driver"]["wall"], 3),

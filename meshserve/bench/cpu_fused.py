@@ -18,9 +18,9 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
-import time
+
+from meshserve.bench.stats import interleaved_ms
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -61,20 +61,15 @@ def main(argv: list[str] | None = None) -> int:
         with torch.inference_mode():
             return loaded.model.compute_logits(loaded.model(input_ids, positions, md))
 
-    times = {side: {"wall": [], "cpu": []} for side in ("torch", "fused")}
-    logits = {}
+    def with_kernels(k):
+        cpu_fused._loaded["k"] = k
+        return step()
+
     try:
-        for r in range(args.repeat + 1):  # the first round warms up
-            for side, k in (("torch", None), ("fused", kernels)):
-                cpu_fused._loaded["k"] = k
-                wall, cpu = time.perf_counter(), time.thread_time()
-                logits[side] = step()
-                if r:
-                    times[side]["wall"].append(time.perf_counter() - wall)
-                    times[side]["cpu"].append(time.thread_time() - cpu)
+        ms, logits = interleaved_ms({"torch": lambda: with_kernels(None), "fused": lambda: with_kernels(kernels)},
+                                    args.repeat)
     finally:
         cpu_fused._loaded["k"] = kernels
-    ms = {side: {k: round(statistics.median(v) * 1e3, 2) for k, v in d.items()} for side, d in times.items()}
     report = {"dtype": args.dtype, "batch": args.batch, "context": args.context, "repeat": args.repeat,
               "median_ms": ms,
               "cpu_torch_over_fused": round(ms["torch"]["cpu"] / ms["fused"]["cpu"], 3),

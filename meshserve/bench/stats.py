@@ -1,9 +1,12 @@
-"""The percentile of every benchmark, simulation and summary in the project."""
+"""The percentile of every benchmark, simulation and summary in the project, and the
+interleaved timing of the step benchmarks' sides."""
 
 from __future__ import annotations
 
 import math
-from typing import Sequence
+import statistics
+import time
+from typing import Any, Callable, Sequence
 
 import numpy as np
 
@@ -37,3 +40,24 @@ def percentile(values: Sequence[float], q: float, method: str = "linear", empty:
         return float(np.percentile(values, q))
     s = sorted(values)
     return s[min(len(s) - 1, max(0, math.ceil(q * len(s) / 100) - 1))]
+
+
+def interleaved_ms(sides: dict[str, Callable[[], Any]], repeat: int) -> tuple[dict[str, dict[str, float]], dict]:
+    """Times each of ``sides`` (name → a call) once a round, in order, over ``repeat + 1``
+    rounds, the first a warm-up: interleaved, so a shared host's drift falls on every side.
+
+    Returns:
+        ``({side: {"wall": ms, "cpu": ms}}, {side: its last result})``: the median wall and
+        thread-CPU milliseconds (rounded to 0.01) of each side.
+    """
+    times: dict[str, dict[str, list[float]]] = {side: {"wall": [], "cpu": []} for side in sides}
+    results: dict[str, Any] = {}
+    for r in range(repeat + 1):
+        for side, call in sides.items():
+            wall, cpu = time.perf_counter(), time.thread_time()
+            results[side] = call()
+            if r:
+                times[side]["wall"].append(time.perf_counter() - wall)
+                times[side]["cpu"].append(time.thread_time() - cpu)
+    medians = {side: {k: round(statistics.median(v) * 1e3, 2) for k, v in d.items()} for side, d in times.items()}
+    return medians, results

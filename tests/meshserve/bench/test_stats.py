@@ -31,3 +31,14 @@ def test_percentile_rejects_no_values_a_bad_q_or_method():
     for args in (([], 50), ([1.0], -1), ([1.0], 101), ([1.0], 50, "midpoint")):
         with pytest.raises(ValueError):
             percentile(*args)
+
+
+def test_interleaved_ms_runs_the_sides_in_turn_and_times_all_but_the_warm_up_round():
+    from meshserve.bench.stats import interleaved_ms
+
+    calls = []
+    ms, results = interleaved_ms({"a": lambda: calls.append("a") or len(calls),
+                                  "b": lambda: calls.append("b") or len(calls)}, 3)
+    assert calls == ["a", "b"] * 4
+    assert results == {"a": 7, "b": 8}
+    assert set(ms) == {"a", "b"} and all(set(v) == {"wall", "cpu"} and min(v.values()) >= 0 for v in ms.values())
