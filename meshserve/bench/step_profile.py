@@ -19,8 +19,9 @@ serving code) and, inside the model, by the op:
   ``cpu_gemm.panel_linear`` and ``panel_linear_bf16``, and ``mkldnn::_linear_pointwise``,
   ``aten::mm``/``addmm``/``linear``);
 * ``attention``: the KV cache writes, block gathers and SDPA inside the model,
-  the CPU decode kernel's calls (``cpu_kernel.decode_attention``, C code the
-  profiler sees as one range), plus the backend's per-step ``plan``;
+  the CPU decode and prefill kernels' calls (``cpu_kernel.decode_attention``,
+  ``cpu_prefill_kernel.prefill_attention``: C code the profiler sees as one range
+  each), plus the backend's per-step ``plan``;
 * ``norm/elementwise``: everything else inside the model (RMSNorm, rotary,
   SiLU·mul, residual adds, embedding, copies), the fused kernels' calls among them
   (``cpu_fused.add_rms_norm``, ``rotate_``, ``silu_mul``);
@@ -82,6 +83,37 @@ def _wrap(obj, name: str, label: str):
     setattr(obj, name, wrapped)
 
 
+KERNEL_CALLS = (
+    ("executor.attention.cpu_kernel", "decode_attention", "ms.attention_kernel"),
+    ("executor.attention.cpu_prefill_kernel", "prefill_attention", "ms.attention_kernel"),
+    ("executor.models.cpu_gemm", "panel_linear", "ms.gemm_kernel"),
+    ("executor.models.cpu_gemm", "panel_linear_bf16", "ms.gemm_kernel"),
+    ("executor.models.cpu_fused", "add_rms_norm", "ms.fused_kernel"),
+    ("executor.models.cpu_fused", "rotate_", "ms.fused_kernel"),
+    ("executor.models.cpu_fused", "silu_mul", "ms.fused_kernel"),
+    ("executor.models.cpu_decoder_stack", "DecoderStack.run", "ms.decoder_stack"),
+)
+"""The C kernels' Python entry points (module, attribute, range): the profiler sees no aten op inside a
+C call, so each is wrapped in the range of its part. The decoder stack runs every layer of a
+decode-kernel step in one call: its GEMM, attention and fused kernels are not told apart."""
+
+
+def instrument_kernels() -> None:
+    """Wraps each of ``KERNEL_CALLS`` that this tree has (profiling an older version: some are missing)."""
+    import importlib
+
+    for module_name, attribute, label in KERNEL_CALLS:
+        try:
+            owner = importlib.import_module(module_name)
+        except ImportError:
+            continue
+        *path, name = attribute.split(".")
+        for part in path:
+            owner = getattr(owner, part, None)
+        if owner is not None and hasattr(owner, name):
+            _wrap(owner, name, label)
+
+
 def instrument(engine) -> None:
     """Wraps the in-process worker's ModelRunner calls in named profiler ranges."""
     _wrap(engine.batch_scheduler, "schedule", "ms.schedule")
@@ -92,32 +124,7 @@ def instrument(engine) -> None:
     _wrap(runner.model, "forward", "ms.model")
     _wrap(runner.model, "compute_logits", "ms.logits")
     _wrap(runner, "sampler", "ms.sampling")
-    try:
-        from executor.attention import cpu_kernel
-    except ImportError:  # a tree without the CPU kernel (profiling an older version)
-        cpu_kernel = None
-    if cpu_kernel is not None:
-        _wrap(cpu_kernel, "decode_attention", "ms.attention_kernel")  # a C call: no aten op inside
-    try:
-        from executor.models import cpu_gemm
-    except ImportError:
-        cpu_gemm = None
-    for name in ("panel_linear", "panel_linear_bf16"):  # the GEMM kernels: C calls too
-        if cpu_gemm is not None and hasattr(cpu_gemm, name):
-            _wrap(cpu_gemm, name, "ms.gemm_kernel")
-    try:
-        from executor.models import cpu_fused
-    except ImportError:
-        cpu_fused = None
-    for name in ("add_rms_norm", "rotate_", "silu_mul"):  # the fused norm, rotary and SiLU kernels: C calls
-        if cpu_fused is not None and hasattr(cpu_fused, name):
-            _wrap(cpu_fused, name, "ms.fused_kernel")
-    try:
-        from executor.models.cpu_decoder_stack import DecoderStack
-    except ImportError:
-        DecoderStack = None
-    if DecoderStack is not None:  # every layer of a decode-kernel step in one C call: its parts are not apart
-        _wrap(DecoderStack, "run", "ms.decoder_stack")
+    instrument_kernels()
     import executor.worker.model_runner as mr
 
     build = mr.SamplingBatch.build
