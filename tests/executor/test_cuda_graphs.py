@@ -9,8 +9,10 @@ backend's data-independent decode plan in that pass (Triton's interpreter on CPU
 natively with CUDA). With CUDA (``tests/gpu_check.sh``): the engine with graphs on
 gives the token ids of graphs off, and its replay counters show which buckets ran.
 
-Imports only torch, numpy, pytest, triton, transformers and ``executor`` (so
-``tests/gpu_check.sh`` runs it with ``--noconftest``).
+Imports only torch, numpy, pytest, triton, transformers, ``executor`` and
+``meshserve.sampling`` (so ``tests/gpu_check.sh`` runs it with ``--noconftest`` on an
+image without the CLI's dependencies: the ``--cuda-graphs`` flag's test is in
+``tests/meshserve/cli/test_cuda_graphs_flag.py``).
 """
 
 from __future__ import annotations
@@ -286,14 +288,6 @@ def test_cuda_graphs_on_cpu_are_ignored_with_a_log_line(tiny_llama, caplog, requ
     assert worker.kv_caches[0][0].shape[0] == 12
     lines = [r.getMessage() for r in caplog.records if "CUDA graphs" in r.getMessage()]
     assert lines == (["CUDA graphs off: not on a cpu device; every step runs eagerly"] if logged else [])
-
-
-def test_cuda_graphs_flag_reaches_the_engine_config():
-    from meshserve.cli.processes import engine_config
-
-    for value in (True, False, None):
-        assert engine_config("default", "auto", "64MiB", 16, 8, 64, False, None, None,
-                             cuda_graphs=value).cuda_graphs is value
 
 
 # --------------------------------------------------------------------------- CUDA: the engine, graphs on and off
