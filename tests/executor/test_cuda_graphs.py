@@ -6,8 +6,9 @@ static-buffer pass (``CUDAGraphRunner(capture=False)``: the code a graph replays
 run eagerly) against the unpadded eager step, through whole greedy generations of
 a tiny random Llama, exactly (tokens, logprobs, hidden states); the Triton
 backend's data-independent decode plan in that pass (Triton's interpreter on CPU,
-natively with CUDA). With CUDA (``tests/gpu_check.sh``): the engine with graphs on
-gives the token ids of graphs off, and its replay counters show which buckets ran.
+natively with CUDA); the CUDA engine test's workload through the padded pass (torch
+backend), which runs every bucket. With CUDA (``tests/gpu_check.sh``): the engine with
+graphs on gives the token ids of graphs off, and its replay counters show which buckets ran.
 
 Imports only torch, numpy, pytest, triton, transformers, ``executor`` and
 ``meshserve.sampling`` (so ``tests/gpu_check.sh`` runs it with ``--noconftest`` on an
@@ -290,7 +291,7 @@ def test_cuda_graphs_on_cpu_are_ignored_with_a_log_line(tiny_llama, caplog, requ
     assert lines == (["CUDA graphs off: not on a cpu device; every step runs eagerly"] if logged else [])
 
 
-# --------------------------------------------------------------------------- CUDA: the engine, graphs on and off
+# --------------------------------------------------------------------------- the engine, graphs on and off
 
 
 def _save_llama(path) -> None:
@@ -303,6 +304,72 @@ def _save_llama(path) -> None:
     AutoModelForCausalLM.from_config(config, dtype=torch.float32).save_pretrained(path)
 
 
+ENGINE_PROMPT_LENGTHS = (1, 7, 15, 16, 17, 40, 90, 130, 300, 520, 700)
+ENGINE_BUCKETS = [1, 2, 4, 8, 16]
+
+
+def _engine_max_tokens(i: int) -> int:
+    """Request ``i``'s tokens: all 11 requests still decode in the first steps after the
+    last prefill chunk (step 10), so pure-decode steps of 11 requests (bucket 16) run,
+    then fewer as they end (buckets 8, 4, 2, 1)."""
+    return 12 + 3 * i
+
+
+def _engine_tokens(path, device: str, backend: str, graphs: bool):
+    """Greedy float32 generation of the engine workload (chunked prefill, then decode
+    batches shrinking from 11 requests to 1): each request's token ids, and the engine."""
+    from executor.engine.config import BatchSchedulerConfig, CacheConfig, EngineConfig
+    from executor.engine.llm_engine import LLMEngine
+
+    gen = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(3, 512, (n,), generator=gen).tolist() for n in ENGINE_PROMPT_LENGTHS]
+    engine = LLMEngine(EngineConfig(model=str(path), device=device, dtype="float32", attention_backend=backend,
+                                    cuda_graphs=graphs, cache=CacheConfig(block_size=16, num_blocks=512),
+                                    batch=BatchSchedulerConfig(max_num_seqs=16, max_num_batched_tokens=256)))
+    for i, prompt in enumerate(prompts):
+        engine.add_request(str(i), prompt, SamplingParams(max_tokens=_engine_max_tokens(i), temperature=0.0,
+                                                          ignore_eos=True))
+    tokens: dict[str, list[int]] = {str(i): [] for i in range(len(prompts))}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            tokens[out.request_id] += out.new_token_ids
+    engine.check_integrity()
+    assert engine.stats().num_free_blocks == 512
+    return tokens, engine
+
+
+def _check_engine_results(results: dict, engines: dict) -> None:
+    """Graphs on and off gave the same tokens, every bucket ran, the padding block is
+    the cache's one block more."""
+    assert engines[False].worker_group.worker.model_runner.graphs is None
+    assert engines[False].worker_group.worker.kv_caches[0][0].shape[0] == 512
+    assert engines[True].worker_group.worker.kv_caches[0][0].shape[0] == 513
+    graphs = engines[True].worker_group.worker.model_runner.graphs
+    assert graphs is not None, "graph capture failed: see the log's warning"
+    assert sorted(graphs.replays) == ENGINE_BUCKETS
+    assert all(graphs.replays[b] > 0 for b in ENGINE_BUCKETS), graphs.replays
+    assert [len(results[True][str(i)]) for i in range(len(ENGINE_PROMPT_LENGTHS))] == [
+        _engine_max_tokens(i) for i in range(len(ENGINE_PROMPT_LENGTHS))]
+    assert results[True] == results[False]
+
+
+def test_engine_workload_runs_every_bucket_through_the_padded_pass(tmp_path, monkeypatch):
+    """The CUDA test's workload on the CPU (torch backend), the padded pass forced on
+    without capture: every bucket of 1..16 runs, and the tokens are graphs off's (so the
+    CUDA test's bucket and token checks hold for its workload)."""
+    import functools
+
+    from executor.worker import worker
+
+    monkeypatch.setattr(worker, "graphs_off_reason", lambda requested, *_: "off" if requested is False else None)
+    monkeypatch.setattr(worker, "CUDAGraphRunner", functools.partial(CUDAGraphRunner, capture=False))
+    _save_llama(tmp_path)
+    results, engines = {}, {}
+    for graphs in (True, False):
+        results[graphs], engines[graphs] = _engine_tokens(tmp_path, "cpu", "torch", graphs)
+    _check_engine_results(results, engines)
+
+
 @requires_cuda
 @pytest.mark.gpu
 def test_engine_with_cuda_graphs_generates_the_tokens_of_eager_decode(tmp_path):
@@ -311,33 +378,9 @@ def test_engine_with_cuda_graphs_generates_the_tokens_of_eager_decode(tmp_path):
     identical token ids, the graphs replayed in every one of those buckets, and the
     blocks all back. (float32 only: cuBLAS may round a padded batch's rows differently,
     which this model's logit gaps absorb in float32, as test_cuda_engine's do.)"""
-    from executor.engine.config import BatchSchedulerConfig, CacheConfig, EngineConfig
-    from executor.engine.llm_engine import LLMEngine
-
     _save_llama(tmp_path)
-    gen = torch.Generator().manual_seed(1)
-    prompts = [torch.randint(3, 512, (n,), generator=gen).tolist() for n in (1, 7, 15, 16, 17, 40, 90, 130, 300,
-                                                                            520, 700)]
-    results, runners = {}, {}
+    results, engines = {}, {}
     for graphs in (True, False):
-        engine = LLMEngine(EngineConfig(model=str(tmp_path), device="cuda", dtype="float32", attention_backend="triton",
-                                        cuda_graphs=graphs, cache=CacheConfig(block_size=16, num_blocks=512),
-                                        batch=BatchSchedulerConfig(max_num_seqs=16, max_num_batched_tokens=256)))
-        runner = engine.worker_group.worker.model_runner
-        runners[graphs] = runner
-        for i, prompt in enumerate(prompts):
-            engine.add_request(str(i), prompt, SamplingParams(max_tokens=4 + 3 * i, temperature=0.0,
-                                                              ignore_eos=True))
-        tokens: dict[str, list[int]] = {str(i): [] for i in range(len(prompts))}
-        while engine.has_unfinished_requests():
-            for out in engine.step():
-                tokens[out.request_id] += out.new_token_ids
-        engine.check_integrity()
-        assert engine.stats().num_free_blocks == 512
-        results[graphs] = tokens
-    assert runners[False].graphs is None
-    graphs = runners[True].graphs
-    assert sorted(graphs.graphs) == [1, 2, 4, 8, 16]
-    assert all(graphs.replays[b] > 0 for b in (1, 2, 4, 8, 16)), graphs.replays
-    assert [len(results[True][str(i)]) for i in range(len(prompts))] == [4 + 3 * i for i in range(len(prompts))]
-    assert results[True] == results[False]
+        results[graphs], engines[graphs] = _engine_tokens(tmp_path, "cuda", "triton", graphs)
+    _check_engine_results(results, engines)
+    assert sorted(engines[True].worker_group.worker.model_runner.graphs.graphs) == ENGINE_BUCKETS  # captured
