@@ -247,13 +247,25 @@ def test_mixed_and_prefill_steps_run_eagerly(tiny_llama):
     assert runner.graphs.pad([decode]).bucket == 1
 
 
+def _assert_logprobs_close(got: list[dict], want: list[dict]) -> None:
+    """Each decode step's sampled and top token ids equal, their logprobs within 1e-4."""
+    assert [sorted(step) for step in got] == [sorted(step) for step in want]
+    for got_step, want_step in zip(got, want):
+        for rid, (token, logprob, top_ids, top_logprobs) in got_step.items():
+            want_token, want_logprob, want_top_ids, want_top_logprobs = want_step[rid]
+            assert (token, top_ids) == (want_token, want_top_ids)
+            assert logprob == pytest.approx(want_logprob, abs=1e-4)
+            assert top_logprobs == pytest.approx(want_top_logprobs, abs=1e-4)
+
+
 @pytest.mark.skipif(_TRITON_IMPORTED_EARLY and not CUDA,
                     reason="triton was imported before TRITON_INTERPRET=1 could be set; run this module on its own")
 def test_triton_static_decode_plan_gives_the_dynamic_plans_tokens_and_logprobs(tiny_llama):
     """The Triton backend (interpreter on CPU): the padded pass with the bucket's static
     plan (grid for max_model_len = 16 partitions of 16 tokens), made once and never
     updated from the host, against the per-step plan of the unpadded batch (as many
-    partitions as the longest context needs): the same tokens and logprobs."""
+    partitions as the longest context needs): the same tokens and logprobs (with CUDA,
+    the logprobs within 1e-4: cuBLAS may pick another kernel for a padded batch's GEMMs)."""
     pytest.importorskip("triton")
     if not CUDA:
         from tests.support.triton_interpreter import patch_for_numpy_2_4
@@ -266,7 +278,11 @@ def test_triton_static_decode_plan_gives_the_dynamic_plans_tokens_and_logprobs(t
     plan = runner.graphs.metadata[8].plan
     assert (plan.decode_partitions, plan.decode_max_seq_len) == (MAX_MODEL_LEN // 16, MAX_MODEL_LEN)
     padded = _generate(runner, prompts, max_tokens)
-    assert padded == eager
+    if CUDA:  # cuBLAS may round a row of the padded (larger) batch's GEMMs differently in the last bits
+        assert padded[0] == eager[0]
+        _assert_logprobs_close(padded[1], eager[1])
+    else:
+        assert padded == eager
     assert runner.graphs.num_replays == max(max_tokens) - 1
     # the forward read no per-step host value: the bucket's host lists are still the padding's
     assert runner.graphs.metadata[8].seq_lens_cpu == [1] * 8 and runner.graphs.metadata[8].plan is plan
