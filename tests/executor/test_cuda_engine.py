@@ -51,8 +51,9 @@ def test_triton_backend_engine_matches_torch_backend_and_transformers(tmp_path):
     params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
     results = {}
     for backend in ("triton", "torch"):
+        # graphs off: this test is about the kernels; graphs on vs off is test_cuda_graphs.py's
         engine = LLMEngine(EngineConfig(model=str(tmp_path), device="cuda", dtype="float32",
-                                        attention_backend=backend,
+                                        attention_backend=backend, cuda_graphs=False,
                                         cache=CacheConfig(block_size=16, num_blocks=256),
                                         batch=BatchSchedulerConfig(max_num_seqs=8, max_num_batched_tokens=128)))
         assert engine.worker_group.worker.model_runner.attention_backend.name == backend
