@@ -7,7 +7,8 @@ import pytest
 from prometheus_client import Counter
 
 from meshserve.device_metrics import CpuUtilization, DeviceCollector, cuda_index
-from meshserve.metrics import OTHER, BoundedLabel, MetricsServer, new_registry, priority_classes, snapshot
+from meshserve.metrics import (OTHER, STOP_POLL_S, BoundedLabel, MetricsServer, new_registry, priority_classes,
+                               snapshot)
 from tests.support.metrics import fake_nvml, samples
 
 
@@ -60,6 +61,29 @@ def test_metrics_server_serves_its_own_registry_and_stops():
     server.stop()  # idempotent
     with pytest.raises(OSError):
         urllib.request.urlopen(server.url, timeout=2)
+
+
+def test_the_metrics_thread_looks_for_a_stop_every_stop_poll_s(monkeypatch):
+    """``stop`` waits until the serving thread sees it, which it looks for every
+    ``STOP_POLL_S`` (0.05 s), not every 0.5 s (socketserver's and prometheus-client's
+    default, which each service's stop waited out)."""
+    from prometheus_client.exposition import ThreadingWSGIServer
+
+    polls = []
+    serve_forever = ThreadingWSGIServer.serve_forever
+
+    def recorded(self, poll_interval=0.5):
+        polls.append(poll_interval)
+        serve_forever(self, poll_interval)
+
+    monkeypatch.setattr(ThreadingWSGIServer, "serve_forever", recorded)
+    server = MetricsServer(new_registry("gateway"), 0)
+    try:
+        with urllib.request.urlopen(server.url, timeout=5) as resp:
+            assert resp.status == 200
+    finally:
+        server.stop()
+    assert polls == [STOP_POLL_S] == [0.05]
 
 
 def test_snapshot_retries_a_read_that_raced_a_change():
