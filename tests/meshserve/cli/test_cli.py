@@ -28,6 +28,26 @@ def test_console_script_is_main():
     assert getattr(import_module(module), attr) is main
 
 
+def test_main_freezes_what_is_alive_once_the_command_is_done(monkeypatch):
+    """The interpreter's exit then skips its full collections over torch's objects
+    (seconds of a stopping service's exit): ``gc.freeze`` runs after the command, also
+    when it ends with SystemExit, as typer's commands do."""
+    import meshserve.cli
+
+    calls = []
+
+    def command():
+        calls.append("command")
+        raise SystemExit(0)
+
+    monkeypatch.delenv("MESHSERVE_CPU_AFFINITY", raising=False)
+    monkeypatch.setattr(meshserve.cli, "app", command)
+    monkeypatch.setattr(meshserve.cli.gc, "freeze", lambda: calls.append("freeze"))
+    with pytest.raises(SystemExit) as info:
+        main()
+    assert info.value.code == 0 and calls == ["command", "freeze"]
+
+
 def test_python_m_meshserve_cli_lists_every_command():
     out = subprocess.run([sys.executable, "-m", "meshserve.cli", "--help"], capture_output=True, text=True,
                          timeout=60, env=dict(os.environ, COLUMNS="200"))
