@@ -34,13 +34,14 @@ import signal
 import sys
 
 from executor.worker import distributed
+from meshserve.log_format import log_format
 
 
 def main() -> int:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    logging.basicConfig(level=logging.WARNING, format=f"rank {rank}: %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(level=logging.WARNING, format=log_format(f"rank {rank}: %(levelname)s %(name)s: %(message)s"))
     pipe = sys.stdin.buffer
     try:
         config = distributed.read_frame(pipe)

@@ -35,6 +35,7 @@ from meshserve.cli.stop_order import DRAIN_GRACE_S, PARENT_ENV, stop_in_order, s
 from meshserve.cpu_affinity import ENV as CPU_AFFINITY_ENV
 from meshserve.cpu_affinity import CpuPlan, format_cpu_list, oversubscription, plan_cpus, unpinned_note, usable_cpus
 from meshserve.grpc_server import LIVENESS_SERVICE, wait_serving
+from meshserve.log_format import LOG_NAME_ENV
 from meshserve.tls import PLAINTEXT, TLSConfig
 
 
@@ -226,7 +227,8 @@ class Mesh:
                env: dict[str, str] | None = None) -> None:
         """Starts ``meshserve ARGS`` as service ``name``, pinned to ``cpus`` when given
         (else to the services' cores of ``cpu_plan``, when there is one), with ``env``
-        added to this process's environment.
+        added to this process's environment. Without ``log_dir`` its log lines start with
+        ``[name]`` (``meshserve.log_format``): every service writes to this terminal.
 
         Raises:
             RuntimeError: called from a thread other than the main one. Linux stops a
@@ -242,6 +244,9 @@ class Mesh:
             out = open(self.config.log_dir / f"{name}.log", "w")  # noqa: SIM115 - owned by the child
         self.service_env[name] = dict(env or {})
         env = dict(os.environ, **self.service_env[name], PYTHONUNBUFFERED="1")
+        env.pop(LOG_NAME_ENV, None)  # a name of up's own environment is no service's
+        if out is None:  # the services share up's terminal: each log line names its service
+            env[LOG_NAME_ENV] = name
         env[PARENT_ENV] = str(os.getpid())  # the service stops if this process dies (stop_with_parent)
         if cpus is None and self.cpu_plan is not None:
             cpus = self.cpu_plan.service_cpus

@@ -17,6 +17,8 @@ from typing import Coroutine, Optional
 
 import typer
 
+from meshserve.log_format import log_format
+
 TracesOpt = typer.Option(None, "--traces",
                          help="Trace exporter: none, console, otlp (default: $MESHSERVE_TRACES or none).")
 OtlpOpt = typer.Option(None, "--otlp-endpoint", help="OTLP/gRPC collector host:port (default localhost:4317).")
@@ -69,8 +71,9 @@ def parse_bytes(text: str) -> int:
 
 
 def setup_logging(level: str) -> None:
-    """Logs of ``level`` (``info``, ``warning``…, any case) and above go to stderr, one line each."""
-    logging.basicConfig(level=level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s", stream=sys.stderr)
+    """Logs of ``level`` (``info``, ``warning``…, any case) and above go to stderr, one line
+    each, led by the service's name in a local mesh (``meshserve.log_format``)."""
+    logging.basicConfig(level=level.upper(), format=log_format(), stream=sys.stderr)
 
 
 def show_model_conversion() -> None:
