@@ -95,7 +95,8 @@ def generate(
                                              help="The request's id (one --prompt only): a retry under the id of "
                                                   "a call cancelled or timed out waits for its end."),
     api_key: Optional[str] = ApiKeyOpt,
-    as_json: bool = typer.Option(False, "--json", help="One JSON object per prompt and choice, one per line."),
+    as_json: bool = typer.Option(False, "--json", help="One JSON object per prompt and choice, one per line, "
+                                 "with prompt_index (its --prompt, from 0) and index (its choice)."),
     async_task: bool = typer.Option(False, "--async", help="Submit each prompt as an async task (SubmitTask), "
                                     "poll GetTask until it is done, then print the result."),
     tls_cert: Optional[str] = TLSCertOpt, tls_key: Optional[str] = TLSKeyOpt, tls_ca: Optional[str] = TLSCAOpt,
@@ -138,12 +139,12 @@ def generate(
                      else generate_choices(stub, r, metadata, on_delta=on_delta) for r in reqs)
             results = await asyncio.gather(*calls, return_exceptions=True)
         code, hinted = 0, False
-        for p, choices in zip(prompt, results):
+        for prompt_index, (p, choices) in enumerate(zip(prompt, results)):
             if isinstance(choices, (grpc.aio.AioRpcError, TaskFailed)):
                 code = 1
                 name, details = ((choices.code().name, choices.details()) if isinstance(choices, grpc.aio.AioRpcError)
                                  else (choices.code, choices.message))
-                err = {"error": {"code": name, "message": details}}
+                err = {"prompt_index": prompt_index, "error": {"code": name, "message": details}}
                 shown = p if len(p) <= 60 else p[:60] + "…"  # a long prompt is named by its start
                 whose = f" (prompt {shown!r})" if len(prompt) > 1 else ""  # which one failed: the others printed
                 shown_hint = "" if hinted else key_hint(name, api_key)  # said once, not per prompt
@@ -154,8 +155,8 @@ def generate(
             if isinstance(choices, BaseException):
                 raise choices
             for r in choices:
-                if as_json:
-                    print(json.dumps(r.as_json()))
+                if as_json:  # which --prompt it answers, then the choice's own index among its n
+                    print(json.dumps({"prompt_index": prompt_index, **r.as_json()}))
                 elif live:
                     print(f"\n[{r.finish_reason}; {r.usage['completion_tokens']} tokens; "
                           f"TTFT {r.timings['ttft_s']:.3f} s]")

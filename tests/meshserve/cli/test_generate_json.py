@@ -1,0 +1,49 @@
+"""``meshserve generate --json`` with several prompts: each line names the prompt it
+answers (``prompt_index``: its ``--prompt``, from 0) beside the choice's ``index``,
+also a failed prompt's error line; the lines come in the prompts' order. The gateway
+calls are faked (``generate_choices``): what is tested is what the command prints."""
+
+from __future__ import annotations
+
+import json
+
+import grpc
+from typer.testing import CliRunner
+
+import meshserve.client
+from meshserve.cli import app
+from meshserve.client import Completion
+
+
+async def fake_generate_choices(stub, request, metadata=(), timeout=None, on_delta=None) -> list[Completion]:
+    """Choice i of prompt P answers ``P #i``; the prompt ``fail`` is refused (UNAVAILABLE)."""
+    if request.prompt == "fail":
+        raise grpc.aio.AioRpcError(grpc.StatusCode.UNAVAILABLE, grpc.aio.Metadata(), grpc.aio.Metadata(),
+                                   details="no executor")
+    return [Completion(index=i, text=f"{request.prompt} #{i}", finish_reason="length")
+            for i in range(request.sampling.n or 1)]
+
+
+def run_generate(monkeypatch, *args: str):
+    monkeypatch.setattr(meshserve.client, "generate_choices", fake_generate_choices)
+    monkeypatch.delenv("MESHSERVE_API_KEY", raising=False)
+    return CliRunner().invoke(app, ["generate", "--addr", "127.0.0.1:1", "--insecure", "--json", *args])
+
+
+def test_each_line_names_its_prompt_and_its_choice(monkeypatch):
+    result = run_generate(monkeypatch, "--prompt", "sky", "--prompt", "sea", "--prompt", "sun", "--n", "2")
+    assert result.exit_code == 0, result.output
+    lines = [json.loads(line) for line in result.stdout.splitlines()]
+    assert [(line["prompt_index"], line["index"], line["text"]) for line in lines] == [
+        (0, 0, "sky #0"), (0, 1, "sky #1"), (1, 0, "sea #0"), (1, 1, "sea #1"), (2, 0, "sun #0"), (2, 1, "sun #1")]
+    assert list(lines[0])[:2] == ["prompt_index", "index"]
+
+
+def test_one_prompt_is_prompt_0_and_a_failed_prompt_is_named_by_its_index(monkeypatch):
+    result = run_generate(monkeypatch, "--prompt", "sky")
+    assert result.exit_code == 0 and json.loads(result.stdout)["prompt_index"] == 0
+    result = run_generate(monkeypatch, "--prompt", "sky", "--prompt", "fail", "--prompt", "sun")
+    assert result.exit_code == 1
+    lines = [json.loads(line) for line in result.stdout.splitlines()]
+    assert lines[1] == {"prompt_index": 1, "error": {"code": "UNAVAILABLE", "message": "no executor"}}
+    assert [(line["prompt_index"], line["text"]) for line in (lines[0], lines[2])] == [(0, "sky #0"), (2, "sun #0")]
