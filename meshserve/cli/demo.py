@@ -1,6 +1,8 @@
 """``meshserve demo``: the local mesh answering 8 real chat prompts at once.
 
-Starts scheduler, executor(s) and gateway as separate processes, streams the 8
+Starts scheduler, executor(s) and gateway as separate processes, their logs in a
+new temporary directory, which is kept; once the mesh is up it prints what the
+first executor's log says of the dtype and kernels it chose; it streams the 8
 answers side by side in the terminal as tokens arrive, prints a summary (TTFT
 p50/p99, output tokens/s) and stops every process.
 """
@@ -25,6 +27,9 @@ from meshserve.client import build_request, channel, generate
 from meshserve.model_files import resolve_model
 from meshserve.v1 import gateway_pb2_grpc
 
+CHOICE_LOGGERS = ("executor.models.cpu_dtype", "executor.model_loader", "executor.attention.cpu_kernel")
+"""The executor's loggers whose lines say which dtype and kernels it chose (CPU)."""
+
 DEMO_PROMPTS = [
     "What is the capital of France?",
     "Write a haiku about the sea.",
@@ -35,6 +40,18 @@ DEMO_PROMPTS = [
     "Why is the sky blue?",
     "Suggest a name for a friendly robot.",
 ]
+
+
+def choice_lines(log: Path) -> list[str]:
+    """The messages of an executor's log (one file, ``meshserve.log_format.LINE_FORMAT``:
+    date, time, logger, level, message) from ``CHOICE_LOGGERS``, in order; none when the
+    log cannot be read."""
+    try:
+        lines = log.read_text(errors="replace").splitlines()
+    except OSError:
+        return []
+    fields = (line.split(" ", 4) for line in lines)
+    return [f[4] for f in fields if len(f) == 5 and f[2] in CHOICE_LOGGERS]
 
 
 def _table(texts: list[str], done: list[str]) -> Table:
@@ -97,8 +114,8 @@ def run_demo(port: int, executors: int, max_tokens: int) -> int:
         return 1
     if mesh.cpu_warning:
         console.print(f"warning: {mesh.cpu_warning}")
-    console.print(f"Starting the mesh (scheduler, {executors} executor(s), gateway); logs in {log_dir} (kept if "
-                  "something fails) …", soft_wrap=True)
+    console.print(f"Starting the mesh (scheduler, {executors} executor(s), gateway); logs in {log_dir} …",
+                  soft_wrap=True)
     rc = 1
     try:
         t0 = time.monotonic()
@@ -107,6 +124,8 @@ def run_demo(port: int, executors: int, max_tokens: int) -> int:
                       f"scheduler {mesh.scheduler_address}, executors {', '.join(mesh.executor_addresses)}")
         if mesh.cores_line():
             console.print(f"cores: {mesh.cores_line()}")
+        for line in choice_lines(log_dir / f"{mesh.executor_names[0]}.log"):
+            console.print(f"{mesh.executor_names[0]}: {line}", markup=False, highlight=False, soft_wrap=True)
         rc = asyncio.run(_run(mesh, max_tokens, console))
     except KeyboardInterrupt:
         rc = 130
@@ -116,9 +135,5 @@ def run_demo(port: int, executors: int, max_tokens: int) -> int:
                 rc = 1
         except KeyboardInterrupt:  # a second Ctrl-C: every service was killed
             rc = 130
-        if rc == 0:  # the logs are kept only when something went wrong
-            shutil.rmtree(log_dir, ignore_errors=True)
-            console.print("Mesh stopped.")
-        else:
-            console.print(f"Mesh stopped; the services' logs are in {log_dir}")
+        console.print(f"Mesh stopped; the services' logs are in {log_dir}", soft_wrap=True)
     return rc

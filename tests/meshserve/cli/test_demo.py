@@ -1,0 +1,68 @@
+"""``meshserve demo`` keeps its services' logs and, once the mesh is up, prints what
+the first executor's log says of the dtype and kernels it chose. The mesh and the
+answers are faked here (``Mesh``, ``_run``): what is tested is what the demo prints
+and keeps."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from meshserve.cli import demo
+
+EXECUTOR_LOG = """\
+2026-12-04 14:50:03,045 meshserve.metrics INFO metrics on http://127.0.0.1:38837/metrics
+2026-12-04 14:50:03,045 executor.attention.cpu_kernel INFO loading the CPU GEMM kernel from /cache/cpu_gemm-1.so
+2026-12-04 14:50:03,388 executor.models.cpu_dtype INFO dtype auto on CPU → bfloat16: native bfloat16
+2026-12-04 14:50:04,772 executor.model_loader INFO loaded /cache/m (LlamaForCausalLM, torch.bfloat16) max_model_len=8192
+2026-12-04 14:50:04,782 executor.attention.cpu_kernel INFO loading the CPU attention kernel from /cache/cpu_attn-2.so
+Traceback-like line without fields
+2026-12-04 14:50:14,997 executor.engine.llm_engine INFO engine ready: smollm2-135m-instruct, 2912 blocks
+"""
+CHOICES = ["loading the CPU GEMM kernel from /cache/cpu_gemm-1.so", "dtype auto on CPU → bfloat16: native bfloat16",
+           "loaded /cache/m (LlamaForCausalLM, torch.bfloat16) max_model_len=8192",
+           "loading the CPU attention kernel from /cache/cpu_attn-2.so"]
+
+
+def test_choice_lines_are_the_dtype_and_kernel_messages_in_order(tmp_path):
+    log = tmp_path / "executor-0.log"
+    log.write_text(EXECUTOR_LOG)
+    assert demo.choice_lines(log) == CHOICES
+    assert demo.choice_lines(tmp_path / "missing.log") == []
+
+
+class FakeMesh:
+    """A mesh that starts at once; its executor-0 log is ``EXECUTOR_LOG``."""
+
+    def __init__(self, config):
+        self.config = config
+        self.cpu_warning = ""
+        self.gateway_address = self.scheduler_address = "127.0.0.1:1"
+        self.executor_addresses, self.executor_names = ["127.0.0.1:2"], ["executor-0"]
+
+    async def start(self) -> None:
+        (self.config.log_dir / "executor-0.log").write_text(EXECUTOR_LOG)
+
+    def cores_line(self) -> str:
+        return ""
+
+    def stop(self) -> list[str]:
+        return []
+
+
+def test_a_demo_that_went_well_keeps_its_logs_and_shows_the_choices(monkeypatch, tmp_path, capsys):
+    log_dir = tmp_path / "demo-logs"
+
+    async def answered(mesh, max_tokens, console) -> int:
+        return 0
+
+    monkeypatch.setattr(demo.signal, "signal", lambda *_: None)  # this test process keeps its handlers
+    monkeypatch.setattr(demo.tempfile, "mkdtemp", lambda prefix: str(log_dir.mkdir() or log_dir))
+    monkeypatch.setattr(demo, "Mesh", FakeMesh)
+    monkeypatch.setattr(demo, "resolve_model", lambda model: None)
+    monkeypatch.setattr(demo, "_run", answered)
+    assert demo.run_demo(0, 1, 8) == 0
+    out = capsys.readouterr().out
+    shown = [line.removeprefix("executor-0: ") for line in out.splitlines() if line.startswith("executor-0: ")]
+    assert shown == CHOICES
+    assert out.rstrip().endswith(f"Mesh stopped; the services' logs are in {log_dir}")
+    assert Path(log_dir / "executor-0.log").read_text() == EXECUTOR_LOG
