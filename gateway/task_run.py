@@ -109,7 +109,6 @@ class TaskHooks:
 
 
 Work = Callable[[TaskHooks], Awaitable[bytes]]
-MarkRunning = TaskHooks  # what older work functions called their argument
 Resume = Callable[[TaskRecord], Work]  # a task's work again, from its record (raises MeshError when it cannot)
 
 
