@@ -88,7 +88,8 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         self.tenants.authenticate(context.invocation_metadata())
         info = self.core.model
         return gateway_pb2.ListModelsResponse(models=[
-            gateway_pb2.ModelCard(id=name, root=info.model_id, max_model_len=info.max_model_len) for name in info.names])
+            gateway_pb2.ModelCard(id=name, root=info.model_id, max_model_len=info.max_model_len)
+            for name in info.names])
 
 
 async def start_gateway(
