@@ -41,12 +41,12 @@ from meshserve import trace_attributes as ta
 from meshserve.errors import (AlreadyExists, Cancelled, InvalidArgument, MeshError, NotFound, ResourceExhausted,
                              Unavailable)
 from meshserve.grpc_server import EXECUTORS_HEALTH_SERVICE, NOT_SERVING, SERVING, Service
-from meshserve.timeouts import wait_for
-from meshserve.tls import PLAINTEXT, TLSConfig
 from meshserve.lease_token import LeaseClaims, LeaseSigner, new_nonce
 from meshserve.metrics import priority_classes
 from meshserve.request_ids import check_request_id, scoped_request_id
 from meshserve.telemetry import context_from_grpc, record_error, tracer
+from meshserve.timeouts import wait_for
+from meshserve.tls import PLAINTEXT, TLSConfig
 from meshserve.v1 import scheduler_pb2 as pb
 from meshserve.v1 import scheduler_pb2_grpc
 from scheduler.admission import AdmissionCore

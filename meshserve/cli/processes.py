@@ -19,9 +19,9 @@ from typing import TYPE_CHECKING
 
 from gateway.callbacks import CallbackPolicy, CallbackSender
 from gateway.prompt_limits import PromptLimits
+from gateway.request import ModelInfo
 from gateway.result_cache import ResultCache
 from gateway.result_store import RedisResultStore
-from gateway.request import ModelInfo
 from gateway.server import start_gateway, stop_gateway
 from gateway.task_runner import DEFAULT_MAX_UNFINISHED_PER_TENANT, TaskRunner
 from gateway.task_store_registry import open_task_store
