@@ -40,7 +40,7 @@ tenants it lists are admitted (PERMISSION_DENIED otherwise), a request's
 priority is clamped to its tenant's ``max_priority``, and its tenant's rate
 limits apply (RESOURCE_EXHAUSTED with the bucket's refill time as the delay).
 
-**Scale to zero** (case C44). With ``start_budget_s`` set, a request whose
+**Scale to zero**. With ``start_budget_s`` set, a request whose
 model no executor serves is queued instead of refused: it waits for an executor
 to start and register (the planner counts it as queued load, so one is asked
 for). ``expire_start_waits`` ends each request that has found no executor of its

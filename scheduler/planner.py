@@ -40,12 +40,12 @@ so executors are asked for one cold start before the forecast load needs them
 reactive floor. With ``predictive`` off (or too little history) raw is the
 reactive term alone: that is the reactive autoscaler the simulation compares.
 
-**Stabilization** (no flapping, case C43): a larger raw count is taken at once;
+**Stabilization** (no flapping): a larger raw count is taken at once;
 a smaller one only after raw has stayed below the current count for
 ``scale_down_cooldown_s`` and at least that long after the last change, and
 then one executor at a time (each further step waits another cooldown).
 
-**Idle timer from readiness** (cold starts, case C44). The scale-down timer
+**Idle timer from readiness** (cold starts). The scale-down timer
 runs only while more executors are *ready* (registered, not draining; from
 ``observe``) than raw asks for, i.e. while a ready executor idles. While every
 ready executor is needed and the surplus of ``desired`` over raw is made of
@@ -309,7 +309,7 @@ class Planner:
         return self.last
 
     def wake_from_zero(self, now: float, num_queued: int) -> Decision | None:
-        """Scale to zero (case C44): requests queued while no executor is ready and the
+        """Scale to zero: requests queued while no executor is ready and the
         planner wants none ask for one at once, not at the next interval (a request
         must wait only for an executor's start). Returns the new decision, or None
         when nothing changed (executors are wanted already, one is ready, or none is

@@ -16,12 +16,12 @@ capacity report also sweeps the expired leases its executor no longer lists
 (``meshserve.request_ids``): the core sees ``scoped_request_id(tenant, id)``.
 An executor that stops (SIGTERM, scaled down) sends ``draining`` on its stream:
 from then on nothing new is routed to it, and the scheduler answers
-``drain_ack``; its leases stay valid until they are released or expire (case
-C42), and ``drain_ack`` with ``done`` follows once none is left. The
+``drain_ack``; its leases stay valid until they are released or expire, and
+``drain_ack`` with ``done`` follows once none is left. The
 planner (``scheduler.planner``, run by ``scheduler.planner_loop``) learns from
 every admitted request, every released lease and every executor's cold start
-(``ExecutorRegister.startup_s``). With a start budget (scale to zero, case C44)
-an Admit that finds no executor waits for one to register; each waiting Admit
+(``ExecutorRegister.startup_s``). With a start budget (scale to zero) an
+Admit that finds no executor waits for one to register; each waiting Admit
 call checks the budgets every ``QUEUE_UPDATE_INTERVAL_S``
 (``AdmissionCore.expire_start_waits``).
 """
