@@ -18,7 +18,8 @@ Modules, in the order data flows through them:
 * ``loop``: the closed loop at concurrency C, the open loop, multi-turn parents,
   and each request's TTFT/TPOT/e2e, with the exact-token-count check;
 * ``engine_stats``: the engine counters sampled during the run (KV use, prefix
-  hits, preemptions);
+  hits, preemptions); ``cpu_wait``: how long each system's busiest thread waited
+  for a CPU during the run (other processes on its cores);
 * ``report``: the JSON report and the terminal table (percentiles:
   ``stats.percentile``, the project's one); ``summary``: Markdown tables of
   medians and ratios over a folder of reports;

@@ -16,6 +16,10 @@ Definitions (the ones vLLM's ``benchmark_serving`` uses):
 * Engine figures (``kv_cache_utilization``, ``prefix_cache_hit_rate``,
   ``num_preemptions``, ``max_num_running``, ``kv_capacity``): see
   ``meshserve.bench.engine_stats``; None for targets without engine counters.
+* ``cpu_wait``: per process that runs the system's engine (``engine``, a launched
+  mesh's ``executor-N``, ``vllm``), its busiest thread's CPU seconds and seconds
+  waiting for a CPU over the run (``meshserve.bench.cpu_wait``); {} where unknown
+  (a mesh at ``--addr``, the transformers targets, not Linux).
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ from pathlib import Path
 from typing import Sequence
 
 from meshserve.bench.config import BenchConfig
+from meshserve.bench.cpu_wait import warnings as cpu_wait_warnings
 from meshserve.bench.engine_stats import NULL_METRICS
 from meshserve.bench.loop import RequestResult
 from meshserve.bench.stats import percentile
@@ -126,6 +131,11 @@ def format_table(report: dict) -> str:
         rows.append(("cores", ", ".join(f"{name} {cpus}" for name, cpus in report["cpus"].items())))
     elif report.get("cpu_note"):  # a launched mesh that could not be pinned, and why
         rows.append(("cores", report["cpu_note"]))
+    if report.get("cpu_wait"):  # the system's busiest thread: its CPU and its wait for one (meshserve.bench.cpu_wait)
+        rows.append(("busiest thread CPU / waiting", ", ".join(
+            f"{name} {w['busiest_thread_cpu_s']:.1f} / {w['run_queue_wait_s']:.1f} s"
+            for name, w in report["cpu_wait"].items())))
+        rows += [("warning", line) for line in cpu_wait_warnings(report["cpu_wait"])]
     width = max(len(name) for name, _ in rows)
     return "\n".join(f"{name:<{width}}  {value}" for name, value in rows)
 

@@ -28,6 +28,7 @@ import numpy as np
 
 from meshserve.bench.arrivals import poisson_arrivals
 from meshserve.bench.config import DTYPES, BenchConfig
+from meshserve.bench.cpu_wait import CpuWaitProbe
 from meshserve.bench.engine_stats import StatsSampler
 from meshserve.bench.hf_targets import check_hf_workload
 from meshserve.bench.progress import ProgressBars
@@ -166,9 +167,13 @@ async def _measure(target: Target, cfg: BenchConfig, workload: Workload, bars: P
     arrivals = (poisson_arrivals(len(requests), cfg.request_rate, cfg.workload.seed)
                 if cfg.request_rate is not None else None)
     on_result = bars.bar(label, len(requests))
+    probe = CpuWaitProbe(target.processes())
+    probe.start()
     async with StatsSampler(target.read_stats, cfg.stats_interval_s) as sampler:
         results, wall_s = await target.run(requests, cfg.effective_concurrency or 1, arrivals, on_result)
-    return build_report(cfg, workload, results, wall_s, target.describe(), sampler.metrics())
+    report = build_report(cfg, workload, results, wall_s, target.describe(), sampler.metrics())
+    report["cpu_wait"] = {name: wait.to_json() for name, wait in probe.finish().items()}
+    return report
 
 
 async def run_sweep(config: BenchConfig, points: Sequence[SweepPoint], baselines: Sequence[str] = (),

@@ -73,6 +73,11 @@ class Target(ABC):
         None when the target has no such counters (the transformers targets)."""
         return None
 
+    def processes(self) -> dict[str, int]:
+        """The processes that run this system's engine, by name (``meshserve.bench.cpu_wait``
+        reports how long their busiest thread waited for a CPU); {} when unknown."""
+        return {}
+
     def describe(self) -> dict:
         """Facts for the report (resolved dtype, addresses, log folder…)."""
         return {"dtype": resolve_dtype(self.config.dtype)}

@@ -17,6 +17,7 @@ expose their engine counters (``read_stats``) for the KV and prefix-cache figure
 from __future__ import annotations
 
 import asyncio
+import os
 import tempfile
 import time
 from pathlib import Path
@@ -78,6 +79,9 @@ class EngineTarget(Target):
     async def stop(self) -> None:
         if self.engine is not None:
             await self.engine.stop()
+
+    def processes(self) -> dict[str, int]:
+        return {"engine": os.getpid()}  # its busiest thread: the engine's step loop
 
     async def read_stats(self) -> list[CounterSnapshot]:
         """The engine's latest counters (``AsyncEngine.stats``, refreshed after every step)."""
@@ -149,6 +153,12 @@ class MeshTarget(Target):
         submit = time.monotonic()
         out = await generate(self.stub, request)
         return checked_result(req, submit, out.token_times, time.monotonic())
+
+    def processes(self) -> dict[str, int]:
+        """The launched mesh's executors (none for a mesh at ``--addr``)."""
+        if self.mesh is None:
+            return {}
+        return {name: proc.pid for name, proc in self.mesh.procs if name.startswith("executor")}
 
     async def read_stats(self) -> list[CounterSnapshot] | None:
         """Every executor's counters through its ``Stats`` RPC (the launched mesh's

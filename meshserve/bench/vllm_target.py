@@ -96,6 +96,10 @@ class VLLMTarget(Target):
             results.append(result)
         return results, float(answer["wall_s"])
 
+    def processes(self) -> dict[str, int]:
+        """vLLM's script and, through its children, its engine-core process."""
+        return {"vllm": self.proc.pid} if self.proc is not None else {}
+
     async def stop(self) -> None:
         if self.proc is None:
             return
