@@ -29,18 +29,25 @@ WAIT_WARNING = 0.05
 
 
 def process_tree(pid: int, proc: str = PROC) -> list[int]:
-    """``pid`` and its descendants (``/proc/PID/task/*/children``), ``pid`` first; [] when
-    ``pid`` is gone."""
+    """``pid`` and its descendants, ``pid`` first; [] when ``pid`` is gone. Read from each
+    process's parent in ``/proc/*/stat`` (``/proc/PID/task/TID/children`` needs a kernel
+    option many kernels lack)."""
     if not os.path.isdir(f"{proc}/{pid}"):
         return []
+    children: dict[int, list[int]] = {}
+    for entry in _listdir(proc):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"{proc}/{entry}/stat") as f:
+                stat = f.read()
+            parent = int(stat[stat.rindex(")") + 2:].split()[1])  # the name in parentheses may hold spaces
+        except (OSError, ValueError, IndexError):
+            continue
+        children.setdefault(parent, []).append(int(entry))
     tree, i = [pid], 0
     while i < len(tree):
-        for task in _listdir(f"{proc}/{tree[i]}/task"):
-            try:
-                with open(f"{proc}/{tree[i]}/task/{task}/children") as f:
-                    tree.extend(int(c) for c in f.read().split() if int(c) not in tree)
-            except OSError:
-                continue
+        tree.extend(sorted(c for c in children.get(tree[i], ()) if c not in tree))
         i += 1
     return tree
 

@@ -15,11 +15,11 @@ from meshserve.bench.report import build_report, format_table
 from meshserve.bench.workload import make_workload
 
 
-def _task(proc, pid: int, tid: int, on_cpu_ns: int, waiting_ns: int, children: str = "") -> None:
+def _task(proc, pid: int, tid: int, on_cpu_ns: int, waiting_ns: int, parent: int = 1) -> None:
     task = proc / str(pid) / "task" / str(tid)
     task.mkdir(parents=True, exist_ok=True)
     (task / "schedstat").write_text(f"{on_cpu_ns} {waiting_ns} 17\n")
-    (task / "children").write_text(children)
+    (proc / str(pid) / "stat").write_text(f"{pid} (python -m x) S {parent} {pid} {pid} 0 -1\n")
 
 
 class _Clock:
@@ -32,20 +32,22 @@ class _Clock:
 
 def test_the_busiest_thread_of_a_process_and_its_children_is_reported_with_its_wait(tmp_path):
     # executor 10 (main thread 10, engine thread 11) with a child rank 20; vllm 30 (one thread)
-    _task(tmp_path, 10, 10, 1_000_000_000, 0, children="20")
+    _task(tmp_path, 10, 10, 1_000_000_000, 0)
     _task(tmp_path, 10, 11, 5_000_000_000, 1_000_000_000)
-    _task(tmp_path, 20, 20, 0, 0)
+    _task(tmp_path, 20, 20, 0, 0, parent=10)
+    _task(tmp_path, 21, 21, 0, 0, parent=20)  # a grandchild
     _task(tmp_path, 30, 30, 2_000_000_000, 0)
-    assert process_tree(10, str(tmp_path)) == [10, 20]
+    (tmp_path / "self").mkdir()  # not a process: skipped
+    assert process_tree(10, str(tmp_path)) == [10, 20, 21]
     assert process_tree(99, str(tmp_path)) == []
     assert thread_times([10], str(tmp_path)) == {(10, 10): (1.0, 0.0), (10, 11): (5.0, 1.0)}
     clock = _Clock()
     probe = CpuWaitProbe({"executor-0": 10, "vllm": 30, "gone": 99}, proc=str(tmp_path), clock=clock)
     probe.start()
     clock.now += 20.0
-    _task(tmp_path, 10, 10, 1_500_000_000, 250_000_000, children="20")  # +0.5 s CPU
+    _task(tmp_path, 10, 10, 1_500_000_000, 250_000_000)  # +0.5 s CPU
     _task(tmp_path, 10, 11, 16_000_000_000, 9_000_000_000)  # +11 s CPU, +8 s waiting: the busiest
-    _task(tmp_path, 20, 20, 3_000_000_000, 500_000_000)  # the child rank: +3 s
+    _task(tmp_path, 20, 20, 3_000_000_000, 500_000_000, parent=10)  # the child rank: +3 s
     _task(tmp_path, 30, 30, 21_000_000_000, 500_000_000)  # +19 s, +0.5 s
     _task(tmp_path, 30, 31, 1_000_000_000, 0)  # a thread started during the run: +1 s
     waits = probe.finish()
