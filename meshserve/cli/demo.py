@@ -102,7 +102,7 @@ def run_demo(port: int, executors: int, max_tokens: int) -> int:
     neither, and are stopped in order."""
     for sig in (signal.SIGTERM, signal.SIGHUP):
         signal.signal(sig, signal.default_int_handler)
-    console = Console()
+    console = Console(soft_wrap=True)  # piped output keeps whole lines (rich wraps at 80 columns off a terminal)
     log_dir = Path(tempfile.mkdtemp(prefix="meshserve-demo-"))
     mesh = Mesh(MeshConfig(port=port or 0, executors=executors, log_dir=log_dir, cpu_affinity=True))
     show_model_conversion()  # a first run dequantizes the bundled GGUF once, before the services start
