@@ -119,7 +119,11 @@ def run_demo(port: int, executors: int, max_tokens: int) -> int:
     rc = 1
     try:
         t0 = time.monotonic()
-        asyncio.run(mesh.start())
+        try:
+            asyncio.run(mesh.start())
+        except (OSError, RuntimeError, TimeoutError, ValueError) as exc:  # said as `up` says it: no traceback
+            console.print(f"error: {exc}", markup=False, highlight=False, soft_wrap=True)
+            return 1  # after the finally: what started is stopped, and the logs are named
         console.print(f"Mesh up in {time.monotonic() - t0:.1f} s: gateway {mesh.gateway_address}, "
                       f"scheduler {mesh.scheduler_address}, executors {', '.join(mesh.executor_addresses)}")
         if mesh.cores_line():

@@ -66,3 +66,40 @@ def test_a_demo_that_went_well_keeps_its_logs_and_shows_the_choices(monkeypatch,
     assert shown == CHOICES
     assert out.rstrip().endswith(f"Mesh stopped; the services' logs are in {log_dir}")
     assert Path(log_dir / "executor-0.log").read_text() == EXECUTOR_LOG
+
+
+class FailingMesh(FakeMesh):
+    """A mesh whose start fails as ``Mesh.start`` does when a service exits during start-up."""
+
+    stopped = 0
+
+    async def start(self) -> None:
+        (self.config.log_dir / "executor-0.log").write_text("[bold]boom[/bold]\n")
+        raise RuntimeError(f"executor-0 exited with code 1 during start-up; {self.config.log_dir}/executor-0.log "
+                           "ends:\n[bold]boom[/bold]")
+
+    def stop(self) -> list[str]:
+        FailingMesh.stopped += 1
+        return []
+
+
+def test_a_mesh_that_fails_to_start_is_an_error_line_not_a_traceback(monkeypatch, tmp_path, capsys):
+    """As ``up`` reports it: the error (its log's tail as written, no markup), exit code 1,
+    the services stopped and the logs kept."""
+    log_dir = tmp_path / "demo-logs"
+    monkeypatch.setattr(FailingMesh, "stopped", 0)
+
+    async def never(mesh, max_tokens, console) -> int:
+        raise AssertionError("no answers without a mesh")
+
+    monkeypatch.setattr(demo.signal, "signal", lambda *_: None)
+    monkeypatch.setattr(demo.tempfile, "mkdtemp", lambda prefix: str(log_dir.mkdir() or log_dir))
+    monkeypatch.setattr(demo, "Mesh", FailingMesh)
+    monkeypatch.setattr(demo, "resolve_model", lambda model: None)
+    monkeypatch.setattr(demo, "_run", never)
+    assert demo.run_demo(0, 1, 8) == 1
+    out = capsys.readouterr().out
+    assert out.splitlines()[1:] == [f"error: executor-0 exited with code 1 during start-up; {log_dir}/executor-0.log "
+                                    "ends:", "[bold]boom[/bold]",
+                                    f"Mesh stopped; the services' logs are in {log_dir}"]
+    assert FailingMesh.stopped == 1 and (log_dir / "executor-0.log").read_text() == "[bold]boom[/bold]\n"
