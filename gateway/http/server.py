@@ -28,8 +28,10 @@ class HttpServer:
 
     def __init__(self, app, port: int, host: str = "127.0.0.1"):
         self.host, self.port = host, port
+        # log_config None: uvicorn's lines go through the process's logging (its format, and in a local mesh
+        # the service's name, meshserve.log_format), not through handlers of uvicorn's own
         config = uvicorn.Config(app, host=host, port=port, log_level="warning", access_log=False,
-                                lifespan="off", timeout_graceful_shutdown=5, loop="none")
+                                lifespan="off", timeout_graceful_shutdown=5, loop="none", log_config=None)
         self._server = uvicorn.Server(config)
         self._server.install_signal_handlers = lambda: None  # the gateway's process owns the signals
         self._task: asyncio.Task | None = None
