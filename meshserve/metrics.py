@@ -158,7 +158,7 @@ class MetricsServer:
         self._thread.start()
         self.host = host
         self.port = self._server.server_port
-        self.address = f"{host}:{self.port}"
+        self.address = f"[{host}]:{self.port}" if ":" in host else f"{host}:{self.port}"  # an IPv6 host in brackets
         log.info("metrics on http://%s/metrics", self.address)
 
     @property

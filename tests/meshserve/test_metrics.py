@@ -63,6 +63,19 @@ def test_metrics_server_serves_its_own_registry_and_stops():
         urllib.request.urlopen(server.url, timeout=2)
 
 
+def test_an_ipv6_host_s_scrape_url_has_the_host_in_brackets():
+    try:
+        server = MetricsServer(new_registry("gateway"), 0, host="::1")
+    except OSError as exc:  # a host without IPv6 loopback
+        pytest.skip(f"no ::1 here: {exc}")
+    try:
+        assert server.address == f"[::1]:{server.port}" and server.url == f"http://[::1]:{server.port}/metrics"
+        with urllib.request.urlopen(server.url, timeout=5) as resp:
+            assert resp.status == 200
+    finally:
+        server.stop()
+
+
 def test_the_metrics_thread_looks_for_a_stop_every_stop_poll_s(monkeypatch):
     """``stop`` waits until the serving thread sees it, which it looks for every
     ``STOP_POLL_S`` (0.05 s), not every 0.5 s (socketserver's and prometheus-client's
