@@ -49,17 +49,22 @@ class FakeMesh:
         return []
 
 
+def _demo_with(monkeypatch, log_dir: Path, mesh_class, run) -> None:
+    """``run_demo`` over ``mesh_class`` and ``run`` (the answers), its logs in ``log_dir``."""
+    monkeypatch.setattr(demo.signal, "signal", lambda *_: None)  # this test process keeps its handlers
+    monkeypatch.setattr(demo.tempfile, "mkdtemp", lambda prefix: str(log_dir.mkdir() or log_dir))
+    monkeypatch.setattr(demo, "Mesh", mesh_class)
+    monkeypatch.setattr(demo, "resolve_model", lambda model: None)
+    monkeypatch.setattr(demo, "_run", run)
+
+
 def test_a_demo_that_went_well_keeps_its_logs_and_shows_the_choices(monkeypatch, tmp_path, capsys):
     log_dir = tmp_path / "demo-logs"
 
     async def answered(mesh, max_tokens, console) -> int:
         return 0
 
-    monkeypatch.setattr(demo.signal, "signal", lambda *_: None)  # this test process keeps its handlers
-    monkeypatch.setattr(demo.tempfile, "mkdtemp", lambda prefix: str(log_dir.mkdir() or log_dir))
-    monkeypatch.setattr(demo, "Mesh", FakeMesh)
-    monkeypatch.setattr(demo, "resolve_model", lambda model: None)
-    monkeypatch.setattr(demo, "_run", answered)
+    _demo_with(monkeypatch, log_dir, FakeMesh, answered)
     assert demo.run_demo(0, 1, 8) == 0
     out = capsys.readouterr().out
     shown = [line.removeprefix("executor-0: ") for line in out.splitlines() if line.startswith("executor-0: ")]
@@ -92,11 +97,7 @@ def test_a_mesh_that_fails_to_start_is_an_error_line_not_a_traceback(monkeypatch
     async def never(mesh, max_tokens, console) -> int:
         raise AssertionError("no answers without a mesh")
 
-    monkeypatch.setattr(demo.signal, "signal", lambda *_: None)
-    monkeypatch.setattr(demo.tempfile, "mkdtemp", lambda prefix: str(log_dir.mkdir() or log_dir))
-    monkeypatch.setattr(demo, "Mesh", FailingMesh)
-    monkeypatch.setattr(demo, "resolve_model", lambda model: None)
-    monkeypatch.setattr(demo, "_run", never)
+    _demo_with(monkeypatch, log_dir, FailingMesh, never)
     assert demo.run_demo(0, 1, 8) == 1
     out = capsys.readouterr().out
     assert out.splitlines()[1:] == [f"error: executor-0 exited with code 1 during start-up; {log_dir}/executor-0.log "
