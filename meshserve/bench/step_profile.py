@@ -98,10 +98,12 @@ C call, so each is wrapped in the range of its part. The decoder stack runs ever
 decode-kernel step in one call: its GEMM, attention and fused kernels are not told apart."""
 
 
-def instrument_kernels() -> None:
-    """Wraps each of ``KERNEL_CALLS`` that this tree has (profiling an older version: some are missing)."""
+def kernel_entry_points() -> list[tuple[object, str, str]]:
+    """``(owner, function name, range)`` of each of ``KERNEL_CALLS`` that this tree has
+    (profiling an older version: some are missing)."""
     import importlib
 
+    found = []
     for module_name, attribute, label in KERNEL_CALLS:
         try:
             owner = importlib.import_module(module_name)
@@ -111,7 +113,14 @@ def instrument_kernels() -> None:
         for part in path:
             owner = getattr(owner, part, None)
         if owner is not None and hasattr(owner, name):
-            _wrap(owner, name, label)
+            found.append((owner, name, label))
+    return found
+
+
+def instrument_kernels() -> None:
+    """Wraps each kernel entry point this tree has in the profiler range of its part."""
+    for owner, name, label in kernel_entry_points():
+        _wrap(owner, name, label)
 
 
 def instrument(engine) -> None:
