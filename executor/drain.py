@@ -4,7 +4,7 @@
 
 1. health turns NOT_SERVING (probes take it out of rotation) and the scheduler
    link sends ``ExecutorDraining``; the scheduler routes nothing new here and
-   answers ``DrainAck`` (case C42);
+   answers ``DrainAck``;
 2. the executor keeps serving ``Execute``: a request whose lease was assigned
    before the scheduler marked it draining may still be on its way and is run
    here as usual;

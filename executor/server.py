@@ -402,7 +402,7 @@ async def start_executor(
     (``executor.metrics``; ``peak_flops``: the MFU's peak FLOP/s) as ``service.metrics``.
 
     ``max_buffered_outputs``: outputs a request's reader may leave untaken before the
-    request ends with RESOURCE_EXHAUSTED and is aborted (``AsyncEngine``; case C27).
+    request ends with RESOURCE_EXHAUSTED and is aborted (``AsyncEngine``).
     ``started_at``: ``time.monotonic()`` when the process began; the registration
     reports the cold start from it (``ExecutorRegister.startup_s``). To stop it
     gracefully, ``executor.drain.drain`` before stopping.

@@ -28,7 +28,7 @@ decoder can still change text already emitted: a valid byte run, emitted, that a
 later invalid byte joins becomes U+FFFD as a whole in the full decode; vLLM's
 algorithm shares this. Models emit valid UTF-8 in practice.)
 
-Invariant (tested, case C03)::
+Invariant (tested)::
 
     "".join(pieces) == tokenizer.decode(output_ids, skip_special_tokens=...)
 

@@ -10,15 +10,16 @@ Policies (tested in tests/gateway/test_prompt.py):
 * **Chat** (``from_chat``): the model's chat template is rendered with
   ``add_generation_prompt=True``. Control tokens come only from the template:
   text a user types inside a message, such as ``<|im_end|>``, is encoded as
-  ordinary text (case C05). When no content holds control-token text the ids
+  ordinary text. When no content holds control-token text the ids
   equal the plain ``apply_chat_template(..., tokenize=True)`` exactly.
 * **Token ids** (``from_token_ids``): taken as given after a range check.
 
 ``from_request`` picks the form a ``GenerationRequest`` (``gateway.request``) sets.
 
-Every form rejects an empty prompt (case C09).
+Every form rejects an empty prompt.
 
-C05 uses the mechanism ``transformers`` keeps for it (>= 5.x),
+Chat encodes user text as ordinary text with the mechanism ``transformers``
+keeps for it (>= 5.x),
 ``apply_chat_template(..., sanitize_control_tokens=True)``: control-token text in
 the messages is wrapped in private-use markers (U+F0000 / U+F0001) before
 rendering, so it stays recognisable whatever the template does with the content

@@ -1,4 +1,4 @@
-"""Prompt size limits, checked before anything is tokenized or rendered (case C37).
+"""Prompt size limits, checked before anything is tokenized or rendered.
 
 Tokenizing costs time and memory in proportion to the prompt, so the gateway
 first bounds what it will look at, cheaply, on the event loop:

@@ -5,7 +5,7 @@ The scheduler's grpc.health.v1 answers for ``EXECUTORS_HEALTH_SERVICE`` (SERVING
 while an executor is registered; executors that die, wedge or go silent leave
 the registry). The gateway polls it every ``poll_s`` seconds and sets its own
 health, so a load balancer or a Kubernetes readiness probe on the gateway stops
-sending traffic to a mesh that cannot answer (case C24).
+sending traffic to a mesh that cannot answer.
 
 A definite answer counts at once: NOT_SERVING (no executor), or a scheduler that
 cannot be reached (UNAVAILABLE: refused, reset, no route). A poll that only runs

@@ -28,7 +28,7 @@ skipped (logged, counted in ``errors``). Each Redis call is bounded by
 request at most that); after a failure the cache is bypassed outright for
 ``bypass_s`` (no call is made; counted in ``bypassed``), then tried again, so
 during an outage synchronous requests run uncached at full speed and the cache
-resumes by itself once Redis answers (case C39).
+resumes by itself once Redis answers.
 """
 
 from __future__ import annotations

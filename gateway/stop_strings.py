@@ -10,7 +10,7 @@ Which occurrence stops the stream: the one that is *completed first* (smallest
 end position in the text); among those ending at the same place, the one that
 starts first. This is the only rule a stream can apply without waiting for
 tokens that may never come, and applying it to the whole text at once gives the
-same cut, so streamed and non-streamed responses agree (case C02). For a single
+same cut, so streamed and non-streamed responses agree. For a single
 stop string S it is simply ``text[:text.index(S)]``.
 
 Cost per ``feed``: one ``str.find`` per stop string over the held tail plus the

@@ -7,7 +7,7 @@ readiness route (``GET /ready/tasks``), next to the gateway's overall readiness
 (which follows the executors, ``gateway.readiness``). ``TaskStoreProbe`` pings
 the store every ``poll_s`` seconds, each ping bounded by ``timeout_s``; while it
 fails the task service is NOT_SERVING and ``SubmitTask`` answers UNAVAILABLE at
-once (HTTP 503 with ``Retry-After``) instead of waiting on the store (case C39).
+once (HTTP 503 with ``Retry-After``) instead of waiting on the store.
 A store in memory always answers.
 """
 

@@ -14,7 +14,7 @@ SGLang's RadixAttention keys the same information as a tree)::
     h2 = H(h1,    tokens[32:48])   ...   only *full* blocks are hashed
 
 The root is derived from a ``ModelFingerprint`` (model id, revision, adapter), so
-KV computed by different weights never matches (case C06). Block size is implied
+KV computed by different weights never matches. Block size is implied
 by the token count of each block, so two block sizes give different hashes as
 well. The root has no dtype: the gateway, which computes the chain of a prompt
 for routing, cannot know the dtype an executor picked (``--dtype auto`` depends on
@@ -23,8 +23,7 @@ its hardware), and one engine's prefix cache holds one dtype only.
 What makes cached *bytes* incompatible between executors (dtype, KV layout)
 is named once, in the kvstore's namespace: the kvstore
 keys a block by ``(KVStoreFingerprint.namespace, chain hash)``, so two executors
-share a stored block only when its bytes mean the same thing to both (case C06
-for dtypes).
+share a stored block only when its bytes mean the same thing to both.
 
 H is SHA-256 over a fixed little-endian encoding, truncated to 128 bits: stable
 across processes and Python versions (unlike ``hash()``), so hashes can cross the

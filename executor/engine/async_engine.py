@@ -27,7 +27,7 @@ always delivered once the engine goes idle). The engine's prefix-cache events
 (``LLMEngine.take_kv_events``) are drained by the thread after every step and
 handed to ``on_kv_events`` in the loop, in order.
 
-Slow consumers (case C27): a request's queue holds at most ``max_buffered_outputs``
+Slow consumers: a request's queue holds at most ``max_buffered_outputs``
 outputs that its consumer has not taken. An output that would exceed the bound ends
 the request instead: the consumer gets ``ResourceExhausted`` after the outputs
 already queued, and the request is aborted at the start of the next step (its KV

@@ -7,7 +7,7 @@ their streams here::
     choice 1 stream ──▶ pump 1 ──┼──▶ merged (asyncio.Queue, maxsize n) ──▶ (index, output)
     choice 2 stream ──▶ pump 2 ──┘
 
-The merge queue is bounded (case C27): a slow reader fills it, the pumps then
+The merge queue is bounded: a slow reader fills it, the pumps then
 wait, and what the engine makes backs up into each choice's own queue, whose
 bound (``AsyncEngine.max_buffered_outputs``) ends that choice with
 ``ResourceExhausted``; the reader gets the error after what was already merged.

@@ -18,7 +18,7 @@ GET  /version          ``{"version": meshserve's version}``
 =====================  =========================================================
 
 Every error is OpenAI's JSON error body (``gateway.http.errors``); a body over
-``max_body_bytes`` is refused with 413 before it is read whole (case C37), and one
+``max_body_bytes`` is refused with 413 before it is read whole, and one
 that stops arriving with 408 (``gateway.http.body_guards``).
 """
 

@@ -4,7 +4,7 @@
 guard        status  when
 ===========  ======  =====================================================================
 BodyLimit    413     the body is over ``max_bytes``: by its Content-Length at once, else
-                     as soon as the bytes received pass it (case C37)
+                     as soon as the bytes received pass it
 BodyTimeout  408     the body stops arriving: no part of it for ``timeout_s`` seconds
                      while it is incomplete (a client that sends a Content-Length and
                      then less, or stalls mid-body, would otherwise hold its connection

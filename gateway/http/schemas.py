@@ -25,7 +25,7 @@ from typing import Any, Literal
 from pydantic import (BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, field_validator,
                       model_validator)
 
-# What one request body may carry before any work is done (case C37): the core's
+# What one request body may carry before any work is done: the core's
 # own caps bound each field; these bound what arrives before the core sees it.
 MAX_PROMPTS = 64  # prompts of one /v1/completions request
 MAX_MESSAGES = 4096  # messages of one chat request

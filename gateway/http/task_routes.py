@@ -13,7 +13,7 @@
   answers its status.
 
 The task runs in the gateway, not in the HTTP request: a client that goes away
-after the submit leaves it running (case C31).
+after the submit leaves it running.
 """
 
 from __future__ import annotations

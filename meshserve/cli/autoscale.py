@@ -10,12 +10,12 @@ cooldown), clamps it to MIN..MAX and
   registers with the scheduler when loaded, reporting its cold start;
 * sends SIGTERM to surplus ones while more run (``Mesh.drain_executor``):
   starting ones first (they serve nothing yet), then the newest ready ones, so
-  the ready count never drops below what the planner asks for (case C44); the
+  the ready count never drops below what the planner asks for; the
   executor drains (nothing new is routed to it, what it runs finishes) and
   exits by itself;
 * declares an executor that is not ready (SERVING) within ``start_budget_s`` of
   its start failed: it is killed (``Mesh.abandon_executor``) and, the count being
-  short, replaced at the same poll (case C44); its readiness is watched for that
+  short, replaced at the same poll; its readiness is watched for that
   whole budget (even past the mesh's ``startup_timeout_s``). A loading executor is never
   killed before that (the Kubernetes counterpart: the startup probe's budget,
   before which liveness is not asked).
@@ -70,7 +70,7 @@ def plan(desired: int, running: list[str], low: int, high: int,
          starting: Collection[str] = ()) -> tuple[int, list[str]]:
     """Executors to start and names to drain so that ``running`` (oldest first) becomes
     ``desired`` clamped to ``low..high``: the ``starting`` ones (not ready yet) first,
-    then the newest (case C44)."""
+    then the newest."""
     want = min(high, max(low, desired))
     if want >= len(running):
         return want - len(running), []
