@@ -101,7 +101,8 @@ class Service:
         except RuntimeError:  # grpc's "Failed to bind to address …"
             self.port = 0
         if self.port == 0:
-            raise OSError(f"{name}: cannot listen on {host}:{port} (port in use or not allowed); choose one with --port")
+            raise OSError(f"{name}: cannot listen on {host}:{port} (port in use or not allowed); "
+                          "choose one with --port")
         self.address = f"{host}:{self.port}"
         self.health_server: grpc.aio.Server | None = None
         self.health_address: str | None = None
@@ -145,8 +146,9 @@ class Service:
 
     async def start(self) -> None:
         """Starts listening (health still NOT_SERVING, liveness SERVING), with server reflection."""
-        reflection.enable_server_reflection((*self.reflected, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
-                                             reflection.SERVICE_NAME), self.server)
+        reflection.enable_server_reflection(
+            (*self.reflected, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME),
+            self.server)
         await self.health.set("", NOT_SERVING)
         await self.health.set(self.name, NOT_SERVING)
         await self.server.start()

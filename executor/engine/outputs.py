@@ -147,4 +147,5 @@ class EngineStats:
     @property
     def prefix_cache_hit_rate(self) -> float:
         """Hit tokens / queried tokens (0.0 before any query)."""
-        return self.prefix_cache_hit_tokens / self.prefix_cache_queried_tokens if self.prefix_cache_queried_tokens else 0.0
+        return (self.prefix_cache_hit_tokens / self.prefix_cache_queried_tokens
+                if self.prefix_cache_queried_tokens else 0.0)

@@ -61,7 +61,8 @@ from executor.attention import cpu_kernel
 log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("cpu_fused.c")
-FLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-fno-trapping-math", "-ffinite-math-only", "-fPIC", "-shared", "-std=c11")
+FLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-fno-trapping-math", "-ffinite-math-only",
+         "-fPIC", "-shared", "-std=c11")
 DTYPES = (torch.float32, torch.bfloat16)
 """The dtypes the kernels take."""
 _lock = threading.Lock()

@@ -4,8 +4,9 @@
 ``CompletionFormat`` ``text_completion`` ones (OpenAI's API reference, as vLLM
 serves them; vLLM's ``stop_reason`` is added to each finished choice: the stop
 string that ended it, or null; with vLLM's ``return_token_ids`` each choice also
-carries ``token_ids``: in a chunk its delta's, in a response all of them). Choice ``index`` is ``prompt * n + choice``, so
-with several prompts choice ``i`` belongs to prompt ``i // n``.
+carries ``token_ids``: in a chunk its delta's, in a response all of them). Choice
+``index`` is ``prompt * n + choice``, so with several prompts choice ``i`` belongs
+to prompt ``i // n``.
 
 Usage: ``prompt_tokens`` counts each prompt once (not once per choice),
 ``completion_tokens`` every choice's tokens, ``prompt_tokens_details.cached_tokens``

@@ -1,4 +1,5 @@
-"""``python -m meshserve.bench.compiled_decode --batch 32 --context 150 --repeat 9 [--wrapper python|cpp] [--json FILE]``:
+"""``python -m meshserve.bench.compiled_decode --batch 32 --context 150 --repeat 9
+[--wrapper python|cpp] [--json FILE]``:
 one float32 decode step on one thread, eager against ``torch.compile``'s graph
 (``executor.worker.compiled_decode``, ``--compile``), interleaved in one process.
 

@@ -1,4 +1,5 @@
-"""``python -m meshserve.bench.cpu_decoder_stack --batch 1 32 --context 150 --repeat 15 [--dtype bfloat16] [--json FILE]``:
+"""``python -m meshserve.bench.cpu_decoder_stack --batch 1 32 --context 150 --repeat 15
+[--dtype bfloat16] [--json FILE]``:
 one decode step on one thread with the decoder layers in one C call
 (``executor/models/cpu_decoder_stack.c``) against the eager layers, interleaved.
 

@@ -293,7 +293,8 @@ def print_report(report: dict) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m meshserve.bench.step_profile", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m meshserve.bench.step_profile",
+                                     description=__doc__.split("\n\n")[0])
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "auto"])
     parser.add_argument("--batch", type=int, default=32, help="requests in the batch")
     parser.add_argument("--context", type=int, default=150, help="prompt tokens per request (±20%%)")

@@ -225,7 +225,8 @@ async def run_sweep(config: BenchConfig, points: Sequence[SweepPoint], baselines
                 await target.run(warmup.requests, replace(cfg, request_rate=None).effective_concurrency)
         for i, (point, workload) in enumerate(zip(points, workloads)):
             entry = {"point": i, "concurrency": point.concurrency if point.request_rate is None else None,
-                     "request_rate": json_rate(point.request_rate), "seed": workload.spec.seed, "target": None, "baselines": {}}
+                     "request_rate": json_rate(point.request_rate), "seed": workload.spec.seed,
+                     "target": None, "baselines": {}}
             for (name, cfg), target in zip(systems, targets):
                 cfg = replace(cfg, concurrency=point.concurrency, request_rate=point.request_rate,
                               workload=workload.spec)

@@ -5,7 +5,8 @@ vLLM is never a dependency of meshserve: ``start`` runs ``vllm_runner.py`` (a
 standalone script, standard library and vLLM only) with that interpreter as a
 child process, on the same model folder (the safetensors folder meshserve
 resolved, e.g. under ``~/.cache/meshserve/models/``), dtype, torch threads
-(``VLLM_CPU_OMP_THREADS_BIND`` = the first ``threads`` cores of its affinity mask), batch limits, KV budget (whole GiB, at least 1) and prefix caching. Each ``run`` sends the
+(``VLLM_CPU_OMP_THREADS_BIND`` = the first ``threads`` cores of its affinity mask),
+batch limits, KV budget (whole GiB, at least 1) and prefix caching. Each ``run`` sends the
 requests and the concurrency as one JSON line and reads the token times back
 (see ``vllm_runner``): the closed loop runs inside the child, against vLLM's
 ``LLMEngine.step``, so vLLM pays no IPC per token. It has no open loop.

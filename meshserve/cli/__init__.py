@@ -12,8 +12,8 @@
 What the commands run: ``processes.py`` (each service's process: ``run_scheduler``,
 ``run_executor``, ``run_kvstore``, ``run_gateway``), ``launcher.py`` (``Mesh``: the
 whole mesh as separate processes, for ``up``, ``demo`` and the benchmarks; it pings
-the gateway's Redis stores first, ``store_check.py``) and ``demo.py``. This package and ``meshserve.bench`` are the only parts of
-``meshserve`` that import services.
+the gateway's Redis stores first, ``store_check.py``) and ``demo.py``. This package and
+``meshserve.bench`` are the only parts of ``meshserve`` that import services.
 
 The commands are registered below, in the order ``meshserve --help`` lists them.
 ``main`` is the console script; ``python -m meshserve.cli`` runs it too (the

@@ -5,8 +5,9 @@ streamed for one prompt and one choice, or submits them as async tasks
 (``--async``; a Ctrl-C while it waits prints how to follow the tasks, which go on,
 and exits 130); ``task TASK_ID`` reads, waits for or cancels a task submitted
 earlier. Both exit 1 when a call failed. Both speak plaintext unless given
-``--tls-ca`` (TLS to the gateway; ``--tls-cert``/``--tls-key`` add a client certificate). gRPC and the client library are imported
-when a command runs, so that ``meshserve --help`` stays fast.
+``--tls-ca`` (TLS to the gateway; ``--tls-cert``/``--tls-key`` add a client
+certificate). gRPC and the client library are imported when a command runs, so
+that ``meshserve --help`` stays fast.
 """
 
 from __future__ import annotations

@@ -122,7 +122,8 @@ def test_compose_every_service_uses_its_own_certificate(compose):
 
 def test_compose_config_rejects_a_broken_file(tmp_path):
     bad = tmp_path / "compose.yml"
-    bad.write_text("services:\n  gateway:\n    image: x\n    depends_on:\n      missing: {condition: service_healthy}\n")
+    bad.write_text("services:\n  gateway:\n    image: x\n    depends_on:\n"
+                   "      missing: {condition: service_healthy}\n")
     done = run(compose_binary(), "-f", str(bad), "config", "--quiet")
     assert done.returncode != 0 and "missing" in done.stderr
 

@@ -130,7 +130,8 @@ def test_the_inductor_cache_goes_under_the_cache_dir_even_after_torch_wrote_its_
     monkeypatch.setenv("MESHSERVE_CACHE_DIR", str(tmp_path))
     monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)
     monkeypatch.setattr(compiled_decode, "_USER_INDUCTOR_CACHE_DIR", None)
-    assert inductor_cache() != str(tmp_path / "inductor" / compiled_decode.operators_key())  # torch's default, now in the environment
+    # torch's default, now in the environment
+    assert inductor_cache() != str(tmp_path / "inductor" / compiled_decode.operators_key())
     assert compiled_decode.inductor_cache_dir() == str(tmp_path / "inductor" / compiled_decode.operators_key())
     assert inductor_cache() == str(tmp_path / "inductor" / compiled_decode.operators_key())
     monkeypatch.setattr(compiled_decode, "_USER_INDUCTOR_CACHE_DIR", str(tmp_path / "mine"))

@@ -1,8 +1,9 @@
 """The fused CPU kernels (executor/models/cpu_fused.c: residual add + RMSNorm, rotary,
 SiLU-and-multiply) against the torch ops they replace, in float32 and in bfloat16: the norm bitwise
 (wherever the kernels found torch's sum order at load: ``norm_bitwise``) and the rotary
-bitwise, SiLU within its exponential's last bit (float32) or one bfloat16 ulp (measured: none), row by row independent of the batch; a bfloat16 model's logits and
-greedy tokens the same with the kernels off; the torch ops kept where no compiler works."""
+bitwise, SiLU within its exponential's last bit (float32) or one bfloat16 ulp (measured: none), row
+by row independent of the batch; a bfloat16 model's logits and greedy tokens the same with the
+kernels off; the torch ops kept where no compiler works."""
 
 from __future__ import annotations
 

@@ -30,7 +30,8 @@ BUDGET = 256
 
 def make_engine(num_blocks: int, budget: int = BUDGET, caching: bool = True) -> LLMEngine:
     """One torch thread, as an executor on a 2-core host runs: decodes in the CPU attention kernel."""
-    return LLMEngine(EngineConfig(dtype="float32", num_threads=1, cache=CacheConfig(num_blocks=num_blocks, enable_prefix_caching=caching),
+    return LLMEngine(EngineConfig(dtype="float32", num_threads=1,
+                                  cache=CacheConfig(num_blocks=num_blocks, enable_prefix_caching=caching),
                                   batch=BatchSchedulerConfig(max_num_seqs=16, max_num_batched_tokens=budget)))
 
 

@@ -17,7 +17,8 @@ pytestmark = pytest.mark.model
 def make_engine(budget: int, num_blocks: int = 64, max_num_seqs: int = 8, caching: bool = True) -> LLMEngine:
     """A float32 engine (named: ``auto`` is bfloat16 on CPUs with native bf16)."""
     return LLMEngine(EngineConfig(dtype="float32",
-                                  cache=CacheConfig(block_size=16, num_blocks=num_blocks, enable_prefix_caching=caching),
+                                  cache=CacheConfig(block_size=16, num_blocks=num_blocks,
+                                                    enable_prefix_caching=caching),
                                   batch=BatchSchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=budget)))
 
 

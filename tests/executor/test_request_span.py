@@ -30,7 +30,8 @@ def test_execute_spans_attributes_phases_and_preemption_events():
     assert execute.parent.span_id == 0xB7AD6B7169203331
     assert prefill.parent.span_id == decode.parent.span_id == execute.context.span_id
     a = execute.attributes
-    assert (a["meshserve.request_id"], a["meshserve.executor_id"], a["gen_ai.request.model"]) == ("r1", "executor-7", "m")
+    assert (a["meshserve.request_id"], a["meshserve.executor_id"], a["gen_ai.request.model"]) == \
+        ("r1", "executor-7", "m")
     assert (a["meshserve.priority"], a["gen_ai.usage.input_tokens"], a["gen_ai.request.max_tokens"]) == (2, 40, 3)
     assert (a["gen_ai.request.temperature"], a["gen_ai.request.top_p"], a["gen_ai.request.choice.count"]) == \
         (0.5, 0.9, 2)
@@ -44,8 +45,8 @@ def test_execute_spans_attributes_phases_and_preemption_events():
     assert events == [("meshserve.preempted", 1_000, 0, 1), ("meshserve.preempted", 2_000, 0, 2),
                       ("meshserve.preempted", 3_000, 1, 3)]
     assert [e.name for e in prefill.events] == ["first_token"]
-    assert (prefill.attributes["meshserve.prefix_cache.hit_tokens"], prefill.attributes["meshserve.kvstore.hit_tokens"]) \
-        == (16, 16)
+    assert (prefill.attributes["meshserve.prefix_cache.hit_tokens"],
+            prefill.attributes["meshserve.kvstore.hit_tokens"]) == (16, 16)
     assert prefill.end_time <= decode.start_time
 
 

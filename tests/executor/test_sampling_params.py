@@ -90,7 +90,8 @@ def test_proto_round_trip_keeps_every_field_and_defaults():
     to_proto(params, msg)
     assert from_proto(msg, max_model_len=100, vocab_size=VOCAB) == params
     defaults = from_proto(common_pb2.SamplingParams(), max_model_len=100, vocab_size=VOCAB)
-    assert (defaults.repetition_penalty, defaults.n, defaults.logprobs, defaults.prompt_logprobs) == (1.0, 1, None, None)
+    assert (defaults.repetition_penalty, defaults.n, defaults.logprobs, defaults.prompt_logprobs) == \
+        (1.0, 1, None, None)
     assert not defaults.has_penalties
     msg = common_pb2.SamplingParams()
     to_proto(defaults, msg)
@@ -143,7 +144,8 @@ def test_min_tokens_never_stops_on_eos_or_stop_ids_before_it_is_reached():
     for outputs in ([2], [4, 9], [4, 4, 5]):  # 1, 2, 3 outputs <= min_tokens 3
         assert check_stop(request_with(outputs, min_tokens=3, stop_token_ids=(5,)), eos) is None
     assert check_stop(request_with([4, 4, 4, 9], min_tokens=3), eos) == RequestStatus.FINISHED_STOPPED
-    assert check_stop(request_with([4, 4, 4, 5], min_tokens=3, stop_token_ids=(5,)), eos) == RequestStatus.FINISHED_STOPPED
+    assert check_stop(request_with([4, 4, 4, 5], min_tokens=3, stop_token_ids=(5,)), eos) == \
+        RequestStatus.FINISHED_STOPPED
     capped = request_with([2] * 10, min_tokens=10)
     assert check_stop(capped, eos) == RequestStatus.FINISHED_LENGTH_CAPPED  # max_tokens still applies
 

@@ -64,8 +64,9 @@ def test_urls_outside_the_allow_list_or_internal_are_invalid_arguments(url, reas
 def test_allowed_urls_pass():
     policy = CallbackPolicy(["https://hooks.example.com/meshserve", "https://*.example.net", "http://127.0.0.1:8088/"])
     for url in ("https://hooks.example.com/meshserve/done?x=1", "https://a.b.example.net/x",
-                "http://127.0.0.1:8088/cb", "https://hooks.example.com/meshserve", "https://hooks.example.com/meshserve/",
-                "https://hooks.example.com/meshserve/..done", "https://a.example.net"):        # a loopback receiver the operator named literally
+                "http://127.0.0.1:8088/cb",  # a loopback receiver the operator named literally
+                "https://hooks.example.com/meshserve", "https://hooks.example.com/meshserve/",
+                "https://hooks.example.com/meshserve/..done", "https://a.example.net"):
         assert policy.check(url) == url
     with pytest.raises(InvalidArgument):
         policy.check("http://127.0.0.1:8089/cb")     # another port of the same address is not named

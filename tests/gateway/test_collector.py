@@ -21,7 +21,8 @@ def result(index, reason, completion_tokens):
 
 def stream(reason_1=FinishReason.LENGTH):
     return [Queued(position=0, estimated_wait_s=0.0),
-            delta(1, "Hel", [10], [(10, -0.5)]), delta(0, "A", [20]), delta(1, "lo", [11, 12], [(11, -1.0), (12, -2.0)]),
+            delta(1, "Hel", [10], [(10, -0.5)]), delta(0, "A", [20]),
+            delta(1, "lo", [11, 12], [(11, -1.0), (12, -2.0)]),
             result(0, FinishReason.STOP, 1), result(1, reason_1, 3)]
 
 

@@ -32,7 +32,8 @@ async def mesh_and_core(tokenizer):
     mesh = await start_local_mesh([make_engine(num_blocks=128)], tokenizer)
     e0 = mesh.engines[0]
     core = GatewayCore(tokenizer, ModelInfo(e0.model_id, e0.max_model_len, e0.vocab_size, e0.revision),
-                       GrpcMeshClient(mesh.scheduler.address, mesh.tls("gateway")), result_cache=ResultCache(8, ttl_s=600.0))
+                       GrpcMeshClient(mesh.scheduler.address, mesh.tls("gateway")),
+                       result_cache=ResultCache(8, ttl_s=600.0))
     yield mesh, core
     await core.close()
     await mesh.stop()

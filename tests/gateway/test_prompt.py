@@ -89,7 +89,8 @@ def test_raw_prompt_policy(tokenizer, builder, control_ids):
     assert ids[0] == tokenizer.convert_tokens_to_ids(tokenizer.eos_token)
     assert builder.from_text("hi") == tokenizer.encode("hi", add_special_tokens=False)  # no BOS added
     # a raw prompt spelling the chat template out gives the chat prompt exactly
-    rendered = tokenizer.apply_chat_template([{"role": "user", "content": "hi"}], add_generation_prompt=True, tokenize=False)
+    rendered = tokenizer.apply_chat_template([{"role": "user", "content": "hi"}], add_generation_prompt=True,
+                                             tokenize=False)
     assert builder.from_text(rendered) == builder.from_chat([("user", "hi")])
 
 
@@ -198,7 +199,8 @@ def test_token_ids_in_vocabulary(tokenizer, builder):
     assert builder.vocab_size == vocab
     assert builder.from_token_ids([0, 1, vocab - 1]) == [0, 1, vocab - 1]
     for bad in (vocab, -1, 10**12):
-        with pytest.raises(InvalidArgument, match=rf"^prompt_token_ids\[2\] = {bad} is outside the vocabulary \[0, {vocab}\)"):
+        with pytest.raises(InvalidArgument,
+                           match=rf"^prompt_token_ids\[2\] = {bad} is outside the vocabulary \[0, {vocab}\)"):
             builder.from_token_ids([5, 6, bad])
     with pytest.raises(InvalidArgument, match=r"prompt_token_ids\[0\]"):
         builder.from_token_ids([True])

@@ -167,7 +167,8 @@ async def test_the_scheduler_follows_kvstore_placements_over_mutual_tls(kvstore)
         await wait_for_condition(sched.kvstore_follower.connected.is_set, 60, "the follower to connect")
         await executor.put(FP, [(7, bytes(FP.block_bytes))])
         index = sched.servicer.core.kvstore_index
-        await wait_for_condition(lambda: index.hit_blocks(FP.namespace, [hash_to_bytes(7)]) == 1, 60, "the block indexed")
+        await wait_for_condition(lambda: index.hit_blocks(FP.namespace, [hash_to_bytes(7)]) == 1, 60,
+                                 "the block indexed")
         with pytest.raises(grpc.aio.AioRpcError) as err:
             _ = [e async for e in executor.watch(0)]
         assert err.value.code() == grpc.StatusCode.PERMISSION_DENIED

@@ -57,6 +57,7 @@ def test_a_bad_ratio_stops_a_service_with_one_line():
     result = runner.invoke(app, ["scheduler", "--port", "0", "--trace-sample-ratio", "1.5"])
     assert result.exit_code == 2 and "Traceback" not in result.output
     assert "--trace-sample-ratio" in result.output
-    result = runner.invoke(app, ["scheduler", "--port", "0", "--insecure"], env={"MESHSERVE_TRACE_SAMPLE_RATIO": "lots"})
+    result = runner.invoke(app, ["scheduler", "--port", "0", "--insecure"],
+                           env={"MESHSERVE_TRACE_SAMPLE_RATIO": "lots"})
     assert result.exit_code == 1
     assert result.output.strip() == "error: trace sample ratio must be a number in [0, 1], got 'lots'"

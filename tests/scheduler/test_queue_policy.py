@@ -64,7 +64,8 @@ class Clock:
 
 
 def test_long_request_among_a_stream_of_short_ones_is_served_within_the_bound():
-    """Case C23 on the bare core: one executor with room for one request at a time; a short request arrives every second."""
+    """Case C23 on the bare core: one executor with room for one request at a time; a short request
+    arrives every second."""
     clock = Clock()
     core = AdmissionCore(SchedulerConfig(queue_policy="sjf", max_queue_wait_s=10.0), clock=clock)
     core.registry.add(ExecutorState("e0", "addr", "m", 1, 2048, 4096))

@@ -19,7 +19,8 @@ from tests.support.redis_server import free_port
 async def served_gateway(**start_kwargs):
     """Yields ``(client, svc)``: an ``httpx.AsyncClient`` on the gateway's HTTP address
     and the started gateway (``start_gateway`` with a memory task store unless
-    ``start_kwargs`` names its ``tasks`` runner, plus ``start_kwargs``); stops it after. Skips the test when the model package is missing."""
+    ``start_kwargs`` names its ``tasks`` runner, plus ``start_kwargs``); stops it after.
+    Skips the test when the model package is missing."""
     from meshserve.cli.processes import model_info
 
     try:

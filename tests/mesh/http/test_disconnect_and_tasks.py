@@ -25,8 +25,8 @@ async def _all_free(mesh) -> None:
 
 
 async def test_streamed_request_closed_after_five_events_frees_its_blocks(http_mesh):
-    """Case C31 (max_tokens 900: the test model's context is 1024): the essay streamed, closed by the client after 5 events: the engine
-    aborts it and every KV block is free again, the lease released."""
+    """Case C31 (max_tokens 900: the test model's context is 1024): the essay streamed, closed by the
+    client after 5 events: the engine aborts it and every KV block is free again, the lease released."""
     engine = http_mesh.executors[0][1]
     async with httpx.AsyncClient(base_url=http_mesh.http_url, timeout=None) as http:
         async with http.stream("POST", "/v1/chat/completions", json={**ESSAY, "stream": True},

@@ -243,7 +243,8 @@ def _snap(running=0, util=1.0, preempt=0, queried=0, hits=0, blocks=100, steps=0
 
 def test_run_metrics_are_deltas_and_samples_of_busy_engines():
     before = [_snap(preempt=2, queried=100, hits=10, steps=7), _snap(queried=50, blocks=60)]
-    after = [_snap(preempt=5, queried=300, hits=110, steps=40), _snap(preempt=1, queried=250, hits=50, blocks=60, steps=5)]
+    after = [_snap(preempt=5, queried=300, hits=110, steps=40),
+             _snap(preempt=1, queried=250, hits=50, blocks=60, steps=5)]
     samples = [Sample.of([_snap(running=3, util=0.5), _snap(running=0, util=1.0)]),  # the idle 1.0 is ignored
                Sample.of([_snap(running=2, util=0.75), _snap(running=4, util=0.25)])]
     m = run_metrics(before, after, samples)

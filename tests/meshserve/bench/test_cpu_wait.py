@@ -75,7 +75,8 @@ def test_the_terminal_table_shows_each_busiest_thread_and_warns_of_a_shared_core
     assert "busiest" not in format_table(report)
 
 
-@pytest.mark.skipif(not os.path.exists("/proc/self/schedstat"), reason="no schedstat (not Linux, or a kernel without it)")
+@pytest.mark.skipif(not os.path.exists("/proc/self/schedstat"),
+                    reason="no schedstat (not Linux, or a kernel without it)")
 def test_this_process_s_own_counters_show_the_cpu_its_busiest_thread_spent():
     probe = CpuWaitProbe({"bench": os.getpid()})
     probe.start()

@@ -494,7 +494,8 @@ async def test_sweep_with_a_baseline_writes_every_point_and_the_ratios(tmp_path)
         assert t["total_prompt_tokens"] == b["total_prompt_tokens"]  # the same requests
         assert set(p["ratios"]["hf-continuous"]) == {"output_tokens_per_s", "ttft_p50_s", "tpot_p50_s"}
         assert isinstance(p["load_average_1m"], float)
-        assert p["ratios"]["hf-continuous"]["output_tokens_per_s"] == t["output_tokens_per_s"] / b["output_tokens_per_s"]
+        assert p["ratios"]["hf-continuous"]["output_tokens_per_s"] == \
+            t["output_tokens_per_s"] / b["output_tokens_per_s"]
     assert doc["points"][0]["target"]["total_prompt_tokens"] != doc["points"][1]["target"]["total_prompt_tokens"]
     files = write_report_dir(doc, tmp_path)
     assert len(json.loads((tmp_path / "report.json").read_text())["points"]) == 2
@@ -565,5 +566,5 @@ def test_bench_with_three_baselines_prints_writes_and_plots_each(tmp_path, capsy
     assert [line.split(" | ")[1] for line in md.splitlines() if line.startswith("| concurrency 2 | ")
             and line.count("|") == 12] == ["engine", *THREE]
     assert md.count("| load | tokens/s engine ÷ ") == 3
-    assert sorted(f.name for f in (tmp_path / "plots").iterdir()) == ["latency_vs_load.png", "throughput_vs_concurrency.png",
-                                                                      "tpot_cdf.png", "ttft_cdf.png"]
+    assert sorted(f.name for f in (tmp_path / "plots").iterdir()) == [
+        "latency_vs_load.png", "throughput_vs_concurrency.png", "tpot_cdf.png", "ttft_cdf.png"]

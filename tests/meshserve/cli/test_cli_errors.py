@@ -65,7 +65,8 @@ def test_up_on_a_busy_port_is_one_line(tmp_path):
         port = busy.getsockname()[1]
         result = runner.invoke(app, ["up", "--port", str(port)])
     assert result.exit_code == 1
-    assert result.output.strip() == f"error: port {port} on 127.0.0.1 is in use (another meshserve up?); choose one with --port"
+    assert result.output.strip() == (f"error: port {port} on 127.0.0.1 is in use (another meshserve up?); "
+                                     "choose one with --port")
 
 
 def test_up_on_a_busy_http_port_is_one_line_before_anything_starts(tmp_path):
@@ -108,7 +109,8 @@ def test_service_on_a_busy_port_is_one_line(service):
     assert f"cannot listen on 127.0.0.1:{port} (port in use or not allowed)" in result.output
 
 
-@pytest.mark.parametrize("args,name", [(["up", "--port", "99999"], "--port"), (["up", "--executors", "0"], "--executors"),
+@pytest.mark.parametrize("args,name", [(["up", "--port", "99999"], "--port"),
+                                       (["up", "--executors", "0"], "--executors"),
                                        (["up", "--result-cache-size", "-1"], "--result-cache-size")])
 def test_up_rejects_out_of_range_values(args, name):
     result = runner.invoke(app, args)

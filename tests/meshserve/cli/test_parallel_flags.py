@@ -18,7 +18,8 @@ def _text(output: str) -> str:
     return " ".join(output.replace("│", " ").split())  # unwrap typer's error box
 
 
-@pytest.mark.parametrize("command", [["executor", "--scheduler", "127.0.0.1:1", "--insecure"], ["up"]], ids=["executor", "up"])
+@pytest.mark.parametrize("command", [["executor", "--scheduler", "127.0.0.1:1", "--insecure"], ["up"]],
+                         ids=["executor", "up"])
 @pytest.mark.parametrize("args,message", [
     (["--tensor-parallel-size", "2"], "tensor-parallel size 2 does not split this model (9 attention heads, 3 KV "
                                       "heads, intermediate_size 1536); it must divide the attention heads and the "

@@ -150,7 +150,8 @@ def test_a_short_start_budget_is_the_executors_not_the_services_start_up_timeout
 
 
 @pytest.mark.parametrize("args,message", [
-    (["--autoscale", "0..1", "--start-budget-s", "inf"], "--start-budget-s must be a finite number of seconds, got inf"),
+    (["--autoscale", "0..1", "--start-budget-s", "inf"],
+     "--start-budget-s must be a finite number of seconds, got inf"),
     (["--autoscale", "0..2", "--planner-interval-s", "nan"], "planner settings must be finite numbers"),
 ])
 def test_non_finite_autoscale_settings_are_usage_errors(started, args, message):

@@ -184,9 +184,9 @@ def test_a_redis_that_wants_a_password_says_so(spawned, redis, query):
     result = up("--task-store", redis.url + query)
     assert result.exit_code == 1
     assert result.stderr == (f"error: --task-store {redis.url}{query}: PING failed: this Redis needs a password: "
-                             f"give it in the URL (redis://:PASSWORD@host:port/db, or redis://USER:PASSWORD@host:port/db "
-                             f"for an ACL user), best in MESHSERVE_TASK_STORE or MESHSERVE_RESULT_CACHE, which ps does "
-                             f"not show\n")
+                             f"give it in the URL (redis://:PASSWORD@host:port/db, or "
+                             f"redis://USER:PASSWORD@host:port/db for an ACL user), best in MESHSERVE_TASK_STORE or "
+                             f"MESHSERVE_RESULT_CACHE, which ps does not show\n")
     assert spawned == []
 
 
