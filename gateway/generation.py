@@ -52,8 +52,8 @@ from gateway.lease_renewal import LeaseActivity, renewing
 from gateway.mesh import Admission, Assignment, MeshClient, RefusedByMesh
 from gateway.metrics import GatewayMetrics, RequestMetrics
 from gateway.prompt import PromptBuilder
-from gateway.prompt_memo import PromptMemo
 from gateway.prompt_limits import PromptLimits
+from gateway.prompt_memo import PromptMemo
 from gateway.request import GenerationRequest, ModelInfo, Prepared, SpanOptions
 from gateway.result_cache import ResultCache, cache_key, is_deterministic
 from gateway.result_store import Coalescer, MemoryResultStore, ResultStore

@@ -28,7 +28,6 @@ from typing import Callable
 import grpc
 from opentelemetry import trace
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
-
 from prometheus_client import Counter
 
 from gateway.callback_delivery import CallbackDelivery

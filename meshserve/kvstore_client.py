@@ -11,9 +11,9 @@ from typing import AsyncIterator, Sequence
 
 from meshserve.block_hash import KVStoreFingerprint, hash_to_bytes
 from meshserve.grpc_server import CHANNEL_OPTIONS, open_channel
-from meshserve.tls import PLAINTEXT, TLSConfig
 from meshserve.kvstore_payload import checksum, chunks
 from meshserve.kvstore_wire import fingerprint_to_proto
+from meshserve.tls import PLAINTEXT, TLSConfig
 from meshserve.v1 import kvstore_pb2, kvstore_pb2_grpc
 
 

@@ -82,9 +82,8 @@ def _folder_fingerprint(path: Path) -> str:
 def _convert_gguf(gguf: Path, out: Path) -> None:
     """Dequantizes ``gguf`` with transformers and saves it as a float32 folder."""
     import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
     from safetensors.torch import save_file
+    from transformers import AutoModelForCausalLM, AutoTokenizer
 
     tmp = out.with_name(out.name + f".tmp{os.getpid()}")
     tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)

@@ -53,8 +53,8 @@ import math
 from dataclasses import dataclass
 from typing import Callable, Protocol, Sequence
 
-from scheduler.pools import PoolChoice, PoolsConfig, candidate_executors, reachable_pools
 from scheduler.kvstore_index import KVStoreIndex
+from scheduler.pools import PoolChoice, PoolsConfig, candidate_executors, reachable_pools
 from scheduler.prefix_index import PrefixIndex
 from scheduler.registry import ExecutorRegistry, ExecutorState
 from scheduler.routing import Candidate, RoutingConfig, Scored, route

@@ -63,7 +63,6 @@ alone) the timer is never held.
 from __future__ import annotations
 
 import dataclasses
-
 import math
 from collections import deque
 from dataclasses import dataclass

@@ -36,8 +36,8 @@ from torch import nn
 
 from executor.attention import Attention, AttentionBackend, AttentionMetadata
 from executor.models import cpu_fused
-from executor.models.cpu_decoder_stack import DecoderStack
 from executor.models.checkpoint import materialize
+from executor.models.cpu_decoder_stack import DecoderStack
 from executor.models.embedding import ParallelLMHead, VocabParallelEmbedding
 from executor.models.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from executor.models.norm import RMSNorm

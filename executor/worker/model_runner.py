@@ -30,12 +30,12 @@ import numpy as np
 import torch
 
 from executor.attention import build_attention_metadata
-from executor.worker.cuda_graphs import CUDAGraphRunner
-from executor.worker.compiled_decode import CompiledDecode
-from executor.worker.logprobs import PromptLogprobs
-from executor.worker.sampler import Sampler, SamplingBatch
 from executor.engine.scheduler_output import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
 from executor.model_loader import LoadedModel
+from executor.worker.compiled_decode import CompiledDecode
+from executor.worker.cuda_graphs import CUDAGraphRunner
+from executor.worker.logprobs import PromptLogprobs
+from executor.worker.sampler import Sampler, SamplingBatch
 
 
 class ModelRunner:

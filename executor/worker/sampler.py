@@ -30,8 +30,8 @@ from typing import Sequence
 
 import torch
 
-from executor.worker.logprobs import token_logprobs
 from executor.engine.outputs import TokenLogprob
+from executor.worker.logprobs import token_logprobs
 from meshserve.sampling import SamplingParams
 
 

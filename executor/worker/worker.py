@@ -32,13 +32,13 @@ from executor.engine.config import EngineConfig
 from executor.engine.scheduler_output import ModelRunnerOutput, SchedulerOutput
 from executor.engine.worker_group import ModelSpec
 from executor.model_loader import load_model
-from executor.worker.kv_cache import allocate_kv_storage, layer_views
 from executor.models import cpu_decoder_stack, cpu_fused
 from executor.models.checkpoint import checkpoint_num_params
 from executor.models.parallel import COMM, SINGLE, TensorParallel
-from executor.worker.cuda_graphs import CUDAGraphRunner, graph_batch_sizes, graphs_off_reason
 from executor.worker import compiled_decode
+from executor.worker.cuda_graphs import CUDAGraphRunner, graph_batch_sizes, graphs_off_reason
 from executor.worker.distributed import rank_device
+from executor.worker.kv_cache import allocate_kv_storage, layer_views
 from executor.worker.kv_connector import KVConnectorWorker, assemble_blocks, block_payloads
 from executor.worker.model_runner import ModelRunner
 from executor.worker.pipeline import PipelineModelRunner

@@ -21,14 +21,12 @@ import re
 from contextlib import aclosing
 from typing import AsyncIterator, TypeVar
 
-from meshserve.errors import InvalidArgument
-from meshserve.request_ids import check_request_id, suffixed_request_id
-from meshserve.sampling import DEFAULT_MAX_TOKENS, SamplingParams
-
 from gateway.http.schemas import MAX_PROMPTS, ChatCompletionRequest, CompletionRequest, SamplingFields
 from gateway.prompt_limits import not_unicode
 from gateway.request import GenerationRequest
-
+from meshserve.errors import InvalidArgument
+from meshserve.request_ids import check_request_id, suffixed_request_id
+from meshserve.sampling import DEFAULT_MAX_TOKENS, SamplingParams
 
 _ROLES = {"developer": "system"}  # OpenAI's newer name for the system role (its o1 and later models)
 

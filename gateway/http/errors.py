@@ -40,7 +40,6 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel
 
 from gateway.http.schemas import ChatCompletionRequest, CompletionRequest
-
 from meshserve.errors import (AlreadyExists, InvalidArgument, MeshError, ModelNotFound, NotFound, PermissionDenied,
                               ResourceExhausted, Unauthenticated, Unavailable)
 

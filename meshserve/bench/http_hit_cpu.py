@@ -20,17 +20,17 @@ import time
 
 from transformers import AutoTokenizer
 
+from gateway.collector import CompletedChoice
+from gateway.events import ChoiceResult, FinishReason, Timings, Usage
 from gateway.generation import GatewayCore
-from gateway.request import ModelInfo, GenerationRequest
-from gateway.result_store import RedisResultStore
+from gateway.http.app import create_app
 from gateway.mesh_client import GrpcMeshClient
-from gateway.tenants import TenantRegistry
+from gateway.request import GenerationRequest, ModelInfo
+from gateway.result_store import RedisResultStore
 from gateway.task_api import TaskAPI
 from gateway.task_runner import TaskRunner
 from gateway.task_store import MemoryTaskStore
-from gateway.collector import CompletedChoice
-from gateway.events import ChoiceResult, FinishReason, Timings, Usage
-from gateway.http.app import create_app
+from gateway.tenants import TenantRegistry
 from meshserve.model_files import resolve_model
 from meshserve.sampling import SamplingParams
 

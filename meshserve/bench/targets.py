@@ -30,10 +30,10 @@ from meshserve.bench.target import Target, resolve_dtype
 from meshserve.bench.vllm_target import VLLMTarget
 from meshserve.bench.workload import BenchRequest
 from meshserve.cli.launcher import Mesh, MeshConfig
-from meshserve.tls import PLAINTEXT, TLSConfig
 from meshserve.cli.options import parse_bytes
 from meshserve.client import build_request, channel, generate
 from meshserve.sampling import SamplingParams
+from meshserve.tls import PLAINTEXT, TLSConfig
 from meshserve.v1 import executor_pb2, executor_pb2_grpc, gateway_pb2_grpc
 
 __all__ = ["TARGET_CLASSES", "Target", "make_target", "resolve_dtype"]

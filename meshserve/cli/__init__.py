@@ -27,8 +27,8 @@ import gc
 import typer
 
 from meshserve.cli import certs, client, mesh, services, tools
-from meshserve.cpu_affinity import apply_from_env
 from meshserve.cli.options import MetricsPortOpt, OtlpOpt, ResultCacheSizeOpt, SampleOpt, TaskStoreOpt, TracesOpt
+from meshserve.cpu_affinity import apply_from_env
 
 __all__ = ["app", "main", "MetricsPortOpt", "OtlpOpt", "ResultCacheSizeOpt", "SampleOpt", "TaskStoreOpt", "TracesOpt"]
 

@@ -30,8 +30,8 @@ from pathlib import Path
 
 from meshserve.certs import has_certs, write_certs
 from meshserve.cli.arglists import last_value, without
-from meshserve.cli.store_check import check_stores, redis_stores, stores_in_env
 from meshserve.cli.stop_order import DRAIN_GRACE_S, PARENT_ENV, stop_in_order, stop_order
+from meshserve.cli.store_check import check_stores, redis_stores, stores_in_env
 from meshserve.cpu_affinity import ENV as CPU_AFFINITY_ENV
 from meshserve.cpu_affinity import CpuPlan, format_cpu_list, oversubscription, plan_cpus, unpinned_note, usable_cpus
 from meshserve.grpc_server import LIVENESS_SERVICE, wait_serving

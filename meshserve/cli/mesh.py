@@ -20,12 +20,12 @@ from typing import TYPE_CHECKING, Optional
 
 import typer
 
-from meshserve.cli.store_check import STORE_ENV
 from meshserve.cli.options import (ChatTemplateOpt, ExecutorCapacityOpt, InsecureOpt, OtlpOpt, PlannerIntervalOpt,
                                    PlannerSeasonOpt, ResultCacheSizeOpt, SampleOpt, ScaleDownCooldownOpt,
                                    ServedModelNameOpt, TaskStoreOpt, TLSCAOpt, TLSCertOpt, TLSKeyOpt, TokenizerOpt,
                                    TracesOpt, export_trace_settings, parse_bytes, show_model_conversion,
                                    tls_settings)
+from meshserve.cli.store_check import STORE_ENV
 
 if TYPE_CHECKING:
     from meshserve.cli.launcher import MeshConfig
@@ -210,10 +210,9 @@ def up(
 ) -> None:
     """Start the whole mesh on loopback; Ctrl-C stops it cleanly (plaintext unless --tls-dir or --tls-*)."""
     from gateway.task_store_registry import task_store_kind
+    from meshserve.cli import processes
     from meshserve.cli.launcher import Mesh
     from meshserve.cli.mesh_file import read_mesh_file
-
-    from meshserve.cli import processes
 
     _check_autoscale_only(ctx, autoscale)
     show_model_conversion()  # check_parallel_layout below resolves the model: a first use converts it here
