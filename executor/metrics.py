@@ -30,7 +30,7 @@ meshserve_model_flops_utilization_ratio           gauge    2·params·Δtokens /
 meshserve_model_parameters                        gauge    parameters of the model
 meshserve_device_peak_flops                       gauge    the peak used for the MFU (FLOP/s)
 meshserve_executor_slow_reader_aborts_total       counter  requests ended because their reader fell
-                                                           ``max_buffered_outputs`` behind (C27)
+                                                           ``max_buffered_outputs`` behind
 ================================================  =======  ==============================================
 
 The kvstore connector's metrics are 0 without a connector. Busy fraction and

@@ -41,7 +41,7 @@ counts the members as they are (a stale one until the next sweep).
 Durability across a Redis restart is Redis's own: the server must run with
 ``appendonly yes`` and ``appendfsync always`` (``deploy/compose`` and
 ``deploy/k8s`` ship that configuration), so an acknowledged SubmitTask's record
-survives a restart (C39). It must also run with ``maxmemory-policy noeviction``
+survives a restart. It must also run with ``maxmemory-policy noeviction``
 (Redis's default): an eviction policy could drop a tenant's set, lifting its bound,
 or an unfinished record, losing its task.
 """
@@ -68,7 +68,7 @@ from meshserve.errors import Unavailable
 from meshserve.urls import UNREADABLE, redact_url
 
 KEY_PREFIX = "meshserve:task:"
-# a Redis that does not answer (a blocked port) fails a call within these, as UNAVAILABLE (C39)
+# a Redis that does not answer (a blocked port) fails a call within these, as UNAVAILABLE
 REDIS_CONNECT_TIMEOUT_S = 2.0
 REDIS_TIMEOUT_S = 4.0
 PING_TIMEOUT_S = 3.0  # ``ping``'s bound: the whole check, connecting included

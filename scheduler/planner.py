@@ -337,7 +337,7 @@ class Planner:
                 self.desired, self._last_change = raw, now
             return
         if self.ready is not None and self.ready <= raw and self.demand_recent(now):
-            self._below_since = None  # no ready executor idles: the surplus is still starting (C44)
+            self._below_since = None  # no ready executor idles: the surplus is still starting
             return
         if self._below_since is None:
             self._below_since = now

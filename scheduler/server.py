@@ -123,7 +123,7 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
                 self._fail(req.request_id, Unavailable("no executor is serving the model any more"))
 
     def _expire_start_waits(self) -> None:
-        """Scale to zero (C44): ends the waits whose start budget ran out (UNAVAILABLE)
+        """Scale to zero: ends the waits whose start budget ran out (UNAVAILABLE)
         or that the executors which registered cannot hold."""
         for req, exc in self.core.expire_start_waits():
             log.warning("request %s: %s", req.request_id, exc)

@@ -1,4 +1,4 @@
-"""Case C27 on the real mesh: ``python -m meshserve.bench.slow_reader``.
+"""A slow stream reader on the real mesh: ``python -m meshserve.bench.slow_reader``.
 
 One mesh of real processes (``meshserve.cli.launcher.Mesh``: scheduler, one executor
 with ``--max-buffered-outputs``, gateway). Two arms alternate on it, each

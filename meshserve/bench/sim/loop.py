@@ -340,7 +340,7 @@ def simulate(cfg: MeshSimConfig, jobs: list[Job], until_open_loop_done: bool = F
             seq += 1
             heapq.heappush(events, (clock[0] + scaler.cold_start_s, 3, seq, eid))
         surplus = len(ready) + len(starting) - want
-        while surplus > 0 and starting:  # a starting executor goes first (C44)
+        while surplus > 0 and starting:  # a starting executor goes first
             fleet.lives[starting.pop()][2] = clock[0]
             surplus -= 1
         for eid in sorted(ready, key=lambda x: len(executors[x].running) + len(executors[x].waiting))[:surplus]:
