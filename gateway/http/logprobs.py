@@ -4,7 +4,10 @@
   "top_logprobs": [{"token", "logprob", "bytes"}, ...]}, ...]}``, one entry per
   generated token, its alternatives highest first (``top_logprobs`` of them).
 * completions (``choices[i].logprobs``): ``{"tokens", "token_logprobs",
-  "top_logprobs": [{token: logprob}, ...], "text_offset"}``, parallel lists.
+  "top_logprobs": [{token: logprob}, ...], "text_offset"}``, parallel lists; each
+  position's alternatives also hold the sampled token when it is not among them
+  (OpenAI: "up to logprobs+1 elements", as vLLM gives them; ``logprobs: 0``: the
+  sampled token alone).
 
 A token's text is the tokenizer's decoding of that one id (as vLLM gives it; a
 byte-level token that is part of a multi-byte character decodes to U+FFFD), and
@@ -52,5 +55,13 @@ def completion_logprobs(entries: Sequence[TokenLogprob], texts: TokenTexts, offs
         offsets.append(offset)
         offset += len(tokens[-1])
     return {"tokens": tokens, "token_logprobs": [e.logprob for e in entries],
-            "top_logprobs": [{texts(t.token_id): t.logprob for t in e.top} for e in entries],
-            "text_offset": offsets}
+            "top_logprobs": [_alternatives(e, texts) for e in entries], "text_offset": offsets}
+
+
+def _alternatives(entry: TokenLogprob, texts: TokenTexts) -> dict[str, float]:
+    """A completions position's ``{token: logprob}``: its top k, then the sampled token
+    when it is not among them."""
+    top = {texts(t.token_id): t.logprob for t in entry.top}
+    if all(t.token_id != entry.token_id for t in entry.top):
+        top.setdefault(texts(entry.token_id), entry.logprob)
+    return top
