@@ -43,7 +43,8 @@ def _without_nulls(data: Any) -> Any:
 class StreamOptions(BaseModel):
     """``stream_options``: with ``include_usage`` a last chunk carries the usage
     (``choices`` empty) and every other chunk ``"usage": null``. A field sent as null
-    is its default."""
+    is its default. vLLM's ``continuous_usage_stats`` (the usage in every chunk) is
+    refused when true (``gateway.http.convert``), never ignored."""
 
     include_usage: StrictBool = False
     continuous_usage_stats: StrictBool = False
