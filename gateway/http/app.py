@@ -108,7 +108,9 @@ def create_app(core: GatewayCore, tenants: TenantRegistry, tasks: TaskAPI, ready
     @app.exception_handler(StarletteHTTPException)
     async def on_http(_: Request, exc: StarletteHTTPException) -> JSONResponse:
         code = "not_found" if exc.status_code == 404 else None
-        return HttpError(exc.status_code, str(exc.detail), "invalid_request_error", code).response()
+        response = HttpError(exc.status_code, str(exc.detail), "invalid_request_error", code).response()
+        response.headers.update(exc.headers or {})  # a 405's Allow (RFC 9110 requires it)
+        return response
 
     @app.exception_handler(MeshError)  # a domain error: answered, not re-raised as a server error
     async def on_mesh_error(_: Request, exc: MeshError) -> JSONResponse:
