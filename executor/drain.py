@@ -12,8 +12,13 @@
    remains (every such request finished and was released by its gateway); then,
    and once no ``Execute`` call is in flight, the executor may leave.
 
-All within ``grace_s`` seconds: past it, the stop goes on (what still runs is
-cancelled; the orchestrator's own grace period should exceed ``grace_s``).
+All within ``grace_s`` seconds: past it, the stop goes on (the orchestrator's own
+grace period should exceed ``grace_s``). What still runs then is ended by the
+executor itself, before its server stops: each ``Execute`` call ends UNAVAILABLE
+with ``grace_ran_out_message`` (the gateway passes it on, naming the executor;
+a caller or the task runner may retry), and the engine aborts its request, which
+frees its blocks; the gateway then releases its lease. Without that, the
+server's own stop would cancel the calls with gRPC's bare "Cancelling all calls".
 Without a scheduler link only step 3's second condition is waited for.
 """
 
@@ -28,6 +33,14 @@ from meshserve.timeouts import wait_for
 
 log = logging.getLogger(__name__)
 POLL_S = 0.05  # how often the in-flight Execute calls are counted while draining
+END_WAIT_S = 5.0  # how long the calls ended at the grace's end get to send their status (as Service.stop's grace)
+
+
+def grace_ran_out_message(grace_s: float) -> str:
+    """The details of the UNAVAILABLE that ends a call still running when the drain
+    grace of ``grace_s`` seconds ran out."""
+    return (f"the executor is stopping and its drain grace of {grace_s:g} s ran out before this request finished; "
+            "the request can be retried")
 
 
 async def drain(service: Service, servicer, link, grace_s: float) -> bool:
@@ -37,7 +50,9 @@ async def drain(service: Service, servicer, link, grace_s: float) -> bool:
         service: the Executor service (its health turns NOT_SERVING).
         servicer: its ``ExecutorServicer`` (``active_leases``: Execute calls in flight).
         link: its ``SchedulerLink``, or None without a scheduler.
-        grace_s: the most seconds to wait (>= 0).
+        grace_s: the most seconds to wait (>= 0); past it, the calls still running are
+            ended UNAVAILABLE (``grace_ran_out_message``), waiting at most ``END_WAIT_S``
+            more for them to end.
     """
     deadline = time.monotonic() + max(0.0, grace_s)
     await service.set_serving(False)
@@ -50,8 +65,12 @@ async def drain(service: Service, servicer, link, grace_s: float) -> bool:
                 raise asyncio.TimeoutError
             await asyncio.sleep(POLL_S)
     except asyncio.TimeoutError:
-        log.warning("drain: %d requests still running after the %.1f s grace period; stopping anyway",
-                    len(servicer.active_leases), grace_s)
+        log.warning("drain: %d requests still running after the %.1f s grace period; ending them (UNAVAILABLE) "
+                    "and stopping", len(servicer.active_leases), grace_s)
+        servicer.engine.fail_requests(grace_ran_out_message(grace_s))
+        end = time.monotonic() + END_WAIT_S
+        while servicer.active_leases and time.monotonic() < end:  # each call sends its status, aborts its request
+            await asyncio.sleep(POLL_S)
         return False
     log.info("drained: no request left; stopping")
     return True

@@ -166,7 +166,8 @@ def executor(
     prefix_cache_scope: str = PrefixCacheScopeOpt,
     drain_grace_s: float = typer.Option(30.0, "--drain-grace-s", min=0.0,
                                         help="On SIGTERM: seconds to finish the requests it runs (nothing new is "
-                                             "routed to it) before it exits."),
+                                             "routed to it) before it exits; those still running then end "
+                                             "UNAVAILABLE, retryable."),
     log_level: str = typer.Option("info"),
 ) -> None:
     """Run one executor: a model replica with its continuous-batching engine."""

@@ -2,7 +2,10 @@
 in-flight request, new requests go to the other executor, no caller sees an error (C42)."""
 
 import asyncio
+import json
 
+import grpc
+import httpx2 as httpx
 import pytest
 
 from executor.drain import drain
@@ -48,5 +51,65 @@ async def test_draining_executor_finishes_in_flight_work_and_new_requests_go_els
         await link_x.stop()  # x leaves: nothing it ran was voided
         await wait_for_condition(lambda: core.registry.get("executor-0") is None, 60, "x gone from the registry")
         assert core.num_leases() == 0
+    finally:
+        await m.stop()
+
+
+GRACE_S = 0.5
+GRACE_RAN_OUT = ("the executor is stopping and its drain grace of 0.5 s ran out before this request finished; "
+                 "the request can be retried")
+
+
+async def test_a_stream_still_running_when_the_drain_grace_runs_out_ends_unavailable_saying_so(tokenizer):
+    """An executor stopped (SIGTERM: drain, then its server stops, as ``run_executor``
+    does) while a gRPC and an HTTP stream still run past its grace: each caller gets
+    UNAVAILABLE (503 in the stream) saying why and that a retry will do, not gRPC's
+    bare cancellation; the engine aborted both requests (every block free) and the
+    gateway released both leases."""
+    engine = make_engine()
+    m = await start_local_mesh([engine], tokenizer, http=True)
+    svc, async_engine, link = m.executors[0]
+    core = m.scheduler.servicer.core
+    long = dict(max_tokens=900, temperature=0.0, ignore_eos=True)  # far past the grace, whatever the host
+    try:
+        async with httpx.AsyncClient(base_url=m.http_url, timeout=None) as http:
+            model = (await http.get("/v1/models")).json()["data"][0]["id"]
+            grpc_tokens: list[int] = []
+            grpc_call = asyncio.create_task(generate(m.stub, build_request(PROMPT, **long), timeout=600,
+                                                     on_delta=lambda _text, ids: grpc_tokens.extend(ids)))
+            http_events: list[dict] = []
+
+            async def http_stream():
+                body = {"model": model, "messages": [{"role": "user", "content": "Count to a thousand."}],
+                        "stream": True, **long}
+                async with http.stream("POST", "/v1/chat/completions", json=body) as response:
+                    assert response.status_code == 200
+                    async for line in response.aiter_lines():
+                        if line.startswith("data: {"):
+                            http_events.append(json.loads(line[6:]))
+
+            http_call = asyncio.create_task(http_stream())
+            await wait_for_condition(lambda: grpc_tokens and len(http_events) > 1, 120, "both calls streaming")
+            with StepGate(engine) as gate:
+                await gate.hold(after_steps=engine.num_steps + 1)  # both run, and still will after the grace
+                await svc.watchdog.stop()  # the executor's stop, as run_executor runs it
+                assert await drain(svc, svc.servicer, link, grace_s=GRACE_S) is False
+                await svc.set_serving(False)
+                await link.stop()
+                await svc.stop()
+                with pytest.raises(grpc.aio.AioRpcError) as info:
+                    await asyncio.wait_for(grpc_call, 60)
+                await asyncio.wait_for(http_call, 60)
+            m.executors.remove((svc, async_engine, link))
+        assert (info.value.code(), info.value.details()) == (grpc.StatusCode.UNAVAILABLE,
+                                                             f"executor executor-0: {GRACE_RAN_OUT}")
+        assert http_events[-1] == {"error": {"message": f"executor executor-0: {GRACE_RAN_OUT}",
+                                             "type": "service_unavailable_error", "param": None,
+                                             "code": "service_unavailable"}}
+        await wait_for_condition(lambda: async_engine.stats().num_running == 0, 60, "both requests aborted")
+        stats = async_engine.stats()
+        assert (stats.num_aborted, stats.num_free_blocks) == (2, stats.num_blocks)
+        await wait_for_condition(lambda: core.num_leases() == 0 and len(core) == 0, 60, "both leases released")
+        await async_engine.stop()
     finally:
         await m.stop()
