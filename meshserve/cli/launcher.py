@@ -150,6 +150,7 @@ class Mesh:
         self.executor_names: list[str] = []  # started executors, oldest first (drained ones removed)
         self.drained: set[str] = set()  # executors asked to stop (SIGTERM: they drain, then exit 0)
         self.abandoned: set[str] = set()  # executors killed for not starting in time (replaced)
+        self.killed: list[str] = []  # the services the last stop() had to kill
         self._kv_args: list[str] = []
         self._num_started = 0
         self.cpu_plan: CpuPlan | None = None  # None: nothing pinned
@@ -417,9 +418,12 @@ class Mesh:
     def stop(self) -> list[str]:
         """Stops every service in ``stop_order`` (``stop_in_order``: SIGTERM, SIGKILL
         past a tier's bound); returns the services that had to be killed. A second
-        Ctrl-C while it waits kills every service (and raises KeyboardInterrupt)."""
+        Ctrl-C while it waits kills every service (and raises KeyboardInterrupt). The
+        killed services are also kept in ``killed`` (a stop by ``start``, which
+        stops what it started when it fails or is cancelled, returns nothing)."""
         try:
-            return stop_in_order(dict(self.procs), self.stop_order())
+            self.killed = stop_in_order(dict(self.procs), self.stop_order())
+            return self.killed
         finally:
             self.procs.clear()
 

@@ -1,9 +1,10 @@
 """``meshserve up`` (the whole mesh on loopback, one process per service) and ``meshserve demo``.
 
 ``up`` turns its flags into a ``meshserve.cli.launcher.MeshConfig`` (``mesh_config``),
-starts the mesh and waits: Ctrl-C or SIGTERM stops every service; a service that
-exits stops the rest and ``up`` exits with code 1. The launcher (gRPC) and the demo
-are imported when a command runs, so that ``meshserve --help`` stays fast.
+starts the mesh and waits: Ctrl-C, SIGTERM or SIGHUP stops every service (one during
+start-up, those started so far); a service that exits stops the rest and ``up`` exits
+with code 1. The launcher (gRPC) and the demo are imported when a command runs, so
+that ``meshserve --help`` stays fast.
 """
 
 from __future__ import annotations
@@ -12,9 +13,7 @@ import asyncio
 import contextlib
 import math
 import os
-import signal
 import sys
-import threading
 from pathlib import Path
 from typing import TYPE_CHECKING, Optional
 
@@ -290,26 +289,67 @@ def run_mesh(mesh) -> None:
     starts ``mesh``, prints its addresses, its cores (and where its certificates are,
     for clients, under ``--tls-dir``), waits for Ctrl-C, SIGTERM or SIGHUP (with
     ``config.autoscale``, starting and draining executors as the planner says),
-    stops it.
+    stops it. A signal during start-up stops the services started so far, at once
+    (``meshserve.cli.stop_signals``).
 
     Raises:
-        typer.Exit: code 1 when it cannot start or a service exits.
+        typer.Exit: code 1 when it cannot start, a service exits or had to be killed.
     """
-    scale = mesh.config.autoscale
-    stop = threading.Event()
-    for sig in (signal.SIGTERM, signal.SIGHUP):  # SIGHUP: the terminal closed; the services, in process
-        signal.signal(sig, lambda *_: stop.set())  # groups of their own, do not get it and must be stopped
-    failed = False
+    from meshserve.cli.stop_signals import StopSignals
+
+    with StopSignals() as signals:
+        if _start(mesh, signals):
+            _serve_until_stopped(mesh, signals)
+
+
+def _start(mesh, signals) -> bool:
+    """Starts ``mesh`` unless a stop signal comes first (``start_unless_stopped``): True
+    once every service is up; False once those started so far are stopped.
+
+    Raises:
+        typer.Exit: code 1 when it cannot start, or a service had to be killed.
+    """
+    from meshserve.cli.stop_signals import start_unless_stopped
+
     if mesh.cpu_warning:  # said before the start: the executors load the model meanwhile
         typer.echo(f"warning: {mesh.cpu_warning}", err=True)
-    try:  # start() stops whatever it started when it fails
-        asyncio.run(mesh.start())
-    except KeyboardInterrupt:
-        typer.echo("meshserve stopped.")
-        return
+    try:  # start() stops whatever it started when it fails or is cancelled
+        if asyncio.run(start_unless_stopped(mesh, signals, _say)):
+            return True
+        killed = mesh.killed
+    except KeyboardInterrupt:  # Ctrl-C again while they stopped: stop_in_order killed them
+        killed = ["every service"]
     except (OSError, RuntimeError, TimeoutError, ValueError) as exc:
         typer.echo(f"error: {exc}", err=True)
         raise typer.Exit(1) from None
+    _say_stopped(killed)
+    if killed:
+        raise typer.Exit(1)
+    return False
+
+
+def _say(line: str) -> None:
+    """One line on stdout, if the terminal is still there (SIGHUP: the services are stopped anyway)."""
+    with contextlib.suppress(OSError):
+        typer.echo(line)
+
+
+def _say_stopped(killed: list[str]) -> None:
+    """The services that had to be killed, if any (stderr), then ``meshserve stopped.``"""
+    if killed:
+        with contextlib.suppress(OSError):
+            typer.echo(f"killed: {', '.join(killed)} (did not stop in time, or Ctrl-C again)", err=True)
+    _say("meshserve stopped.")
+
+
+def _serve_until_stopped(mesh, signals) -> None:
+    """Prints the running mesh, waits for a stop signal (or a service's exit), stops it.
+
+    Raises:
+        typer.Exit: code 1 when a service exited or had to be killed.
+    """
+    scale = mesh.config.autoscale
+    failed = False
     try:
         kv = f", kvstore {mesh.kvstore_address}" if mesh.kvstore_address else ""
         tls_dir = mesh.config.tls_dir
@@ -326,31 +366,27 @@ def run_mesh(mesh) -> None:
             from meshserve.cli.autoscale import LocalAutoscaler
 
             typer.echo(f"autoscaling executors within {scale[0]}..{scale[1]}")
-            gone = asyncio.run(LocalAutoscaler(mesh, *scale).run(stop))
+            gone = asyncio.run(LocalAutoscaler(mesh, *scale).run(signals.event))
         else:
-            while not stop.wait(0.5) and not mesh.exited():
+            while not signals.event.wait(0.5) and not mesh.exited():
                 pass
             gone = mesh.exited()
         if gone:
             typer.echo(f"service(s) exited: {', '.join(gone)}; stopping the mesh", err=True)
             failed = True
-    except KeyboardInterrupt:
+    except KeyboardInterrupt:  # Ctrl-C twice before the wait saw the first
         pass
     finally:
-        with contextlib.suppress(OSError):  # the terminal may be gone (SIGHUP): stop the services anyway
-            first = ("the gateway finishes the calls in flight (at most "
-                     f"{mesh.gateway_drain_grace_s():g} s), then " if mesh.is_running("gateway") else "")
-            typer.echo(f"stopping: {first}the executors, the scheduler and the kvstore stop; "
-                       "Ctrl-C again kills every service")
+        signals.event.set()  # a stop is under way (also after a service exited): a Ctrl-C now kills every service
+        first = ("the gateway finishes the calls in flight (at most "
+                 f"{mesh.gateway_drain_grace_s():g} s), then " if mesh.is_running("gateway") else "")
+        _say(f"stopping: {first}the executors, the scheduler and the kvstore stop; Ctrl-C again kills every service")
         try:
             killed = mesh.stop()
         except KeyboardInterrupt:
             killed = ["every service"]
-        if killed:
-            typer.echo(f"killed: {', '.join(killed)} (did not stop in time, or Ctrl-C again)", err=True)
-            failed = True
-        typer.echo("meshserve stopped.")
-    if failed:
+        _say_stopped(killed)
+    if failed or killed:
         raise typer.Exit(1)
 
 

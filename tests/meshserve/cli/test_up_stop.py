@@ -309,6 +309,49 @@ def test_up_stopped_from_its_terminal_stops_every_service_in_order(how, tmp_path
         up.wait()
 
 
+@pytest.mark.model
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGHUP, signal.SIGINT])
+def test_a_signal_during_start_up_stops_the_services_started_so_far_at_once(sig, tmp_path):
+    """The signal comes while the executor starts (its log file is there, the model is
+    not loaded): ``up`` says start-up was interrupted, stops the scheduler and the
+    executor in order and exits 0 as after any stop; the gateway never starts. (It
+    used to finish the start first, gateway and all, for a SIGTERM or a SIGHUP: ~40 s
+    with the model load on a loaded host.)"""
+    up = subprocess.Popen([sys.executable, "-m", "meshserve.cli", "up", "--port", "0",
+                           "--executors", "1", "--dtype", "float32", "--kv-cache-memory", "256MiB", "--no-metrics",
+                           "--http-port", "0", "--log-dir", str(tmp_path)],
+                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    services: list[int] = []
+    try:
+        deadline = time.monotonic() + 300  # a hang bound
+        while len(services) < 2:  # the scheduler, and the executor, which starts loading the model
+            assert up.poll() is None and time.monotonic() < deadline, up.stdout.read()
+            time.sleep(0.01)
+            services = _children(up.pid)
+        assert (tmp_path / "executor-0.log").exists()
+        if sig == signal.SIGINT:
+            os.killpg(up.pid, sig)  # Ctrl-C: the foreground group, up alone
+        else:
+            up.send_signal(sig)
+        out, _ = up.communicate(timeout=300)
+        how = "Ctrl-C" if sig == signal.SIGINT else sig.name
+        assert up.returncode == 0, out
+        assert out.splitlines()[-2:] == [f"start-up interrupted ({how}): stopping scheduler, executor-0, in order",
+                                         "meshserve stopped."]
+        assert "meshserve is up" not in out
+        assert sorted(p.name for p in tmp_path.iterdir()) == ["executor-0.log", "scheduler.log"]  # no gateway
+        for pid in services:  # every service exited (and was reaped by up)
+            with pytest.raises(ProcessLookupError):
+                os.kill(pid, 0)
+    finally:
+        for pid in [up.pid, *services]:  # a failed test leaves no process behind
+            try:
+                os.killpg(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        up.wait()
+
+
 async def test_a_service_that_exits_during_start_up_is_named_with_the_end_of_its_log(tmp_path):
     mesh = Mesh(MeshConfig(port=0, executors=0, log_dir=tmp_path, scheduler_args=["--no-such-flag"]))
     with pytest.raises(RuntimeError) as info:
