@@ -338,7 +338,7 @@ def _say_stopped(killed: list[str]) -> None:
     """The services that had to be killed, if any (stderr), then ``meshserve stopped.``"""
     if killed:
         with contextlib.suppress(OSError):
-            typer.echo(f"killed: {', '.join(killed)} (did not stop in time, or Ctrl-C again)", err=True)
+            typer.echo(f"killed: {', '.join(killed)} (did not stop in time, or Ctrl-C while stopping)", err=True)
     _say("meshserve stopped.")
 
 
@@ -380,7 +380,7 @@ def _serve_until_stopped(mesh, signals) -> None:
         signals.event.set()  # a stop is under way (also after a service exited): a Ctrl-C now kills every service
         first = ("the gateway finishes the calls in flight (at most "
                  f"{mesh.gateway_drain_grace_s():g} s), then " if mesh.is_running("gateway") else "")
-        _say(f"stopping: {first}the executors, the scheduler and the kvstore stop; Ctrl-C again kills every service")
+        _say(signals.with_hurry_hint(f"stopping: {first}the executors, the scheduler and the kvstore stop"))
         try:
             killed = mesh.stop()
         except KeyboardInterrupt:

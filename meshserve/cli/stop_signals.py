@@ -66,14 +66,32 @@ class StopSignals:
         """The first signal as ``up`` names it (``"SIGTERM"``; ``"Ctrl-C"`` for SIGINT)."""
         return "Ctrl-C" if self.received == "SIGINT" else self.received or "no signal"
 
+    def hurry_hint(self) -> str:
+        """What a further signal does while the services stop, exactly as the handlers
+        act: ``"another SIGTERM changes nothing; Ctrl-C (SIGINT) kills every service"``
+        (SIGTERM, SIGHUP), ``"Ctrl-C again kills every service"`` (SIGINT); without a
+        signal (a service exited) the Ctrl-C part alone; the SIGTERM/SIGHUP part alone
+        when SIGINT is ignored."""
+        parts = []
+        if self.received in ("SIGTERM", "SIGHUP"):
+            parts.append(f"another {self.received} changes nothing")
+        if self.takes_sigint:
+            parts.append("Ctrl-C again kills every service" if self.received == "SIGINT"
+                         else "Ctrl-C (SIGINT) kills every service")
+        return "; ".join(parts)
+
+    def with_hurry_hint(self, line: str) -> str:
+        """``line``, then ``hurry_hint()`` after ``"; "`` (when there is one)."""
+        return "; ".join(part for part in (line, self.hurry_hint()) if part)
+
 
 async def start_unless_stopped(mesh, signals: StopSignals, say: Callable[[str], None]) -> bool:
     """Runs ``mesh.start()`` (a ``meshserve.cli.launcher.Mesh``) until every service is
     up (True), or until ``signals.event`` is set: then says so (``say``: one line
-    naming the signal and the services started so far), cancels the start, which stops
-    those services in order (``Mesh.start``), and returns False once they are stopped
-    (``Mesh.killed``: those that had to be killed). A signal just as the last service
-    came up counts as one after the start (True).
+    naming the signal, the services started so far and ``hurry_hint``), cancels the
+    start, which stops those services in order (``Mesh.start``), and returns False once
+    they are stopped (``Mesh.killed``: those that had to be killed). A signal just as
+    the last service came up counts as one after the start (True).
 
     Raises:
         Exception: what ``mesh.start()`` raised (it stopped what it started).
@@ -86,8 +104,8 @@ async def start_unless_stopped(mesh, signals: StopSignals, say: Callable[[str], 
         start.result()
         return True
     started = ", ".join(name for name, _ in mesh.procs)
-    say(f"start-up interrupted ({signals.how()}): "
-        + (f"stopping {started}, in order" if started else "no service had started"))
+    say(signals.with_hurry_hint(f"start-up interrupted ({signals.how()}): "
+                                + (f"stopping {started}, in order" if started else "no service had started")))
     start.cancel()
     with contextlib.suppress(asyncio.CancelledError):
         await start

@@ -258,14 +258,23 @@ def _gone(pid: int) -> bool:
     return stat.rsplit(")", 1)[1].split()[0] == "Z"
 
 
+STOPPING = ("stopping: the gateway finishes the calls in flight (at most 30 s), then the executors, the scheduler and "
+            "the kvstore stop; ")
+HURRY = {"ctrl-c at the terminal": "Ctrl-C again kills every service",
+         "terminal closed": "another SIGHUP changes nothing; Ctrl-C (SIGINT) kills every service",
+         "kill -TERM": "another SIGTERM changes nothing; Ctrl-C (SIGINT) kills every service"}
+
+
 @pytest.mark.model
-@pytest.mark.parametrize("how", ["ctrl-c at the terminal", "terminal closed", "up killed"])
+@pytest.mark.parametrize("how", ["ctrl-c at the terminal", "terminal closed", "kill -TERM", "up killed"])
 def test_up_stopped_from_its_terminal_stops_every_service_in_order(how, tmp_path):
     """Ctrl-C sends SIGINT to the terminal's foreground process group, which holds
     ``up`` alone; a closed terminal sends ``up`` SIGHUP, which the services, in groups
-    of their own, never get. Either way ``up`` stops them all in order and exits 0.
-    ``up`` SIGKILLed stops nothing itself: each service gets SIGTERM from Linux
-    (``stop_with_parent``) and exits, none is left holding its ports."""
+    of their own, never get. Either way, and on a SIGTERM, ``up`` stops them all in
+    order and exits 0, its stop line saying what a further signal does (a SIGHUP or a
+    SIGTERM used to be told "Ctrl-C again"). ``up`` SIGKILLed stops nothing itself:
+    each service gets SIGTERM from Linux (``stop_with_parent``) and exits, none is left
+    holding its ports."""
     up = subprocess.Popen([sys.executable, "-m", "meshserve.cli", "up", "--port", "0",
                            "--executors", "1", "--dtype", "float32", "--kv-cache-memory", "256MiB", "--no-metrics",
                            "--http-port", "0", "--log-dir", str(tmp_path)],
@@ -291,10 +300,10 @@ def test_up_stopped_from_its_terminal_stops_every_service_in_order(how, tmp_path
         if how == "ctrl-c at the terminal":
             os.killpg(up.pid, signal.SIGINT)  # the foreground group: up alone
         else:
-            up.send_signal(signal.SIGHUP)
+            up.send_signal(signal.SIGHUP if how == "terminal closed" else signal.SIGTERM)
         rest, _ = up.communicate(timeout=300)
         assert up.returncode == 0, "".join(lines) + rest
-        assert "stopping: the gateway finishes the calls in flight (at most 30 s)" in rest
+        assert STOPPING + HURRY[how] in rest.splitlines()
         assert rest.rstrip().endswith("meshserve stopped.")
         for pid in services:  # every service exited (and was reaped by up)
             with pytest.raises(ProcessLookupError):
@@ -335,9 +344,10 @@ def test_a_signal_during_start_up_stops_the_services_started_so_far_at_once(sig,
             up.send_signal(sig)
         out, _ = up.communicate(timeout=300)
         how = "Ctrl-C" if sig == signal.SIGINT else sig.name
+        hurry = HURRY["ctrl-c at the terminal" if sig == signal.SIGINT else "kill -TERM"].replace("SIGTERM", sig.name)
         assert up.returncode == 0, out
-        assert out.splitlines()[-2:] == [f"start-up interrupted ({how}): stopping scheduler, executor-0, in order",
-                                         "meshserve stopped."]
+        assert out.splitlines()[-2:] == [f"start-up interrupted ({how}): stopping scheduler, executor-0, in order; "
+                                         f"{hurry}", "meshserve stopped."]
         assert "meshserve is up" not in out
         assert sorted(p.name for p in tmp_path.iterdir()) == ["executor-0.log", "scheduler.log"]  # no gateway
         for pid in services:  # every service exited (and was reaped by up)
