@@ -28,7 +28,7 @@ log = logging.getLogger(__name__)
 
 
 class SchedulerLinkLike(Protocol):
-    """What the watchdog needs of the executor's scheduler link (``executor.server.SchedulerLink``):
+    """What the watchdog needs of the executor's scheduler link (``executor.scheduler_link.SchedulerLink``):
     leave the scheduler, register again, and know when it is registered."""
 
     connected: asyncio.Event

@@ -3,7 +3,7 @@
 
 from executor.engine.kv_cache_manager import KVCacheManager
 from executor.kv_events import KvEventBatcher
-from executor.server import lease_num_blocks
+from executor.scheduler_link import lease_num_blocks
 from meshserve.block_hash import ModelFingerprint, hash_to_bytes, routing_block_hashes
 from executor.engine.request import Request
 from meshserve.sampling import SamplingParams
@@ -84,7 +84,7 @@ def test_lease_block_counts_sum_the_requests_of_each_lease():
 def test_link_sends_a_reset_snapshot_then_net_batches_in_bounded_messages():
     from types import SimpleNamespace
 
-    from executor.server import LinkConfig, SchedulerLink
+    from executor.scheduler_link import LinkConfig, SchedulerLink
 
     link = SchedulerLink(LinkConfig("sched:1", "e0", "addr:2", max_hashes_per_message=2), SimpleNamespace())
     h = [bytes([i]) * 16 for i in range(5)]

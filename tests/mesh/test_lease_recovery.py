@@ -29,7 +29,7 @@ from tests.support.mesh_harness import wait_for_condition
 from tests.support.redis_server import free_port
 
 LEASE_TTL_S = 2.0
-HEARTBEAT_S = 1.0  # the executor reports at least this often (executor.server.LinkConfig)
+HEARTBEAT_S = 1.0  # the executor reports at least this often (executor.scheduler_link.LinkConfig)
 QUOTA_BLOCKS = 8   # one request of 100 prompt tokens (7 blocks) fills it
 API_KEY = (("x-api-key", "key-acme"),)
 

@@ -10,7 +10,8 @@ from dataclasses import dataclass, field
 
 from executor.engine.async_engine import AsyncEngine
 from executor.engine.llm_engine import LLMEngine
-from executor.server import SchedulerLink, start_executor
+from executor.scheduler_link import SchedulerLink
+from executor.server import start_executor
 from gateway.request import ModelInfo
 from gateway.server import start_gateway
 from meshserve.client import channel
