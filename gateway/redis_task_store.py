@@ -51,135 +51,26 @@ from __future__ import annotations
 import asyncio
 import base64
 import json
-import re
 from dataclasses import asdict, fields, replace
 from typing import Iterable
 
 import redis.asyncio as aioredis
-from redis.asyncio.retry import Retry
-from redis.backoff import ExponentialBackoff, NoBackoff
-from redis.exceptions import AuthenticationError
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import RedisError, WatchError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
+from gateway.redis_connection import (StoreUnfit, durability_warning, redis_client, redis_reason, server_fields,
+                                      shielded, version_of, version_unfit)
 from gateway.task_store import TaskRecord, TaskState, TaskStore, tenant_bound_error
 from meshserve.errors import Unavailable
 from meshserve.urls import UNREADABLE, redact_url
 
 KEY_PREFIX = "meshserve:task:"
 # a Redis that does not answer (a blocked port) fails a call within these, as UNAVAILABLE
-REDIS_CONNECT_TIMEOUT_S = 2.0
-REDIS_TIMEOUT_S = 4.0
-PING_TIMEOUT_S = 3.0  # ``ping``'s bound: the whole check, connecting included
-
-
-def redis_client(url: str, connect_timeout_s: float = REDIS_CONNECT_TIMEOUT_S, timeout_s: float = REDIS_TIMEOUT_S,
-                 retries: int = 2) -> aioredis.Redis:
-    """A client with bounded calls (the timeouts above) that reconnects ``retries`` more
-    times on a dropped connection (a killed client, a restarted server) before failing.
-
-    Raises:
-        ValueError: a URL redis-py cannot read; the message names it redacted
-            (redis-py's own may quote a piece of the password).
-    """
-    retry = Retry(ExponentialBackoff(cap=0.2, base=0.02), retries) if retries else Retry(NoBackoff(), 0)
-    again = {"retry_on_error": [RedisConnectionError]} if retries else {}
-    try:
-        return aioredis.from_url(url, socket_connect_timeout=connect_timeout_s, socket_timeout=timeout_s, retry=retry,
-                                 **again)
-    except ValueError:
-        raise ValueError(f"{redact_url(url)}: {UNREADABLE}") from None
-
-
-MIN_REDIS_VERSION = (6, 2)  # SET ... PXAT (the create script)
-
-
-class StoreUnfit(ConnectionError):
-    """A Redis that answers but cannot run the task store (too old, or its user may not
-    run scripts); the message is the reason."""
-
-
-def _version(text: str) -> tuple[int, ...]:
-    """``"7.0.15"`` → ``(7, 0, 15)``; ``()`` when it has no number."""
-    return tuple(int(part) for part in re.findall(r"\d+", text)[:3])
-
-
-def version_unfit(version: str | None) -> str | None:
-    """Why a Redis of ``version`` (``INFO server``'s ``redis_version``) cannot run the
-    task store, or None when it can (6.2 or later) or its version is not known (None,
-    or no number in it: the script load still checks what it can)."""
-    number = _version(version or "")
-    if number and number < MIN_REDIS_VERSION:
-        return f"Redis {version} is older than 6.2, which the task store needs (SET ... PXAT)"
-    return None
-
-
-NEEDS_PASSWORD = ("this Redis needs a password: give it in the URL (redis://:PASSWORD@host:port/db, or "
-                  "redis://USER:PASSWORD@host:port/db for an ACL user), best in MESHSERVE_TASK_STORE or "
-                  "MESHSERVE_RESULT_CACHE, which ps does not show")
-
-
-def redis_reason(exc: BaseException) -> str:
-    """redis-py's reason for a failed call, said plainly where it is cryptic: a Redis
-    that wants a password and got none answers NOAUTH, or refuses the client's HELLO
-    ("HELLO must be called with the client already authenticated…"): ``NEEDS_PASSWORD``."""
-    text = str(exc)
-    if isinstance(exc, AuthenticationError) and ("HELLO must be called" in text or "NOAUTH" in text
-                                                 or "Authentication required" in text):
-        return NEEDS_PASSWORD
-    return text
-
-
-def durability_warning(fields: dict[str, object]) -> str | None:
-    """Why the tasks in a Redis of ``fields`` (``_server_fields``) would not survive a
-    restart of it (its append-only file is off: ``INFO``'s ``aof_enabled`` is 0), or
-    None (it is on, or the user may not run INFO: HELLO does not say). The store works
-    either way; the deployments run ``appendonly yes`` with ``appendfsync always``."""
-    if str(fields.get("aof_enabled", "1")) == "0":
-        return ("it runs without its append-only file (appendonly no), so a restart of Redis loses the tasks "
-                "written since its last snapshot (all of them without snapshots); run it with --appendonly yes "
-                "--appendfsync always")
-    return None
-
-
-async def _server_fields(client: aioredis.Redis) -> dict[str, object]:
-    """``INFO``'s fields (its default sections: the version, the role, the persistence),
-    else ``HELLO``'s (a user without ``@dangerous``, a common application ACL, may not
-    run INFO; every user may run HELLO, which names the version and the role); {} when
-    neither may be run. One round trip for all the start checks.
-
-    Raises:
-        RedisError: the Redis did not answer (a connection error or a timeout).
-    """
-    for ask in (client.info, lambda: client.execute_command("HELLO")):
-        try:
-            reply = await ask()
-        except (RedisConnectionError, RedisTimeoutError):
-            raise
-        except RedisError:  # not allowed (NOPERM) or not known: try the next way
-            continue
-        if isinstance(reply, (list, tuple)):  # HELLO in RESP2: key, value, key, value…
-            reply = dict(zip(reply[::2], reply[1::2]))
-        fields = {(k.decode() if isinstance(k, bytes) else str(k)): v for k, v in dict(reply).items()}
-        return {k: (v.decode() if isinstance(v, bytes) else v) for k, v in fields.items()}
-    return {}
-
-
-def _version_of(fields: dict[str, object]) -> str | None:
-    version = fields.get("redis_version", fields.get("version"))
-    return None if version is None else str(version)
-
-
-async def _server_version(client: aioredis.Redis) -> str | None:
-    """The server's version (``_server_fields``), or None when it cannot be asked."""
-    return _version_of(await _server_fields(client))
-
-
 async def check_serves_tasks(client: aioredis.Redis) -> str | None:
     """Whether the Redis behind ``client`` can run the task store, checked once at start
     (a readiness poll only PINGs), from one ``INFO`` (or ``HELLO`` for a user that may
-    not run INFO, ``_server_fields``): its version is 6.2 or later (the create script
+    not run INFO, ``server_fields``): its version is 6.2 or later (the create script
     writes with ``PXAT``), it is a primary, not a read-only replica, and the create
     script loads (``SCRIPT LOAD``: an ACL user without
     ``@scripting`` cannot). Without this check such a Redis passes every PING, the
@@ -192,8 +83,8 @@ async def check_serves_tasks(client: aioredis.Redis) -> str | None:
         StoreUnfit: it cannot; the message is the reason, one line.
         RedisError: the Redis did not answer.
     """
-    fields = await _server_fields(client)
-    reason = version_unfit(_version_of(fields))
+    fields = await server_fields(client)
+    reason = version_unfit(version_of(fields))
     if reason is not None:
         raise StoreUnfit(reason)
     role = fields.get("role")
@@ -206,6 +97,9 @@ async def check_serves_tasks(client: aioredis.Redis) -> str | None:
             raise
         raise StoreUnfit(f"SCRIPT LOAD failed: {exc}") from None
     return durability_warning(fields)
+
+
+PING_TIMEOUT_S = 3.0  # ``ping``'s bound: the whole check, connecting included
 
 
 async def ping(url: str, timeout_s: float = PING_TIMEOUT_S, serves_tasks: bool = False) -> str | None:
@@ -241,12 +135,6 @@ async def ping(url: str, timeout_s: float = PING_TIMEOUT_S, serves_tasks: bool =
         await client.aclose()
 
 
-async def shielded(coro):
-    """Awaits ``coro`` shielded from the caller's cancellation (it completes anyway;
-    an error it ends with after the caller left is retrieved, not reported as lost)."""
-    task = asyncio.ensure_future(coro)
-    task.add_done_callback(lambda t: t.cancelled() or t.exception())
-    return await asyncio.shield(task)
 LEASES_KEY = "meshserve:tasks:leases"  # sorted set: unfinished task id -> lease end (Unix s; 0: unowned)
 CALLBACKS_KEY = "meshserve:tasks:callbacks"  # sorted set: task id with a pending callback -> delivery lease end
 UNFINISHED_PREFIX = "meshserve:tasks:unfinished:"  # + tenant: sorted set: unfinished task id -> record expiry (ms)

@@ -47,7 +47,7 @@ from redis.exceptions import RedisError
 
 from gateway.collector import CompletedChoice
 from gateway.proto_convert import task_result, task_result_choices
-from gateway.redis_task_store import redis_client, redis_reason, shielded
+from gateway.redis_connection import redis_client, redis_reason, shielded
 from gateway.result_cache import ResultCache
 from meshserve.urls import redact_url
 

@@ -9,8 +9,9 @@ from dataclasses import replace
 import pytest
 import redis
 
-from gateway.redis_task_store import (KEY_PREFIX, LEASES_KEY, SWEPT_PREFIX, UNFINISHED_PREFIX, RedisTaskStore,
-                                      StoreUnfit, _server_version, decode, encode, version_unfit)
+from gateway.redis_connection import StoreUnfit, server_version, version_unfit
+from gateway.redis_task_store import (KEY_PREFIX, LEASES_KEY, SWEPT_PREFIX, UNFINISHED_PREFIX, RedisTaskStore, decode,
+                                      encode)
 from gateway.task_store import FINISHED, UNFINISHED, MemoryTaskStore, TaskRecord, TaskState
 from gateway.task_store_registry import open_task_store
 from meshserve.errors import InvalidArgument, ResourceExhausted
@@ -240,7 +241,7 @@ async def test_the_start_check_passes_an_application_user_that_may_not_run_info(
         with pytest.raises(redis.exceptions.NoPermissionError):
             await store._redis.info("server")
         real = (await admin._redis.info("server"))["redis_version"]
-        assert await _server_version(store._redis) == real  # from HELLO
+        assert await server_version(store._redis) == real  # from HELLO
         await store.check_at_start()
         await store.create(record("t-app", tenant="app-user"), max_unfinished=1)  # a tenant of its own:
         assert await store.unfinished_count("app-user") == 1  # the module's Redis holds other tests' tasks
