@@ -60,7 +60,7 @@ from gateway.result_store import Coalescer, MemoryResultStore, ResultStore
 from gateway.tenants import Tenant
 from meshserve import trace_attributes as ta
 from meshserve.block_hash import cache_salt, routing_block_hashes
-from meshserve.errors import (AlreadyExists, InvalidArgument, MeshError, ModelNotFound, NotFound, ResourceExhausted,
+from meshserve.errors import (AlreadyExists, InvalidArgument, MeshError, NotFound, ResourceExhausted,
                               Unavailable)
 from meshserve.request_ids import check_request_id, scoped_request_id
 from meshserve.sampling import INT32_MAX, INT32_MIN, validate
@@ -214,9 +214,8 @@ class GatewayCore:
         check_request_id(request_id)
         if scoped_request_id(tenant, request_id) in self._in_flight:
             raise AlreadyExists(f"request_id {request_id!r} is already in use by an unfinished request")
-        if request.model is not None and request.model not in self.model.names:
-            raise ModelNotFound(f"model {request.model!r} is not served here (this gateway serves "
-                                f"{', '.join(map(repr, self.model.names))})")
+        if request.model is not None:
+            self.model.check_served(request.model)
         self.prompt_limits.check(request, self.model.max_model_len)
         return request_id
 

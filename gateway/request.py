@@ -13,6 +13,7 @@ from opentelemetry.util.types import AttributeValue
 
 from gateway.choices import RequestTimer
 from gateway.metrics import RequestMetrics
+from meshserve.errors import ModelNotFound
 from meshserve.sampling import SamplingParams
 
 
@@ -41,6 +42,16 @@ class ModelInfo:
     def names(self) -> tuple[str, ...]:
         """The names a request's ``model`` may take; the first is the one responses carry."""
         return self.served_model_names or (self.model_id,)
+
+    def check_served(self, name: str) -> None:
+        """Checks that ``name`` is one of ``names``.
+
+        Raises:
+            ModelNotFound: it is not (the message lists the served names).
+        """
+        if name not in self.names:
+            raise ModelNotFound(f"model {name!r} is not served here (this gateway serves "
+                                f"{', '.join(map(repr, self.names))})")
 
 
 @dataclass(frozen=True)

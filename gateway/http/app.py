@@ -13,7 +13,7 @@ GET  /metrics          the gateway's Prometheus metrics (text exposition format)
                        open mode only: with a tenants file it is 404 (the metrics
                        name every tenant; scrape ``--metrics-port``, not the API port)
 GET  /version          ``{"version": meshserve's version}``
-/v1/models, /v1/completions, /v1/chat/completions   ``gateway.http.openai_routes``
+/v1/models[/{model}], /v1/completions, /v1/chat/completions   ``gateway.http.openai_routes``
 /v1/tasks…             ``gateway.http.task_routes``
 =====================  =========================================================
 

@@ -1,4 +1,5 @@
-"""The OpenAI-compatible routes: ``GET /v1/models``, ``POST /v1/completions``,
+"""The OpenAI-compatible routes: ``GET /v1/models``, ``GET /v1/models/{model}``,
+``POST /v1/completions``,
 ``POST /v1/chat/completions``, streamed (server-sent events) and not.
 
 A request: read the body (``gateway.http.bodies``: a JSON object, else 415 or
@@ -73,6 +74,8 @@ class OpenAIRoutes:
         self.tenants = tenants
         self.router = APIRouter()
         self.router.add_api_route("/v1/models", self.models, methods=["GET"])
+        # ``:path``: a served name may hold slashes (``HuggingFaceTB/SmolLM2-135M-Instruct``)
+        self.router.add_api_route("/v1/models/{model:path}", self.model, methods=["GET"])
         self.router.add_api_route("/v1/completions", self.completions, methods=["POST"])
         self.router.add_api_route("/v1/chat/completions", self.chat_completions, methods=["POST"])
 
@@ -81,13 +84,29 @@ class OpenAIRoutes:
         """The model name responses carry."""
         return self.core.model.names[0]
 
+    def _card(self, name: str) -> dict:
+        """OpenAI's model object of the served name ``name`` (with vLLM's ``root`` and
+        ``max_model_len``)."""
+        info = self.core.model
+        return {"id": name, "object": "model", "created": 0, "owned_by": "meshserve", "root": info.model_id,
+                "max_model_len": info.max_model_len}
+
     async def models(self, request: Request) -> dict:
         """``GET /v1/models``: every served name, as OpenAI's model list."""
         self.tenants.authenticate(headers_of(request))
-        info = self.core.model
-        return {"object": "list", "data": [
-            {"id": name, "object": "model", "created": 0, "owned_by": "meshserve", "root": info.model_id,
-             "max_model_len": info.max_model_len} for name in info.names]}
+        return {"object": "list", "data": [self._card(name) for name in self.core.model.names]}
+
+    async def model(self, model: str, request: Request) -> dict:
+        """``GET /v1/models/{model}``: one served name's model object (what the openai
+        client's ``models.retrieve`` reads).
+
+        Raises:
+            ModelNotFound: ``model`` is not served (404 ``model_not_found``, as a
+                completion naming it gets).
+        """
+        self.tenants.authenticate(headers_of(request))
+        self.core.model.check_served(model)
+        return self._card(model)
 
     async def completions(self, request: Request) -> Response:
         """``POST /v1/completions``."""
