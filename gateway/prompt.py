@@ -12,6 +12,14 @@ Policies (tested in tests/gateway/test_prompt.py):
   text a user types inside a message, such as ``<|im_end|>``, is encoded as
   ordinary text. When no content holds control-token text the ids
   equal the plain ``apply_chat_template(..., tokenize=True)`` exactly.
+  ``ChatOptions`` (vLLM's chat extras) change the rendering as transformers'
+  ``apply_chat_template`` does with the same arguments: ``add_generation_prompt``
+  False ends after the last message; ``continue_final_message`` (which needs
+  ``add_generation_prompt`` False and a final assistant message) cuts the rendering
+  right after that message's content, so the model continues it; the template
+  kwargs are extra template variables (any but ``apply_chat_template``'s own
+  parameters and ``messages``, which are refused); a message's ``name`` is its
+  ``name`` key.
 * **Token ids** (``from_token_ids``): taken as given after a range check.
 
 ``from_request`` picks the form a ``GenerationRequest`` (``gateway.request``) sets.
@@ -36,11 +44,14 @@ holds one lock; encode with this tokenizer only through a ``PromptBuilder``.
 
 from __future__ import annotations
 
+import inspect
+import json
 import threading
 from typing import TYPE_CHECKING, Any, Sequence
 
 import jinja2
 
+from gateway.request import ChatOptions
 from meshserve.errors import InvalidArgument
 
 if TYPE_CHECKING:
@@ -63,6 +74,11 @@ class PromptBuilder:
         self.vocab_size = vocab_size if vocab_size is not None else len(tokenizer)
         added = {i for i, t in tokenizer.added_tokens_decoder.items() if t.special}
         self.special_token_ids: frozenset[int] = frozenset(tokenizer.all_special_ids) | added
+        # template kwargs that would not reach the template as variables: apply_chat_template's own
+        # parameters (``tokenize``, ``return_dict``…) and what it passes itself (``messages``)
+        own = inspect.signature(tokenizer.apply_chat_template).parameters
+        self.reserved_template_kwargs: frozenset[str] = frozenset(
+            name for name, p in own.items() if p.kind not in (p.VAR_KEYWORD, p.VAR_POSITIONAL)) | {"messages"}
         self._lock = threading.Lock()
 
     def from_request(self, request: GenerationRequest) -> list[int]:
@@ -77,7 +93,7 @@ class PromptBuilder:
         if request.prompt is not None:
             return self.from_text(request.prompt)
         if request.chat is not None:
-            return self.from_chat(request.chat)
+            return self.from_chat(request.chat, request.chat_options)
         if request.prompt_token_ids is not None:
             return self.from_token_ids(request.prompt_token_ids)
         raise InvalidArgument("one of prompt, chat or prompt_token_ids must be set")
@@ -112,34 +128,69 @@ class PromptBuilder:
                 )
         return list(ids)
 
-    def from_chat(self, messages: Sequence[tuple[str, str]]) -> list[int]:
-        """Renders a conversation with the chat template plus the generation
-        prompt; user-typed control-token text stays text (see the module docstring).
+    def from_chat(self, messages: Sequence[tuple[str, str]], options: ChatOptions = ChatOptions()) -> list[int]:
+        """Renders a conversation with the chat template, by default plus the
+        generation prompt; user-typed control-token text stays text (see the module
+        docstring).
 
         Args:
             messages: (role, content) pairs; role in ``ROLES``.
+            options: how to render them (``ChatOptions``: the generation prompt,
+                continuing the final message, template variables, message names).
 
         Raises:
             InvalidArgument: no messages, an unknown role, a non-string content,
-                a model without a chat template, or an error raised by the
-                template itself (e.g. roles that do not alternate).
+                a model without a chat template, options that contradict each other
+                or the messages, a template kwarg that is not a template variable, or
+                an error raised by the template itself (e.g. roles that do not alternate).
         """
         self._check_messages(messages)
+        variables = self._check_options(messages, options)
         conversation = [{"role": role, "content": content} for role, content in messages]
+        for message, name in zip(conversation, options.names):
+            if name is not None:
+                message["name"] = name
         try:
             with self._lock:
                 ids = self.tokenizer.apply_chat_template(
                     conversation,
-                    add_generation_prompt=True,
+                    add_generation_prompt=options.add_generation_prompt,
+                    continue_final_message=options.continue_final_message,
                     tokenize=True,
                     return_dict=False,
                     sanitize_control_tokens=True,
+                    **variables,
                 )
         except jinja2.TemplateError as exc:  # includes the template's raise_exception()
             raise InvalidArgument(f"chat.messages: the model's chat template refused them: {exc}") from exc
+        except ValueError as exc:  # transformers: the final message is not in the rendering as sent
+            if not options.continue_final_message:
+                raise
+            raise InvalidArgument(f"continue_final_message: the chat template does not render the final message "
+                                  f"so that it can be continued: {str(exc).splitlines()[0]}") from exc
         if not ids:
             raise InvalidArgument("chat.messages render to an empty prompt")
         return list(ids)
+
+    def _check_options(self, messages: Sequence[tuple[str, str]], options: ChatOptions) -> dict[str, Any]:
+        """The template variables of ``options``, after checking them against each other and ``messages``."""
+        if options.continue_final_message:
+            if options.add_generation_prompt:
+                raise InvalidArgument("continue_final_message cannot be used with add_generation_prompt: true "
+                                      "(set add_generation_prompt to false)")
+            if messages[-1][0] != "assistant":
+                raise InvalidArgument(f"continue_final_message needs the last message to be the assistant's, got "
+                                      f"role {messages[-1][0]!r}")
+        if len(options.names) not in (0, len(messages)):
+            raise InvalidArgument(f"chat.messages: {len(options.names)} names for {len(messages)} messages")
+        variables = json.loads(options.template_kwargs) if options.template_kwargs else {}
+        if not isinstance(variables, dict):
+            raise InvalidArgument("chat_template_kwargs must be an object")
+        for key in variables:
+            if key in self.reserved_template_kwargs:
+                raise InvalidArgument(f"chat_template_kwargs.{key} is not a template variable meshserve passes on "
+                                      "(it is a parameter of the rendering itself, or the messages)")
+        return variables
 
     def _check_messages(self, messages: Sequence[tuple[str, str]]) -> None:
         if not messages:

@@ -4,7 +4,7 @@ Tokenizing costs time and memory in proportion to the prompt, so the gateway
 first bounds what it will look at, cheaply, on the event loop:
 
 * ``max_prompt_bytes``: UTF-8 bytes of a raw prompt, or of all chat message
-  contents together (default 256 KiB: about 64,000 tokens of English text; a
+  contents, names and template kwargs together (default 256 KiB: about 64,000 tokens of English text; a
   16 MB prompt is refused here, in microseconds, instead of being tokenized for
   seconds; raise it for models whose context is longer);
 * ``max_messages``: chat messages (default 1,024);
@@ -54,8 +54,11 @@ class PromptLimits:
             if len(request.chat) > self.max_messages:
                 raise InvalidArgument(f"chat.messages has {len(request.chat)} messages; the limit is "
                                       f"{self.max_messages}")
-            self._check_bytes("chat.messages", [(f"chat.messages[{i}].content", c)
-                                                for i, (_, c) in enumerate(request.chat) if isinstance(c, str)])
+            options = request.chat_options  # names and template variables are rendered too: counted with the contents
+            self._check_bytes("chat.messages", [
+                *((f"chat.messages[{i}].content", c) for i, (_, c) in enumerate(request.chat) if isinstance(c, str)),
+                *((f"chat.messages[{i}].name", n) for i, n in enumerate(options.names) if isinstance(n, str)),
+                *([("chat_template_kwargs", options.template_kwargs)] if options.template_kwargs else [])])
         if request.prompt_token_ids is not None and len(request.prompt_token_ids) >= max_model_len:
             raise InvalidArgument(f"prompt has {len(request.prompt_token_ids)} tokens; max_model_len is "
                                   f"{max_model_len} (prompt + at least 1 output token)")

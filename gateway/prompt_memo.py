@@ -2,7 +2,7 @@
 hit, a client retrying, a benchmark) is neither templated nor tokenized again.
 
 Building a prompt's ids (``gateway.prompt.PromptBuilder``) is a pure function
-of the prompt (the raw text, or the chat messages) for a given tokenizer and
+of the prompt (the raw text, or the chat messages with their ``ChatOptions``) for a given tokenizer and
 chat template, which a gateway never changes while it runs; so its output can be
 reused as is. Only prompts of at most ``max_chars`` characters are remembered
 (a long prompt is rare to repeat and costly to keep), at most ``max_entries``
@@ -40,9 +40,11 @@ class PromptMemo:
             return None
         if request.prompt is not None and len(request.prompt) <= self.max_chars:
             return ("prompt", request.prompt)
+        options = request.chat_options
         if (request.chat is not None and all(isinstance(c, str) for _, c in request.chat)
-                and sum(len(r) + len(c) for r, c in request.chat) <= self.max_chars):
-            return ("chat", tuple(request.chat))
+                and sum(len(r) + len(c) for r, c in request.chat) + len(options.template_kwargs)
+                + sum(len(n) for n in options.names if n is not None) <= self.max_chars):
+            return ("chat", tuple(request.chat), options)  # the same messages rendered otherwise are another prompt
         return None
 
     def lookup(self, request: GenerationRequest) -> list[int] | None:

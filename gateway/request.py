@@ -55,6 +55,29 @@ class ModelInfo:
 
 
 @dataclass(frozen=True)
+class ChatOptions:
+    """How a chat's messages are rendered (``gateway.prompt``), beyond the messages
+    themselves: vLLM's chat extras. Hashable (the prompt memo keys on it).
+
+    Attributes:
+        add_generation_prompt: end the prompt with the template's assistant header,
+            so the model answers in a new message (the default).
+        continue_final_message: end the prompt right after the final message's
+            content (which must be the assistant's), so the model continues that
+            message; needs ``add_generation_prompt`` False (transformers' semantics).
+        template_kwargs: extra variables of the chat template, as the text of a JSON
+            object ("": none).
+        names: each message's ``name`` by position (None: it has none); (): no
+            message has one. The template sees it as the message's ``name`` key.
+    """
+
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    template_kwargs: str = ""
+    names: tuple[str | None, ...] = ()
+
+
+@dataclass(frozen=True)
 class GenerationRequest:
     """One generation as a caller asked for it, before validation.
 
@@ -69,6 +92,7 @@ class GenerationRequest:
         priority: the priority class; None: the tenant's default.
         request_id: the caller's id; "" lets the core make one.
         model: the model the caller names; None: the one this gateway serves.
+        chat_options: how ``chat`` is rendered (``ChatOptions``; unused by the other forms).
     """
 
     prompt: str | None = None
@@ -78,6 +102,7 @@ class GenerationRequest:
     priority: int | None = None
     request_id: str = ""
     model: str | None = None
+    chat_options: ChatOptions = ChatOptions()
 
     @property
     def input_kinds(self) -> list[str]:

@@ -17,13 +17,14 @@ Mappings that are not one-to-one:
 
 from __future__ import annotations
 
+import json
 import re
 from contextlib import aclosing
 from typing import AsyncIterator, TypeVar
 
 from gateway.http.schemas import MAX_PROMPTS, ChatCompletionRequest, CompletionRequest, SamplingFields
 from gateway.prompt_limits import not_unicode
-from gateway.request import GenerationRequest
+from gateway.request import ChatOptions, GenerationRequest
 from meshserve.errors import InvalidArgument
 from meshserve.request_ids import check_request_id, suffixed_request_id
 from meshserve.sampling import DEFAULT_MAX_TOKENS, SamplingParams
@@ -80,7 +81,17 @@ def chat_request(body: ChatCompletionRequest, max_model_len: int, request_id: st
         raise InvalidArgument("top_logprobs needs logprobs: true")
     return GenerationRequest(chat=tuple((_ROLES.get(m.role, m.role), m.text()) for m in body.messages),
                              sampling=_sampling(body, max_tokens, logprobs), priority=body.priority,
-                             request_id=request_id, model=body.model)
+                             request_id=request_id, model=body.model, chat_options=_chat_options(body))
+
+
+def _chat_options(body: ChatCompletionRequest) -> ChatOptions:
+    """vLLM's chat extras as ``ChatOptions`` (checked against each other by ``gateway.prompt``)."""
+    names = tuple(m.name for m in body.messages)
+    kwargs = body.chat_template_kwargs
+    return ChatOptions(add_generation_prompt=body.add_generation_prompt,
+                       continue_final_message=body.continue_final_message,
+                       template_kwargs=json.dumps(kwargs, ensure_ascii=False, sort_keys=True) if kwargs else "",
+                       names=names if any(n is not None for n in names) else ())
 
 
 def _prompts(prompt) -> list[str | tuple[int, ...]]:

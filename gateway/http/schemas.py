@@ -115,12 +115,15 @@ class ContentPart(BaseModel):
 
 
 class ChatMessage(BaseModel):
-    """One message: ``content`` a string, a list of text parts, or null."""
+    """One message: ``content`` a string, a list of text parts, or null; ``name``
+    (OpenAI's participant name) reaches the chat template as the message's ``name``
+    key, as vLLM passes it."""
 
     model_config = ConfigDict(extra="ignore")
 
     role: str
     content: str | list[ContentPart] | None = None
+    name: str | None = None
 
     @field_validator("content")
     @classmethod
@@ -145,7 +148,10 @@ class ChatMessage(BaseModel):
 class ChatCompletionRequest(SamplingFields):
     """``POST /v1/chat/completions``. ``max_completion_tokens`` wins over the older
     ``max_tokens`` when both are set; with neither, the output may run to the
-    model's context (``max_model_len``), as in OpenAI's API and vLLM."""
+    model's context (``max_model_len``), as in OpenAI's API and vLLM. vLLM's chat
+    extras ``add_generation_prompt``, ``continue_final_message`` and
+    ``chat_template_kwargs`` (an object: its keys are template variables) shape the
+    rendering (``gateway.prompt``)."""
 
     messages: list[ChatMessage] = Field(min_length=1, max_length=MAX_MESSAGES)
     max_tokens: StrictInt | None = Field(None, ge=1)
@@ -157,3 +163,7 @@ class ChatCompletionRequest(SamplingFields):
     functions: list[Any] | None = None  # OpenAI's older name of tools
     function_call: str | dict[str, Any] | None = None  # ... and of tool_choice
     response_format: dict[str, Any] | None = None
+    # vLLM's chat extras
+    add_generation_prompt: StrictBool = True
+    continue_final_message: StrictBool = False
+    chat_template_kwargs: dict[str, Any] | None = None
