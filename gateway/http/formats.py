@@ -4,7 +4,9 @@
 ``CompletionFormat`` ``text_completion`` ones (OpenAI's API reference, as vLLM
 serves them; vLLM's ``stop_reason`` is added to each finished choice: the stop
 string that ended it, or null; with vLLM's ``return_token_ids`` each choice also
-carries ``token_ids``: in a chunk its delta's, in a response all of them). Choice
+carries ``token_ids``: in a chunk its delta's, in a response all of them; with vLLM's
+``include_stop_str_in_output`` a choice a stop string ended keeps that string at the
+end of its text: in a stream, in the chunk that carries its finish reason). Choice
 ``index`` is ``prompt * n + choice``, so with several prompts choice ``i`` belongs
 to prompt ``i // n``.
 
@@ -19,7 +21,7 @@ import time
 from typing import Sequence
 
 from gateway.collector import CompletedChoice
-from gateway.events import ChoiceResult, Delta
+from gateway.events import ChoiceResult, Delta, FinishReason
 from gateway.http.logprobs import TokenTexts, chat_logprobs, completion_logprobs
 
 
@@ -44,12 +46,21 @@ class _Format:
     chunk_object_name = ""
 
     def __init__(self, response_id: str, model: str, n: int, tokenizer, logprobs: bool,
-                 return_token_ids: bool = False):
+                 return_token_ids: bool = False, include_stop_str: bool = False):
         self.id, self.model, self.n = response_id, model, n
         self.created = int(time.time())
         self.logprobs = logprobs
         self.return_token_ids = return_token_ids
+        self.include_stop_str = include_stop_str
         self.texts = TokenTexts(tokenizer)
+
+    def _stop_text(self, result: ChoiceResult | None) -> str:
+        """The stop string that ended the choice, when the request keeps it in the text
+        (vLLM's ``include_stop_str_in_output``); else "". The core's text ends right
+        before it, so the text plus it ends exactly where the stop string ends."""
+        if self.include_stop_str and result is not None and result.finish_reason == FinishReason.STOP:
+            return result.stop_reason
+        return ""
 
     def _carries(self, delta: Delta) -> bool:
         """True when ``delta`` has something to send: text, or tokens whose logprobs or
@@ -101,12 +112,14 @@ class ChatFormat(_Format):
 
     def finish_choice(self, index: int, result: ChoiceResult) -> dict:
         """The last chunk's choice of ``index``: its finish reason."""
-        return {"index": index, "delta": {}, "logprobs": None, "finish_reason": _finish_reason(result),
-                "stop_reason": result.stop_reason or None}
+        stop = self._stop_text(result)
+        return {"index": index, "delta": {"content": stop} if stop else {}, "logprobs": None,
+                "finish_reason": _finish_reason(result), "stop_reason": result.stop_reason or None}
 
     def full_choice(self, index: int, c: CompletedChoice) -> dict:
         """A choice of the non-streamed response."""
-        return self._with_ids({"index": index, "message": {"role": "assistant", "content": c.text},
+        return self._with_ids({"index": index, "message": {"role": "assistant",
+                                                           "content": c.text + self._stop_text(c.result)},
                                "logprobs": chat_logprobs(c.logprobs, self.texts) if self.logprobs else None,
                                "finish_reason": _finish_reason(c.result),
                                "stop_reason": (c.result.stop_reason or None) if c.result else None}, c.token_ids)
@@ -118,8 +131,8 @@ class CompletionFormat(_Format):
     object_name = chunk_object_name = "text_completion"
 
     def __init__(self, response_id: str, model: str, n: int, tokenizer, logprobs: bool,
-                 return_token_ids: bool = False):
-        super().__init__(response_id, model, n, tokenizer, logprobs, return_token_ids)
+                 return_token_ids: bool = False, include_stop_str: bool = False):
+        super().__init__(response_id, model, n, tokenizer, logprobs, return_token_ids, include_stop_str)
         self._offsets: dict[int, int] = {}  # index -> text offset of its next token (logprobs)
 
     def role_choice(self, index: int) -> None:
@@ -138,11 +151,11 @@ class CompletionFormat(_Format):
                               delta.token_ids)
 
     def finish_choice(self, index: int, result: ChoiceResult) -> dict:
-        return {"index": index, "text": "", "logprobs": None, "finish_reason": _finish_reason(result),
-                "stop_reason": result.stop_reason or None}
+        return {"index": index, "text": self._stop_text(result), "logprobs": None,
+                "finish_reason": _finish_reason(result), "stop_reason": result.stop_reason or None}
 
     def full_choice(self, index: int, c: CompletedChoice) -> dict:
-        return self._with_ids({"index": index, "text": c.text,
+        return self._with_ids({"index": index, "text": c.text + self._stop_text(c.result),
                                "logprobs": completion_logprobs(c.logprobs, self.texts) if self.logprobs else None,
                                "finish_reason": _finish_reason(c.result),
                                "stop_reason": (c.result.stop_reason or None) if c.result else None}, c.token_ids)

@@ -116,7 +116,7 @@ class OpenAIRoutes:
         request_id = body.request_id or uuid.uuid4().hex
         requests = completion_requests(body, request_id)
         fmt = CompletionFormat(f"cmpl-{request_id}", body.model or self.served_name, body.n, self.core.tokenizer,
-                               body.logprobs is not None, body.return_token_ids)
+                               body.logprobs is not None, body.return_token_ids, body.include_stop_str_in_output)
         return await self._serve(request, body, tenant, requests, fmt, received_at, prompts=True,
                                  lone_prompt=lone_prompt_index(body.prompt))
 
@@ -128,7 +128,7 @@ class OpenAIRoutes:
         request_id = body.request_id or uuid.uuid4().hex
         gen = chat_request(body, self.core.model.max_model_len, request_id)
         fmt = ChatFormat(f"chatcmpl-{request_id}", body.model or self.served_name, body.n, self.core.tokenizer,
-                         body.logprobs, body.return_token_ids)
+                         body.logprobs, body.return_token_ids, body.include_stop_str_in_output)
         return await self._serve(request, body, tenant, [gen], fmt, received_at)
 
     async def _serve(self, request: Request, body: SamplingFields, tenant: Tenant,

@@ -83,6 +83,7 @@ class SamplingFields(BaseModel):
     priority: StrictInt | None = None
     request_id: str | None = None
     return_token_ids: StrictBool = False  # vLLM's: token ids beside the text (each chunk: its delta's)
+    include_stop_str_in_output: StrictBool = False  # vLLM's: the stop string that ended a choice stays in its text
 
     def stop_strings(self) -> tuple[str, ...]:
         """``stop`` as a tuple of strings (one string is one stop string)."""

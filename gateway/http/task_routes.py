@@ -3,8 +3,9 @@
 ``SubmitTask``/``GetTask``/``CancelTask``).
 
 * ``POST /v1/tasks``: a chat body (``messages``) or a completions body with one
-  ``prompt``, as the OpenAI routes take them (``stream`` is ignored; vLLM's chat extras, which
-  a task's ``GenerateRequest`` cannot carry, are refused), and an optional
+  ``prompt``, as the OpenAI routes take them (``stream`` is ignored; vLLM's chat extras and
+  ``include_stop_str_in_output``, which a task's ``GenerateRequest`` cannot carry, are
+  refused), and an optional
   ``callback_url`` (as SubmitTask's: allow-listed, signed, ``docs/api.md``) → 202 and
   the task's handle ``{"task_id", "state"}``.
 * ``GET /v1/tasks/{task_id}``: its ``TaskStatus`` (state, timestamps, then its
@@ -101,12 +102,15 @@ class TaskRoutes:
                 raise InvalidArgument(f"callback_url is not valid Unicode: a lone surrogate at character "
                                       f"{exc.start}") from None
         request_id = body.get("request_id") or ""
-        if "messages" in body:
-            gen = chat_request(ChatCompletionRequest.model_validate(body), self.tasks.core.model.max_model_len,
-                               request_id)
+        parsed = (ChatCompletionRequest if "messages" in body else CompletionRequest).model_validate(body)
+        if parsed.include_stop_str_in_output:  # a task's text is the core's (gateway.http.formats adds the string)
+            raise InvalidArgument("include_stop_str_in_output is not supported by tasks (send it to "
+                                  f"{'/v1/chat/completions' if 'messages' in body else '/v1/completions'})")
+        if isinstance(parsed, ChatCompletionRequest):
+            gen = chat_request(parsed, self.tasks.core.model.max_model_len, request_id)
             _refuse_chat_options(gen.chat_options)
         else:
-            gens = completion_requests(CompletionRequest.model_validate(body), request_id)
+            gens = completion_requests(parsed, request_id)
             if len(gens) != 1:
                 raise InvalidArgument("prompt: a task takes one prompt")
             gen = gens[0]
