@@ -4,6 +4,7 @@ One ``GenerationRequest`` per prompt: a chat request is one, a completions
 request with a list of prompts is one per prompt (each with its own ``n``
 choices). Unset OpenAI fields leave meshserve's defaults (``meshserve.sampling``);
 the core validates every value and names the field when one is out of range.
+What meshserve does not implement is refused first (``gateway.http.unsupported``).
 
 Mappings that are not one-to-one:
 
@@ -23,6 +24,7 @@ from contextlib import aclosing
 from typing import AsyncIterator, TypeVar
 
 from gateway.http.schemas import MAX_PROMPTS, ChatCompletionRequest, CompletionRequest, SamplingFields
+from gateway.http.unsupported import refuse_unsupported
 from gateway.prompt_limits import not_unicode
 from gateway.request import ChatOptions, GenerationRequest
 from meshserve.errors import InvalidArgument
@@ -30,32 +32,6 @@ from meshserve.request_ids import check_request_id, suffixed_request_id
 from meshserve.sampling import DEFAULT_MAX_TOKENS, SamplingParams
 
 _ROLES = {"developer": "system"}  # OpenAI's newer name for the system role (its o1 and later models)
-
-
-def _refuse_unsupported(body: SamplingFields) -> None:
-    """Fields meshserve does not implement are refused (400 naming them), never ignored."""
-    if body.logit_bias:
-        raise InvalidArgument("logit_bias is not supported")
-    if body.stream_options is not None and not body.stream:  # as vLLM: it would be silently moot
-        raise InvalidArgument("stream_options is only allowed with stream: true")
-    if body.stream_options is not None and body.stream_options.continuous_usage_stats:  # vLLM's usage per chunk
-        raise InvalidArgument("stream_options.continuous_usage_stats is not supported (include_usage gives the "
-                              "usage in a last chunk)")
-    if isinstance(body, CompletionRequest):
-        if body.echo:
-            raise InvalidArgument("echo is not supported")
-        if body.suffix:
-            raise InvalidArgument("suffix is not supported")
-        if body.best_of is not None and body.best_of != body.n:
-            raise InvalidArgument("best_of must equal n (meshserve returns every choice it generates)")
-    if isinstance(body, ChatCompletionRequest):
-        if body.tools or body.functions:
-            raise InvalidArgument(f"{'tools' if body.tools else 'functions'} are not supported")
-        for name in ("tool_choice", "function_call"):  # "none" asks for no call: what meshserve does
-            if getattr(body, name) not in (None, "none"):
-                raise InvalidArgument(f"{name} is not supported (only \"none\")")
-        if body.response_format and body.response_format.get("type", "text") != "text":
-            raise InvalidArgument("response_format: only {'type': 'text'} is supported")
 
 
 def _sampling(body: SamplingFields, max_tokens: int, logprobs: int | None) -> SamplingParams:
@@ -74,7 +50,7 @@ def chat_request(body: ChatCompletionRequest, max_model_len: int, request_id: st
     Raises:
         InvalidArgument: a field meshserve does not implement.
     """
-    _refuse_unsupported(body)
+    refuse_unsupported(body)
     max_tokens = body.max_completion_tokens or body.max_tokens or max_model_len
     logprobs = (body.top_logprobs or 0) if body.logprobs else None
     if body.top_logprobs and not body.logprobs:
@@ -114,7 +90,7 @@ def completion_requests(body: CompletionRequest, request_id: str) -> list[Genera
         InvalidArgument: no prompt, more than ``MAX_PROMPTS``, a prompt of several that
             is not valid Unicode (``prompt[1]``), or a field meshserve does not implement.
     """
-    _refuse_unsupported(body)
+    refuse_unsupported(body)
     prompts = _prompts(body.prompt)
     if len(prompts) > MAX_PROMPTS:
         raise InvalidArgument(f"prompt takes at most {MAX_PROMPTS} prompts, got {len(prompts)}")

@@ -4,7 +4,8 @@ Field names, types and defaults follow OpenAI's API reference for
 ``POST /v1/completions`` and ``POST /v1/chat/completions``, plus the extra
 sampling fields vLLM accepts that clients send (``top_k``, ``min_p``,
 ``min_tokens``, ``repetition_penalty``, ``ignore_eos``, ``stop_token_ids``,
-``priority``). Unknown fields are ignored, as OpenAI's servers and vLLM do.
+``priority``). Unknown fields are ignored, as OpenAI's servers and vLLM do, except
+vLLM's extras meshserve does not implement (refused: ``gateway.http.unsupported``).
 Numbers are JSON numbers, as in OpenAI's API: an integer field (``max_tokens``,
 ``n``, ``seed``, token ids…) takes an integer only, never a boolean, a float
 (``4.0``) or a string (``"4"``), which pydantic's lax mode would convert
@@ -53,9 +54,11 @@ class StreamOptions(BaseModel):
 
 
 class SamplingFields(BaseModel):
-    """The fields both routes share (OpenAI's, then vLLM's extras)."""
+    """The fields both routes share (OpenAI's, then vLLM's extras). Unknown fields are
+    kept aside (``model_extra``) only so that vLLM's extras meshserve does not
+    implement are refused (``gateway.http.unsupported``); the others are ignored."""
 
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="allow")
 
     # A top-level ``"field": null`` reads as the field's default (``"n": null`` is 1,
     # ``"stream": null`` false); a required field sent as null is then missing (400).

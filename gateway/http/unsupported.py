@@ -1,0 +1,122 @@
+"""What the OpenAI routes refuse rather than ignore: fields meshserve does not
+implement, which would change the output if it did (pure: no HTTP).
+
+Two kinds, both refused with ``InvalidArgument`` (400, ``param`` naming the field):
+
+* OpenAI's fields the bodies declare (``logit_bias``, ``echo``, ``suffix``, ``best_of``
+  other than ``n``, ``tools``…): ``refuse_unsupported`` checks their parsed values;
+* vLLM's extras (``VLLM_EXTRAS``, the one list of them): guided decoding / structured
+  outputs, beam search, token masks, prompt truncation, prompt logprobs, special-token
+  handling of the text… The bodies do not declare them: they arrive among a body's
+  unknown fields (``model_extra``), and each is refused when its value is not one of
+  those that ask for what meshserve does anyway (vLLM's defaults: ``use_beam_search:
+  false`` passes). A field sent as null is its default, as every field (dropped
+  before). Other unknown fields are ignored, as OpenAI's servers and vLLM ignore them.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any
+
+from gateway.http.schemas import ChatCompletionRequest, CompletionRequest, SamplingFields
+from meshserve.errors import InvalidArgument
+
+
+@dataclass(frozen=True)
+class Extra:
+    """A vLLM request field meshserve does not implement.
+
+    Attributes:
+        name: the field, as the body spells it.
+        what: what it asks for, or what meshserve does instead (in the refusal's message).
+        allowed: the values that ask for nothing more than meshserve does (vLLM's
+            defaults); empty: every value is refused.
+        routes: ``"chat"``, ``"completions"`` or ``"both"``.
+    """
+
+    name: str
+    what: str
+    allowed: tuple[Any, ...] = ()
+    routes: str = "both"
+
+
+_GUIDED = "structured outputs, guided decoding"
+VLLM_EXTRAS: tuple[Extra, ...] = (
+    *(Extra(name, _GUIDED) for name in ("structured_outputs", "guided_json", "guided_regex", "guided_choice",
+                                        "guided_grammar", "guided_decoding_backend", "guided_whitespace_pattern",
+                                        "structural_tag")),
+    Extra("response_format", _GUIDED, ({"type": "text"},), routes="completions"),  # chat declares it (OpenAI's)
+    Extra("use_beam_search", "beam search", (False,)),
+    Extra("length_penalty", "beam search", (1.0,)),
+    Extra("early_stopping", "beam search", (False,)),
+    Extra("allowed_token_ids", "token masks"),
+    Extra("bad_words", "token masks", ([],)),
+    Extra("logits_processors", "custom logits processors"),
+    Extra("vllm_xargs", "custom extension arguments"),
+    Extra("thinking_token_budget", "reasoning budgets"),
+    Extra("repetition_detection", "repetition detection"),
+    Extra("logprob_token_ids", "logprobs of chosen token ids"),
+    Extra("prompt_logprobs", "prompt logprobs over HTTP"),
+    Extra("return_tokens_as_token_ids", "logprob tokens as token ids", (False,)),
+    Extra("truncate_prompt_tokens", "prompt truncation"),
+    Extra("prompt_embeds", "prompt embeddings", routes="completions"),
+    Extra("skip_special_tokens", "special tokens are always skipped from the text", (True,)),
+    Extra("spaces_between_special_tokens", "special tokens are always skipped from the text", (True,)),
+    Extra("add_special_tokens", "the chat template alone adds special tokens", (False,), routes="chat"),
+    Extra("add_special_tokens", "a raw prompt gets the tokenizer's special tokens", (True,),
+          routes="completions"),
+    Extra("echo", "echoing the last message", (False,), routes="chat"),
+    Extra("documents", "documents for the chat template", routes="chat"),
+    Extra("chat_template", "a chat template per request (the gateway's --chat-template applies)", routes="chat"),
+    Extra("reasoning_effort", "reasoning effort", routes="chat"),
+)
+
+
+def _is_allowed(value: Any, allowed: tuple[Any, ...]) -> bool:
+    """True when ``value`` is one of ``allowed`` (a boolean only as itself: ``1`` is not ``true``)."""
+    return any(value is a if isinstance(a, bool) else (not isinstance(value, bool) and value == a)
+               for a in allowed)
+
+
+def _refuse_vllm_extras(body: SamplingFields) -> None:
+    """Refuses the first of ``VLLM_EXTRAS`` the body sets to a value meshserve does not serve."""
+    route = "chat" if isinstance(body, ChatCompletionRequest) else "completions"
+    extra = body.model_extra or {}
+    for field in VLLM_EXTRAS:
+        if field.routes in (route, "both") and field.name in extra and not _is_allowed(extra[field.name],
+                                                                                       field.allowed):
+            only = f"; only {field.name}: {json.dumps(field.allowed[0])} is served" if field.allowed else ""
+            raise InvalidArgument(f"{field.name} is not supported ({field.what}){only}")
+
+
+def refuse_unsupported(body: SamplingFields) -> None:
+    """Fields meshserve does not implement are refused (400 naming them), never ignored.
+
+    Raises:
+        InvalidArgument: the first such field the body sets (the message starts with its name).
+    """
+    if body.logit_bias:
+        raise InvalidArgument("logit_bias is not supported")
+    if body.stream_options is not None and not body.stream:  # as vLLM: it would be silently moot
+        raise InvalidArgument("stream_options is only allowed with stream: true")
+    if body.stream_options is not None and body.stream_options.continuous_usage_stats:  # vLLM's usage per chunk
+        raise InvalidArgument("stream_options.continuous_usage_stats is not supported (include_usage gives the "
+                              "usage in a last chunk)")
+    if isinstance(body, CompletionRequest):
+        if body.echo:
+            raise InvalidArgument("echo is not supported")
+        if body.suffix:
+            raise InvalidArgument("suffix is not supported")
+        if body.best_of is not None and body.best_of != body.n:
+            raise InvalidArgument("best_of must equal n (meshserve returns every choice it generates)")
+    if isinstance(body, ChatCompletionRequest):
+        if body.tools or body.functions:
+            raise InvalidArgument(f"{'tools' if body.tools else 'functions'} are not supported")
+        for name in ("tool_choice", "function_call"):  # "none" asks for no call: what meshserve does
+            if getattr(body, name) not in (None, "none"):
+                raise InvalidArgument(f"{name} is not supported (only \"none\")")
+        if body.response_format and body.response_format.get("type", "text") != "text":
+            raise InvalidArgument("response_format: only {'type': 'text'} is supported")
+    _refuse_vllm_extras(body)
