@@ -125,7 +125,8 @@ def http_error(exc: BaseException) -> HttpError:
         message = message.removeprefix("chat.")  # the gRPC request's chat is the body's messages
     for cls, status, kind, code in _BY_CLASS:
         if isinstance(exc, cls):
-            param = "model" if cls is ModelNotFound else _param_of(message) if cls is InvalidArgument else None
+            param = "model" if cls is ModelNotFound else _param_of(message) if cls in (InvalidArgument, AlreadyExists) \
+                else None
             return HttpError(status, message, kind, code, param)
     if isinstance(exc, MeshError):
         if exc.code == grpc.StatusCode.RESOURCE_EXHAUSTED:

@@ -140,6 +140,11 @@ def test_domain_errors_map_to_openai_status_and_code(exc, status, code):
     assert e.body() == {"error": {"message": str(exc), "type": e.type, "param": e.param, "code": code}}
 
 
+def test_a_request_id_conflict_names_request_id_as_its_param():
+    e = http_error(AlreadyExists("request_id 'r1' is already in use by an unfinished request"))
+    assert (e.status, e.param, e.code) == (409, "request_id", "conflict")
+
+
 def test_retry_after_is_whole_seconds_rounded_up():
     assert http_error(ResourceExhausted("full", retry_after_s=2.2)).response().headers["retry-after"] == "3"
     assert http_error(ResourceExhausted("full", retry_after_s=0.1)).response().headers["retry-after"] == "1"
