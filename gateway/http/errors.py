@@ -205,8 +205,12 @@ def _without_body(loc) -> tuple:
     return loc[1:] if loc[:1] == ("body",) else loc
 
 
+_MODEL_INSTANCE = re.compile(r"a valid dictionary(?: or instance of \w+)?")  # Python's words, and our classes' names
+
+
 def _message(param: str | None, msg: str) -> HttpError:
     msg = msg.removeprefix("Value error, ")  # pydantic's wording of our ValueErrors
+    msg = _MODEL_INSTANCE.sub("an object", msg)  # JSON's word, not a Python class's name
     return HttpError(400, f"{param}: {msg}" if param else msg, "invalid_request_error", "invalid_value", param)
 
 

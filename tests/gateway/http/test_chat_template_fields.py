@@ -71,7 +71,7 @@ async def test_names_and_template_kwargs_reach_the_template(tokenizer, monkeypat
      error("continue_final_message needs the last message to be the assistant's, got role 'user'",
            "continue_final_message")),
     ({"messages": [QUESTION], "chat_template_kwargs": "calm"},
-     error("chat_template_kwargs: Input should be a valid dictionary", "chat_template_kwargs")),
+     error("chat_template_kwargs: Input should be an object", "chat_template_kwargs")),
     ({"messages": [QUESTION], "chat_template_kwargs": {"tokenize": False}},
      error("chat_template_kwargs.tokenize is not a template variable meshserve passes on (it is a parameter of "
            "the rendering itself, or the messages)", "chat_template_kwargs.tokenize")),

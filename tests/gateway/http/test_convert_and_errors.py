@@ -5,6 +5,7 @@ import hashlib
 
 import grpc
 import pytest
+from pydantic import ValidationError
 
 from gateway.http.convert import chat_request, completion_requests
 from gateway.http.errors import http_error, validation_error
@@ -143,6 +144,13 @@ def test_domain_errors_map_to_openai_status_and_code(exc, status, code):
 def test_a_request_id_conflict_names_request_id_as_its_param():
     e = http_error(AlreadyExists("request_id 'r1' is already in use by an unfinished request"))
     assert (e.status, e.param, e.code) == (409, "request_id", "conflict")
+
+
+def test_a_field_that_must_be_an_object_says_so_in_json_terms():
+    with pytest.raises(ValidationError) as err:
+        CompletionRequest.model_validate({"prompt": "x", "stream_options": 5})
+    e = validation_error(err.value.errors())
+    assert (e.status, e.param, e.message) == (400, "stream_options", "stream_options: Input should be an object")
 
 
 def test_retry_after_is_whole_seconds_rounded_up():
