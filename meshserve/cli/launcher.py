@@ -427,6 +427,14 @@ class Mesh:
         finally:
             self.procs.clear()
 
+    def kill(self) -> None:
+        """SIGKILL to every service still running, in ``stop_order``, waiting for none
+        (a Ctrl-C while stopping, from its signal handler; ``stop`` reaps them)."""
+        procs = dict(self.procs)
+        for tier, _ in self.stop_order():
+            for name in tier:
+                procs[name].kill()  # a no-op for one already reaped
+
     def is_running(self, name: str) -> bool:
         """Whether service ``name`` was started and has not exited."""
         proc = dict(self.procs).get(name)

@@ -297,7 +297,7 @@ def run_mesh(mesh) -> None:
     """
     from meshserve.cli.stop_signals import StopSignals
 
-    with StopSignals() as signals:
+    with StopSignals(kill=mesh.kill) as signals:
         if _start(mesh, signals):
             _serve_until_stopped(mesh, signals)
 
@@ -317,7 +317,7 @@ def _start(mesh, signals) -> bool:
         if asyncio.run(start_unless_stopped(mesh, signals, _say)):
             return True
         killed = mesh.killed
-    except KeyboardInterrupt:  # Ctrl-C again while they stopped: stop_in_order killed them
+    except KeyboardInterrupt:  # Ctrl-C again once a stop was asked for: its handler killed them
         killed = ["every service"]
     except (OSError, RuntimeError, TimeoutError, ValueError) as exc:
         typer.echo(f"error: {exc}", err=True)
@@ -374,16 +374,21 @@ def _serve_until_stopped(mesh, signals) -> None:
         if gone:
             typer.echo(f"service(s) exited: {', '.join(gone)}; stopping the mesh", err=True)
             failed = True
-    except KeyboardInterrupt:  # Ctrl-C twice before the wait saw the first
+    except KeyboardInterrupt:  # Ctrl-C twice before the wait saw the first: its handler killed every service
         pass
     finally:
         signals.event.set()  # a stop is under way (also after a service exited): a Ctrl-C now kills every service
-        first = ("the gateway finishes the calls in flight (at most "
-                 f"{mesh.gateway_drain_grace_s():g} s), then " if mesh.is_running("gateway") else "")
-        _say(signals.with_hurry_hint(f"stopping: {first}the executors, the scheduler and the kvstore stop"))
+        killed: list[str] = []
         try:
+            if not signals.killed:
+                first = ("the gateway finishes the calls in flight (at most "
+                         f"{mesh.gateway_drain_grace_s():g} s), then " if mesh.is_running("gateway") else "")
+                _say(signals.with_hurry_hint(f"stopping: {first}the executors, the scheduler and the kvstore stop"))
             killed = mesh.stop()
-        except KeyboardInterrupt:
+        except KeyboardInterrupt:  # Ctrl-C while stopping: its handler killed every service
+            with contextlib.suppress(KeyboardInterrupt):
+                mesh.stop()  # reaps them, at once
+        if signals.killed:
             killed = ["every service"]
         _say_stopped(killed)
     if failed or killed:

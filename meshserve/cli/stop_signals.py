@@ -2,8 +2,10 @@
 
 ``StopSignals`` takes SIGTERM, SIGHUP (the terminal closed) and SIGINT (Ctrl-C)
 before any service starts: the first of them asks for the stop (``event``); once a
-stop is under way a SIGINT kills every service (``stop_in_order`` raises
-``KeyboardInterrupt``), while another SIGTERM or SIGHUP changes nothing. SIGINT is
+stop is asked for a SIGINT kills every service, at once, from the handler itself
+(``kill``), then raises ``KeyboardInterrupt``, wherever the program is then (an
+event loop between two steps, a wait of the autoscaler), while another SIGTERM or
+SIGHUP changes nothing. SIGINT is
 taken only when Python's own handler has it (a background job of a script, which
 ignores SIGINT, keeps ignoring it).
 
@@ -32,17 +34,25 @@ class StopSignals:
 
     Attributes:
         event: set by the first signal, or by ``up`` itself when it stops for another
-            reason (a service exited); a SIGINT after it raises ``KeyboardInterrupt``.
+            reason (a service exited); a SIGINT after it calls ``kill`` and raises
+            ``KeyboardInterrupt``.
         received: the first signal's name (``"SIGTERM"``, ``"SIGHUP"``, ``"SIGINT"``),
             or None.
         takes_sigint: whether SIGINT is handled here (False: it is ignored, as in a
             script's background job).
+        killed: whether a SIGINT after ``event`` called ``kill``.
+
+    Args:
+        kill: SIGKILL to every service (``Mesh.kill``), called by that SIGINT; None:
+            nothing is called.
     """
 
-    def __init__(self):
+    def __init__(self, kill: Callable[[], None] | None = None):
         self.event = threading.Event()
         self.received: str | None = None
         self.takes_sigint = signal.getsignal(signal.SIGINT) is signal.default_int_handler
+        self.killed = False
+        self._kill = kill
         self._previous: dict[int, object] = {}
 
     def __enter__(self) -> StopSignals:
@@ -56,8 +66,11 @@ class StopSignals:
         self._previous.clear()
 
     def _on_signal(self, signum: int, _frame) -> None:
-        if signum == signal.SIGINT and self.event.is_set():
-            raise KeyboardInterrupt  # Ctrl-C again: stop_in_order kills every service
+        if signum == signal.SIGINT and self.event.is_set():  # Ctrl-C again: every service killed
+            if self._kill is not None:  # here: a KeyboardInterrupt outside stop_in_order would kill nothing
+                self._kill()
+                self.killed = True
+            raise KeyboardInterrupt
         if self.received is None:
             self.received = NAMES[signum]
         self.event.set()
