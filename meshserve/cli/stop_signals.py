@@ -101,7 +101,8 @@ class StopSignals:
 async def start_unless_stopped(mesh, signals: StopSignals, say: Callable[[str], None]) -> bool:
     """Runs ``mesh.start()`` (a ``meshserve.cli.launcher.Mesh``) until every service is
     up (True), or until ``signals.event`` is set: then says so (``say``: one line
-    naming the signal, the services started so far and ``hurry_hint``), cancels the
+    naming the signal, the services started so far in the order they will stop, and
+    ``hurry_hint``), cancels the
     start, which stops those services in order (``Mesh.start``), and returns False once
     they are stopped (``Mesh.killed``: those that had to be killed). A signal just as
     the last service came up counts as one after the start (True).
@@ -116,7 +117,7 @@ async def start_unless_stopped(mesh, signals: StopSignals, say: Callable[[str], 
     if start.done():
         start.result()
         return True
-    started = ", ".join(name for name, _ in mesh.procs)
+    started = ", ".join(name for tier, _ in mesh.stop_order() for name in tier)  # as they will stop
     say(signals.with_hurry_hint(f"start-up interrupted ({signals.how()}): "
                                 + (f"stopping {started}, in order" if started else "no service had started")))
     start.cancel()

@@ -346,7 +346,7 @@ def test_a_signal_during_start_up_stops_the_services_started_so_far_at_once(sig,
         how = "Ctrl-C" if sig == signal.SIGINT else sig.name
         hurry = HURRY["ctrl-c at the terminal" if sig == signal.SIGINT else "kill -TERM"].replace("SIGTERM", sig.name)
         assert up.returncode == 0, out
-        assert out.splitlines()[-2:] == [f"start-up interrupted ({how}): stopping scheduler, executor-0, in order; "
+        assert out.splitlines()[-2:] == [f"start-up interrupted ({how}): stopping executor-0, scheduler, in order; "
                                          f"{hurry}", "meshserve stopped."]
         assert "meshserve is up" not in out
         assert sorted(p.name for p in tmp_path.iterdir()) == ["executor-0.log", "scheduler.log"]  # no gateway

@@ -136,3 +136,21 @@ def test_a_ctrl_c_right_after_a_signal_during_start_up_kills_every_service_at_on
             proc.kill()
             proc.wait()
 
+
+
+def test_start_up_interrupted_names_the_services_in_the_order_they_stop(sigint_taken):
+    """The services stop executors first, then the scheduler and the kvstore
+    (``stop_order``); the line used to list them in the order they had started."""
+    mesh = Mesh(MeshConfig(port=1))
+    lines: list[str] = []
+
+    async def start():
+        mesh.procs.extend((name, None) for name in ("kvstore", "scheduler", "executor-0"))
+        signal.raise_signal(signal.SIGTERM)
+        await asyncio.sleep(120)
+
+    mesh.start = start
+    with StopSignals() as signals:
+        assert asyncio.run(start_unless_stopped(mesh, signals, lines.append)) is False
+    assert lines == ["start-up interrupted (SIGTERM): stopping executor-0, scheduler, kvstore, in order; "
+                     "another SIGTERM changes nothing; Ctrl-C (SIGINT) kills every service"]
