@@ -32,6 +32,7 @@ from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.routing import Match
 
 from gateway.generation import GatewayCore
 from gateway.http.body_guards import BODY_TIMEOUT_S, MAX_BODY_BYTES, BodyLimit, BodyTimeout
@@ -106,10 +107,12 @@ def create_app(core: GatewayCore, tenants: TenantRegistry, tasks: TaskAPI, ready
         return exc.error.response()
 
     @app.exception_handler(StarletteHTTPException)
-    async def on_http(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+    async def on_http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
         code = "not_found" if exc.status_code == 404 else None
         response = HttpError(exc.status_code, str(exc.detail), "invalid_request_error", code).response()
-        response.headers.update(exc.headers or {})  # a 405's Allow (RFC 9110 requires it)
+        response.headers.update(exc.headers or {})
+        if exc.status_code == 405:  # RFC 9110 requires its Allow: Starlette's names the first route's methods only
+            response.headers["allow"] = ", ".join(sorted(_allowed_methods(app, request)))
         return response
 
     @app.exception_handler(MeshError)  # a domain error: answered, not re-raised as a server error
@@ -123,3 +126,15 @@ def create_app(core: GatewayCore, tenants: TenantRegistry, tasks: TaskAPI, ready
     app.add_middleware(BodyLimit, max_bytes=max_body_bytes)
     app.add_middleware(BodyTimeout, timeout_s=body_timeout_s)
     return app
+
+
+
+METHODS = ("GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTIONS")
+
+
+def _allowed_methods(app: FastAPI, request: Request) -> set[str]:
+    """The methods some route takes on ``request``'s path (``/v1/tasks/{task_id}``: GET
+    and DELETE, two routes), for a 405's ``Allow``: each method of ``METHODS`` tried
+    against every route (routes of an included router hold no ``methods`` of their own)."""
+    return {method for method in METHODS
+            if any(route.matches(dict(request.scope, method=method))[0] == Match.FULL for route in app.router.routes)}

@@ -11,6 +11,9 @@ WRONG_METHODS = [  # (method, path, the methods it allows, in any order: Starlet
     ("PUT", "/v1/chat/completions", {"POST"}),
     ("POST", "/v1/models", {"GET"}),
     ("POST", "/health", {"GET", "HEAD"}),
+    ("PUT", "/v1/tasks/t-1", {"GET", "DELETE"}),  # two routes on one path: the methods of both
+    ("POST", "/v1/tasks/t-1", {"GET", "DELETE"}),
+    ("GET", "/v1/tasks/t-1/cancel", {"POST"}),
 ]
 
 
