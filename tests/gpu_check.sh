@@ -9,7 +9,7 @@
 # if any failed. Budget: ~6 minutes (each part is capped with `timeout`; first-time Triton compiles
 # dominate the tests); the caps add up to 570 s, under the 600 s a lent machine gives one command.
 # The CUDA graph part, the one not yet seen on a GPU, runs first, so that a run cut short still
-# holds it. GPU_CHECK_PARTS picks parts, in its order (default: all):
+# holds it. GPU_CHECK_PARTS picks parts, in its order (default: all; an unknown one: exit 2, nothing run):
 #
 #   bash tests/gpu_check.sh
 #   GPU_CHECK_PARTS="graphs engine" bash tests/gpu_check.sh
@@ -18,6 +18,13 @@ set -x
 cd "$(dirname "$0")/.." || exit 1
 export PYTHONPATH=$PWD
 export PYTHONUNBUFFERED=1
+PARTS=${GPU_CHECK_PARTS:-graphs triton engine tensor_parallel nvml kernels}
+for part in $PARTS; do  # all checked before any runs: a typo costs no lent minutes
+    case $part in
+    graphs | triton | engine | tensor_parallel | nvml | kernels) ;;
+    *) echo "gpu_check: unknown part $part (graphs triton engine tensor_parallel nvml kernels)" >&2; exit 2 ;;
+    esac
+done
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
 status=0
@@ -83,11 +90,8 @@ runpy.run_path('meshserve/bench/kernels.py', run_name='__main__')" --json "$OUT/
     fi
 }
 
-for part in ${GPU_CHECK_PARTS:-graphs triton engine tensor_parallel nvml kernels}; do
-    case $part in
-    graphs | triton | engine | tensor_parallel | nvml | kernels) "$part" ;;
-    *) echo "gpu_check: unknown part $part (graphs triton engine tensor_parallel nvml kernels)" >&2; status=2 ;;
-    esac
+for part in $PARTS; do
+    "$part"
 done
 
 exit $status
