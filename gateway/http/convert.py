@@ -11,7 +11,8 @@ Mappings that are not one-to-one:
 * chat ``max_completion_tokens`` wins over ``max_tokens``; with neither, the output
   may run to the context (``max_tokens`` = ``max_model_len``, clamped by the engine).
 * chat ``logprobs: true`` → ``logprobs`` = ``top_logprobs`` (0: the token's own only);
-  completions ``logprobs: k`` → ``logprobs`` = k.
+  completions ``logprobs: k`` → ``logprobs`` = k. vLLM's ``prompt_logprobs: k`` is the
+  core's own, in both (a streamed request refuses it: ``refuse_unstreamable``).
 * ``priority`` is meshserve's priority class (higher runs first; vLLM's runs lower
   first) and is capped by nothing here: the scheduler applies the tenant's rules.
 """
@@ -41,7 +42,7 @@ def _sampling(body: SamplingFields, max_tokens: int, logprobs: int | None) -> Sa
              if getattr(body, name) is not None}
     return SamplingParams(max_tokens=max_tokens, seed=body.seed, stop=body.stop_strings(),
                           stop_token_ids=tuple(body.stop_token_ids or ()), ignore_eos=body.ignore_eos, n=body.n,
-                          logprobs=logprobs, **given)
+                          logprobs=logprobs, prompt_logprobs=body.prompt_logprobs, **given)
 
 
 def chat_request(body: ChatCompletionRequest, max_model_len: int, request_id: str) -> GenerationRequest:

@@ -6,7 +6,9 @@ serves them; vLLM's ``stop_reason`` is added to each finished choice: the stop
 string that ended it, or null; with vLLM's ``return_token_ids`` each choice also
 carries ``token_ids``: in a chunk its delta's, in a response all of them; with vLLM's
 ``include_stop_str_in_output`` a choice a stop string ended keeps that string at the
-end of its text: in a stream, in the chunk that carries its finish reason). Choice
+end of its text: in a stream, in the chunk that carries its finish reason; with vLLM's
+``prompt_logprobs`` a whole response carries them, ``gateway.http.logprobs``'s shape:
+in completions each choice its prompt's, in chat the response itself). Choice
 ``index`` is ``prompt * n + choice``, so with several prompts choice ``i`` belongs
 to prompt ``i // n``.
 
@@ -22,7 +24,7 @@ from typing import Sequence
 
 from gateway.collector import CompletedChoice
 from gateway.events import ChoiceResult, Delta, FinishReason
-from gateway.http.logprobs import TokenTexts, chat_logprobs, completion_logprobs
+from gateway.http.logprobs import TokenTexts, chat_logprobs, completion_logprobs, prompt_logprobs
 
 
 def usage_of(results: Sequence[ChoiceResult]) -> dict:
@@ -46,13 +48,22 @@ class _Format:
     chunk_object_name = ""
 
     def __init__(self, response_id: str, model: str, n: int, tokenizer, logprobs: bool,
-                 return_token_ids: bool = False, include_stop_str: bool = False):
+                 return_token_ids: bool = False, include_stop_str: bool = False, prompt_logprobs: bool = False):
         self.id, self.model, self.n = response_id, model, n
         self.created = int(time.time())
         self.logprobs = logprobs
         self.return_token_ids = return_token_ids
         self.include_stop_str = include_stop_str
+        self.prompt_logprobs = prompt_logprobs
         self.texts = TokenTexts(tokenizer)
+
+    def prompt_logprobs_of(self, choices: Sequence[CompletedChoice]) -> list[dict | None] | None:
+        """vLLM's ``prompt_logprobs`` of one prompt, from its choices (choice 0's result
+        carries the core's); None when the request did not ask, or choice 0 has no result."""
+        first = next((c.result for c in choices if c.index == 0), None)
+        if not self.prompt_logprobs or first is None:
+            return None
+        return prompt_logprobs(first.prompt_logprobs, self.texts)
 
     def _stop_text(self, result: ChoiceResult | None) -> str:
         """The stop string that ended the choice, when the request keeps it in the text
@@ -86,8 +97,10 @@ class _Format:
             out["usage"] = usage
         return out
 
-    def response(self, choices: list[dict], results: Sequence[ChoiceResult]) -> dict:
-        """The whole (non-streamed) response."""
+    def response(self, choices: list[dict], results: Sequence[ChoiceResult],
+                 prompts_logprobs: Sequence[list[dict | None] | None] = ()) -> dict:
+        """The whole (non-streamed) response; ``prompts_logprobs``: each prompt's
+        ``prompt_logprobs_of``, which each shape places (when asked) in its override."""
         return {"id": self.id, "object": self.object_name, "created": self.created, "model": self.model,
                 "choices": choices, "usage": usage_of(results)}
 
@@ -116,6 +129,14 @@ class ChatFormat(_Format):
         return {"index": index, "delta": {"content": stop} if stop else {}, "logprobs": None,
                 "finish_reason": _finish_reason(result), "stop_reason": result.stop_reason or None}
 
+    def response(self, choices: list[dict], results: Sequence[ChoiceResult],
+                 prompts_logprobs: Sequence[list[dict | None] | None] = ()) -> dict:
+        """The whole response; vLLM's ``prompt_logprobs`` (of its one prompt) after the usage."""
+        out = super().response(choices, results)
+        if self.prompt_logprobs:
+            out["prompt_logprobs"] = prompts_logprobs[0] if prompts_logprobs else None
+        return out
+
     def full_choice(self, index: int, c: CompletedChoice) -> dict:
         """A choice of the non-streamed response."""
         return self._with_ids({"index": index, "message": {"role": "assistant",
@@ -131,8 +152,9 @@ class CompletionFormat(_Format):
     object_name = chunk_object_name = "text_completion"
 
     def __init__(self, response_id: str, model: str, n: int, tokenizer, logprobs: bool,
-                 return_token_ids: bool = False, include_stop_str: bool = False):
-        super().__init__(response_id, model, n, tokenizer, logprobs, return_token_ids, include_stop_str)
+                 return_token_ids: bool = False, include_stop_str: bool = False, prompt_logprobs: bool = False):
+        super().__init__(response_id, model, n, tokenizer, logprobs, return_token_ids, include_stop_str,
+                         prompt_logprobs)
         self._offsets: dict[int, int] = {}  # index -> text offset of its next token (logprobs)
 
     def role_choice(self, index: int) -> None:
@@ -159,3 +181,13 @@ class CompletionFormat(_Format):
                                "logprobs": completion_logprobs(c.logprobs, self.texts) if self.logprobs else None,
                                "finish_reason": _finish_reason(c.result),
                                "stop_reason": (c.result.stop_reason or None) if c.result else None}, c.token_ids)
+
+    def response(self, choices: list[dict], results: Sequence[ChoiceResult],
+                 prompts_logprobs: Sequence[list[dict | None] | None] = ()) -> dict:
+        """The whole response; each choice carries vLLM's ``prompt_logprobs`` of its own
+        prompt (choice ``i``: prompt ``i // n``), after its other fields."""
+        if self.prompt_logprobs:
+            for choice in choices:
+                p = choice["index"] // self.n
+                choice["prompt_logprobs"] = prompts_logprobs[p] if p < len(prompts_logprobs) else None
+        return super().response(choices, results)

@@ -9,7 +9,8 @@ tenant, exactly as the gRPC API key), convert the body (``gateway.http.convert``
 run one core stream per prompt (``GatewayCore.generate``) in an ``EventPump``,
 await its first event (so an error before any output gets its HTTP status), then:
 
-* not streamed: collect every choice (``ChoiceCollector``) and answer one object;
+* not streamed: collect every choice (``ChoiceCollector``) and answer one object
+  (with vLLM's ``prompt_logprobs`` when asked: only such a response carries them);
 * streamed: ``text/event-stream``, one ``data: <json>`` event per chunk: the
   assistant role once per choice index (chat), each delta, one chunk with the
   finish reason per index, with ``stream_options.include_usage`` a last chunk
@@ -42,6 +43,7 @@ from gateway.http.errors import http_error
 from gateway.http.formats import ChatFormat, CompletionFormat, usage_of
 from gateway.http.schemas import ChatCompletionRequest, CompletionRequest, SamplingFields
 from gateway.http.streams import ClientDisconnected, EventPump, until_disconnect
+from gateway.http.unsupported import refuse_unstreamable
 from gateway.request import GenerationRequest, SpanOptions
 from gateway.tenants import Tenant, TenantRegistry
 from meshserve.errors import InvalidArgument
@@ -115,8 +117,10 @@ class OpenAIRoutes:
         tenant = self.tenants.authenticate(headers_of(request))
         request_id = body.request_id or uuid.uuid4().hex
         requests = completion_requests(body, request_id)
+        refuse_unstreamable(body)
         fmt = CompletionFormat(f"cmpl-{request_id}", body.model or self.served_name, body.n, self.core.tokenizer,
-                               body.logprobs is not None, body.return_token_ids, body.include_stop_str_in_output)
+                               body.logprobs is not None, body.return_token_ids, body.include_stop_str_in_output,
+                               body.prompt_logprobs is not None)
         return await self._serve(request, body, tenant, requests, fmt, received_at, prompts=True,
                                  lone_prompt=lone_prompt_index(body.prompt))
 
@@ -127,8 +131,10 @@ class OpenAIRoutes:
         tenant = self.tenants.authenticate(headers_of(request))
         request_id = body.request_id or uuid.uuid4().hex
         gen = chat_request(body, self.core.model.max_model_len, request_id)
+        refuse_unstreamable(body)
         fmt = ChatFormat(f"chatcmpl-{request_id}", body.model or self.served_name, body.n, self.core.tokenizer,
-                         body.logprobs, body.return_token_ids, body.include_stop_str_in_output)
+                         body.logprobs, body.return_token_ids, body.include_stop_str_in_output,
+                         body.prompt_logprobs is not None)
         return await self._serve(request, body, tenant, [gen], fmt, received_at)
 
     async def _serve(self, request: Request, body: SamplingFields, tenant: Tenant,
@@ -181,13 +187,15 @@ class OpenAIRoutes:
         collectors = [ChoiceCollector() for _ in range(num_prompts)]
         while (item := await pump.next()) is not None:
             collectors[item[0]].feed(item[1])
-        choices, results = [], []
+        choices, results, prompts_logprobs = [], [], []
         for p, collector in enumerate(collectors):
-            for c in collector.choices():
+            completed = collector.choices()
+            prompts_logprobs.append(fmt.prompt_logprobs_of(completed))
+            for c in completed:
                 choices.append(fmt.full_choice(fmt.index(p, c.index), c))
                 if c.result is not None:
                     results.append(c.result)
-        return fmt.response(choices, results)
+        return fmt.response(choices, results, prompts_logprobs)
 
     async def _stream(self, pump: EventPump, first, fmt: ChatFormat | CompletionFormat, num_prompts: int,
                       include_usage: bool) -> AsyncIterator[bytes]:

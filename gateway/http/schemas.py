@@ -4,7 +4,7 @@ Field names, types and defaults follow OpenAI's API reference for
 ``POST /v1/completions`` and ``POST /v1/chat/completions``, plus the extra
 sampling fields vLLM accepts that clients send (``top_k``, ``min_p``,
 ``min_tokens``, ``repetition_penalty``, ``ignore_eos``, ``stop_token_ids``,
-``priority``). Unknown fields are ignored, as OpenAI's servers and vLLM do, except
+``priority``, ``prompt_logprobs``…). Unknown fields are ignored, as OpenAI's servers and vLLM do, except
 vLLM's extras meshserve does not implement (refused: ``gateway.http.unsupported``).
 Numbers are JSON numbers, as in OpenAI's API: an integer field (``max_tokens``,
 ``n``, ``seed``, token ids…) takes an integer only, never a boolean, a float
@@ -87,6 +87,7 @@ class SamplingFields(BaseModel):
     request_id: str | None = None
     return_token_ids: StrictBool = False  # vLLM's: token ids beside the text (each chunk: its delta's)
     include_stop_str_in_output: StrictBool = False  # vLLM's: the stop string that ended a choice stays in its text
+    prompt_logprobs: StrictInt | None = None  # vLLM's: k; each prompt position's logprobs (range: the core's)
 
     def stop_strings(self) -> tuple[str, ...]:
         """``stop`` as a tuple of strings (one string is one stop string)."""

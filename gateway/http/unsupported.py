@@ -6,12 +6,15 @@ Two kinds, both refused with ``InvalidArgument`` (400, ``param`` naming the fiel
 * OpenAI's fields the bodies declare (``logit_bias``, ``echo``, ``suffix``, ``best_of``
   other than ``n``, ``tools``…): ``refuse_unsupported`` checks their parsed values;
 * vLLM's extras (``VLLM_EXTRAS``, the one list of them): guided decoding / structured
-  outputs, beam search, token masks, prompt truncation, prompt logprobs, special-token
-  handling of the text… The bodies do not declare them: they arrive among a body's
+  outputs, beam search, token masks, prompt truncation, special-token handling of the
+  text… The bodies do not declare them: they arrive among a body's
   unknown fields (``model_extra``), and each is refused when its value is not one of
   those that ask for what meshserve does anyway (vLLM's defaults: ``use_beam_search:
   false`` passes). A field sent as null is its default, as every field (dropped
   before). Other unknown fields are ignored, as OpenAI's servers and vLLM ignore them.
+
+What a stream cannot carry is refused by ``refuse_unstreamable``, which only the
+OpenAI routes call (a task ignores ``stream``).
 """
 
 from __future__ import annotations
@@ -58,7 +61,6 @@ VLLM_EXTRAS: tuple[Extra, ...] = (
     Extra("thinking_token_budget", "reasoning budgets"),
     Extra("repetition_detection", "repetition detection"),
     Extra("logprob_token_ids", "logprobs of chosen token ids"),
-    Extra("prompt_logprobs", "prompt logprobs over HTTP"),
     Extra("return_tokens_as_token_ids", "logprob tokens as token ids", (False,)),
     Extra("truncate_prompt_tokens", "prompt truncation"),
     Extra("prompt_embeds", "prompt embeddings", routes="completions"),
@@ -120,3 +122,15 @@ def refuse_unsupported(body: SamplingFields) -> None:
         if body.response_format and body.response_format.get("type", "text") != "text":
             raise InvalidArgument("response_format: only {'type': 'text'} is supported")
     _refuse_vllm_extras(body)
+
+
+def refuse_unstreamable(body: SamplingFields) -> None:
+    """vLLM's ``prompt_logprobs`` come in a whole response only: with ``stream: true``
+    they are refused (vLLM refuses them so for k > 0, and silently drops k = 0).
+
+    Raises:
+        InvalidArgument: ``prompt_logprobs`` set on a streamed request.
+    """
+    if body.stream and body.prompt_logprobs is not None:
+        raise InvalidArgument("prompt_logprobs is not available with stream: true (only a whole response "
+                              "carries it)")

@@ -7,6 +7,9 @@ reached the executor with.
     async with app_client(tokenizer, mesh) as http:
         r = await http.post("/v1/completions", json={...})
         mesh.prompts[-1]   # the prompt ids of the last Execute
+
+With ``prompt_logprobs`` asked, choice 0's first message carries
+``scripted_prompt_logprobs`` of its prompt, as an executor sends the core's.
 """
 
 from __future__ import annotations
@@ -16,7 +19,7 @@ from typing import Sequence
 
 import httpx2 as httpx
 
-from gateway.events import FinishReason
+from gateway.events import FinishReason, TokenLogprob, TopLogprob
 from gateway.generation import GatewayCore
 from gateway.http.app import create_app
 from gateway.mesh import Assignment, ExecutorOutput
@@ -27,6 +30,25 @@ from gateway.task_store import MemoryTaskStore
 from gateway.tenants import TenantRegistry
 
 MODEL = ModelInfo("smollm2-135m-instruct", max_model_len=2048, vocab_size=49152, revision="r1")
+ALTERNATIVE_IDS = range(49000, 49020)  # the scripted top k's other tokens (no prompt of the tests holds them)
+
+
+def scripted_prompt_logprobs(prompt_token_ids: Sequence[int], k: int) -> tuple[TokenLogprob, ...]:
+    """The prompt logprobs ``ScriptedMesh`` sends (every value exact in float32, as the
+    wire carries it), one per position i = 1 …: at an even i the prompt's token, logprob
+    -i/8, leads its top k (then ``ALTERNATIVE_IDS``, each 1/4 less likely than the one
+    before); at an odd i the top k are ``ALTERNATIVE_IDS`` (-1/4, -2/4 …) and the
+    prompt's token, at -(k + 1)/4 - i/8, is outside them."""
+    out = []
+    for i, tid in enumerate(prompt_token_ids[1:], 1):
+        if i % 2 == 0:
+            own = -i / 8
+            top = [TopLogprob(tid, own)] + [TopLogprob(a, own - (j + 1) / 4) for j, a in enumerate(ALTERNATIVE_IDS)]
+        else:
+            own = -(k + 1) / 4 - i / 8
+            top = [TopLogprob(a, -(j + 1) / 4) for j, a in enumerate(ALTERNATIVE_IDS)]
+        out.append(TokenLogprob(tid, own, tuple(top[:k])))
+    return tuple(out)
 
 
 class ScriptedMesh:
@@ -44,9 +66,13 @@ class ScriptedMesh:
     async def execute(self, assignment, request_id, prompt_token_ids, params, priority, span):
         self.prompts.append(list(prompt_token_ids))
         last = len(self.token_ids) - 1
+        k = params.prompt_logprobs
         for i, tid in enumerate(self.token_ids):
             for index in range(params.n):
-                yield ExecutorOutput(index, (tid,), FinishReason.LENGTH if i == last else None)
+                first = i == 0 and index == 0 and k is not None  # choice 0's first message, as an executor
+                prompt_logprobs = scripted_prompt_logprobs(prompt_token_ids, k) if first else ()
+                yield ExecutorOutput(index, (tid,), FinishReason.LENGTH if i == last else None,
+                                     prompt_logprobs=prompt_logprobs)
 
     async def renew(self, lease_id, span):
         pass

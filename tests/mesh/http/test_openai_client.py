@@ -194,6 +194,25 @@ async def test_completion_logprobs_shape(aclient):
     assert lp.text_offset[0] == 0 and "".join(lp.tokens) == out.choices[0].text
 
 
+async def test_completion_prompt_logprobs_equal_the_grpc_path(http_mesh, client):
+    """vLLM's ``prompt_logprobs`` (sent as the openai client sends extras): one entry per
+    prompt token (null first), each position's prompt token and top 3 with the values
+    gRPC ``Generate`` returns for the same request (each computed alone: exactly equal)."""
+    prompt = "The capital of France is"
+    ref = await generate(http_mesh.stub, build_request(prompt, max_tokens=1, temperature=0, prompt_logprobs=3),
+                         GRPC_KEY)
+    out = await asyncio.to_thread(client.completions.create, model=SERVED, prompt=prompt, max_tokens=1,
+                                  temperature=0, extra_body={"prompt_logprobs": 3})
+    entries = out.choices[0].prompt_logprobs
+    assert entries[0] is None and len(entries) == len(ref.prompt_token_ids) == out.usage.prompt_tokens
+    assert [int(next(iter(p))) for p in entries[1:]] == ref.prompt_token_ids[1:]
+    for position, lp in zip(entries[1:], ref.prompt_logprobs, strict=True):
+        assert position[str(lp.token_id)]["logprob"] == lp.logprob
+        ranked = sorted((v["rank"], int(t), v["logprob"]) for t, v in position.items() if v["rank"] is not None)
+        assert ranked == [(r, t, v) for r, (t, v) in enumerate(lp.top, 1)]
+    await http_mesh.wait_idle()
+
+
 @pytest.mark.parametrize("stream", [False, True])
 async def test_either_token_cap_of_one_gives_one_token(http_mesh, aclient, stream):
     """Case C29: chat("Count from 1 to 50."), temperature 0: max_completion_tokens 1 or
