@@ -235,6 +235,15 @@ async def _wait_refused(address: str) -> None:
             await asyncio.sleep(0.02)
 
 
+def _start_up(log_dir) -> subprocess.Popen:
+    """``meshserve up`` with one float32 executor, its lines on a pipe, in a session of
+    its own (a terminal's foreground process group holds it alone)."""
+    return subprocess.Popen([sys.executable, "-m", "meshserve.cli", "up", "--port", "0",
+                             "--executors", "1", "--dtype", "float32", "--kv-cache-memory", "256MiB", "--no-metrics",
+                             "--http-port", "0", "--log-dir", str(log_dir)],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+
+
 def _children(pid: int) -> list[int]:
     """The pids whose parent is ``pid`` (from /proc)."""
     out = []
@@ -275,10 +284,7 @@ def test_up_stopped_from_its_terminal_stops_every_service_in_order(how, tmp_path
     SIGTERM used to be told "Ctrl-C again"). ``up`` SIGKILLed stops nothing itself:
     each service gets SIGTERM from Linux (``stop_with_parent``) and exits, none is left
     holding its ports."""
-    up = subprocess.Popen([sys.executable, "-m", "meshserve.cli", "up", "--port", "0",
-                           "--executors", "1", "--dtype", "float32", "--kv-cache-memory", "256MiB", "--no-metrics",
-                           "--http-port", "0", "--log-dir", str(tmp_path)],
-                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    up = _start_up(tmp_path)
     services: list[int] = []
     try:
         lines = []
@@ -326,10 +332,7 @@ def test_a_signal_during_start_up_stops_the_services_started_so_far_at_once(sig,
     executor in order and exits 0 as after any stop; the gateway never starts. (It
     used to finish the start first, gateway and all, for a SIGTERM or a SIGHUP: ~40 s
     with the model load on a loaded host.)"""
-    up = subprocess.Popen([sys.executable, "-m", "meshserve.cli", "up", "--port", "0",
-                           "--executors", "1", "--dtype", "float32", "--kv-cache-memory", "256MiB", "--no-metrics",
-                           "--http-port", "0", "--log-dir", str(tmp_path)],
-                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    up = _start_up(tmp_path)
     services: list[int] = []
     try:
         deadline = time.monotonic() + 300  # a hang bound
