@@ -57,6 +57,7 @@ from gateway.prompt_memo import PromptMemo
 from gateway.request import GenerationRequest, ModelInfo, Prepared, SpanOptions
 from gateway.result_cache import ResultCache, cache_key, is_deterministic
 from gateway.result_store import Coalescer, MemoryResultStore, ResultStore
+from gateway.running import RunningRequests
 from gateway.tenants import Tenant
 from meshserve import trace_attributes as ta
 from meshserve.block_hash import cache_salt, routing_block_hashes
@@ -133,6 +134,7 @@ class GatewayCore:
         self.prefix_cache_scope = prefix_cache_scope
         self._in_flight: set[str] = set()  # scoped request ids of unfinished requests
         self._ending: dict[str, asyncio.Event] = {}  # those releasing their lease: set when the id is free
+        self.running = RunningRequests()  # the callers' streams, which a stopping gateway ends (gateway.running)
 
     async def close(self) -> None:
         """Closes the mesh client's and the result store's connections."""

@@ -10,7 +10,9 @@ event as a ``GenerateResponse`` (queue update, delta, one result per choice).
 (``gateway.http``) over the same core when given an HTTP port. The core raises domain errors; the
 server's one ``ErrorInterceptor`` (``meshserve.errors``) maps them to status codes.
 A caller that goes away cancels the call's task: the core's stream is closed, which
-cancels the executor call and releases the lease.
+cancels the executor call and releases the lease. A ``Generate`` still running when a
+stopping gateway's grace runs out is ended the same way, UNAVAILABLE saying why
+(``gateway.running``; ``stop_gateway``).
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ from gateway.proto_convert import request_from_proto, response_of
 from gateway.readiness import ReadinessProbe
 from gateway.request import ModelInfo, SpanOptions
 from gateway.result_cache import ResultCache
+from gateway.running import END_WAIT_S
 from gateway.task_api import TaskAPI
 from gateway.task_readiness import TASKS_HEALTH_SERVICE, TaskStoreProbe
 from gateway.task_runner import TaskRunner
@@ -69,8 +72,8 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         tenant = self.tenants.authenticate(context.invocation_metadata())
         if request.callback_url:
             raise InvalidArgument("callback_url is for SubmitTask only")
-        events = self.core.generate(request_from_proto(request), tenant, SpanOptions(parent=context_from_grpc(context)),
-                                    received_at)
+        events = self.core.running.guard(self.core.generate(
+            request_from_proto(request), tenant, SpanOptions(parent=context_from_grpc(context)), received_at))
         async with aclosing(events):
             async for event in events:
                 yield response_of(event)
@@ -174,15 +177,18 @@ async def stop_gateway(service: Service, grace_s: float) -> None:
     """Stops a gateway from ``start_gateway`` without cutting what it serves: it
     claims no more tasks other gateways left (``TaskRunner.drain``), reports
     NOT_SERVING and refuses new calls, and lets the gRPC and HTTP calls in flight
-    and its running tasks finish for at most ``grace_s`` seconds; then it hands the
-    tasks still running back to a shared store (a memory store's end FAILED with
+    and its running tasks finish for at most ``grace_s`` seconds. Then it ends the
+    requests still running itself (``RunningRequests.stop``: UNAVAILABLE saying the
+    grace ran out, the executor calls cancelled, the leases released), giving them
+    at most ``END_WAIT_S`` to send it before its servers stop; it hands the tasks
+    still running back to a shared store (a memory store's end FAILED with
     UNAVAILABLE) and closes its connections."""
     servicer = service.servicer  # type: ignore[attr-defined]
     calls_done = asyncio.Event()  # a SubmitTask in flight may still add a task to drain
 
     async def stop_calls() -> None:
-        try:
-            await service.stop(grace_s)
+        try:  # the servers' own grace outlasts the requests' end, so they never cut one the gateway ends
+            await asyncio.gather(service.stop(grace_s + END_WAIT_S), servicer.core.running.stop(grace_s))
         finally:
             calls_done.set()
 

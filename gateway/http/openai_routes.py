@@ -20,7 +20,9 @@ await its first event (so an error before any output gets its HTTP status), then
 A client that disconnects cancels the core's streams at once, as a cancelled gRPC
 call does: the executor call is cancelled (the engine frees the request's KV
 blocks) and the lease is released. The response then is 499 (the client closed
-the request; what an access log records).
+the request; what an access log records). A stopping gateway whose grace runs out
+ends the core streams still running the same way, with UNAVAILABLE
+(``gateway.running``): 503, or an error event then ``[DONE]`` once streaming.
 """
 
 from __future__ import annotations
@@ -167,7 +169,7 @@ class OpenAIRoutes:
             def on_done() -> None:  # a stream the pump never started was cancelled: its request ends here
                 for p in prepared:
                     self.core.end(p, asyncio.CancelledError())
-        pump = EventPump(streams, on_done=on_done)
+        pump = EventPump([self.core.running.guard(s) for s in streams], on_done=on_done)
         try:
             if not body.stream:
                 return JSONResponse(await until_disconnect(request, self._collect(pump, fmt, len(requests))))

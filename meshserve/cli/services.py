@@ -281,7 +281,8 @@ def gateway(
                                           "the scheduler's refusals (rate limits, a full queue) before it fails."),
     drain_grace_s: float = typer.Option(30.0, "--drain-grace-s", min=0.0,
                                         help="On SIGTERM or SIGINT: seconds to let the calls in flight (gRPC and "
-                                             "HTTP) and the running tasks finish, refusing new calls, before it "
+                                             "HTTP) and the running tasks finish, refusing new calls; the calls "
+                                             "still running then end UNAVAILABLE (HTTP 503), retryable, and it "
                                              "hands back the tasks left and exits."),
     http_body_timeout_s: float = typer.Option(30.0, "--http-body-timeout-s", min=0.001,
                                               help="HTTP: the longest wait for the next part of a request body "
