@@ -244,6 +244,16 @@ def _start_up(log_dir) -> subprocess.Popen:
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
 
 
+def _kill_all(up: subprocess.Popen, services: list[int]) -> None:
+    """SIGKILL to ``up``'s process group and each service's (a no-op for those gone), then reaps ``up``."""
+    for pid in [up.pid, *services]:
+        try:
+            os.killpg(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    up.wait()
+
+
 def _children(pid: int) -> list[int]:
     """The pids whose parent is ``pid`` (from /proc)."""
     out = []
@@ -316,12 +326,7 @@ def test_up_stopped_from_its_terminal_stops_every_service_in_order(how, tmp_path
                 os.kill(pid, 0)
     finally:
         services = services or _children(up.pid)  # up may have failed before the test listed them
-        for pid in [up.pid, *services]:  # a failed test leaves no process behind
-            try:
-                os.killpg(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-        up.wait()
+        _kill_all(up, services)  # a failed test leaves no process behind
 
 
 @pytest.mark.model
@@ -357,12 +362,7 @@ def test_a_signal_during_start_up_stops_the_services_started_so_far_at_once(sig,
             with pytest.raises(ProcessLookupError):
                 os.kill(pid, 0)
     finally:
-        for pid in [up.pid, *services]:  # a failed test leaves no process behind
-            try:
-                os.killpg(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-        up.wait()
+        _kill_all(up, services)  # a failed test leaves no process behind
 
 
 async def test_a_service_that_exits_during_start_up_is_named_with_the_end_of_its_log(tmp_path):
