@@ -254,7 +254,9 @@ def task_command(
                 print(f"error: {exc.code().name}: {exc.details()}{key_hint(exc.code().name, api_key)}",
                       file=sys.stderr)
                 return 1
-        print(json.dumps(MessageToDict(status, preserving_proto_field_name=True)))
+        # every field, zeros too, as GET /v1/tasks/{id} gives them
+        print(json.dumps(MessageToDict(status, preserving_proto_field_name=True,
+                                       always_print_fields_with_no_presence=True)))
         if cancel and status.state in (gateway_pb2.TASK_STATE_SUCCEEDED, gateway_pb2.TASK_STATE_FAILED):
             state = gateway_pb2.TaskState.Name(status.state).removeprefix("TASK_STATE_")
             print(f"task {task_id} had already finished ({state}): nothing cancelled", file=sys.stderr)

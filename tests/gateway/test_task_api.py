@@ -181,5 +181,9 @@ async def test_cli_generate_async_and_task(gateway):
     status = json.loads(out)
     assert (code, status["task_id"], status["state"], status["error"]["code"]) == (
         1, handle.task_id, "TASK_STATE_FAILED", "UNAVAILABLE")
+    from google.protobuf.json_format import MessageToDict
+    full = MessageToDict(await get_task(gateway, handle.task_id, KEY_A), preserving_proto_field_name=True,
+                         always_print_fields_with_no_presence=True)
+    assert status == full  # every field, zeros too, as GET /v1/tasks/{id} prints them
     code, out, err = await meshserve("task", handle.task_id, "--addr", addr, "--api-key", "key-b")
     assert (code, out, err.strip()) == (1, "", f"error: NOT_FOUND: task {handle.task_id!r} not found")
