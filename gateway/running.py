@@ -20,7 +20,8 @@ How a request is ended depends on where its task waits:
 
 * inside its core stream (the usual case: waiting for the executor's next tokens):
   the task is cancelled, the stream cleans up as for a cancel, and the guard turns
-  the cancellation into the error;
+  the cancellation into the error, unless the task was cancelled by its caller too
+  (a client gone as the grace ran out): that stays a plain cancel;
 * outside it (the adapter is writing to a slow client): the core stream, suspended
   at a ``yield``, is closed from here, and the guard raises the error when the
   adapter asks for the next event.
@@ -103,13 +104,16 @@ class RunningRequests:
                 if request.error is not None:
                     raise request.error
                 request.task, request.inside = asyncio.current_task(), True
+                cancelling = request.task.cancelling()  # the cancels already asked of its task, if any
                 try:
                     event = await anext(events)
                 except StopAsyncIteration:
                     return
-                except BaseException:
+                except BaseException as exc:
                     if not request.cancelled:  # its own error, or the caller went away
                         raise
+                    if isinstance(exc, asyncio.CancelledError) and request.task.cancelling() > cancelling + 1:
+                        raise  # its caller went away too (before or after end_all): a plain cancel
                     continue  # end_all's cancellation (however the stream ended on it): its error, above
                 finally:
                     request.inside = False

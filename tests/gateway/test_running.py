@@ -5,6 +5,7 @@ import asyncio
 
 import pytest
 
+from gateway.http.streams import EventPump
 from gateway.running import RunningRequests, grace_ran_out_message
 from meshserve.errors import Unavailable
 
@@ -102,3 +103,49 @@ async def test_stop_waits_out_the_grace_then_ends_what_runs_saying_so(caplog):
         "the gateway is stopping and its grace of 0.1 s ran out before this request finished; "
         "the request can be retried")
     assert "1 requests still running after the gateway's 0.1 s grace" in caplog.text
+
+
+@pytest.mark.parametrize("first", ["caller", "end_all"])
+async def test_a_caller_that_goes_away_as_end_all_ends_its_stream_stays_a_cancellation(first):
+    """The caller's cancel and end_all's land in the same loop step (a client that
+    disconnects, a gRPC deadline, as the grace runs out), in either order: the task
+    ends cancelled, its cancel not swallowed into end_all's error."""
+    running, stream = RunningRequests(), Stream()
+
+    async def caller():
+        async for _ in running.guard(stream.events()):
+            pass
+
+    task = asyncio.create_task(caller())
+    await _until(lambda: len(running) == 1)
+    if first == "caller":
+        task.cancel()
+        running.end_all(lambda: Unavailable("stopping"))
+    else:
+        running.end_all(lambda: Unavailable("stopping"))
+        task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    assert stream.cleaned_up and len(running) == 0
+
+
+async def test_an_event_pump_cancelled_as_end_all_ends_its_stream_ends_even_with_its_queue_full():
+    """The HTTP client went away (the pump cancelled, its queue full: nobody reads it
+    any more) as end_all ended the stream: the pump's task ends, it does not wait
+    forever to hand over end_all's error."""
+    running = RunningRequests()
+
+    async def events():
+        i = 0
+        while True:
+            await asyncio.sleep(0 if i < 2 else 60)
+            yield i
+            i += 1
+
+    pump = EventPump([running.guard(events())], maxsize=2)
+    await _until(lambda: pump._queue.full())
+    await asyncio.sleep(0.01)  # the pump waits inside the stream for its third event
+    pump.cancel()
+    running.end_all(lambda: Unavailable("stopping"))
+    await asyncio.wait_for(asyncio.gather(pump._task, return_exceptions=True), 5)
+    assert len(running) == 0
