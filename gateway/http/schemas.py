@@ -31,6 +31,23 @@ from pydantic import (BaseModel, ConfigDict, Field, StrictBool, StrictFloat, Str
 MAX_PROMPTS = 64  # prompts of one /v1/completions request
 MAX_MESSAGES = 4096  # messages of one chat request
 MAX_USER_CHARS = 256  # ``user``: an end-user id (a span attribute), bounded as ``request_id`` is
+# ``chat_template_kwargs``: how deep its values nest (the chat template's rendering walks them
+# recursively: a few hundred levels exhaust Python's recursion limit)
+MAX_TEMPLATE_KWARGS_DEPTH = 32
+
+
+def _depth(value: Any) -> int:
+    """How deep ``value`` (a JSON value) nests: 0 for a scalar, 1 for ``{}`` or ``[]``
+    of scalars… Counted without recursion."""
+    deepest, stack = 0, [(value, 0)]
+    while stack:
+        value, depth = stack.pop()
+        if isinstance(value, dict):
+            value = list(value.values())
+        if isinstance(value, list):
+            deepest = max(deepest, depth + 1)
+            stack.extend((v, depth + 1) for v in value)
+    return deepest
 
 
 def _without_nulls(data: Any) -> Any:
@@ -172,3 +189,10 @@ class ChatCompletionRequest(SamplingFields):
     add_generation_prompt: StrictBool = True
     continue_final_message: StrictBool = False
     chat_template_kwargs: dict[str, Any] | None = None
+
+    @field_validator("chat_template_kwargs")
+    @classmethod
+    def _not_too_deep(cls, kwargs):
+        if kwargs is not None and _depth(kwargs) > MAX_TEMPLATE_KWARGS_DEPTH:
+            raise ValueError(f"nests deeper than {MAX_TEMPLATE_KWARGS_DEPTH} levels of objects and arrays")
+        return kwargs

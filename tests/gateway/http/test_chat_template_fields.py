@@ -21,6 +21,14 @@ def hf(tokenizer, messages, **kwargs) -> list[int]:
     return list(tokenizer.apply_chat_template(messages, tokenize=True, return_dict=False, **kwargs))
 
 
+def nested(depth: int):
+    """A JSON value ``depth`` objects and arrays deep."""
+    value = 1
+    for i in range(depth):
+        value = {"a": value} if i % 2 else [value]
+    return value
+
+
 def error(message: str, param: str | None) -> dict:
     return {"error": {"message": message, "type": "invalid_request_error", "param": param, "code": "invalid_value"}}
 
@@ -48,6 +56,17 @@ async def test_the_same_messages_with_other_options_are_another_prompt(tokenizer
     with_header, without = hf(tokenizer, [QUESTION], add_generation_prompt=True), hf(tokenizer, [QUESTION])
     assert mesh.prompts == [with_header, without, with_header]  # null is the default (true)
     assert usages == [len(with_header), len(without), len(with_header)] == [37, 33, 37]
+
+
+async def test_template_kwargs_nested_up_to_the_limit_reach_the_template(tokenizer, monkeypatch):
+    monkeypatch.setattr(tokenizer, "chat_template", "{% for m in messages %}{{ m.content }}\n{% endfor %}"
+                        "[{{ mood | length }}]assistant:")
+    mesh = ScriptedMesh(tokenizer.encode("Hi", add_special_tokens=False))
+    async with app_client(tokenizer, mesh) as http:
+        r = await http.post("/v1/chat/completions", json={"messages": [QUESTION],
+                                                          "chat_template_kwargs": {"mood": nested(31)}})
+    assert r.status_code == 200
+    assert [tokenizer.decode(p) for p in mesh.prompts] == ["What is the capital of France?\n[1]assistant:"]
 
 
 async def test_names_and_template_kwargs_reach_the_template(tokenizer, monkeypatch):
@@ -83,6 +102,10 @@ async def test_names_and_template_kwargs_reach_the_template(tokenizer, monkeypat
      error("messages[0].name is not valid Unicode: a lone surrogate at character 1", "messages.0.name")),
     ({"messages": [QUESTION], "chat_template_kwargs": {"mood": "\ud800"}},
      error("chat_template_kwargs is not valid Unicode: a lone surrogate at character 10", "chat_template_kwargs")),
+    ({"messages": [QUESTION], "chat_template_kwargs": {"mood": nested(32)}},  # 700 deep was a 500 (RecursionError)
+     error("chat_template_kwargs: nests deeper than 32 levels of objects and arrays", "chat_template_kwargs")),
+    ({"messages": [QUESTION], "chat_template_kwargs": {"mood": nested(700)}},
+     error("chat_template_kwargs: nests deeper than 32 levels of objects and arrays", "chat_template_kwargs")),
 ])
 async def test_bad_values_are_400_naming_the_field(tokenizer, body, want):
     async with app_client(tokenizer) as http:
