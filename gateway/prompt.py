@@ -142,7 +142,8 @@ class PromptBuilder:
             InvalidArgument: no messages, an unknown role, a non-string content,
                 a model without a chat template, options that contradict each other
                 or the messages, a template kwarg that is not a template variable, or
-                an error raised by the template itself (e.g. roles that do not alternate).
+                one the template fails on (a number where it adds strings…), or an
+                error raised by the template itself (e.g. roles that do not alternate).
         """
         self._check_messages(messages)
         variables = self._check_options(messages, options)
@@ -163,11 +164,15 @@ class PromptBuilder:
                 )
         except jinja2.TemplateError as exc:  # includes the template's raise_exception()
             raise InvalidArgument(f"chat.messages: the model's chat template refused them: {exc}") from exc
-        except ValueError as exc:  # transformers: the final message is not in the rendering as sent
-            if not options.continue_final_message:
+        except (TypeError, ValueError, ArithmeticError) as exc:
+            if isinstance(exc, ValueError) and options.continue_final_message:  # transformers: the final message
+                raise InvalidArgument(  # is not in the rendering as sent
+                    f"continue_final_message: the chat template does not render the final message so that it can "
+                    f"be continued: {str(exc).splitlines()[0]}") from exc
+            if not variables:  # the messages are strings: the template's own fault
                 raise
-            raise InvalidArgument(f"continue_final_message: the chat template does not render the final message "
-                                  f"so that it can be continued: {str(exc).splitlines()[0]}") from exc
+            raise InvalidArgument(f"chat_template_kwargs: the model's chat template failed with them: "
+                                  f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}") from exc
         if not ids:
             raise InvalidArgument("chat.messages render to an empty prompt")
         return list(ids)

@@ -69,6 +69,21 @@ async def test_template_kwargs_nested_up_to_the_limit_reach_the_template(tokeniz
     assert [tokenizer.decode(p) for p in mesh.prompts] == ["What is the capital of France?\n[1]assistant:"]
 
 
+@pytest.mark.parametrize("kwargs, failure", [
+    ({"date_string": 5}, 'TypeError: can only concatenate str (not "int") to str'),
+    ({"date_string": "x", "days": 0}, "ZeroDivisionError: division by zero"),
+])
+async def test_template_kwargs_the_template_fails_on_are_a_400_naming_them(tokenizer, monkeypatch, kwargs, failure):
+    """A variable of the wrong type for the template (as Llama 3's ``date_string``) was
+    an unhandled 500 with a traceback."""
+    monkeypatch.setattr(tokenizer, "chat_template", "{% for m in messages %}{{ m.content }}\n{% endfor %}"
+                        "{{ 'Today Date: ' + date_string }}{% if days is defined %}{{ 7 / days }}{% endif %}")
+    async with app_client(tokenizer) as http:
+        r = await http.post("/v1/chat/completions", json={"messages": [QUESTION], "chat_template_kwargs": kwargs})
+    assert (r.status_code, r.json()) == (400, error(
+        f"chat_template_kwargs: the model's chat template failed with them: {failure}", "chat_template_kwargs"))
+
+
 async def test_names_and_template_kwargs_reach_the_template(tokenizer, monkeypatch):
     monkeypatch.setattr(tokenizer, "chat_template", "{% for m in messages %}{{ m.role }}{% if m.name %} ({{ m.name }})"
                         "{% endif %}: {{ m.content }}\n{% endfor %}[{{ mood }}]assistant:")
