@@ -141,8 +141,8 @@ class MeshClient(Protocol):
         lease is a no-op). ``num_generated_tokens`` (all choices together; None when no
         executor answered) is charged to the tenant's tokens_per_min however the request
         ended; with ``finished`` (every choice finished) it also teaches the scheduler's
-        predictor. Never raises: a failure is logged, and the call completes even when
-        the caller is cancelled meanwhile."""
+        predictor. Never raises: a failure is logged, and a caller cancelled meanwhile
+        still waits for the call to complete (at most its 5 s timeout)."""
 
     async def close(self) -> None:
         """Closes its connections."""

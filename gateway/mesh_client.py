@@ -162,8 +162,13 @@ class GrpcMeshClient:
             release.num_generated_tokens = num_generated_tokens
             if finished:
                 release.num_completion_tokens = num_generated_tokens
+        call = asyncio.ensure_future(self._scheduler.Release(release, timeout=5, metadata=outgoing_metadata(span)))
         try:
-            await asyncio.shield(self._scheduler.Release(release, timeout=5, metadata=outgoing_metadata(span)))
+            try:
+                await asyncio.shield(call)
+            except asyncio.CancelledError:  # the caller cancelled (again, mid-cleanup): the release lands first,
+                await asyncio.wait([call])  # so the gateway's stop never closes the channel under it (5 s at most)
+                call.result()
         except (Exception, asyncio.CancelledError) as exc:  # noqa: BLE001 - shutting down or scheduler gone
             log.warning("release of lease %s failed: %s", lease_id, repr(exc))  # a CancelledError's str is empty
 

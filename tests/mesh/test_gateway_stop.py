@@ -94,3 +94,40 @@ async def test_calls_still_running_when_the_gateway_s_grace_runs_out_end_unavail
         assert not any("timeout graceful shutdown exceeded" in r.getMessage() for r in caplog.records)
     finally:
         await m.stop()
+
+
+async def test_a_completion_of_several_prompts_ended_at_the_grace_s_end_releases_every_lease_in_full(tokenizer,
+                                                                                                    caplog):
+    """Three prompts of one HTTP completion (n = 2), each its own guarded stream, held past
+    the grace: 503 with the gateway's message, all three aborted, and each lease's release
+    completed before the stop went on. The first prompt's error used to cancel the others'
+    streams a second time in the middle of their release ('release of lease … failed:
+    CancelledError()', the Release left to land after the gateway may close its channel)."""
+    caplog.set_level(logging.INFO)
+    engine = make_engine()
+    m = await start_local_mesh([engine], tokenizer)
+    async_engine = m.executors[0][1]
+    core = m.scheduler.servicer.core
+    info = ModelInfo(engine.model_id, engine.max_model_len, engine.vocab_size, engine.revision)
+    gw = await start_gateway(tokenizer, info, m.scheduler.address, 0, tls=m.tls("gateway"), http_port=0)
+    await wait_for_condition(lambda: gw.servicer.readiness.ready is True, what="the gateway ready")
+    try:
+        async with httpx.AsyncClient(base_url=gw.http.url, timeout=None) as http:
+            call = asyncio.create_task(http.post("/v1/completions", json={
+                "prompt": ["Count on.", "Count up.", "Count down."], "n": 2, **LONG}))
+            await wait_for_condition(lambda: async_engine.stats().num_running >= 3, 120, "the three prompts running")
+            running = async_engine.stats().num_running  # the engine counts each prompt's n choices its own way
+            with StepGate(engine) as gate:
+                await gate.hold(after_steps=engine.num_steps + 1)
+                caplog.clear()
+                await asyncio.wait_for(stop_gateway(gw, GRACE_S), 60)
+                answer = await asyncio.wait_for(call, 60)
+        assert (answer.status_code, answer.json()["error"]["message"]) == (503, GRACE_RAN_OUT)
+        await wait_for_condition(lambda: async_engine.stats().num_running == 0, 60, "the three prompts aborted")
+        stats = async_engine.stats()
+        assert (stats.num_aborted, stats.num_free_blocks) == (running, stats.num_blocks)
+        assert core.num_leases() == 0  # released before the stop ended, not after
+        failed = [r.getMessage() for r in caplog.records if "release of lease" in r.getMessage()]
+        assert not failed
+    finally:
+        await m.stop()
