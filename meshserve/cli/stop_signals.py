@@ -2,12 +2,11 @@
 
 ``StopSignals`` takes SIGTERM, SIGHUP (the terminal closed) and SIGINT (Ctrl-C)
 before any service starts: the first of them asks for the stop (``event``); once a
-stop is asked for a SIGINT kills every service, at once, from the handler itself
+stop is asked for, a SIGINT kills every service, at once, from the handler itself
 (``kill``), then raises ``KeyboardInterrupt``, wherever the program is then (an
 event loop between two steps, a wait of the autoscaler), while another SIGTERM or
-SIGHUP changes nothing. SIGINT is
-taken only when Python's own handler has it (a background job of a script, which
-ignores SIGINT, keeps ignoring it).
+SIGHUP changes nothing. SIGINT is taken only when Python's own handler has it (a
+background job of a script, which ignores SIGINT, keeps ignoring it).
 
 ``start_unless_stopped`` starts the mesh and looks for a stop meanwhile: a signal
 during start-up cancels the start, and ``Mesh.start`` stops the services it already

@@ -28,6 +28,17 @@ GRACE_RAN_OUT = ("the gateway is stopping and its grace of 0.5 s ran out before 
 LONG = dict(max_tokens=900, temperature=0.0, ignore_eos=True)  # far past the grace, whatever the host
 
 
+
+async def _mesh_with_gateway(tokenizer):
+    """A local mesh of one executor (its ``LLMEngine``, the mesh) and a ready gateway on it
+    (gRPC and HTTP)."""
+    engine = make_engine()
+    m = await start_local_mesh([engine], tokenizer)
+    info = ModelInfo(engine.model_id, engine.max_model_len, engine.vocab_size, engine.revision)
+    gw = await start_gateway(tokenizer, info, m.scheduler.address, 0, tls=m.tls("gateway"), http_port=0)
+    await wait_for_condition(lambda: gw.servicer.readiness.ready is True, what="the gateway ready")
+    return engine, m, gw
+
 async def test_calls_still_running_when_the_gateway_s_grace_runs_out_end_unavailable_saying_so(tokenizer, caplog):
     """A gRPC stream, an HTTP stream, a non-streamed HTTP request and an async task
     held past the gateway's 0.5 s grace while it stops: the gRPC caller gets UNAVAILABLE with the
@@ -37,13 +48,8 @@ async def test_calls_still_running_when_the_gateway_s_grace_runs_out_end_unavail
     (FAILED UNAVAILABLE with a memory store); the executor aborted all four (every
     block free), no lease is left, and no traceback was logged."""
     caplog.set_level(logging.INFO)
-    engine = make_engine()
-    m = await start_local_mesh([engine], tokenizer)
-    async_engine = m.executors[0][1]
-    core = m.scheduler.servicer.core
-    info = ModelInfo(engine.model_id, engine.max_model_len, engine.vocab_size, engine.revision)
-    gw = await start_gateway(tokenizer, info, m.scheduler.address, 0, tls=m.tls("gateway"), http_port=0)
-    await wait_for_condition(lambda: gw.servicer.readiness.ready is True, what="the gateway ready")
+    engine, m, gw = await _mesh_with_gateway(tokenizer)
+    async_engine, core = m.executors[0][1], m.scheduler.servicer.core
     try:
         async with channel(gw.address, m.tls("client")) as ch, \
                 httpx.AsyncClient(base_url=gw.http.url, timeout=None) as http:
@@ -104,13 +110,8 @@ async def test_a_completion_of_several_prompts_ended_at_the_grace_s_end_releases
     streams a second time in the middle of their release ('release of lease … failed:
     CancelledError()', the Release left to land after the gateway may close its channel)."""
     caplog.set_level(logging.INFO)
-    engine = make_engine()
-    m = await start_local_mesh([engine], tokenizer)
-    async_engine = m.executors[0][1]
-    core = m.scheduler.servicer.core
-    info = ModelInfo(engine.model_id, engine.max_model_len, engine.vocab_size, engine.revision)
-    gw = await start_gateway(tokenizer, info, m.scheduler.address, 0, tls=m.tls("gateway"), http_port=0)
-    await wait_for_condition(lambda: gw.servicer.readiness.ready is True, what="the gateway ready")
+    engine, m, gw = await _mesh_with_gateway(tokenizer)
+    async_engine, core = m.executors[0][1], m.scheduler.servicer.core
     try:
         async with httpx.AsyncClient(base_url=gw.http.url, timeout=None) as http:
             call = asyncio.create_task(http.post("/v1/completions", json={
