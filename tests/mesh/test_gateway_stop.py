@@ -116,8 +116,9 @@ async def test_a_completion_of_several_prompts_ended_at_the_grace_s_end_releases
         async with httpx.AsyncClient(base_url=gw.http.url, timeout=None) as http:
             call = asyncio.create_task(http.post("/v1/completions", json={
                 "prompt": ["Count on.", "Count up.", "Count down."], "n": 2, **LONG}))
-            await wait_for_condition(lambda: async_engine.stats().num_running >= 3, 120, "the three prompts running")
-            running = async_engine.stats().num_running  # the engine counts each prompt's n choices its own way
+            running = 6  # each prompt's n = 2 choices are two engine requests
+            await wait_for_condition(lambda: async_engine.stats().num_running == running, 120,
+                                     "the six choices running")
             with StepGate(engine) as gate:
                 await gate.hold(after_steps=engine.num_steps + 1)
                 caplog.clear()
