@@ -35,22 +35,26 @@ python3 -c "import torch, triton, numpy; print('torch', torch.__version__, 'cuda
 
 set -o pipefail
 
-# `-m meshserve.bench.X` imports the meshserve.bench package first; should that package ever
-# need more than this image has, the parts below run the module's file directly instead.
+# bench SECONDS MODULE ARGS...: python -m meshserve.bench.MODULE ARGS under `timeout`. `-m` imports
+# the meshserve.bench package first; should that package ever need more than this image has, the
+# module's file runs directly instead.
+bench() {
+    local seconds=$1 module=$2
+    shift 2
+    if python3 -c "import meshserve.bench" 2>/dev/null; then
+        timeout "$seconds" python3 -m "meshserve.bench.$module" "$@"
+    else
+        timeout "$seconds" python3 -c "import runpy, sys; sys.argv[0] = 'meshserve.bench.$module'; \
+runpy.run_path('meshserve/bench/$module.py', run_name='__main__')" "$@"
+    fi
+}
 
 # decode steps replayed from CUDA graphs: the engine with graphs on gives the tokens of graphs
 # off (tiny random Llama, needs transformers), then decode step times with graphs on vs off
 graphs() {
     timeout 150 python3 -m pytest -v -rs -p no:cacheprovider --noconftest \
         tests/executor/test_cuda_graphs.py 2>&1 | tee "$OUT/cuda_graphs.log" || status=1
-    if python3 -c "import meshserve.bench" 2>/dev/null; then
-        timeout 130 python3 -m meshserve.bench.decode_graphs --json "$OUT/cuda_graphs.json" 2>&1 \
-            | tee -a "$OUT/cuda_graphs.log" || status=1
-    else
-        timeout 130 python3 -c "import runpy, sys; sys.argv[0] = 'meshserve.bench.decode_graphs'; \
-runpy.run_path('meshserve/bench/decode_graphs.py', run_name='__main__')" --json "$OUT/cuda_graphs.json" 2>&1 \
-            | tee -a "$OUT/cuda_graphs.log" || status=1
-    fi
+    bench 130 decode_graphs --json "$OUT/cuda_graphs.json" 2>&1 | tee -a "$OUT/cuda_graphs.log" || status=1
 }
 
 # the Triton kernel tests natively
@@ -80,14 +84,7 @@ nvml() {
 }
 
 kernels() {
-    if python3 -c "import meshserve.bench" 2>/dev/null; then
-        timeout 30 python3 -m meshserve.bench.kernels --json "$OUT/kernels.json" 2>&1 \
-            | tee "$OUT/kernels.log" || status=1
-    else
-        timeout 30 python3 -c "import runpy, sys; sys.argv[0] = 'meshserve.bench.kernels'; \
-runpy.run_path('meshserve/bench/kernels.py', run_name='__main__')" --json "$OUT/kernels.json" 2>&1 \
-            | tee "$OUT/kernels.log" || status=1
-    fi
+    bench 30 kernels --json "$OUT/kernels.json" 2>&1 | tee "$OUT/kernels.log" || status=1
 }
 
 for part in $PARTS; do
