@@ -29,7 +29,7 @@ import logging
 import time
 
 from meshserve.grpc_server import Service
-from meshserve.timeouts import wait_for
+from meshserve.timeouts import poll_until, wait_for
 
 log = logging.getLogger(__name__)
 POLL_S = 0.05  # how often the in-flight Execute calls are counted while draining
@@ -60,17 +60,14 @@ async def drain(service: Service, servicer, link, grace_s: float) -> bool:
         if link is not None:
             link.begin_drain(grace_s)
             await wait_for(link.drained.wait(), max(0.0, deadline - time.monotonic()))
-        while servicer.active_leases:
-            if time.monotonic() >= deadline:
-                raise asyncio.TimeoutError
-            await asyncio.sleep(POLL_S)
+        if not await poll_until(lambda: not servicer.active_leases, deadline - time.monotonic(), POLL_S):
+            raise asyncio.TimeoutError
     except asyncio.TimeoutError:
         log.warning("drain: %d requests still running after the %.1f s grace period; ending them (UNAVAILABLE) "
                     "and stopping", len(servicer.active_leases), grace_s)
         servicer.engine.fail_requests(grace_ran_out_message(grace_s))
-        end = time.monotonic() + END_WAIT_S
-        while servicer.active_leases and time.monotonic() < end:  # each call sends its status, aborts its request
-            await asyncio.sleep(POLL_S)
+        # each call sends its status and aborts its request
+        await poll_until(lambda: not servicer.active_leases, END_WAIT_S, POLL_S)
         return False
     log.info("drained: no request left; stopping")
     return True

@@ -31,10 +31,10 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import time
 from typing import AsyncIterator, Callable, TypeVar
 
 from meshserve.errors import Unavailable
+from meshserve.timeouts import poll_until
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -150,12 +150,7 @@ class RunningRequests:
 
     async def wait_ended(self, timeout_s: float) -> bool:
         """Waits at most ``timeout_s`` until no request runs; whether none does."""
-        deadline = time.monotonic() + max(0.0, timeout_s)
-        while len(self):
-            if time.monotonic() >= deadline:
-                return False
-            await asyncio.sleep(POLL_S)
-        return True
+        return await poll_until(lambda: not len(self), timeout_s, POLL_S)
 
     async def stop(self, grace_s: float) -> bool:
         """A stop's part: waits at most ``grace_s`` until no request runs; past it ends

@@ -14,7 +14,8 @@ suite. This ``wait_for`` is 3.12's: it awaits in the calling task under
 from __future__ import annotations
 
 import asyncio
-from typing import Awaitable, TypeVar
+import time
+from typing import Awaitable, Callable, TypeVar
 
 T = TypeVar("T")
 
@@ -30,3 +31,14 @@ async def wait_for(aw: Awaitable[T], timeout_s: float | None) -> T:
     """
     async with asyncio.timeout(timeout_s):
         return await aw
+
+
+async def poll_until(done: Callable[[], bool], timeout_s: float, poll_s: float) -> bool:
+    """Checks ``done()`` now and every ``poll_s`` seconds, for at most ``timeout_s``
+    seconds (< 0: once); whether it came true."""
+    deadline = time.monotonic() + max(0.0, timeout_s)
+    while not done():
+        if time.monotonic() >= deadline:
+            return False
+        await asyncio.sleep(poll_s)
+    return True

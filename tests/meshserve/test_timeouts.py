@@ -11,7 +11,7 @@ import pytest
 from gateway.task_readiness import TaskStoreProbe
 from meshserve import background
 from meshserve.background import BackgroundTask
-from meshserve.timeouts import wait_for
+from meshserve.timeouts import poll_until, wait_for
 
 
 async def test_wait_for_returns_the_result_or_raises_timeout_error_and_cancels_the_awaitable():
@@ -70,3 +70,15 @@ async def test_stop_cancels_again_a_task_that_swallowed_the_cancel(monkeypatch, 
     assert [r.getMessage() for r in caplog.records] == [
         "SwallowsOneCancel still runs 0.05 s after a cancel: cancelling it again"]
     await task.stop()  # idempotent
+
+
+async def test_poll_until_says_whether_the_condition_came_true_within_its_time():
+    checks = []
+
+    def done_on_third() -> bool:
+        checks.append(1)
+        return len(checks) == 3
+
+    assert await poll_until(done_on_third, 5.0, 0.001) is True and len(checks) == 3
+    checks.clear()
+    assert await poll_until(lambda: checks.append(1) is not None, -1.0, 0.001) is False and len(checks) == 1
