@@ -20,6 +20,11 @@ a caller or the task runner may retry), and the engine aborts its request, which
 frees its blocks; the gateway then releases its lease. Without that, the
 server's own stop would cancel the calls with gRPC's bare "Cancelling all calls".
 Without a scheduler link only step 3's second condition is waited for.
+
+Once the drain has ended, either way, an ``Execute`` that still arrives (a late
+retry with a lease from before the drain) is refused at once, UNAVAILABLE with
+``DRAINED_MESSAGE`` or ``grace_ran_out_message``: it would otherwise start a
+request that the server's stop cancels moments later.
 """
 
 from __future__ import annotations
@@ -34,6 +39,7 @@ from meshserve.timeouts import poll_until, wait_for
 log = logging.getLogger(__name__)
 POLL_S = 0.05  # how often the in-flight Execute calls are counted while draining
 END_WAIT_S = 5.0  # how long the calls ended at the grace's end get to send their status (as Service.stop's grace)
+DRAINED_MESSAGE = "the executor is stopping (it has drained its requests); the request can be retried"
 
 
 def grace_ran_out_message(grace_s: float) -> str:
@@ -65,9 +71,11 @@ async def drain(service: Service, servicer, link, grace_s: float) -> bool:
     except asyncio.TimeoutError:
         log.warning("drain: %d requests still running after the %.1f s grace period; ending them (UNAVAILABLE) "
                     "and stopping", len(servicer.active_leases), grace_s)
+        servicer.refuse_new(grace_ran_out_message(grace_s))
         servicer.engine.fail_requests(grace_ran_out_message(grace_s))
         # each call sends its status and aborts its request
         await poll_until(lambda: not servicer.active_leases, END_WAIT_S, POLL_S)
         return False
+    servicer.refuse_new(DRAINED_MESSAGE)
     log.info("drained: no request left; stopping")
     return True

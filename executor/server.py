@@ -33,7 +33,7 @@ from executor.health import StepWatchdog
 from executor.request_span import ExecuteSpans
 from executor.scheduler_link import LinkConfig, SchedulerLink
 from meshserve.block_hash import cache_salt
-from meshserve.errors import AlreadyExists, InvalidArgument
+from meshserve.errors import AlreadyExists, InvalidArgument, Unavailable
 from meshserve.grpc_server import Service
 from meshserve.lease_token import LeaseVerifier
 from meshserve.request_ids import check_request_id, scoped_request_id
@@ -65,8 +65,17 @@ class ExecutorServicer(executor_pb2_grpc.ExecutorServicer):
         self.executor_id = executor_id  # the registry's id (set by start_executor), for spans
         self.leases = LeaseVerifier(executor_id)  # its key comes with the scheduler's RegisterAck
         self.active_leases: dict[str, str] = {}  # scoped request id -> lease_id
+        self.refusal = ""  # set by refuse_new when the executor's drain ended: every later Execute gets it
+
+    def refuse_new(self, message: str) -> None:
+        """From now on ``Execute`` ends UNAVAILABLE with ``message`` before it checks
+        anything (``executor.drain``: the executor is leaving; a late call is retried
+        elsewhere instead of running until the server's stop cancels it)."""
+        self.refusal = message
 
     async def Execute(self, request: executor_pb2.ExecuteRequest, context: grpc.aio.ServicerContext):
+        if self.refusal:
+            raise Unavailable(self.refusal)
         eng = self.engine.engine
         if not request.request_id:
             raise InvalidArgument("request_id must not be empty")

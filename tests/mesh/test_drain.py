@@ -8,16 +8,31 @@ import grpc
 import httpx2 as httpx
 import pytest
 
-from executor.drain import drain
+from executor.drain import DRAINED_MESSAGE, drain
 from executor.server import start_executor
-from meshserve.client import build_request, generate
+from meshserve.client import build_request, channel, generate
+from meshserve.sampling import SamplingParams, to_proto
+from meshserve.v1 import executor_pb2, executor_pb2_grpc
 from tests.support.engines import make_engine
+from tests.support.leases import signed_lease
 from tests.support.mesh_harness import StepGate, start_local_mesh, wait_for_condition
 
 pytestmark = pytest.mark.model
 
 PROMPT = [1000 + (i * 7919) % 40000 for i in range(40)]
 GREEDY = dict(max_tokens=12, temperature=0.0, ignore_eos=True)
+
+
+async def late_execute(m, request_id: str) -> grpc.aio.AioRpcError:
+    """An Execute sent straight to executor 0 with a valid lease of its scheduler (a late
+    retry after the drain ended); returns the error it ended with."""
+    req = executor_pb2.ExecuteRequest(request_id=request_id, prompt_token_ids=PROMPT,
+                                      lease=signed_lease(m, 0, request_id), tenant="default")
+    to_proto(SamplingParams(**GREEDY), req.sampling)
+    async with channel(m.executors[0][0].address, m.tls("gateway")) as ch:
+        with pytest.raises(grpc.aio.AioRpcError) as info:
+            [msg async for msg in executor_pb2_grpc.ExecutorStub(ch).Execute(req, timeout=60)]
+    return info.value
 
 
 async def test_draining_executor_finishes_in_flight_work_and_new_requests_go_elsewhere(tokenizer):
@@ -45,6 +60,10 @@ async def test_draining_executor_finishes_in_flight_work_and_new_requests_go_els
         assert first.executor_id == "executor-0" and len(first.token_ids) == 12
         assert await asyncio.wait_for(draining, 600) is True
         assert link_x.drained.is_set()
+        steps = engine_x.num_steps
+        late = await late_execute(m, "late")  # x is leaving: refused at once, nothing run
+        assert (late.code(), late.details(), engine_x.num_steps) == (grpc.StatusCode.UNAVAILABLE, DRAINED_MESSAGE,
+                                                                     steps)
         again = await generate(m.stub, build_request(PROMPT, **GREEDY), timeout=600)
         assert again.executor_id == "executor-1" and again.token_ids == first.token_ids  # same model, greedy
         await svc_x.watchdog.stop()
@@ -94,6 +113,7 @@ async def test_a_stream_still_running_when_the_drain_grace_runs_out_ends_unavail
                 await gate.hold(after_steps=engine.num_steps + 1)  # both run, and still will after the grace
                 await svc.watchdog.stop()  # the executor's stop, as run_executor runs it
                 assert await drain(svc, svc.servicer, link, grace_s=GRACE_S) is False
+                late = await late_execute(m, "late")  # refused, not run until the server's stop cancels it
                 await svc.set_serving(False)
                 await link.stop()
                 await svc.stop()
@@ -103,6 +123,7 @@ async def test_a_stream_still_running_when_the_drain_grace_runs_out_ends_unavail
             m.executors.remove((svc, async_engine, link))
         assert (info.value.code(), info.value.details()) == (grpc.StatusCode.UNAVAILABLE,
                                                              f"executor executor-0: {GRACE_RAN_OUT}")
+        assert (late.code(), late.details()) == (grpc.StatusCode.UNAVAILABLE, GRACE_RAN_OUT)
         assert http_events[-1] == {"error": {"message": f"executor executor-0: {GRACE_RAN_OUT}",
                                              "type": "service_unavailable_error", "param": None,
                                              "code": "service_unavailable"}}
