@@ -171,13 +171,37 @@ class GatewayCore:
             if request.request_id:
                 await self._wait_ending(scoped_request_id(tenant.name, request.request_id))
             request_id = self._check_before_tokenizing(request, tenant.name)
-            prompt_ids = self.prompt_memo.lookup(request)  # a repeated prompt: no thread, no tokenizer
-            if prompt_ids is None:
-                prompt_ids = await asyncio.to_thread(self.prompt_memo.build, request)
-            return self._prepare(request, request_id, tenant, priority, metrics, timer, prompt_ids)
+            return self._prepare(request, request_id, tenant, priority, metrics, timer,
+                                 await self._build_prompt(request))
         except BaseException as exc:
             metrics.end(time.monotonic(), exc)
             raise
+
+    async def prompt_ids(self, request: GenerationRequest, add_special_tokens: bool = True) -> list[int]:
+        """The prompt ids ``prepare_async`` gives ``request`` (the same checks before
+        tokenizing, the same prompt memo and builder, in a worker thread), without
+        preparing it: no request id, no tenant, no metrics, and no check against
+        ``max_model_len`` (``POST /tokenize`` reports the count beside it).
+        ``add_special_tokens`` False: a raw ``prompt`` without what the tokenizer's
+        post-processor adds (``PromptBuilder.from_text``; not remembered); a chat's
+        special tokens come from its template either way.
+
+        Raises:
+            ModelNotFound: ``request.model`` is not one of the served names.
+            InvalidArgument: a prompt over a size limit, or as ``PromptBuilder.from_request``.
+        """
+        self._check_prompt(request)
+        if not add_special_tokens and request.prompt is not None and len(request.input_kinds) == 1:
+            return await asyncio.to_thread(self.prompts.from_text, request.prompt, add_special_tokens=False)
+        return await self._build_prompt(request)
+
+    async def _build_prompt(self, request: GenerationRequest) -> list[int]:
+        """The request's prompt ids: remembered (a repeated prompt: no thread, no tokenizer), else
+        built in a worker thread. Raises ``InvalidArgument`` as ``PromptBuilder.from_request``."""
+        prompt_ids = self.prompt_memo.lookup(request)
+        if prompt_ids is None:
+            prompt_ids = await asyncio.to_thread(self.prompt_memo.build, request)
+        return prompt_ids
 
     async def _wait_ending(self, scoped_id: str) -> None:
         """Waits, at most ``ENDING_WAIT_S``, until the request ending under ``scoped_id``
@@ -216,10 +240,19 @@ class GatewayCore:
         check_request_id(request_id)
         if scoped_request_id(tenant, request_id) in self._in_flight:
             raise AlreadyExists(f"request_id {request_id!r} is already in use by an unfinished request")
+        self._check_prompt(request)
+        return request_id
+
+    def _check_prompt(self, request: GenerationRequest) -> None:
+        """The model and the prompt's size, before anything is tokenized (cheap: on the loop).
+
+        Raises:
+            ModelNotFound: ``request.model`` is not one of the served names.
+            InvalidArgument: a prompt over a size limit (``gateway.prompt_limits``).
+        """
         if request.model is not None:
             self.model.check_served(request.model)
         self.prompt_limits.check(request, self.model.max_model_len)
-        return request_id
 
     def _prepare(self, request: GenerationRequest, request_id: str, tenant: Tenant, priority: int,
                  metrics: RequestMetrics, timer: RequestTimer, prompt_ids: list[int]) -> Prepared:

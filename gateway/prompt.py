@@ -98,8 +98,10 @@ class PromptBuilder:
             return self.from_token_ids(request.prompt_token_ids)
         raise InvalidArgument("one of prompt, chat or prompt_token_ids must be set")
 
-    def from_text(self, text: str) -> list[int]:
+    def from_text(self, text: str, add_special_tokens: bool = True) -> list[int]:
         """Encodes a raw prompt (special-token text parsed; see the module policy).
+        ``add_special_tokens`` False leaves out what the tokenizer's post-processor adds
+        (a BOS…): ``POST /tokenize``'s option; a prompt that runs always has them.
 
         Raises:
             InvalidArgument: empty ``prompt``.
@@ -107,7 +109,8 @@ class PromptBuilder:
         if not text:
             raise InvalidArgument("prompt must not be empty")
         with self._lock:
-            ids = list(self.tokenizer(text, split_special_tokens=False)["input_ids"])
+            ids = list(self.tokenizer(text, split_special_tokens=False,
+                                      add_special_tokens=add_special_tokens)["input_ids"])
         if not ids:
             raise InvalidArgument("prompt encodes to no tokens")
         return ids
