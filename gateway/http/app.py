@@ -15,6 +15,7 @@ GET  /metrics          the gateway's Prometheus metrics (text exposition format)
 GET  /version          ``{"version": meshserve's version}``
 /v1/models[/{model}], /v1/completions, /v1/chat/completions   ``gateway.http.openai_routes``
 /v1/tasks…             ``gateway.http.task_routes``
+POST /tokenize, POST /detokenize   vLLM's tokenizer routes: ``gateway.http.tokenize_routes``
 =====================  =========================================================
 
 Every error is OpenAI's JSON error body (``gateway.http.errors``); a body over
@@ -39,6 +40,7 @@ from gateway.http.body_guards import BODY_TIMEOUT_S, MAX_BODY_BYTES, BodyLimit, 
 from gateway.http.errors import HttpError, RequestRefused, http_error, validation_error
 from gateway.http.openai_routes import OpenAIRoutes
 from gateway.http.task_routes import TaskRoutes
+from gateway.http.tokenize_routes import TokenizeRoutes
 from gateway.task_api import TaskAPI
 from gateway.tenants import TenantRegistry
 from meshserve import __version__
@@ -64,6 +66,7 @@ def create_app(core: GatewayCore, tenants: TenantRegistry, tasks: TaskAPI, ready
     app = FastAPI(title="meshserve", version=__version__, docs_url=None, redoc_url=None, openapi_url=None)
     app.include_router(OpenAIRoutes(core, tenants).router)
     app.include_router(TaskRoutes(tasks).router)
+    app.include_router(TokenizeRoutes(core, tenants).router)
 
     @app.api_route("/health", methods=["GET", "HEAD"])  # HEAD: probes that only want the status
     async def health() -> dict:
