@@ -3,9 +3,9 @@
 ``POST /v1/chat/completions``, streamed (server-sent events) and not.
 
 A request: read the body (``gateway.http.bodies``: a JSON object, else 415 or
-400 saying why) and validate it (pydantic: 400 naming the field), authenticate
-(``Authorization: Bearer KEY`` or ``x-api-key`` → the
-tenant, exactly as the gRPC API key), convert the body (``gateway.http.convert``),
+400 saying why), authenticate (``Authorization: Bearer KEY`` or ``x-api-key`` → the
+tenant, exactly as the gRPC API key: a caller without a valid key gets 401 whatever
+the fields say), validate the body (pydantic: 400 naming the field), convert it (``gateway.http.convert``),
 run one core stream per prompt (``GatewayCore.generate``) in an ``EventPump``,
 await its first event (so an error before any output gets its HTTP status), then:
 
@@ -115,8 +115,9 @@ class OpenAIRoutes:
     async def completions(self, request: Request) -> Response:
         """``POST /v1/completions``."""
         received_at = time.monotonic()
-        body = CompletionRequest.model_validate(await json_object(request))
-        tenant = self.tenants.authenticate(headers_of(request))
+        raw = await json_object(request)
+        tenant = self.tenants.authenticate(headers_of(request))  # before the fields: 401 for any body
+        body = CompletionRequest.model_validate(raw)
         request_id = body.request_id or uuid.uuid4().hex
         requests = completion_requests(body, request_id)
         refuse_unstreamable(body)
@@ -129,8 +130,9 @@ class OpenAIRoutes:
     async def chat_completions(self, request: Request) -> Response:
         """``POST /v1/chat/completions``."""
         received_at = time.monotonic()
-        body = ChatCompletionRequest.model_validate(await json_object(request))
-        tenant = self.tenants.authenticate(headers_of(request))
+        raw = await json_object(request)
+        tenant = self.tenants.authenticate(headers_of(request))  # before the fields: 401 for any body
+        body = ChatCompletionRequest.model_validate(raw)
         request_id = body.request_id or uuid.uuid4().hex
         gen = chat_request(body, self.core.model.max_model_len, request_id)
         refuse_unstreamable(body)

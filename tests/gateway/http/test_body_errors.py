@@ -14,6 +14,7 @@ from pydantic import ValidationError
 
 from gateway.http.errors import union_paths, validation_error
 from gateway.http.schemas import ChatCompletionRequest, CompletionRequest
+from gateway.tenants import TenantRegistry
 from tests.support.served_gateway import served_gateway
 
 JSON = {"content-type": "application/json"}
@@ -273,3 +274,21 @@ def test_a_null_inside_stream_options_is_its_default_as_at_the_top_level():
     body = CompletionRequest.model_validate({"prompt": "a", "stream": True, "n": None,
                                              "stream_options": {"include_usage": None, "continuous_usage_stats": None}})
     assert (body.n, body.stream_options.include_usage, body.stream_options.continuous_usage_stats) == (1, False, False)
+
+
+@pytest.mark.parametrize("path, body", [
+    ("/v1/completions", {"prompt": "Hi", "max_tokens": 4, "temperature": -5}),
+    ("/v1/chat/completions", {"messages": CHAT, "max_tokens": 4, "temperature": -5}),
+])
+@pytest.mark.parametrize("headers", [{}, {"authorization": "Bearer no-such-key"}])
+async def test_a_completion_without_a_valid_key_is_401_before_its_fields_are_judged(tmp_path, path, body, headers):
+    """As ``POST /v1/tasks``: a caller without a valid key learns nothing of the body's
+    fields (OpenAI's and vLLM's servers check the key first); with the key, the bad
+    field is the 400 naming it."""
+    tenants = tmp_path / "tenants.toml"
+    tenants.write_text('[[tenants]]\nname = "acme"\napi_keys = ["key-acme"]\n')
+    async with served_gateway(tenants=TenantRegistry.from_file(tenants)) as (client, _):
+        resp = await client.post(path, json=body, headers=headers)
+        assert (resp.status_code, resp.json()["error"]["code"]) == (401, "invalid_api_key")
+        resp = await client.post(path, json=body, headers={"authorization": "Bearer key-acme"})
+        assert (resp.status_code, resp.json()["error"]["param"]) == (400, "temperature")
