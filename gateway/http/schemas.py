@@ -105,6 +105,7 @@ class SamplingFields(BaseModel):
     return_token_ids: StrictBool = False  # vLLM's: token ids beside the text (each chunk: its delta's)
     include_stop_str_in_output: StrictBool = False  # vLLM's: the stop string that ended a choice stays in its text
     prompt_logprobs: StrictInt | None = None  # vLLM's: k; each prompt position's logprobs (range: the core's)
+    best_of: StrictInt | None = None  # OpenAI's (completions), vLLM's in chat too: refused unless it equals n
 
     def stop_strings(self) -> tuple[str, ...]:
         """``stop`` as a tuple of strings (one string is one stop string)."""
@@ -122,7 +123,6 @@ class CompletionRequest(SamplingFields):
     max_tokens: StrictInt | None = Field(16, ge=1)
     logprobs: StrictInt | None = Field(None, ge=0, le=20)
     echo: StrictBool = False
-    best_of: StrictInt | None = None
     suffix: str | None = None
 
 

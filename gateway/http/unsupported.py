@@ -4,14 +4,16 @@ implement, which would change the output if it did (pure: no HTTP).
 Two kinds, both refused with ``InvalidArgument`` (400, ``param`` naming the field):
 
 * OpenAI's fields the bodies declare (``logit_bias``, ``echo``, ``suffix``, ``best_of``
-  other than ``n``, ``tools``…): ``refuse_unsupported`` checks their parsed values;
+  other than ``n`` (in chat too, as vLLM's chat body takes it), ``tools``…):
+  ``refuse_unsupported`` checks their parsed values;
 * vLLM's extras (``VLLM_EXTRAS``, the one list of them): guided decoding / structured
   outputs, beam search, token masks, prompt truncation, special-token handling of the
-  text… The bodies do not declare them: they arrive among a body's
-  unknown fields (``model_extra``), and each is refused when its value is not one of
-  those that ask for what meshserve does anyway (vLLM's defaults: ``use_beam_search:
-  false`` passes). A field sent as null is its default, as every field (dropped
-  before). Other unknown fields are ignored, as OpenAI's servers and vLLM ignore them.
+  text, KV transfer (disaggregated prefill), multimodal processor arguments… The
+  bodies do not declare them: they arrive among a body's unknown fields
+  (``model_extra``), and each is refused when its value is not one of those that ask
+  for what meshserve does anyway (vLLM's defaults: ``use_beam_search: false`` passes).
+  A field sent as null is its default, as every field (dropped before). Other unknown
+  fields are ignored, as OpenAI's servers and vLLM ignore them.
 
 What a stream cannot carry is refused by ``refuse_unstreamable``, which only the
 OpenAI routes call (a task ignores ``stream``).
@@ -64,6 +66,8 @@ VLLM_EXTRAS: tuple[Extra, ...] = (
     Extra("return_tokens_as_token_ids", "logprob tokens as token ids", (False,)),
     Extra("truncate_prompt_tokens", "prompt truncation"),
     Extra("prompt_embeds", "prompt embeddings", routes="completions"),
+    Extra("kv_transfer_params", "disaggregated prefill: KV transfer between instances"),
+    Extra("mm_processor_kwargs", "multimodal processing: meshserve serves text only"),
     Extra("skip_special_tokens", "special tokens are always skipped from the text", (True,)),
     Extra("spaces_between_special_tokens", "special tokens are always skipped from the text", (True,)),
     Extra("add_special_tokens", "the chat template alone adds special tokens", (False,), routes="chat"),
@@ -111,8 +115,8 @@ def refuse_unsupported(body: SamplingFields) -> None:
             raise InvalidArgument("echo is not supported")
         if body.suffix:
             raise InvalidArgument("suffix is not supported")
-        if body.best_of is not None and body.best_of != body.n:
-            raise InvalidArgument("best_of must equal n (meshserve returns every choice it generates)")
+    if body.best_of is not None and body.best_of != body.n:  # chat too: vLLM's chat body takes it
+        raise InvalidArgument("best_of must equal n (meshserve returns every choice it generates)")
     if isinstance(body, ChatCompletionRequest):
         if body.tools or body.functions:
             raise InvalidArgument(f"{'tools' if body.tools else 'functions'} are not supported")

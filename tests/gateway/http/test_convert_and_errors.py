@@ -56,6 +56,8 @@ def test_completion_prompts_of_every_form():
     (CompletionRequest(prompt="x", logit_bias={"1": 2.0}), "logit_bias"),
     (CompletionRequest(prompt="x", echo=True), "echo"),
     (CompletionRequest(prompt="x", best_of=3), "best_of"),
+    (ChatCompletionRequest(messages=CHAT, best_of=2), "best_of"),
+    (ChatCompletionRequest(messages=CHAT, n=2, best_of=3), "best_of"),
     (CompletionRequest(prompt=[]), "prompt"),
     (CompletionRequest(prompt="x", stream=True, stream_options={"include_usage": True, "continuous_usage_stats": True}),
      "stream_options.continuous_usage_stats"),

@@ -71,6 +71,12 @@ def test_each_extra_is_refused_naming_it_and_its_default_passes(route, extra):
     ("completions", {"add_special_tokens": False},
      "add_special_tokens is not supported (a raw prompt gets the tokenizer's special tokens); only "
      "add_special_tokens: true is served"),
+    ("chat", {"kv_transfer_params": {"do_remote_decode": True}},
+     "kv_transfer_params is not supported (disaggregated prefill: KV transfer between instances)"),
+    ("completions", {"kv_transfer_params": {}},
+     "kv_transfer_params is not supported (disaggregated prefill: KV transfer between instances)"),
+    ("chat", {"mm_processor_kwargs": {"num_crops": 4}},
+     "mm_processor_kwargs is not supported (multimodal processing: meshserve serves text only)"),
 ])
 def test_exact_messages(route, fields, message):
     with pytest.raises(InvalidArgument) as err:
@@ -83,6 +89,27 @@ def test_defaults_and_other_unknown_fields_pass():
                  add_special_tokens=False, echo=False, store=True, metadata={"a": "b"}).chat == (("user", "Hi"),)
     assert build("completions", add_special_tokens=True, response_format={"type": "text"},
                  spaces_between_special_tokens=True, parallel_tool_calls=True)[0].prompt == "Hi"
+
+
+@pytest.mark.parametrize("field, value, what", [
+    ("kv_transfer_params", {"do_remote_prefill": True}, "disaggregated prefill: KV transfer between instances"),
+    ("mm_processor_kwargs", {"num_crops": 4}, "multimodal processing: meshserve serves text only"),
+])
+@pytest.mark.parametrize("path, body", [
+    ("/v1/chat/completions", {"messages": CHAT}),
+    ("/v1/completions", {"prompt": "Hi"}),
+])
+async def test_kv_transfer_and_multimodal_arguments_are_a_400_naming_them(tokenizer, path, body, field, value,
+                                                                         what):
+    mesh = ScriptedMesh(tokenizer.encode("Hi", add_special_tokens=False))
+    async with app_client(tokenizer, mesh) as http:
+        refused = await http.post(path, json={**body, field: value})
+        served = await http.post(path, json={**body, field: None, "max_tokens": 1})
+    assert (refused.status_code, refused.json()) == (400, {"error": {
+        "message": f"{field} is not supported ({what})", "type": "invalid_request_error", "param": field,
+        "code": "invalid_value"}})
+    assert served.status_code == 200  # null is the default
+    assert len(mesh.prompts) == 1  # the refused one never ran
 
 
 @pytest.mark.parametrize("path, body", [
@@ -98,3 +125,18 @@ async def test_the_routes_answer_400_naming_the_field(tokenizer, path, body):
         "message": "guided_regex is not supported (structured outputs, guided decoding)",
         "type": "invalid_request_error", "param": "guided_regex", "code": "invalid_value"}})
     assert mesh.prompts == []  # refused before anything ran
+
+
+async def test_a_chat_best_of_other_than_n_is_a_400_and_one_equal_to_n_is_served(tokenizer):
+    mesh = ScriptedMesh(tokenizer.encode("Hi", add_special_tokens=False))
+    async with app_client(tokenizer, mesh) as http:
+        refused = await http.post("/v1/chat/completions", json={"messages": CHAT, "n": 2, "best_of": 4})
+        not_an_integer = await http.post("/v1/chat/completions", json={"messages": CHAT, "best_of": True})
+        served = await http.post("/v1/chat/completions", json={"messages": CHAT, "n": 2, "best_of": 2,
+                                                               "max_tokens": 1})
+    assert (refused.status_code, refused.json()) == (400, {"error": {
+        "message": "best_of must equal n (meshserve returns every choice it generates)",
+        "type": "invalid_request_error", "param": "best_of", "code": "invalid_value"}})
+    assert (not_an_integer.status_code, not_an_integer.json()["error"]["param"]) == (400, "best_of")
+    assert served.status_code == 200 and len(served.json()["choices"]) == 2
+    assert len(mesh.prompts) == 1
