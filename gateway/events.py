@@ -90,7 +90,9 @@ class Delta:
     Attributes:
         index: the choice, in [0, n).
         text: text that became final with these tokens (may be empty while a
-            multi-byte character or a possible stop string is incomplete).
+            multi-byte character or a possible stop string is incomplete). A
+            request with ``include_stop_str_in_output`` gets the stop string that
+            ended a choice as one more delta of no tokens, right before its result.
         token_ids: the newly generated token ids.
         logprobs: with ``SamplingParams.logprobs``: one entry per token id.
     """

@@ -270,7 +270,7 @@ class GatewayCore:
             key = cache_key(self.model.model_id, self.model.revision, prompt_ids, params, scope=tenant.cache_scope)
         self._in_flight.add(scoped_request_id(tenant.name, request_id))
         return Prepared(request_id, tenant.name, ta.operation_name(request.input_kind), prompt_ids, params, priority,
-                        metrics, timer, key)
+                        metrics, timer, key, include_stop_str_in_output=request.include_stop_str_in_output)
 
     def end(self, prepared: Prepared, error: BaseException | None = None) -> None:
         """Ends a prepared request: observes its metrics (``error``: what ended it) and
@@ -359,6 +359,17 @@ class GatewayCore:
         return span
 
     async def _events(self, p: Prepared, span: trace.Span, on_assigned: OnAssigned | None) -> AsyncIterator[Event]:
+        """The request's events (``_outputs``); with ``include_stop_str_in_output``, the stop
+        string that ended a choice comes as one more ``Delta`` (no tokens) right before its
+        result. Added here, after the result cache, whose entries hold the text without it."""
+        async with aclosing(self._outputs(p, span, on_assigned)) as events:
+            async for event in events:
+                if (p.include_stop_str_in_output and isinstance(event, ChoiceResult)
+                        and event.finish_reason == FinishReason.STOP and event.stop_reason):
+                    yield Delta(event.index, event.stop_reason, ())
+                yield event
+
+    async def _outputs(self, p: Prepared, span: trace.Span, on_assigned: OnAssigned | None) -> AsyncIterator[Event]:
         """The request's events: from the result cache, else from the mesh (then cached)."""
         span.set_attributes({ta.REQUEST_ID: p.request_id, ta.TENANT: p.tenant, ta.PRIORITY: p.priority,
                              ta.USAGE_INPUT_TOKENS: len(p.prompt_ids), **ta.sampling_attributes(p.params)})

@@ -93,6 +93,8 @@ class GenerationRequest:
         request_id: the caller's id; "" lets the core make one.
         model: the model the caller names; None: the one this gateway serves.
         chat_options: how ``chat`` is rendered (``ChatOptions``; unused by the other forms).
+        include_stop_str_in_output: a choice a stop string ended keeps that string at the
+            end of its text (vLLM's; the core's text otherwise ends right before it).
     """
 
     prompt: str | None = None
@@ -103,6 +105,7 @@ class GenerationRequest:
     request_id: str = ""
     model: str | None = None
     chat_options: ChatOptions = ChatOptions()
+    include_stop_str_in_output: bool = False
 
     @property
     def input_kinds(self) -> list[str]:
@@ -150,6 +153,8 @@ class Prepared:
             request is not deterministic.
         num_generated_tokens: tokens the executor sent, all choices, also those of
             a choice a stop string had already ended (what its tenant is charged).
+        include_stop_str_in_output: as ``GenerationRequest``'s (applied to the events
+            after the result cache: an entry serves the request with it and without).
     """
 
     request_id: str
@@ -163,3 +168,4 @@ class Prepared:
     cache_key: str | None = None
     ended: bool = False
     num_generated_tokens: int = 0
+    include_stop_str_in_output: bool = False

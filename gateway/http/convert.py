@@ -58,7 +58,8 @@ def chat_request(body: ChatCompletionRequest, max_model_len: int, request_id: st
         raise InvalidArgument("top_logprobs needs logprobs: true")
     return GenerationRequest(chat=tuple((_ROLES.get(m.role, m.role), m.text()) for m in body.messages),
                              sampling=_sampling(body, max_tokens, logprobs), priority=body.priority,
-                             request_id=request_id, model=body.model, chat_options=_chat_options(body))
+                             request_id=request_id, model=body.model, chat_options=_chat_options(body),
+                             include_stop_str_in_output=body.include_stop_str_in_output)
 
 
 def _chat_options(body: ChatCompletionRequest) -> ChatOptions:
@@ -110,7 +111,8 @@ def completion_requests(body: CompletionRequest, request_id: str) -> list[Genera
         rid = request_id if len(prompts) == 1 else suffixed_request_id(request_id, f"-{i}")
         text, ids = (p, None) if isinstance(p, str) else (None, p)
         out.append(GenerationRequest(prompt=text, prompt_token_ids=ids, sampling=params, priority=body.priority,
-                                     request_id=rid, model=body.model))
+                                     request_id=rid, model=body.model,
+                                     include_stop_str_in_output=body.include_stop_str_in_output))
     return out
 
 

@@ -5,10 +5,11 @@
 serves them; vLLM's ``stop_reason`` is added to each finished choice: the stop
 string that ended it, or null; with vLLM's ``return_token_ids`` each choice also
 carries ``token_ids``: in a chunk its delta's, in a response all of them; with vLLM's
-``include_stop_str_in_output`` a choice a stop string ended keeps that string at the
-end of its text: in a stream, in the chunk that carries its finish reason; with vLLM's
 ``prompt_logprobs`` a whole response carries them, ``gateway.http.logprobs``'s shape:
-in completions each choice its prompt's, in chat the response itself). Choice
+in completions each choice its prompt's, in chat the response itself). vLLM's
+``include_stop_str_in_output`` is the core's (``GenerationRequest``): the stop string
+is a delta of its own, so a stream carries it in the chunk before the one with the
+finish reason. Choice
 ``index`` is ``prompt * n + choice``, so with several prompts choice ``i`` belongs
 to prompt ``i // n``.
 
@@ -23,7 +24,7 @@ import time
 from typing import Sequence
 
 from gateway.collector import CompletedChoice
-from gateway.events import ChoiceResult, Delta, FinishReason
+from gateway.events import ChoiceResult, Delta
 from gateway.http.logprobs import TokenTexts, chat_logprobs, completion_logprobs, prompt_logprobs
 
 
@@ -48,12 +49,11 @@ class _Format:
     chunk_object_name = ""
 
     def __init__(self, response_id: str, model: str, n: int, tokenizer, logprobs: bool,
-                 return_token_ids: bool = False, include_stop_str: bool = False, prompt_logprobs: bool = False):
+                 return_token_ids: bool = False, prompt_logprobs: bool = False):
         self.id, self.model, self.n = response_id, model, n
         self.created = int(time.time())
         self.logprobs = logprobs
         self.return_token_ids = return_token_ids
-        self.include_stop_str = include_stop_str
         self.prompt_logprobs = prompt_logprobs
         self.texts = TokenTexts(tokenizer)
 
@@ -64,14 +64,6 @@ class _Format:
         if not self.prompt_logprobs or first is None:
             return None
         return prompt_logprobs(first.prompt_logprobs, self.texts)
-
-    def _stop_text(self, result: ChoiceResult | None) -> str:
-        """The stop string that ended the choice, when the request keeps it in the text
-        (vLLM's ``include_stop_str_in_output``); else "". The core's text ends right
-        before it, so the text plus it ends exactly where the stop string ends."""
-        if self.include_stop_str and result is not None and result.finish_reason == FinishReason.STOP:
-            return result.stop_reason
-        return ""
 
     def _carries(self, delta: Delta) -> bool:
         """True when ``delta`` has something to send: text, or tokens whose logprobs or
@@ -125,8 +117,7 @@ class ChatFormat(_Format):
 
     def finish_choice(self, index: int, result: ChoiceResult) -> dict:
         """The last chunk's choice of ``index``: its finish reason."""
-        stop = self._stop_text(result)
-        return {"index": index, "delta": {"content": stop} if stop else {}, "logprobs": None,
+        return {"index": index, "delta": {}, "logprobs": None,
                 "finish_reason": _finish_reason(result), "stop_reason": result.stop_reason or None}
 
     def response(self, choices: list[dict], results: Sequence[ChoiceResult],
@@ -139,8 +130,7 @@ class ChatFormat(_Format):
 
     def full_choice(self, index: int, c: CompletedChoice) -> dict:
         """A choice of the non-streamed response."""
-        return self._with_ids({"index": index, "message": {"role": "assistant",
-                                                           "content": c.text + self._stop_text(c.result)},
+        return self._with_ids({"index": index, "message": {"role": "assistant", "content": c.text},
                                "logprobs": chat_logprobs(c.logprobs, self.texts) if self.logprobs else None,
                                "finish_reason": _finish_reason(c.result),
                                "stop_reason": (c.result.stop_reason or None) if c.result else None}, c.token_ids)
@@ -152,9 +142,8 @@ class CompletionFormat(_Format):
     object_name = chunk_object_name = "text_completion"
 
     def __init__(self, response_id: str, model: str, n: int, tokenizer, logprobs: bool,
-                 return_token_ids: bool = False, include_stop_str: bool = False, prompt_logprobs: bool = False):
-        super().__init__(response_id, model, n, tokenizer, logprobs, return_token_ids, include_stop_str,
-                         prompt_logprobs)
+                 return_token_ids: bool = False, prompt_logprobs: bool = False):
+        super().__init__(response_id, model, n, tokenizer, logprobs, return_token_ids, prompt_logprobs)
         self._offsets: dict[int, int] = {}  # index -> text offset of its next token (logprobs)
 
     def role_choice(self, index: int) -> None:
@@ -173,11 +162,11 @@ class CompletionFormat(_Format):
                               delta.token_ids)
 
     def finish_choice(self, index: int, result: ChoiceResult) -> dict:
-        return {"index": index, "text": self._stop_text(result), "logprobs": None,
+        return {"index": index, "text": "", "logprobs": None,
                 "finish_reason": _finish_reason(result), "stop_reason": result.stop_reason or None}
 
     def full_choice(self, index: int, c: CompletedChoice) -> dict:
-        return self._with_ids({"index": index, "text": c.text + self._stop_text(c.result),
+        return self._with_ids({"index": index, "text": c.text,
                                "logprobs": completion_logprobs(c.logprobs, self.texts) if self.logprobs else None,
                                "finish_reason": _finish_reason(c.result),
                                "stop_reason": (c.result.stop_reason or None) if c.result else None}, c.token_ids)

@@ -122,8 +122,7 @@ class OpenAIRoutes:
         requests = completion_requests(body, request_id)
         refuse_unstreamable(body)
         fmt = CompletionFormat(f"cmpl-{request_id}", body.model or self.served_name, body.n, self.core.tokenizer,
-                               body.logprobs is not None, body.return_token_ids, body.include_stop_str_in_output,
-                               body.prompt_logprobs is not None)
+                               body.logprobs is not None, body.return_token_ids, body.prompt_logprobs is not None)
         return await self._serve(request, body, tenant, requests, fmt, received_at, prompts=True,
                                  lone_prompt=lone_prompt_index(body.prompt))
 
@@ -137,8 +136,7 @@ class OpenAIRoutes:
         gen = chat_request(body, self.core.model.max_model_len, request_id)
         refuse_unstreamable(body)
         fmt = ChatFormat(f"chatcmpl-{request_id}", body.model or self.served_name, body.n, self.core.tokenizer,
-                         body.logprobs, body.return_token_ids, body.include_stop_str_in_output,
-                         body.prompt_logprobs is not None)
+                         body.logprobs, body.return_token_ids, body.prompt_logprobs is not None)
         return await self._serve(request, body, tenant, [gen], fmt, received_at)
 
     async def _serve(self, request: Request, body: SamplingFields, tenant: Tenant,
