@@ -58,6 +58,66 @@ if TYPE_CHECKING:
     from gateway.request import GenerationRequest
 
 ROLES = ("system", "user", "assistant")
+# ``chat_template_kwargs``: how deep its values nest (the chat template's rendering walks them
+# recursively: a few hundred levels exhaust Python's recursion limit)
+MAX_TEMPLATE_KWARGS_DEPTH = 32
+
+
+def json_depth(value: Any) -> int:
+    """How deep ``value`` (a JSON value) nests: 0 for a scalar, 1 for ``{}`` or ``[]``
+    of scalars… Counted without recursion."""
+    deepest, stack = 0, [(value, 0)]
+    while stack:
+        value, depth = stack.pop()
+        if isinstance(value, dict):
+            value = list(value.values())
+        if isinstance(value, list):
+            deepest = max(deepest, depth + 1)
+            stack.extend((v, depth + 1) for v in value)
+    return deepest
+
+
+def check_template_kwargs_depth(kwargs: dict[str, Any]) -> None:
+    """Raises ``ValueError`` (the message names no field: each adapter names it as its
+    request spells it) when ``kwargs`` nest deeper than ``MAX_TEMPLATE_KWARGS_DEPTH``."""
+    if json_depth(kwargs) > MAX_TEMPLATE_KWARGS_DEPTH:
+        raise ValueError(f"nests deeper than {MAX_TEMPLATE_KWARGS_DEPTH} levels of objects and arrays")
+
+
+def template_kwargs_text(kwargs: dict[str, Any] | None) -> str:
+    """``chat_template_kwargs`` as ``ChatOptions.template_kwargs``: JSON with sorted keys,
+    so the same variables are one prompt (``gateway.prompt_memo``); "" for none or ``{}``."""
+    return json.dumps(kwargs, ensure_ascii=False, sort_keys=True) if kwargs else ""
+
+
+def parse_template_kwargs(text: str) -> dict[str, Any]:
+    """``ChatOptions.template_kwargs`` (the text of a JSON object: the HTTP body's object
+    as ``template_kwargs_text`` wrote it, or the gRPC request's text as sent) as the
+    template's variables ({} for "").
+
+    Raises:
+        InvalidArgument: not JSON, not an object, or nested deeper than
+            ``MAX_TEMPLATE_KWARGS_DEPTH`` (the last two with the HTTP body's messages).
+    """
+    if not text:
+        return {}
+    try:
+        kwargs = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise InvalidArgument(f"chat_template_kwargs is not valid JSON: {exc.msg} (line {exc.lineno}, column "
+                              f"{exc.colno})") from None
+    except RecursionError:  # deeper than the parser goes, so deeper than the cap
+        raise InvalidArgument(f"chat_template_kwargs: nests deeper than {MAX_TEMPLATE_KWARGS_DEPTH} levels of "
+                              "objects and arrays") from None
+    except ValueError as exc:  # Python's cap on the digits of an int it converts
+        raise InvalidArgument(f"chat_template_kwargs is not valid JSON: {exc}") from None
+    if not isinstance(kwargs, dict):
+        raise InvalidArgument("chat_template_kwargs: Input should be an object")
+    try:
+        check_template_kwargs_depth(kwargs)
+    except ValueError as exc:
+        raise InvalidArgument(f"chat_template_kwargs: {exc}") from None
+    return kwargs
 
 
 class PromptBuilder:
@@ -191,9 +251,7 @@ class PromptBuilder:
                                       f"role {messages[-1][0]!r}")
         if len(options.names) not in (0, len(messages)):
             raise InvalidArgument(f"chat.messages: {len(options.names)} names for {len(messages)} messages")
-        variables = json.loads(options.template_kwargs) if options.template_kwargs else {}
-        if not isinstance(variables, dict):
-            raise InvalidArgument("chat_template_kwargs must be an object")
+        variables = parse_template_kwargs(options.template_kwargs)
         for key in variables:
             if key in self.reserved_template_kwargs:
                 raise InvalidArgument(f"chat_template_kwargs.{key} is not a template variable meshserve passes on "

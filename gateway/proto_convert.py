@@ -14,7 +14,7 @@ from typing import Iterable, Sequence
 from gateway.collector import CompletedChoice
 from gateway.events import (ChoiceResult, Delta, Event, FinishReason, Queued, Timings, TokenLogprob, TopLogprob,
                             Usage)
-from gateway.request import GenerationRequest
+from gateway.request import ChatOptions, GenerationRequest
 from meshserve.sampling import params_from_proto, to_proto
 from meshserve.v1 import common_pb2, gateway_pb2
 
@@ -52,7 +52,9 @@ def logprobs_to_proto(entries: Sequence[TokenLogprob]) -> list[common_pb2.TokenL
 
 def request_from_proto(msg: gateway_pb2.GenerateRequest, default_request_id: str = "") -> GenerationRequest:
     """A ``GenerateRequest`` as a ``GenerationRequest`` (sampling defaulted, not yet
-    validated; ``default_request_id`` when the message has none)."""
+    validated; ``default_request_id`` when the message has none). A chat's rendering
+    options become ``ChatOptions`` as the HTTP chat body's do (``chat_template_kwargs``
+    as sent: the core parses and checks it)."""
     kind = msg.WhichOneof("input")
     return GenerationRequest(
         prompt=msg.prompt if kind == "prompt" else None,
@@ -62,15 +64,37 @@ def request_from_proto(msg: gateway_pb2.GenerateRequest, default_request_id: str
         priority=msg.priority if msg.HasField("priority") else None,
         request_id=msg.request_id or default_request_id,
         model=msg.model if msg.HasField("model") else None,
+        chat_options=chat_options_from_proto(msg.chat) if kind == "chat" else ChatOptions(),
+        include_stop_str_in_output=msg.include_stop_str_in_output,
     )
+
+
+def chat_options_from_proto(chat: gateway_pb2.ChatMessages) -> ChatOptions:
+    """A ``ChatMessages``' rendering options (unset ``add_generation_prompt``: true;
+    names by position, () when no message has one)."""
+    names = tuple(m.name if m.HasField("name") else None for m in chat.messages)
+    return ChatOptions(
+        add_generation_prompt=chat.add_generation_prompt if chat.HasField("add_generation_prompt") else True,
+        continue_final_message=chat.continue_final_message, template_kwargs=chat.chat_template_kwargs,
+        names=names if any(n is not None for n in names) else ())
 
 
 def request_to_proto(r: GenerationRequest) -> gateway_pb2.GenerateRequest:
     """A ``GenerationRequest`` as the ``GenerateRequest`` message (the inverse of
-    ``request_from_proto``; every sampling field is written)."""
-    msg = gateway_pb2.GenerateRequest(request_id=r.request_id)
+    ``request_from_proto``; every sampling field is written, ``add_generation_prompt``
+    only when false)."""
+    msg = gateway_pb2.GenerateRequest(request_id=r.request_id,
+                                      include_stop_str_in_output=r.include_stop_str_in_output)
     if r.chat is not None:
-        msg.chat.messages.extend(gateway_pb2.ChatMessage(role=role, content=c) for role, c in r.chat)
+        options = r.chat_options
+        names = options.names
+        msg.chat.messages.extend(gateway_pb2.ChatMessage(role=role, content=c,
+                                                         name=names[i] if i < len(names) else None)
+                                 for i, (role, c) in enumerate(r.chat))
+        if not options.add_generation_prompt:
+            msg.chat.add_generation_prompt = False
+        msg.chat.continue_final_message = options.continue_final_message
+        msg.chat.chat_template_kwargs = options.template_kwargs
     elif r.prompt is not None:
         msg.prompt = r.prompt
     elif r.prompt_token_ids is not None:

@@ -66,7 +66,8 @@ class ChatOptions:
             content (which must be the assistant's), so the model continues that
             message; needs ``add_generation_prompt`` False (transformers' semantics).
         template_kwargs: extra variables of the chat template, as the text of a JSON
-            object ("": none).
+            object ("": none); ``gateway.prompt`` parses it (and refuses text that is not
+            a JSON object).
         names: each message's ``name`` by position (None: it has none); (): no
             message has one. The template sees it as the message's ``name`` key.
     """

@@ -19,13 +19,13 @@ Mappings that are not one-to-one:
 
 from __future__ import annotations
 
-import json
 import re
 from contextlib import aclosing
 from typing import AsyncIterator, TypeVar
 
 from gateway.http.schemas import MAX_PROMPTS, ChatCompletionRequest, CompletionRequest, SamplingFields
 from gateway.http.unsupported import refuse_unsupported
+from gateway.prompt import template_kwargs_text
 from gateway.prompt_limits import not_unicode
 from gateway.request import ChatOptions, GenerationRequest
 from meshserve.errors import InvalidArgument
@@ -65,10 +65,9 @@ def chat_request(body: ChatCompletionRequest, max_model_len: int, request_id: st
 def _chat_options(body: ChatCompletionRequest) -> ChatOptions:
     """vLLM's chat extras as ``ChatOptions`` (checked against each other by ``gateway.prompt``)."""
     names = tuple(m.name for m in body.messages)
-    kwargs = body.chat_template_kwargs
     return ChatOptions(add_generation_prompt=body.add_generation_prompt,
                        continue_final_message=body.continue_final_message,
-                       template_kwargs=json.dumps(kwargs, ensure_ascii=False, sort_keys=True) if kwargs else "",
+                       template_kwargs=template_kwargs_text(body.chat_template_kwargs),
                        names=names if any(n is not None for n in names) else ())
 
 

@@ -26,28 +26,13 @@ from typing import Any, Literal
 from pydantic import (BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, field_validator,
                       model_validator)
 
+from gateway.prompt import check_template_kwargs_depth
+
 # What one request body may carry before any work is done: the core's
 # own caps bound each field; these bound what arrives before the core sees it.
 MAX_PROMPTS = 64  # prompts of one /v1/completions request
 MAX_MESSAGES = 4096  # messages of one chat request
 MAX_USER_CHARS = 256  # ``user``: an end-user id (a span attribute), bounded as ``request_id`` is
-# ``chat_template_kwargs``: how deep its values nest (the chat template's rendering walks them
-# recursively: a few hundred levels exhaust Python's recursion limit)
-MAX_TEMPLATE_KWARGS_DEPTH = 32
-
-
-def _depth(value: Any) -> int:
-    """How deep ``value`` (a JSON value) nests: 0 for a scalar, 1 for ``{}`` or ``[]``
-    of scalars… Counted without recursion."""
-    deepest, stack = 0, [(value, 0)]
-    while stack:
-        value, depth = stack.pop()
-        if isinstance(value, dict):
-            value = list(value.values())
-        if isinstance(value, list):
-            deepest = max(deepest, depth + 1)
-            stack.extend((v, depth + 1) for v in value)
-    return deepest
 
 
 def _without_nulls(data: Any) -> Any:
@@ -193,6 +178,6 @@ class ChatCompletionRequest(SamplingFields):
     @field_validator("chat_template_kwargs")
     @classmethod
     def _not_too_deep(cls, kwargs):
-        if kwargs is not None and _depth(kwargs) > MAX_TEMPLATE_KWARGS_DEPTH:
-            raise ValueError(f"nests deeper than {MAX_TEMPLATE_KWARGS_DEPTH} levels of objects and arrays")
+        if kwargs is not None:
+            check_template_kwargs_depth(kwargs)
         return kwargs

@@ -4,8 +4,7 @@
 
 * ``POST /v1/tasks``: a chat body (``messages``) or a completions body with one
   ``prompt``, as the OpenAI routes take them (``stream`` is ignored; vLLM's chat extras and
-  ``include_stop_str_in_output``, which a task's ``GenerateRequest`` cannot carry, are
-  refused), and an optional
+  ``include_stop_str_in_output`` travel in the task's ``GenerateRequest``), and an optional
   ``callback_url`` (as SubmitTask's: allow-listed, signed, ``docs/api.md``) → 202 and
   the task's handle ``{"task_id", "state"}``.
 * ``GET /v1/tasks/{task_id}``: its ``TaskStatus`` (state, timestamps, then its
@@ -31,7 +30,6 @@ from gateway.http.convert import chat_request, completion_requests, lone_prompt_
 from gateway.http.openai_routes import headers_of
 from gateway.http.schemas import ChatCompletionRequest, CompletionRequest
 from gateway.proto_convert import request_to_proto
-from gateway.request import ChatOptions
 from gateway.task_api import TaskAPI
 from meshserve.errors import InvalidArgument
 from meshserve.sampling import validate
@@ -52,20 +50,6 @@ class HttpCallContext:
 def _json(message) -> dict:
     """A message as JSON with the proto's field names, enums by name, every field present."""
     return MessageToDict(message, preserving_proto_field_name=True, always_print_fields_with_no_presence=True)
-
-
-def _refuse_chat_options(options: ChatOptions) -> None:
-    """A task's request is stored as a ``GenerateRequest``, which carries messages as
-    role and content only: vLLM's chat extras are refused (naming the first one set),
-    never dropped."""
-    default = ChatOptions()
-    fields = [name for name, set_ in (("add_generation_prompt", options.add_generation_prompt is False),
-                                      ("continue_final_message", options.continue_final_message),
-                                      ("chat_template_kwargs", options.template_kwargs != default.template_kwargs))
-              if set_]
-    fields += [f"messages[{i}].name" for i, name in enumerate(options.names) if name is not None]
-    if fields:
-        raise InvalidArgument(f"{fields[0]} is not supported by tasks (send it to /v1/chat/completions)")
 
 
 class TaskRoutes:
@@ -103,12 +87,8 @@ class TaskRoutes:
                                       f"{exc.start}") from None
         request_id = body.get("request_id") or ""
         parsed = (ChatCompletionRequest if "messages" in body else CompletionRequest).model_validate(body)
-        if parsed.include_stop_str_in_output:  # a task's text is the core's (gateway.http.formats adds the string)
-            raise InvalidArgument("include_stop_str_in_output is not supported by tasks (send it to "
-                                  f"{'/v1/chat/completions' if 'messages' in body else '/v1/completions'})")
         if isinstance(parsed, ChatCompletionRequest):
             gen = chat_request(parsed, self.tasks.core.model.max_model_len, request_id)
-            _refuse_chat_options(gen.chat_options)
         else:
             gens = completion_requests(parsed, request_id)
             if len(gens) != 1:

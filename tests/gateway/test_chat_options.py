@@ -78,7 +78,13 @@ def test_the_default_template_ignores_names(tokenizer, builder):
     ([QUESTION], ChatOptions(template_kwargs='{"messages": []}'),
      "chat_template_kwargs.messages is not a template variable meshserve passes on (it is a parameter of the "
      "rendering itself, or the messages)"),
-    ([QUESTION], ChatOptions(template_kwargs='[1]'), "chat_template_kwargs must be an object"),
+    ([QUESTION], ChatOptions(template_kwargs='[1]'), "chat_template_kwargs: Input should be an object"),
+    ([QUESTION], ChatOptions(template_kwargs='{"a": '), "chat_template_kwargs is not valid JSON: Expecting value "
+     "(line 1, column 7)"),
+    ([QUESTION], ChatOptions(template_kwargs='{"a": ' + "[" * 33 + "]" * 33 + "}"),
+     "chat_template_kwargs: nests deeper than 32 levels of objects and arrays"),
+    ([QUESTION], ChatOptions(template_kwargs='{"a": ' + "[" * 100_000 + "]" * 100_000 + "}"),
+     "chat_template_kwargs: nests deeper than 32 levels of objects and arrays"),
 ])
 def test_contradictory_options_are_refused(builder, messages, options, message):
     with pytest.raises(InvalidArgument) as err:

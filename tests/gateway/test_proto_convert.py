@@ -10,8 +10,9 @@ from gateway.events import ChoiceResult, Delta, FinishReason, Queued, Timings, T
 from gateway.mesh import Admission, ExecutorOutput
 from gateway.mesh_client import admit_request, output_from_proto
 from gateway.proto_convert import (finish_reason_from_proto, finish_reason_to_proto, logprobs_from_proto,
-                                   logprobs_to_proto, request_from_proto, response_of, result_to_proto, task_result)
-from gateway.request import GenerationRequest
+                                   logprobs_to_proto, request_from_proto, request_to_proto, response_of,
+                                   result_to_proto, task_result)
+from gateway.request import ChatOptions, GenerationRequest
 from meshserve.client import build_request
 from meshserve.sampling import SamplingParams
 from meshserve.v1 import common_pb2, executor_pb2, gateway_pb2, scheduler_pb2
@@ -43,6 +44,25 @@ def test_requests_keep_which_prompt_form_is_set():
     assert (ids.sampling.top_p, ids.sampling.n) == (0.0, 17)  # not validated here: the core does that
     none = request_from_proto(gateway_pb2.GenerateRequest())
     assert (none.input_kind, none.priority, none.request_id, none.sampling) == (None, None, "", SamplingParams())
+
+
+def test_chat_options_and_the_stop_string_flag_come_from_the_request_and_go_back_unchanged():
+    msg = gateway_pb2.GenerateRequest(chat=gateway_pb2.ChatMessages(
+        messages=[gateway_pb2.ChatMessage(role="user", content="Hi", name="ann"),
+                  gateway_pb2.ChatMessage(role="assistant", content="Hel", name=""),
+                  gateway_pb2.ChatMessage(role="user", content="?")],
+        add_generation_prompt=False, continue_final_message=True, chat_template_kwargs='{"b": 1, "a": 2}'),
+        include_stop_str_in_output=True)
+    r = request_from_proto(msg)
+    assert r.chat_options == ChatOptions(add_generation_prompt=False, continue_final_message=True,
+                                         template_kwargs='{"b": 1, "a": 2}', names=("ann", "", None))
+    assert r.include_stop_str_in_output is True
+    back = request_to_proto(r)  # every sampling field written, the rest as sent
+    assert (back.chat, back.include_stop_str_in_output) == (msg.chat, True)
+    plain = request_from_proto(build_request(chat=[("user", "Hi")]))  # unset: today's rendering
+    assert (plain.chat_options, plain.include_stop_str_in_output) == (ChatOptions(), False)
+    assert not request_to_proto(plain).chat.HasField("add_generation_prompt")
+    assert request_from_proto(build_request("Hi")).chat_options == ChatOptions()
 
 
 def test_results_are_the_same_message_and_bytes_as_built_by_hand():

@@ -10,10 +10,13 @@ reached the executor with.
 
 With ``prompt_logprobs`` asked, choice 0's first message carries
 ``scripted_prompt_logprobs`` of its prompt, as an executor sends the core's.
+``gateway_clients`` adds the gRPC servicer of the same core on a loopback port, for
+tests that compare what the two adapters send the executor.
 """
 
 from __future__ import annotations
 
+import asyncio
 from contextlib import asynccontextmanager
 from typing import Sequence
 
@@ -24,10 +27,13 @@ from gateway.generation import GatewayCore
 from gateway.http.app import create_app
 from gateway.mesh import Assignment, ExecutorOutput
 from gateway.request import ModelInfo
+from gateway.server import GatewayServicer
 from gateway.task_api import TaskAPI
 from gateway.task_runner import TaskRunner
 from gateway.task_store import MemoryTaskStore
 from gateway.tenants import TenantRegistry
+from meshserve.grpc_server import Service, open_channel
+from meshserve.v1 import gateway_pb2_grpc
 
 MODEL = ModelInfo("smollm2-135m-instruct", max_model_len=2048, vocab_size=49152, revision="r1")
 ALTERNATIVE_IDS = range(49000, 49020)  # the scripted top k's other tokens (no prompt of the tests holds them)
@@ -89,13 +95,51 @@ async def app_client(tokenizer, mesh=None, model: ModelInfo = MODEL):
     """Yields an ``httpx.AsyncClient`` on the HTTP application of a core over ``mesh``
     (default: a ``ScriptedMesh`` of no tokens: for requests that never run), open mode
     (no tenants file), ready; its ``base_url`` is ``http://gateway``."""
+    async with gateway_clients(tokenizer, mesh, model, grpc=False) as (client, _):
+        yield client
+
+
+@asynccontextmanager
+async def gateway_clients(tokenizer, mesh=None, model: ModelInfo = MODEL, grpc: bool = True):
+    """Yields ``(http, stub)`` over one core on ``mesh``, as ``app_client``: the HTTP
+    client, and with ``grpc`` a ``GatewayStub`` on a loopback gRPC server of the same
+    core (plaintext, the gateway's servicer and error interceptor; None without)."""
     core = GatewayCore(tokenizer, model, mesh or ScriptedMesh(()))
     tenants = TenantRegistry.open()
-    app = create_app(core, tenants, TaskAPI(core, tenants, TaskRunner(MemoryTaskStore())), lambda: True,
-                     core.metrics.registry)
+    tasks = TaskAPI(core, tenants, TaskRunner(MemoryTaskStore()))
+    app = create_app(core, tenants, tasks, lambda: True, core.metrics.registry)
+    service = channel = None
     try:
+        stub = None
+        if grpc:
+            service = Service("meshserve.v1.Gateway", 0, public=True)
+            gateway_pb2_grpc.add_GatewayServicer_to_server(GatewayServicer(core, tenants, tasks), service.server)
+            await service.start()
+            channel = open_channel(f"127.0.0.1:{service.port}")
+            stub = gateway_pb2_grpc.GatewayStub(channel)
         async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://gateway",
                                      timeout=30) as client:
-            yield client
+            yield client, stub
     finally:
+        if channel is not None:
+            await channel.close()
+        if service is not None:
+            await service.stop(0)
         await core.close()
+
+
+async def finished_task(http, body: dict, polls: int = 2000) -> dict:
+    """Submits ``body`` to ``POST /v1/tasks`` and returns its ``TaskStatus`` (JSON) once
+    final (``polls`` bounds a hang, 10 ms apart).
+
+    Raises:
+        AssertionError: the submit was not accepted, or the task did not finish.
+    """
+    r = await http.post("/v1/tasks", json=body)
+    assert r.status_code == 202, r.text
+    for _ in range(polls):
+        status = (await http.get(f"/v1/tasks/{r.json()['task_id']}")).json()
+        if status["state"] not in ("TASK_STATE_QUEUED", "TASK_STATE_RUNNING"):
+            return status
+        await asyncio.sleep(0.01)
+    raise AssertionError(f"task not finished: {status}")

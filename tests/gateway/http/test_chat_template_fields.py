@@ -2,7 +2,7 @@
 ``continue_final_message``, ``chat_template_kwargs``, a message's ``name``): the
 prompt the executor gets and the usage's ``prompt_tokens`` are exactly the
 templated prompt's ids; contradictory or malformed values are 400 naming the
-field; ``POST /v1/tasks``, whose stored request cannot carry them, refuses them."""
+field; ``POST /v1/tasks`` carries them in its stored request to the same prompt."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import json
 
 import pytest
 
-from tests.support.inprocess_app import ScriptedMesh, app_client
+from tests.support.inprocess_app import ScriptedMesh, app_client, finished_task
 
 QUESTION = {"role": "user", "content": "What is the capital of France?"}
 PREFILL = {"role": "assistant", "content": "The capital of France is"}
@@ -129,14 +129,34 @@ async def test_bad_values_are_400_naming_the_field(tokenizer, body, want):
     assert (r.status_code, r.json()) == (400, want)
 
 
-@pytest.mark.parametrize("extra, param", [
-    ({"add_generation_prompt": False}, "add_generation_prompt"),
-    ({"chat_template_kwargs": {"mood": "calm"}}, "chat_template_kwargs"),
-    ({"messages": [{**QUESTION, "name": "ann"}]}, "messages.0.name"),
+# a template that shows names, one variable and the generation prompt
+NAMED_TEMPLATE = ("{% for m in messages %}{{ m.role }}{% if m.name %} ({{ m.name }}){% endif %}: {{ m.content }}\n"
+                  "{% endfor %}{% if mood %}[{{ mood }}]{% endif %}{% if add_generation_prompt %}assistant:{% endif %}")
+ASKED = "user: What is the capital of France?\n"
+
+
+@pytest.mark.parametrize("extra, prompt", [
+    ({"add_generation_prompt": False}, ASKED),
+    ({"messages": [QUESTION, PREFILL], "add_generation_prompt": False, "continue_final_message": True},
+     ASKED + "assistant: The capital of France is"),
+    ({"chat_template_kwargs": {"mood": "calm"}}, ASKED + "[calm]assistant:"),
+    ({"messages": [{**QUESTION, "name": "ann"}]}, "user (ann): What is the capital of France?\nassistant:"),
 ])
-async def test_tasks_refuse_them(tokenizer, extra, param):
+async def test_tasks_carry_them_to_the_same_prompt(tokenizer, monkeypatch, extra, prompt):
+    monkeypatch.setattr(tokenizer, "chat_template", NAMED_TEMPLATE)
+    mesh = ScriptedMesh(tokenizer.encode(" Paris.", add_special_tokens=False))
+    async with app_client(tokenizer, mesh) as http:
+        chat = await http.post("/v1/chat/completions", json={"messages": [QUESTION], **extra})
+        task = await finished_task(http, {"messages": [QUESTION], **extra})
+    assert chat.status_code == 200 and task["state"] == "TASK_STATE_SUCCEEDED"
+    assert [tokenizer.decode(p) for p in mesh.prompts] == [prompt, prompt]
+    assert task["choices"][0]["result"]["prompt_token_ids"] == mesh.prompts[0]
+    assert task["choices"][0]["text"] == " Paris."
+
+
+async def test_a_task_with_contradictory_options_is_refused_at_submit_with_the_routes_message(tokenizer):
     async with app_client(tokenizer) as http:
-        r = await http.post("/v1/tasks", json={"messages": [QUESTION], **extra})
-    field = param.replace(".0.", "[0].")
-    assert (r.status_code, r.json()) == (400, error(f"{field} is not supported by tasks (send it to "
-                                                    "/v1/chat/completions)", param))
+        r = await http.post("/v1/tasks", json={"messages": [QUESTION, PREFILL], "continue_final_message": True})
+    assert (r.status_code, r.json()) == (400, error(
+        "continue_final_message cannot be used with add_generation_prompt: true (set add_generation_prompt to "
+        "false)", "continue_final_message"))

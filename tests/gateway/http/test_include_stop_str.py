@@ -1,7 +1,7 @@
 """vLLM's ``include_stop_str_in_output``: a choice a stop string ended keeps that string
 at the end of its text (cut right after it, even inside a token), streamed and not
 alike, in chat and completions, for every choice; without it the text ends right
-before it. ``POST /v1/tasks`` refuses it."""
+before it. ``POST /v1/tasks`` carries it: the task's text is the same."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import json
 
 import pytest
 
-from tests.support.inprocess_app import ScriptedMesh, app_client
+from tests.support.inprocess_app import ScriptedMesh, app_client, finished_task
 
 CHAT = [{"role": "user", "content": "Hi"}]
 OUTPUT = "The answer is 42. Done here"  # tokens: The| answer| is| |4|2|.| Done| here
@@ -60,11 +60,13 @@ async def test_the_stop_string_stays_when_asked_streamed_or_not(tokenizer, route
     assert [c["finish_reason"] for c in full.json()["choices"]] == ["stop" if matched else "length"] * 2
 
 
-@pytest.mark.parametrize("body, route", [({"messages": CHAT}, "/v1/chat/completions"),
-                                         ({"prompt": "Q:"}, "/v1/completions")])
-async def test_tasks_refuse_it(tokenizer, body, route):
-    async with app_client(tokenizer) as http:
-        r = await http.post("/v1/tasks", json={**body, "stop": ["."], "include_stop_str_in_output": True})
-    assert (r.status_code, r.json()) == (400, {"error": {
-        "message": f"include_stop_str_in_output is not supported by tasks (send it to {route})",
-        "type": "invalid_request_error", "param": "include_stop_str_in_output", "code": "invalid_value"}})
+@pytest.mark.parametrize("body", [{"messages": CHAT}, {"prompt": "Q:"}])
+@pytest.mark.parametrize("include, want", [(True, "The answer is 42."), (False, "The answer is 42")])
+async def test_a_tasks_text_keeps_it_when_asked(tokenizer, body, include, want):
+    mesh = ScriptedMesh(tokenizer.encode(OUTPUT, add_special_tokens=False))
+    async with app_client(tokenizer, mesh) as http:
+        status = await finished_task(http, {**body, "stop": ["."], "max_tokens": 9,
+                                            "include_stop_str_in_output": include})
+    assert status["state"] == "TASK_STATE_SUCCEEDED"
+    (choice,) = status["choices"]
+    assert (choice["text"], choice["result"]["stop_reason"], len(choice["token_ids"])) == (want, ".", 7)
