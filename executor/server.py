@@ -13,6 +13,9 @@ executor, the request id, the tenant, the expiry, used once): a bad one is
 refused with PERMISSION_DENIED, nothing is allocated. The engine request id is
 ``scoped_request_id(tenant, request_id)``, so tenants' ids never collide, and
 the lease's priority (the tenant's ceiling applied) is the one the engine uses.
+The request's chain hashes are salted with the lease's tenant (``--prefix-cache-scope
+tenant``) and the caller's own ``cache_salt`` (``meshserve.block_hash.cache_salt``):
+the gateway can choose the salt, never the tenant part.
 
 Its link to the scheduler is ``executor.scheduler_link.SchedulerLink``.
 """
@@ -32,7 +35,7 @@ from executor.engine.outputs import EngineStats, RequestOutput, TokenLogprob
 from executor.health import StepWatchdog
 from executor.request_span import ExecuteSpans
 from executor.scheduler_link import LinkConfig, SchedulerLink
-from meshserve.block_hash import cache_salt
+from meshserve.block_hash import cache_salt, check_cache_salt
 from meshserve.errors import AlreadyExists, InvalidArgument, Unavailable
 from meshserve.grpc_server import Service
 from meshserve.lease_token import LeaseVerifier
@@ -89,7 +92,9 @@ class ExecutorServicer(executor_pb2_grpc.ExecutorServicer):
             raise AlreadyExists(f"request_id {request.request_id!r} is already in use by an unfinished request")
         # the one check of this request in the executor: INVALID_ARGUMENT before any choice starts
         checked = eng.check_request(request.prompt_token_ids, params_from_proto(request.sampling))
-        checked = dataclasses.replace(checked, cache_salt=cache_salt(self.prefix_cache_scope, claims.tenant),
+        check_cache_salt(request.cache_salt or None)
+        salt = cache_salt(self.prefix_cache_scope, claims.tenant, request.cache_salt)
+        checked = dataclasses.replace(checked, cache_salt=salt,
                                       sampling_params=within_lease(checked.sampling_params, claims.max_tokens))
         spans = ExecuteSpans(context_from_grpc(context), request.request_id, self.executor_id, self.model_id,
                              len(checked.prompt_token_ids), checked.sampling_params, claims.priority)
@@ -252,7 +257,8 @@ async def start_executor(
     ``tls``: the executor's certificate (role executor) for its port and for its
     channels to the scheduler and the kvstore, or plaintext.
     ``prefix_cache_scope``: ``tenant`` (prefix KV blocks shared only between requests
-    of the same tenant, the lease's) or ``global`` (``meshserve.block_hash.cache_salt``).
+    of the same tenant, the lease's) or ``global`` (``meshserve.block_hash.cache_salt``;
+    either way, a request's own ``cache_salt`` narrows the sharing to requests with it).
     ``health_port``: a plaintext health-only port (``Service``; None: none).
     ``service``: the executor's ``Service``, already bound (``bind_executor_service``;
     None: bound here, from ``port``, ``host``, ``tls`` and ``health_port``); when it

@@ -60,7 +60,7 @@ from gateway.result_store import Coalescer, MemoryResultStore, ResultStore
 from gateway.running import RunningRequests
 from gateway.tenants import Tenant
 from meshserve import trace_attributes as ta
-from meshserve.block_hash import cache_salt, routing_block_hashes
+from meshserve.block_hash import cache_salt, check_cache_salt, routing_block_hashes
 from meshserve.errors import (AlreadyExists, InvalidArgument, MeshError, NotFound, ResourceExhausted,
                               Unavailable)
 from meshserve.request_ids import check_request_id, scoped_request_id
@@ -108,7 +108,8 @@ class GatewayCore:
         metrics: the Prometheus metrics (None: a new ``GatewayMetrics``).
         prompt_limits: size limits checked before tokenizing (``gateway.prompt_limits``).
         prefix_cache_scope: ``tenant`` or ``global``, as the executors': the routing
-            hashes are salted as they salt their chains (``meshserve.block_hash.cache_salt``).
+            hashes are salted as they salt their chains (``meshserve.block_hash.cache_salt``:
+            with the request's own ``cache_salt``, which travels to the executor).
 
     Request ids in flight are kept per tenant (``meshserve.request_ids``): one
     tenant's id never collides with, nor reveals, another's.
@@ -233,11 +234,12 @@ class GatewayCore:
         """The request id (the caller's or a new one) after the checks that need no tokenizer.
 
         Raises:
-            InvalidArgument: an id too long, a prompt over a size limit.
+            InvalidArgument: an id too long, a bad ``cache_salt``, a prompt over a size limit.
             AlreadyExists, ModelNotFound: as ``prepare``.
         """
         request_id = request.request_id or uuid.uuid4().hex
         check_request_id(request_id)
+        check_cache_salt(request.cache_salt)
         if scoped_request_id(tenant, request_id) in self._in_flight:
             raise AlreadyExists(f"request_id {request_id!r} is already in use by an unfinished request")
         self._check_prompt(request)
@@ -266,11 +268,14 @@ class GatewayCore:
             )
         metrics.num_prompt_tokens = len(prompt_ids)
         key = None
+        salt = request.cache_salt or ""
         if self.result_cache is not None and is_deterministic(params):
-            key = cache_key(self.model.model_id, self.model.revision, prompt_ids, params, scope=tenant.cache_scope)
+            key = cache_key(self.model.model_id, self.model.revision, prompt_ids, params, scope=tenant.cache_scope,
+                            cache_salt=salt)
         self._in_flight.add(scoped_request_id(tenant.name, request_id))
         return Prepared(request_id, tenant.name, ta.operation_name(request.input_kind), prompt_ids, params, priority,
-                        metrics, timer, key, include_stop_str_in_output=request.include_stop_str_in_output)
+                        metrics, timer, key, include_stop_str_in_output=request.include_stop_str_in_output,
+                        cache_salt=salt)
 
     def end(self, prepared: Prepared, error: BaseException | None = None) -> None:
         """Ends a prepared request: observes its metrics (``error``: what ended it) and
@@ -415,7 +420,8 @@ class GatewayCore:
         if self.hash_block_size > 0:
             hashes = tuple(routing_block_hashes(p.prompt_ids, self.hash_block_size, self.model.model_id,
                                                 self.model.revision,
-                                                cache_salt=cache_salt(self.prefix_cache_scope, p.tenant)))
+                                                cache_salt=cache_salt(self.prefix_cache_scope, p.tenant,
+                                                                      p.cache_salt)))
         return Admission(p.request_id, p.tenant, p.priority, len(p.prompt_ids), p.params.max_tokens,
                          self.model.model_id, p.params.n, hashes, self.hash_block_size, uuid.uuid4().hex)
 
@@ -475,7 +481,8 @@ class GatewayCore:
         (each one touches ``activity``: the lease needs no renewal call meanwhile);
         the call is cancelled (closed) once every choice is done."""
         timer, rm = p.timer, p.metrics
-        outputs = self.mesh.execute(assignment, p.request_id, p.prompt_ids, p.params, p.priority, span)
+        outputs = self.mesh.execute(assignment, p.request_id, p.prompt_ids, p.params, p.priority, span,
+                                    cache_salt=p.cache_salt)
         async with aclosing(outputs):
             async for out in outputs:
                 activity.touch()

@@ -117,9 +117,12 @@ class MeshClient(Protocol):
         """
 
     def execute(self, assignment: Assignment, request_id: str, prompt_token_ids: Sequence[int],
-                params: SamplingParams, priority: int, span: trace.Span) -> AsyncIterator[ExecutorOutput]:
+                params: SamplingParams, priority: int, span: trace.Span,
+                cache_salt: str = "") -> AsyncIterator[ExecutorOutput]:
         """The executor's outputs for the request; closing the iterator early cancels
-        the call (the engine aborts the request and frees its blocks).
+        the call (the engine aborts the request and frees its blocks). ``cache_salt``:
+        the request's own salt ("": none), which the executor combines with the lease's
+        tenant (``meshserve.block_hash.cache_salt``).
 
         Raises:
             RefusedByMesh: the executor refused the lease or the gateway's certificate.

@@ -122,7 +122,8 @@ class GrpcMeshClient:
             call.cancel()  # no-op when the stream ended
 
     async def execute(self, assignment: Assignment, request_id: str, prompt_token_ids: Sequence[int],
-                      params: SamplingParams, priority: int, span: trace.Span) -> AsyncIterator[ExecutorOutput]:
+                      params: SamplingParams, priority: int, span: trace.Span,
+                      cache_salt: str = "") -> AsyncIterator[ExecutorOutput]:
         """Executor.Execute (see ``gateway.mesh.MeshClient``); closing it early cancels the call.
 
         An executor's PERMISSION_DENIED or UNAUTHENTICATED (a lease it refuses, e.g. one
@@ -133,7 +134,8 @@ class GrpcMeshClient:
         """
         request = executor_pb2.ExecuteRequest(request_id=request_id, lease_id=assignment.lease_id,
                                               prompt_token_ids=prompt_token_ids, priority=priority,
-                                              lease=assignment.lease, tenant=assignment.tenant)
+                                              lease=assignment.lease, tenant=assignment.tenant,
+                                              cache_salt=cache_salt)
         to_proto(params, request.sampling)
         call = self._executor(assignment.address).Execute(request, metadata=outgoing_metadata(span))
         try:

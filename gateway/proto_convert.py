@@ -66,6 +66,7 @@ def request_from_proto(msg: gateway_pb2.GenerateRequest, default_request_id: str
         model=msg.model if msg.HasField("model") else None,
         chat_options=chat_options_from_proto(msg.chat) if kind == "chat" else ChatOptions(),
         include_stop_str_in_output=msg.include_stop_str_in_output,
+        cache_salt=msg.cache_salt if msg.HasField("cache_salt") else None,
     )
 
 
@@ -105,6 +106,8 @@ def request_to_proto(r: GenerationRequest) -> gateway_pb2.GenerateRequest:
         msg.priority = r.priority
     if r.model is not None:
         msg.model = r.model
+    if r.cache_salt is not None:
+        msg.cache_salt = r.cache_salt
     return msg
 
 

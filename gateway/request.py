@@ -96,6 +96,9 @@ class GenerationRequest:
         chat_options: how ``chat`` is rendered (``ChatOptions``; unused by the other forms).
         include_stop_str_in_output: a choice a stop string ended keeps that string at the
             end of its text (vLLM's; the core's text otherwise ends right before it).
+        cache_salt: vLLM's: the request's prefix cache blocks are shared only with
+            requests of its tenant carrying the same salt
+            (``meshserve.block_hash.cache_salt``); None: no salt (an empty one is refused).
     """
 
     prompt: str | None = None
@@ -107,6 +110,7 @@ class GenerationRequest:
     model: str | None = None
     chat_options: ChatOptions = ChatOptions()
     include_stop_str_in_output: bool = False
+    cache_salt: str | None = None
 
     @property
     def input_kinds(self) -> list[str]:
@@ -156,6 +160,8 @@ class Prepared:
             a choice a stop string had already ended (what its tenant is charged).
         include_stop_str_in_output: as ``GenerationRequest``'s (applied to the events
             after the result cache: an entry serves the request with it and without).
+        cache_salt: the request's own ``cache_salt`` ("": none), checked; it salts the
+            routing hashes, travels to the executor and is part of ``cache_key``.
     """
 
     request_id: str
@@ -170,3 +176,4 @@ class Prepared:
     ended: bool = False
     num_generated_tokens: int = 0
     include_stop_str_in_output: bool = False
+    cache_salt: str = ""

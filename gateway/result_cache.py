@@ -8,11 +8,14 @@ up or stored.
 
 The key is a SHA-256 over the model's fingerprint (id and revision), the
 prompt token ids, *every* field of the validated ``SamplingParams`` (stop
-strings, penalties, ``n``, logprob settings…) and the *scope*: the tenant
+strings, penalties, ``n``, logprob settings…), the *scope*: the tenant
 (``tenant:<name>``), unless the tenants file gives tenants a shared
-``result_cache_scope`` (``scope:<name>``). Two requests share an entry only
-when the engine would be asked exactly the same thing for the same scope, so
-tenant B never reads tenant A's answer; the hex key reveals neither prompt nor
+``result_cache_scope`` (``scope:<name>``), and the request's own ``cache_salt``
+(vLLM's; in the key only when set, so unsalted keys are those of gateways that
+predate it). Two requests share an entry only when the engine would be asked
+exactly the same thing for the same scope and salt, so tenant B never reads
+tenant A's answer, and a user who salts its requests never gets (nor times)
+another's; the hex key reveals neither prompt nor
 tenant (it is also the Redis key's suffix, ``gateway.result_store``). Entries are bounded in number (least
 recently used goes first) and live ``ttl_s`` seconds after they were stored:
 ``cachetools.TTLCache``.
@@ -47,20 +50,24 @@ def is_deterministic(params: SamplingParams) -> bool:
 
 
 def cache_key(model_id: str, revision: str, prompt_token_ids: Sequence[int], params: SamplingParams, *,
-              scope: str) -> str:
-    """The hex SHA-256 naming one (model, prompt, parameters, scope) combination.
+              scope: str, cache_salt: str = "") -> str:
+    """The hex SHA-256 naming one (model, prompt, parameters, scope, salt) combination.
 
     Args:
         model_id / revision: the model (``ModelInfo``); two revisions never share.
         prompt_token_ids: the prompt as the model sees it (after the chat template).
         params: validated sampling parameters; every field is part of the key.
         scope: who may share the entry (``Tenant.cache_scope``).
+        cache_salt: the request's own salt ("": none, and not in the key's JSON).
     """
     # the same JSON as json.dumps(asdict(params)) (every field is a scalar or a flat tuple),
     # without asdict's recursive copy: keys stay equal to older gateways' (a shared Redis)
     sampling = {name: getattr(params, name) for name in _SAMPLING_FIELDS}
-    body = json.dumps({"model": _fingerprint(model_id, revision), "prompt": list(prompt_token_ids),
-                       "sampling": sampling, "scope": scope}, sort_keys=True, separators=(",", ":"))
+    fields = {"model": _fingerprint(model_id, revision), "prompt": list(prompt_token_ids), "sampling": sampling,
+              "scope": scope}
+    if cache_salt:
+        fields["cache_salt"] = cache_salt
+    body = json.dumps(fields, sort_keys=True, separators=(",", ":"))
     return hashlib.sha256(body.encode()).hexdigest()
 
 

@@ -57,7 +57,8 @@ class Tenant:
     """One tenant.
 
     Attributes:
-        name: unique tenant name (used in logs, metrics and quota accounting).
+        name: unique tenant name (used in logs, metrics and quota accounting; it
+            salts its prefix cache chains, so the tenants file refuses a NUL in it).
         default_priority: priority class of its requests when a request sets
             none (larger is more urgent; see the scheduler's admission queue).
         kv_quota_blocks: most KV blocks its running requests may hold together
@@ -208,6 +209,8 @@ def _parse_tenant(entry: Any, where: str) -> tuple[Tenant, list[str]]:
     name = entry.get("name")
     if not isinstance(name, str) or not name.strip():
         raise ValueError(f"{where}: 'name' must be a non-empty string")
+    if "\x00" in name:  # a request's chain salt is the name, a NUL, its cache_salt (meshserve.block_hash)
+        raise ValueError(f"{where}: 'name' must not hold a NUL character")
     where = f"{where} ({name})"
     api_keys = entry.get("api_keys")
     if not isinstance(api_keys, list) or not api_keys or not all(isinstance(k, str) and k.strip() for k in api_keys):

@@ -38,6 +38,8 @@ import struct
 from dataclasses import dataclass
 from typing import Sequence
 
+from meshserve.errors import InvalidArgument
+
 BlockHash = int
 """A 128-bit chain hash (non-negative int)."""
 
@@ -145,16 +147,54 @@ PREFIX_CACHE_SCOPES = ("tenant", "global")
 """``--prefix-cache-scope`` values: prefix KV shared within a tenant only (the
 default), or across all tenants."""
 
+MAX_CACHE_SALT_CHARS = 256
+"""The longest ``cache_salt`` a request may carry (characters): room for a random
+256-bit salt (43 base64 characters, vLLM's advice) next to a caller's own ids."""
 
-def cache_salt(scope: str, tenant: str) -> str:
-    """A request's ``cache_salt`` under ``scope``: the tenant's name, or "" for ``global``.
+
+def cache_salt(scope: str, tenant: str, request_salt: str = "") -> str:
+    """A request's chain salt (``salted_root``) under ``scope``: the tenant's name, or ""
+    for ``global``; with the request's own ``cache_salt`` (vLLM's), that salt after a NUL.
+
+    A request then shares prefix blocks only with requests of the same tenant (under
+    ``tenant``) *and* the same salt; without one, exactly as before salts existed. The
+    pair is recovered from the result (a tenant name holds no NUL: the tenants file
+    refuses one), so no other tenant or salt gets the same chain; the tenant part comes
+    from the request's lease, the caller chooses only its own salt.
 
     Raises:
-        ValueError: an unknown scope.
+        ValueError: an unknown scope, or a request salt with a tenant name holding NUL.
     """
     if scope not in PREFIX_CACHE_SCOPES:
         raise ValueError(f"prefix cache scope must be one of {', '.join(PREFIX_CACHE_SCOPES)}, got {scope!r}")
-    return tenant if scope == "tenant" else ""
+    salt = tenant if scope == "tenant" else ""
+    if not request_salt:
+        return salt
+    if "\x00" in salt:
+        raise ValueError(f"tenant {tenant!r} holds NUL: its requests cannot carry a cache_salt")
+    return f"{salt}\x00{request_salt}"
+
+
+def check_cache_salt(salt: str | None) -> None:
+    """Checks a request's own ``cache_salt`` (None: it has none): a non-empty string
+    (vLLM refuses an empty one too) of at most ``MAX_CACHE_SALT_CHARS`` characters,
+    valid Unicode (a lone surrogate, which JSON can carry, has no UTF-8 form to hash).
+
+    Raises:
+        InvalidArgument: the message names ``cache_salt`` and what is wrong.
+    """
+    if salt is None:
+        return
+    if not isinstance(salt, str) or not salt:
+        raise InvalidArgument("cache_salt must be a non-empty string when set")
+    if len(salt) > MAX_CACHE_SALT_CHARS:
+        raise InvalidArgument(f"cache_salt has {len(salt)} characters; the limit is {MAX_CACHE_SALT_CHARS}")
+    if not salt.isascii():
+        try:
+            salt.encode("utf-8")
+        except UnicodeEncodeError as exc:
+            message = f"cache_salt is not valid Unicode: a lone surrogate at character {exc.start}"
+            raise InvalidArgument(message) from None
 
 
 def salted_root(root: BlockHash, cache_salt: str) -> BlockHash:
@@ -165,7 +205,9 @@ def salted_root(root: BlockHash, cache_salt: str) -> BlockHash:
     in the scheduler's prefix index, not in the kvstore (whose keys are chain
     hashes). With ``--prefix-cache-scope tenant`` the salt is the tenant's name,
     which closes the timing side channel of a shared prefix cache (a tenant
-    cannot probe whether another sent a prompt). Source: vLLM's ``cache_salt``.
+    cannot probe whether another sent a prompt); a request's own ``cache_salt``
+    closes it between the users of one tenant (``cache_salt``). Source: vLLM's
+    ``cache_salt``.
     """
     return root if not cache_salt else _digest_fields("meshserve-cache-salt-v1", root, cache_salt)
 

@@ -45,13 +45,16 @@ def build_request(
     logprobs: int | None = None,
     prompt_logprobs: int | None = None,
     include_stop_str_in_output: bool = False,
+    cache_salt: str | None = None,
 ) -> gateway_pb2.GenerateRequest:
     """A ``GenerateRequest`` from text, token ids or chat messages ((role, content) pairs).
 
     Sampling arguments left None are not set (the gateway's defaults apply).
     ``include_stop_str_in_output``: a choice a stop string ended keeps it in its text.
+    ``cache_salt``: the request's prefix cache salt (None: none).
     """
-    req = gateway_pb2.GenerateRequest(request_id=request_id, include_stop_str_in_output=include_stop_str_in_output)
+    req = gateway_pb2.GenerateRequest(request_id=request_id, include_stop_str_in_output=include_stop_str_in_output,
+                                      cache_salt=cache_salt)
     if chat is not None:
         req.chat.messages.extend(gateway_pb2.ChatMessage(role=r, content=c) for r, c in chat)
     elif isinstance(prompt, str):

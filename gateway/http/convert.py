@@ -59,7 +59,8 @@ def chat_request(body: ChatCompletionRequest, max_model_len: int, request_id: st
     return GenerationRequest(chat=tuple((_ROLES.get(m.role, m.role), m.text()) for m in body.messages),
                              sampling=_sampling(body, max_tokens, logprobs), priority=body.priority,
                              request_id=request_id, model=body.model, chat_options=_chat_options(body),
-                             include_stop_str_in_output=body.include_stop_str_in_output)
+                             include_stop_str_in_output=body.include_stop_str_in_output,
+                             cache_salt=body.cache_salt)
 
 
 def _chat_options(body: ChatCompletionRequest) -> ChatOptions:
@@ -111,7 +112,8 @@ def completion_requests(body: CompletionRequest, request_id: str) -> list[Genera
         text, ids = (p, None) if isinstance(p, str) else (None, p)
         out.append(GenerationRequest(prompt=text, prompt_token_ids=ids, sampling=params, priority=body.priority,
                                      request_id=rid, model=body.model,
-                                     include_stop_str_in_output=body.include_stop_str_in_output))
+                                     include_stop_str_in_output=body.include_stop_str_in_output,
+                                     cache_salt=body.cache_salt))
     return out
 
 

@@ -91,6 +91,7 @@ class SamplingFields(BaseModel):
     include_stop_str_in_output: StrictBool = False  # vLLM's: the stop string that ended a choice stays in its text
     prompt_logprobs: StrictInt | None = None  # vLLM's: k; each prompt position's logprobs (range: the core's)
     best_of: StrictInt | None = None  # OpenAI's (completions), vLLM's in chat too: refused unless it equals n
+    cache_salt: str | None = None  # vLLM's: salts the prefix cache (checked by the core: non-empty, bounded)
 
     def stop_strings(self) -> tuple[str, ...]:
         """``stop`` as a tuple of strings (one string is one stop string)."""

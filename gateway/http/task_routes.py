@@ -31,6 +31,7 @@ from gateway.http.openai_routes import headers_of
 from gateway.http.schemas import ChatCompletionRequest, CompletionRequest
 from gateway.proto_convert import request_to_proto
 from gateway.task_api import TaskAPI
+from meshserve.block_hash import check_cache_salt
 from meshserve.errors import InvalidArgument
 from meshserve.sampling import validate
 from meshserve.v1 import gateway_pb2
@@ -96,6 +97,7 @@ class TaskRoutes:
             gen = gens[0]
         core = self.tasks.core
         validate(gen.sampling, max_model_len=core.model.max_model_len, vocab_size=core.model.vocab_size)
+        check_cache_salt(gen.cache_salt)  # before the wire, which cannot carry a lone surrogate
         core.prompt_limits.check(gen, core.model.max_model_len)  # also refuses lone surrogates in the prompt
         try:
             message = request_to_proto(gen)

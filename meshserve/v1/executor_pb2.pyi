@@ -8,7 +8,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class ExecuteRequest(_message.Message):
-    __slots__ = ("request_id", "lease_id", "prompt_token_ids", "sampling", "priority", "lease", "tenant")
+    __slots__ = ("request_id", "lease_id", "prompt_token_ids", "sampling", "priority", "lease", "tenant", "cache_salt")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     LEASE_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -16,6 +16,7 @@ class ExecuteRequest(_message.Message):
     PRIORITY_FIELD_NUMBER: _ClassVar[int]
     LEASE_FIELD_NUMBER: _ClassVar[int]
     TENANT_FIELD_NUMBER: _ClassVar[int]
+    CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     lease_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
@@ -23,7 +24,8 @@ class ExecuteRequest(_message.Message):
     priority: int
     lease: bytes
     tenant: str
-    def __init__(self, request_id: _Optional[str] = ..., lease_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., priority: _Optional[int] = ..., lease: _Optional[bytes] = ..., tenant: _Optional[str] = ...) -> None: ...
+    cache_salt: str
+    def __init__(self, request_id: _Optional[str] = ..., lease_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., priority: _Optional[int] = ..., lease: _Optional[bytes] = ..., tenant: _Optional[str] = ..., cache_salt: _Optional[str] = ...) -> None: ...
 
 class ExecuteResponse(_message.Message):
     __slots__ = ("token_ids", "finish_reason", "num_cached_tokens", "index", "logprobs", "prompt_logprobs", "num_kvstore_tokens")

@@ -63,7 +63,7 @@ class TokenIds(_message.Message):
     def __init__(self, ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("prompt", "chat", "prompt_token_ids", "sampling", "priority", "request_id", "callback_url", "model", "include_stop_str_in_output")
+    __slots__ = ("prompt", "chat", "prompt_token_ids", "sampling", "priority", "request_id", "callback_url", "model", "include_stop_str_in_output", "cache_salt")
     PROMPT_FIELD_NUMBER: _ClassVar[int]
     CHAT_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -73,6 +73,7 @@ class GenerateRequest(_message.Message):
     CALLBACK_URL_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     INCLUDE_STOP_STR_IN_OUTPUT_FIELD_NUMBER: _ClassVar[int]
+    CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
     prompt: str
     chat: ChatMessages
     prompt_token_ids: TokenIds
@@ -82,7 +83,8 @@ class GenerateRequest(_message.Message):
     callback_url: str
     model: str
     include_stop_str_in_output: bool
-    def __init__(self, prompt: _Optional[str] = ..., chat: _Optional[_Union[ChatMessages, _Mapping]] = ..., prompt_token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., priority: _Optional[int] = ..., request_id: _Optional[str] = ..., callback_url: _Optional[str] = ..., model: _Optional[str] = ..., include_stop_str_in_output: _Optional[bool] = ...) -> None: ...
+    cache_salt: str
+    def __init__(self, prompt: _Optional[str] = ..., chat: _Optional[_Union[ChatMessages, _Mapping]] = ..., prompt_token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., priority: _Optional[int] = ..., request_id: _Optional[str] = ..., callback_url: _Optional[str] = ..., model: _Optional[str] = ..., include_stop_str_in_output: _Optional[bool] = ..., cache_salt: _Optional[str] = ...) -> None: ...
 
 class QueueUpdate(_message.Message):
     __slots__ = ("position", "estimated_wait_s")

@@ -130,7 +130,7 @@ class StalledAfterAssignment:
         self.assigned.set()
         await asyncio.Event().wait()  # the scheduler has not ended the stream yet
 
-    async def execute(self, assignment, request_id, prompt_token_ids, params, priority, span):
+    async def execute(self, assignment, request_id, prompt_token_ids, params, priority, span, cache_salt=""):
         raise AssertionError("never reached")
         yield  # an async generator
 
@@ -199,7 +199,7 @@ class Streams(StalledAfterAssignment):
     async def admit(self, admission, span):
         yield Assignment("e1", "127.0.0.1:1", "lease-1", 0.0)
 
-    async def execute(self, assignment, request_id, prompt_token_ids, params, priority, span):
+    async def execute(self, assignment, request_id, prompt_token_ids, params, priority, span, cache_salt=""):
         for i in range(self.length):
             yield ExecutorOutput(0, (100 + i,), FinishReason.LENGTH if i == self.length - 1 else None)
 
@@ -242,7 +242,7 @@ class TwoChoices(StalledAfterAssignment):
     async def admit(self, admission, span):
         yield Assignment("e1", "127.0.0.1:1", "lease-1", 0.0)
 
-    async def execute(self, assignment, request_id, prompt_token_ids, params, priority, span):
+    async def execute(self, assignment, request_id, prompt_token_ids, params, priority, span, cache_salt=""):
         for i in range(max(map(len, self.choices))):
             for index, ids in enumerate(self.choices):
                 if i < len(ids):

@@ -65,6 +65,14 @@ def test_chat_options_and_the_stop_string_flag_come_from_the_request_and_go_back
     assert request_from_proto(build_request("Hi")).chat_options == ChatOptions()
 
 
+def test_a_cache_salt_is_carried_and_an_unset_one_stays_unset():
+    assert request_from_proto(build_request("Hi")).cache_salt is None
+    assert request_from_proto(build_request("Hi", cache_salt="")).cache_salt == ""  # set: the core refuses it
+    salted = request_from_proto(build_request("Hi", cache_salt="s1"))
+    assert salted.cache_salt == "s1" and request_to_proto(salted).cache_salt == "s1"
+    assert not request_to_proto(request_from_proto(build_request("Hi"))).HasField("cache_salt")
+
+
 def test_results_are_the_same_message_and_bytes_as_built_by_hand():
     by_hand = gateway_pb2.GenerateResult(
         request_id="r1", finish_reason=common_pb2.FINISH_REASON_LENGTH,

@@ -54,6 +54,14 @@ def test_every_parameter_model_and_prompt_change_the_key():
     assert len(keys) == len(CHANGED) + 5 and key not in keys
 
 
+def test_a_cache_salt_changes_the_key_and_no_salt_keeps_the_documented_one():
+    base = SamplingParams(temperature=0.0)
+    key = cache_key("m", "r1", [1, 2, 3], base, scope="tenant:a")
+    assert cache_key("m", "r1", [1, 2, 3], base, scope="tenant:a", cache_salt="") == key
+    salted = {cache_key("m", "r1", [1, 2, 3], base, scope="tenant:a", cache_salt=s) for s in ("s1", "s2")}
+    assert len(salted) == 2 and key not in salted
+
+
 def test_lru_bound_and_counters():
     cache = ResultCache(max_entries=2, ttl_s=60.0, clock=FakeClock())
     cache.put("a", 1)
@@ -100,3 +108,7 @@ def test_the_key_is_the_documented_sha256_so_gateways_of_other_versions_share_en
     body = json.dumps({"model": f"{ModelFingerprint('m', 'r1').root_hash:x}", "prompt": [1, 2, 3],
                        "sampling": asdict(params), "scope": "tenant:acme"}, sort_keys=True, separators=(",", ":"))
     assert cache_key("m", "r1", (1, 2, 3), params, scope="tenant:acme") == hashlib.sha256(body.encode()).hexdigest()
+    salted = json.dumps({"cache_salt": "s1", "model": f"{ModelFingerprint('m', 'r1').root_hash:x}", "prompt": [1, 2, 3],
+                         "sampling": asdict(params), "scope": "tenant:acme"}, sort_keys=True, separators=(",", ":"))
+    assert cache_key("m", "r1", (1, 2, 3), params, scope="tenant:acme", cache_salt="s1") == \
+        hashlib.sha256(salted.encode()).hexdigest()

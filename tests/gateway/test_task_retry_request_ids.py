@@ -46,7 +46,7 @@ class ExecutorGoesAwayOnce:
     async def admit(self, admission, span):
         yield Assignment("e1", "127.0.0.1:1", f"lease-{len(self.request_ids)}", 0.0)
 
-    async def execute(self, assignment, request_id, prompt_token_ids, params, priority, span):
+    async def execute(self, assignment, request_id, prompt_token_ids, params, priority, span, cache_salt=""):
         self.request_ids.append(request_id)
         if len(self.request_ids) == 1:
             raise Unavailable("executor e1: went away")

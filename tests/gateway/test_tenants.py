@@ -86,6 +86,7 @@ def test_open_mode_everyone_is_default():
         ("", r"\[\[tenants\]\]"),
         ('title = "x"\n[[tenants]]\nname = "a"\napi_keys = ["k"]', "unknown top-level keys"),
         ('[[tenants]]\napi_keys = ["k"]', "'name'"),
+        ('[[tenants]]\nname = "a\\u0000b"\napi_keys = ["k"]', "'name' must not hold a NUL character"),
         ('[[tenants]]\nname = "a"', "'api_keys'"),
         ('[[tenants]]\nname = "a"\napi_keys = []', "'api_keys'"),
         ('[[tenants]]\nname = "a"\napi_keys = [""]', "'api_keys'"),

@@ -25,7 +25,7 @@ import httpx2 as httpx
 from gateway.events import FinishReason, TokenLogprob, TopLogprob
 from gateway.generation import GatewayCore
 from gateway.http.app import create_app
-from gateway.mesh import Assignment, ExecutorOutput
+from gateway.mesh import Admission, Assignment, ExecutorOutput
 from gateway.request import ModelInfo
 from gateway.server import GatewayServicer
 from gateway.task_api import TaskAPI
@@ -60,17 +60,22 @@ def scripted_prompt_logprobs(prompt_token_ids: Sequence[int], k: int) -> tuple[T
 class ScriptedMesh:
     """A ``MeshClient`` that assigns at once and streams ``token_ids`` to every choice,
     one token a message, the last with finish reason ``length`` (a stop string may end
-    a choice before); it records each Execute's prompt ids in ``prompts``."""
+    a choice before); it records each Execute's prompt ids in ``prompts`` and its
+    ``cache_salt`` in ``cache_salts``, and each ``Admission`` in ``admissions``."""
 
     def __init__(self, token_ids: Sequence[int]) -> None:
         self.token_ids = tuple(token_ids)
         self.prompts: list[list[int]] = []
+        self.cache_salts: list[str] = []
+        self.admissions: list[Admission] = []
 
     async def admit(self, admission, span):
+        self.admissions.append(admission)
         yield Assignment("e1", "127.0.0.1:1", "lease-1", 0.0)
 
-    async def execute(self, assignment, request_id, prompt_token_ids, params, priority, span):
+    async def execute(self, assignment, request_id, prompt_token_ids, params, priority, span, cache_salt=""):
         self.prompts.append(list(prompt_token_ids))
+        self.cache_salts.append(cache_salt)
         last = len(self.token_ids) - 1
         k = params.prompt_logprobs
         for i, tid in enumerate(self.token_ids):

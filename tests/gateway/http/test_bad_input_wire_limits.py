@@ -50,7 +50,7 @@ class GrantsAtOnce:
         await asyncio.sleep(0.05)  # on the wire
         yield Assignment("e1", "127.0.0.1:1", lease_id, 0.0)
 
-    async def execute(self, assignment, request_id, prompt_token_ids, params, priority, span):
+    async def execute(self, assignment, request_id, prompt_token_ids, params, priority, span, cache_salt=""):
         await asyncio.Event().wait()
         yield
 
