@@ -61,6 +61,7 @@ ROLES = ("system", "user", "assistant")
 # ``chat_template_kwargs``: how deep its values nest (the chat template's rendering walks them
 # recursively: a few hundred levels exhaust Python's recursion limit)
 MAX_TEMPLATE_KWARGS_DEPTH = 32
+_TOO_DEEP = f"nests deeper than {MAX_TEMPLATE_KWARGS_DEPTH} levels of objects and arrays"
 
 
 def json_depth(value: Any) -> int:
@@ -81,7 +82,7 @@ def check_template_kwargs_depth(kwargs: dict[str, Any]) -> None:
     """Raises ``ValueError`` (the message names no field: each adapter names it as its
     request spells it) when ``kwargs`` nest deeper than ``MAX_TEMPLATE_KWARGS_DEPTH``."""
     if json_depth(kwargs) > MAX_TEMPLATE_KWARGS_DEPTH:
-        raise ValueError(f"nests deeper than {MAX_TEMPLATE_KWARGS_DEPTH} levels of objects and arrays")
+        raise ValueError(_TOO_DEEP)
 
 
 def template_kwargs_text(kwargs: dict[str, Any] | None) -> str:
@@ -107,8 +108,7 @@ def parse_template_kwargs(text: str) -> dict[str, Any]:
         raise InvalidArgument(f"chat_template_kwargs is not valid JSON: {exc.msg} (line {exc.lineno}, column "
                               f"{exc.colno})") from None
     except RecursionError:  # deeper than the parser goes, so deeper than the cap
-        raise InvalidArgument(f"chat_template_kwargs: nests deeper than {MAX_TEMPLATE_KWARGS_DEPTH} levels of "
-                              "objects and arrays") from None
+        raise InvalidArgument(f"chat_template_kwargs: {_TOO_DEEP}") from None
     except ValueError as exc:  # Python's cap on the digits of an int it converts
         raise InvalidArgument(f"chat_template_kwargs is not valid JSON: {exc}") from None
     if not isinstance(kwargs, dict):
