@@ -13,13 +13,9 @@ step gives every scheduled request a share of ``max_num_batched_tokens``:
 With short prefills first on (the default), 2 and 3 run twice: first for the
 prefills with few tokens left, then for the rest (see below).
 
-A prefill chunk is at most ``long_prefill_token_threshold`` tokens when that is
-set and the step has more than one request to serve (vLLM v1's rule of the same
-name; a lone request keeps the whole budget, there is nobody to keep waiting): a
-long prompt then spreads over several steps, and the steps it shares with
-decodes and with short prefills (a prefix-cache hit computes only its uncached
-tail) stay short, as Sarathi-Serve's stall-free batching bounds a step's prefill
-work (Agrawal et al., OSDI '24).
+A prefill chunk may be capped (``long_prefill_token_threshold``), and new
+prefills may wait to be batched with later arrivals (``max_batch_wait_ms``):
+``executor.engine.step_budget`` holds the step's budget and these rules.
 
 Short prefills first (``short_prefill_tokens`` > 0): a step takes its prefills
 in two passes, the short ones first, and a longer one may sit out a few steps for
@@ -47,13 +43,6 @@ waiting request whose next uncached block another running request is computing
 right now waits for it instead of computing it twice (in-flight prefix sharing,
 as SGLang's radix cache does for concurrent requests).
 
-Dynamic batching wait (``max_batch_wait_ms`` > 0, TGI's ``max_waiting_tokens``
-idea in wall-clock form): while the running batch plus the waiting new requests
-leave ``max_num_seqs`` room and their prompt tokens do not fill the step budget,
-new (never preempted) requests are held until the oldest of them has waited
-``max_batch_wait_ms``, never longer; ``hold_deadline`` tells the engine loop when
-to look again.
-
 KV from the kvstore (vLLM's KV connector, WAITING_FOR_REMOTE_KVS): with a
 connector's scheduler half set (``set_kv_connector``,
 ``executor.engine.kv_connector.KVConnectorScheduler``), a new request whose
@@ -74,7 +63,6 @@ from __future__ import annotations
 
 import bisect
 import time
-from dataclasses import dataclass, field
 
 from executor.engine.config import BatchSchedulerConfig
 from executor.engine.kv_cache_manager import KVCacheManager
@@ -83,16 +71,8 @@ from executor.engine.outputs import RequestOutput
 from executor.engine.prefill_order import Admit, count_sit_outs, shorts_only, the_rest
 from executor.engine.request import Request, RequestStatus
 from executor.engine.scheduler_output import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
+from executor.engine.step_budget import StepState, cap_prefill, hold_for_batching, may_chunk
 from executor.engine.stop import check_stop
-
-
-@dataclass
-class _StepState:
-    budget: int
-    scheduled: dict[str, int]    # request id -> tokens this step (insertion order = batch order)
-    preempted: list[str]
-    prefill_cap: int = 0         # most prompt tokens of one request this step (0: no cap)
-    deferred_for_prefix: set[str] = field(default_factory=set)
 
 
 class BatchScheduler:
@@ -204,7 +184,7 @@ class BatchScheduler:
         """Picks this step's batch and allocates its KV slots (see the module doc)."""
         if self.connector is not None:
             self._take_fetches()
-        state = _StepState(self.config.max_num_batched_tokens, {}, [])
+        state = StepState(self.config.max_num_batched_tokens, {}, [])
         if len(self.running) + len(self.waiting) > 1:  # a lone request has nobody to keep waiting
             state.prefill_cap = self.config.long_prefill_token_threshold
         self.hold_deadline = None
@@ -229,7 +209,7 @@ class BatchScheduler:
         return SchedulerOutput(scheduled, sum(state.scheduled.values()), state.preempted, finished, kv_loads,
                                kv_saves)
 
-    def _schedule_prefills(self, state: _StepState, had_running: bool, admit: Admit | None) -> None:
+    def _schedule_prefills(self, state: StepState, had_running: bool, admit: Admit | None) -> None:
         """Running prompts' next chunks, then waiting requests, as ``admit`` (the request,
         its tokens left to compute) says: True takes it, False passes it over, None (waiting
         requests) ends the pass there; ``admit`` None takes all."""
@@ -237,7 +217,7 @@ class BatchScheduler:
         if not state.preempted:
             self._schedule_waiting(state, had_running, admit)
 
-    def _schedule_running(self, state: _StepState, decodes: bool, admit: Admit | None = None) -> None:
+    def _schedule_running(self, state: StepState, decodes: bool, admit: Admit | None = None) -> None:
         for request in list(self.running):
             if state.budget == 0:
                 return
@@ -247,12 +227,12 @@ class BatchScheduler:
                 continue
             if admit is not None and not admit(request, request.num_uncomputed_tokens):
                 continue
-            num_new = min(self._cap_prefill(request.num_uncomputed_tokens, state), state.budget)
+            num_new = min(cap_prefill(request.num_uncomputed_tokens, state), state.budget)
             if self._allocate_or_preempt(request, num_new, state):
                 state.scheduled[request.request_id] = num_new
                 state.budget -= num_new
 
-    def _allocate_or_preempt(self, request: Request, num_new: int, state: _StepState) -> bool:
+    def _allocate_or_preempt(self, request: Request, num_new: int, state: StepState) -> bool:
         """Allocates the request's slots, preempting lower requests until they fit.
 
         Returns:
@@ -265,7 +245,7 @@ class BatchScheduler:
                 return False
         return True
 
-    def _preempt(self, request: Request, state: _StepState) -> None:
+    def _preempt(self, request: Request, state: StepState) -> None:
         self.running.remove(request)
         self.kv.free(request.request_id, keep_hashes=True)
         num_loaded = self.connector.discard_loads(request.request_id) if self.connector is not None else 0
@@ -292,7 +272,7 @@ class BatchScheduler:
                 pending.update(self.kv.pending_block_hashes(request))
         return pending
 
-    def _schedule_waiting(self, state: _StepState, had_running: bool, admit: Admit | None = None) -> None:
+    def _schedule_waiting(self, state: StepState, had_running: bool, admit: Admit | None = None) -> None:
         """Admits waiting requests in order (see the module doc).
 
         In-flight prefix sharing: a request whose next uncached prompt block is
@@ -301,7 +281,7 @@ class BatchScheduler:
         cache a step later instead of computing it again; requests behind it
         may go first. The wait is bounded by the other request's prefill.
         """
-        if self._hold_for_batching(state):
+        if hold_for_batching(self, state):
             return
         pending = self._pending_hashes() if self.waiting else set()
         index = 0
@@ -326,8 +306,8 @@ class BatchScheduler:
                 state.deferred_for_prefix.add(request.request_id)
                 index += 1
                 continue
-            num_new = self._cap_prefill(request.num_tokens - num_hit - num_ext, state)
-            if num_new > state.budget and not self._may_chunk(request, num_new):
+            num_new = cap_prefill(request.num_tokens - num_hit - num_ext, state)
+            if num_new > state.budget and not may_chunk(self.config, request, num_new):
                 return
             num_new = min(num_new, state.budget)
             new_blocks = self.kv.allocate_slots(request.request_id, num_hit + num_ext + num_new, computed_blocks)
@@ -359,41 +339,13 @@ class BatchScheduler:
         token uncomputed like a local hit (0 without a connector)."""
         return self.connector.num_loadable_blocks(request, num_hit_blocks) if self.connector else 0
 
-    def _preempt_lower(self, request: Request, state: _StepState) -> bool:
+    def _preempt_lower(self, request: Request, state: StepState) -> bool:
         """Preempts the lowest running request if its priority is strictly lower than
         ``request``'s (making room for it); returns whether it did."""
         if not self.running or self.running[-1].priority >= request.priority:
             return False
         self._preempt(self.running[-1], state)
         return True
-
-    def _hold_for_batching(self, state: _StepState) -> bool:
-        """Whether new prefills wait this step to be batched with later arrivals (see
-        the module doc); sets ``hold_deadline`` when they do."""
-        wait_s = self.config.max_batch_wait_ms / 1000.0
-        if wait_s <= 0 or not self.waiting or any(r.num_preemptions for r in self.waiting):
-            return False
-        if len(self.running) + len(self.waiting) >= self.config.max_num_seqs:
-            return False
-        if sum(r.num_uncomputed_tokens for r in self.waiting) >= state.budget:
-            return False
-        deadline = min(r.arrival_time for r in self.waiting) + wait_s
-        if self.clock() >= deadline:
-            return False
-        self.hold_deadline = deadline
-        return True
-
-    @staticmethod
-    def _cap_prefill(num_new: int, state: _StepState) -> int:
-        """``num_new`` uncomputed tokens capped at the step's ``prefill_cap`` (a decode's
-        one token is never capped)."""
-        return min(num_new, state.prefill_cap) if state.prefill_cap > 0 else num_new
-
-    def _may_chunk(self, request: Request, num_new: int) -> bool:
-        """Chunked prefill on; or off, but a preempted request longer than the whole
-        budget must recompute in chunks or it would never run again."""
-        return self.config.enable_chunked_prefill or (
-            request.num_preemptions > 0 and num_new > self.config.max_num_batched_tokens)
 
     def _scheduled_request(self, request: Request, num_new: int) -> ScheduledRequest:
         start = request.num_computed_tokens
