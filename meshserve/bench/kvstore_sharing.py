@@ -33,7 +33,7 @@ import numpy as np
 
 from meshserve.bench.shared_prefix import text_token_ids
 from meshserve.block_hash import KVLayout, KVStoreFingerprint, ModelFingerprint
-from meshserve.cli.launcher import free_port
+from meshserve.cli.ports import free_port
 from meshserve.grpc_server import wait_serving
 from meshserve.kvstore_client import KVStoreClient
 from meshserve.model_files import resolve_model

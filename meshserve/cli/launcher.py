@@ -21,7 +21,6 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -30,6 +29,7 @@ from pathlib import Path
 
 from meshserve.certs import has_certs, write_certs
 from meshserve.cli.arglists import last_value, without
+from meshserve.cli.ports import free_port, port_is_free
 from meshserve.cli.stop_order import DRAIN_GRACE_S, PARENT_ENV, stop_in_order, stop_order
 from meshserve.cli.store_check import check_stores, redis_stores, stores_in_env
 from meshserve.cpu_affinity import ENV as CPU_AFFINITY_ENV
@@ -50,25 +50,6 @@ def default_threads_per_executor(executors: int) -> int:
     589 ms with 2 threads against 74 ms with 1.
     """
     return max(1, (len(usable_cpus()) - 1) // max(1, executors))
-
-
-def port_is_free(port: int, host: str = "127.0.0.1") -> bool:
-    """True when a TCP listener could bind ``host:port`` now (as gRPC's servers bind:
-    with SO_REUSEADDR, so the TIME-WAIT connections of a mesh just stopped do not count)."""
-    with socket.socket() as s:
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            s.bind((host, port))
-        except OSError:
-            return False
-        return True
-
-
-def free_port() -> int:
-    """A TCP port free on 127.0.0.1 right now."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @dataclass

@@ -172,7 +172,7 @@ def executor(
 ) -> None:
     """Run one executor: a model replica with its continuous-batching engine."""
     from meshserve.cli import processes
-    from meshserve.cli.launcher import port_is_free
+    from meshserve.cli.ports import port_is_free
 
     tls = tls_settings(tls_cert, tls_key, tls_ca, insecure)  # before the model loads
     setup_logging(log_level)

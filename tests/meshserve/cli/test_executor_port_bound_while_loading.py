@@ -11,7 +11,7 @@ import pytest
 
 import executor.engine.llm_engine as llm_engine
 from meshserve.cli import processes
-from meshserve.cli.launcher import free_port, port_is_free
+from meshserve.cli.ports import free_port, port_is_free
 
 
 async def test_the_executor_holds_its_ports_while_its_model_loads(monkeypatch):

@@ -10,7 +10,7 @@ import pytest
 from typer.testing import CliRunner
 
 from meshserve.cli import app
-from meshserve.cli.launcher import free_port
+from meshserve.cli.ports import free_port
 from meshserve.grpc_server import wait_serving
 from meshserve.tls import PLAINTEXT
 from tests.support.tls import cert_dir

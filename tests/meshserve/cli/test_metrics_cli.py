@@ -8,7 +8,8 @@ import urllib.request
 
 import pytest
 
-from meshserve.cli.launcher import Mesh, MeshConfig, free_port
+from meshserve.cli.launcher import Mesh, MeshConfig
+from meshserve.cli.ports import free_port
 from meshserve.grpc_server import wait_serving
 from tests.support.metrics import samples
 from tests.support.tls import cert_dir, role_tls

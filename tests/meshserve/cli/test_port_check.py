@@ -4,7 +4,7 @@ free, as it is for gRPC's servers, which bind with SO_REUSEADDR."""
 
 import socket
 
-from meshserve.cli.launcher import port_is_free
+from meshserve.cli.ports import port_is_free
 
 
 def test_a_listening_port_is_taken():
