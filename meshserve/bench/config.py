@@ -55,7 +55,7 @@ class BenchConfig:
         compile: the engine's ``--compile`` (engine and mesh): decode steps through
             ``torch.compile`` (``executor.worker.compiled_decode``).
         cpu_affinity: mesh target: pin the launched executors and the other services to
-            cores of their own (``meshserve.cli.launcher.MeshConfig.cpu_affinity``).
+            cores of their own (``meshserve.cli.mesh_config.MeshConfig.cpu_affinity``).
     """
 
     target: str

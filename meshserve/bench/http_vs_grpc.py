@@ -28,7 +28,8 @@ from pathlib import Path
 import httpx2 as httpx
 
 from meshserve.bench.stats import percentile
-from meshserve.cli.launcher import Mesh, MeshConfig
+from meshserve.cli.launcher import Mesh
+from meshserve.cli.mesh_config import MeshConfig
 from meshserve.client import build_request, channel, generate
 from meshserve.v1 import gateway_pb2_grpc
 

@@ -51,7 +51,8 @@ import grpc
 from meshserve.bench.policy_workload import (TENANT_KEYS, Job, JobSpec, Outcome, a_clients, arm_order, call_counts,
                                              latency_stats, log_sigma, make_jobs, ratio, tenants_toml, ttft_stats)
 from meshserve.bench.workload import model_vocabulary
-from meshserve.cli.launcher import Mesh, MeshConfig
+from meshserve.cli.launcher import Mesh
+from meshserve.cli.mesh_config import MeshConfig
 from meshserve.client import build_request, channel, generate_choices
 from meshserve.model_files import resolve_model
 from meshserve.v1 import gateway_pb2_grpc

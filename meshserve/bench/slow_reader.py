@@ -31,7 +31,8 @@ from pathlib import Path
 import grpc
 
 from meshserve.bench.stats import percentile
-from meshserve.cli.launcher import Mesh, MeshConfig
+from meshserve.cli.launcher import Mesh
+from meshserve.cli.mesh_config import MeshConfig
 from meshserve.client import build_request, channel, generate
 from meshserve.grpc_server import CHANNEL_OPTIONS, open_channel
 from meshserve.tls import PLAINTEXT

@@ -29,7 +29,8 @@ from meshserve.bench.loop import RequestResult, checked_result
 from meshserve.bench.target import Target, resolve_dtype
 from meshserve.bench.vllm_target import VLLMTarget
 from meshserve.bench.workload import BenchRequest
-from meshserve.cli.launcher import Mesh, MeshConfig
+from meshserve.cli.launcher import Mesh
+from meshserve.cli.mesh_config import MeshConfig
 from meshserve.cli.options import parse_bytes
 from meshserve.client import build_request, channel, generate
 from meshserve.sampling import SamplingParams

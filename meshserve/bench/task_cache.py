@@ -46,7 +46,8 @@ import redis.asyncio as aioredis
 from prometheus_client.parser import text_string_to_metric_families
 
 from meshserve.bench.stats import percentile
-from meshserve.cli.launcher import Mesh, MeshConfig
+from meshserve.cli.launcher import Mesh
+from meshserve.cli.mesh_config import MeshConfig
 from meshserve.cli.ports import free_port
 from meshserve.client import build_request, channel, generate, get_task, submit_task
 from meshserve.grpc_server import wait_serving

@@ -23,7 +23,8 @@ from dataclasses import replace
 from pathlib import Path
 
 from meshserve.bench import BenchConfig, WorkloadSpec, run_bench
-from meshserve.cli.launcher import Mesh, MeshConfig
+from meshserve.cli.launcher import Mesh
+from meshserve.cli.mesh_config import MeshConfig
 
 
 async def run(opts: argparse.Namespace) -> dict:

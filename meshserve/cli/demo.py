@@ -21,7 +21,8 @@ from rich.live import Live
 from rich.table import Table
 
 from meshserve.bench.stats import percentile
-from meshserve.cli.launcher import Mesh, MeshConfig
+from meshserve.cli.launcher import Mesh
+from meshserve.cli.mesh_config import MeshConfig
 from meshserve.cli.options import show_model_conversion
 from meshserve.client import build_request, channel, generate
 from meshserve.model_files import resolve_model

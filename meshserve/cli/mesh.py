@@ -1,6 +1,6 @@
 """``meshserve up`` (the whole mesh on loopback, one process per service) and ``meshserve demo``.
 
-``up`` turns its flags into a ``meshserve.cli.launcher.MeshConfig`` (``mesh_config``),
+``up`` turns its flags into a ``meshserve.cli.mesh_config.MeshConfig`` (``mesh_config``),
 starts the mesh and waits: Ctrl-C, SIGTERM or SIGHUP stops every service (one during
 start-up, those started so far); a service that exits stops the rest and ``up`` exits
 with code 1. The launcher (gRPC) and the demo are imported when a command runs, so
@@ -27,7 +27,7 @@ from meshserve.cli.options import (ChatTemplateOpt, ExecutorCapacityOpt, Insecur
 from meshserve.cli.store_check import STORE_ENV
 
 if TYPE_CHECKING:
-    from meshserve.cli.launcher import MeshConfig
+    from meshserve.cli.mesh_config import MeshConfig
 
 
 def service_flags(**values) -> list[str]:
@@ -62,7 +62,7 @@ def mesh_config(port: int, executors: int, model: str, dtype: str | None, kv_cac
     neither: plaintext on loopback. ``cpu_affinity``: pin the executors and the other
     services to cores of their own (``MeshConfig.cpu_affinity``).
     """
-    from meshserve.cli.launcher import MeshConfig
+    from meshserve.cli.mesh_config import MeshConfig
 
     args = [*service_flags(dtype=dtype), "--kv-cache-memory", kv_cache_memory, *extra]
     return MeshConfig(port=port, executors=executors, model=model, executor_args=args, tenants_file=tenants,

@@ -11,8 +11,9 @@ import pytest
 from typer.main import get_command
 
 from meshserve.cli import app, main
+from meshserve.cli.launcher import Mesh
 from meshserve.cli.mesh import mesh_config
-from meshserve.cli.launcher import Mesh, MeshConfig
+from meshserve.cli.mesh_config import MeshConfig
 from meshserve.cli.store_check import stores_in_env
 
 COMMANDS = ["scheduler", "executor", "kvstore", "gateway", "up", "demo", "generate", "bench", "sim", "task", "certs"]

@@ -8,7 +8,8 @@ import urllib.request
 
 import pytest
 
-from meshserve.cli.launcher import Mesh, MeshConfig
+from meshserve.cli.launcher import Mesh
+from meshserve.cli.mesh_config import MeshConfig
 from meshserve.cli.ports import free_port
 from meshserve.grpc_server import wait_serving
 from tests.support.metrics import samples

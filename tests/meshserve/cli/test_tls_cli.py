@@ -9,7 +9,8 @@ from typer.testing import CliRunner
 
 from meshserve.certs import ROLES, role_uri
 from meshserve.cli import app
-from meshserve.cli.launcher import Mesh, MeshConfig
+from meshserve.cli.launcher import Mesh
+from meshserve.cli.mesh_config import MeshConfig
 from meshserve.tls import TLSConfig
 from tests.support.tls import cert_dir
 

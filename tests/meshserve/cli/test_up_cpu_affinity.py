@@ -10,7 +10,8 @@ from typer.testing import CliRunner
 
 from meshserve.cli import app
 from meshserve.cli import mesh as mesh_cli
-from meshserve.cli.launcher import Mesh, MeshConfig, default_threads_per_executor
+from meshserve.cli.launcher import Mesh, default_threads_per_executor
+from meshserve.cli.mesh_config import MeshConfig
 from meshserve.client import build_request, channel, generate
 from meshserve.cpu_affinity import format_cpu_list
 from meshserve.v1 import gateway_pb2_grpc

@@ -5,7 +5,8 @@ log line starts with the name of the service that wrote it (``[executor-0] …``
 import time
 
 from meshserve.cli import launcher
-from meshserve.cli.launcher import Mesh, MeshConfig
+from meshserve.cli.launcher import Mesh
+from meshserve.cli.mesh_config import MeshConfig
 from meshserve.log_format import LOG_NAME_ENV
 
 

@@ -16,8 +16,9 @@ import grpc
 import httpx2 as httpx
 import pytest
 
-from meshserve.cli.launcher import Mesh, MeshConfig
+from meshserve.cli.launcher import Mesh
 from meshserve.cli.mesh import mesh_config
+from meshserve.cli.mesh_config import MeshConfig
 from meshserve.grpc_server import LIVENESS_SERVICE
 from meshserve.client import build_request, channel, generate
 from meshserve.v1 import gateway_pb2_grpc

@@ -12,7 +12,8 @@ import time
 
 import pytest
 
-from meshserve.cli.launcher import Mesh, MeshConfig
+from meshserve.cli.launcher import Mesh
+from meshserve.cli.mesh_config import MeshConfig
 from meshserve.cli.stop_signals import StopSignals, start_unless_stopped
 
 
