@@ -71,7 +71,7 @@ from executor.engine.outputs import RequestOutput
 from executor.engine.prefill_order import Admit, count_sit_outs, shorts_only, the_rest
 from executor.engine.request import Request, RequestStatus
 from executor.engine.scheduler_output import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
-from executor.engine.step_budget import StepState, cap_prefill, hold_for_batching, may_chunk
+from executor.engine.step_budget import StepState, batching_hold_deadline, cap_prefill, may_chunk
 from executor.engine.stop import check_stop
 
 
@@ -281,7 +281,9 @@ class BatchScheduler:
         cache a step later instead of computing it again; requests behind it
         may go first. The wait is bounded by the other request's prefill.
         """
-        if hold_for_batching(self, state):
+        deadline = batching_hold_deadline(self.config, self.running, self.waiting, state.budget, self.clock())
+        if deadline is not None:
+            self.hold_deadline = deadline
             return
         pending = self._pending_hashes() if self.waiting else set()
         index = 0

@@ -20,13 +20,13 @@ idea in wall-clock form): while the running batch plus the waiting new requests
 leave ``max_num_seqs`` room and their prompt tokens do not fill the step budget,
 new (never preempted) requests are held until the oldest of them has waited
 ``max_batch_wait_ms``, never longer; ``hold_deadline`` tells the engine loop when
-to look again (``hold_for_batching``).
+to look again (``batching_hold_deadline``).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Callable, Protocol
+from typing import Sequence
 
 from executor.engine.config import BatchSchedulerConfig
 from executor.engine.request import Request
@@ -44,17 +44,6 @@ class StepState:
     deferred_for_prefix: set[str] = field(default_factory=set)
 
 
-class Queues(Protocol):
-    """What the batching hold reads and sets of the batch scheduler
-    (``executor.engine.batch_scheduler.BatchScheduler``)."""
-
-    config: BatchSchedulerConfig
-    running: list[Request]
-    waiting: list[Request]
-    hold_deadline: float | None
-    clock: Callable[[], float]
-
-
 def cap_prefill(num_new: int, state: StepState) -> int:
     """``num_new`` uncomputed tokens capped at the step's ``prefill_cap`` (a decode's
     one token is never capped)."""
@@ -68,18 +57,18 @@ def may_chunk(config: BatchSchedulerConfig, request: Request, num_new: int) -> b
         request.num_preemptions > 0 and num_new > config.max_num_batched_tokens)
 
 
-def hold_for_batching(scheduler: Queues, state: StepState) -> bool:
-    """Whether new prefills wait this step to be batched with later arrivals (see
-    the module doc); sets ``hold_deadline`` when they do."""
-    wait_s = scheduler.config.max_batch_wait_ms / 1000.0
-    if wait_s <= 0 or not scheduler.waiting or any(r.num_preemptions for r in scheduler.waiting):
-        return False
-    if len(scheduler.running) + len(scheduler.waiting) >= scheduler.config.max_num_seqs:
-        return False
-    if sum(r.num_uncomputed_tokens for r in scheduler.waiting) >= state.budget:
-        return False
-    deadline = min(r.arrival_time for r in scheduler.waiting) + wait_s
-    if scheduler.clock() >= deadline:
-        return False
-    scheduler.hold_deadline = deadline
-    return True
+def batching_hold_deadline(config: BatchSchedulerConfig, running: Sequence[Request], waiting: Sequence[Request],
+                           budget: int, now: float) -> float | None:
+    """When new prefills stop waiting to be batched with later arrivals (see the
+    module doc; the clock's seconds), or None when they do not wait this step:
+    no wait configured, nothing waiting, a preempted request among them, the batch
+    full, their prompts filling the ``budget`` (tokens left), or the wait over at ``now``."""
+    wait_s = config.max_batch_wait_ms / 1000.0
+    if wait_s <= 0 or not waiting or any(r.num_preemptions for r in waiting):
+        return None
+    if len(running) + len(waiting) >= config.max_num_seqs:
+        return None
+    if sum(r.num_uncomputed_tokens for r in waiting) >= budget:
+        return None
+    deadline = min(r.arrival_time for r in waiting) + wait_s
+    return deadline if now < deadline else None
