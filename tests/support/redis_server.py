@@ -19,12 +19,7 @@ from typing import Iterator
 
 import pytest
 
-
-def free_port() -> int:
-    """A TCP port free on 127.0.0.1 right now."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from meshserve.cli.ports import free_port
 
 
 class RedisProcess:
