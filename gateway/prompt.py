@@ -51,6 +51,7 @@ from typing import TYPE_CHECKING, Any, Sequence
 
 import jinja2
 
+from gateway.prompt_limits import not_unicode
 from gateway.request import ChatOptions
 from meshserve.errors import InvalidArgument
 
@@ -97,8 +98,10 @@ def parse_template_kwargs(text: str) -> dict[str, Any]:
     template's variables ({} for "").
 
     Raises:
-        InvalidArgument: not JSON, not an object, or nested deeper than
-            ``MAX_TEMPLATE_KWARGS_DEPTH`` (the last two with the HTTP body's messages).
+        InvalidArgument: not JSON, not an object, nested deeper than
+            ``MAX_TEMPLATE_KWARGS_DEPTH``, or holding a lone surrogate (an escape such as
+            ``\\ud800``, which JSON text spells in ASCII; the last three with the HTTP body's
+            messages: the character is counted in ``template_kwargs_text`` of the object).
     """
     if not text:
         return {}
@@ -117,6 +120,11 @@ def parse_template_kwargs(text: str) -> dict[str, Any]:
         check_template_kwargs_depth(kwargs)
     except ValueError as exc:
         raise InvalidArgument(f"chat_template_kwargs: {exc}") from None
+    if "\\u" in text:  # only an escape can carry a lone surrogate here: a raw one was refused with the text
+        try:
+            template_kwargs_text(kwargs).encode("utf-8")
+        except UnicodeEncodeError as exc:
+            raise not_unicode("chat_template_kwargs", exc) from None
     return kwargs
 
 

@@ -129,3 +129,24 @@ async def test_include_stop_str_in_output_over_grpc_returns_the_stop_string(toke
     if include:  # one delta of its own, with no token ids, right before the result
         assert (deltas[-1].text, list(deltas[-1].token_ids)) == (".", [])
         assert responses[-2].delta == deltas[-1]
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ('{"mood": "\\ud800"}', "chat_template_kwargs is not valid Unicode: a lone surrogate at character 10"),
+    ('{"\\udfff": 1, "a": "ok"}', "chat_template_kwargs is not valid Unicode: a lone surrogate at character 13"),
+])
+async def test_template_kwargs_with_a_lone_surrogate_escape_are_refused_as_the_http_route_refuses_them(
+        tokenizer, monkeypatch, kwargs, message):
+    # JSON text can spell a lone surrogate as an escape, which proto's UTF-8 check lets through; the HTTP
+    # route refuses the same object with this message (its character: in the object's sorted JSON)
+    monkeypatch.setattr(tokenizer, "chat_template", NAMED_TEMPLATE)
+    mesh = ScriptedMesh(())
+    async with gateway_clients(tokenizer, mesh) as (http, stub):
+        r = await http.post("/v1/chat/completions", content=json.dumps({"messages": [QUESTION],
+                                                                        "chat_template_kwargs": json.loads(kwargs)}),
+                            headers={"content-type": "application/json"})
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await generate(stub, grpc_request([QUESTION], chat_template_kwargs=kwargs))
+    assert (r.status_code, r.json()["error"]["message"]) == (400, message)
+    assert (err.value.code(), err.value.details()) == (grpc.StatusCode.INVALID_ARGUMENT, message)
+    assert mesh.prompts == []
