@@ -143,10 +143,11 @@ class PromptBuilder:
         added = {i for i, t in tokenizer.added_tokens_decoder.items() if t.special}
         self.special_token_ids: frozenset[int] = frozenset(tokenizer.all_special_ids) | added
         # template kwargs that would not reach the template as variables: apply_chat_template's own
-        # parameters (``tokenize``, ``return_dict``…) and what it passes itself (``messages``)
+        # parameters (``tokenize``, ``return_dict``…, and ``self``, which a bound method's signature
+        # leaves out) and what it passes itself (``messages``)
         own = inspect.signature(tokenizer.apply_chat_template).parameters
         self.reserved_template_kwargs: frozenset[str] = frozenset(
-            name for name, p in own.items() if p.kind not in (p.VAR_KEYWORD, p.VAR_POSITIONAL)) | {"messages"}
+            name for name, p in own.items() if p.kind not in (p.VAR_KEYWORD, p.VAR_POSITIONAL)) | {"messages", "self"}
         self._lock = threading.Lock()
 
     def from_request(self, request: GenerationRequest) -> list[int]:

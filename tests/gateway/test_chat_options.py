@@ -78,6 +78,9 @@ def test_the_default_template_ignores_names(tokenizer, builder):
     ([QUESTION], ChatOptions(template_kwargs='{"messages": []}'),
      "chat_template_kwargs.messages is not a template variable meshserve passes on (it is a parameter of the "
      "rendering itself, or the messages)"),
+    ([QUESTION], ChatOptions(template_kwargs='{"self": 1}'),  # was a TypeError: "got multiple values for 'self'"
+     "chat_template_kwargs.self is not a template variable meshserve passes on (it is a parameter of the "
+     "rendering itself, or the messages)"),
     ([QUESTION], ChatOptions(template_kwargs='[1]'), "chat_template_kwargs: Input should be an object"),
     ([QUESTION], ChatOptions(template_kwargs='{"a": '), "chat_template_kwargs is not valid JSON: Expecting value "
      "(line 1, column 7)"),
