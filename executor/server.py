@@ -86,6 +86,8 @@ class ExecutorServicer(executor_pb2_grpc.ExecutorServicer):
         # the scheduler routes here once it registered us; its RegisterAck, with the key,
         # may still be on its way on the Connect stream (seen on a loaded host): wait for it
         await self.leases.wait_for_key(LEASE_KEY_WAIT_S)
+        if self.refusal:  # the drain ended while this call waited for the key
+            raise Unavailable(self.refusal)
         claims = self.leases.verify(request.lease, request.request_id, request.tenant)  # PERMISSION_DENIED
         engine_id = scoped_request_id(request.tenant, request.request_id)
         if engine_id in self.active_leases:
