@@ -1,8 +1,9 @@
 """The gateway core: one request from validation to its last token, with no transport.
 
 ``GatewayCore`` owns what a request needs besides its caller: the mesh client
-(scheduler Admit/Release, executor Execute; ``gateway.mesh``), the prompt builder
-over the tokenizer, the request ids in flight, the result cache and the metrics.
+(scheduler Admit/Release, executor Execute; ``gateway.mesh``), the request
+preparation (``gateway.preparation``: checks, the prompt builder over the tokenizer,
+the request ids in flight), the result cache and the metrics.
 It takes plain data (``gateway.request.GenerationRequest``, a ``Tenant``) and
 yields plain events (``gateway.events``): ``Queued``, ``Delta``, ``ChoiceResult``.
 Errors are raised, never yielded: ``meshserve.errors.MeshError`` subclasses
@@ -25,10 +26,7 @@ will never run. Cancellation is the adapter's: it cancels the task iterating (or
 closes the iterator); the core's ``finally`` blocks cancel the executor call (the
 engine frees the request's blocks), release the lease, free the request id, end the
 span and observe the metrics exactly once. A request whose id is held by one that is
-ending (releasing its lease: its caller went away or got its last message) waits for
-that end, at most ``ENDING_WAIT_S``, instead of being refused: a retry under the same
-id right after a cancel or a deadline is served (one under the id of a request still
-running after ``RUNNING_GRACE_S`` is refused).
+ending waits for that end instead of being refused (``gateway.preparation``).
 
 Spans (OpenTelemetry, ``meshserve.trace_attributes``): one per request,
 ``"{operation} {model}"``, child of ``SpanOptions.parent``; its context travels to
@@ -37,7 +35,6 @@ the scheduler and executor in the mesh client's calls.
 
 from __future__ import annotations
 
-import asyncio
 import time
 import uuid
 from contextlib import aclosing
@@ -45,33 +42,28 @@ from typing import AsyncIterator, Awaitable, Callable
 
 from opentelemetry import trace
 
-from gateway.choices import Choice, RequestTimer
+from gateway.choices import Choice
 from gateway.collector import ChoiceCollector, CompletedChoice, replay
 from gateway.events import ChoiceResult, Delta, Event, FinishReason, Queued
 from gateway.lease_renewal import LeaseActivity, renewing
 from gateway.mesh import Admission, Assignment, MeshClient, RefusedByMesh
-from gateway.metrics import GatewayMetrics, RequestMetrics
+from gateway.metrics import GatewayMetrics
+from gateway.preparation import RequestPreparer
 from gateway.prompt import PromptBuilder
 from gateway.prompt_limits import PromptLimits
 from gateway.prompt_memo import PromptMemo
 from gateway.request import GenerationRequest, ModelInfo, Prepared, SpanOptions
-from gateway.result_cache import ResultCache, cache_key, is_deterministic
+from gateway.result_cache import ResultCache
 from gateway.result_store import Coalescer, MemoryResultStore, ResultStore
 from gateway.running import RunningRequests
 from gateway.tenants import Tenant
 from meshserve import trace_attributes as ta
-from meshserve.block_hash import cache_salt, check_cache_salt, routing_block_hashes
+from meshserve.block_hash import cache_salt, routing_block_hashes
 from meshserve.errors import (AlreadyExists, InvalidArgument, MeshError, NotFound, ResourceExhausted,
                               Unavailable)
-from meshserve.request_ids import check_request_id, scoped_request_id
-from meshserve.sampling import INT32_MAX, INT32_MIN, validate
 from meshserve.telemetry import record_error, tracer
 
 _tracer = tracer(__name__)
-ENDING_WAIT_S = 10.0
-"""Longest a request waits for an ending one under its id (its lease's Release: at most 5 s)."""
-RUNNING_GRACE_S = 0.25
-"""How long a request under the id of a running one waits for that one to begin ending."""
 # The errors with which the scheduler's Admit refuses a request before granting anything:
 # its caller-facing codes, and its PERMISSION_DENIED or UNAUTHENTICATED, which the mesh
 # client raises as ``RefusedByMesh``. A plain UNAVAILABLE is not one of them: a lost
@@ -111,8 +103,8 @@ class GatewayCore:
             hashes are salted as they salt their chains (``meshserve.block_hash.cache_salt``:
             with the request's own ``cache_salt``, which travels to the executor).
 
-    Request ids in flight are kept per tenant (``meshserve.request_ids``): one
-    tenant's id never collides with, nor reveals, another's.
+    Its request preparation: ``preparer`` (``gateway.preparation.RequestPreparer``:
+    checks, prompt ids, the request ids in flight, per tenant).
     """
 
     def __init__(self, tokenizer, model: ModelInfo, mesh: MeshClient, hash_block_size: int = 16,
@@ -133,8 +125,8 @@ class GatewayCore:
         self.prompt_limits = prompt_limits or PromptLimits()
         cache_salt(prefix_cache_scope, "")  # validates
         self.prefix_cache_scope = prefix_cache_scope
-        self._in_flight: set[str] = set()  # scoped request ids of unfinished requests
-        self._ending: dict[str, asyncio.Event] = {}  # those releasing their lease: set when the id is free
+        self.preparer = RequestPreparer(model, self.prompts, self.prompt_memo, self.prompt_limits, self.metrics,
+                                        cache_results=result_cache is not None)
         self.running = RunningRequests()  # the callers' streams, which a stopping gateway ends (gateway.running)
 
     async def close(self) -> None:
@@ -149,147 +141,26 @@ class GatewayCore:
         (``time.monotonic()`` s; None: now). On an error its metrics end with it.
 
         Raises:
-            AlreadyExists: the request id is in use by an unfinished request.
-            ModelNotFound: ``request.model`` is not one of the served names (``ModelInfo.names``).
-            InvalidArgument: a bad parameter or prompt (the message names it).
+            AlreadyExists, ModelNotFound, InvalidArgument: as ``RequestPreparer.prepare``.
         """
-        timer, priority, metrics = self._start(request, tenant, received_at)
-        try:
-            request_id = self._check_before_tokenizing(request, tenant.name)
-            return self._prepare(request, request_id, tenant, priority, metrics, timer,
-                                 self.prompt_memo.lookup(request) or self.prompt_memo.build(request))
-        except BaseException as exc:
-            metrics.end(time.monotonic(), exc)
-            raise
+        return self.preparer.prepare(request, tenant, received_at)
 
     async def prepare_async(self, request: GenerationRequest, tenant: Tenant,
                             received_at: float | None = None) -> Prepared:
-        """``prepare`` with the tokenization and chat templating in a worker thread, so a
-        huge prompt never stalls the event loop (other callers, health checks). The size
-        limits are checked before, on the loop (cheap). Raises as ``prepare``."""
-        timer, priority, metrics = self._start(request, tenant, received_at)
-        try:
-            if request.request_id:
-                await self._wait_ending(scoped_request_id(tenant.name, request.request_id))
-            request_id = self._check_before_tokenizing(request, tenant.name)
-            return self._prepare(request, request_id, tenant, priority, metrics, timer,
-                                 await self._build_prompt(request))
-        except BaseException as exc:
-            metrics.end(time.monotonic(), exc)
-            raise
+        """``prepare`` with the tokenization and chat templating in a worker thread
+        (``RequestPreparer.prepare_async``). Raises as ``prepare``."""
+        return await self.preparer.prepare_async(request, tenant, received_at)
 
     async def prompt_ids(self, request: GenerationRequest, add_special_tokens: bool = True) -> list[int]:
-        """The prompt ids ``prepare_async`` gives ``request`` (the same checks before
-        tokenizing, the same prompt memo and builder, in a worker thread), without
-        preparing it: no request id, no tenant, no metrics, and no check against
-        ``max_model_len`` (``POST /tokenize`` reports the count beside it).
-        ``add_special_tokens`` False: a raw ``prompt`` without what the tokenizer's
-        post-processor adds (``PromptBuilder.from_text``; not remembered); a chat's
-        special tokens come from its template either way.
-
-        Raises:
-            ModelNotFound: ``request.model`` is not one of the served names.
-            InvalidArgument: a prompt over a size limit, or as ``PromptBuilder.from_request``.
-        """
-        self._check_prompt(request)
-        if not add_special_tokens and request.prompt is not None and len(request.input_kinds) == 1:
-            return await asyncio.to_thread(self.prompts.from_text, request.prompt, add_special_tokens=False)
-        return await self._build_prompt(request)
-
-    async def _build_prompt(self, request: GenerationRequest) -> list[int]:
-        """The request's prompt ids: remembered (a repeated prompt: no thread, no tokenizer), else
-        built in a worker thread. Raises ``InvalidArgument`` as ``PromptBuilder.from_request``."""
-        prompt_ids = self.prompt_memo.lookup(request)
-        if prompt_ids is None:
-            prompt_ids = await asyncio.to_thread(self.prompt_memo.build, request)
-        return prompt_ids
-
-    async def _wait_ending(self, scoped_id: str) -> None:
-        """Waits, at most ``ENDING_WAIT_S``, until the request ending under ``scoped_id``
-        (if any) has ended. One still running is given ``RUNNING_GRACE_S`` to begin its
-        end (a caller whose deadline passed retries before the gateway has seen it pass),
-        then not waited for (``AlreadyExists`` follows)."""
-        loop = asyncio.get_running_loop()
-        grace_end = loop.time() + RUNNING_GRACE_S
-        while scoped_id in self._in_flight and scoped_id not in self._ending and loop.time() < grace_end:
-            await asyncio.sleep(0.01)
-        ending = self._ending.get(scoped_id)
-        if ending is not None:
-            try:
-                await asyncio.wait_for(ending.wait(), ENDING_WAIT_S)
-            except TimeoutError:
-                pass
-
-    def _start(self, request: GenerationRequest, tenant: Tenant, received_at: float | None):
-        """The request's timer, priority (the tenant's default, under its ceiling) and metrics."""
-        if request.priority is not None and not INT32_MIN <= request.priority <= INT32_MAX:
-            raise InvalidArgument(f"priority must be in [{INT32_MIN}, {INT32_MAX}], got {request.priority}")
-        timer = RequestTimer(received_at)
-        priority = request.priority if request.priority is not None else tenant.default_priority
-        if tenant.max_priority is not None:
-            priority = min(priority, tenant.max_priority)
-        return timer, priority, self.metrics.start(tenant.name, priority, timer.start)
-
-    def _check_before_tokenizing(self, request: GenerationRequest, tenant: str) -> str:
-        """The request id (the caller's or a new one) after the checks that need no tokenizer.
-
-        Raises:
-            InvalidArgument: an id too long, a bad ``cache_salt``, a prompt over a size limit.
-            AlreadyExists, ModelNotFound: as ``prepare``.
-        """
-        request_id = request.request_id or uuid.uuid4().hex
-        check_request_id(request_id)
-        check_cache_salt(request.cache_salt)
-        if scoped_request_id(tenant, request_id) in self._in_flight:
-            raise AlreadyExists(f"request_id {request_id!r} is already in use by an unfinished request")
-        self._check_prompt(request)
-        return request_id
-
-    def _check_prompt(self, request: GenerationRequest) -> None:
-        """The model and the prompt's size, before anything is tokenized (cheap: on the loop).
-
-        Raises:
-            ModelNotFound: ``request.model`` is not one of the served names.
-            InvalidArgument: a prompt over a size limit (``gateway.prompt_limits``).
-        """
-        if request.model is not None:
-            self.model.check_served(request.model)
-        self.prompt_limits.check(request, self.model.max_model_len)
-
-    def _prepare(self, request: GenerationRequest, request_id: str, tenant: Tenant, priority: int,
-                 metrics: RequestMetrics, timer: RequestTimer, prompt_ids: list[int]) -> Prepared:
-        if scoped_request_id(tenant.name, request_id) in self._in_flight:  # claimed while it was tokenized
-            raise AlreadyExists(f"request_id {request_id!r} is already in use by an unfinished request")
-        params = validate(request.sampling, max_model_len=self.model.max_model_len, vocab_size=self.model.vocab_size)
-        if len(prompt_ids) + 1 > self.model.max_model_len:
-            raise InvalidArgument(
-                f"prompt has {len(prompt_ids)} tokens; max_model_len is {self.model.max_model_len} "
-                "(prompt + at least 1 output token)"
-            )
-        metrics.num_prompt_tokens = len(prompt_ids)
-        key = None
-        salt = request.cache_salt or ""
-        if self.result_cache is not None and is_deterministic(params):
-            key = cache_key(self.model.model_id, self.model.revision, prompt_ids, params, scope=tenant.cache_scope,
-                            cache_salt=salt)
-        self._in_flight.add(scoped_request_id(tenant.name, request_id))
-        return Prepared(request_id, tenant.name, ta.operation_name(request.input_kind), prompt_ids, params, priority,
-                        metrics, timer, key, include_stop_str_in_output=request.include_stop_str_in_output,
-                        cache_salt=salt)
+        """The prompt ids ``prepare_async`` gives ``request``, without preparing it
+        (``RequestPreparer.prompt_ids``: ``POST /tokenize``). Raises as that."""
+        return await self.preparer.prompt_ids(request, add_special_tokens)
 
     def end(self, prepared: Prepared, error: BaseException | None = None) -> None:
         """Ends a prepared request: observes its metrics (``error``: what ended it) and
-        frees its request id. ``run`` and ``generate`` call it; an adapter calls it for
-        a prepared request it will not run. Only the first call counts."""
-        if prepared.ended:
-            return
-        prepared.ended = True
-        prepared.metrics.end(time.monotonic(), error)
-        scoped_id = scoped_request_id(prepared.tenant, prepared.request_id)
-        self._in_flight.discard(scoped_id)
-        ending = self._ending.pop(scoped_id, None)
-        if ending is not None:
-            ending.set()
+        frees its request id (``RequestPreparer.end``). ``run`` and ``generate`` call it;
+        an adapter calls it for a prepared request it will not run. Only the first call counts."""
+        self.preparer.end(prepared, error)
 
     async def generate(self, request: GenerationRequest, tenant: Tenant, options: SpanOptions = SpanOptions(),
                        received_at: float | None = None) -> AsyncIterator[Event]:
@@ -468,7 +339,7 @@ class GatewayCore:
             raise
         finally:
             if assignment is not None or not answered:  # the id is ending: a retry under it waits, not refused
-                self._ending.setdefault(scoped_request_id(p.tenant, p.request_id), asyncio.Event())
+                self.preparer.mark_ending(p)
             if assignment is not None:
                 generated = p.num_generated_tokens if choices else None
                 await self.mesh.release(assignment.lease_id, generated, finished, span)

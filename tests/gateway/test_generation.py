@@ -14,9 +14,10 @@ import pytest
 import pytest_asyncio
 
 from gateway.events import ChoiceResult, Delta, FinishReason, Queued
-from gateway.generation import RUNNING_GRACE_S, GatewayCore
+from gateway.generation import GatewayCore
 from gateway.mesh import Assignment, ExecutorOutput, RefusedByMesh
 from gateway.mesh_client import GrpcMeshClient
+from gateway.preparation import RUNNING_GRACE_S
 from gateway.request import GenerationRequest, ModelInfo, SpanOptions
 from gateway.result_cache import ResultCache, cache_key
 from gateway.tenants import Tenant

@@ -49,7 +49,7 @@ async def core(tokenizer):
 ])
 async def test_oversized_requests_are_refused_with_the_field_and_its_cap(core, request_, message):
     """C37: 100,000 messages and oversized prompts: INVALID_ARGUMENT naming the field and
-    its cap, checked before tokenization (``GatewayCore._check_before_tokenizing``)."""
+    its cap, checked before tokenization (``RequestPreparer._check_before_tokenizing``)."""
     with pytest.raises(InvalidArgument) as info:
         await core.prepare_async(request_, ACME)
     assert str(info.value) == message
