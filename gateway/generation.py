@@ -1,14 +1,15 @@
 """The gateway core: one request from validation to its last token, with no transport.
 
-``GatewayCore`` owns what a request needs besides its caller: the mesh client
-(scheduler Admit/Release, executor Execute; ``gateway.mesh``), the request
+``GatewayCore`` owns what a request needs besides its caller: the request
 preparation (``gateway.preparation``: checks, the prompt builder over the tokenizer,
-the request ids in flight), the result cache and the metrics.
-It takes plain data (``gateway.request.GenerationRequest``, a ``Tenant``) and
-yields plain events (``gateway.events``): ``Queued``, ``Delta``, ``ChoiceResult``.
-Errors are raised, never yielded: ``meshserve.errors.MeshError`` subclasses
-(``InvalidArgument``, ``AlreadyExists``, ``NotFound``, ``Unavailable``, the
-scheduler's and executors' codes), each adapter mapping them to its own status.
+the request ids in flight), the run on the mesh (``gateway.mesh_run``: scheduler
+Admit/Release, executor Execute through the mesh client, ``gateway.mesh``), the
+result cache and the metrics. It takes plain data
+(``gateway.request.GenerationRequest``, a ``Tenant``) and yields plain events
+(``gateway.events``): ``Queued``, ``Delta``, ``ChoiceResult``. Errors are raised,
+never yielded: ``meshserve.errors.MeshError`` subclasses (``InvalidArgument``,
+``AlreadyExists``, ``NotFound``, ``Unavailable``, the scheduler's and executors'
+codes), each adapter mapping them to its own status.
 
 How an adapter drives it (the gRPC servicer in ``gateway.server``, the task API
 in ``gateway.task_api``; an HTTP adapter would do the same)::
@@ -36,17 +37,15 @@ the scheduler and executor in the mesh client's calls.
 from __future__ import annotations
 
 import time
-import uuid
 from contextlib import aclosing
-from typing import AsyncIterator, Awaitable, Callable
+from typing import AsyncIterator
 
 from opentelemetry import trace
 
-from gateway.choices import Choice
 from gateway.collector import ChoiceCollector, CompletedChoice, replay
-from gateway.events import ChoiceResult, Delta, Event, FinishReason, Queued
-from gateway.lease_renewal import LeaseActivity, renewing
-from gateway.mesh import Admission, Assignment, MeshClient, RefusedByMesh
+from gateway.events import ChoiceResult, Delta, Event, FinishReason
+from gateway.mesh import MeshClient
+from gateway.mesh_run import MeshRunner, OnAssigned, finish_reasons, refused_for_now
 from gateway.metrics import GatewayMetrics
 from gateway.preparation import RequestPreparer
 from gateway.prompt import PromptBuilder
@@ -58,31 +57,9 @@ from gateway.result_store import Coalescer, MemoryResultStore, ResultStore
 from gateway.running import RunningRequests
 from gateway.tenants import Tenant
 from meshserve import trace_attributes as ta
-from meshserve.block_hash import cache_salt, routing_block_hashes
-from meshserve.errors import (AlreadyExists, InvalidArgument, MeshError, NotFound, ResourceExhausted,
-                              Unavailable)
 from meshserve.telemetry import record_error, tracer
 
 _tracer = tracer(__name__)
-# The errors with which the scheduler's Admit refuses a request before granting anything:
-# its caller-facing codes, and its PERMISSION_DENIED or UNAUTHENTICATED, which the mesh
-# client raises as ``RefusedByMesh``. A plain UNAVAILABLE is not one of them: a lost
-# connection is UNAVAILABLE too, and the Assignment may have been written before it broke.
-_ADMIT_REFUSALS = (InvalidArgument, AlreadyExists, ResourceExhausted, NotFound, RefusedByMesh)
-
-OnAssigned = Callable[[], Awaitable[None]]
-
-
-def refused_for_now(error: BaseException | None, prepared: Prepared) -> bool:
-    """Whether a run ended with the scheduler's refusal that carries a retry delay
-    (RESOURCE_EXHAUSTED: a rate limit, a full queue, displaced) before any executor
-    was assigned: asking again later may succeed."""
-    return isinstance(error, ResourceExhausted) and error.retry_after_s is not None and not prepared.timer.assigned
-
-
-def _reasons(choices) -> list[str]:
-    """``gen_ai.response.finish_reasons`` of choices (or results), in order."""
-    return ta.finish_reasons([c.finish_reason.value if c.finish_reason else None for c in choices])
 
 
 class GatewayCore:
@@ -103,8 +80,9 @@ class GatewayCore:
             hashes are salted as they salt their chains (``meshserve.block_hash.cache_salt``:
             with the request's own ``cache_salt``, which travels to the executor).
 
-    Its request preparation: ``preparer`` (``gateway.preparation.RequestPreparer``:
-    checks, prompt ids, the request ids in flight, per tenant).
+    Its parts: ``preparer`` (``gateway.preparation.RequestPreparer``: checks, prompt
+    ids, the request ids in flight, per tenant) and ``runner``
+    (``gateway.mesh_run.MeshRunner``: admission, the executor's stream, the lease).
     """
 
     def __init__(self, tokenizer, model: ModelInfo, mesh: MeshClient, hash_block_size: int = 16,
@@ -113,8 +91,6 @@ class GatewayCore:
                  prefix_cache_scope: str = "tenant"):
         self.tokenizer = tokenizer
         self.model = model
-        self.mesh = mesh
-        self.hash_block_size = hash_block_size
         if isinstance(result_cache, ResultCache):
             result_cache = MemoryResultStore(result_cache)
         self.result_cache = result_cache
@@ -123,11 +99,16 @@ class GatewayCore:
         self.prompts = PromptBuilder(tokenizer)
         self.prompt_memo = PromptMemo(self.prompts)
         self.prompt_limits = prompt_limits or PromptLimits()
-        cache_salt(prefix_cache_scope, "")  # validates
-        self.prefix_cache_scope = prefix_cache_scope
         self.preparer = RequestPreparer(model, self.prompts, self.prompt_memo, self.prompt_limits, self.metrics,
                                         cache_results=result_cache is not None)
+        self.runner = MeshRunner(mesh, tokenizer, model, hash_block_size, prefix_cache_scope,
+                                 self.preparer.mark_ending)
         self.running = RunningRequests()  # the callers' streams, which a stopping gateway ends (gateway.running)
+
+    @property
+    def mesh(self) -> MeshClient:
+        """The mesh client (the runner's)."""
+        return self.runner.mesh
 
     async def close(self) -> None:
         """Closes the mesh client's and the result store's connections."""
@@ -250,7 +231,7 @@ class GatewayCore:
         span.set_attributes({ta.REQUEST_ID: p.request_id, ta.TENANT: p.tenant, ta.PRIORITY: p.priority,
                              ta.USAGE_INPUT_TOKENS: len(p.prompt_ids), **ta.sampling_attributes(p.params)})
         if p.cache_key is None:
-            async with aclosing(self._generate(p, span, on_assigned)) as events:
+            async with aclosing(self.runner.run(p, span, on_assigned)) as events:
                 async for event in events:
                     yield event
             return
@@ -261,7 +242,7 @@ class GatewayCore:
                     yield event
                 return
             collector = ChoiceCollector()
-            async with aclosing(self._generate(p, span, on_assigned)) as events:
+            async with aclosing(self.runner.run(p, span, on_assigned)) as events:
                 async for event in events:
                     collector.feed(event)
                     yield event
@@ -284,100 +265,4 @@ class GatewayCore:
         yield from replay(cached, p.request_id, p.timer.start)
         span.set_attributes({ta.USAGE_OUTPUT_TOKENS: num_tokens, ta.RESPONSE_ID: p.request_id,
                              ta.RESPONSE_MODEL: self.model.model_id,
-                             ta.RESPONSE_FINISH_REASONS: _reasons([c.result for c in cached])})
-
-    def _admission(self, p: Prepared) -> Admission:
-        hashes: tuple[bytes, ...] = ()
-        if self.hash_block_size > 0:
-            hashes = tuple(routing_block_hashes(p.prompt_ids, self.hash_block_size, self.model.model_id,
-                                                self.model.revision,
-                                                cache_salt=cache_salt(self.prefix_cache_scope, p.tenant,
-                                                                      p.cache_salt)))
-        return Admission(p.request_id, p.tenant, p.priority, len(p.prompt_ids), p.params.max_tokens,
-                         self.model.model_id, p.params.n, hashes, self.hash_block_size, uuid.uuid4().hex)
-
-    async def _generate(self, p: Prepared, span: trace.Span, on_assigned: OnAssigned | None
-                        ) -> AsyncIterator[Queued | Delta | ChoiceResult]:
-        """Admission (queue updates), then the executor's stream; the lease is released
-        however it ends once the scheduler sent it (also while its Admit stream is still
-        ending), with the tokens generated so far (charged to the tenant however the
-        request ended; they teach the predictor when every choice finished). When admission
-        ends without an assignment other than by the scheduler's refusal (the caller went
-        away, a deadline, the connection lost), the lease id the admission proposed is
-        released too: the scheduler may have granted it with the assignment still on
-        its way."""
-        assignment, queued, finished, answered = None, False, False, False
-        choices: list[Choice] = []
-        admission = self._admission(p)
-        try:
-            async with aclosing(self.mesh.admit(admission, span)) as events:
-                async for event in events:
-                    if isinstance(event, Queued):
-                        if not queued:  # the position at which it joined the queue
-                            queued = True
-                            span.set_attribute(ta.QUEUE_POSITION, event.position)
-                        yield event
-                    else:
-                        assignment = event
-            answered = True  # the Admit stream ended: what was granted, if anything, is in `assignment`
-            if assignment is None:
-                raise Unavailable("scheduler ended admission without an assignment")
-            p.timer.assigned = time.monotonic()
-            p.metrics.assigned(p.timer.assigned)
-            span.set_attributes({ta.EXECUTOR_ID: assignment.executor_id, ta.QUEUE_WAIT_S: assignment.queue_s})
-            choices = [Choice(i, self.tokenizer, p.prompt_ids, p.params.stop) for i in range(p.params.n)]
-            async with renewing(self.mesh, assignment, span) as activity:
-                if on_assigned is not None:
-                    await on_assigned()
-                async with aclosing(self._execute(p, assignment, choices, span, activity)) as events:
-                    async for event in events:
-                        yield event
-            finished = True
-        except MeshError as exc:
-            if assignment is None and isinstance(exc, _ADMIT_REFUSALS):  # refused: the scheduler holds nothing for it
-                answered = True
-            raise
-        finally:
-            if assignment is not None or not answered:  # the id is ending: a retry under it waits, not refused
-                self.preparer.mark_ending(p)
-            if assignment is not None:
-                generated = p.num_generated_tokens if choices else None
-                await self.mesh.release(assignment.lease_id, generated, finished, span)
-            elif not answered:  # given up mid-admission: a grant may be on its way, under the proposed id
-                await self.mesh.release(admission.lease_id, None, False, span)
-
-    async def _execute(self, p: Prepared, assignment: Assignment, choices: list[Choice],
-                       span: trace.Span, activity: LeaseActivity) -> AsyncIterator[Delta | ChoiceResult]:
-        """The executor's outputs through each choice's detokenizer and stop strings
-        (each one touches ``activity``: the lease needs no renewal call meanwhile);
-        the call is cancelled (closed) once every choice is done."""
-        timer, rm = p.timer, p.metrics
-        outputs = self.mesh.execute(assignment, p.request_id, p.prompt_ids, p.params, p.priority, span,
-                                    cache_salt=p.cache_salt)
-        async with aclosing(outputs):
-            async for out in outputs:
-                activity.touch()
-                if not 0 <= out.index < len(choices):
-                    raise Unavailable(f"executor {assignment.executor_id} sent choice {out.index} of {p.params.n}")
-                choice = choices[out.index]
-                p.num_generated_tokens += len(out.token_ids)  # charged to the tenant, cut or not
-                if choice.done:
-                    continue  # cut by a stop string; the executor runs it until all choices end
-                now = time.monotonic()
-                if out.token_ids and not timer.first_token:
-                    timer.first_token = now
-                    span.add_event(ta.EVENT_FIRST_TOKEN)
-                    rm.first_token(now)
-                rm.tokens(len(out.token_ids))
-                yield choice.feed(out, now)
-                if choice.done:
-                    rm.choice_done(choice.num_tokens, choice.first_token, choice.last_token)
-                    yield choice.result(p.request_id, p.prompt_ids, assignment.executor_id, timer)
-                if all(c.done for c in choices):
-                    break
-        if not all(c.done for c in choices):
-            raise Unavailable(f"executor {assignment.executor_id} ended the stream without finishing")
-        span.set_attributes({ta.USAGE_OUTPUT_TOKENS: sum(c.num_tokens for c in choices),
-                             ta.USAGE_CACHE_READ_INPUT_TOKENS: choices[0].num_cached_tokens,
-                             ta.RESPONSE_ID: p.request_id, ta.RESPONSE_MODEL: self.model.model_id,
-                             ta.RESPONSE_FINISH_REASONS: _reasons(choices)})
+                             ta.RESPONSE_FINISH_REASONS: finish_reasons([c.result for c in cached])})

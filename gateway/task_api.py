@@ -34,7 +34,8 @@ from gateway.callback_delivery import CallbackDelivery
 from gateway.callbacks import CallbackPolicy, CallbackSender
 from gateway.collector import ChoiceCollector
 from gateway.events import Queued
-from gateway.generation import GatewayCore, refused_for_now
+from gateway.generation import GatewayCore
+from gateway.mesh_run import refused_for_now
 from gateway.proto_convert import request_from_proto, task_result
 from gateway.request import Prepared, SpanOptions
 from gateway.task_run import TaskHooks, Work

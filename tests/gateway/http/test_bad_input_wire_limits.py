@@ -92,7 +92,7 @@ async def test_a_value_the_wire_cannot_carry_is_a_400_not_a_500(served, path, ex
 
 async def test_a_bad_prompt_among_several_admits_none(served):
     client, svc = served
-    mesh = svc.servicer.core.mesh = GrantsAtOnce()
+    mesh = svc.servicer.core.runner.mesh = GrantsAtOnce()
     resp = await client.post("/v1/completions", json={"prompt": [[1, 2], []], "max_tokens": 4})
     assert resp.status_code == 400, resp.text
     await asyncio.sleep(0.2)
