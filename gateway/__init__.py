@@ -9,7 +9,10 @@ A transport-free core and thin adapters over it::
 Core (plain data, no protobuf, no gRPC; unit-tested directly):
 
 * ``gateway.generation``: ``GatewayCore``: a request from validation to its last
-  token (``prepare``, ``run``, ``generate``), spans and metrics included.
+  token (``prepare``, ``run``, ``generate``), spans and metrics included; its
+  parts: ``gateway.preparation`` (``RequestPreparer``: checks, prompt ids, the
+  request ids in flight) and ``gateway.mesh_run`` (``MeshRunner``: admission, the
+  executor's stream through each choice, the lease).
 * ``gateway.request``: what goes in (``GenerationRequest``, ``SpanOptions``,
   ``ModelInfo``) and ``Prepared``; ``gateway.events``: what comes out
   (``Queued``, ``Delta``, ``ChoiceResult``; an adapter learns of the assignment

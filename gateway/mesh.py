@@ -1,7 +1,7 @@
 """The gateway core's view of the mesh: the three calls it makes and their plain data.
 
-``MeshClient`` is what ``GatewayCore`` (``gateway.generation``) needs from the
-scheduler and the executors; ``gateway.mesh_client.GrpcMeshClient`` implements it
+``MeshClient`` is what the gateway core (``gateway.mesh_run.MeshRunner``) needs from
+the scheduler and the executors; ``gateway.mesh_client.GrpcMeshClient`` implements it
 over gRPC (the only place with their stubs and protobuf messages). Every call
 raises ``meshserve.errors.MeshError`` subclasses, never a transport error.
 """
