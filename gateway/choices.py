@@ -83,7 +83,11 @@ class Choice:
             self.last_token = now
         self.prompt_logprobs.extend(out.prompt_logprobs)
         self.num_tokens += len(out.token_ids)
-        text, matched = self.stops.feed(self.detok.add(out.token_ids))
+        # the token that stopped the request in the engine (an EOS, or one of stop_token_ids)
+        # is counted and returned as an id, but its text is not output (vLLM's rule; with
+        # include_stop_str_in_output the core adds it: ``stop_token_text``)
+        held = 1 if out.finish_reason == FinishReason.STOP and out.token_ids else 0
+        text, matched = self.stops.feed(self.detok.add(out.token_ids[:len(out.token_ids) - held]))
         if out.finish_reason and matched is None:
             more, matched = self.stops.feed(self.detok.finish())
             text += more
@@ -121,3 +125,14 @@ class Choice:
             tpot_s=(self.last_token - first) / (n - 1) if n > 1 else 0.0,
             e2e_s=now - timer.start,
         )
+
+
+def stop_token_text(tokenizer, token_ids: Sequence[int]) -> str:
+    """The text of the last of ``token_ids`` (the token that stopped a choice in the
+    engine), decoded after the ones before it as the choice's detokenizer would have
+    decoded it (special tokens, such as an EOS, give ""). ``token_ids``: the choice's
+    last few ids (up to 8 are enough: ``IncrementalDetokenizer``'s window)."""
+    if not token_ids:
+        return ""
+    detok = IncrementalDetokenizer(tokenizer, prompt_token_ids=token_ids[:-1])
+    return detok.add(token_ids[-1:]) + detok.finish()

@@ -42,6 +42,7 @@ from typing import AsyncIterator
 
 from opentelemetry import trace
 
+from gateway.choices import stop_token_text
 from gateway.collector import ChoiceCollector, CompletedChoice, replay
 from gateway.events import ChoiceResult, Delta, Event, FinishReason
 from gateway.mesh import MeshClient
@@ -216,15 +217,27 @@ class GatewayCore:
         return span
 
     async def _events(self, p: Prepared, span: trace.Span, on_assigned: OnAssigned | None) -> AsyncIterator[Event]:
-        """The request's events (``_outputs``); with ``include_stop_str_in_output``, the stop
-        string that ended a choice comes as one more ``Delta`` (no tokens) right before its
-        result. Added here, after the result cache, whose entries hold the text without it."""
+        """The request's events (``_outputs``); with ``include_stop_str_in_output``, what
+        stopped a choice comes as one more ``Delta`` (no tokens) right before its result: the
+        stop string, or the text of the stop token (one of ``stop_token_ids``; an EOS has
+        none). Added here, after the result cache, whose entries hold the text without it."""
+        tails: dict[int, list[int]] = {}  # each choice's last ids, for the stop token's text
         async with aclosing(self._outputs(p, span, on_assigned)) as events:
             async for event in events:
-                if (p.include_stop_str_in_output and isinstance(event, ChoiceResult)
-                        and event.finish_reason == FinishReason.STOP and event.stop_reason):
-                    yield Delta(event.index, event.stop_reason, ())
+                if p.include_stop_str_in_output:
+                    stop = self._stop_text(event, tails)
+                    if stop:
+                        yield Delta(event.index, stop, ())
                 yield event
+
+    def _stop_text(self, event: Event, tails: dict[int, list[int]]) -> str:
+        """What stopped a choice, when ``event`` is its ``STOP`` result, else "" (a ``Delta``'s
+        ids are kept in ``tails``, the last 8 of each choice)."""
+        if isinstance(event, Delta) and event.token_ids:
+            tails[event.index] = (tails.get(event.index, []) + list(event.token_ids))[-8:]
+        if not isinstance(event, ChoiceResult) or event.finish_reason != FinishReason.STOP:
+            return ""
+        return event.stop_reason or stop_token_text(self.tokenizer, tails.get(event.index, []))
 
     async def _outputs(self, p: Prepared, span: trace.Span, on_assigned: OnAssigned | None) -> AsyncIterator[Event]:
         """The request's events: from the result cache, else from the mesh (then cached)."""

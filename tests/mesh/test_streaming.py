@@ -71,14 +71,22 @@ async def test_stop_string_ending_inside_a_token(mesh, tokenizer):
 
 
 async def test_stop_token_ids_and_eos(mesh, tokenizer):
+    """The stop token's id is returned, its text is not, unless include_stop_str_in_output
+    (vLLM's rule); the model's own EOS ends a request and leaves no text either."""
     ref, _ = await _reference(mesh, tokenizer)
     stop_id = ref.token_ids[3]
-    out = await generate(mesh.stub, build_request(chat=[("user", "What is the capital of France? Answer in one word.")],
-                                                  max_tokens=32, temperature=0, ignore_eos=True,
+    chat = [("user", "What is the capital of France? Answer in one word.")]
+    out = await generate(mesh.stub, build_request(chat=chat, max_tokens=32, temperature=0, ignore_eos=True,
                                                   stop_token_ids=[stop_id]))
     first = ref.token_ids.index(stop_id)
     assert out.token_ids == ref.token_ids[: first + 1]
     assert out.finish_reason == "stop"
+    assert out.text == tokenizer.decode(ref.token_ids[:first], skip_special_tokens=True)
+    kept = await generate(mesh.stub, build_request(chat=chat, max_tokens=32, temperature=0, ignore_eos=True,
+                                                   stop_token_ids=[stop_id], include_stop_str_in_output=True))
+    assert (kept.token_ids, kept.text) == (out.token_ids, tokenizer.decode(ref.token_ids[: first + 1],
+                                                                           skip_special_tokens=True))
+    assert len(kept.text) > len(out.text)
     eos = tokenizer.eos_token_id
     natural = await generate(mesh.stub, build_request(chat=[("user", "Say OK.")], max_tokens=64, temperature=0))
     assert natural.finish_reason == "stop", natural.text  # the model's own end, not the length
