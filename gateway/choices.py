@@ -50,10 +50,18 @@ class Choice:
         tokenizer: the model's tokenizer (for the detokenizer).
         prompt_token_ids: the prompt (decoding context of the detokenizer).
         stop: the request's stop strings.
+        stop_token_ids: the request's ``stop_token_ids``.
+        eos_token_id: the model's EOS id (None with ``ignore_eos``): a choice it ends has
+            no ``stop_token_id`` even when ``stop_token_ids`` lists it (vLLM's
+            ``check_stop`` tests the EOS first).
     """
 
-    def __init__(self, index: int, tokenizer, prompt_token_ids: Sequence[int], stop: Sequence[str]):
+    def __init__(self, index: int, tokenizer, prompt_token_ids: Sequence[int], stop: Sequence[str],
+                 stop_token_ids: Sequence[int] = (), eos_token_id: int | None = None):
         self.index = index
+        self.stop_token_ids = frozenset(stop_token_ids)
+        self.eos_token_id = eos_token_id
+        self.stop_token_id: int | None = None
         self.detok = IncrementalDetokenizer(tokenizer, prompt_token_ids=prompt_token_ids)
         self.stops = StopStringMatcher(stop)
         self.num_tokens = 0
@@ -94,6 +102,9 @@ class Choice:
             if matched is None:
                 text += self.stops.flush()
             self.finish_reason = out.finish_reason
+            last = out.token_ids[-1] if held and matched is None else None
+            if last is not None and last in self.stop_token_ids and last != self.eos_token_id:
+                self.stop_token_id = last  # vLLM's stop_reason for it
         if matched is not None:
             self.finish_reason, self.stop_reason = FinishReason.STOP, matched
         return Delta(self.index, text, out.token_ids, out.logprobs)
@@ -111,6 +122,7 @@ class Choice:
             prompt_token_ids=tuple(prompt_token_ids),
             executor_id=executor_id,
             stop_reason=self.stop_reason,
+            stop_token_id=self.stop_token_id,
             prompt_logprobs=tuple(self.prompt_logprobs),
         )
 

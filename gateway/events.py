@@ -115,6 +115,10 @@ class ChoiceResult:
         prompt_token_ids: the prompt as the model saw it.
         executor_id: the executor that ran it ("" when the result cache answered).
         stop_reason: the stop string that ended it ("" when none did).
+        stop_token_id: the token, one of the request's ``stop_token_ids``, that ended it
+            (vLLM's ``stop_reason`` when no stop string did); None when none did: a stop
+            string, the length, an abort, or the model's EOS (which comes first, as in
+            vLLM's ``check_stop``, unless ``ignore_eos``).
         prompt_logprobs: with ``SamplingParams.prompt_logprobs``, choice 0 only: one
             entry per prompt position after the first.
         cached: the result cache answered (no executor ran; usage is the earlier
@@ -131,6 +135,7 @@ class ChoiceResult:
     stop_reason: str = ""
     prompt_logprobs: tuple[TokenLogprob, ...] = ()
     cached: bool = False
+    stop_token_id: int | None = None
 
 
 Event = Queued | Delta | ChoiceResult

@@ -128,7 +128,9 @@ class MeshRunner:
             p.timer.assigned = time.monotonic()
             p.metrics.assigned(p.timer.assigned)
             span.set_attributes({ta.EXECUTOR_ID: assignment.executor_id, ta.QUEUE_WAIT_S: assignment.queue_s})
-            choices = [Choice(i, self.tokenizer, p.prompt_ids, p.params.stop) for i in range(p.params.n)]
+            eos = None if p.params.ignore_eos else getattr(self.tokenizer, "eos_token_id", None)
+            choices = [Choice(i, self.tokenizer, p.prompt_ids, p.params.stop, p.params.stop_token_ids, eos)
+                       for i in range(p.params.n)]
             async with renewing(self.mesh, assignment, span) as activity:
                 if on_assigned is not None:
                     await on_assigned()

@@ -114,13 +114,16 @@ def request_to_proto(r: GenerationRequest) -> gateway_pb2.GenerateRequest:
 def result_to_proto(r: ChoiceResult) -> gateway_pb2.GenerateResult:
     """A choice's result as the ``GenerateResult`` message."""
     u, t = r.usage, r.timings
-    return gateway_pb2.GenerateResult(
+    msg = gateway_pb2.GenerateResult(
         request_id=r.request_id, finish_reason=finish_reason_to_proto(r.finish_reason),
         usage=common_pb2.Usage(prompt_tokens=u.prompt_tokens, completion_tokens=u.completion_tokens,
                                cached_tokens=u.cached_tokens, kvstore_tokens=u.kvstore_tokens),
         timings=common_pb2.Timings(queue_s=t.queue_s, ttft_s=t.ttft_s, tpot_s=t.tpot_s, e2e_s=t.e2e_s),
         prompt_token_ids=r.prompt_token_ids, executor_id=r.executor_id, stop_reason=r.stop_reason, index=r.index,
         prompt_logprobs=logprobs_to_proto(r.prompt_logprobs), cached=r.cached)
+    if r.stop_token_id is not None:
+        msg.stop_token_id = r.stop_token_id
+    return msg
 
 
 def delta_to_proto(d: Delta) -> gateway_pb2.TokenDelta:
@@ -164,7 +167,8 @@ def result_from_proto(msg: gateway_pb2.GenerateResult) -> ChoiceResult:
                         timings=Timings(t.queue_s, t.ttft_s, t.tpot_s, t.e2e_s),
                         prompt_token_ids=tuple(msg.prompt_token_ids), executor_id=msg.executor_id,
                         stop_reason=msg.stop_reason, prompt_logprobs=logprobs_from_proto(msg.prompt_logprobs),
-                        cached=msg.cached)
+                        cached=msg.cached,
+                        stop_token_id=msg.stop_token_id if msg.HasField("stop_token_id") else None)
 
 
 def task_result_choices(data: bytes) -> list[CompletedChoice]:

@@ -117,6 +117,8 @@ class Completion:
         logprobs: with ``logprobs`` asked, one entry per generated token.
         prompt_logprobs: with ``prompt_logprobs`` asked (choice 0): one entry per
             prompt position 1 .. len(prompt_token_ids) - 1.
+        stop_reason: the stop string that ended it ("" when none did).
+        stop_token_id: the one of ``stop_token_ids`` that ended it (None when none did).
         cached: the gateway's result cache answered (no executor ran).
         task_id: the async task that produced it ("" for a Generate stream).
     """
@@ -128,6 +130,7 @@ class Completion:
     prompt_token_ids: list[int] = field(default_factory=list)
     finish_reason: str = ""
     stop_reason: str = ""
+    stop_token_id: int | None = None
     executor_id: str = ""
     usage: dict = field(default_factory=dict)
     timings: dict = field(default_factory=dict)
@@ -148,6 +151,7 @@ class Completion:
             "text": self.text,
             "finish_reason": self.finish_reason,
             "stop_reason": self.stop_reason,
+            "stop_token_id": self.stop_token_id,
             "executor_id": self.executor_id,
             "usage": self.usage,
             "timings": self.timings,
@@ -207,6 +211,7 @@ async def generate_choices(
             out.prompt_logprobs = [Logprob.from_proto(lp) for lp in r.prompt_logprobs]
             out.finish_reason = FINISH_NAMES[r.finish_reason]
             out.stop_reason = r.stop_reason
+            out.stop_token_id = r.stop_token_id if r.HasField("stop_token_id") else None
             out.executor_id = r.executor_id
             out.cached = r.cached
             out.usage = {"prompt_tokens": r.usage.prompt_tokens, "completion_tokens": r.usage.completion_tokens,
@@ -279,6 +284,7 @@ def task_completions(status: gateway_pb2.TaskStatus) -> list[Completion]:
             index=c.index, text=c.text, pieces=[c.text], token_ids=list(c.token_ids),
             prompt_token_ids=list(r.prompt_token_ids), finish_reason=FINISH_NAMES[r.finish_reason],
             stop_reason=r.stop_reason, executor_id=r.executor_id,
+            stop_token_id=r.stop_token_id if r.HasField("stop_token_id") else None,
             usage={"prompt_tokens": r.usage.prompt_tokens, "completion_tokens": r.usage.completion_tokens,
                    "cached_tokens": r.usage.cached_tokens, "kvstore_tokens": r.usage.kvstore_tokens},
             timings={"queue_s": r.timings.queue_s, "ttft_s": r.timings.ttft_s, "tpot_s": r.timings.tpot_s,

@@ -3,8 +3,9 @@
 ``ChatFormat`` builds ``chat.completion`` / ``chat.completion.chunk`` objects and
 ``CompletionFormat`` ``text_completion`` ones (OpenAI's API reference, as vLLM
 serves them; vLLM's ``stop_reason`` is added to each finished choice: the stop
-string that ended it, or null; with vLLM's ``return_token_ids`` each choice also
-carries ``token_ids``: in a chunk its delta's, in a response all of them; with vLLM's
+string that ended it, else the id (an int) of the one of ``stop_token_ids`` that
+did, else null (the length, the model's EOS); with vLLM's ``return_token_ids`` each
+choice also carries ``token_ids``: in a chunk its delta's, in a response all of them; with vLLM's
 ``prompt_logprobs`` a whole response carries them, ``gateway.http.logprobs``'s shape:
 in completions each choice its prompt's, in chat the response itself). vLLM's
 ``include_stop_str_in_output`` is the core's (``GenerationRequest``): the stop string
@@ -40,6 +41,13 @@ def usage_of(results: Sequence[ChoiceResult]) -> dict:
 
 def _finish_reason(result: ChoiceResult | None) -> str | None:
     return result.finish_reason.value if result is not None and result.finish_reason is not None else None
+
+
+def _stop_reason(result: ChoiceResult | None) -> str | int | None:
+    """vLLM's ``stop_reason``: the stop string, else the stop token's id, else None."""
+    if result is None:
+        return None
+    return result.stop_reason or result.stop_token_id
 
 
 class _Format:
@@ -118,7 +126,7 @@ class ChatFormat(_Format):
     def finish_choice(self, index: int, result: ChoiceResult) -> dict:
         """The last chunk's choice of ``index``: its finish reason."""
         return {"index": index, "delta": {}, "logprobs": None,
-                "finish_reason": _finish_reason(result), "stop_reason": result.stop_reason or None}
+                "finish_reason": _finish_reason(result), "stop_reason": _stop_reason(result)}
 
     def response(self, choices: list[dict], results: Sequence[ChoiceResult],
                  prompts_logprobs: Sequence[list[dict | None] | None] = ()) -> dict:
@@ -133,7 +141,7 @@ class ChatFormat(_Format):
         return self._with_ids({"index": index, "message": {"role": "assistant", "content": c.text},
                                "logprobs": chat_logprobs(c.logprobs, self.texts) if self.logprobs else None,
                                "finish_reason": _finish_reason(c.result),
-                               "stop_reason": (c.result.stop_reason or None) if c.result else None}, c.token_ids)
+                               "stop_reason": _stop_reason(c.result)}, c.token_ids)
 
 
 class CompletionFormat(_Format):
@@ -163,13 +171,13 @@ class CompletionFormat(_Format):
 
     def finish_choice(self, index: int, result: ChoiceResult) -> dict:
         return {"index": index, "text": "", "logprobs": None,
-                "finish_reason": _finish_reason(result), "stop_reason": result.stop_reason or None}
+                "finish_reason": _finish_reason(result), "stop_reason": _stop_reason(result)}
 
     def full_choice(self, index: int, c: CompletedChoice) -> dict:
         return self._with_ids({"index": index, "text": c.text,
                                "logprobs": completion_logprobs(c.logprobs, self.texts) if self.logprobs else None,
                                "finish_reason": _finish_reason(c.result),
-                               "stop_reason": (c.result.stop_reason or None) if c.result else None}, c.token_ids)
+                               "stop_reason": _stop_reason(c.result)}, c.token_ids)
 
     def response(self, choices: list[dict], results: Sequence[ChoiceResult],
                  prompts_logprobs: Sequence[list[dict | None] | None] = ()) -> dict:

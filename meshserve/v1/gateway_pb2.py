@@ -25,17 +25,17 @@ _sym_db = _symbol_database.Default()
 from meshserve.v1 import common_pb2 as meshserve_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1ameshserve/v1/gateway.proto\x12\x0cmeshserve.v1\x1a\x19meshserve/v1/common.proto\"H\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\x12\x11\n\x04name\x18\x03 \x01(\tH\x00\x88\x01\x01\x42\x07\n\x05_name\"\xb7\x01\n\x0c\x43hatMessages\x12+\n\x08messages\x18\x01 \x03(\x0b\x32\x19.meshserve.v1.ChatMessage\x12\"\n\x15\x61\x64\x64_generation_prompt\x18\x02 \x01(\x08H\x00\x88\x01\x01\x12\x1e\n\x16\x63ontinue_final_message\x18\x03 \x01(\x08\x12\x1c\n\x14\x63hat_template_kwargs\x18\x04 \x01(\tB\x18\n\x16_add_generation_prompt\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\x05\"\xf4\x02\n\x0fGenerateRequest\x12\x10\n\x06prompt\x18\x01 \x01(\tH\x00\x12*\n\x04\x63hat\x18\x02 \x01(\x0b\x32\x1a.meshserve.v1.ChatMessagesH\x00\x12\x32\n\x10prompt_token_ids\x18\x03 \x01(\x0b\x32\x16.meshserve.v1.TokenIdsH\x00\x12.\n\x08sampling\x18\x04 \x01(\x0b\x32\x1c.meshserve.v1.SamplingParams\x12\x15\n\x08priority\x18\x05 \x01(\x05H\x01\x88\x01\x01\x12\x12\n\nrequest_id\x18\x06 \x01(\t\x12\x14\n\x0c\x63\x61llback_url\x18\x07 \x01(\t\x12\x12\n\x05model\x18\x08 \x01(\tH\x02\x88\x01\x01\x12\"\n\x1ainclude_stop_str_in_output\x18\t \x01(\x08\x12\x17\n\ncache_salt\x18\n \x01(\tH\x03\x88\x01\x01\x42\x07\n\x05inputB\x0b\n\t_priorityB\x08\n\x06_modelB\r\n\x0b_cache_salt\"9\n\x0bQueueUpdate\x12\x10\n\x08position\x18\x01 \x01(\x05\x12\x18\n\x10\x65stimated_wait_s\x18\x02 \x01(\x01\"j\n\nTokenDelta\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\r\n\x05index\x18\x03 \x01(\x05\x12,\n\x08logprobs\x18\x04 \x03(\x0b\x32\x1a.meshserve.v1.TokenLogprob\"\xbb\x02\n\x0eGenerateResult\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x31\n\rfinish_reason\x18\x02 \x01(\x0e\x32\x1a.meshserve.v1.FinishReason\x12\"\n\x05usage\x18\x03 \x01(\x0b\x32\x13.meshserve.v1.Usage\x12&\n\x07timings\x18\x04 \x01(\x0b\x32\x15.meshserve.v1.Timings\x12\x18\n\x10prompt_token_ids\x18\x05 \x03(\x05\x12\x13\n\x0b\x65xecutor_id\x18\x06 \x01(\t\x12\x13\n\x0bstop_reason\x18\x07 \x01(\t\x12\r\n\x05index\x18\x08 \x01(\x05\x12\x33\n\x0fprompt_logprobs\x18\t \x03(\x0b\x32\x1a.meshserve.v1.TokenLogprob\x12\x0e\n\x06\x63\x61\x63hed\x18\n \x01(\x08\"\xa1\x01\n\x10GenerateResponse\x12*\n\x05queue\x18\x01 \x01(\x0b\x32\x19.meshserve.v1.QueueUpdateH\x00\x12)\n\x05\x64\x65lta\x18\x02 \x01(\x0b\x32\x18.meshserve.v1.TokenDeltaH\x00\x12.\n\x06result\x18\x03 \x01(\x0b\x32\x1c.meshserve.v1.GenerateResultH\x00\x42\x06\n\x04kind\"E\n\nTaskHandle\x12\x0f\n\x07task_id\x18\x01 \x01(\t\x12&\n\x05state\x18\x02 \x01(\x0e\x32\x17.meshserve.v1.TaskState\"\x1c\n\tTaskQuery\x12\x0f\n\x07task_id\x18\x01 \x01(\t\"\x98\x01\n\nTaskChoice\x12\r\n\x05index\x18\x01 \x01(\x05\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\x05\x12,\n\x08logprobs\x18\x04 \x03(\x0b\x32\x1a.meshserve.v1.TokenLogprob\x12,\n\x06result\x18\x05 \x01(\x0b\x32\x1c.meshserve.v1.GenerateResult\"*\n\tTaskError\x12\x0c\n\x04\x63ode\x18\x01 \x01(\t\x12\x0f\n\x07message\x18\x02 \x01(\t\"\xc9\x03\n\nTaskStatus\x12\x0f\n\x07task_id\x18\x01 \x01(\t\x12&\n\x05state\x18\x02 \x01(\x0e\x32\x17.meshserve.v1.TaskState\x12)\n\x07\x63hoices\x18\x03 \x03(\x0b\x32\x18.meshserve.v1.TaskChoice\x12&\n\x05\x65rror\x18\x04 \x01(\x0b\x32\x17.meshserve.v1.TaskError\x12\x19\n\x11\x63reated_at_unix_s\x18\x05 \x01(\x01\x12\x19\n\x11started_at_unix_s\x18\x06 \x01(\x01\x12\x1a\n\x12\x66inished_at_unix_s\x18\x07 \x01(\x01\x12\x12\n\nrequest_id\x18\x08 \x01(\t\x12\x1b\n\x0equeue_position\x18\t \x01(\x05H\x00\x88\x01\x01\x12\x1d\n\x10\x65stimated_wait_s\x18\n \x01(\x01H\x01\x88\x01\x01\x12\x0f\n\x07\x61ttempt\x18\x0b \x01(\x05\x12\x12\n\nlast_error\x18\x0c \x01(\t\x12\x30\n\x08\x63\x61llback\x18\r \x01(\x0b\x32\x1e.meshserve.v1.CallbackDelivery\x12\x0e\n\x06tenant\x18\x0e \x01(\tB\x11\n\x0f_queue_positionB\x13\n\x11_estimated_wait_s\"l\n\x10\x43\x61llbackDelivery\x12\x0b\n\x03url\x18\x01 \x01(\t\x12*\n\x05state\x18\x02 \x01(\x0e\x32\x1b.meshserve.v1.CallbackState\x12\x10\n\x08\x61ttempts\x18\x03 \x01(\x05\x12\r\n\x05\x65rror\x18\x04 \x01(\t\"\x13\n\x11ListModelsRequest\"<\n\tModelCard\x12\n\n\x02id\x18\x01 \x01(\t\x12\x0c\n\x04root\x18\x02 \x01(\t\x12\x15\n\rmax_model_len\x18\x03 \x01(\x05\"=\n\x12ListModelsResponse\x12\'\n\x06models\x18\x01 \x03(\x0b\x32\x17.meshserve.v1.ModelCard*\xa1\x01\n\tTaskState\x12\x1a\n\x16TASK_STATE_UNSPECIFIED\x10\x00\x12\x15\n\x11TASK_STATE_QUEUED\x10\x01\x12\x16\n\x12TASK_STATE_RUNNING\x10\x02\x12\x18\n\x14TASK_STATE_SUCCEEDED\x10\x03\x12\x15\n\x11TASK_STATE_FAILED\x10\x04\x12\x18\n\x14TASK_STATE_CANCELLED\x10\x05*\x84\x01\n\rCallbackState\x12\x1e\n\x1a\x43\x41LLBACK_STATE_UNSPECIFIED\x10\x00\x12\x1a\n\x16\x43\x41LLBACK_STATE_PENDING\x10\x01\x12\x1c\n\x18\x43\x41LLBACK_STATE_DELIVERED\x10\x02\x12\x19\n\x15\x43\x41LLBACK_STATE_FAILED\x10\x03\x32\xed\x02\n\x07Gateway\x12K\n\x08Generate\x12\x1d.meshserve.v1.GenerateRequest\x1a\x1e.meshserve.v1.GenerateResponse0\x01\x12\x45\n\nSubmitTask\x12\x1d.meshserve.v1.GenerateRequest\x1a\x18.meshserve.v1.TaskHandle\x12<\n\x07GetTask\x12\x17.meshserve.v1.TaskQuery\x1a\x18.meshserve.v1.TaskStatus\x12?\n\nCancelTask\x12\x17.meshserve.v1.TaskQuery\x1a\x18.meshserve.v1.TaskStatus\x12O\n\nListModels\x12\x1f.meshserve.v1.ListModelsRequest\x1a .meshserve.v1.ListModelsResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1ameshserve/v1/gateway.proto\x12\x0cmeshserve.v1\x1a\x19meshserve/v1/common.proto\"H\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\x12\x11\n\x04name\x18\x03 \x01(\tH\x00\x88\x01\x01\x42\x07\n\x05_name\"\xb7\x01\n\x0c\x43hatMessages\x12+\n\x08messages\x18\x01 \x03(\x0b\x32\x19.meshserve.v1.ChatMessage\x12\"\n\x15\x61\x64\x64_generation_prompt\x18\x02 \x01(\x08H\x00\x88\x01\x01\x12\x1e\n\x16\x63ontinue_final_message\x18\x03 \x01(\x08\x12\x1c\n\x14\x63hat_template_kwargs\x18\x04 \x01(\tB\x18\n\x16_add_generation_prompt\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\x05\"\xf4\x02\n\x0fGenerateRequest\x12\x10\n\x06prompt\x18\x01 \x01(\tH\x00\x12*\n\x04\x63hat\x18\x02 \x01(\x0b\x32\x1a.meshserve.v1.ChatMessagesH\x00\x12\x32\n\x10prompt_token_ids\x18\x03 \x01(\x0b\x32\x16.meshserve.v1.TokenIdsH\x00\x12.\n\x08sampling\x18\x04 \x01(\x0b\x32\x1c.meshserve.v1.SamplingParams\x12\x15\n\x08priority\x18\x05 \x01(\x05H\x01\x88\x01\x01\x12\x12\n\nrequest_id\x18\x06 \x01(\t\x12\x14\n\x0c\x63\x61llback_url\x18\x07 \x01(\t\x12\x12\n\x05model\x18\x08 \x01(\tH\x02\x88\x01\x01\x12\"\n\x1ainclude_stop_str_in_output\x18\t \x01(\x08\x12\x17\n\ncache_salt\x18\n \x01(\tH\x03\x88\x01\x01\x42\x07\n\x05inputB\x0b\n\t_priorityB\x08\n\x06_modelB\r\n\x0b_cache_salt\"9\n\x0bQueueUpdate\x12\x10\n\x08position\x18\x01 \x01(\x05\x12\x18\n\x10\x65stimated_wait_s\x18\x02 \x01(\x01\"j\n\nTokenDelta\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\r\n\x05index\x18\x03 \x01(\x05\x12,\n\x08logprobs\x18\x04 \x03(\x0b\x32\x1a.meshserve.v1.TokenLogprob\"\xe9\x02\n\x0eGenerateResult\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x31\n\rfinish_reason\x18\x02 \x01(\x0e\x32\x1a.meshserve.v1.FinishReason\x12\"\n\x05usage\x18\x03 \x01(\x0b\x32\x13.meshserve.v1.Usage\x12&\n\x07timings\x18\x04 \x01(\x0b\x32\x15.meshserve.v1.Timings\x12\x18\n\x10prompt_token_ids\x18\x05 \x03(\x05\x12\x13\n\x0b\x65xecutor_id\x18\x06 \x01(\t\x12\x13\n\x0bstop_reason\x18\x07 \x01(\t\x12\r\n\x05index\x18\x08 \x01(\x05\x12\x33\n\x0fprompt_logprobs\x18\t \x03(\x0b\x32\x1a.meshserve.v1.TokenLogprob\x12\x0e\n\x06\x63\x61\x63hed\x18\n \x01(\x08\x12\x1a\n\rstop_token_id\x18\x0b \x01(\x05H\x00\x88\x01\x01\x42\x10\n\x0e_stop_token_id\"\xa1\x01\n\x10GenerateResponse\x12*\n\x05queue\x18\x01 \x01(\x0b\x32\x19.meshserve.v1.QueueUpdateH\x00\x12)\n\x05\x64\x65lta\x18\x02 \x01(\x0b\x32\x18.meshserve.v1.TokenDeltaH\x00\x12.\n\x06result\x18\x03 \x01(\x0b\x32\x1c.meshserve.v1.GenerateResultH\x00\x42\x06\n\x04kind\"E\n\nTaskHandle\x12\x0f\n\x07task_id\x18\x01 \x01(\t\x12&\n\x05state\x18\x02 \x01(\x0e\x32\x17.meshserve.v1.TaskState\"\x1c\n\tTaskQuery\x12\x0f\n\x07task_id\x18\x01 \x01(\t\"\x98\x01\n\nTaskChoice\x12\r\n\x05index\x18\x01 \x01(\x05\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\x05\x12,\n\x08logprobs\x18\x04 \x03(\x0b\x32\x1a.meshserve.v1.TokenLogprob\x12,\n\x06result\x18\x05 \x01(\x0b\x32\x1c.meshserve.v1.GenerateResult\"*\n\tTaskError\x12\x0c\n\x04\x63ode\x18\x01 \x01(\t\x12\x0f\n\x07message\x18\x02 \x01(\t\"\xc9\x03\n\nTaskStatus\x12\x0f\n\x07task_id\x18\x01 \x01(\t\x12&\n\x05state\x18\x02 \x01(\x0e\x32\x17.meshserve.v1.TaskState\x12)\n\x07\x63hoices\x18\x03 \x03(\x0b\x32\x18.meshserve.v1.TaskChoice\x12&\n\x05\x65rror\x18\x04 \x01(\x0b\x32\x17.meshserve.v1.TaskError\x12\x19\n\x11\x63reated_at_unix_s\x18\x05 \x01(\x01\x12\x19\n\x11started_at_unix_s\x18\x06 \x01(\x01\x12\x1a\n\x12\x66inished_at_unix_s\x18\x07 \x01(\x01\x12\x12\n\nrequest_id\x18\x08 \x01(\t\x12\x1b\n\x0equeue_position\x18\t \x01(\x05H\x00\x88\x01\x01\x12\x1d\n\x10\x65stimated_wait_s\x18\n \x01(\x01H\x01\x88\x01\x01\x12\x0f\n\x07\x61ttempt\x18\x0b \x01(\x05\x12\x12\n\nlast_error\x18\x0c \x01(\t\x12\x30\n\x08\x63\x61llback\x18\r \x01(\x0b\x32\x1e.meshserve.v1.CallbackDelivery\x12\x0e\n\x06tenant\x18\x0e \x01(\tB\x11\n\x0f_queue_positionB\x13\n\x11_estimated_wait_s\"l\n\x10\x43\x61llbackDelivery\x12\x0b\n\x03url\x18\x01 \x01(\t\x12*\n\x05state\x18\x02 \x01(\x0e\x32\x1b.meshserve.v1.CallbackState\x12\x10\n\x08\x61ttempts\x18\x03 \x01(\x05\x12\r\n\x05\x65rror\x18\x04 \x01(\t\"\x13\n\x11ListModelsRequest\"<\n\tModelCard\x12\n\n\x02id\x18\x01 \x01(\t\x12\x0c\n\x04root\x18\x02 \x01(\t\x12\x15\n\rmax_model_len\x18\x03 \x01(\x05\"=\n\x12ListModelsResponse\x12\'\n\x06models\x18\x01 \x03(\x0b\x32\x17.meshserve.v1.ModelCard*\xa1\x01\n\tTaskState\x12\x1a\n\x16TASK_STATE_UNSPECIFIED\x10\x00\x12\x15\n\x11TASK_STATE_QUEUED\x10\x01\x12\x16\n\x12TASK_STATE_RUNNING\x10\x02\x12\x18\n\x14TASK_STATE_SUCCEEDED\x10\x03\x12\x15\n\x11TASK_STATE_FAILED\x10\x04\x12\x18\n\x14TASK_STATE_CANCELLED\x10\x05*\x84\x01\n\rCallbackState\x12\x1e\n\x1a\x43\x41LLBACK_STATE_UNSPECIFIED\x10\x00\x12\x1a\n\x16\x43\x41LLBACK_STATE_PENDING\x10\x01\x12\x1c\n\x18\x43\x41LLBACK_STATE_DELIVERED\x10\x02\x12\x19\n\x15\x43\x41LLBACK_STATE_FAILED\x10\x03\x32\xed\x02\n\x07Gateway\x12K\n\x08Generate\x12\x1d.meshserve.v1.GenerateRequest\x1a\x1e.meshserve.v1.GenerateResponse0\x01\x12\x45\n\nSubmitTask\x12\x1d.meshserve.v1.GenerateRequest\x1a\x18.meshserve.v1.TaskHandle\x12<\n\x07GetTask\x12\x17.meshserve.v1.TaskQuery\x1a\x18.meshserve.v1.TaskStatus\x12?\n\nCancelTask\x12\x17.meshserve.v1.TaskQuery\x1a\x18.meshserve.v1.TaskStatus\x12O\n\nListModels\x12\x1f.meshserve.v1.ListModelsRequest\x1a .meshserve.v1.ListModelsResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'meshserve.v1.gateway_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_TASKSTATE']._serialized_start=2397
-  _globals['_TASKSTATE']._serialized_end=2558
-  _globals['_CALLBACKSTATE']._serialized_start=2561
-  _globals['_CALLBACKSTATE']._serialized_end=2693
+  _globals['_TASKSTATE']._serialized_start=2443
+  _globals['_TASKSTATE']._serialized_end=2604
+  _globals['_CALLBACKSTATE']._serialized_start=2607
+  _globals['_CALLBACKSTATE']._serialized_end=2739
   _globals['_CHATMESSAGE']._serialized_start=71
   _globals['_CHATMESSAGE']._serialized_end=143
   _globals['_CHATMESSAGES']._serialized_start=146
@@ -49,27 +49,27 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_TOKENDELTA']._serialized_start=790
   _globals['_TOKENDELTA']._serialized_end=896
   _globals['_GENERATERESULT']._serialized_start=899
-  _globals['_GENERATERESULT']._serialized_end=1214
-  _globals['_GENERATERESPONSE']._serialized_start=1217
-  _globals['_GENERATERESPONSE']._serialized_end=1378
-  _globals['_TASKHANDLE']._serialized_start=1380
-  _globals['_TASKHANDLE']._serialized_end=1449
-  _globals['_TASKQUERY']._serialized_start=1451
-  _globals['_TASKQUERY']._serialized_end=1479
-  _globals['_TASKCHOICE']._serialized_start=1482
-  _globals['_TASKCHOICE']._serialized_end=1634
-  _globals['_TASKERROR']._serialized_start=1636
-  _globals['_TASKERROR']._serialized_end=1678
-  _globals['_TASKSTATUS']._serialized_start=1681
-  _globals['_TASKSTATUS']._serialized_end=2138
-  _globals['_CALLBACKDELIVERY']._serialized_start=2140
-  _globals['_CALLBACKDELIVERY']._serialized_end=2248
-  _globals['_LISTMODELSREQUEST']._serialized_start=2250
-  _globals['_LISTMODELSREQUEST']._serialized_end=2269
-  _globals['_MODELCARD']._serialized_start=2271
-  _globals['_MODELCARD']._serialized_end=2331
-  _globals['_LISTMODELSRESPONSE']._serialized_start=2333
-  _globals['_LISTMODELSRESPONSE']._serialized_end=2394
-  _globals['_GATEWAY']._serialized_start=2696
-  _globals['_GATEWAY']._serialized_end=3061
+  _globals['_GENERATERESULT']._serialized_end=1260
+  _globals['_GENERATERESPONSE']._serialized_start=1263
+  _globals['_GENERATERESPONSE']._serialized_end=1424
+  _globals['_TASKHANDLE']._serialized_start=1426
+  _globals['_TASKHANDLE']._serialized_end=1495
+  _globals['_TASKQUERY']._serialized_start=1497
+  _globals['_TASKQUERY']._serialized_end=1525
+  _globals['_TASKCHOICE']._serialized_start=1528
+  _globals['_TASKCHOICE']._serialized_end=1680
+  _globals['_TASKERROR']._serialized_start=1682
+  _globals['_TASKERROR']._serialized_end=1724
+  _globals['_TASKSTATUS']._serialized_start=1727
+  _globals['_TASKSTATUS']._serialized_end=2184
+  _globals['_CALLBACKDELIVERY']._serialized_start=2186
+  _globals['_CALLBACKDELIVERY']._serialized_end=2294
+  _globals['_LISTMODELSREQUEST']._serialized_start=2296
+  _globals['_LISTMODELSREQUEST']._serialized_end=2315
+  _globals['_MODELCARD']._serialized_start=2317
+  _globals['_MODELCARD']._serialized_end=2377
+  _globals['_LISTMODELSRESPONSE']._serialized_start=2379
+  _globals['_LISTMODELSRESPONSE']._serialized_end=2440
+  _globals['_GATEWAY']._serialized_start=2742
+  _globals['_GATEWAY']._serialized_end=3107
 # @@protoc_insertion_point(module_scope)
