@@ -51,3 +51,20 @@ def test_two_choices_are_cut_counted_and_reported_independently(tokenizer):
     assert ra.usage.completion_tokens < len(a_ids)  # cut at the stop string: later tokens never came
     assert [e.token_id for e in ra.prompt_logprobs] == prompt[1:] and not rb.prompt_logprobs
     assert rb.timings.ttft_s == pytest.approx(1.0) and rb.timings.tpot_s == pytest.approx(1.0)
+
+
+@pytest.mark.parametrize("stop_ids, eos, finish, stop, want", [
+    ((42,), None, FinishReason.STOP, (), 42),  # one of stop_token_ids ended it
+    ((42,), 42, FinishReason.STOP, (), None),  # the model's EOS comes first (vLLM's check_stop)
+    ((7,), None, FinishReason.STOP, (), None),  # another stop (an EOS) that is not listed
+    ((42,), None, FinishReason.LENGTH, (), None),  # the length, even on a listed id
+    ((42,), None, FinishReason.STOP, (" B",), None),  # a stop string in the same message: its string
+])
+def test_the_stop_token_id_is_the_listed_token_that_ended_the_choice(tokenizer, stop_ids, eos, finish, stop, want):
+    ids = tokenizer("A B", add_special_tokens=False).input_ids
+    choice = Choice(0, tokenizer, [1], stop=stop, stop_token_ids=stop_ids, eos_token_id=eos)
+    choice.feed(message(ids[:1]), now=1.0)
+    choice.feed(message([*ids[1:], 42], finish=finish), now=2.0)
+    assert choice.done and choice.stop_token_id == want
+    assert choice.stop_reason == (" B" if stop else "")
+    assert choice.result("r", [1], "e", RequestTimer()).stop_token_id == want

@@ -11,7 +11,7 @@ from gateway.mesh import Admission, ExecutorOutput
 from gateway.mesh_client import admit_request, output_from_proto
 from gateway.proto_convert import (finish_reason_from_proto, finish_reason_to_proto, logprobs_from_proto,
                                    logprobs_to_proto, request_from_proto, request_to_proto, response_of,
-                                   result_to_proto, task_result)
+                                   result_from_proto, result_to_proto, task_result, task_result_choices)
 from gateway.request import ChatOptions, GenerationRequest
 from meshserve.client import build_request
 from meshserve.sampling import SamplingParams
@@ -131,3 +131,13 @@ def test_executor_outputs_and_admissions_as_the_mesh_client_converts_them():
         block_hashes=[b"\x01" * 16, b"\x02" * 16], hash_block_size=16)
     off = admit_request(Admission("r1", "acme", 0, 4, 8, "m", 1))
     assert list(off.block_hashes) == [] and off.hash_block_size == 0
+
+
+def test_a_stop_token_id_survives_the_result_message_and_a_stored_result():
+    stopped, plain = result(finish_reason=FinishReason.STOP, stop_token_id=0), result()
+    msg = result_to_proto(stopped)
+    assert (msg.HasField("stop_token_id"), msg.stop_token_id) == (True, 0)  # id 0 is set, not absent
+    assert not result_to_proto(plain).HasField("stop_token_id")
+    assert (result_from_proto(msg), result_from_proto(result_to_proto(plain))) == (stopped, plain)
+    choices = [CompletedChoice(0, "A", (0,), (), stopped), CompletedChoice(1, "B", (9,), (), plain)]
+    assert task_result_choices(task_result(choices)) == choices

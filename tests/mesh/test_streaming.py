@@ -64,7 +64,7 @@ async def test_stop_string_ending_inside_a_token(mesh, tokenizer):
         out = await generate(mesh.stub, req)
         assert out.text == text[: text.index(stop)], stop
         assert stop not in out.text
-        assert out.finish_reason == "stop" and out.stop_reason == stop
+        assert out.finish_reason == "stop" and out.stop_reason == stop and out.stop_token_id is None
         assert len(out.token_ids) == _completing_index(tokenizer, ref.token_ids, stop)
         assert out.token_ids == ref.token_ids[: len(out.token_ids)]
     await mesh.wait_idle()
@@ -81,6 +81,7 @@ async def test_stop_token_ids_and_eos(mesh, tokenizer):
     first = ref.token_ids.index(stop_id)
     assert out.token_ids == ref.token_ids[: first + 1]
     assert out.finish_reason == "stop"
+    assert (out.stop_token_id, out.stop_reason) == (stop_id, "")  # vLLM's stop_reason: the id
     assert out.text == tokenizer.decode(ref.token_ids[:first], skip_special_tokens=True)
     kept = await generate(mesh.stub, build_request(chat=chat, max_tokens=32, temperature=0, ignore_eos=True,
                                                    stop_token_ids=[stop_id], include_stop_str_in_output=True))
@@ -91,4 +92,8 @@ async def test_stop_token_ids_and_eos(mesh, tokenizer):
     natural = await generate(mesh.stub, build_request(chat=[("user", "Say OK.")], max_tokens=64, temperature=0))
     assert natural.finish_reason == "stop", natural.text  # the model's own end, not the length
     assert natural.token_ids[-1] == eos
+    assert (natural.stop_token_id, natural.stop_reason) == (None, "")  # the EOS: no stop reason
+    listed = await generate(mesh.stub, build_request(chat=[("user", "Say OK.")], max_tokens=64, temperature=0,
+                                                     stop_token_ids=[eos]))
+    assert (listed.token_ids, listed.stop_token_id) == (natural.token_ids, None)  # the EOS comes first
     assert tokenizer.eos_token not in natural.text

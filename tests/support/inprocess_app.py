@@ -59,12 +59,14 @@ def scripted_prompt_logprobs(prompt_token_ids: Sequence[int], k: int) -> tuple[T
 
 class ScriptedMesh:
     """A ``MeshClient`` that assigns at once and streams ``token_ids`` to every choice,
-    one token a message, the last with finish reason ``length`` (a stop string may end
-    a choice before); it records each Execute's prompt ids in ``prompts`` and its
+    one token a message, the last with ``finish_reason`` (default ``length``; ``stop``
+    as an executor ends a choice on an EOS or one of ``stop_token_ids``; a stop string
+    may end a choice before); it records each Execute's prompt ids in ``prompts`` and its
     ``cache_salt`` in ``cache_salts``, and each ``Admission`` in ``admissions``."""
 
-    def __init__(self, token_ids: Sequence[int]) -> None:
+    def __init__(self, token_ids: Sequence[int], finish_reason: FinishReason = FinishReason.LENGTH) -> None:
         self.token_ids = tuple(token_ids)
+        self.finish_reason = finish_reason
         self.prompts: list[list[int]] = []
         self.cache_salts: list[str] = []
         self.admissions: list[Admission] = []
@@ -82,7 +84,7 @@ class ScriptedMesh:
             for index in range(params.n):
                 first = i == 0 and index == 0 and k is not None  # choice 0's first message, as an executor
                 prompt_logprobs = scripted_prompt_logprobs(prompt_token_ids, k) if first else ()
-                yield ExecutorOutput(index, (tid,), FinishReason.LENGTH if i == last else None,
+                yield ExecutorOutput(index, (tid,), self.finish_reason if i == last else None,
                                      prompt_logprobs=prompt_logprobs)
 
     async def renew(self, lease_id, span):
@@ -96,20 +98,21 @@ class ScriptedMesh:
 
 
 @asynccontextmanager
-async def app_client(tokenizer, mesh=None, model: ModelInfo = MODEL):
+async def app_client(tokenizer, mesh=None, model: ModelInfo = MODEL, result_cache=None):
     """Yields an ``httpx.AsyncClient`` on the HTTP application of a core over ``mesh``
     (default: a ``ScriptedMesh`` of no tokens: for requests that never run), open mode
-    (no tenants file), ready; its ``base_url`` is ``http://gateway``."""
-    async with gateway_clients(tokenizer, mesh, model, grpc=False) as (client, _):
+    (no tenants file), ready; its ``base_url`` is ``http://gateway``. ``result_cache``:
+    the core's (``GatewayCore``'s argument; default none)."""
+    async with gateway_clients(tokenizer, mesh, model, grpc=False, result_cache=result_cache) as (client, _):
         yield client
 
 
 @asynccontextmanager
-async def gateway_clients(tokenizer, mesh=None, model: ModelInfo = MODEL, grpc: bool = True):
+async def gateway_clients(tokenizer, mesh=None, model: ModelInfo = MODEL, grpc: bool = True, result_cache=None):
     """Yields ``(http, stub)`` over one core on ``mesh``, as ``app_client``: the HTTP
     client, and with ``grpc`` a ``GatewayStub`` on a loopback gRPC server of the same
     core (plaintext, the gateway's servicer and error interceptor; None without)."""
-    core = GatewayCore(tokenizer, model, mesh or ScriptedMesh(()))
+    core = GatewayCore(tokenizer, model, mesh or ScriptedMesh(()), result_cache=result_cache)
     tenants = TenantRegistry.open()
     tasks = TaskAPI(core, tenants, TaskRunner(MemoryTaskStore()))
     app = create_app(core, tenants, tasks, lambda: True, core.metrics.registry)
