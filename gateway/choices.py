@@ -19,13 +19,20 @@ is done (one call cannot abort one choice); its later tokens are dropped here.
 
 from __future__ import annotations
 
+import dataclasses
+import os
 import time
+from collections import deque
 from typing import Sequence
 
 from gateway.detokenizer import IncrementalDetokenizer
-from gateway.events import ChoiceResult, Delta, FinishReason, Timings, TokenLogprob, Usage
+from gateway.events import ChoiceResult, Delta, Event, FinishReason, Timings, TokenLogprob, Usage
 from gateway.mesh import ExecutorOutput
 from gateway.stop_strings import StopStringMatcher
+
+STOP_TAIL_TOKENS = 8
+"""A choice's last ids that tell what its stop token changes in its text (``split_stop_token``):
+a character it completes began at most 3 tokens before it (UTF-8: at most 4 bytes)."""
 
 
 class RequestTimer:
@@ -62,7 +69,9 @@ class Choice:
         self.stop_token_ids = frozenset(stop_token_ids)
         self.eos_token_id = eos_token_id
         self.stop_token_id: int | None = None
+        self.tokenizer = tokenizer
         self.detok = IncrementalDetokenizer(tokenizer, prompt_token_ids=prompt_token_ids)
+        self.tail: deque[int] = deque(maxlen=STOP_TAIL_TOKENS)  # the last ids (``split_stop_token``)
         self.stops = StopStringMatcher(stop)
         self.num_tokens = 0
         self.num_cached_tokens = 0
@@ -91,13 +100,19 @@ class Choice:
             self.last_token = now
         self.prompt_logprobs.extend(out.prompt_logprobs)
         self.num_tokens += len(out.token_ids)
+        self.tail.extend(out.token_ids)
         # the token that stopped the request in the engine (an EOS, or one of stop_token_ids)
         # is counted and returned as an id, but its text is not output (vLLM's rule; with
-        # include_stop_str_in_output the core adds it: ``stop_token_text``)
+        # include_stop_str_in_output the core adds it: ``split_stop_token``), nor the start
+        # of a character it completes (vLLM's detokenizer never emits it; here it would be U+FFFD)
         held = 1 if out.finish_reason == FinishReason.STOP and out.token_ids else 0
         text, matched = self.stops.feed(self.detok.add(out.token_ids[:len(out.token_ids) - held]))
         if out.finish_reason and matched is None:
-            more, matched = self.stops.feed(self.detok.finish())
+            pending = self.detok.finish()
+            if held:
+                cut = min(split_stop_token(self.tokenizer, self.tail)[0], len(pending))
+                pending = pending[:len(pending) - cut]
+            more, matched = self.stops.feed(pending)
             text += more
             if matched is None:
                 text += self.stops.flush()
@@ -139,12 +154,64 @@ class Choice:
         )
 
 
-def stop_token_text(tokenizer, token_ids: Sequence[int]) -> str:
-    """The text of the last of ``token_ids`` (the token that stopped a choice in the
-    engine), decoded after the ones before it as the choice's detokenizer would have
-    decoded it (special tokens, such as an EOS, give ""). ``token_ids``: the choice's
-    last few ids (up to 8 are enough: ``IncrementalDetokenizer``'s window)."""
+def split_stop_token(tokenizer, token_ids: Sequence[int]) -> tuple[int, str]:
+    """What the last of ``token_ids`` (the token that stopped a choice in the engine)
+    changes in the choice's text: ``(cut, text)``. ``cut``: how many characters at the
+    end of the text without it are the start of a character it completes (U+FFFD there;
+    left out, as vLLM's detokenizer never emits them); ``text``: what keeping it adds
+    once those are cut (the completed character, and the token's own text; "" for a
+    special token such as an EOS). ``token_ids``: the choice's last ids (at most
+    ``STOP_TAIL_TOKENS``), the same for the choice (``Choice.feed``: the cut) and the
+    core (``include_stop_str_in_output``: the text), so both agree."""
     if not token_ids:
-        return ""
-    detok = IncrementalDetokenizer(tokenizer, prompt_token_ids=token_ids[:-1])
-    return detok.add(token_ids[-1:]) + detok.finish()
+        return 0, ""
+    ids = list(token_ids)
+    before = tokenizer.decode(ids[:-1], skip_special_tokens=True) if len(ids) > 1 else ""
+    after = tokenizer.decode(ids, skip_special_tokens=True)
+    common = len(os.path.commonprefix([before, after]))
+    return len(before) - common, after[common:]
+
+
+class KeptStops:
+    """``include_stop_str_in_output`` over one request's events (``GatewayCore``: after the
+    result cache, whose entries hold the text without it): what stopped a choice, to come
+    as one more ``Delta`` (no tokens) right before its ``STOP`` result. That is the stop
+    string, or the stop token's text (``split_stop_token``; an EOS has none) cut right
+    after the first stop string it completes, as vLLM checks the stop strings over the
+    stop token's text once it is kept; that stop string is then the result's ``stop_reason``.
+
+    Args:
+        tokenizer: the model's tokenizer.
+        stop: the request's stop strings.
+    """
+
+    def __init__(self, tokenizer, stop: Sequence[str]):
+        self.tokenizer = tokenizer
+        self.stop = tuple(stop)
+        self._text_kept = max((len(s) for s in self.stop), default=1) - 1  # a stop string's start before the token
+        self._ids: dict[int, deque[int]] = {}  # each choice's last ids
+        self._text: dict[int, str] = {}  # each choice's last characters (``_text_kept``)
+
+    def take(self, event: Event) -> tuple[str, Event]:
+        """``(text, event)``: the text to send before ``event`` ("" for none) and the event
+        to send (a result whose ``stop_reason`` a stop string in the kept token names)."""
+        if isinstance(event, Delta):
+            self._ids.setdefault(event.index, deque(maxlen=STOP_TAIL_TOKENS)).extend(event.token_ids)
+            if self._text_kept:
+                self._text[event.index] = (self._text.get(event.index, "") + event.text)[-self._text_kept:]
+            return "", event
+        if not isinstance(event, ChoiceResult) or event.finish_reason != FinishReason.STOP:
+            return "", event
+        if event.stop_reason:
+            return event.stop_reason, event
+        text = split_stop_token(self.tokenizer, self._ids.get(event.index, ()))[1]
+        before = self._text.get(event.index, "")
+        best: tuple[int, int, str] | None = None  # (end, start, stop) of the first occurrence ending in ``text``
+        buffer = before + text
+        for stop in self.stop:
+            start = buffer.find(stop, max(0, len(before) - len(stop) + 1))
+            if start >= 0 and (best is None or (start + len(stop), start) < best[:2]):
+                best = (start + len(stop), start, stop)
+        if best is None:
+            return text, event
+        return buffer[len(before):best[0]], dataclasses.replace(event, stop_reason=best[2], stop_token_id=None)

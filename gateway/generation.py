@@ -42,9 +42,9 @@ from typing import AsyncIterator
 
 from opentelemetry import trace
 
-from gateway.choices import stop_token_text
+from gateway.choices import KeptStops
 from gateway.collector import ChoiceCollector, CompletedChoice, replay
-from gateway.events import ChoiceResult, Delta, Event, FinishReason
+from gateway.events import Delta, Event, FinishReason
 from gateway.mesh import MeshClient
 from gateway.mesh_run import MeshRunner, OnAssigned, finish_reasons, refused_for_now
 from gateway.metrics import GatewayMetrics
@@ -220,24 +220,16 @@ class GatewayCore:
         """The request's events (``_outputs``); with ``include_stop_str_in_output``, what
         stopped a choice comes as one more ``Delta`` (no tokens) right before its result: the
         stop string, or the text of the stop token (one of ``stop_token_ids``; an EOS has
-        none). Added here, after the result cache, whose entries hold the text without it."""
-        tails: dict[int, list[int]] = {}  # each choice's last ids, for the stop token's text
+        none: ``gateway.choices.KeptStops``). Added here, after the result cache, whose
+        entries hold the text without it."""
+        kept = KeptStops(self.tokenizer, p.params.stop) if p.include_stop_str_in_output else None
         async with aclosing(self._outputs(p, span, on_assigned)) as events:
             async for event in events:
-                if p.include_stop_str_in_output:
-                    stop = self._stop_text(event, tails)
+                if kept is not None:
+                    stop, event = kept.take(event)
                     if stop:
                         yield Delta(event.index, stop, ())
                 yield event
-
-    def _stop_text(self, event: Event, tails: dict[int, list[int]]) -> str:
-        """What stopped a choice, when ``event`` is its ``STOP`` result, else "" (a ``Delta``'s
-        ids are kept in ``tails``, the last 8 of each choice)."""
-        if isinstance(event, Delta) and event.token_ids:
-            tails[event.index] = (tails.get(event.index, []) + list(event.token_ids))[-8:]
-        if not isinstance(event, ChoiceResult) or event.finish_reason != FinishReason.STOP:
-            return ""
-        return event.stop_reason or stop_token_text(self.tokenizer, tails.get(event.index, []))
 
     async def _outputs(self, p: Prepared, span: trace.Span, on_assigned: OnAssigned | None) -> AsyncIterator[Event]:
         """The request's events: from the result cache, else from the mesh (then cached)."""
