@@ -25,7 +25,7 @@ import time
 from collections import deque
 from typing import Sequence
 
-from gateway.detokenizer import IncrementalDetokenizer
+from gateway.detokenizer import REPLACEMENT_CHAR, IncrementalDetokenizer
 from gateway.events import ChoiceResult, Delta, Event, FinishReason, Timings, TokenLogprob, Usage
 from gateway.mesh import ExecutorOutput
 from gateway.stop_strings import StopStringMatcher
@@ -162,13 +162,18 @@ def split_stop_token(tokenizer, token_ids: Sequence[int]) -> tuple[int, str]:
     once those are cut (the completed character, and the token's own text; "" for a
     special token such as an EOS). ``token_ids``: the choice's last ids (at most
     ``STOP_TAIL_TOKENS``), the same for the choice (``Choice.feed``: the cut) and the
-    core (``include_stop_str_in_output``: the text), so both agree."""
+    core (``include_stop_str_in_output``: the text), so both agree. Where the two texts
+    part otherwise (a decoder's clean-up of spaces), nothing is cut and the text is the
+    token's decoded after the ones before it, as the choice's detokenizer decodes."""
     if not token_ids:
         return 0, ""
     ids = list(token_ids)
     before = tokenizer.decode(ids[:-1], skip_special_tokens=True) if len(ids) > 1 else ""
     after = tokenizer.decode(ids, skip_special_tokens=True)
     common = len(os.path.commonprefix([before, after]))
+    if before[common:].strip(REPLACEMENT_CHAR):
+        detok = IncrementalDetokenizer(tokenizer, prompt_token_ids=ids[:-1])
+        return 0, detok.add(ids[-1:]) + detok.finish()
     return len(before) - common, after[common:]
 
 

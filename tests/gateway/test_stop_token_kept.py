@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from contextlib import aclosing
 
+from gateway.choices import split_stop_token
 from gateway.events import ChoiceResult, Delta, FinishReason
 from gateway.generation import GatewayCore
 from gateway.request import GenerationRequest
@@ -82,3 +83,23 @@ async def test_a_stop_string_the_kept_stop_token_completes_cuts_its_text_there(t
     assert (text_of(across), across[-1].stop_reason) == (" 中文\n- Eng", "- Eng")
     assert (text_of(cut), cut[-1].stop_reason) == (" 中文\n-", "")
     assert isinstance(inside[-1], ChoiceResult) and inside[-1].finish_reason == FinishReason.STOP
+
+
+class SpacesCleanedUp:
+    """The default model's tokenizer with a decoder that cleans up spaces (``" '"`` → ``"'"``),
+    as some tokenizers' ``clean_up_tokenization_spaces`` does."""
+
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+
+    def decode(self, ids, skip_special_tokens=True):
+        return self.tokenizer.decode(ids, skip_special_tokens=skip_special_tokens).replace(" '", "'")
+
+    def convert_ids_to_tokens(self, token_id):
+        return self.tokenizer.convert_ids_to_tokens(token_id)
+
+
+def test_a_stop_token_that_changes_earlier_text_otherwise_than_completing_a_character_cuts_nothing(tokenizer):
+    ids = tokenizer.encode("x 's", add_special_tokens=False)
+    assert split_stop_token(SpacesCleanedUp(tokenizer), ids) == (0, "s")
+    assert split_stop_token(tokenizer, tokenizer.encode("Hi 🚀", add_special_tokens=False)) == (1, "🚀")
