@@ -83,6 +83,8 @@ async def test_a_stop_string_the_kept_stop_token_completes_cuts_its_text_there(t
     assert (text_of(across), across[-1].stop_reason) == (" 中文\n- Eng", "- Eng")
     assert (text_of(cut), cut[-1].stop_reason) == (" 中文\n-", "")
     assert isinstance(inside[-1], ChoiceResult) and inside[-1].finish_reason == FinishReason.STOP
+    # the stop string is the reason then (vLLM's stop_reason), not the stop token's id
+    assert [inside[-1].stop_token_id, across[-1].stop_token_id, cut[-1].stop_token_id] == [None, None, ids[-1]]
 
 
 class SpacesCleanedUp:
