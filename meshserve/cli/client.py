@@ -71,6 +71,13 @@ def generate(
                                        help="Seed of the sampling (choice i uses seed + i)."),
     ignore_eos: bool = typer.Option(False, "--ignore-eos", help="Generate past the model's end-of-text token."),
     stop: list[str] = typer.Option([], "--stop", help="Stop string; may repeat."),
+    stop_token_ids: list[int] = typer.Option([], "--stop-token-id", help="Stop token id; may repeat (its text "
+                                             "is left out unless --include-stop-str-in-output)."),
+    include_stop_str: bool = typer.Option(False, "--include-stop-str-in-output",
+                                          help="Keep the stop string (or stop token's text) that ended a choice."),
+    cache_salt: Optional[str] = typer.Option(None, "--cache-salt", show_default="none",
+                                             help="Prefix cache salt: blocks shared only with requests carrying "
+                                                  "it (1 to 256 characters)."),
     min_p: Optional[float] = typer.Option(None, "--min-p", show_default=_GATEWAY_DEFAULTS["min_p"],
                                           help="Min-p in [0, 1] (0: off)."),
     min_tokens: Optional[int] = typer.Option(None, "--min-tokens", show_default=_GATEWAY_DEFAULTS["min_tokens"],
@@ -125,7 +132,9 @@ def generate(
                                       seed=seed, stop=stop, ignore_eos=ignore_eos, priority=priority, min_p=min_p,
                                       min_tokens=min_tokens, repetition_penalty=repetition_penalty,
                                       presence_penalty=presence_penalty, frequency_penalty=frequency_penalty, n=n,
-                                      logprobs=logprobs, prompt_logprobs=prompt_logprobs) for p in prompt]
+                                      logprobs=logprobs, prompt_logprobs=prompt_logprobs,
+                                      stop_token_ids=stop_token_ids, include_stop_str_in_output=include_stop_str,
+                                      cache_salt=cache_salt) for p in prompt]
             except ValueError as exc:  # an integer the wire type cannot hold
                 print(f"error: bad option value: {exc}", file=sys.stderr)
                 return 2

@@ -47,3 +47,25 @@ def test_one_prompt_is_prompt_0_and_a_failed_prompt_is_named_by_its_index(monkey
     lines = [json.loads(line) for line in result.stdout.splitlines()]
     assert lines[1] == {"prompt_index": 1, "error": {"code": "UNAVAILABLE", "message": "no executor"}}
     assert [(line["prompt_index"], line["text"]) for line in (lines[0], lines[2])] == [(0, "sky #0"), (2, "sun #0")]
+
+
+def test_stop_token_ids_include_stop_str_and_cache_salt_reach_the_request(monkeypatch):
+    sent = []
+
+    async def recording(stub, request, metadata=(), timeout=None, on_delta=None) -> list[Completion]:
+        sent.append(request)
+        return [Completion(index=0, text="ok", finish_reason="stop")]
+
+    monkeypatch.setattr(meshserve.client, "generate_choices", recording)
+    monkeypatch.delenv("MESHSERVE_API_KEY", raising=False)
+    result = CliRunner().invoke(app, ["generate", "--addr", "127.0.0.1:1", "--insecure", "--json", "--prompt", "sky",
+                                      "--stop-token-id", "30", "--stop-token-id", "13",
+                                      "--include-stop-str-in-output", "--cache-salt", "user-42"])
+    assert result.exit_code == 0, result.output
+    result = CliRunner().invoke(app, ["generate", "--addr", "127.0.0.1:1", "--insecure", "--json", "--prompt", "sky"])
+    assert result.exit_code == 0, result.output
+    salted, plain = sent
+    assert (list(salted.sampling.stop_token_ids), salted.include_stop_str_in_output, salted.cache_salt) == (
+        [30, 13], True, "user-42")
+    assert (list(plain.sampling.stop_token_ids), plain.include_stop_str_in_output, plain.HasField("cache_salt")) == (
+        [], False, False)
