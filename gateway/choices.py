@@ -28,7 +28,7 @@ from typing import Sequence
 from gateway.detokenizer import REPLACEMENT_CHAR, IncrementalDetokenizer
 from gateway.events import ChoiceResult, Delta, Event, FinishReason, Timings, TokenLogprob, Usage
 from gateway.mesh import ExecutorOutput
-from gateway.stop_strings import StopStringMatcher
+from gateway.stop_strings import StopStringMatcher, first_stop
 
 STOP_TAIL_TOKENS = 8
 """A choice's last ids that tell what its stop token changes in its text (``split_stop_token``):
@@ -211,12 +211,9 @@ class KeptStops:
             return event.stop_reason, event
         text = split_stop_token(self.tokenizer, self._ids.get(event.index, ()))[1]
         before = self._text.get(event.index, "")
-        best: tuple[int, int, str] | None = None  # (end, start, stop) of the first occurrence ending in ``text``
         buffer = before + text
-        for stop in self.stop:
-            start = buffer.find(stop, max(0, len(before) - len(stop) + 1))
-            if start >= 0 and (best is None or (start + len(stop), start) < best[:2]):
-                best = (start + len(stop), start, stop)
-        if best is None:
+        match = first_stop(buffer, self.stop, ends_after=len(before))  # the first one ending in ``text``
+        if match is None:
             return text, event
-        return buffer[len(before):best[0]], dataclasses.replace(event, stop_reason=best[2], stop_token_id=None)
+        start, stop = match
+        return buffer[len(before):start + len(stop)], dataclasses.replace(event, stop_reason=stop, stop_token_id=None)

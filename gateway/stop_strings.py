@@ -76,12 +76,7 @@ class StopStringMatcher:
 
     def _first_match(self, buffer: str) -> tuple[int, str] | None:
         """(start, stop string) of the occurrence ending first, ties to the earliest start."""
-        best: tuple[int, int, str] | None = None  # (end, start, stop)
-        for s in self.stop:
-            start = buffer.find(s)
-            if start >= 0 and (best is None or (start + len(s), start) < best[:2]):
-                best = (start + len(s), start, s)
-        return None if best is None else (best[1], best[2])
+        return first_stop(buffer, self.stop)
 
     def _partial_tail(self, buffer: str) -> int:
         """Length of the longest suffix of ``buffer`` that is a proper prefix of a stop string."""
@@ -92,3 +87,15 @@ class StopStringMatcher:
             if any(len(s) > k and s.startswith(tail) for s in self.stop):
                 return k
         return 0
+
+
+def first_stop(buffer: str, stop: Sequence[str], ends_after: int = 0) -> tuple[int, str] | None:
+    """``(start, stop string)`` of the occurrence in ``buffer`` completed first (the
+    module's rule: the smallest end, ties to the earliest start) among those that end
+    past position ``ends_after`` (0: any), or None when there is none."""
+    best: tuple[int, int, str] | None = None  # (end, start, stop)
+    for s in stop:
+        start = buffer.find(s, max(0, ends_after - len(s) + 1))
+        if start >= 0 and (best is None or (start + len(s), start) < best[:2]):
+            best = (start + len(s), start, s)
+    return None if best is None else (best[1], best[2])
