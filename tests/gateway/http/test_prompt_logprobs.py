@@ -22,6 +22,12 @@ from tests.support.inprocess_app import MODEL, ScriptedMesh, app_client, scripte
 
 CHAT = [{"role": "user", "content": "Hi"}]
 PROMPT = "The capital of France is"
+BOTH_ROUTES = [("/v1/chat/completions", {"messages": CHAT}), ("/v1/completions", {"prompt": PROMPT})]
+
+
+def paris_mesh(tokenizer) -> ScriptedMesh:
+    """A scripted mesh whose every choice answers " Paris"."""
+    return ScriptedMesh(tokenizer.encode(" Paris", add_special_tokens=False))
 
 
 class _Context:
@@ -33,7 +39,7 @@ class _Context:
 
 async def grpc_prompt_logprobs(tokenizer, request) -> list[Logprob]:
     """Choice 0's prompt logprobs as gRPC ``Generate`` sends them, over its own scripted mesh."""
-    core = GatewayCore(tokenizer, MODEL, ScriptedMesh(tokenizer.encode(" Paris", add_special_tokens=False)))
+    core = GatewayCore(tokenizer, MODEL, paris_mesh(tokenizer))
     tenants = TenantRegistry.open()
     servicer = GatewayServicer(core, tenants, TaskAPI(core, tenants, TaskRunner(MemoryTaskStore())))
     try:
@@ -78,7 +84,7 @@ async def test_completions_exact_entries_for_a_token_prompt(tokenizer):
 
 async def test_completions_several_prompts_and_choices_each_carry_their_prompts(tokenizer):
     prompts = [PROMPT, "Hello there, how are you"]
-    mesh = ScriptedMesh(tokenizer.encode(" Paris", add_special_tokens=False))
+    mesh = paris_mesh(tokenizer)
     async with app_client(tokenizer, mesh) as http:
         r = await http.post("/v1/completions", json={"prompt": prompts, "n": 2, "max_tokens": 1, "prompt_logprobs": 3})
     assert r.status_code == 200, r.text
@@ -95,7 +101,7 @@ async def test_completions_several_prompts_and_choices_each_carry_their_prompts(
 
 @pytest.mark.parametrize("k", [0, 2, 20])
 async def test_completions_values_equal_the_grpc_api(tokenizer, k):
-    mesh = ScriptedMesh(tokenizer.encode(" Paris", add_special_tokens=False))
+    mesh = paris_mesh(tokenizer)
     async with app_client(tokenizer, mesh) as http:
         r = await http.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 1, "prompt_logprobs": k})
     assert r.status_code == 200, r.text
@@ -129,19 +135,16 @@ async def test_chat_carries_them_in_the_response_itself(tokenizer):
         e.logprob for e in want]
 
 
-@pytest.mark.parametrize("route, body", [("/v1/chat/completions", {"messages": CHAT}),
-                                         ("/v1/completions", {"prompt": PROMPT})])
+@pytest.mark.parametrize("route, body", BOTH_ROUTES)
 async def test_not_asked_no_field(tokenizer, route, body):
-    mesh = ScriptedMesh(tokenizer.encode(" Paris", add_special_tokens=False))
+    mesh = paris_mesh(tokenizer)
     async with app_client(tokenizer, mesh) as http:
         r = await http.post(route, json={**body, "max_tokens": 1, "prompt_logprobs": None})
     assert r.status_code == 200 and "prompt_logprobs" not in r.json()
     assert "prompt_logprobs" not in r.json()["choices"][0]
 
 
-@pytest.mark.parametrize("route, body", [("/v1/chat/completions", {"messages": CHAT}),
-                                         ("/v1/completions", {"prompt": PROMPT}),
-                                         ("/v1/completions", {"prompt": [PROMPT, "Hi"]})])
+@pytest.mark.parametrize("route, body", [*BOTH_ROUTES, ("/v1/completions", {"prompt": [PROMPT, "Hi"]})])
 @pytest.mark.parametrize("fields, message", [
     ({"stream": True, "prompt_logprobs": 2},
      "prompt_logprobs is not available with stream: true (only a whole response carries it)"),
@@ -153,7 +156,7 @@ async def test_not_asked_no_field(tokenizer, route, body):
     ({"prompt_logprobs": "2"}, "Input should be a valid integer"),
 ])
 async def test_refused_with_a_400_naming_it(tokenizer, route, body, fields, message):
-    mesh = ScriptedMesh(tokenizer.encode(" Paris", add_special_tokens=False))
+    mesh = paris_mesh(tokenizer)
     async with app_client(tokenizer, mesh) as http:
         r = await http.post(route, json={**body, "max_tokens": 1, **fields})
     assert r.status_code == 400, r.text
@@ -162,10 +165,9 @@ async def test_refused_with_a_400_naming_it(tokenizer, route, body, fields, mess
     assert mesh.prompts == []  # nothing ran
 
 
-@pytest.mark.parametrize("route, body", [("/v1/chat/completions", {"messages": CHAT}),
-                                         ("/v1/completions", {"prompt": PROMPT})])
+@pytest.mark.parametrize("route, body", BOTH_ROUTES)
 async def test_a_stream_without_them_is_unchanged(tokenizer, route, body):
-    mesh = ScriptedMesh(tokenizer.encode(" Paris", add_special_tokens=False))
+    mesh = paris_mesh(tokenizer)
     async with app_client(tokenizer, mesh) as http:
         r = await http.post(route, json={**body, "max_tokens": 1, "stream": True})
     assert r.status_code == 200 and "prompt_logprobs" not in r.text and r.text.endswith("data: [DONE]\n\n")
@@ -175,7 +177,7 @@ async def test_a_task_carries_them_in_its_result(tokenizer):
     """``POST /v1/tasks`` stores them in its ``GenerateRequest`` (the sampling's
     ``prompt_logprobs``): the task's choice 0 result holds them in the proto's shape,
     as gRPC ``GetTask`` gives them."""
-    mesh = ScriptedMesh(tokenizer.encode(" Paris", add_special_tokens=False))
+    mesh = paris_mesh(tokenizer)
     async with app_client(tokenizer, mesh) as http:
         r = await http.post("/v1/tasks", json={"prompt": PROMPT, "max_tokens": 1, "prompt_logprobs": 1,
                                                "stream": True})  # a task ignores stream
