@@ -35,7 +35,7 @@ MAX_MESSAGES = 4096  # messages of one chat request
 MAX_USER_CHARS = 256  # ``user``: an end-user id (a span attribute), bounded as ``request_id`` is
 
 
-def _without_nulls(data: Any) -> Any:
+def without_nulls(data: Any) -> Any:
     """A body object with its ``null`` fields dropped: each reads as its default, as
     OpenAI's servers and vLLM read it."""
     if isinstance(data, dict):
@@ -52,7 +52,7 @@ class StreamOptions(BaseModel):
     include_usage: StrictBool = False
     continuous_usage_stats: StrictBool = False
 
-    _null_is_the_default = model_validator(mode="before")(_without_nulls)
+    _null_is_the_default = model_validator(mode="before")(without_nulls)
 
 
 class SamplingFields(BaseModel):
@@ -64,7 +64,7 @@ class SamplingFields(BaseModel):
 
     # A top-level ``"field": null`` reads as the field's default (``"n": null`` is 1,
     # ``"stream": null`` false); a required field sent as null is then missing (400).
-    _null_is_the_default = model_validator(mode="before")(_without_nulls)
+    _null_is_the_default = model_validator(mode="before")(without_nulls)
 
     model: str | None = None
     n: StrictInt = Field(1, ge=1)

@@ -28,7 +28,7 @@ from google.protobuf.json_format import MessageToDict
 from gateway.http.bodies import json_object
 from gateway.http.convert import chat_request, completion_requests, lone_prompt_index, prompt_named
 from gateway.http.openai_routes import headers_of
-from gateway.http.schemas import ChatCompletionRequest, CompletionRequest
+from gateway.http.schemas import ChatCompletionRequest, CompletionRequest, without_nulls
 from gateway.proto_convert import request_to_proto
 from gateway.task_api import TaskAPI
 from meshserve.block_hash import check_cache_salt
@@ -73,7 +73,7 @@ class TaskRoutes:
         with its ``callback_url`` (checked against the allow-list by ``TaskAPI.submit``). A
         field sent as null is absent, as on the OpenAI routes; a body with both ``messages``
         and ``prompt`` is refused (which one it meant is not known)."""
-        body = {key: value for key, value in body.items() if value is not None}
+        body = without_nulls(body)
         if "messages" in body and "prompt" in body:
             raise InvalidArgument("prompt and messages cannot both be set: a task is a chat (messages) or a "
                                   "completion (prompt)")

@@ -39,7 +39,7 @@ from gateway.generation import GatewayCore
 from gateway.http.bodies import json_object
 from gateway.http.convert import chat_request
 from gateway.http.openai_routes import headers_of
-from gateway.http.schemas import ChatCompletionRequest
+from gateway.http.schemas import ChatCompletionRequest, without_nulls
 from gateway.http.unsupported import Extra
 from gateway.request import GenerationRequest
 from gateway.tenants import TenantRegistry
@@ -82,11 +82,6 @@ class DetokenizeRequest(BaseModel):
     tokens: list[Annotated[StrictInt, Field(ge=0)]]
 
 
-def _without_nulls(body: dict[str, Any]) -> dict[str, Any]:
-    """A field sent as null is its default, as on the other routes."""
-    return {key: value for key, value in body.items() if value is not None}
-
-
 class TokenizeRoutes:
     """The tokenizer routes over one core.
 
@@ -111,7 +106,7 @@ class TokenizeRoutes:
             ModelNotFound: ``model`` is not served (404).
             Unauthenticated: no valid API key (401).
         """
-        body = _without_nulls(await json_object(request))
+        body = without_nulls(await json_object(request))  # null: the default, as on the other routes
         self.tenants.authenticate(headers_of(request))
         options = TokenizeOptions.model_validate(body)
         if "messages" in body:
@@ -149,7 +144,7 @@ class TokenizeRoutes:
             ModelNotFound: ``model`` is not served (404).
             Unauthenticated: no valid API key (401).
         """
-        body = _without_nulls(await json_object(request))
+        body = without_nulls(await json_object(request))  # null: the default, as on the other routes
         self.tenants.authenticate(headers_of(request))
         form = DetokenizeRequest.model_validate(body)
         if form.model is not None:
