@@ -15,6 +15,15 @@ faults it in as huge pages (``/sys/kernel/mm/transparent_hugepage/enabled`` set 
 ``always`` or ``madvise``, the usual defaults). Where that cannot be (not Linux, a
 buffer under 4 MiB, ``madvise`` refused, ``MESHSERVE_HUGE_PAGES=0``) the buffer is a
 plain ``torch.empty``: the numbers are the same either way, only the speed differs.
+
+Many small buffers (a model's packed weights: SmolLM2-135M's per-layer weights are 0.2-3.5
+MB each in bfloat16, under ``MIN_BYTES``) come from an ``Arena`` instead: carved one after
+another out of shared 64 MiB huge-page chunks, so that they too sit on huge pages, with
+no 2 MiB of slack each, in the order the model reads them. Before, those weights lay on
+4 KiB pages in the C allocator's heap, and a one-request decode step of the default model
+in bfloat16 on one Zen 4 core took 18.3-18.6 ms against 13.6 ms with the arena (the step
+streams ~270 MB of weights; interleaved runs of the in-process engine, 4 requests of 150
+prompt and 128 output tokens each, twice each way); 32 requests at once ran 6% faster.
 """
 
 from __future__ import annotations
@@ -24,6 +33,7 @@ import logging
 import math
 import os
 import sys
+import threading
 
 import torch
 
@@ -32,6 +42,11 @@ log = logging.getLogger(__name__)
 HUGE_PAGE_BYTES = 2 << 20
 MIN_BYTES = 4 << 20
 """Smaller buffers stay on ordinary pages (the rounding up would waste more than it saves)."""
+CHUNK_BYTES = 64 << 20
+"""An ``Arena``'s chunk: its untouched tail costs address space only (pages are faulted in
+when first written)."""
+ALIGN_BYTES = 64
+"""Every ``Arena`` buffer starts on a cache line (the kernels' aligned vector loads)."""
 _MADV_HUGEPAGE = 14
 _libc: list = []
 
@@ -67,3 +82,41 @@ def empty(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     if madvise(raw.data_ptr() + offset, span, _MADV_HUGEPAGE) != 0:
         log.debug("madvise(MADV_HUGEPAGE) refused (errno %d): ordinary pages", ctypes.get_errno())
     return raw[offset:offset + nbytes].view(dtype).view(shape)
+
+
+class Arena:
+    """A bump allocator of long-lived CPU buffers over shared chunks from ``empty`` (so
+    on huge pages where Linux gives them): buffers allocated one after another lie one
+    after another in memory, each ``ALIGN_BYTES``-aligned. A buffer over a quarter of
+    ``chunk_bytes`` gets a chunk of its own (``empty``). Buffers are views of their
+    chunk: a chunk is freed once every buffer carved from it is freed and the arena has
+    moved on to a newer chunk (the arena keeps its current chunk). Thread-safe.
+
+    Args:
+        chunk_bytes: the size of a shared chunk (bytes, a multiple of ``ALIGN_BYTES``).
+
+    Raises:
+        ValueError: ``chunk_bytes`` is not a positive multiple of ``ALIGN_BYTES``.
+    """
+
+    def __init__(self, chunk_bytes: int = CHUNK_BYTES):
+        if chunk_bytes <= 0 or chunk_bytes % ALIGN_BYTES:
+            raise ValueError(f"chunk_bytes must be a positive multiple of {ALIGN_BYTES}, got {chunk_bytes}")
+        self.chunk_bytes = chunk_bytes
+        self._chunk: torch.Tensor | None = None  # uint8, (chunk_bytes,)
+        self._used = 0  # bytes of the current chunk handed out (rounded up to ALIGN_BYTES)
+        self._lock = threading.Lock()
+
+    def empty(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        """An uninitialised contiguous CPU tensor of ``shape`` and ``dtype``, ``ALIGN_BYTES``-aligned,
+        carved from the current chunk (a new one when it is full)."""
+        nbytes = math.prod(shape) * dtype.itemsize
+        if nbytes > self.chunk_bytes // 4:
+            return empty(shape, dtype)
+        with self._lock:
+            if self._chunk is None or self._used + nbytes > self.chunk_bytes:
+                self._chunk, self._used = empty((self.chunk_bytes,), torch.uint8), 0
+            start = self._used
+            self._used = -(-(start + nbytes) // ALIGN_BYTES) * ALIGN_BYTES
+            chunk = self._chunk
+        return chunk[start:start + nbytes].view(dtype).view(shape)

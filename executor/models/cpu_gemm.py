@@ -40,7 +40,6 @@ from __future__ import annotations
 
 import ctypes
 import logging
-import math
 import threading
 from pathlib import Path
 
@@ -58,6 +57,9 @@ FLAGS = ("-O3", "-march=native", "-fPIC", "-shared", "-std=c11")
 _PACK_BATCH_HINT = 32
 """Rows oneDNN tunes its packed layout for; any number of rows works."""
 _lock = threading.Lock()
+_PACKED_WEIGHTS = huge_pages.Arena()
+"""Where every panel-packed weight of this process lies: a model's weights one after another,
+in the order they are packed, on huge pages (``executor.huge_pages.Arena``)."""
 _loaded: dict[str, object] = {}
 
 
@@ -150,13 +152,10 @@ def pack_panels_bf16(weight: torch.Tensor, kernel: GemmKernelBf16) -> torch.Tens
 
 
 def _packed(weight: torch.Tensor, kernel: GemmKernel | GemmKernelBf16, shape: tuple[int, ...]) -> torch.Tensor:
-    """A new ``shape`` tensor of ``weight``'s dtype, 64-byte aligned (the kernels' aligned
-    loads), on huge pages where Linux gives them, filled by ``kernel.pack_weight``."""
-    per_line = 64 // weight.element_size()
-    numel = math.prod(shape)
-    flat = huge_pages.empty((numel + per_line,), weight.dtype)
-    offset = (-flat.data_ptr() // weight.element_size()) % per_line  # to a 64-byte boundary
-    out = flat[offset:offset + numel].view(shape)
+    """A new ``shape`` tensor of ``weight``'s dtype from ``_PACKED_WEIGHTS`` (64-byte aligned
+    for the kernels' aligned loads, on huge pages where Linux gives them, next to the
+    weight packed before it), filled by ``kernel.pack_weight``."""
+    out = _PACKED_WEIGHTS.empty(shape, weight.dtype)
     source = weight.detach().contiguous()  # held for the call: a copy when the weight is strided
     kernel.pack_weight(source.data_ptr(), weight.shape[0], weight.shape[1], out.data_ptr())
     return out

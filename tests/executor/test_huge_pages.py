@@ -1,7 +1,8 @@
 """executor.huge_pages: large CPU buffers asked for on transparent huge pages (the
 mapping carries the kernel's ``hg`` flag, MADV_HUGEPAGE), aligned to 2 MiB, with their
 shape and dtype; small buffers, and every buffer with MESHSERVE_HUGE_PAGES=0, on ordinary
-pages; the KV cache and the GEMM's packed weights allocated through it."""
+pages; many small buffers carved one after another from shared huge-page chunks (an
+``Arena``); the KV cache and the GEMM's packed weights allocated through it."""
 
 from __future__ import annotations
 
@@ -89,3 +90,54 @@ def test_packed_weights_are_on_huge_pages(monkeypatch, one_thread):
         pytest.skip("no C compiler, or no AVX2/FMA on this host")
     packed = cpu_gemm.pack_panels(torch.randn(3072, 576), kernel)  # 7 MiB
     assert "hg" in _vm_flags(packed.data_ptr())
+    # a layer's small weights too (1.3 MiB and 0.4 MiB: on 4 KiB heap pages before the arena),
+    # each right after the one packed before it (a fresh arena: this process packed others before)
+    monkeypatch.setattr(cpu_gemm, "_PACKED_WEIGHTS", huge_pages.Arena())
+    q = cpu_gemm.pack_panels(torch.randn(576, 576), kernel)
+    k = cpu_gemm.pack_panels(torch.randn(192, 576), kernel)
+    assert "hg" in _vm_flags(q.data_ptr()) and "hg" in _vm_flags(k.data_ptr())
+    assert q.data_ptr() % 64 == 0 and k.data_ptr() == q.data_ptr() + q.numel() * 4
+
+
+def test_an_arena_carves_aligned_buffers_one_after_another():
+    arena = huge_pages.Arena(chunk_bytes=4096)
+    a = arena.empty((10,), torch.float32)  # 40 bytes: the next starts 64 bytes on
+    b = arena.empty((3, 4), torch.bfloat16)
+    c = arena.empty((100,), torch.int64)  # 800 bytes
+    assert (a.shape, a.dtype, b.shape, b.dtype, c.shape, c.dtype) == (
+        (10,), torch.float32, (3, 4), torch.bfloat16, (100,), torch.int64)
+    assert a.is_contiguous() and b.is_contiguous() and c.is_contiguous()
+    assert a.data_ptr() % 64 == 0
+    assert (b.data_ptr() - a.data_ptr(), c.data_ptr() - a.data_ptr()) == (64, 128)
+    assert a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr() == c.untyped_storage().data_ptr()
+    a.fill_(1.0), b.fill_(2.0), c.fill_(-3)  # no buffer overlaps another
+    assert (float(a.sum()), float(b.sum()), int(c.sum())) == (10.0, 24.0, -300)
+
+
+def test_an_arena_starts_a_new_chunk_when_full_and_gives_a_large_buffer_its_own():
+    arena = huge_pages.Arena(chunk_bytes=1024)
+    first = arena.empty((200,), torch.uint8)  # rounded up to 256 bytes
+    rest = [arena.empty((256,), torch.uint8) for _ in range(3)]  # up to a quarter of a chunk is carved
+    assert [t.data_ptr() - first.data_ptr() for t in rest] == [256, 512, 768]  # the chunk is full
+    fresh = arena.empty((1,), torch.uint8)
+    assert fresh.untyped_storage().data_ptr() != first.untyped_storage().data_ptr()
+    assert fresh.data_ptr() == fresh.untyped_storage().data_ptr()
+    large = arena.empty((257,), torch.uint8)  # over a quarter: a buffer of its own
+    assert large.untyped_storage().nbytes() == 257
+    assert arena.empty((8,), torch.uint8).data_ptr() == fresh.data_ptr() + 64  # the new chunk goes on
+
+
+def test_an_arena_chunk_must_hold_whole_cache_lines():
+    for bad in (0, -64, 100):
+        with pytest.raises(ValueError, match="multiple of 64"):
+            huge_pages.Arena(chunk_bytes=bad)
+
+
+@linux
+@thp
+def test_an_arena_chunk_is_asked_for_on_huge_pages(monkeypatch):
+    monkeypatch.delenv("MESHSERVE_HUGE_PAGES", raising=False)
+    arena = huge_pages.Arena()
+    small = arena.empty((1000,), torch.float32)
+    assert small.data_ptr() % huge_pages.HUGE_PAGE_BYTES == 0  # the chunk's start
+    assert "hg" in _vm_flags(small.data_ptr())
