@@ -16,14 +16,14 @@ faults it in as huge pages (``/sys/kernel/mm/transparent_hugepage/enabled`` set 
 buffer under 4 MiB, ``madvise`` refused, ``MESHSERVE_HUGE_PAGES=0``) the buffer is a
 plain ``torch.empty``: the numbers are the same either way, only the speed differs.
 
-Many small buffers (a model's packed weights: SmolLM2-135M's per-layer weights are 0.2-3.5
+Many small buffers (a model's packed weights: SmolLM2-135M's per-layer weights are 0.66-3.5
 MB each in bfloat16, under ``MIN_BYTES``) come from an ``Arena`` instead: carved one after
 another out of shared 64 MiB huge-page chunks, so that they too sit on huge pages, with
 no 2 MiB of slack each, in the order the model reads them. Before, those weights lay on
-4 KiB pages in the C allocator's heap, and a one-request decode step of the default model
-in bfloat16 on one Zen 4 core took 18.3-18.6 ms against 13.6 ms with the arena (the step
-streams ~270 MB of weights; interleaved runs of the in-process engine, 4 requests of 150
-prompt and 128 output tokens each, twice each way); 32 requests at once ran 6% faster.
+4 KiB pages in the C allocator's heap; with the arena the bfloat16 engine's TPOT p50 at one
+request went from 18.0 to 13.6 ms on one Zen 4 core (a step streams ~270 MB of weights),
+its tokens/s 1.29x at one request and 1.12x at 32 (``docs/benchmarks.md``, "Huge pages for
+the packed weights"; ``reports/cpu-speed/arena/``).
 """
 
 from __future__ import annotations
@@ -88,9 +88,14 @@ class Arena:
     """A bump allocator of long-lived CPU buffers over shared chunks from ``empty`` (so
     on huge pages where Linux gives them): buffers allocated one after another lie one
     after another in memory, each ``ALIGN_BYTES``-aligned. A buffer over a quarter of
-    ``chunk_bytes`` gets a chunk of its own (``empty``). Buffers are views of their
-    chunk: a chunk is freed once every buffer carved from it is freed and the arena has
-    moved on to a newer chunk (the arena keeps its current chunk). Thread-safe.
+    ``chunk_bytes`` gets a chunk of its own (``empty``). ``MESHSERVE_HUGE_PAGES`` is read
+    on every call: switching it starts a new chunk of the other kind. Thread-safe.
+
+    Buffers are views of their chunk: a chunk is freed once every buffer carved from it is
+    freed and the arena has moved on to a newer chunk. So after a model's buffers are
+    freed the arena's current chunk stays (at most ``chunk_bytes``, only its touched pages
+    resident), and two models packed at the same time from two threads share chunks: one
+    of them freed alone leaves the chunks they share in memory. An executor loads one model.
 
     Args:
         chunk_bytes: the size of a shared chunk (bytes, a multiple of ``ALIGN_BYTES``).
@@ -104,6 +109,7 @@ class Arena:
             raise ValueError(f"chunk_bytes must be a positive multiple of {ALIGN_BYTES}, got {chunk_bytes}")
         self.chunk_bytes = chunk_bytes
         self._chunk: torch.Tensor | None = None  # uint8, (chunk_bytes,)
+        self._chunk_huge = False  # whether the current chunk was asked for on huge pages (``enabled()``)
         self._used = 0  # bytes of the current chunk handed out (rounded up to ALIGN_BYTES)
         self._lock = threading.Lock()
 
@@ -113,9 +119,10 @@ class Arena:
         nbytes = math.prod(shape) * dtype.itemsize
         if nbytes > self.chunk_bytes // 4:
             return empty(shape, dtype)
+        huge = enabled()
         with self._lock:
-            if self._chunk is None or self._used + nbytes > self.chunk_bytes:
-                self._chunk, self._used = empty((self.chunk_bytes,), torch.uint8), 0
+            if self._chunk is None or self._used + nbytes > self.chunk_bytes or huge != self._chunk_huge:
+                self._chunk, self._chunk_huge, self._used = empty((self.chunk_bytes,), torch.uint8), huge, 0
             start = self._used
             self._used = -(-(start + nbytes) // ALIGN_BYTES) * ALIGN_BYTES
             chunk = self._chunk

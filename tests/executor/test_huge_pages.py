@@ -88,11 +88,11 @@ def test_packed_weights_are_on_huge_pages(monkeypatch, one_thread):
     kernel = cpu_gemm.load()
     if kernel is None:
         pytest.skip("no C compiler, or no AVX2/FMA on this host")
+    monkeypatch.setattr(cpu_gemm, "_PACKED_WEIGHTS", huge_pages.Arena())  # this process packed others before
     packed = cpu_gemm.pack_panels(torch.randn(3072, 576), kernel)  # 7 MiB
     assert "hg" in _vm_flags(packed.data_ptr())
     # a layer's small weights too (1.3 MiB and 0.4 MiB: on 4 KiB heap pages before the arena),
-    # each right after the one packed before it (a fresh arena: this process packed others before)
-    monkeypatch.setattr(cpu_gemm, "_PACKED_WEIGHTS", huge_pages.Arena())
+    # each right after the one packed before it
     q = cpu_gemm.pack_panels(torch.randn(576, 576), kernel)
     k = cpu_gemm.pack_panels(torch.randn(192, 576), kernel)
     assert "hg" in _vm_flags(q.data_ptr()) and "hg" in _vm_flags(k.data_ptr())
@@ -141,3 +141,23 @@ def test_an_arena_chunk_is_asked_for_on_huge_pages(monkeypatch):
     small = arena.empty((1000,), torch.float32)
     assert small.data_ptr() % huge_pages.HUGE_PAGE_BYTES == 0  # the chunk's start
     assert "hg" in _vm_flags(small.data_ptr())
+
+
+@linux
+def test_an_arena_follows_the_switch_with_a_new_chunk(monkeypatch):
+    """A chunk made with MESHSERVE_HUGE_PAGES=0 is not carved once the switch is back on
+    (and the other way round): the next buffer starts a chunk of the other kind."""
+    calls = []
+    monkeypatch.setattr(huge_pages, "_madvise", lambda: lambda *args: calls.append(args) or 0)
+    monkeypatch.setenv("MESHSERVE_HUGE_PAGES", "0")
+    arena = huge_pages.Arena(chunk_bytes=8 << 20)
+    off = arena.empty((1000,), torch.float32)
+    assert arena.empty((10,), torch.float32).data_ptr() == off.data_ptr() + 4032  # the same chunk, 64-aligned
+    assert calls == []
+    monkeypatch.delenv("MESHSERVE_HUGE_PAGES")
+    on = arena.empty((1000,), torch.float32)
+    assert on.untyped_storage().data_ptr() != off.untyped_storage().data_ptr()
+    assert calls == [(on.data_ptr(), 8 << 20, 14)]  # a new chunk, asked for on huge pages
+    monkeypatch.setenv("MESHSERVE_HUGE_PAGES", "0")
+    assert arena.empty((10,), torch.float32).untyped_storage().data_ptr() not in (
+        on.untyped_storage().data_ptr(), off.untyped_storage().data_ptr())
