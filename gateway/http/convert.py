@@ -33,6 +33,7 @@ from meshserve.request_ids import check_request_id, suffixed_request_id
 from meshserve.sampling import DEFAULT_MAX_TOKENS, SamplingParams
 
 _ROLES = {"developer": "system"}  # OpenAI's newer name for the system role (its o1 and later models)
+HTTP_ROLES = ("system", "user", "assistant", "developer")
 
 
 def _sampling(body: SamplingFields, max_tokens: int, logprobs: int | None) -> SamplingParams:
@@ -56,6 +57,10 @@ def chat_request(body: ChatCompletionRequest, max_model_len: int, request_id: st
     logprobs = (body.top_logprobs or 0) if body.logprobs else None
     if body.top_logprobs and not body.logprobs:
         raise InvalidArgument("top_logprobs needs logprobs: true")
+    for i, message in enumerate(body.messages):  # the core's own check would not list developer
+        if message.role not in HTTP_ROLES:
+            raise InvalidArgument(f"chat.messages[{i}].role must be one of {', '.join(HTTP_ROLES)}, "
+                                  f"got {message.role!r}")
     return GenerationRequest(chat=tuple((_ROLES.get(m.role, m.role), m.text()) for m in body.messages),
                              sampling=_sampling(body, max_tokens, logprobs), priority=body.priority,
                              request_id=request_id, model=body.model, chat_options=_chat_options(body),

@@ -80,6 +80,15 @@ def test_the_developer_role_is_the_system_role():
     assert chat_request(body, 1024, "r").chat == (("system", "Be brief."), ("user", "Hi!"))
 
 
+def test_an_unknown_role_is_refused_listing_every_role_the_route_takes():
+    body = ChatCompletionRequest(messages=[CHAT[1], {"role": "robot", "content": "x"}])
+    with pytest.raises(InvalidArgument) as err:
+        chat_request(body, 1024, "r")
+    error = http_error(err.value)
+    assert (error.message, error.param) == (
+        "messages[1].role must be one of system, user, assistant, developer, got 'robot'", "messages.1.role")
+
+
 @pytest.mark.parametrize("message, param", [
     ("top_p must be in (0, 1], got 0", "top_p"),
     ("chat.messages[1].role must be one of system, user, assistant, got 'tool'", "messages.1.role"),

@@ -178,7 +178,7 @@ async def test_defaults_and_nulls_of_those_fields_pass_and_sampling_fields_are_i
     ("/tokenize", {"messages": []}, "messages", "messages: List should have at least 1 item after validation, "
                                                 "not 0"),
     ("/tokenize", {"messages": [{"role": "tool", "content": "4"}]}, "messages.0.role",
-     "messages[0].role must be one of system, user, assistant, got 'tool'"),
+     "messages[0].role must be one of system, user, assistant, developer, got 'tool'"),
     ("/tokenize", {"messages": [QUESTION, {"role": "user", "content": "\ud800"}]}, "messages.1.content",
      "messages[1].content is not valid Unicode: a lone surrogate at character 0"),
     ("/tokenize", {"messages": [QUESTION, PREFILL], "continue_final_message": True}, "continue_final_message",
