@@ -150,7 +150,7 @@ class Completion:
             "token_ids": self.token_ids,
             "text": self.text,
             "finish_reason": self.finish_reason,
-            "stop_reason": self.stop_reason,
+            "stop_reason": self.stop_reason or None,  # null when no stop string ended it, as over HTTP
             "stop_token_id": self.stop_token_id,
             "executor_id": self.executor_id,
             "usage": self.usage,

@@ -37,6 +37,19 @@ def test_each_line_names_its_prompt_and_its_choice(monkeypatch):
     assert [(line["prompt_index"], line["index"], line["text"]) for line in lines] == [
         (0, 0, "sky #0"), (0, 1, "sky #1"), (1, 0, "sea #0"), (1, 1, "sea #1"), (2, 0, "sun #0"), (2, 1, "sun #1")]
     assert list(lines[0])[:2] == ["prompt_index", "index"]
+    assert (lines[0]["stop_reason"], lines[0]["stop_token_id"]) == (None, None)  # null when nothing matched
+
+
+def test_the_stop_string_that_ended_a_choice_is_its_stop_reason(monkeypatch):
+    async def stopped(stub, request, metadata=(), timeout=None, on_delta=None) -> list[Completion]:
+        return [Completion(index=0, text="Paris", finish_reason="stop", stop_reason=".")]
+
+    monkeypatch.setattr(meshserve.client, "generate_choices", stopped)
+    monkeypatch.delenv("MESHSERVE_API_KEY", raising=False)
+    result = CliRunner().invoke(app, ["generate", "--addr", "127.0.0.1:1", "--insecure", "--json", "--prompt", "x"])
+    assert result.exit_code == 0, result.output
+    line = json.loads(result.stdout)
+    assert (line["finish_reason"], line["stop_reason"], line["stop_token_id"]) == ("stop", ".", None)
 
 
 def test_one_prompt_is_prompt_0_and_a_failed_prompt_is_named_by_its_index(monkeypatch):
