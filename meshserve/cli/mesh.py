@@ -224,8 +224,8 @@ def up(
                                       long_prefill_token_threshold=long_prefill_token_threshold or 0,
                                       short_prefill_tokens=short_prefill_tokens)  # as each executor checks them
         processes.check_parallel_layout(cfg.model, revision, tensor_parallel_size, pipeline_parallel_size)
-        if queue_policy is not None:
-            processes.scheduler_config(queue_policy, pools_file=pools)
+        if queue_policy is not None or tenants or pools:  # as the scheduler reads them (the gateway reads tenants too)
+            processes.scheduler_config(queue_policy or "fcfs", tenants_file=tenants, pools_file=pools)
         parse_bytes(kvstore_memory)
         file_args = read_mesh_file(config) if config else {s: [] for s in ("scheduler", "executor", "gateway",
                                                                             "kvstore")}
