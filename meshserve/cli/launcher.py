@@ -24,6 +24,8 @@ import signal
 import subprocess
 import sys
 import threading
+import time
+from typing import Callable
 
 from meshserve.certs import has_certs, write_certs
 from meshserve.cli.arglists import last_value, without
@@ -36,6 +38,11 @@ from meshserve.cpu_affinity import CpuPlan, format_cpu_list, oversubscription, p
 from meshserve.grpc_server import LIVENESS_SERVICE, wait_serving
 from meshserve.log_format import LOG_NAME_ENV
 from meshserve.tls import PLAINTEXT, TLSConfig
+
+WAIT_NOTE_S = 30.0
+"""How often ``Mesh.start`` says which service it is still waiting for (``Mesh.on_progress``)."""
+START_POLL_S = 0.2
+"""How often a starting service is checked for having exited (seconds)."""
 
 
 def default_threads_per_executor(executors: int) -> int:
@@ -76,6 +83,10 @@ class Mesh:
         self.cpus: dict[str, str] = {}  # service name -> the cores it is pinned to ("0-2,5"), when pinned
         self.service_env: dict[str, dict[str, str]] = {}  # service name -> its added environment
         self._executor_slots: dict[str, int] = {}  # executor name -> its slot in cpu_plan.executor_cpus
+        # called every WAIT_NOTE_S of a service's start with a line naming it (``up`` prints it: a
+        # first start on a busy host builds kernels and converts the model for minutes)
+        self.on_progress: Callable[[str], None] | None = None
+        self.clock: Callable[[], float] = time.monotonic  # seconds; tests set a fake one
 
     def _plan_cpus(self) -> None:
         """Sets ``cpu_warning``, and with ``cpu_affinity`` ``cpu_plan`` (or ``cpu_note``):
@@ -217,11 +228,17 @@ class Mesh:
         proc = dict(self.procs)[name]
         task = asyncio.create_task(wait_serving(address, self.config.startup_timeout_s, service=service,
                                                 tls=self.tls("client")))
+        started = self.clock()
+        next_note = started + WAIT_NOTE_S
         while not task.done():
             if proc.poll() is not None:
                 task.cancel()
                 raise RuntimeError(f"{name} exited with code {proc.returncode} during start-up{self._log_tail(name)}")
-            await asyncio.sleep(0.2)
+            if self.on_progress is not None and self.clock() >= next_note:
+                where = f"; its log: {self.config.log_dir / f'{name}.log'}" if self.config.log_dir is not None else ""
+                self.on_progress(f"still waiting for {name} to serve ({self.clock() - started:.0f} s{where})")
+                next_note += WAIT_NOTE_S
+            await asyncio.sleep(START_POLL_S)
         await task
 
     async def start(self) -> None:

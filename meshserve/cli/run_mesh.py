@@ -47,6 +47,7 @@ def _start(mesh, signals) -> bool:
 
     if mesh.cpu_warning:  # said before the start: the executors load the model meanwhile
         typer.echo(f"warning: {mesh.cpu_warning}", err=True)
+    mesh.on_progress = lambda line: _say(line, err=True)
     try:  # start() stops whatever it started when it fails or is cancelled
         if asyncio.run(start_unless_stopped(mesh, signals, _say)):
             return True
@@ -62,10 +63,11 @@ def _start(mesh, signals) -> bool:
     return False
 
 
-def _say(line: str) -> None:
-    """One line on stdout, if the terminal is still there (SIGHUP: the services are stopped anyway)."""
+def _say(line: str, err: bool = False) -> None:
+    """One line on stdout (``err``: stderr), if the terminal is still there (SIGHUP: the
+    services are stopped anyway)."""
     with contextlib.suppress(OSError):
-        typer.echo(line)
+        typer.echo(line, err=err)
 
 
 def _say_stopped(killed: list[str]) -> None:
