@@ -6,7 +6,6 @@ import pytest
 from typer.testing import CliRunner
 
 from meshserve.cli import app
-from meshserve.cli.launcher import Mesh
 from meshserve.cli.store_check import redis_stores, stores_in_env
 from tests.support.redis_server import acl_user, free_port, redis_process, redis_process_or_skip
 
@@ -22,20 +21,6 @@ def up(*flags: str):
 @pytest.fixture
 def redis():
     yield from redis_process_or_skip()
-
-
-@pytest.fixture
-def spawned(monkeypatch):
-    """The services ``up`` starts; the first one ends the start (``error: spawned NAME``),
-    so a test sees whether the checks let it get that far."""
-    names = []
-
-    def spawn(self, name, args, cpus=None, env=None):
-        names.append(name)
-        raise RuntimeError(f"spawned {name}")
-
-    monkeypatch.setattr(Mesh, "_spawn", spawn)
-    return names
 
 
 @pytest.fixture

@@ -1,30 +1,14 @@
 """``meshserve up`` reads its ``--tenants`` and ``--pools`` files as the scheduler will,
 before it starts any service: a missing or malformed file is a usage error of ``up``
-itself (exit code 2, naming the file and the flag), not the scheduler's usage text
+itself (exit code 2, naming the file and what is wrong in it), not the scheduler's usage text
 printed from inside the mesh after the model was loaded."""
 
 import pytest
 from typer.testing import CliRunner
 
 from meshserve.cli import app
-from meshserve.cli.launcher import Mesh
 
 runner = CliRunner()
-
-
-@pytest.fixture
-def spawned(monkeypatch):
-    """The services ``up`` starts (none should be)."""
-    names = []
-
-    def spawn(self, name, args, cpus=None, env=None):
-        names.append(name)
-        raise RuntimeError(f"spawned {name}")
-
-    monkeypatch.setattr(Mesh, "_spawn", spawn)
-    return names
-
-
 USAGE = "Usage: root up [OPTIONS]\nTry 'root up --help' for help.\n\nError: Invalid value: "  # CliRunner's prog name
 
 
