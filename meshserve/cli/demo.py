@@ -117,6 +117,7 @@ def run_demo(port: int, executors: int, max_tokens: int) -> int:
         console.print(f"warning: {mesh.cpu_warning}")
     console.print(f"Starting the mesh (scheduler, {executors} executor(s), gateway); logs in {log_dir} …",
                   soft_wrap=True)
+    mesh.on_progress = lambda line: console.print(line, markup=False, highlight=False)  # a slow first start
     rc = 1
     try:
         t0 = time.monotonic()

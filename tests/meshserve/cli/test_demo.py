@@ -104,3 +104,26 @@ def test_a_mesh_that_fails_to_start_is_an_error_line_not_a_traceback(monkeypatch
                                     "ends:", "[bold]boom[/bold]",
                                     f"Mesh stopped; the services' logs are in {log_dir}"]
     assert FailingMesh.stopped == 1 and (log_dir / "executor-0.log").read_text() == "[bold]boom[/bold]\n"
+
+
+class SlowMesh(FakeMesh):
+    """A mesh whose start reports a service it still waits for, as ``Mesh._wait`` does."""
+
+    async def start(self) -> None:
+        self.on_progress(f"still waiting for executor-0 to serve (30 s; its log: {self.config.log_dir}/[x].log)")
+        await super().start()
+
+
+def test_a_slow_start_says_what_it_waits_for(monkeypatch, tmp_path, capsys):
+    """Each progress line of the start is printed as given (no markup), between the
+    starting line and the mesh being up."""
+    log_dir = tmp_path / "demo-logs"
+
+    async def answered(mesh, max_tokens, console) -> int:
+        return 0
+
+    _demo_with(monkeypatch, log_dir, SlowMesh, answered)
+    assert demo.run_demo(0, 1, 8) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].startswith("Starting the mesh") and lines[2].startswith("Mesh up in ")
+    assert lines[1] == f"still waiting for executor-0 to serve (30 s; its log: {log_dir}/[x].log)"
