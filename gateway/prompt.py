@@ -58,7 +58,8 @@ from meshserve.errors import InvalidArgument
 if TYPE_CHECKING:
     from gateway.request import GenerationRequest
 
-ROLES = ("system", "user", "assistant")
+ROLES = ("system", "user", "assistant", "developer")
+ROLE_ALIASES = {"developer": "system"}  # OpenAI's newer name for the system role (its o1 and later models)
 # ``chat_template_kwargs``: how deep its values nest (the chat template's rendering walks them
 # recursively: a few hundred levels exhaust Python's recursion limit)
 MAX_TEMPLATE_KWARGS_DEPTH = 32
@@ -219,7 +220,7 @@ class PromptBuilder:
         """
         self._check_messages(messages)
         variables = self._check_options(messages, options)
-        conversation = [{"role": role, "content": content} for role, content in messages]
+        conversation = [{"role": ROLE_ALIASES.get(role, role), "content": content} for role, content in messages]
         for message, name in zip(conversation, options.names):
             if name is not None:
                 message["name"] = name

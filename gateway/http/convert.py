@@ -25,15 +25,12 @@ from typing import AsyncIterator, TypeVar
 
 from gateway.http.schemas import MAX_PROMPTS, ChatCompletionRequest, CompletionRequest, SamplingFields
 from gateway.http.unsupported import refuse_unsupported
-from gateway.prompt import template_kwargs_text
+from gateway.prompt import ROLE_ALIASES, template_kwargs_text
 from gateway.prompt_limits import not_unicode
 from gateway.request import ChatOptions, GenerationRequest
 from meshserve.errors import InvalidArgument
 from meshserve.request_ids import check_request_id, suffixed_request_id
 from meshserve.sampling import DEFAULT_MAX_TOKENS, SamplingParams
-
-_ROLES = {"developer": "system"}  # OpenAI's newer name for the system role (its o1 and later models)
-HTTP_ROLES = ("system", "user", "assistant", "developer")
 
 
 def _sampling(body: SamplingFields, max_tokens: int, logprobs: int | None) -> SamplingParams:
@@ -57,11 +54,7 @@ def chat_request(body: ChatCompletionRequest, max_model_len: int, request_id: st
     logprobs = (body.top_logprobs or 0) if body.logprobs else None
     if body.top_logprobs and not body.logprobs:
         raise InvalidArgument("top_logprobs needs logprobs: true")
-    for i, message in enumerate(body.messages):  # the core's own check would not list developer
-        if message.role not in HTTP_ROLES:
-            raise InvalidArgument(f"chat.messages[{i}].role must be one of {', '.join(HTTP_ROLES)}, "
-                                  f"got {message.role!r}")
-    return GenerationRequest(chat=tuple((_ROLES.get(m.role, m.role), m.text()) for m in body.messages),
+    return GenerationRequest(chat=tuple((ROLE_ALIASES.get(m.role, m.role), m.text()) for m in body.messages),
                              sampling=_sampling(body, max_tokens, logprobs), priority=body.priority,
                              request_id=request_id, model=body.model, chat_options=_chat_options(body),
                              include_stop_str_in_output=body.include_stop_str_in_output,

@@ -51,7 +51,7 @@ def count(core: GatewayCore, name: str, **labels) -> float:
     (GenerationRequest(prompt_token_ids=(1, 49152)), InvalidArgument,
      "prompt_token_ids[1] = 49152 is outside the vocabulary [0, 49152)"),
     (GenerationRequest(chat=(("robot", "Hi"),)), InvalidArgument,
-     "chat.messages[0].role must be one of system, user, assistant, got 'robot'"),
+     "chat.messages[0].role must be one of system, user, assistant, developer, got 'robot'"),
     (GenerationRequest(prompt="Hi", sampling=SamplingParams(top_p=0.0)), InvalidArgument,
      "top_p must be in (0, 1], got 0.0"),
     (GenerationRequest(prompt="Hi", sampling=SamplingParams(max_tokens=65)), InvalidArgument,

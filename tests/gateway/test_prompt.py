@@ -171,10 +171,17 @@ def test_empty_prompts_are_rejected(builder):
         builder.from_chat([])
 
 
-@pytest.mark.parametrize("role", ["tool", "User", "", "developer"])
+@pytest.mark.parametrize("role", ["tool", "User", "", "Developer"])
 def test_unknown_role(builder, role):
-    with pytest.raises(InvalidArgument, match=r"chat\.messages\[1\]\.role"):
+    with pytest.raises(InvalidArgument) as err:
         builder.from_chat([("user", "hi"), (role, "x")])
+    assert str(err.value) == f"chat.messages[1].role must be one of system, user, assistant, developer, got {role!r}"
+
+
+def test_the_developer_role_is_read_as_the_system_role(builder):
+    """OpenAI's newer name for the system role, taken by every API (gRPC as HTTP)."""
+    assert builder.from_chat([("developer", "Be brief."), ("user", "hi")]) == \
+        builder.from_chat([("system", "Be brief."), ("user", "hi")])
 
 
 def test_non_string_content(builder):
