@@ -138,13 +138,16 @@ class TenantRegistry:
 
         Raises:
             FileNotFoundError: no such file.
-            ValueError: not valid TOML, or a tenant entry is malformed (missing or
-                mistyped field, unknown field, duplicate name or key); the message
+            OSError: the file cannot be read (a directory, no permission).
+            ValueError: not UTF-8, not valid TOML, or a tenant entry is malformed (missing
+                or mistyped field, unknown field, duplicate name or key); the message
                 names the file, the entry and the problem.
         """
         path = Path(path)
         try:
             data = tomllib.loads(path.read_text(encoding="utf-8"))
+        except UnicodeDecodeError as exc:
+            raise ValueError(f"{path}: not UTF-8: {exc}") from exc
         except tomllib.TOMLDecodeError as exc:
             raise ValueError(f"{path}: not valid TOML: {exc}") from exc
         entries = data.get("tenants")

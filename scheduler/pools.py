@@ -145,13 +145,17 @@ class PoolsConfig:
 
         Raises:
             FileNotFoundError: no such file.
-            ValueError: not TOML, or bad contents.
+            OSError: the file cannot be read (a directory, no permission).
+            ValueError: not UTF-8, not TOML, or bad contents; the message names the file.
         """
         try:
-            data = tomllib.loads(Path(path).read_text())
-        except tomllib.TOMLDecodeError as exc:
+            data = tomllib.loads(Path(path).read_text(encoding="utf-8"))
+        except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
             raise ValueError(f"pools file {path}: {exc}") from None
-        return cls.from_dict(data)
+        try:
+            return cls.from_dict(data)
+        except ValueError as exc:
+            raise ValueError(f"pools file {path}: {exc}") from None
 
 
 @dataclass(frozen=True)

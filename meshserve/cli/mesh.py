@@ -245,7 +245,7 @@ def up(
             PlannerConfig(interval_s=planner_interval_s, season_s=planner_season_s, min_executors=scale[0],
                           max_executors=scale[1], capacity_tokens_per_s=executor_capacity,
                           scale_down_cooldown_s=scale_down_cooldown_s)  # checked here: a usage error
-    except (ValueError, FileNotFoundError) as exc:
+    except (ValueError, OSError) as exc:  # OSError: a file named by a flag that cannot be read
         raise typer.BadParameter(str(exc)) from None
     tls_files = None
     if tls_cert or tls_key or tls_ca or insecure:

@@ -98,7 +98,7 @@ def scheduler(
                                 capacity_tokens_per_s=executor_capacity, cold_start_s=cold_start_s,
                                 target_utilization=target_utilization, scale_down_cooldown_s=scale_down_cooldown_s,
                                 predictive=not no_forecast)
-    except (ValueError, FileNotFoundError) as exc:
+    except (ValueError, OSError) as exc:  # OSError: a --tenants or --pools file that cannot be read
         raise typer.BadParameter(str(exc)) from None
     serve(processes.run_scheduler(port, host, config, kvstore, metrics_port, tls, planner, health_port))
 

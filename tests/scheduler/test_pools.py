@@ -80,6 +80,20 @@ def test_pools_file_is_read(tmp_path):
         PoolsConfig.from_file(path)
 
 
+def test_a_bad_pools_file_is_named_in_every_error(tmp_path):
+    path = tmp_path / "pools.toml"
+    path.write_text('[pools.a]\nspill_to = ["nope"]\n')
+    with pytest.raises(ValueError) as err:
+        PoolsConfig.from_file(path)
+    assert str(err.value) == f"pools file {path}: pool 'a': spill_to names 'nope', which is not another pool"
+    path.write_bytes(b"\xff\xfe")
+    with pytest.raises(ValueError) as err:
+        PoolsConfig.from_file(path)
+    assert str(err.value).startswith(f"pools file {path}: 'utf-8' codec can't decode byte 0xff in position 0")
+    with pytest.raises(IsADirectoryError):
+        PoolsConfig.from_file(tmp_path)
+
+
 def test_pure_choice_own_pool_first_then_idle_spill_target():
     i0, i1, b0 = ex("i0", "interactive"), ex("i1", "interactive"), ex("b0", "batch")
     room = {"i0": False, "i1": True, "b0": True}

@@ -26,6 +26,19 @@ def test_a_bad_tenants_file_stops_up_before_any_service(tmp_path, spawned, body,
     assert result.output == USAGE + message.format(path=path) + "\n"
 
 
+@pytest.mark.parametrize("flag", ["--tenants", "--pools"])
+def test_a_directory_or_a_file_not_utf8_is_a_usage_error_too(tmp_path, spawned, flag):
+    result = runner.invoke(app, ["up", "--port", "0", "--http-port", "0", flag, str(tmp_path)])
+    assert (result.exit_code, spawned) == (2, [])
+    assert result.output == USAGE + f"[Errno 21] Is a directory: '{tmp_path}'\n"
+    path = tmp_path / "file.toml"
+    path.write_bytes(b"\xff\xfe")
+    result = runner.invoke(app, ["up", "--port", "0", "--http-port", "0", flag, str(path)])
+    assert (result.exit_code, spawned) == (2, [])
+    named = f"{path}: not UTF-8: " if flag == "--tenants" else f"pools file {path}: "
+    assert result.output.startswith(USAGE + named + "'utf-8' codec can't decode byte 0xff in position 0")
+
+
 def test_a_missing_pools_file_stops_up_before_any_service(tmp_path, spawned):
     path = tmp_path / "none.toml"
     result = runner.invoke(app, ["up", "--port", "0", "--http-port", "0", "--pools", str(path)])
