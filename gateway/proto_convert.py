@@ -72,12 +72,11 @@ def request_from_proto(msg: gateway_pb2.GenerateRequest, default_request_id: str
 
 def chat_options_from_proto(chat: gateway_pb2.ChatMessages) -> ChatOptions:
     """A ``ChatMessages``' rendering options (unset ``add_generation_prompt``: true;
-    names by position, () when no message has one)."""
-    names = tuple(m.name if m.HasField("name") else None for m in chat.messages)
+    names by position)."""
     return ChatOptions(
         add_generation_prompt=chat.add_generation_prompt if chat.HasField("add_generation_prompt") else True,
         continue_final_message=chat.continue_final_message, template_kwargs=chat.chat_template_kwargs,
-        names=names if any(n is not None for n in names) else ())
+        names=tuple(m.name if m.HasField("name") else None for m in chat.messages))
 
 
 def request_to_proto(r: GenerationRequest) -> gateway_pb2.GenerateRequest:

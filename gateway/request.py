@@ -69,13 +69,18 @@ class ChatOptions:
             object ("": none); ``gateway.prompt`` parses it (and refuses text that is not
             a JSON object).
         names: each message's ``name`` by position (None: it has none); (): no
-            message has one. The template sees it as the message's ``name`` key.
+            message has one (names of None only are stored as ()). The template sees it
+            as the message's ``name`` key.
     """
 
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     template_kwargs: str = ""
     names: tuple[str | None, ...] = ()
+
+    def __post_init__(self):
+        if not any(name is not None for name in self.names):
+            object.__setattr__(self, "names", ())  # one spelling of "no names": one prompt memo key
 
 
 @dataclass(frozen=True)

@@ -60,7 +60,7 @@ class StopStringMatcher:
         if self.matched is not None:
             return "", None
         buffer = self._held + text
-        cut = self._first_match(buffer)
+        cut = first_stop(buffer, self.stop)
         if cut is not None:
             start, self.matched = cut
             self._held = ""
@@ -73,10 +73,6 @@ class StopStringMatcher:
         """The held-back tail, at the end of the stream ("" after a match)."""
         held, self._held = self._held, ""
         return held
-
-    def _first_match(self, buffer: str) -> tuple[int, str] | None:
-        """(start, stop string) of the occurrence ending first, ties to the earliest start."""
-        return first_stop(buffer, self.stop)
 
     def _partial_tail(self, buffer: str) -> int:
         """Length of the longest suffix of ``buffer`` that is a proper prefix of a stop string."""

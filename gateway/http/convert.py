@@ -63,11 +63,10 @@ def chat_request(body: ChatCompletionRequest, max_model_len: int, request_id: st
 
 def _chat_options(body: ChatCompletionRequest) -> ChatOptions:
     """vLLM's chat extras as ``ChatOptions`` (checked against each other by ``gateway.prompt``)."""
-    names = tuple(m.name for m in body.messages)
     return ChatOptions(add_generation_prompt=body.add_generation_prompt,
                        continue_final_message=body.continue_final_message,
                        template_kwargs=template_kwargs_text(body.chat_template_kwargs),
-                       names=names if any(n is not None for n in names) else ())
+                       names=tuple(m.name for m in body.messages))
 
 
 def _prompts(prompt) -> list[str | tuple[int, ...]]:
