@@ -61,11 +61,14 @@ class Choice:
         eos_token_id: the model's EOS id (None with ``ignore_eos``): a choice it ends has
             no ``stop_token_id`` even when ``stop_token_ids`` lists it (vLLM's
             ``check_stop`` tests the EOS first).
+        min_tokens: the request's ``min_tokens``: no stop string may end in the text of
+            the choice's first ``min_tokens`` tokens (``StopStringMatcher``'s ``can_stop``).
     """
 
     def __init__(self, index: int, tokenizer, prompt_token_ids: Sequence[int], stop: Sequence[str],
-                 stop_token_ids: Sequence[int] = (), eos_token_id: int | None = None):
+                 stop_token_ids: Sequence[int] = (), eos_token_id: int | None = None, min_tokens: int = 0):
         self.index = index
+        self.min_tokens = min_tokens
         self.stop_token_ids = frozenset(stop_token_ids)
         self.eos_token_id = eos_token_id
         self.stop_token_id: int | None = None
@@ -99,6 +102,7 @@ class Choice:
                 self.num_kvstore_tokens = out.num_kvstore_tokens
             self.last_token = now
         self.prompt_logprobs.extend(out.prompt_logprobs)
+        before = self.num_tokens
         self.num_tokens += len(out.token_ids)
         self.tail.extend(out.token_ids)
         # the token that stopped the request in the engine (an EOS, or one of stop_token_ids)
@@ -106,13 +110,17 @@ class Choice:
         # include_stop_str_in_output the core adds it: ``split_stop_token``), nor the start
         # of a character it completes (vLLM's detokenizer never emits it; here it would be U+FFFD)
         held = 1 if out.finish_reason == FinishReason.STOP and out.token_ids else 0
-        text, matched = self.stops.feed(self.detok.add(out.token_ids[:len(out.token_ids) - held]))
+        ids = out.token_ids[:len(out.token_ids) - held]
+        protected = min(max(self.min_tokens - before, 0), len(ids))  # of the first min_tokens: no stop ends there
+        text = self.stops.feed(self.detok.add(ids[:protected]), can_stop=False)[0] if protected else ""
+        more, matched = self.stops.feed(self.detok.add(ids[protected:]))
+        text += more
         if out.finish_reason and matched is None:
             pending = self.detok.finish()
             if held:
                 cut = min(split_stop_token(self.tokenizer, self.tail)[0], len(pending))
                 pending = pending[:len(pending) - cut]
-            more, matched = self.stops.feed(pending)
+            more, matched = self.stops.feed(pending, can_stop=self.num_tokens > self.min_tokens)
             text += more
             if matched is None:
                 text += self.stops.flush()

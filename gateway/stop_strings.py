@@ -13,6 +13,12 @@ tokens that may never come, and applying it to the whole text at once gives the
 same cut, so streamed and non-streamed responses agree. For a single
 stop string S it is simply ``text[:text.index(S)]``.
 
+Text fed with ``can_stop=False`` (the text of a request's first ``min_tokens``
+tokens) cannot end a stop string: an occurrence must end after it, though it may
+begin inside it (vLLM's rule since vllm-project/vllm#22014: its detokenizer checks
+the stop strings only once ``min_tokens`` tokens are out, over the text they did
+not produce, less a stop string's length).
+
 Cost per ``feed``: one ``str.find`` per stop string over the held tail plus the
 new piece, and a suffix check of at most ``max(len(stop)) - 1`` characters.
 """
@@ -46,10 +52,13 @@ class StopStringMatcher:
         self._first_chars = frozenset(s[0] for s in self.stop)
         self._max_hold = max((len(s) for s in self.stop), default=1) - 1
         self._held = ""
+        self._fed = 0  # characters fed so far
+        self._floor = 0  # no stop string may end at or before this position of the text fed
         self.matched: str | None = None
 
-    def feed(self, text: str) -> tuple[str, str | None]:
-        """Adds the next piece of text.
+    def feed(self, text: str, can_stop: bool = True) -> tuple[str, str | None]:
+        """Adds the next piece of text. ``can_stop`` False: no stop string may end in
+        it (the text of the first ``min_tokens`` tokens); one may still begin there.
 
         Returns:
             (text that may be emitted now, the stop string that matched or None).
@@ -60,7 +69,11 @@ class StopStringMatcher:
         if self.matched is not None:
             return "", None
         buffer = self._held + text
-        cut = first_stop(buffer, self.stop)
+        buffer_start = self._fed - len(self._held)  # where ``buffer`` begins in the text fed
+        self._fed += len(text)
+        if not can_stop:
+            self._floor = self._fed
+        cut = first_stop(buffer, self.stop, ends_after=max(0, self._floor - buffer_start))
         if cut is not None:
             start, self.matched = cut
             self._held = ""

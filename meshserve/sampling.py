@@ -21,7 +21,8 @@ Policies (documented in docs/api.md):
 * ``presence_penalty`` / ``frequency_penalty`` in [-2, 2]; 0 is off. OpenAI-style,
   output tokens only: ``logit -= presence * (count > 0) + frequency * count``.
 * ``min_tokens`` in [0, max_tokens]: until that many tokens are generated, EOS
-  (unless ``ignore_eos``) and ``stop_token_ids`` cannot be sampled or stop.
+  (unless ``ignore_eos``) and ``stop_token_ids`` cannot be sampled or stop, and
+  no stop string may end in their text (the gateway's ``Choice``).
 * ``n`` in [1, MAX_N]: choices generated from one prompt; with a seed, choice
   ``i`` uses ``seed + i`` (vLLM's rule).
 * ``seed`` an int64 (and ``seed + n - 1`` too); stop strings valid Unicode.

@@ -128,3 +128,43 @@ def test_emitted_plus_flush_is_text_cut_at_first_stop(text, stop, cuts):
         assert emitted == text[: text.index(stop[0])]
     # all at once gives the same cut as streamed
     assert run(stop, [text])[:2] == (emitted, match)
+
+
+def test_no_stop_ends_in_text_fed_without_can_stop():
+    """The text of the first min_tokens tokens (``can_stop=False``) cannot end a stop
+    string; the first occurrence ending after it stops, even one that began inside it."""
+    matcher = StopStringMatcher(["ab"])
+    assert matcher.feed("xab", can_stop=False) == ("xab", None)  # an "ab" inside: not a stop
+    assert matcher.feed("yab") == ("y", "ab")
+    spanning = StopStringMatcher(["abc"])
+    assert spanning.feed("xab", can_stop=False) == ("x", None)  # "ab" held: it may begin "abc"
+    assert spanning.feed("cz") == ("", "abc")
+
+
+def reference_cut_after(text, stop, floor):
+    """Independent reference: the first stop string ending after position ``floor``."""
+    for end in range(floor + 1, len(text) + 1):
+        for s in sorted(stop, key=len, reverse=True):
+            if text[:end].endswith(s):
+                return text[: end - len(s)], s
+    return text, None
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    text=st.text(alphabet="ab c", max_size=40),
+    stop=st.lists(st.text(alphabet="ab c", min_size=1, max_size=5), max_size=4),
+    cuts=st.lists(st.integers(0, 40), max_size=10),
+    floor=st.integers(0, 40),
+)
+def test_stream_with_a_protected_start_cuts_at_the_first_stop_ending_after_it(text, stop, cuts, floor):
+    floor = min(floor, len(text))
+    bounds = sorted({0, floor, len(text), *(c for c in cuts if c <= len(text))})
+    matcher, out, match = StopStringMatcher(stop), [], None
+    for a, b in zip(bounds, bounds[1:]):
+        emit, match = matcher.feed(text[a:b], can_stop=b > floor)
+        out.append(emit)
+        if match is not None:
+            break
+    emitted = "".join(out) + (matcher.flush() if match is None else "")
+    assert (emitted, match) == reference_cut_after(text, stop, floor)
