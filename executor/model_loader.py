@@ -9,7 +9,6 @@ and optionally ``generation_config.json`` (for EOS ids).
 
 from __future__ import annotations
 
-import json
 import logging
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,6 +22,7 @@ from executor.models.checkpoint import iter_checkpoint
 from executor.models.cpu_dtype import choose_cpu_dtype
 from executor.models.parallel import SINGLE, PipelineStage, TensorParallel
 from executor.parallel_layout import check_parallel_sizes  # noqa: F401 - re-exported: checked at load too
+from meshserve.model_files import eos_token_ids
 
 log = logging.getLogger(__name__)
 
@@ -86,21 +86,6 @@ def derive_max_model_len(hf_config, requested: int | None) -> int:
     if not 2 <= requested <= limit:
         raise ValueError(f"max_model_len must be in [2, {limit}] for this model, got {requested}")
     return requested
-
-
-def eos_token_ids(path: Path, hf_config) -> frozenset[int]:
-    """EOS ids from ``generation_config.json`` and ``config.json`` (either may be a list)."""
-    ids: set[int] = set()
-    sources = [getattr(hf_config, "eos_token_id", None)]
-    gen = path / "generation_config.json"
-    if gen.exists():
-        sources.append(json.loads(gen.read_text()).get("eos_token_id"))
-    for value in sources:
-        if isinstance(value, int):
-            ids.add(value)
-        elif isinstance(value, (list, tuple)):
-            ids.update(int(v) for v in value)
-    return frozenset(ids)
 
 
 def load_model(path: str | Path, *, dtype: str = "auto", max_model_len: int | None = None,

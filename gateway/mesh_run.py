@@ -129,8 +129,12 @@ class MeshRunner:
             p.metrics.assigned(p.timer.assigned)
             span.set_attributes({ta.EXECUTOR_ID: assignment.executor_id, ta.QUEUE_WAIT_S: assignment.queue_s})
             eos = None if p.params.ignore_eos else getattr(self.tokenizer, "eos_token_id", None)
-            choices = [Choice(i, self.tokenizer, p.prompt_ids, p.params.stop, p.params.stop_token_ids, eos,
-                              p.params.min_tokens) for i in range(p.params.n)]
+            # the model's other EOS ids (generation_config.json's) end a choice as stop tokens (vLLM adds
+            # them to stop_token_ids): its stop_reason names them; the tokenizer's own EOS is not named
+            stop_ids = p.params.stop_token_ids if p.params.ignore_eos else (
+                *p.params.stop_token_ids, *sorted(self.model.eos_token_ids - {eos}))
+            choices = [Choice(i, self.tokenizer, p.prompt_ids, p.params.stop, stop_ids, eos, p.params.min_tokens)
+                       for i in range(p.params.n)]
             async with renewing(self.mesh, assignment, span) as activity:
                 if on_assigned is not None:
                     await on_assigned()

@@ -30,6 +30,10 @@ class ModelInfo:
             the executors' (both resolve the same model files).
         served_model_names: the names callers may pass as ``model``
             (``--served-model-name``, as vLLM spells it); empty: the model id.
+        eos_token_ids: every id the executors end a generation on unless
+            ``ignore_eos`` (``meshserve.model_files.eos_token_ids``); those other than
+            the tokenizer's own EOS are reported as a choice's stop token, as vLLM
+            adds them to ``stop_token_ids``.
     """
 
     model_id: str
@@ -37,6 +41,7 @@ class ModelInfo:
     vocab_size: int
     revision: str = ""
     served_model_names: tuple[str, ...] = ()
+    eos_token_ids: frozenset[int] = frozenset()
 
     @property
     def names(self) -> tuple[str, ...]:

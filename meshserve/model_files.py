@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import hashlib
 import importlib.util
+import json
 import logging
 import os
 import time
@@ -149,3 +150,21 @@ def resolve_model(name_or_path: str, revision: str | None = None) -> ModelFiles:
                 _convert_gguf(gguf, out)
                 log.info("converted %s in %.1f s", gguf.name, time.monotonic() - start)
     return ModelFiles(out, model_id, revision)
+
+
+def eos_token_ids(path: Path, hf_config) -> frozenset[int]:
+    """The model's EOS ids: those of ``generation_config.json`` in the folder ``path``
+    and of ``hf_config`` (its ``config.json``; either may list several). An executor
+    stops on every one (unless ``ignore_eos``); the gateway names those other than the
+    tokenizer's own as a choice's stop token (vLLM's ``stop_reason``)."""
+    ids: set[int] = set()
+    sources = [getattr(hf_config, "eos_token_id", None)]
+    gen = path / "generation_config.json"
+    if gen.exists():
+        sources.append(json.loads(gen.read_text()).get("eos_token_id"))
+    for value in sources:
+        if isinstance(value, int):
+            ids.add(value)
+        elif isinstance(value, (list, tuple)):
+            ids.update(int(v) for v in value)
+    return frozenset(ids)

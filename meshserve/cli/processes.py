@@ -30,7 +30,7 @@ from kvstore.server import start_kvstore
 from kvstore.store import KVStore
 from meshserve.cli.options import parse_bytes
 from meshserve.grpc_server import run_until_signal
-from meshserve.model_files import resolve_model
+from meshserve.model_files import eos_token_ids, resolve_model
 from meshserve.telemetry import setup_tracing, shutdown_tracing
 from meshserve.tls import PLAINTEXT, TLSConfig
 from scheduler.config import SchedulerConfig
@@ -86,7 +86,8 @@ def model_info(model: str | ModelSource):
         template = Path(source.chat_template)
         tokenizer.chat_template = template.read_text(encoding="utf-8") if template.is_file() \
             else source.chat_template
-    return tokenizer, ModelInfo(files.model_id, max_len, config.vocab_size, files.revision, source.served_model_names)
+    return tokenizer, ModelInfo(files.model_id, max_len, config.vocab_size, files.revision, source.served_model_names,
+                                eos_token_ids(files.path, config))
 
 
 def scheduler_config(queue_policy: str = "fcfs", max_queue_wait_s: float = 30.0, max_queue_len: int = 4096,

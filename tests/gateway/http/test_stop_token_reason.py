@@ -6,6 +6,7 @@ the same from the result cache (memory and Redis) and in a task's result."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -13,7 +14,7 @@ import pytest
 from gateway.events import FinishReason
 from gateway.result_cache import ResultCache
 from meshserve.client import build_request, generate
-from tests.support.inprocess_app import ScriptedMesh, app_client, finished_task, gateway_clients
+from tests.support.inprocess_app import MODEL, ScriptedMesh, app_client, finished_task, gateway_clients
 
 CHAT = [{"role": "user", "content": "Hi"}]
 OUTPUT = "The answer is 42. Done here"
@@ -79,6 +80,24 @@ async def test_grpc_stop_token_id_is_set_only_for_a_stop_token(tokenizer, case):
     assert result.stop_reason == (want if isinstance(want, str) else "")
     out = await _generate(tokenizer, ScriptedMesh(ids_of(tokenizer, extra), finish), req)
     assert (out.finish_reason, out.stop_token_id, out.stop_reason) == (want_finish, token, result.stop_reason)
+
+
+@pytest.mark.parametrize("route, prompt", ROUTES)
+@pytest.mark.parametrize("fields, want", [({}, 7), ({"stop_token_ids": [7]}, 7), ({"ignore_eos": True}, None)])
+async def test_another_eos_of_the_model_is_named_as_a_stop_token(tokenizer, route, prompt, fields, want):
+    """A model whose generation_config.json lists several EOS ids (Llama 3's three): vLLM
+    adds those other than the tokenizer's own to stop_token_ids, so one of them that ends a
+    choice is its stop_reason. With ignore_eos the executor goes on past them; here one
+    still ends the choice (as it would an id of stop_token_ids), and is not named."""
+    eos = tokenizer.eos_token_id
+    model = dataclasses.replace(MODEL, eos_token_ids=frozenset({eos, 7}))
+    body = {**prompt, **fields, "max_tokens": 16, "temperature": 0}
+    async with app_client(tokenizer, ScriptedMesh(ids_of(tokenizer, (7,)), FinishReason.STOP), model) as http:
+        other = await stop_reasons(http, route, body)
+    async with app_client(tokenizer, ScriptedMesh(ids_of(tokenizer, (eos,)), FinishReason.STOP), model) as http:
+        own = await stop_reasons(http, route, body)
+    assert other == ([("stop", want)], [("stop", want)])
+    assert own == ([("stop", None)],) * 2  # the tokenizer's own: never named
 
 
 async def _generate(tokenizer, mesh, req):
