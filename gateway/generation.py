@@ -38,7 +38,7 @@ from __future__ import annotations
 
 import time
 from contextlib import aclosing
-from typing import AsyncIterator
+from typing import AsyncIterator, Callable
 
 from opentelemetry import trace
 
@@ -145,9 +145,12 @@ class GatewayCore:
         self.preparer.end(prepared, error)
 
     async def generate(self, request: GenerationRequest, tenant: Tenant, options: SpanOptions = SpanOptions(),
-                       received_at: float | None = None) -> AsyncIterator[Event]:
+                       received_at: float | None = None,
+                       on_prepared: Callable[[Prepared], None] | None = None) -> AsyncIterator[Event]:
         """``prepare`` then ``run`` under one span, which also records a rejection.
         A caller that goes away (cancellation) is not an error of the span.
+        ``on_prepared(prepared)``: called once the request is prepared, before its first
+        event (an adapter learns its prompt ids: vLLM's ``return_token_ids``).
 
         Raises:
             MeshError: as ``prepare``, and the scheduler's or an executor's error.
@@ -156,6 +159,8 @@ class GatewayCore:
         prepared, error = None, None
         try:
             prepared = await self.prepare_async(request, tenant, received_at)
+            if on_prepared is not None:
+                on_prepared(prepared)
             async with aclosing(self._events(prepared, s, None)) as events:
                 async for event in events:
                     yield event

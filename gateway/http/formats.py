@@ -5,7 +5,10 @@
 serves them; vLLM's ``stop_reason`` is added to each finished choice: the stop
 string that ended it, else the id (an int) of the one of ``stop_token_ids`` that
 did, else null (the length, the model's EOS); with vLLM's ``return_token_ids`` each
-choice also carries ``token_ids``: in a chunk its delta's, in a response all of them; with vLLM's
+choice also carries ``token_ids``: in a chunk its delta's, in a response all of them, and
+``prompt_token_ids`` as vLLM places them: in completions each choice its prompt's (a
+stream: on the choice's first chunk), in chat the response itself (a stream: the
+role chunk); with vLLM's
 ``prompt_logprobs`` a whole response carries them, ``gateway.http.logprobs``'s shape:
 in completions each choice its prompt's, in chat the response itself). vLLM's
 ``include_stop_str_in_output`` is the core's (``GenerationRequest``): the stop string
@@ -64,6 +67,12 @@ class _Format:
         self.return_token_ids = return_token_ids
         self.prompt_logprobs = prompt_logprobs
         self.texts = TokenTexts(tokenizer)
+        self.prompt_ids: dict[int, list[int]] = {}  # prompt index -> its ids, for a stream (``set_prompt_ids``)
+
+    def set_prompt_ids(self, prompt: int, ids: list[int]) -> None:
+        """Prompt ``prompt``'s ids, known once it is prepared: a stream's chunks carry them
+        (``return_token_ids``) before the results, which carry them too, come."""
+        self.prompt_ids[prompt] = ids
 
     def prompt_logprobs_of(self, choices: Sequence[CompletedChoice]) -> list[dict | None] | None:
         """vLLM's ``prompt_logprobs`` of one prompt, from its choices (choice 0's result
@@ -110,10 +119,14 @@ class ChatFormat(_Format):
 
     object_name, chunk_object_name = "chat.completion", "chat.completion.chunk"
 
-    def role_choice(self, index: int) -> dict:
-        """The first chunk's choice of ``index``: it announces the assistant role."""
-        return {"index": index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-                "finish_reason": None}
+    def role_chunk(self, index: int, with_usage: bool) -> dict:
+        """The first chunk of choice ``index``: it announces the assistant role (and carries
+        vLLM's ``prompt_token_ids`` when asked)."""
+        out = self.chunk([{"index": index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                           "finish_reason": None}], with_usage=with_usage)
+        if self.return_token_ids:
+            out["prompt_token_ids"] = self.prompt_ids.get(index // self.n)
+        return out
 
     def delta_choice(self, index: int, delta: Delta) -> dict | None:
         """A chunk's choice for ``delta`` (None when it carries nothing to send)."""
@@ -134,6 +147,8 @@ class ChatFormat(_Format):
         out = super().response(choices, results)
         if self.prompt_logprobs:
             out["prompt_logprobs"] = prompts_logprobs[0] if prompts_logprobs else None
+        if self.return_token_ids:
+            out["prompt_token_ids"] = list(results[0].prompt_token_ids) if results else None
         return out
 
     def full_choice(self, index: int, c: CompletedChoice) -> dict:
@@ -153,9 +168,18 @@ class CompletionFormat(_Format):
                  return_token_ids: bool = False, prompt_logprobs: bool = False):
         super().__init__(response_id, model, n, tokenizer, logprobs, return_token_ids, prompt_logprobs)
         self._offsets: dict[int, int] = {}  # index -> text offset of its next token (logprobs)
+        self._started: set[int] = set()  # the choices whose first chunk was built
 
-    def role_choice(self, index: int) -> None:
+    def role_chunk(self, index: int, with_usage: bool) -> None:
         return None  # completions announce no role
+
+    def _first_of(self, index: int, choice: dict) -> dict:
+        """``choice`` with its prompt's ids (vLLM's ``prompt_token_ids``) when it is the
+        first chunk of choice ``index`` and the request asked for token ids."""
+        if self.return_token_ids and index not in self._started:
+            choice["prompt_token_ids"] = self.prompt_ids.get(index // self.n)
+        self._started.add(index)
+        return choice
 
     def delta_choice(self, index: int, delta: Delta) -> dict | None:
         """A chunk's choice for ``delta`` (None when it carries nothing to send)."""
@@ -166,18 +190,21 @@ class CompletionFormat(_Format):
             offset = self._offsets.get(index, 0)
             logprobs = completion_logprobs(delta.logprobs, self.texts, offset)
             self._offsets[index] = offset + sum(len(t) for t in logprobs["tokens"])
-        return self._with_ids({"index": index, "text": delta.text, "logprobs": logprobs, "finish_reason": None},
-                              delta.token_ids)
+        return self._first_of(index, self._with_ids({"index": index, "text": delta.text, "logprobs": logprobs,
+                                                     "finish_reason": None}, delta.token_ids))
 
     def finish_choice(self, index: int, result: ChoiceResult) -> dict:
-        return {"index": index, "text": "", "logprobs": None,
-                "finish_reason": _finish_reason(result), "stop_reason": _stop_reason(result)}
+        return self._first_of(index, {"index": index, "text": "", "logprobs": None,
+                                      "finish_reason": _finish_reason(result), "stop_reason": _stop_reason(result)})
 
     def full_choice(self, index: int, c: CompletedChoice) -> dict:
-        return self._with_ids({"index": index, "text": c.text,
-                               "logprobs": completion_logprobs(c.logprobs, self.texts) if self.logprobs else None,
-                               "finish_reason": _finish_reason(c.result),
-                               "stop_reason": _stop_reason(c.result)}, c.token_ids)
+        choice = self._with_ids({"index": index, "text": c.text,
+                                 "logprobs": completion_logprobs(c.logprobs, self.texts) if self.logprobs else None,
+                                 "finish_reason": _finish_reason(c.result),
+                                 "stop_reason": _stop_reason(c.result)}, c.token_ids)
+        if self.return_token_ids:
+            choice["prompt_token_ids"] = list(c.result.prompt_token_ids) if c.result is not None else None
+        return choice
 
     def response(self, choices: list[dict], results: Sequence[ChoiceResult],
                  prompts_logprobs: Sequence[list[dict | None] | None] = ()) -> dict:

@@ -149,7 +149,8 @@ class OpenAIRoutes:
                               attributes={"enduser.id": body.user} if body.user else {})
         on_done = None
         if len(requests) == 1:
-            streams = [self.core.generate(requests[0], tenant, options, received_at)]
+            streams = [self.core.generate(requests[0], tenant, options, received_at,
+                                          on_prepared=lambda prepared: fmt.set_prompt_ids(0, prepared.prompt_ids))]
             if prompts:
                 streams = [naming_prompt(streams[0], lone_prompt)]
         else:  # every prompt validated before any is admitted: a bad one must not strand the others' leases
@@ -160,6 +161,7 @@ class OpenAIRoutes:
                         prepared.append(await self.core.prepare_async(r, tenant, received_at))
                     except InvalidArgument as exc:
                         raise prompt_named(exc, i) from None
+                    fmt.set_prompt_ids(i, prepared[-1].prompt_ids)
             except BaseException:
                 for p in prepared:
                     self.core.end(p)
@@ -205,9 +207,9 @@ class OpenAIRoutes:
         results: list[ChoiceResult] = []
         try:
             for index in range(num_prompts * fmt.n):
-                role = fmt.role_choice(index)
+                role = fmt.role_chunk(index, include_usage)
                 if role is not None:
-                    yield _sse(fmt.chunk([role], with_usage=include_usage))
+                    yield _sse(role)
             item = first
             while item is not None:
                 p, event = item
