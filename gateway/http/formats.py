@@ -25,11 +25,12 @@ the prompt tokens whose KV was reused.
 from __future__ import annotations
 
 import time
+from collections import deque
 from typing import Sequence
 
 from gateway.collector import CompletedChoice
 from gateway.events import ChoiceResult, Delta
-from gateway.http.logprobs import TokenTexts, chat_logprobs, completion_logprobs, prompt_logprobs
+from gateway.http.logprobs import TokenTexts, chat_logprobs, completion_logprobs, prompt_logprobs, sampled_context
 
 
 def usage_of(results: Sequence[ChoiceResult]) -> dict:
@@ -67,6 +68,7 @@ class _Format:
         self.return_token_ids = return_token_ids
         self.prompt_logprobs = prompt_logprobs
         self.texts = TokenTexts(tokenizer)
+        self.contexts: dict[int, deque[int]] = {}  # a streamed choice's last sampled ids (its logprobs' texts)
         self.prompt_ids: dict[int, list[int]] = {}  # prompt index -> its ids, for a stream (``set_prompt_ids``)
 
     def set_prompt_ids(self, prompt: int, ids: list[int]) -> None:
@@ -132,7 +134,9 @@ class ChatFormat(_Format):
         """A chunk's choice for ``delta`` (None when it carries nothing to send)."""
         if not self._carries(delta):
             return None
-        logprobs = chat_logprobs(delta.logprobs, self.texts) if self.logprobs else None
+        logprobs = None
+        if self.logprobs:
+            logprobs = chat_logprobs(delta.logprobs, self.texts, self.contexts.setdefault(index, sampled_context()))
         return self._with_ids({"index": index, "delta": {"content": delta.text}, "logprobs": logprobs,
                                "finish_reason": None}, delta.token_ids)
 
@@ -188,7 +192,8 @@ class CompletionFormat(_Format):
         logprobs = None
         if self.logprobs:
             offset = self._offsets.get(index, 0)
-            logprobs = completion_logprobs(delta.logprobs, self.texts, offset)
+            logprobs = completion_logprobs(delta.logprobs, self.texts, offset,
+                                           self.contexts.setdefault(index, sampled_context()))
             self._offsets[index] = offset + sum(len(t) for t in logprobs["tokens"])
         return self._first_of(index, self._with_ids({"index": index, "text": delta.text, "logprobs": logprobs,
                                                      "finish_reason": None}, delta.token_ids))

@@ -17,18 +17,33 @@
   whole vocabulary, which the core does not compute. A logprob of -inf is -9999.0,
   as vLLM clamps it (JSON has no infinity).
 
-A token's text is the tokenizer's decoding of that one id (as vLLM gives it; a
-byte-level token that is part of a multi-byte character decodes to U+FFFD), and
-``bytes`` are that text's UTF-8 bytes. Values are the core's (``gateway.events``):
-natural-log probabilities of the model's raw distribution.
+A token's text is the tokenizer's decoding of that one id, and ``bytes`` are that
+text's UTF-8 bytes. A byte-level token that holds only part of a multi-byte
+character decodes alone to U+FFFD; its text is then vLLM's correction
+(``LogprobsProcessor._correct_decoded_token``): decoded after up to the last
+``CONTEXT_TOKENS`` sampled tokens of its sequence, a token that completes a
+character gets the text the character's pieces did not show (the character, and
+what the token adds after it), and one that leaves it unfinished gets "". So the
+texts of a choice's tokens join to its text, and ``text_offset`` stays within it.
+The same holds for a position's alternatives (after the same sampled tokens) and
+for a prompt's tokens (after the prompt's).
+Values are the core's (``gateway.events``): natural-log probabilities of the
+model's raw distribution.
 """
 
 from __future__ import annotations
 
 import math
-from typing import Sequence
+import os
+from collections import deque
+from typing import Iterable, Sequence
 
+from gateway.detokenizer import REPLACEMENT_CHAR
 from gateway.events import TokenLogprob
+
+CONTEXT_TOKENS = 4
+"""Sampled tokens before a token that ``TokenTexts.in_context`` decodes it after (vLLM's:
+a UTF-8 character spans at most 4 byte tokens)."""
 
 
 class TokenTexts:
@@ -44,27 +59,64 @@ class TokenTexts:
             text = self._texts[token_id] = self._tokenizer.decode([token_id])
         return text
 
+    def in_context(self, token_id: int, context: Sequence[int]) -> str:
+        """The text of ``token_id`` after the sampled tokens ``context`` (oldest first):
+        its own decoding, unless that ends in U+FFFD (part of a character); then the text
+        it completes, or "" (see the module docstring)."""
+        text = self(token_id)
+        if not text.endswith(REPLACEMENT_CHAR):
+            return text
+        context = list(context)[-CONTEXT_TOKENS:]
+        for k in range(1, len(context) + 1):
+            before = context[-k:]
+            full = self._tokenizer.decode(before + [token_id])
+            if full.endswith(REPLACEMENT_CHAR):
+                continue
+            clean = len(before)  # the context's own text ends before its unfinished pieces
+            while clean > 0 and self(before[clean - 1]).endswith(REPLACEMENT_CHAR):
+                clean -= 1
+            prefix = self._tokenizer.decode(before[:clean]) if clean else ""
+            return full[len(os.path.commonprefix([prefix, full])):]
+        return ""
 
-def chat_logprobs(entries: Sequence[TokenLogprob], texts: TokenTexts) -> dict:
-    """The chat shape of ``entries`` (one per generated token)."""
-    def one(token_id: int, logprob: float) -> dict:
-        text = texts(token_id)
+
+def _sampled(entries: Iterable[TokenLogprob], context: deque[int]) -> Iterable[tuple[TokenLogprob, deque[int]]]:
+    """Each entry with the sampled tokens before it (``context``, which it then joins)."""
+    for e in entries:
+        yield e, context
+        context.append(e.token_id)
+
+
+def sampled_context() -> deque[int]:
+    """A choice's last sampled ids, as ``chat_logprobs`` and ``completion_logprobs`` keep
+    them across a stream's chunks."""
+    return deque(maxlen=CONTEXT_TOKENS)
+
+
+def chat_logprobs(entries: Sequence[TokenLogprob], texts: TokenTexts, context: deque[int] | None = None) -> dict:
+    """The chat shape of ``entries`` (one per generated token); ``context``: the choice's
+    sampled ids before them (``sampled_context``; updated)."""
+    def one(token_id: int, logprob: float, before: deque[int]) -> dict:
+        text = texts.in_context(token_id, before)
         return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
 
-    return {"content": [{**one(e.token_id, e.logprob), "top_logprobs": [one(t.token_id, t.logprob) for t in e.top]}
-                        for e in entries]}
+    return {"content": [{**one(e.token_id, e.logprob, before),
+                         "top_logprobs": [one(t.token_id, t.logprob, before) for t in e.top]}
+                        for e, before in _sampled(entries, sampled_context() if context is None else context)]}
 
 
-def completion_logprobs(entries: Sequence[TokenLogprob], texts: TokenTexts, offset: int = 0) -> dict:
+def completion_logprobs(entries: Sequence[TokenLogprob], texts: TokenTexts, offset: int = 0,
+                        context: deque[int] | None = None) -> dict:
     """The completions shape of ``entries``; ``offset``: the text offset (characters)
-    of the first entry's token in the choice's text."""
-    tokens, offsets = [], []
-    for e in entries:
-        tokens.append(texts(e.token_id))
+    of the first entry's token in the choice's text; ``context``: as ``chat_logprobs``'s."""
+    tokens, offsets, alternatives = [], [], []
+    for e, before in _sampled(entries, sampled_context() if context is None else context):
+        tokens.append(texts.in_context(e.token_id, before))
+        alternatives.append(_alternatives(e, texts, before))
         offsets.append(offset)
         offset += len(tokens[-1])
     return {"tokens": tokens, "token_logprobs": [e.logprob for e in entries],
-            "top_logprobs": [_alternatives(e, texts) for e in entries], "text_offset": offsets}
+            "top_logprobs": alternatives, "text_offset": offsets}
 
 
 PROMPT_LOGPROB_FLOOR = -9999.0  # vLLM's value for a prompt token's -inf
@@ -73,23 +125,23 @@ PROMPT_LOGPROB_FLOOR = -9999.0  # vLLM's value for a prompt token's -inf
 def prompt_logprobs(entries: Sequence[TokenLogprob], texts: TokenTexts) -> list[dict | None]:
     """vLLM's ``prompt_logprobs`` of one prompt from the core's ``entries`` (one per
     prompt position after the first)."""
-    def one(logprob: float, rank: int | None, token_id: int) -> dict:
+    def one(logprob: float, rank: int | None, decoded: str) -> dict:
         value = PROMPT_LOGPROB_FLOOR if logprob == -math.inf else logprob
-        return {"logprob": value, "rank": rank, "decoded_token": texts(token_id)}
+        return {"logprob": value, "rank": rank, "decoded_token": decoded}
 
     out: list[dict | None] = [None]
-    for e in entries:
-        position = {str(e.token_id): one(e.logprob, None, e.token_id)}
+    for e, before in _sampled(entries, sampled_context()):
+        position = {str(e.token_id): one(e.logprob, None, texts.in_context(e.token_id, before))}
         for rank, t in enumerate(e.top, 1):  # the core's top k: highest first
-            position[str(t.token_id)] = one(t.logprob, rank, t.token_id)
+            position[str(t.token_id)] = one(t.logprob, rank, texts.in_context(t.token_id, before))
         out.append(position)
     return out
 
 
-def _alternatives(entry: TokenLogprob, texts: TokenTexts) -> dict[str, float]:
+def _alternatives(entry: TokenLogprob, texts: TokenTexts, before: Sequence[int]) -> dict[str, float]:
     """A completions position's ``{token: logprob}``: its top k, then the sampled token
-    when it is not among them."""
-    top = {texts(t.token_id): t.logprob for t in entry.top}
+    when it is not among them (each token's text after the sampled ids ``before``)."""
+    top = {texts.in_context(t.token_id, before): t.logprob for t in entry.top}
     if all(t.token_id != entry.token_id for t in entry.top):
-        top.setdefault(texts(entry.token_id), entry.logprob)
+        top.setdefault(texts.in_context(entry.token_id, before), entry.logprob)
     return top

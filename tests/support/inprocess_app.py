@@ -59,7 +59,8 @@ def scripted_prompt_logprobs(prompt_token_ids: Sequence[int], k: int) -> tuple[T
 
 class ScriptedMesh:
     """A ``MeshClient`` that assigns at once and streams ``token_ids`` to every choice,
-    one token a message, the last with ``finish_reason`` (default ``length``; ``stop``
+    one token a message (with ``logprobs`` asked, each token's: -1/4, its own top 1),
+    the last with ``finish_reason`` (default ``length``; ``stop``
     as an executor ends a choice on an EOS or one of ``stop_token_ids``; a stop string
     may end a choice before); it records each Execute's prompt ids in ``prompts`` and its
     ``cache_salt`` in ``cache_salts``, and each ``Admission`` in ``admissions``."""
@@ -84,8 +85,10 @@ class ScriptedMesh:
             for index in range(params.n):
                 first = i == 0 and index == 0 and k is not None  # choice 0's first message, as an executor
                 prompt_logprobs = scripted_prompt_logprobs(prompt_token_ids, k) if first else ()
+                logprobs = () if params.logprobs is None else (
+                    TokenLogprob(tid, -0.25, (TopLogprob(tid, -0.25),)[:params.logprobs]),)
                 yield ExecutorOutput(index, (tid,), self.finish_reason if i == last else None,
-                                     prompt_logprobs=prompt_logprobs)
+                                     logprobs=logprobs, prompt_logprobs=prompt_logprobs)
 
     async def renew(self, lease_id, span):
         pass
