@@ -116,16 +116,17 @@ class RequestPreparer:
         preparing it: no request id, no tenant, no metrics, and no check against
         ``max_model_len`` (``POST /tokenize`` reports the count beside it).
         ``add_special_tokens`` False: a raw ``prompt`` without what the tokenizer's
-        post-processor adds (``PromptBuilder.from_text``; not remembered); a chat's
-        special tokens come from its template either way.
+        post-processor adds (``PromptBuilder.tokenize``; not remembered); a chat's
+        special tokens come from its template either way. An empty raw ``prompt`` is
+        counted, not refused (vLLM's ``/tokenize``: ``[]``).
 
         Raises:
             ModelNotFound: ``request.model`` is not one of the served names.
             InvalidArgument: a prompt over a size limit, or as ``PromptBuilder.from_request``.
         """
         self._check_prompt(request)
-        if not add_special_tokens and request.prompt is not None and len(request.input_kinds) == 1:
-            return await asyncio.to_thread(self.prompts.from_text, request.prompt, add_special_tokens=False)
+        if request.prompt is not None and len(request.input_kinds) == 1 and not (add_special_tokens and request.prompt):
+            return await asyncio.to_thread(self.prompts.tokenize, request.prompt, add_special_tokens)
         return await self._build_prompt(request)
 
     async def _build_prompt(self, request: GenerationRequest) -> list[int]:

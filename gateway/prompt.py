@@ -178,12 +178,18 @@ class PromptBuilder:
         """
         if not text:
             raise InvalidArgument("prompt must not be empty")
-        with self._lock:
-            ids = list(self.tokenizer(text, split_special_tokens=False,
-                                      add_special_tokens=add_special_tokens)["input_ids"])
+        ids = self.tokenize(text, add_special_tokens)
         if not ids:
             raise InvalidArgument("prompt encodes to no tokens")
         return ids
+
+    def tokenize(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """The ids of a raw prompt as ``from_text`` encodes it, none refused: ``POST
+        /tokenize`` counts an empty prompt (``[]``, or what the post-processor adds),
+        as vLLM's does."""
+        with self._lock:
+            return list(self.tokenizer(text, split_special_tokens=False,
+                                       add_special_tokens=add_special_tokens)["input_ids"])
 
     def from_token_ids(self, ids: Sequence[int]) -> list[int]:
         """Checks pre-tokenized prompt ids.

@@ -10,7 +10,8 @@ the chat route's own conversion (``gateway.http.convert.chat_request``: its refu
 roles and ``ChatOptions``), and both forms through the core's prompt path
 (``GatewayCore.prompt_ids``: the same model check, size limits, prompt memo and
 ``PromptBuilder``). What differs is vLLM's and said so in ``docs/api.md``: a prompt
-longer than ``max_model_len`` is counted, not refused (the caller compares), and the
+longer than ``max_model_len`` is counted, not refused (the caller compares), so is an
+empty ``prompt`` (``[]``), and the
 completion form's ``add_special_tokens: false``, which ``/v1/completions`` refuses,
 leaves out what the tokenizer's post-processor adds (a BOS), so that a fragment can
 be tokenized and its ids sent as a token-id prompt.

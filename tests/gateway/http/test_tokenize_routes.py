@@ -69,6 +69,19 @@ async def test_a_prompts_tokens_are_the_ids_a_completion_of_it_feeds_the_engine(
     assert prompts == [ids] and prompt_tokens == len(ids)
 
 
+async def test_an_empty_prompt_is_counted_as_vllm_counts_it(tokenizer, bos_tokenizer):
+    """vLLM's ``/tokenize`` answers ``""`` with no ids (what the post-processor adds, if
+    anything); a completion of it is still a 400."""
+    empty = {"count": 0, "max_model_len": 2048, "tokens": [], "token_strs": []}
+    assert await tokenized(tokenizer, {"prompt": "", "return_token_strs": True}) == empty
+    assert await tokenized(tokenizer, {"prompt": "", "add_special_tokens": False}) == {**empty, "token_strs": None}
+    assert (await tokenized(bos_tokenizer, {"prompt": ""}))["tokens"] == [1]
+    assert (await tokenized(bos_tokenizer, {"prompt": "", "add_special_tokens": False}))["tokens"] == []
+    async with app_client(tokenizer) as http:
+        r = await http.post("/v1/completions", json={"prompt": "", "max_tokens": 1})
+    assert (r.status_code, r.json()) == (400, error("prompt must not be empty", "prompt"))
+
+
 @pytest.mark.parametrize("fields, count", [
     ({"messages": [QUESTION]}, 37),
     ({"messages": [QUESTION], "add_generation_prompt": False}, 33),
@@ -169,7 +182,6 @@ async def test_defaults_and_nulls_of_those_fields_pass_and_sampling_fields_are_i
     ("/tokenize", {"prompt": "Hi", "messages": [QUESTION]}, "prompt",
      "prompt and messages cannot both be set: tokenize a completion's prompt or a chat's messages"),
     ("/tokenize", {"prompt": [1, 2]}, "prompt", "prompt: Input should be a valid string"),
-    ("/tokenize", {"prompt": ""}, "prompt", "prompt must not be empty"),
     ("/tokenize", {"prompt": "ab\udfff"}, "prompt", "prompt is not valid Unicode: a lone surrogate at character 2"),
     ("/tokenize", {"prompt": "Hi", "add_special_tokens": 1}, "add_special_tokens",
      "add_special_tokens: Input should be a valid boolean"),
