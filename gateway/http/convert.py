@@ -13,12 +13,16 @@ Mappings that are not one-to-one:
 * chat ``logprobs: true`` → ``logprobs`` = ``top_logprobs`` (0: the token's own only);
   completions ``logprobs: k`` → ``logprobs`` = k. vLLM's ``prompt_logprobs: k`` is the
   core's own, in both (a streamed request refuses it: ``refuse_unstreamable``).
+* a completion's ``echo`` (vLLM's): the answer starts with the prompt (``gateway.http.formats``),
+  and with ``logprobs: k`` it asks for the prompt's logprobs too (``prompt_logprobs`` = k unless
+  set). ``max_tokens: 0`` (with ``echo`` only) runs one token, which the answer leaves out.
 * ``priority`` is meshserve's priority class (higher runs first; vLLM's runs lower
   first) and is capped by nothing here: the scheduler applies the tenant's rules.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from contextlib import aclosing
 from typing import AsyncIterator, TypeVar
@@ -100,7 +104,12 @@ def completion_requests(body: CompletionRequest, request_id: str) -> list[Genera
                     p.encode("utf-8")
                 except UnicodeEncodeError as exc:
                     raise not_unicode(f"prompt[{i}]", exc) from None
-    params = _sampling(body, body.max_tokens or DEFAULT_MAX_TOKENS, body.logprobs)
+    if body.max_tokens == 0 and not body.echo:
+        raise InvalidArgument("max_tokens must be at least 1 (0 only with echo: the prompt alone)")
+    max_tokens = DEFAULT_MAX_TOKENS if body.max_tokens is None else max(body.max_tokens, 1)
+    params = _sampling(body, max_tokens, body.logprobs)
+    if body.echo and body.prompt_logprobs is None and body.logprobs is not None:
+        params = dataclasses.replace(params, prompt_logprobs=body.logprobs)  # the echoed prompt's
     if len(prompts) > 1:
         check_request_id(request_id)  # the caller's own id; each prompt's derived one always fits
     out = []

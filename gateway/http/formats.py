@@ -30,7 +30,8 @@ from typing import Sequence
 
 from gateway.collector import CompletedChoice
 from gateway.events import ChoiceResult, Delta
-from gateway.http.logprobs import TokenTexts, chat_logprobs, completion_logprobs, prompt_logprobs, sampled_context
+from gateway.http.logprobs import (TokenTexts, chat_logprobs, completion_logprobs, echoed_logprobs, prompt_logprobs,
+                                   sampled_context)
 
 
 def usage_of(results: Sequence[ChoiceResult]) -> dict:
@@ -155,8 +156,8 @@ class ChatFormat(_Format):
             out["prompt_token_ids"] = list(results[0].prompt_token_ids) if results else None
         return out
 
-    def full_choice(self, index: int, c: CompletedChoice) -> dict:
-        """A choice of the non-streamed response."""
+    def full_choice(self, index: int, c: CompletedChoice, prompt_result: ChoiceResult | None = None) -> dict:
+        """A choice of the non-streamed response (``prompt_result``: unused, as a chat echoes nothing)."""
         return self._with_ids({"index": index, "message": {"role": "assistant", "content": c.text},
                                "logprobs": chat_logprobs(c.logprobs, self.texts) if self.logprobs else None,
                                "finish_reason": _finish_reason(c.result),
@@ -164,15 +165,35 @@ class ChatFormat(_Format):
 
 
 class CompletionFormat(_Format):
-    """``text_completion`` objects."""
+    """``text_completion`` objects.
+
+    ``echo`` (vLLM's): each prompt's text as the request gave it (None for a token-id
+    prompt: its ids' decode, special tokens kept), which starts the text of each of its
+    choices (a stream: the choice's first chunk); with logprobs the prompt's tokens
+    lead ``logprobs`` (``echoed_logprobs``; a whole response only). ``echo_only``
+    (``max_tokens: 0``): the prompt alone, without the one token the request ran.
+    """
 
     object_name = chunk_object_name = "text_completion"
 
     def __init__(self, response_id: str, model: str, n: int, tokenizer, logprobs: bool,
-                 return_token_ids: bool = False, prompt_logprobs: bool = False):
+                 return_token_ids: bool = False, prompt_logprobs: bool = False,
+                 echo: Sequence[str | None] | None = None, echo_only: bool = False):
         super().__init__(response_id, model, n, tokenizer, logprobs, return_token_ids, prompt_logprobs)
         self._offsets: dict[int, int] = {}  # index -> text offset of its next token (logprobs)
         self._started: set[int] = set()  # the choices whose first chunk was built
+        self.tokenizer = tokenizer
+        self.echo = None if echo is None else list(echo)
+        self.echo_only = echo_only
+
+    def _echoed(self, index: int) -> str:
+        """The text choice ``index`` starts with: its prompt's with ``echo``, else ""."""
+        if self.echo is None:
+            return ""
+        p = index // self.n
+        if self.echo[p] is None:  # a token-id prompt: decoded once, when first needed
+            self.echo[p] = self.tokenizer.decode(self.prompt_ids.get(p, []))
+        return self.echo[p]
 
     def role_chunk(self, index: int, with_usage: bool) -> None:
         return None  # completions announce no role
@@ -187,25 +208,37 @@ class CompletionFormat(_Format):
 
     def delta_choice(self, index: int, delta: Delta) -> dict | None:
         """A chunk's choice for ``delta`` (None when it carries nothing to send)."""
-        if not self._carries(delta):
+        first = self.echo is not None and index not in self._started  # it carries the echoed prompt
+        text = "" if self.echo_only else delta.text
+        if not first and not (text or (delta.token_ids and (self.logprobs or self.return_token_ids))):
             return None
         logprobs = None
-        if self.logprobs:
+        if self.logprobs:  # never with echo: echo with logprobs is not streamed
             offset = self._offsets.get(index, 0)
             logprobs = completion_logprobs(delta.logprobs, self.texts, offset,
                                            self.contexts.setdefault(index, sampled_context()))
             self._offsets[index] = offset + sum(len(t) for t in logprobs["tokens"])
-        return self._first_of(index, self._with_ids({"index": index, "text": delta.text, "logprobs": logprobs,
+        text = (self._echoed(index) if first else "") + text
+        return self._first_of(index, self._with_ids({"index": index, "text": text, "logprobs": logprobs,
                                                      "finish_reason": None}, delta.token_ids))
 
     def finish_choice(self, index: int, result: ChoiceResult) -> dict:
-        return self._first_of(index, {"index": index, "text": "", "logprobs": None,
+        text = self._echoed(index) if index not in self._started else ""  # a choice that sent nothing before
+        return self._first_of(index, {"index": index, "text": text, "logprobs": None,
                                       "finish_reason": _finish_reason(result), "stop_reason": _stop_reason(result)})
 
-    def full_choice(self, index: int, c: CompletedChoice) -> dict:
-        choice = self._with_ids({"index": index, "text": c.text,
-                                 "logprobs": completion_logprobs(c.logprobs, self.texts) if self.logprobs else None,
-                                 "finish_reason": _finish_reason(c.result),
+    def full_choice(self, index: int, c: CompletedChoice, prompt_result: ChoiceResult | None = None) -> dict:
+        """A choice of the whole response; ``prompt_result``: its prompt's choice 0's
+        result (the prompt's logprobs, for ``echo`` with logprobs)."""
+        entries = () if self.echo_only else c.logprobs
+        logprobs = None
+        if self.logprobs and self.echo is not None and prompt_result is not None:
+            logprobs = echoed_logprobs(prompt_result.prompt_token_ids, prompt_result.prompt_logprobs, entries,
+                                       self.texts)
+        elif self.logprobs:
+            logprobs = completion_logprobs(entries, self.texts)
+        choice = self._with_ids({"index": index, "text": self._echoed(index) + ("" if self.echo_only else c.text),
+                                 "logprobs": logprobs, "finish_reason": _finish_reason(c.result),
                                  "stop_reason": _stop_reason(c.result)}, c.token_ids)
         if self.return_token_ids:
             choice["prompt_token_ids"] = list(c.result.prompt_token_ids) if c.result is not None else None

@@ -122,12 +122,37 @@ def completion_logprobs(entries: Sequence[TokenLogprob], texts: TokenTexts, offs
 PROMPT_LOGPROB_FLOOR = -9999.0  # vLLM's value for a prompt token's -inf
 
 
+def _floored(logprob: float) -> float:
+    return PROMPT_LOGPROB_FLOOR if logprob == -math.inf else logprob
+
+
+def echoed_logprobs(prompt_ids: Sequence[int], prompt_entries: Sequence[TokenLogprob], entries: Sequence[TokenLogprob],
+                    texts: TokenTexts) -> dict:
+    """The completions shape of an echoed prompt and its choice's tokens (vLLM's ``echo``
+    with ``logprobs``): the prompt's first token has no logprob (null, and null
+    alternatives), each later one its prompt logprob (``prompt_entries``: one per
+    position after the first; -inf as -9999.0), then ``entries``' tokens, the offsets
+    running on over both."""
+    if not prompt_ids:
+        return completion_logprobs(entries, texts)
+    context = sampled_context()
+    tokens, logprobs, tops, offsets = [texts(prompt_ids[0])], [None], [None], [0]
+    context.append(prompt_ids[0])
+    for e, before in _sampled(prompt_entries, context):
+        offsets.append(offsets[-1] + len(tokens[-1]))
+        tokens.append(texts.in_context(e.token_id, before))
+        logprobs.append(_floored(e.logprob))
+        tops.append({k: _floored(v) for k, v in _alternatives(e, texts, before).items()})
+    generated = completion_logprobs(entries, texts, offsets[-1] + len(tokens[-1]), context)
+    return {"tokens": tokens + generated["tokens"], "token_logprobs": logprobs + generated["token_logprobs"],
+            "top_logprobs": tops + generated["top_logprobs"], "text_offset": offsets + generated["text_offset"]}
+
+
 def prompt_logprobs(entries: Sequence[TokenLogprob], texts: TokenTexts) -> list[dict | None]:
     """vLLM's ``prompt_logprobs`` of one prompt from the core's ``entries`` (one per
     prompt position after the first)."""
     def one(logprob: float, rank: int | None, decoded: str) -> dict:
-        value = PROMPT_LOGPROB_FLOOR if logprob == -math.inf else logprob
-        return {"logprob": value, "rank": rank, "decoded_token": decoded}
+        return {"logprob": _floored(logprob), "rank": rank, "decoded_token": decoded}
 
     out: list[dict | None] = [None]
     for e, before in _sampled(entries, sampled_context()):

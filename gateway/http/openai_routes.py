@@ -122,7 +122,9 @@ class OpenAIRoutes:
         requests = completion_requests(body, request_id)
         refuse_unstreamable(body)
         fmt = CompletionFormat(f"cmpl-{request_id}", body.model or self.served_name, body.n, self.core.tokenizer,
-                               body.logprobs is not None, body.return_token_ids, body.prompt_logprobs is not None)
+                               body.logprobs is not None, body.return_token_ids, body.prompt_logprobs is not None,
+                               echo=[r.prompt for r in requests] if body.echo else None,
+                               echo_only=body.max_tokens == 0)
         return await self._serve(request, body, tenant, requests, fmt, received_at, prompts=True,
                                  lone_prompt=lone_prompt_index(body.prompt))
 
@@ -195,8 +197,9 @@ class OpenAIRoutes:
         for p, collector in enumerate(collectors):
             completed = collector.choices()
             prompts_logprobs.append(fmt.prompt_logprobs_of(completed))
+            first = next((c.result for c in completed if c.index == 0), None)  # it carries the prompt's logprobs
             for c in completed:
-                choices.append(fmt.full_choice(fmt.index(p, c.index), c))
+                choices.append(fmt.full_choice(fmt.index(p, c.index), c, first))
                 if c.result is not None:
                     results.append(c.result)
         return fmt.response(choices, results, prompts_logprobs)

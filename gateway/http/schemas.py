@@ -14,7 +14,8 @@ boolean or a string; a boolean field (``stream``, ``echo``, ``logprobs`` of a ch
 takes ``true`` or ``false`` only, never ``1`` or ``"yes"``. ``user`` is at most 256 characters (it becomes the span
 attribute ``enduser.id``). Ranges are checked once, by
 ``meshserve.sampling.validate`` in the core; what is checked here is only what
-the core cannot see (types, the OpenAI-only caps such as ``max_tokens`` >= 1 and
+the core cannot see (types, the OpenAI-only caps such as ``max_tokens`` >= 1 (0 with
+a completion's ``echo``) and
 ``top_logprobs`` <= 20, and fields meshserve does not implement, which are
 refused rather than silently ignored).
 """
@@ -106,7 +107,7 @@ class CompletionRequest(SamplingFields):
     ``i`` of the response belonging to prompt ``i // n``."""
 
     prompt: str | list[str] | list[StrictInt] | list[list[StrictInt]]
-    max_tokens: StrictInt | None = Field(16, ge=1)
+    max_tokens: StrictInt | None = Field(16, ge=0)  # 0: with echo only (``gateway.http.convert``)
     logprobs: StrictInt | None = Field(None, ge=0, le=20)
     echo: StrictBool = False
     suffix: str | None = None

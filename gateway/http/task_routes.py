@@ -91,6 +91,8 @@ class TaskRoutes:
         if isinstance(parsed, ChatCompletionRequest):
             gen = chat_request(parsed, self.tasks.core.model.max_model_len, request_id)
         else:
+            if parsed.echo:  # a task's result is the generation's (GetTask), not an OpenAI answer
+                raise InvalidArgument("echo is not available for a task (its result holds the prompt's ids)")
             gens = completion_requests(parsed, request_id)
             if len(gens) != 1:
                 raise InvalidArgument("prompt: a task takes one prompt")

@@ -3,7 +3,7 @@ implement, which would change the output if it did (pure: no HTTP).
 
 Two kinds, both refused with ``InvalidArgument`` (400, ``param`` naming the field):
 
-* OpenAI's fields the bodies declare (``logit_bias``, ``echo``, ``suffix``, ``best_of``
+* OpenAI's fields the bodies declare (``logit_bias``, ``suffix``, ``best_of``
   other than ``n`` (in chat too, as vLLM's chat body takes it), ``tools``…):
   ``refuse_unsupported`` checks their parsed values;
 * vLLM's extras (``VLLM_EXTRAS``, the one list of them): guided decoding / structured
@@ -111,8 +111,6 @@ def refuse_unsupported(body: SamplingFields) -> None:
         raise InvalidArgument("stream_options.continuous_usage_stats is not supported (include_usage gives the "
                               "usage in a last chunk)")
     if isinstance(body, CompletionRequest):
-        if body.echo:
-            raise InvalidArgument("echo is not supported")
         if body.suffix:
             raise InvalidArgument("suffix is not supported")
     if body.best_of is not None and body.best_of != body.n:  # chat too: vLLM's chat body takes it
@@ -130,11 +128,17 @@ def refuse_unsupported(body: SamplingFields) -> None:
 
 def refuse_unstreamable(body: SamplingFields) -> None:
     """vLLM's ``prompt_logprobs`` come in a whole response only: with ``stream: true``
-    they are refused (vLLM refuses them so for k > 0, and silently drops k = 0).
+    they are refused (vLLM refuses them so for k > 0, and silently drops k = 0), and so
+    is a completion's ``echo`` with ``logprobs`` (the echoed prompt's logprobs are
+    prompt logprobs).
 
     Raises:
-        InvalidArgument: ``prompt_logprobs`` set on a streamed request.
+        InvalidArgument: ``prompt_logprobs`` set on a streamed request, or ``echo``
+            with ``logprobs``.
     """
     if body.stream and body.prompt_logprobs is not None:
         raise InvalidArgument("prompt_logprobs is not available with stream: true (only a whole response "
                               "carries it)")
+    if body.stream and isinstance(body, CompletionRequest) and body.echo and body.logprobs is not None:
+        raise InvalidArgument("echo with logprobs is not available with stream: true (the prompt's logprobs come "
+                              "in a whole response only)")

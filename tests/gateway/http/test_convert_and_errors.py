@@ -54,7 +54,7 @@ def test_completion_prompts_of_every_form():
 
 @pytest.mark.parametrize("body,field", [
     (CompletionRequest(prompt="x", logit_bias={"1": 2.0}), "logit_bias"),
-    (CompletionRequest(prompt="x", echo=True), "echo"),
+    (CompletionRequest(prompt="x", max_tokens=0), "max_tokens"),  # 0: with echo only
     (CompletionRequest(prompt="x", best_of=3), "best_of"),
     (ChatCompletionRequest(messages=CHAT, best_of=2), "best_of"),
     (ChatCompletionRequest(messages=CHAT, n=2, best_of=3), "best_of"),
