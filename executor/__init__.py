@@ -29,7 +29,7 @@ Map of the package (one concept per module)::
       model_runner.py         flattened batch -> forward -> logits -> sampler
       kv_cache.py             allocating the paged K/V tensors
       kv_connector.py         KV transfer, worker half: block bytes in and out of the cache
-      sampler.py              penalties, min_tokens, greedy, temperature, min-p, top-k, top-p, seeded generators
+      sampler.py              min_tokens, logit bias, penalties, greedy, temperature, min-p/top-k/top-p, seeded rows
       logprobs.py             sampled and prompt logprobs (raw log_softmax, top-k)
     attention/                AttentionMetadata, backend ABC + registry, torch and Triton backends, layer
     models/                   our Llama-family model and its tensor-parallel layers

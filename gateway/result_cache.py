@@ -8,7 +8,8 @@ up or stored.
 
 The key is a SHA-256 over the model's fingerprint (id and revision), the
 prompt token ids, *every* field of the validated ``SamplingParams`` (stop
-strings, penalties, ``n``, logprob settings…), the *scope*: the tenant
+strings, penalties, ``n``, logprob settings…; ``logit_bias`` only when set, so keys
+without one stay those of gateways that predate it), the *scope*: the tenant
 (``tenant:<name>``), unless the tenants file gives tenants a shared
 ``result_cache_scope`` (``scope:<name>``), and the request's own ``cache_salt``
 (vLLM's; in the key only when set, so unsalted keys are those of gateways that
@@ -61,8 +62,11 @@ def cache_key(model_id: str, revision: str, prompt_token_ids: Sequence[int], par
         cache_salt: the request's own salt ("": none, and not in the key's JSON).
     """
     # the same JSON as json.dumps(asdict(params)) (every field is a scalar or a flat tuple),
-    # without asdict's recursive copy: keys stay equal to older gateways' (a shared Redis)
+    # without asdict's recursive copy: keys stay equal to older gateways' (a shared Redis);
+    # logit_bias ((id, bias) pairs, sorted by validate) only when set, for the same reason
     sampling = {name: getattr(params, name) for name in _SAMPLING_FIELDS}
+    if params.logit_bias:
+        sampling["logit_bias"] = params.logit_bias
     fields = {"model": _fingerprint(model_id, revision), "prompt": list(prompt_token_ids), "sampling": sampling,
               "scope": scope}
     if cache_salt:
@@ -71,7 +75,7 @@ def cache_key(model_id: str, revision: str, prompt_token_ids: Sequence[int], par
     return hashlib.sha256(body.encode()).hexdigest()
 
 
-_SAMPLING_FIELDS = tuple(f.name for f in fields(SamplingParams))
+_SAMPLING_FIELDS = tuple(f.name for f in fields(SamplingParams) if f.name != "logit_bias")
 
 
 @functools.lru_cache(maxsize=64)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 import time
 from dataclasses import dataclass, field
-from typing import AsyncIterator, Sequence
+from typing import AsyncIterator, Mapping, Sequence
 
 import grpc
 
@@ -46,12 +46,14 @@ def build_request(
     prompt_logprobs: int | None = None,
     include_stop_str_in_output: bool = False,
     cache_salt: str | None = None,
+    logit_bias: Mapping[int, float] | None = None,
 ) -> gateway_pb2.GenerateRequest:
     """A ``GenerateRequest`` from text, token ids or chat messages ((role, content) pairs).
 
     Sampling arguments left None are not set (the gateway's defaults apply).
     ``include_stop_str_in_output``: a choice a stop string ended keeps it in its text.
     ``cache_salt``: the request's prefix cache salt (None: none).
+    ``logit_bias``: token id → bias added to its logit (None: none).
     """
     req = gateway_pb2.GenerateRequest(request_id=request_id, include_stop_str_in_output=include_stop_str_in_output,
                                       cache_salt=cache_salt)
@@ -73,6 +75,7 @@ def build_request(
     s.stop.extend(stop)
     s.stop_token_ids.extend(stop_token_ids)
     s.ignore_eos = ignore_eos
+    s.logit_bias.update(logit_bias or {})
     if priority is not None:
         req.priority = priority
     return req

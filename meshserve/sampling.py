@@ -29,10 +29,15 @@ Policies (documented in docs/api.md):
 * ``logprobs`` / ``prompt_logprobs`` in [0, MAX_LOGPROBS] or None (off): the top-k
   entries per generated / prompt position, besides the chosen token's own
   logprob, from the model's raw distribution (``log_softmax`` of the logits
-  before penalties, masks and temperature; vLLM v1's default "raw logprobs").
+  before masks, logit bias, penalties and temperature; vLLM v1's default "raw logprobs").
+* ``logit_bias``: (token id, bias) pairs, at most ``MAX_LOGIT_BIAS_ENTRIES`` (300,
+  OpenAI's cap), each id in [0, vocab_size) and named once, each bias finite and in
+  [-100, 100] (OpenAI's range; vLLM clamps to it, we refuse past it). The bias is
+  added to that token's logit before penalties and temperature; empty is none.
 
-Penalties run before temperature and also change greedy rows (greedy is the
-argmax of the penalised logits).
+The ``min_tokens`` mask, the logit bias and the penalties run before temperature,
+in that order (vLLM v1's), and also change greedy rows (greedy is the argmax of the
+processed logits).
 """
 
 from __future__ import annotations
@@ -53,6 +58,8 @@ INT64_MIN, INT64_MAX = -(1 << 63), (1 << 63) - 1  # the wire's seed (int64)
 INT32_MIN, INT32_MAX = -(1 << 31), (1 << 31) - 1  # the wire's top_k and priority (int32)
 MAX_LOGPROBS = 20
 MAX_PENALTY = 2.0  # |presence_penalty| and |frequency_penalty| (OpenAI's range)
+MAX_LOGIT_BIAS = 100.0  # |bias| of a logit_bias entry (OpenAI's range)
+MAX_LOGIT_BIAS_ENTRIES = 300  # entries of logit_bias (OpenAI's cap)
 
 
 @dataclass(frozen=True)
@@ -80,6 +87,8 @@ class SamplingParams:
         prompt_logprobs: the same for every prompt position after the first;
             None: none. A request with it must not use the prefix cache (the
             positions it skips would have no logits).
+        logit_bias: (token id, bias) pairs added to those tokens' logits, sorted by
+            id once validated (OpenAI's ``logit_bias`` map); () is none.
     """
 
     max_tokens: int = DEFAULT_MAX_TOKENS
@@ -98,6 +107,7 @@ class SamplingParams:
     n: int = 1
     logprobs: int | None = None
     prompt_logprobs: int | None = None
+    logit_bias: tuple[tuple[int, float], ...] = ()
 
     @property
     def greedy(self) -> bool:
@@ -132,7 +142,7 @@ def _wire(value: float) -> tuple[float, str]:
 
 def validate(params: SamplingParams, *, max_model_len: int, vocab_size: int) -> SamplingParams:
     """Checks every field against the model's limits; returns the normalised params
-    (``top_k`` -1 becomes 0).
+    (``top_k`` -1 becomes 0, ``logit_bias`` sorted by token id).
 
     Raises:
         InvalidArgument: a field is out of range; the message names it.
@@ -163,7 +173,11 @@ def validate(params: SamplingParams, *, max_model_len: int, vocab_size: int) -> 
     for tid in params.stop_token_ids:
         _check(0 <= tid < vocab_size, f"stop_token_ids entry {tid} is outside the vocabulary [0, {vocab_size})")
     _validate_extras(params)
-    return replace(params, top_k=0) if params.top_k == -1 else params
+    _validate_logit_bias(params.logit_bias, vocab_size)
+    logit_bias = tuple(sorted(params.logit_bias))
+    if params.top_k == -1 or logit_bias != params.logit_bias:
+        return replace(params, top_k=0 if params.top_k == -1 else params.top_k, logit_bias=logit_bias)
+    return params
 
 
 def is_unicode(text: str) -> bool:
@@ -193,6 +207,24 @@ def _validate_extras(params: SamplingParams) -> None:
         k = getattr(params, name)
         _check(k is None or 0 <= k <= MAX_LOGPROBS,
                f"{name} must be in [0, {MAX_LOGPROBS}] (MAX_LOGPROBS), got {k}")
+
+
+def _validate_logit_bias(logit_bias: tuple[tuple[int, float], ...], vocab_size: int) -> None:
+    """At most ``MAX_LOGIT_BIAS_ENTRIES`` entries; ids in the vocabulary, each once;
+    biases finite and in [-100, 100] as float32 carries them. A message names the
+    entry as ``logit_bias[<id>]`` (HTTP's ``param``: ``logit_bias.<id>``, the key as
+    OpenAI's clients send it)."""
+    _check(len(logit_bias) <= MAX_LOGIT_BIAS_ENTRIES,
+           f"logit_bias takes at most {MAX_LOGIT_BIAS_ENTRIES} entries, got {len(logit_bias)}")
+    seen: set[int] = set()
+    for token_id, bias in logit_bias:
+        _check(0 <= token_id < vocab_size,
+               f"logit_bias[{token_id}]: token id {token_id} is outside the vocabulary [0, {vocab_size})")
+        _check(token_id not in seen, f"logit_bias[{token_id}]: token id {token_id} is given twice")
+        seen.add(token_id)
+        b, note = _wire(bias)
+        _check(math.isfinite(b) and -MAX_LOGIT_BIAS <= b <= MAX_LOGIT_BIAS,
+               f"logit_bias[{token_id}] must be in [-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}], got {bias}{note}")
 
 
 def from_proto(msg, *, max_model_len: int, vocab_size: int) -> SamplingParams:
@@ -229,6 +261,7 @@ def params_from_proto(msg) -> SamplingParams:
         n=msg.n if msg.HasField("n") else 1,
         logprobs=msg.logprobs if msg.HasField("logprobs") else None,
         prompt_logprobs=msg.prompt_logprobs if msg.HasField("prompt_logprobs") else None,
+        logit_bias=tuple(sorted(msg.logit_bias.items())),
     )
 
 
@@ -253,3 +286,4 @@ def to_proto(params: SamplingParams, msg) -> None:
         msg.logprobs = params.logprobs
     if params.prompt_logprobs is not None:
         msg.prompt_logprobs = params.prompt_logprobs
+    msg.logit_bias.update(params.logit_bias)

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 @dataclass(frozen=True)
 class TokenLogprob:
     """Log-probabilities at one position, from the model's raw distribution
-    (``log_softmax`` of the float32 logits before penalties, masks and temperature).
+    (``log_softmax`` of the float32 logits before masks, logit bias, penalties and temperature).
 
     Attributes:
         token_id: the token at this position (sampled, or the prompt's own).

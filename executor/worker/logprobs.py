@@ -2,7 +2,7 @@
 
 Definition (vLLM v1's default, "raw logprobs"): the natural-log probabilities of
 the model's own distribution, ``log_softmax`` of the float32 logits *before*
-penalties, ``min_tokens`` masks, temperature and top-k/top-p/min-p. A position
+``min_tokens`` masks, ``logit_bias``, penalties, temperature and top-k/top-p/min-p. A position
 gives the logprob of its token (sampled, or the prompt's own) and the ``k`` most
 likely tokens with theirs, highest first.
 

@@ -1,12 +1,15 @@
-"""Sampler: penalties, min_tokens, greedy, temperature, min-p, top-k and top-p over
-a batch of float32 logits, plus the sampled tokens' logprobs.
+"""Sampler: min_tokens, logit bias, penalties, greedy, temperature, min-p, top-k and
+top-p over a batch of float32 logits, plus the sampled tokens' logprobs.
 
-Per step, in this order (vLLM v1's)::
+Per step, in this order (vLLM v1's: its ``MinTokensLogitsProcessor`` and
+``LogitBiasLogitsProcessor``, then ``apply_penalties``, then ``sample``)::
 
     raw = nan_to_num(logits)                        # logprobs come from here ("raw logprobs")
-    x = penalties(raw)                              # repetition (prompt + output), presence, frequency (output)
+    x = raw.clone()
     x[min_tokens rows, EOS + stop ids] = -inf       # before min_tokens outputs
-    greedy rows: argmax(x)                          # penalties and masks do change greedy
+    x[bias rows, bias ids] += bias                  # logit_bias (-inf stays -inf)
+    x = penalties(x)                                # repetition (prompt + output), presence, frequency (output)
+    greedy rows: argmax(x)                          # masks, bias and penalties do change greedy
     other rows:  x / temperature → min_p → top-k → top-p → exponential race
 
 Rows are sampled with the exponential race (``argmax(p / q)``, ``q ~ Exp(1)``),
@@ -20,6 +23,9 @@ logits, first index on ties.
 
 Penalties are vectorised: one ``(P, vocab_size)`` count tensor built with a single
 ``scatter_add_`` over the ``P`` rows that have a penalty (other rows cost nothing).
+The ``min_tokens`` mask and the logit bias are one indexed write each over the
+``(row, token id)`` pairs of every row that has them (no loop over rows or the
+vocabulary on the device).
 """
 
 from __future__ import annotations
@@ -123,6 +129,8 @@ class SamplingBatch:
         generators: per row, the request's own generator, or None (engine's).
         penalties: see ``Penalties``; None when no row has one.
         banned: ``(rows, token_ids)`` int64 pairs masked to -inf (min_tokens), or None.
+        logit_bias: ``(rows, token_ids, biases)``: int64, int64 and float32 ``(B,)``
+            over the ``B`` entries of every row's ``logit_bias`` (each pair once), or None.
         logprobs: per row, the number of top logprobs to return, or None for none.
         all_greedy / use_top_k / use_top_p / use_min_p: batch-level shortcuts.
     """
@@ -139,6 +147,7 @@ class SamplingBatch:
     use_min_p: bool
     penalties: Penalties | None = None
     banned: tuple[torch.Tensor, torch.Tensor] | None = None
+    logit_bias: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
     logprobs: list[int | None] | None = None
 
     @classmethod
@@ -175,6 +184,7 @@ class SamplingBatch:
             use_min_p=any(p.min_p > 0.0 and not g for p, g in zip(params, greedy)),
             penalties=Penalties.build(params, token_ids, num_prompt_tokens, vocab_size, device),
             banned=_banned(params, token_ids, num_prompt_tokens, eos_token_ids, device),
+            logit_bias=_logit_bias(params, device),
             logprobs=[p.logprobs for p in params] if any(p.logprobs is not None for p in params) else None,
         )
 
@@ -189,6 +199,17 @@ def _banned(params, token_ids, num_prompt_tokens, eos_token_ids, device) -> tupl
     if not rows:
         return None
     return (torch.tensor(rows, dtype=torch.int64, device=device), torch.tensor(cols, dtype=torch.int64, device=device))
+
+
+def _logit_bias(params: list[SamplingParams],
+                device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+    """Every row's ``logit_bias`` entries as three flat tensors (see ``SamplingBatch``)."""
+    entries = [(i, token_id, bias) for i, p in enumerate(params) for token_id, bias in p.logit_bias]
+    if not entries:
+        return None
+    rows, cols, biases = zip(*entries)
+    return (torch.tensor(rows, dtype=torch.int64, device=device), torch.tensor(cols, dtype=torch.int64, device=device),
+            torch.tensor(biases, dtype=torch.float32, device=device))
 
 
 @dataclass
@@ -228,12 +249,15 @@ class Sampler:
         else:  # the float32 copy is ours: no second (num_reqs, vocab_size) tensor and its page faults
             raw.nan_to_num_(nan=finfo.min, posinf=finfo.max, neginf=finfo.min)
         logits = raw
-        if batch.penalties is not None or batch.banned is not None:
-            logits = raw.clone()
-            if batch.penalties is not None:
-                batch.penalties.apply(logits)
+        if batch.penalties is not None or batch.banned is not None or batch.logit_bias is not None:
+            logits = raw.clone()  # raw stays as it is: the logprobs' source
             if batch.banned is not None:
                 logits[batch.banned] = float("-inf")
+            if batch.logit_bias is not None:  # each (row, id) once: a plain indexed add, the same on every device
+                rows, ids, biases = batch.logit_bias
+                logits.index_put_((rows, ids), biases, accumulate=True)
+            if batch.penalties is not None:
+                batch.penalties.apply(logits)
         tokens = argmax_rows(logits)
         if not batch.all_greedy:
             tokens = torch.where(batch.greedy, tokens, self._sample(logits, batch))

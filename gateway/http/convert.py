@@ -18,6 +18,10 @@ Mappings that are not one-to-one:
   set). ``max_tokens: 0`` (with ``echo`` only) runs one token, which the answer leaves out.
 * ``priority`` is meshserve's priority class (higher runs first; vLLM's runs lower
   first) and is capped by nothing here: the scheduler applies the tenant's rules.
+* ``logit_bias``: a JSON object's keys are strings; each must be a token id written
+  as a decimal integer, as OpenAI's clients write it (``"50256"``; not ``"05"``,
+  ``" 5"`` or ``"5.0"``, which vLLM's ``int()`` takes, so that two keys never name
+  one id); ``null`` and ``{}`` are none.
 """
 
 from __future__ import annotations
@@ -38,13 +42,30 @@ from meshserve.sampling import DEFAULT_MAX_TOKENS, SamplingParams
 
 
 def _sampling(body: SamplingFields, max_tokens: int, logprobs: int | None) -> SamplingParams:
-    """The request's ``SamplingParams`` (unvalidated: the core validates)."""
+    """The request's ``SamplingParams`` (unvalidated: the core validates).
+
+    Raises:
+        InvalidArgument: a ``logit_bias`` key that is not a token id.
+    """
     given = {name: getattr(body, name) for name in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty",
                                                     "presence_penalty", "frequency_penalty", "min_tokens")
              if getattr(body, name) is not None}
     return SamplingParams(max_tokens=max_tokens, seed=body.seed, stop=body.stop_strings(),
                           stop_token_ids=tuple(body.stop_token_ids or ()), ignore_eos=body.ignore_eos, n=body.n,
-                          logprobs=logprobs, prompt_logprobs=body.prompt_logprobs, **given)
+                          logprobs=logprobs, prompt_logprobs=body.prompt_logprobs,
+                          logit_bias=_logit_bias(body.logit_bias or {}), **given)
+
+
+_TOKEN_ID_KEY = re.compile(r"0|-?[1-9][0-9]{0,17}")  # a decimal integer as str(int) writes it (ranges: the core's)
+
+
+def _logit_bias(biases: dict[str, float]) -> tuple[tuple[int, float], ...]:
+    """``logit_bias``'s string keys as token ids, (id, bias) pairs in the body's order."""
+    for key in biases:
+        if not _TOKEN_ID_KEY.fullmatch(key):
+            raise InvalidArgument(f"logit_bias: key {key!r} is not a token id (a decimal integer as OpenAI's "
+                                  f"clients write it, such as \"50256\")")
+    return tuple((int(key), bias) for key, bias in biases.items())
 
 
 def chat_request(body: ChatCompletionRequest, max_model_len: int, request_id: str) -> GenerationRequest:

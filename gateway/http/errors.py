@@ -97,18 +97,19 @@ _BY_CODE = {
 }
 
 
-_FIELD_PATH = re.compile(r"[a-z_][a-z0-9_]*(?:\[\d+\]|\.[a-z_][a-z0-9_]*)*")
+_FIELD_PATH = re.compile(r"[a-z_][a-z0-9_]*(?:\[-?\d+\]|\.[a-z_][a-z0-9_]*)*")
 
 
 def _param_of(message: str) -> str | None:
     """The field an InvalidArgument message names first, in the body's dotted form as
     pydantic's errors give it (``"top_p must be…"`` → ``top_p``;
-    ``"messages[0].role must…"`` → ``messages.0.role``; ``http_error`` has already
-    renamed the gRPC request's ``chat.messages`` to the body's ``messages``)."""
+    ``"messages[0].role must…"`` → ``messages.0.role``; ``"logit_bias[-1]: …"`` →
+    ``logit_bias.-1``, the key as sent; ``http_error`` has already renamed the gRPC
+    request's ``chat.messages`` to the body's ``messages``)."""
     first = message.split(" ", 1)[0].rstrip(":,")
     if not _FIELD_PATH.fullmatch(first):
         return None
-    return re.sub(r"\[(\d+)\]", r".\1", first)
+    return re.sub(r"\[(-?\d+)\]", r".\1", first)
 
 
 def http_error(exc: BaseException) -> HttpError:

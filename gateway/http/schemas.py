@@ -77,7 +77,7 @@ class SamplingFields(BaseModel):
     top_p: StrictFloat | None = None
     presence_penalty: StrictFloat | None = None
     frequency_penalty: StrictFloat | None = None
-    logit_bias: dict[str, StrictFloat] | None = None
+    logit_bias: dict[str, StrictFloat] | None = None  # token id (a decimal string) → bias: gateway.http.convert
     user: str | None = Field(None, max_length=MAX_USER_CHARS)
     # vLLM's extra sampling fields
     top_k: StrictInt | None = None

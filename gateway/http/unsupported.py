@@ -3,7 +3,7 @@ implement, which would change the output if it did (pure: no HTTP).
 
 Two kinds, both refused with ``InvalidArgument`` (400, ``param`` naming the field):
 
-* OpenAI's fields the bodies declare (``logit_bias``, ``suffix``, ``best_of``
+* OpenAI's fields the bodies declare (``suffix``, ``best_of``
   other than ``n`` (in chat too, as vLLM's chat body takes it), ``tools``…):
   ``refuse_unsupported`` checks their parsed values;
 * vLLM's extras (``VLLM_EXTRAS``, the one list of them): guided decoding / structured
@@ -103,8 +103,6 @@ def refuse_unsupported(body: SamplingFields) -> None:
     Raises:
         InvalidArgument: the first such field the body sets (the message starts with its name).
     """
-    if body.logit_bias:
-        raise InvalidArgument("logit_bias is not supported")
     if body.stream_options is not None and not body.stream:  # as vLLM: it would be silently moot
         raise InvalidArgument("stream_options is only allowed with stream: true")
     if body.stream_options is not None and body.stream_options.continuous_usage_stats:  # vLLM's usage per chunk

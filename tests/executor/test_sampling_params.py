@@ -46,6 +46,16 @@ def check(**kwargs) -> SamplingParams:
     (dict(seed=-(1 << 63) - 1), ["seed must be in"]),
     (dict(seed=(1 << 63) - 1, n=2), ["seed must be in", "got 9223372036854775807"]),  # choice 1: seed + 1
     (dict(stop=("\ud800",)), ["stop strings must be valid Unicode (no lone surrogates)"]),
+    (dict(logit_bias=((VOCAB, 1.0),)),
+     ["logit_bias[1000]: token id 1000 is outside the vocabulary [0, 1000)"]),
+    (dict(logit_bias=((-1, 1.0),)), ["logit_bias[-1]: token id -1 is outside the vocabulary [0, 1000)"]),
+    (dict(logit_bias=((5, 100.5),)), ["logit_bias[5] must be in [-100, 100], got 100.5"]),
+    (dict(logit_bias=((5, -101.0),)), ["logit_bias[5] must be in [-100, 100], got -101.0"]),
+    (dict(logit_bias=((5, math.nan),)), ["logit_bias[5] must be in [-100, 100], got nan"]),
+    (dict(logit_bias=((5, math.inf),)), ["logit_bias[5] must be in [-100, 100], got inf"]),
+    (dict(logit_bias=((5, 1e39),)), ["logit_bias[5] must be in [-100, 100], got 1e+39 (inf as a float32)"]),
+    (dict(logit_bias=((5, 1.0), (5, 2.0))), ["logit_bias[5]: token id 5 is given twice"]),
+    (dict(logit_bias=tuple((i, 1.0) for i in range(301))), ["logit_bias takes at most 300 entries, got 301"]),
 ])
 def test_invalid_values_name_the_field_and_the_limit(kwargs, needles):
     with pytest.raises(InvalidArgument) as info:
@@ -59,8 +69,16 @@ def test_valid_edges_pass():
                    dict(frequency_penalty=2.0), dict(max_tokens=8, min_tokens=8), dict(n=1), dict(n=MAX_N),
                    dict(logprobs=0), dict(logprobs=MAX_LOGPROBS), dict(prompt_logprobs=0),
                    dict(seed=(1 << 63) - 1), dict(seed=-(1 << 63)), dict(seed=(1 << 63) - 2, n=2),
-                   dict(stop=("é😀",))):
+                   dict(stop=("é😀",)), dict(logit_bias=((0, -100.0), (VOCAB - 1, 100.0))),
+                   dict(logit_bias=tuple((i, 0.5) for i in range(300)))):
         check(**kwargs)
+
+
+def test_validate_sorts_logit_bias_by_token_id():
+    assert check(logit_bias=((9, 1.0), (3, -2.0))).logit_bias == ((3, -2.0), (9, 1.0))
+    params = check(logit_bias=((3, -2.0), (9, 1.0)))
+    assert check(logit_bias=()).logit_bias == ()
+    assert validate(params, max_model_len=100, vocab_size=VOCAB) is params  # nothing to normalise: as it was
 
 
 @pytest.mark.parametrize("kwargs, message", [
@@ -85,14 +103,15 @@ def test_a_value_valid_only_in_float64_is_refused_as_the_wire_would_carry_it(kwa
 def test_proto_round_trip_keeps_every_field_and_defaults():
     params = SamplingParams(max_tokens=20, temperature=0.5, seed=3, min_p=0.25, repetition_penalty=1.5,
                             presence_penalty=-0.5, frequency_penalty=1.25, min_tokens=4, n=3, logprobs=0,
-                            prompt_logprobs=7, stop_token_ids=(5,))
+                            prompt_logprobs=7, stop_token_ids=(5,), logit_bias=((3, -100.0), (9, 0.5)))
     msg = common_pb2.SamplingParams()
     to_proto(params, msg)
+    assert dict(msg.logit_bias) == {3: -100.0, 9: 0.5}
     assert from_proto(msg, max_model_len=100, vocab_size=VOCAB) == params
     defaults = from_proto(common_pb2.SamplingParams(), max_model_len=100, vocab_size=VOCAB)
     assert (defaults.repetition_penalty, defaults.n, defaults.logprobs, defaults.prompt_logprobs) == \
         (1.0, 1, None, None)
-    assert not defaults.has_penalties
+    assert not defaults.has_penalties and defaults.logit_bias == ()
     msg = common_pb2.SamplingParams()
     to_proto(defaults, msg)
     assert not msg.HasField("logprobs") and not msg.HasField("prompt_logprobs")

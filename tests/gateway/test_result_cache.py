@@ -36,7 +36,7 @@ def test_deterministic_means_greedy_or_seeded(params, deterministic):
 CHANGED = {"max_tokens": 17, "temperature": 0.5, "top_p": 0.9, "top_k": 5, "seed": 1, "stop": ("x",),
            "stop_token_ids": (7,), "ignore_eos": True, "min_p": 0.1, "repetition_penalty": 1.1,
            "presence_penalty": 0.5, "frequency_penalty": 0.5, "min_tokens": 2, "n": 2, "logprobs": 0,
-           "prompt_logprobs": 0}
+           "prompt_logprobs": 0, "logit_bias": ((5, 1.0),)}
 
 
 def test_every_parameter_model_and_prompt_change_the_key():
@@ -52,6 +52,18 @@ def test_every_parameter_model_and_prompt_change_the_key():
              cache_key("m", "r1", [1, 2], base, scope=a), cache_key("m", "r1", [1, 2, 4], base, scope=a),
              cache_key("m", "r1", [1, 2, 3], base, scope="tenant:b")}
     assert len(keys) == len(CHANGED) + 5 and key not in keys
+
+
+def test_each_logit_bias_has_its_own_key_and_validate_makes_the_order_irrelevant():
+    from meshserve.sampling import validate
+
+    def key(*pairs):
+        params = validate(SamplingParams(temperature=0.0, logit_bias=pairs), max_model_len=64, vocab_size=100)
+        return cache_key("m", "r1", [1, 2, 3], params, scope="tenant:a")
+
+    keys = [key(), key((5, 1.0)), key((5, 2.0)), key((6, 1.0)), key((5, 1.0), (6, 1.0)), key((5, -1.0))]
+    assert len(set(keys)) == len(keys)
+    assert key((6, 1.0), (5, 1.0)) == key((5, 1.0), (6, 1.0))  # a JSON object's key order means nothing
 
 
 def test_a_cache_salt_changes_the_key_and_no_salt_keeps_the_documented_one():
@@ -96,7 +108,8 @@ def test_bad_bounds_are_invalid_arguments():
 
 def test_the_key_is_the_documented_sha256_so_gateways_of_other_versions_share_entries():
     """The key is SHA-256 over the canonical JSON of model fingerprint, prompt ids, every
-    sampling field (``asdict``) and scope: gateways sharing a Redis cache must agree on it."""
+    sampling field (``asdict``; ``logit_bias`` only when set) and scope: gateways sharing a
+    Redis cache must agree on it, those that predate ``logit_bias`` included (the pinned hex)."""
     import hashlib
     import json
     from dataclasses import asdict
@@ -105,10 +118,18 @@ def test_the_key_is_the_documented_sha256_so_gateways_of_other_versions_share_en
 
     params = SamplingParams(max_tokens=9, temperature=0.0, stop=("\n", "END"), stop_token_ids=(2, 7), seed=5,
                             logprobs=2)
+    sampling = {k: v for k, v in asdict(params).items() if k != "logit_bias"}
     body = json.dumps({"model": f"{ModelFingerprint('m', 'r1').root_hash:x}", "prompt": [1, 2, 3],
-                       "sampling": asdict(params), "scope": "tenant:acme"}, sort_keys=True, separators=(",", ":"))
-    assert cache_key("m", "r1", (1, 2, 3), params, scope="tenant:acme") == hashlib.sha256(body.encode()).hexdigest()
+                       "sampling": sampling, "scope": "tenant:acme"}, sort_keys=True, separators=(",", ":"))
+    key = cache_key("m", "r1", (1, 2, 3), params, scope="tenant:acme")
+    assert key == hashlib.sha256(body.encode()).hexdigest()
+    assert key == "45462c2087b41b2bda9b7327f537d9d460a62ff10d45a5338907238a0d578abc"  # before logit_bias existed
+    biased = replace(params, logit_bias=((2, -1.5), (7, 100.0)))
+    body = json.dumps({"model": f"{ModelFingerprint('m', 'r1').root_hash:x}", "prompt": [1, 2, 3],
+                       "sampling": asdict(biased), "scope": "tenant:acme"}, sort_keys=True, separators=(",", ":"))
+    assert '"logit_bias":[[2,-1.5],[7,100.0]]' in body
+    assert cache_key("m", "r1", (1, 2, 3), biased, scope="tenant:acme") == hashlib.sha256(body.encode()).hexdigest()
     salted = json.dumps({"cache_salt": "s1", "model": f"{ModelFingerprint('m', 'r1').root_hash:x}", "prompt": [1, 2, 3],
-                         "sampling": asdict(params), "scope": "tenant:acme"}, sort_keys=True, separators=(",", ":"))
+                         "sampling": sampling, "scope": "tenant:acme"}, sort_keys=True, separators=(",", ":"))
     assert cache_key("m", "r1", (1, 2, 3), params, scope="tenant:acme", cache_salt="s1") == \
         hashlib.sha256(salted.encode()).hexdigest()

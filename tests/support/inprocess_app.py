@@ -62,14 +62,16 @@ class ScriptedMesh:
     one token a message (with ``logprobs`` asked, each token's: -1/4, its own top 1),
     the last with ``finish_reason`` (default ``length``; ``stop``
     as an executor ends a choice on an EOS or one of ``stop_token_ids``; a stop string
-    may end a choice before); it records each Execute's prompt ids in ``prompts`` and its
-    ``cache_salt`` in ``cache_salts``, and each ``Admission`` in ``admissions``."""
+    may end a choice before); it records each Execute's prompt ids in ``prompts``, its
+    ``cache_salt`` in ``cache_salts`` and its ``SamplingParams`` in ``params``, and each
+    ``Admission`` in ``admissions``."""
 
     def __init__(self, token_ids: Sequence[int], finish_reason: FinishReason = FinishReason.LENGTH) -> None:
         self.token_ids = tuple(token_ids)
         self.finish_reason = finish_reason
         self.prompts: list[list[int]] = []
         self.cache_salts: list[str] = []
+        self.params: list = []
         self.admissions: list[Admission] = []
 
     async def admit(self, admission, span):
@@ -79,6 +81,7 @@ class ScriptedMesh:
     async def execute(self, assignment, request_id, prompt_token_ids, params, priority, span, cache_salt=""):
         self.prompts.append(list(prompt_token_ids))
         self.cache_salts.append(cache_salt)
+        self.params.append(params)
         last = len(self.token_ids) - 1
         k = params.prompt_logprobs
         for i, tid in enumerate(self.token_ids):

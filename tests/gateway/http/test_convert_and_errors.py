@@ -32,6 +32,20 @@ def test_chat_fields_map_to_sampling_params():
                                         presence_penalty=0.1, frequency_penalty=0.2, min_tokens=2, n=2, logprobs=4)
 
 
+def test_logit_bias_keys_become_token_ids_in_the_bodys_order():
+    body = CompletionRequest(prompt="x", logit_bias={"50256": -100, "0": 2.5, "-4": 1.0})
+    assert completion_requests(body, "r")[0].sampling.logit_bias == ((50256, -100.0), (0, 2.5), (-4, 1.0))
+    chat = ChatCompletionRequest(messages=CHAT, logit_bias={"7": 0.5})
+    assert chat_request(chat, max_model_len=64, request_id="r").sampling.logit_bias == ((7, 0.5),)
+    for none in (None, {}):
+        assert completion_requests(CompletionRequest(prompt="x", logit_bias=none), "r")[0].sampling.logit_bias == ()
+    for key in ("x1", " 1", "1.0", "05", "-0", "+1", "1_000", "\u0661", "1" * 19):  # int() takes some of them
+        with pytest.raises(InvalidArgument) as err:
+            completion_requests(CompletionRequest(prompt="x", logit_bias={key: 1.0}), "r")
+        assert str(err.value).startswith(f"logit_bias: key {key!r} is not a token id")
+        assert http_error(err.value).param == "logit_bias"
+
+
 def test_chat_without_a_cap_may_run_to_the_context_and_completions_default_to_16():
     assert chat_request(ChatCompletionRequest(messages=CHAT), 1024, "r").sampling.max_tokens == 1024
     assert completion_requests(CompletionRequest(prompt="Hi"), "r")[0].sampling.max_tokens == 16
@@ -53,7 +67,6 @@ def test_completion_prompts_of_every_form():
 
 
 @pytest.mark.parametrize("body,field", [
-    (CompletionRequest(prompt="x", logit_bias={"1": 2.0}), "logit_bias"),
     (CompletionRequest(prompt="x", max_tokens=0), "max_tokens"),  # 0: with echo only
     (CompletionRequest(prompt="x", best_of=3), "best_of"),
     (ChatCompletionRequest(messages=CHAT, best_of=2), "best_of"),
@@ -84,6 +97,8 @@ def test_the_developer_role_is_the_system_role():
     ("top_p must be in (0, 1], got 0", "top_p"),
     ("chat.messages[1].role must be one of system, user, assistant, developer, got 'tool'", "messages.1.role"),
     ("prompt_token_ids entry 70000 is outside the vocabulary [0, 49152)", "prompt_token_ids"),
+    ("logit_bias[70000]: token id 70000 is outside the vocabulary [0, 49152)", "logit_bias.70000"),
+    ("logit_bias[-1]: token id -1 is outside the vocabulary [0, 49152)", "logit_bias.-1"),
     ("The request holds a value the wire cannot carry: Value out of range", None),
 ])
 def test_an_invalid_argument_names_its_field_as_the_body_spells_it(message, param):
