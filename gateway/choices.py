@@ -130,7 +130,7 @@ class Choice:
                 self.stop_token_id = last  # vLLM's stop_reason for it
         if matched is not None:
             self.finish_reason, self.stop_reason = FinishReason.STOP, matched
-        return Delta(self.index, text, out.token_ids, out.logprobs)
+        return Delta(self.index, text, out.token_ids, out.logprobs, last=self.done)
 
     def result(self, request_id: str, prompt_token_ids: Sequence[int], executor_id: str,
                timer: RequestTimer) -> ChoiceResult:

@@ -89,6 +89,6 @@ def replay(choices: Sequence[CompletedChoice], request_id: str, start: float) ->
     timings = Timings(queue_s=0.0, ttft_s=elapsed, tpot_s=0.0, e2e_s=elapsed)
     out: list[Delta | ChoiceResult] = []
     for c in choices:
-        out.append(Delta(c.index, c.text, c.token_ids, c.logprobs))
+        out.append(Delta(c.index, c.text, c.token_ids, c.logprobs, last=True))
         out.append(dataclasses.replace(c.result, request_id=request_id, executor_id="", cached=True, timings=timings))
     return out

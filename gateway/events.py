@@ -95,12 +95,17 @@ class Delta:
             ended a choice as one more delta of no tokens, right before its result.
         token_ids: the newly generated token ids.
         logprobs: with ``SamplingParams.logprobs``: one entry per token id.
+        last: the choice ended with these tokens: its result comes next (after the
+            kept stop string's delta, itself ``last``, with ``include_stop_str_in_output``).
+            An adapter may send them together (vLLM's streams carry the finish reason on
+            the last token's chunk).
     """
 
     index: int
     text: str
     token_ids: tuple[int, ...]
     logprobs: tuple[TokenLogprob, ...] = ()
+    last: bool = False
 
 
 @dataclass(frozen=True, slots=True)

@@ -233,7 +233,7 @@ class GatewayCore:
                 if kept is not None:
                     stop, event = kept.take(event)
                     if stop:
-                        yield Delta(event.index, stop, ())
+                        yield Delta(event.index, stop, (), last=True)
                 yield event
 
     async def _outputs(self, p: Prepared, span: trace.Span, on_assigned: OnAssigned | None) -> AsyncIterator[Event]:

@@ -12,8 +12,8 @@ role chunk); with vLLM's
 ``prompt_logprobs`` a whole response carries them, ``gateway.http.logprobs``'s shape:
 in completions each choice its prompt's, in chat the response itself). vLLM's
 ``include_stop_str_in_output`` is the core's (``GenerationRequest``): the stop string
-is a delta of its own, so a stream carries it in the chunk before the one with the
-finish reason. Choice
+is a delta of its own, which a stream joins to the last tokens' chunk and its finish
+reason (``merge_choices``). Choice
 ``index`` is ``prompt * n + choice``, so with several prompts choice ``i`` belongs
 to prompt ``i // n``.
 
@@ -53,6 +53,34 @@ def _stop_reason(result: ChoiceResult | None) -> str | int | None:
     if result is None:
         return None
     return result.stop_reason or result.stop_token_id
+
+
+def merge_choices(held: dict, later: dict) -> dict:
+    """One chunk's choice from two of the same choice, ``held`` first: texts (or chat
+    contents), token ids and logprobs joined, the rest ``later``'s where it has them (the
+    finish reason). A stream sends a choice's last tokens with its finish reason, in one
+    chunk, as vLLM does (``Delta.last``)."""
+    out = dict(held)
+    for key, value in later.items():
+        if key == "text":
+            out[key] = held.get(key, "") + value
+        elif key == "delta":
+            content = held[key].get("content", "") + value.get("content", "")
+            out[key] = {**held[key], "content": content} if content or "content" in held[key] else dict(held[key])
+        elif key == "token_ids":
+            out[key] = held.get(key, []) + value
+        elif key == "logprobs":
+            out[key] = _joined_logprobs(held.get(key), value)
+        elif key not in out or value is not None:
+            out[key] = value
+    return out
+
+
+def _joined_logprobs(first: dict | None, second: dict | None) -> dict | None:
+    """Two chunks' ``logprobs`` as one (each list joined); either may be None."""
+    if first is None or second is None:
+        return first if second is None else second
+    return {key: first[key] + second[key] for key in first}
 
 
 class _Format:

@@ -42,7 +42,7 @@ from gateway.generation import GatewayCore
 from gateway.http.bodies import json_object
 from gateway.http.convert import chat_request, completion_requests, lone_prompt_index, naming_prompt, prompt_named
 from gateway.http.errors import http_error
-from gateway.http.formats import ChatFormat, CompletionFormat, usage_of
+from gateway.http.formats import ChatFormat, CompletionFormat, merge_choices, usage_of
 from gateway.http.schemas import ChatCompletionRequest, CompletionRequest, SamplingFields
 from gateway.http.streams import ClientDisconnected, EventPump, until_disconnect
 from gateway.http.unsupported import refuse_unstreamable
@@ -208,6 +208,7 @@ class OpenAIRoutes:
                       include_usage: bool) -> AsyncIterator[bytes]:
         """The SSE body; closing it (the client went away) cancels the pump."""
         results: list[ChoiceResult] = []
+        held: dict[int, dict] = {}  # a choice's last tokens' chunk, sent with its finish reason (``Delta.last``)
         try:
             for index in range(num_prompts * fmt.n):
                 role = fmt.role_chunk(index, include_usage)
@@ -218,16 +219,25 @@ class OpenAIRoutes:
                 p, event = item
                 choice = None
                 if isinstance(event, Delta):
-                    choice = fmt.delta_choice(fmt.index(p, event.index), event)
+                    index = fmt.index(p, event.index)
+                    choice = fmt.delta_choice(index, event)
+                    if event.last and (choice is not None or index in held):  # its result follows at once
+                        held[index] = choice if index not in held else merge_choices(held[index], choice or {})
+                        choice = None
                 elif isinstance(event, ChoiceResult):
                     results.append(event)
-                    choice = fmt.finish_choice(fmt.index(p, event.index), event)
+                    index = fmt.index(p, event.index)
+                    choice = fmt.finish_choice(index, event)
+                    if index in held:
+                        choice = merge_choices(held.pop(index), choice)
                 if choice is not None:
                     yield _sse(fmt.chunk([choice], with_usage=include_usage))
                 item = await pump.next()
             if include_usage:
                 yield _sse(fmt.chunk([], usage_of(results), with_usage=True))
         except Exception as exc:  # noqa: BLE001 - the status is sent: the error is an event
+            for choice in held.values():  # what was generated is sent before the error
+                yield _sse(fmt.chunk([choice], with_usage=include_usage))
             yield _sse(http_error(exc).body())
         finally:
             pump.cancel()

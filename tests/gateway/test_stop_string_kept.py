@@ -40,12 +40,12 @@ async def test_the_stop_string_is_a_delta_before_the_result_and_the_cache_serves
     finally:
         await core.close()
     assert len(mesh.prompts) == 1
-    assert kept[-2:-1] == [Delta(0, ".", ())] and isinstance(kept[-1], ChoiceResult)
+    assert kept[-2:-1] == [Delta(0, ".", (), last=True)] and isinstance(kept[-1], ChoiceResult)
     assert (kept[-1].finish_reason, kept[-1].stop_reason, kept[-1].usage.completion_tokens) == (
         FinishReason.STOP, ".", 7)
     assert [text_of(kept), text_of(cut), text_of(kept_again)] == ["The answer is 42.", "The answer is 42",
                                                                   "The answer is 42."]
-    assert kept_again[-1].cached and kept_again[-2] == Delta(0, ".", ())
+    assert kept_again[-1].cached and kept_again[-2] == Delta(0, ".", (), last=True)
 
 
 async def test_nothing_is_added_when_no_stop_string_ended_the_choice(tokenizer):
