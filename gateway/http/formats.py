@@ -197,26 +197,30 @@ class CompletionFormat(_Format):
 
     ``echo`` (vLLM's): each prompt's text as the request gave it (None for a token-id
     prompt: its ids' decode, special tokens kept), which starts the text of each of its
-    choices (a stream: the choice's first chunk); with logprobs the prompt's tokens
-    lead ``logprobs`` (``echoed_logprobs``; a whole response only). ``echo_only``
-    (``max_tokens: 0``): the prompt alone, without the one token the request ran.
+    choices (a stream: the choice's first chunk), unless ``return_token_ids`` (then the
+    ids say it: vLLM leaves the text out); with ``logprobs: k`` (``echo_top``) the
+    prompt's tokens lead ``logprobs`` with their top k (``echoed_logprobs``; a whole
+    response only). ``echo_only`` (``max_tokens: 0``): the prompt alone, without the one
+    token the request ran.
     """
 
     object_name = chunk_object_name = "text_completion"
 
     def __init__(self, response_id: str, model: str, n: int, tokenizer, logprobs: bool,
                  return_token_ids: bool = False, prompt_logprobs: bool = False,
-                 echo: Sequence[str | None] | None = None, echo_only: bool = False):
+                 echo: Sequence[str | None] | None = None, echo_only: bool = False, echo_top: int = 0):
         super().__init__(response_id, model, n, tokenizer, logprobs, return_token_ids, prompt_logprobs)
         self._offsets: dict[int, int] = {}  # index -> text offset of its next token (logprobs)
         self._started: set[int] = set()  # the choices whose first chunk was built
         self.tokenizer = tokenizer
         self.echo = None if echo is None else list(echo)
         self.echo_only = echo_only
+        self.echo_top = echo_top
 
     def _echoed(self, index: int) -> str:
-        """The text choice ``index`` starts with: its prompt's with ``echo``, else ""."""
-        if self.echo is None:
+        """The text choice ``index`` starts with: its prompt's with ``echo`` (and without
+        ``return_token_ids``), else ""."""
+        if self.echo is None or self.return_token_ids:
             return ""
         p = index // self.n
         if self.echo[p] is None:  # a token-id prompt: decoded once, when first needed
@@ -262,7 +266,7 @@ class CompletionFormat(_Format):
         logprobs = None
         if self.logprobs and self.echo is not None and prompt_result is not None:
             logprobs = echoed_logprobs(prompt_result.prompt_token_ids, prompt_result.prompt_logprobs, entries,
-                                       self.texts)
+                                       self.texts, self.echo_top)
         elif self.logprobs:
             logprobs = completion_logprobs(entries, self.texts)
         choice = self._with_ids({"index": index, "text": self._echoed(index) + ("" if self.echo_only else c.text),

@@ -26,7 +26,8 @@ character gets the text the character's pieces did not show (the character, and
 what the token adds after it), and one that leaves it unfinished gets "". So the
 texts of a choice's tokens join to its text, and ``text_offset`` stays within it.
 The same holds for a position's alternatives (after the same sampled tokens) and
-for a prompt's tokens (after the prompt's).
+for a prompt's tokens (after the prompt's from position 1, the first having no
+entry, as in vLLM).
 Values are the core's (``gateway.events``): natural-log probabilities of the
 model's raw distribution.
 """
@@ -127,23 +128,24 @@ def _floored(logprob: float) -> float:
 
 
 def echoed_logprobs(prompt_ids: Sequence[int], prompt_entries: Sequence[TokenLogprob], entries: Sequence[TokenLogprob],
-                    texts: TokenTexts) -> dict:
+                    texts: TokenTexts, k: int) -> dict:
     """The completions shape of an echoed prompt and its choice's tokens (vLLM's ``echo``
-    with ``logprobs``): the prompt's first token has no logprob (null, and null
-    alternatives), each later one its prompt logprob (``prompt_entries``: one per
-    position after the first; -inf as -9999.0), then ``entries``' tokens, the offsets
-    running on over both."""
+    with ``logprobs: k``): the prompt's first token has no logprob (null, and null
+    alternatives), each later one its prompt logprob and its top ``k`` (of
+    ``prompt_entries``: one per position after the first, which may hold more; -inf
+    as -9999.0), then ``entries``' tokens, the offsets running on over both. Texts as
+    vLLM's: a prompt token's after the prompt's tokens from position 1 (as
+    ``prompt_logprobs``), a generated one's after the generated ones only."""
     if not prompt_ids:
         return completion_logprobs(entries, texts)
-    context = sampled_context()
     tokens, logprobs, tops, offsets = [texts(prompt_ids[0])], [None], [None], [0]
-    context.append(prompt_ids[0])
-    for e, before in _sampled(prompt_entries, context):
+    for e, before in _sampled(prompt_entries, sampled_context()):
+        e = TokenLogprob(e.token_id, e.logprob, e.top[:k])
         offsets.append(offsets[-1] + len(tokens[-1]))
         tokens.append(texts.in_context(e.token_id, before))
         logprobs.append(_floored(e.logprob))
-        tops.append({k: _floored(v) for k, v in _alternatives(e, texts, before).items()})
-    generated = completion_logprobs(entries, texts, offsets[-1] + len(tokens[-1]), context)
+        tops.append({key: _floored(v) for key, v in _alternatives(e, texts, before).items()})
+    generated = completion_logprobs(entries, texts, offsets[-1] + len(tokens[-1]))
     return {"tokens": tokens + generated["tokens"], "token_logprobs": logprobs + generated["token_logprobs"],
             "top_logprobs": tops + generated["top_logprobs"], "text_offset": offsets + generated["text_offset"]}
 

@@ -124,7 +124,7 @@ class OpenAIRoutes:
         fmt = CompletionFormat(f"cmpl-{request_id}", body.model or self.served_name, body.n, self.core.tokenizer,
                                body.logprobs is not None, body.return_token_ids, body.prompt_logprobs is not None,
                                echo=[r.prompt for r in requests] if body.echo else None,
-                               echo_only=body.max_tokens == 0)
+                               echo_only=body.max_tokens == 0, echo_top=body.logprobs or 0)
         return await self._serve(request, body, tenant, requests, fmt, received_at, prompts=True,
                                  lone_prompt=lone_prompt_index(body.prompt))
 

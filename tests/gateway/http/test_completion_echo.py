@@ -93,3 +93,43 @@ async def test_what_echo_cannot_do_is_a_400_naming_the_field(tokenizer, route, f
     async with app_client(tokenizer) as http:
         r = await http.post(route, json=fields)
     assert (r.status_code, r.json()["error"]["param"], r.json()["error"]["message"]) == (400, param, message)
+
+
+async def test_echoed_texts_of_a_prompt_that_starts_inside_a_character_are_vllms(tokenizer):
+    """vLLM's values for the same request (measured against its server): the prompt's
+    first token has no entry, so the pieces after it are decoded after the prompt from
+    position 1, and the generated token after the generated ones only."""
+    mesh = ScriptedMesh(tokenizer.encode(" face", add_special_tokens=False))
+    async with app_client(tokenizer, mesh) as http:
+        r = await http.post("/v1/completions", json=body(prompt="😀 is a smiley", echo=True, logprobs=1,
+                                                         max_tokens=1))
+    lp = r.json()["choices"][0]["logprobs"]
+    assert lp["tokens"] == ["\ufffd", "", "", " is", " a", " sm", "iley", " face"]
+    assert lp["text_offset"] == [0, 1, 1, 1, 4, 6, 9, 13]
+
+
+async def test_the_echoed_prompt_carries_logprobs_alternatives_not_prompt_logprobs(tokenizer):
+    """``logprobs: 1`` with a larger ``prompt_logprobs``: the echoed positions carry the
+    top 1 (and their own token), the ``prompt_logprobs`` field all 5."""
+    mesh = ScriptedMesh(tokenizer.encode(OUTPUT, add_special_tokens=False))
+    prompt = "The capital of France is"
+    async with app_client(tokenizer, mesh) as http:
+        r = await http.post("/v1/completions", json=body(prompt=prompt, echo=True, logprobs=1, prompt_logprobs=5))
+    choice = r.json()["choices"][0]
+    assert [len(top) for top in choice["logprobs"]["top_logprobs"][1:len(tokenizer.encode(prompt))]] == [2, 1, 2, 1]
+    assert [len(p) for p in choice["prompt_logprobs"][1:]] == [6, 5, 6, 5]  # its own, and the top 5
+
+
+async def test_with_return_token_ids_the_prompt_is_in_its_ids_not_the_text(tokenizer):
+    """vLLM leaves the echoed prompt's text out when the token ids are returned."""
+    output_ids = tokenizer.encode(OUTPUT, add_special_tokens=False)
+    prompt = "The capital of France is"
+    async with app_client(tokenizer, ScriptedMesh(output_ids)) as http:
+        whole = (await http.post("/v1/completions", json=body(prompt=prompt, echo=True,
+                                                                return_token_ids=True))).json()["choices"][0]
+        streamed = (await http.post("/v1/completions", json=body(prompt=prompt, echo=True, return_token_ids=True,
+                                                                   stream=True))).text
+    assert (whole["text"], whole["prompt_token_ids"], whole["token_ids"]) == (
+        OUTPUT, tokenizer.encode(prompt), output_ids)
+    chunks = [json.loads(line[6:])["choices"][0] for line in streamed.splitlines() if line.startswith("data: {")]
+    assert "".join(c["text"] for c in chunks) == OUTPUT
