@@ -138,7 +138,7 @@ def response_to_proto(index: int, out: RequestOutput) -> executor_pb2.ExecuteRes
 def logprob_to_proto(lp: TokenLogprob) -> common_pb2.TokenLogprob:
     """A ``TokenLogprob`` as its proto message."""
     return common_pb2.TokenLogprob(
-        token_id=lp.token_id, logprob=lp.logprob,
+        token_id=lp.token_id, logprob=lp.logprob, rank=lp.rank,
         top=[common_pb2.TopLogprob(token_id=t, logprob=v) for t, v in zip(lp.top_token_ids, lp.top_logprobs)])
 
 

@@ -43,11 +43,14 @@ class TokenLogprob:
         token_id: the token at this position (the sampled one, or the prompt's own).
         logprob: its natural-log probability (<= 0).
         top: the k most likely tokens, highest first (k = the request's logprobs).
+        rank: ``token_id``'s rank in the vocabulary (how many tokens have a logprob at
+            least its own; 1: the most likely, vLLM's); 0: not known.
     """
 
     token_id: int
     logprob: float
     top: tuple[TopLogprob, ...] = ()
+    rank: int = 0
 
 
 @dataclass(frozen=True, slots=True)

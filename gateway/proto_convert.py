@@ -39,13 +39,13 @@ def finish_reason_to_proto(reason: FinishReason | None) -> int:
 
 def logprobs_from_proto(entries: Iterable[common_pb2.TokenLogprob]) -> tuple[TokenLogprob, ...]:
     """Repeated ``TokenLogprob`` messages as values (float32 logprobs as Python floats, exact)."""
-    return tuple(TokenLogprob(e.token_id, e.logprob, tuple(TopLogprob(t.token_id, t.logprob) for t in e.top))
+    return tuple(TokenLogprob(e.token_id, e.logprob, tuple(TopLogprob(t.token_id, t.logprob) for t in e.top), e.rank)
                  for e in entries)
 
 
 def logprobs_to_proto(entries: Sequence[TokenLogprob]) -> list[common_pb2.TokenLogprob]:
     """``TokenLogprob`` values as messages."""
-    return [common_pb2.TokenLogprob(token_id=e.token_id, logprob=e.logprob,
+    return [common_pb2.TokenLogprob(token_id=e.token_id, logprob=e.logprob, rank=e.rank,
                                     top=[common_pb2.TopLogprob(token_id=t.token_id, logprob=t.logprob) for t in e.top])
             for e in entries]
 

@@ -89,18 +89,21 @@ class Logprob:
         token_id: the position's token (sampled, or the prompt's).
         logprob: its log-probability.
         top: the k most likely ``(token_id, logprob)``, highest first.
+        rank: ``token_id``'s rank in the vocabulary (1: the most likely; 0: not known).
     """
 
     token_id: int
     logprob: float
     top: tuple[tuple[int, float], ...] = ()
+    rank: int = 0
 
     @classmethod
     def from_proto(cls, msg) -> "Logprob":
-        return cls(msg.token_id, msg.logprob, tuple((t.token_id, t.logprob) for t in msg.top))
+        return cls(msg.token_id, msg.logprob, tuple((t.token_id, t.logprob) for t in msg.top), msg.rank)
 
     def as_json(self) -> dict:
-        return {"token_id": self.token_id, "logprob": self.logprob, "top": [list(t) for t in self.top]}
+        return {"token_id": self.token_id, "logprob": self.logprob, "rank": self.rank,
+                "top": [list(t) for t in self.top]}
 
 
 @dataclass

@@ -16,12 +16,15 @@ class TokenLogprob:
         logprob: its natural-log probability (<= 0).
         top_token_ids: the k most likely token ids, highest first.
         top_logprobs: their logprobs, same order (non-increasing, <= 0).
+        rank: ``token_id``'s rank in the vocabulary: how many tokens have a logprob
+            at least its own (1: the most likely; vLLM's ``Logprob.rank``); 0: not known.
     """
 
     token_id: int
     logprob: float
     top_token_ids: tuple[int, ...] = ()
     top_logprobs: tuple[float, ...] = ()
+    rank: int = 0
 
 
 @dataclass

@@ -31,7 +31,10 @@ PROMPT_LOGPROBS_ROWS = 256
 
 
 def token_logprobs(logits: torch.Tensor, token_ids: torch.Tensor, ks: list[int]) -> list[TokenLogprob]:
-    """Each row's token logprob and top-``k`` from raw logits.
+    """Each row's token logprob, its rank and top-``k`` from raw logits.
+
+    The rank is vLLM's (``batched_count_greater_than``): the number of tokens whose
+    logprob is at least the row's token's, so 1 for the most likely (ties count).
 
     Args:
         logits: ``(rows, vocab_size)`` float32 raw logits.
@@ -41,15 +44,17 @@ def token_logprobs(logits: torch.Tensor, token_ids: torch.Tensor, ks: list[int])
     if not ks:
         return []
     logprobs = torch.log_softmax(logits.float(), dim=-1)
-    chosen = logprobs.gather(1, token_ids.view(-1, 1)).view(-1).tolist()
+    chosen_column = logprobs.gather(1, token_ids.view(-1, 1))
+    ranks = (logprobs >= chosen_column).sum(dim=-1).tolist()
+    chosen = chosen_column.view(-1).tolist()
     ids = token_ids.tolist()
     max_k = max(ks)
     if max_k == 0:
-        return [TokenLogprob(t, c) for t, c in zip(ids, chosen)]
+        return [TokenLogprob(t, c, rank=r) for t, c, r in zip(ids, chosen, ranks)]
     top = logprobs.topk(max_k, dim=-1, sorted=True)
     top_ids, top_values = top.indices.tolist(), top.values.tolist()
-    return [TokenLogprob(t, c, tuple(ti[:k]), tuple(tv[:k]))
-            for t, c, ti, tv, k in zip(ids, chosen, top_ids, top_values, ks)]
+    return [TokenLogprob(t, c, tuple(ti[:k]), tuple(tv[:k]), r)
+            for t, c, ti, tv, k, r in zip(ids, chosen, top_ids, top_values, ks, ranks)]
 
 
 class PromptLogprobs:

@@ -13,9 +13,9 @@
   (it has no context), then ``{token id: {"logprob", "rank", "decoded_token"}}``:
   the prompt's own token first, then the top k with ranks 1 … k. A prompt token among
   its top k is one key, with its rank there (as vLLM's dict, where the top k's entry
-  replaces it); one outside them has ``rank`` null, where vLLM gives its rank in the
-  whole vocabulary, which the core does not compute. A logprob of -inf is -9999.0,
-  as vLLM clamps it (JSON has no infinity).
+  replaces it); one outside them has its rank in the whole vocabulary (the
+  executor's, as vLLM counts it; null from an executor that does not send it). A
+  logprob of -inf is -9999.0, as vLLM clamps it (JSON has no infinity).
 
 A token's text is the tokenizer's decoding of that one id, and ``bytes`` are that
 text's UTF-8 bytes. A byte-level token that holds only part of a multi-byte
@@ -140,7 +140,7 @@ def echoed_logprobs(prompt_ids: Sequence[int], prompt_entries: Sequence[TokenLog
         return completion_logprobs(entries, texts)
     tokens, logprobs, tops, offsets = [texts(prompt_ids[0])], [None], [None], [0]
     for e, before in _sampled(prompt_entries, sampled_context()):
-        e = TokenLogprob(e.token_id, e.logprob, e.top[:k])
+        e = TokenLogprob(e.token_id, e.logprob, e.top[:k], e.rank)
         offsets.append(offsets[-1] + len(tokens[-1]))
         tokens.append(texts.in_context(e.token_id, before))
         logprobs.append(_floored(e.logprob))
@@ -158,7 +158,7 @@ def prompt_logprobs(entries: Sequence[TokenLogprob], texts: TokenTexts) -> list[
 
     out: list[dict | None] = [None]
     for e, before in _sampled(entries, sampled_context()):
-        position = {str(e.token_id): one(e.logprob, None, texts.in_context(e.token_id, before))}
+        position = {str(e.token_id): one(e.logprob, e.rank or None, texts.in_context(e.token_id, before))}
         for rank, t in enumerate(e.top, 1):  # the core's top k: highest first
             position[str(t.token_id)] = one(t.logprob, rank, texts.in_context(t.token_id, before))
         out.append(position)

@@ -43,17 +43,17 @@ def scripted_prompt_logprobs(prompt_token_ids: Sequence[int], k: int) -> tuple[T
     """The prompt logprobs ``ScriptedMesh`` sends (every value exact in float32, as the
     wire carries it), one per position i = 1 …: at an even i the prompt's token, logprob
     -i/8, leads its top k (then ``ALTERNATIVE_IDS``, each 1/4 less likely than the one
-    before); at an odd i the top k are ``ALTERNATIVE_IDS`` (-1/4, -2/4 …) and the
-    prompt's token, at -(k + 1)/4 - i/8, is outside them."""
+    before; its rank 1); at an odd i the top k are ``ALTERNATIVE_IDS`` (-1/4, -2/4 …) and
+    the prompt's token, at -(k + 1)/4 - i/8, is outside them (its rank k + 1 + i)."""
     out = []
     for i, tid in enumerate(prompt_token_ids[1:], 1):
         if i % 2 == 0:
-            own = -i / 8
+            own, rank = -i / 8, 1
             top = [TopLogprob(tid, own)] + [TopLogprob(a, own - (j + 1) / 4) for j, a in enumerate(ALTERNATIVE_IDS)]
         else:
-            own = -(k + 1) / 4 - i / 8
+            own, rank = -(k + 1) / 4 - i / 8, k + 1 + i
             top = [TopLogprob(a, -(j + 1) / 4) for j, a in enumerate(ALTERNATIVE_IDS)]
-        out.append(TokenLogprob(tid, own, tuple(top[:k])))
+        out.append(TokenLogprob(tid, own, tuple(top[:k]), rank))
     return tuple(out)
 
 

@@ -56,14 +56,16 @@ def check_against_the_prompt(entries: list, prompt_ids: list[int], k: int) -> No
     assert entries[0] is None and len(entries) == len(prompt_ids)
     for i, (position, tid) in enumerate(zip(entries[1:], prompt_ids[1:]), 1):
         assert next(iter(position)) == str(tid)
-        ranks = sorted(v["rank"] for v in position.values() if v["rank"] is not None)
-        assert ranks == list(range(1, k + 1))
+        ranks = sorted(v["rank"] for v in position.values())
+        own = ([] if k else [1]) if i % 2 == 0 else [k + 1 + i]  # the scripted rank of one outside its top k
+        assert ranks == list(range(1, k + 1)) + own
         assert len(position) == (k if i % 2 == 0 and k else k + 1)
 
 
 async def test_completions_exact_entries_for_a_token_prompt(tokenizer):
     """The conversion, value by value: position 1 (odd) has the prompt token outside its
-    top 2 (rank null), position 2 (even) has it as the top 1 (one key, rank 1)."""
+    top 2 (its rank in the vocabulary, the scripted 4), position 2 (even) has it as the
+    top 1 (one key, rank 1)."""
     a, b, c = tokenizer.encode(" one two three", add_special_tokens=False)
     mesh = ScriptedMesh(tokenizer.encode(" four", add_special_tokens=False))
     async with app_client(tokenizer, mesh) as http:
@@ -73,7 +75,7 @@ async def test_completions_exact_entries_for_a_token_prompt(tokenizer):
     text = tokenizer.decode
     assert choice["prompt_logprobs"] == [
         None,
-        {str(b): {"logprob": -0.875, "rank": None, "decoded_token": text([b])},
+        {str(b): {"logprob": -0.875, "rank": 4, "decoded_token": text([b])},
          "49000": {"logprob": -0.25, "rank": 1, "decoded_token": text([49000])},
          "49001": {"logprob": -0.5, "rank": 2, "decoded_token": text([49001])}},
         {str(c): {"logprob": -0.25, "rank": 1, "decoded_token": text([c])},
