@@ -81,31 +81,44 @@ class TaskHooks:
     ``await hooks.queued(position, estimated_wait_s)`` records its place in the
     scheduler's queue (0-based position; seconds); ``await hooks.held(reason,
     wait_s)`` a refusal it waits out. All are fenced by ``attempt``: a stale
-    attempt's reports are dropped.
+    attempt's reports are dropped. A report whose work is cancelled meanwhile still
+    completes (``pending``): the attempt's own last write waits for it, so a late
+    RUNNING cannot land over a hand-back.
     """
 
     def __init__(self, runner: Runner, task_id: str, attempt: int):
         self._runner, self.task_id, self.attempt = runner, task_id, attempt
         self._last: tuple[int, float] | None = None
+        self.pending: asyncio.Future | None = None  # the last report's store write, run to its end
 
     async def __call__(self) -> None:
-        await self._runner.store.transition(self.task_id, (TaskState.QUEUED,), TaskState.RUNNING, fence=self.attempt,
-                                            started_at=self._runner.clock(), queue_position=-1, estimated_wait_s=0.0)
+        await self._report((TaskState.QUEUED,), TaskState.RUNNING, started_at=self._runner.clock(),
+                           queue_position=-1, estimated_wait_s=0.0)
 
     async def queued(self, position: int, estimated_wait_s: float) -> None:
         if self._last == (position, estimated_wait_s):
             return
         self._last = (position, estimated_wait_s)
-        await self._runner.store.transition(self.task_id, _WAITING, TaskState.QUEUED, fence=self.attempt,
-                                            queue_position=position, estimated_wait_s=estimated_wait_s)
+        await self._report(_WAITING, TaskState.QUEUED, queue_position=position, estimated_wait_s=estimated_wait_s)
 
     async def held(self, reason: str, wait_s: float) -> None:
         """Records that the scheduler refused the task for now (QUEUED, not in its
         queue: ``queue_position`` -1) and that it is admitted again in ``wait_s``
         seconds; ``reason`` becomes its ``last_error``."""
         self._last = None
-        await self._runner.store.transition(self.task_id, _WAITING, TaskState.QUEUED, fence=self.attempt,
-                                            queue_position=-1, estimated_wait_s=wait_s, last_error=reason)
+        await self._report(_WAITING, TaskState.QUEUED, queue_position=-1, estimated_wait_s=wait_s, last_error=reason)
+
+    async def _report(self, from_states, to_state: TaskState, **changes) -> None:
+        """A fenced write of this attempt, run to its end even when the work is cancelled
+        (a compare-and-set once sent completes: the Redis store shields it too)."""
+        self.pending = asyncio.ensure_future(self._runner.store.transition(
+            self.task_id, from_states, to_state, fence=self.attempt, **changes))
+        await asyncio.shield(self.pending)
+
+    async def settled(self) -> None:
+        """Returns once the last report's write has ended (its outcome is the store's)."""
+        if self.pending is not None:
+            await asyncio.gather(self.pending, return_exceptions=True)
 
 
 Work = Callable[[TaskHooks], Awaitable[bytes]]
@@ -129,12 +142,14 @@ class TaskRun:
     async def run_attempt(self, work: Work) -> Work | None:
         """Runs one attempt; returns the next attempt's work (a retry) or None (done)."""
         runner = self.runner
+        hooks = TaskHooks(runner, self.task_id, self.attempt)
         try:
-            result = await work(TaskHooks(runner, self.task_id, self.attempt))
+            result = await work(hooks)
         except asyncio.CancelledError:
             # the cancel is ours (close, cancel, a refused renewal) and handled here: a task
             # left "cancelling" would break the timeouts inside the store's client calls below
             asyncio.current_task().uncancel()
+            await hooks.settled()  # a report cut short still lands: before the writes below, not over them
             if self.lost:
                 return None
             if self.hand_back:

@@ -187,6 +187,37 @@ async def test_a_stopping_gateway_hands_its_tasks_back(pair):
         await a.runner.submit(new("late"), blocked)      # a stopping gateway accepts no task
 
 
+async def test_a_running_report_cut_short_by_the_stop_lands_before_the_hand_back(pair):
+    """The stop cancels a work while its RUNNING report is on its way to the store (a
+    compare-and-set once sent completes): the hand-back waits for it, so the record ends
+    QUEUED and unowned, never RUNNING with no owner."""
+    a, b, clock, finals = pair
+    sent, landed, store = asyncio.Event(), asyncio.Event(), a.store
+    real = store.transition
+
+    async def slow_running(task_id, from_states, to_state, **changes):
+        if to_state != TaskState.RUNNING:
+            return await real(task_id, from_states, to_state, **changes)
+
+        async def in_flight():  # sent: it completes whatever its caller does, as the store's shielded calls
+            sent.set()
+            await asyncio.sleep(0.2)
+            try:
+                return await real(task_id, from_states, to_state, **changes)
+            finally:
+                landed.set()
+        return await asyncio.shield(asyncio.ensure_future(in_flight()))
+
+    store.transition = slow_running
+    await a.runner.submit(new("late"), blocked)
+    await sent.wait()
+    await a.runner.close()
+    await asyncio.wait_for(landed.wait(), 10)  # (already, with the hand-back after it)
+    record = await a.store.get("late")
+    assert (record.state, record.owner, record.attempt, record.last_error) == (
+        TaskState.QUEUED, "", 1, "handed back: its gateway stopped")
+
+
 async def test_a_draining_gateway_claims_nothing_and_lets_its_running_task_finish(pair):
     """A stopping gateway's drain: B's task, handed back while A drains, is not claimed
     by A (it would only be handed back again, one attempt used); A's own running task
