@@ -112,7 +112,9 @@ class Choice:
         held = 1 if out.finish_reason == FinishReason.STOP and out.token_ids else 0
         ids = out.token_ids[:len(out.token_ids) - held]
         protected = min(max(self.min_tokens - before, 0), len(ids))  # of the first min_tokens: no stop ends there
-        text = self.stops.feed(self.detok.add(ids[:protected]), can_stop=False)[0] if protected else ""
+        text = ""
+        for token_id in ids[:protected]:  # one at a time, as a token a message: the detokenizer holds back
+            text += self.stops.feed(self.detok.add((token_id,)), can_stop=False)[0]  # all of a piece ending mid-character
         more, matched = self.stops.feed(self.detok.add(ids[protected:]))
         text += more
         if out.finish_reason and matched is None:

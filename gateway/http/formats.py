@@ -30,8 +30,8 @@ from typing import Sequence
 
 from gateway.collector import CompletedChoice
 from gateway.events import ChoiceResult, Delta
-from gateway.http.logprobs import (TokenTexts, chat_logprobs, completion_logprobs, echoed_logprobs, prompt_logprobs,
-                                   sampled_context)
+from gateway.http.logprobs import (TokenTexts, chat_logprobs, completion_logprobs, echoed_logprobs,
+                                   echoed_prompt_logprobs, prompt_logprobs, sampled_context)
 
 
 def usage_of(results: Sequence[ChoiceResult]) -> dict:
@@ -216,6 +216,7 @@ class CompletionFormat(_Format):
         self.echo = None if echo is None else list(echo)
         self.echo_only = echo_only
         self.echo_top = echo_top
+        self._echoed_logprobs: dict[int, dict] = {}  # prompt index -> its echoed logprobs, built once for its n
 
     def _echoed(self, index: int) -> str:
         """The text choice ``index`` starts with: its prompt's with ``echo`` (and without
@@ -265,8 +266,12 @@ class CompletionFormat(_Format):
         entries = () if self.echo_only else c.logprobs
         logprobs = None
         if self.logprobs and self.echo is not None and prompt_result is not None:
-            logprobs = echoed_logprobs(prompt_result.prompt_token_ids, prompt_result.prompt_logprobs, entries,
-                                       self.texts, self.echo_top)
+            p = index // self.n
+            if p not in self._echoed_logprobs:
+                self._echoed_logprobs[p] = echoed_prompt_logprobs(prompt_result.prompt_token_ids,
+                                                                  prompt_result.prompt_logprobs, self.texts,
+                                                                  self.echo_top)
+            logprobs = echoed_logprobs(self._echoed_logprobs[p], entries, self.texts)
         elif self.logprobs:
             logprobs = completion_logprobs(entries, self.texts)
         choice = self._with_ids({"index": index, "text": self._echoed(index) + ("" if self.echo_only else c.text),

@@ -127,17 +127,16 @@ def _floored(logprob: float) -> float:
     return PROMPT_LOGPROB_FLOOR if logprob == -math.inf else logprob
 
 
-def echoed_logprobs(prompt_ids: Sequence[int], prompt_entries: Sequence[TokenLogprob], entries: Sequence[TokenLogprob],
-                    texts: TokenTexts, k: int) -> dict:
-    """The completions shape of an echoed prompt and its choice's tokens (vLLM's ``echo``
-    with ``logprobs: k``): the prompt's first token has no logprob (null, and null
-    alternatives), each later one its prompt logprob and its top ``k`` (of
-    ``prompt_entries``: one per position after the first, which may hold more; -inf
-    as -9999.0), then ``entries``' tokens, the offsets running on over both. Texts as
-    vLLM's: a prompt token's after the prompt's tokens from position 1 (as
-    ``prompt_logprobs``), a generated one's after the generated ones only."""
+def echoed_prompt_logprobs(prompt_ids: Sequence[int], prompt_entries: Sequence[TokenLogprob], texts: TokenTexts,
+                           k: int) -> dict:
+    """The completions shape of an echoed prompt (vLLM's ``echo`` with ``logprobs: k``):
+    its first token has no logprob (null, and null alternatives), each later one its
+    prompt logprob and its top ``k`` (of ``prompt_entries``: one per position after the
+    first, which may hold more; -inf as -9999.0). Texts as vLLM's: each after the
+    prompt's tokens from position 1 (as ``prompt_logprobs``). Built once per prompt;
+    ``echoed_logprobs`` adds a choice's tokens."""
     if not prompt_ids:
-        return completion_logprobs(entries, texts)
+        return {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
     tokens, logprobs, tops, offsets = [texts(prompt_ids[0])], [None], [None], [0]
     for e, before in _sampled(prompt_entries, sampled_context()):
         e = TokenLogprob(e.token_id, e.logprob, e.top[:k], e.rank)
@@ -145,9 +144,15 @@ def echoed_logprobs(prompt_ids: Sequence[int], prompt_entries: Sequence[TokenLog
         tokens.append(texts.in_context(e.token_id, before))
         logprobs.append(_floored(e.logprob))
         tops.append({key: _floored(v) for key, v in _alternatives(e, texts, before).items()})
-    generated = completion_logprobs(entries, texts, offsets[-1] + len(tokens[-1]))
-    return {"tokens": tokens + generated["tokens"], "token_logprobs": logprobs + generated["token_logprobs"],
-            "top_logprobs": tops + generated["top_logprobs"], "text_offset": offsets + generated["text_offset"]}
+    return {"tokens": tokens, "token_logprobs": logprobs, "top_logprobs": tops, "text_offset": offsets}
+
+
+def echoed_logprobs(prompt: dict, entries: Sequence[TokenLogprob], texts: TokenTexts) -> dict:
+    """``prompt`` (``echoed_prompt_logprobs``) and then a choice's ``entries``, the offsets
+    running on over both; the generated tokens' texts after the generated ones only (vLLM's)."""
+    end = prompt["text_offset"][-1] + len(prompt["tokens"][-1]) if prompt["tokens"] else 0
+    generated = completion_logprobs(entries, texts, end)
+    return {key: prompt[key] + generated[key] for key in ("tokens", "token_logprobs", "top_logprobs", "text_offset")}
 
 
 def prompt_logprobs(entries: Sequence[TokenLogprob], texts: TokenTexts) -> list[dict | None]:

@@ -4,6 +4,7 @@ ending after them stops the choice, even one that began inside them."""
 
 from __future__ import annotations
 
+import random
 from contextlib import aclosing
 
 import pytest
@@ -72,3 +73,45 @@ def test_a_choice_cuts_at_the_same_place_however_its_tokens_come(tokenizer, per_
         if choice.done:
             break
     assert (text, choice.finish_reason, choice.stop_reason) == ("Yes. The answer is 42", FinishReason.STOP, ".")
+
+
+TEXTS = ["The answer is 42. Done here, and there.", "Hi 你好 😀 wow. end of 😀😀 story", "x. y. z. aa bb aa bb",
+         "résumé café naïve. ok"]
+
+
+def cut(tokenizer, ids, stop, min_tokens, per_message, finish) -> tuple:
+    """The text, finish and stop reason of a choice fed ``ids``, ``per_message`` at a time."""
+    choice = Choice(0, tokenizer, [1, 2, 3], stop, (), tokenizer.eos_token_id, min_tokens)
+    text = ""
+    for start in range(0, len(ids), per_message):
+        last = start + per_message >= len(ids)
+        text += choice.feed(ExecutorOutput(0, tuple(ids[start:start + per_message]), finish if last else None),
+                            now=1.0).text
+        if choice.done:
+            break
+    return text, choice.finish_reason, choice.stop_reason
+
+
+def test_the_first_min_tokens_are_protected_even_when_a_message_ends_inside_a_character(tokenizer):
+    """" end" is token 11 of 19, inside the first 14; five tokens a message end one inside
+    an emoji, whose piece the detokenizer holds back with the text before it."""
+    ids = tokenizer.encode(TEXTS[1], add_special_tokens=False)
+    want = (TEXTS[1], FinishReason.LENGTH, "")
+    assert [cut(tokenizer, ids, ["end"], 14, k, FinishReason.LENGTH) for k in (1, 5)] == [want, want]
+
+
+@pytest.mark.parametrize("seed", range(100))
+def test_how_the_tokens_are_grouped_into_messages_changes_no_cut(tokenizer, seed):
+    """Random stop strings (pieces of the text) and min_tokens over texts with split
+    characters: 2, 3, 5 or all the tokens a message cut where one a message cuts."""
+    rnd = random.Random(seed)
+    ids = tokenizer.encode(rnd.choice(TEXTS), add_special_tokens=False)
+    finish = rnd.choice([FinishReason.LENGTH, FinishReason.STOP])
+    if finish == FinishReason.STOP:
+        ids.append(tokenizer.eos_token_id)
+    full = tokenizer.decode(ids, skip_special_tokens=True)
+    starts = [rnd.randrange(len(full)) for _ in range(rnd.randint(1, 3))]
+    stop = [full[a:a + rnd.randint(1, 4)] for a in starts]
+    min_tokens = rnd.randint(0, len(ids))
+    one = cut(tokenizer, ids, stop, min_tokens, 1, finish)
+    assert [cut(tokenizer, ids, stop, min_tokens, k, finish) for k in (2, 3, 5, 100)] == [one] * 4
