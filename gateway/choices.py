@@ -113,8 +113,10 @@ class Choice:
         ids = out.token_ids[:len(out.token_ids) - held]
         protected = min(max(self.min_tokens - before, 0), len(ids))  # of the first min_tokens: no stop ends there
         text = ""
-        for token_id in ids[:protected]:  # one at a time, as a token a message: the detokenizer holds back
-            text += self.stops.feed(self.detok.add((token_id,)), can_stop=False)[0]  # all of a piece ending mid-character
+        # one at a time, as from one token a message: the detokenizer holds back the whole text
+        # of a piece that ends inside a character, which would then count as after them
+        for token_id in ids[:protected]:
+            text += self.stops.feed(self.detok.add((token_id,)), can_stop=False)[0]
         more, matched = self.stops.feed(self.detok.add(ids[protected:]))
         text += more
         if out.finish_reason and matched is None:

@@ -15,9 +15,9 @@ stop string S it is simply ``text[:text.index(S)]``.
 
 Text fed with ``can_stop=False`` (the text of a request's first ``min_tokens``
 tokens) cannot end a stop string: an occurrence must end after it, though it may
-begin inside it (vLLM's rule since vllm-project/vllm#22014: its detokenizer checks
-the stop strings only once ``min_tokens`` tokens are out, over the text they did
-not produce, less a stop string's length).
+begin inside it (vLLM's rule, ``vllm/v1/engine/detokenizer.py``: its detokenizer
+checks the stop strings only once ``min_tokens`` tokens are out, over the text they
+did not produce, less a stop string's length).
 
 Cost per ``feed``: one ``str.find`` per stop string over the held tail plus the
 new piece, and a suffix check of at most ``max(len(stop)) - 1`` characters.

@@ -1,4 +1,4 @@
-"""``min_tokens`` and stop strings (vLLM's rule since vllm-project/vllm#22014): no stop
+"""``min_tokens`` and stop strings (vLLM's rule, ``vllm/v1/engine/detokenizer.py``): no stop
 string may end in the text of a choice's first ``min_tokens`` tokens; the first one
 ending after them stops the choice, even one that began inside them."""
 

@@ -106,7 +106,8 @@ def test_an_invalid_argument_names_its_field_as_the_body_spells_it(message, para
 
 
 def test_a_messages_error_says_messages_as_the_body_does():
-    error = http_error(InvalidArgument("chat.messages[1].role must be one of system, user, assistant, developer, got 'tool'"))
+    error = http_error(InvalidArgument(
+        "chat.messages[1].role must be one of system, user, assistant, developer, got 'tool'"))
     assert (error.message, error.param) == (
         "messages[1].role must be one of system, user, assistant, developer, got 'tool'", "messages.1.role")
 

@@ -14,7 +14,8 @@ from gateway.events import FinishReason
 from tests.support.inprocess_app import ScriptedMesh, app_client
 
 OUTPUT = "The answer is 42. Done here"
-ROUTES = [("/v1/completions", {"prompt": "Q:"}), ("/v1/chat/completions", {"messages": [{"role": "user", "content": "Q"}]})]
+ROUTES = [("/v1/completions", {"prompt": "Q:"}),
+          ("/v1/chat/completions", {"messages": [{"role": "user", "content": "Q"}]})]
 
 
 def choices_of(text: str) -> list[dict]:
