@@ -91,6 +91,8 @@ def generate(
     frequency_penalty: Optional[float] = typer.Option(None, "--frequency-penalty",
                                                       show_default=_GATEWAY_DEFAULTS["frequency_penalty"],
                                                       help="In [-2, 2] (0: off)."),
+    logit_bias: list[str] = typer.Option([], "--logit-bias", metavar="ID=BIAS",
+                                         help="Add BIAS, in [-100, 100], to token ID's logit; may repeat."),
     n: Optional[int] = typer.Option(None, "--n", show_default=_GATEWAY_DEFAULTS["n"],
                                     help="Choices per prompt, in [1, 16]."),
     logprobs: Optional[int] = typer.Option(None, "--logprobs", show_default="none: off",
@@ -117,6 +119,7 @@ def generate(
     from meshserve.v1 import gateway_pb2_grpc
 
     tls = tls_settings(tls_cert, tls_key, tls_ca, insecure, client=True)
+    biases = parse_logit_bias(logit_bias)
     if request_id and len(prompt) > 1:  # "" names nothing: each request gets a new id
         raise typer.BadParameter("one id names one request: give --request-id with one --prompt only",
                                  param_hint="'--request-id'")
@@ -134,7 +137,7 @@ def generate(
                                       presence_penalty=presence_penalty, frequency_penalty=frequency_penalty, n=n,
                                       logprobs=logprobs, prompt_logprobs=prompt_logprobs,
                                       stop_token_ids=stop_token_ids, include_stop_str_in_output=include_stop_str,
-                                      cache_salt=cache_salt) for p in prompt]
+                                      cache_salt=cache_salt, logit_bias=biases) for p in prompt]
             except ValueError as exc:  # an integer the wire type cannot hold
                 print(f"error: bad option value: {exc}", file=sys.stderr)
                 return 2
@@ -192,6 +195,29 @@ def generate(
         print(interrupted_note(task_ids, len(prompt), follow, key_given), file=sys.stderr)
         code = 130  # as a shell reports a command ended by SIGINT
     sys.exit(code)
+
+
+def parse_logit_bias(items: list[str]) -> dict[int, float]:
+    """``--logit-bias ID=BIAS`` options as a map (the gateway checks the ranges).
+
+    Raises:
+        typer.BadParameter: an item that is not an integer id, ``=`` and a number, or an
+            id given twice (exit code 2).
+    """
+    biases: dict[int, float] = {}
+    for item in items:
+        token_id, sep, bias = item.partition("=")
+        try:
+            parsed = int(token_id), float(bias)
+        except ValueError:
+            parsed = None
+        if not sep or parsed is None:
+            raise typer.BadParameter(f"{item!r} is not ID=BIAS (a token id and a number, such as 4528=100)",
+                                     param_hint="'--logit-bias'")
+        if parsed[0] in biases:
+            raise typer.BadParameter(f"token id {parsed[0]} is given twice", param_hint="'--logit-bias'")
+        biases[parsed[0]] = parsed[1]
+    return biases
 
 
 def key_hint(code: str, api_key: Optional[str]) -> str:

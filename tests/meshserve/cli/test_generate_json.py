@@ -82,3 +82,25 @@ def test_stop_token_ids_include_stop_str_and_cache_salt_reach_the_request(monkey
         [30, 13], True, "user-42")
     assert (list(plain.sampling.stop_token_ids), plain.include_stop_str_in_output, plain.HasField("cache_salt")) == (
         [], False, False)
+
+
+def test_logit_bias_options_reach_the_request_and_a_malformed_one_is_a_usage_error(monkeypatch):
+    sent = []
+
+    async def recording(stub, request, metadata=(), timeout=None, on_delta=None) -> list[Completion]:
+        sent.append(request)
+        return [Completion(index=0, text="ok", finish_reason="length")]
+
+    monkeypatch.setattr(meshserve.client, "generate_choices", recording)
+    monkeypatch.delenv("MESHSERVE_API_KEY", raising=False)
+    base = ["generate", "--addr", "127.0.0.1:1", "--insecure", "--json", "--prompt", "sky"]
+    result = CliRunner().invoke(app, [*base, "--logit-bias", "4528=100", "--logit-bias", "7042=-2.5"])
+    assert result.exit_code == 0, result.output
+    assert dict(sent[0].sampling.logit_bias) == {4528: 100.0, 7042: -2.5}
+    for bad, message in (("4528", "'4528' is not ID=BIAS"), ("x=1", "'x=1' is not ID=BIAS"),
+                         ("5=big", "'5=big' is not ID=BIAS")):
+        result = CliRunner().invoke(app, [*base, "--logit-bias", bad])
+        assert result.exit_code == 2 and message in result.output, result.output
+    result = CliRunner().invoke(app, [*base, "--logit-bias", "5=1", "--logit-bias", "5=2"])
+    assert result.exit_code == 2 and "token id 5 is given twice" in result.output
+    assert len(sent) == 1  # nothing sent for a usage error
