@@ -12,9 +12,10 @@ await its first event (so an error before any output gets its HTTP status), then
 * not streamed: collect every choice (``ChoiceCollector``) and answer one object
   (with vLLM's ``prompt_logprobs`` when asked: only such a response carries them);
 * streamed: ``text/event-stream``, one ``data: <json>`` event per chunk: the
-  assistant role once per choice index (chat), each delta, one chunk with the
-  finish reason per index, with ``stream_options.include_usage`` a last chunk
-  with the usage and no choices, then ``data: [DONE]``. An error after the
+  assistant role once per choice index (chat), each delta, the last tokens' with
+  the finish reason per index, with ``stream_options.include_usage`` a last chunk
+  with the usage and no choices (and with vLLM's ``continuous_usage_stats`` each
+  chunk its choice's usage so far), then ``data: [DONE]``. An error after the
   stream started is one ``data: {"error": …}`` event before ``[DONE]``.
 
 A client that disconnects cancels the core's streams at once, as a cancelled gRPC
@@ -185,7 +186,8 @@ class OpenAIRoutes:
             pump.cancel()
             raise
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        return StreamingResponse(self._stream(pump, first, fmt, len(requests), include_usage),
+        continuous = include_usage and body.stream_options.continuous_usage_stats  # vLLM's: as its should_include_usage
+        return StreamingResponse(self._stream(pump, first, fmt, len(requests), include_usage, continuous),
                                  media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
 
     async def _collect(self, pump: EventPump, fmt: ChatFormat | CompletionFormat, num_prompts: int) -> dict:
@@ -205,21 +207,33 @@ class OpenAIRoutes:
         return fmt.response(choices, results, prompts_logprobs)
 
     async def _stream(self, pump: EventPump, first, fmt: ChatFormat | CompletionFormat, num_prompts: int,
-                      include_usage: bool) -> AsyncIterator[bytes]:
-        """The SSE body; closing it (the client went away) cancels the pump."""
+                      include_usage: bool, continuous: bool = False) -> AsyncIterator[bytes]:
+        """The SSE body; closing it (the client went away) cancels the pump. ``continuous``
+        (vLLM's ``continuous_usage_stats``): each chunk carries its choice's usage so far."""
         results: list[ChoiceResult] = []
         held: dict[int, dict] = {}  # a choice's last tokens' chunk, sent with its finish reason (``Delta.last``)
+        generated: dict[int, int] = {}  # each choice's tokens so far (``continuous``)
+
+        def chunk(choice: dict, whole: dict | None = None) -> bytes:
+            out = whole or fmt.chunk([choice], with_usage=include_usage)
+            if continuous:
+                prompt = len(fmt.prompt_ids.get(choice["index"] // fmt.n, ()))
+                done = generated.get(choice["index"], 0)
+                out["usage"] = {"prompt_tokens": prompt, "completion_tokens": done, "total_tokens": prompt + done}
+            return _sse(out)
+
         try:
             for index in range(num_prompts * fmt.n):
                 role = fmt.role_chunk(index, include_usage)
                 if role is not None:
-                    yield _sse(role)
+                    yield chunk(role["choices"][0], role)
             item = first
             while item is not None:
                 p, event = item
                 choice = None
                 if isinstance(event, Delta):
                     index = fmt.index(p, event.index)
+                    generated[index] = generated.get(index, 0) + len(event.token_ids)
                     choice = fmt.delta_choice(index, event)
                     if event.last and (choice is not None or index in held):  # its result follows at once
                         held[index] = choice if index not in held else merge_choices(held[index], choice or {})
@@ -231,13 +245,13 @@ class OpenAIRoutes:
                     if index in held:
                         choice = merge_choices(held.pop(index), choice)
                 if choice is not None:
-                    yield _sse(fmt.chunk([choice], with_usage=include_usage))
+                    yield chunk(choice)
                 item = await pump.next()
             if include_usage:
                 yield _sse(fmt.chunk([], usage_of(results), with_usage=True))
         except Exception as exc:  # noqa: BLE001 - the status is sent: the error is an event
             for choice in held.values():  # what was generated is sent before the error
-                yield _sse(fmt.chunk([choice], with_usage=include_usage))
+                yield chunk(choice)
             yield _sse(http_error(exc).body())
         finally:
             pump.cancel()

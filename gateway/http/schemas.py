@@ -47,8 +47,8 @@ def without_nulls(data: Any) -> Any:
 class StreamOptions(BaseModel):
     """``stream_options``: with ``include_usage`` a last chunk carries the usage
     (``choices`` empty) and every other chunk ``"usage": null``. A field sent as null
-    is its default. vLLM's ``continuous_usage_stats`` (the usage in every chunk) is
-    refused when true (``gateway.http.convert``), never ignored."""
+    is its default. vLLM's ``continuous_usage_stats`` with ``include_usage``: every
+    chunk also carries its choice's usage so far (``gateway.http.openai_routes``)."""
 
     include_usage: StrictBool = False
     continuous_usage_stats: StrictBool = False

@@ -105,9 +105,6 @@ def refuse_unsupported(body: SamplingFields) -> None:
     """
     if body.stream_options is not None and not body.stream:  # as vLLM: it would be silently moot
         raise InvalidArgument("stream_options is only allowed with stream: true")
-    if body.stream_options is not None and body.stream_options.continuous_usage_stats:  # vLLM's usage per chunk
-        raise InvalidArgument("stream_options.continuous_usage_stats is not supported (include_usage gives the "
-                              "usage in a last chunk)")
     if isinstance(body, CompletionRequest):
         if body.suffix:
             raise InvalidArgument("suffix is not supported")
