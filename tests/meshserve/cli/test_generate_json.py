@@ -62,7 +62,8 @@ def test_one_prompt_is_prompt_0_and_a_failed_prompt_is_named_by_its_index(monkey
     assert [(line["prompt_index"], line["text"]) for line in (lines[0], lines[2])] == [(0, "sky #0"), (2, "sun #0")]
 
 
-def test_stop_token_ids_include_stop_str_and_cache_salt_reach_the_request(monkeypatch):
+def recording_requests(monkeypatch) -> list:
+    """The requests ``generate`` sends from now on (each answered ``ok``)."""
     sent = []
 
     async def recording(stub, request, metadata=(), timeout=None, on_delta=None) -> list[Completion]:
@@ -71,6 +72,11 @@ def test_stop_token_ids_include_stop_str_and_cache_salt_reach_the_request(monkey
 
     monkeypatch.setattr(meshserve.client, "generate_choices", recording)
     monkeypatch.delenv("MESHSERVE_API_KEY", raising=False)
+    return sent
+
+
+def test_stop_token_ids_include_stop_str_and_cache_salt_reach_the_request(monkeypatch):
+    sent = recording_requests(monkeypatch)
     result = CliRunner().invoke(app, ["generate", "--addr", "127.0.0.1:1", "--insecure", "--json", "--prompt", "sky",
                                       "--stop-token-id", "30", "--stop-token-id", "13",
                                       "--include-stop-str-in-output", "--cache-salt", "user-42"])
@@ -85,14 +91,7 @@ def test_stop_token_ids_include_stop_str_and_cache_salt_reach_the_request(monkey
 
 
 def test_logit_bias_options_reach_the_request_and_a_malformed_one_is_a_usage_error(monkeypatch):
-    sent = []
-
-    async def recording(stub, request, metadata=(), timeout=None, on_delta=None) -> list[Completion]:
-        sent.append(request)
-        return [Completion(index=0, text="ok", finish_reason="length")]
-
-    monkeypatch.setattr(meshserve.client, "generate_choices", recording)
-    monkeypatch.delenv("MESHSERVE_API_KEY", raising=False)
+    sent = recording_requests(monkeypatch)
     base = ["generate", "--addr", "127.0.0.1:1", "--insecure", "--json", "--prompt", "sky"]
     result = CliRunner().invoke(app, [*base, "--logit-bias", "4528=100", "--logit-bias", "7042=-2.5"])
     assert result.exit_code == 0, result.output
