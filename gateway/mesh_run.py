@@ -88,6 +88,10 @@ class MeshRunner:
         cache_salt(prefix_cache_scope, "")  # validates
         self.prefix_cache_scope = prefix_cache_scope
         self.mark_ending = mark_ending
+        self.eos_token_id = getattr(tokenizer, "eos_token_id", None)
+        # the model's other EOS ids (generation_config.json's) end a choice as stop tokens (vLLM adds
+        # them to stop_token_ids): its stop_reason names them; the tokenizer's own EOS is not named
+        self.other_eos_ids = tuple(sorted(model.eos_token_ids - {self.eos_token_id}))
 
     def _admission(self, p: Prepared) -> Admission:
         hashes: tuple[bytes, ...] = ()
@@ -128,11 +132,9 @@ class MeshRunner:
             p.timer.assigned = time.monotonic()
             p.metrics.assigned(p.timer.assigned)
             span.set_attributes({ta.EXECUTOR_ID: assignment.executor_id, ta.QUEUE_WAIT_S: assignment.queue_s})
-            eos = None if p.params.ignore_eos else getattr(self.tokenizer, "eos_token_id", None)
-            # the model's other EOS ids (generation_config.json's) end a choice as stop tokens (vLLM adds
-            # them to stop_token_ids): its stop_reason names them; the tokenizer's own EOS is not named
-            stop_ids = p.params.stop_token_ids if p.params.ignore_eos else (
-                *p.params.stop_token_ids, *sorted(self.model.eos_token_ids - {eos}))
+            eos = None if p.params.ignore_eos else self.eos_token_id
+            stop_ids = p.params.stop_token_ids if p.params.ignore_eos else (*p.params.stop_token_ids,
+                                                                            *self.other_eos_ids)
             choices = [Choice(i, self.tokenizer, p.prompt_ids, p.params.stop, stop_ids, eos, p.params.min_tokens)
                        for i in range(p.params.n)]
             async with renewing(self.mesh, assignment, span) as activity:

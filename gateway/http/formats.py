@@ -113,11 +113,11 @@ class _Format:
             return None
         return prompt_logprobs(first.prompt_logprobs, self.texts)
 
-    def _carries(self, delta: Delta) -> bool:
-        """True when ``delta`` has something to send: text, or tokens whose logprobs or
-        ids were asked for (a delta whose text is held back, e.g. half a UTF-8
-        character, still carries its tokens)."""
-        return bool(delta.text) or bool(delta.token_ids and (self.logprobs or self.return_token_ids))
+    def _carries(self, text: str, token_ids) -> bool:
+        """True when a delta of ``text`` and ``token_ids`` has something to send: text, or
+        tokens whose logprobs or ids were asked for (a delta whose text is held back, e.g.
+        half a UTF-8 character, still carries its tokens)."""
+        return bool(text) or bool(token_ids and (self.logprobs or self.return_token_ids))
 
     def _with_ids(self, choice: dict, token_ids) -> dict:
         """``choice`` with vLLM's ``token_ids`` when the request asked for them."""
@@ -161,7 +161,7 @@ class ChatFormat(_Format):
 
     def delta_choice(self, index: int, delta: Delta) -> dict | None:
         """A chunk's choice for ``delta`` (None when it carries nothing to send)."""
-        if not self._carries(delta):
+        if not self._carries(delta.text, delta.token_ids):
             return None
         logprobs = None
         if self.logprobs:
@@ -243,7 +243,7 @@ class CompletionFormat(_Format):
         """A chunk's choice for ``delta`` (None when it carries nothing to send)."""
         first = self.echo is not None and index not in self._started  # it carries the echoed prompt
         text = "" if self.echo_only else delta.text
-        if not first and not (text or (delta.token_ids and (self.logprobs or self.return_token_ids))):
+        if not first and not self._carries(text, delta.token_ids):
             return None
         logprobs = None
         if self.logprobs:  # never with echo: echo with logprobs is not streamed

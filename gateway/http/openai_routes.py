@@ -235,8 +235,8 @@ class OpenAIRoutes:
                     index = fmt.index(p, event.index)
                     generated[index] = generated.get(index, 0) + len(event.token_ids)
                     choice = fmt.delta_choice(index, event)
-                    if event.last and (choice is not None or index in held):  # its result follows at once
-                        held[index] = choice if index not in held else merge_choices(held[index], choice or {})
+                    if event.last and choice is not None:  # its result follows at once: sent with it
+                        held[index] = merge_choices(held[index], choice) if index in held else choice
                         choice = None
                 elif isinstance(event, ChoiceResult):
                     results.append(event)
