@@ -8,8 +8,8 @@ up or stored.
 
 The key is a SHA-256 over the model's fingerprint (id and revision), the
 prompt token ids, *every* field of the validated ``SamplingParams`` (stop
-strings, penalties, ``n``, logprob settings…; ``logit_bias`` only when set, so keys
-without one stay those of gateways that predate it), the *scope*: the tenant
+strings, penalties, ``n``, logprob settings…; ``logit_bias`` and ``structured_output``
+only when set, so keys without them stay those of gateways that predate them), the *scope*: the tenant
 (``tenant:<name>``), unless the tenants file gives tenants a shared
 ``result_cache_scope`` (``scope:<name>``), and the request's own ``cache_salt``
 (vLLM's; in the key only when set, so unsalted keys are those of gateways that
@@ -67,6 +67,8 @@ def cache_key(model_id: str, revision: str, prompt_token_ids: Sequence[int], par
     sampling = {name: getattr(params, name) for name in _SAMPLING_FIELDS}
     if params.logit_bias:
         sampling["logit_bias"] = params.logit_bias
+    if params.structured_output is not None:
+        sampling["structured_output"] = params.structured_output.key()
     fields = {"model": _fingerprint(model_id, revision), "prompt": list(prompt_token_ids), "sampling": sampling,
               "scope": scope}
     if cache_salt:
@@ -75,7 +77,7 @@ def cache_key(model_id: str, revision: str, prompt_token_ids: Sequence[int], par
     return hashlib.sha256(body.encode()).hexdigest()
 
 
-_SAMPLING_FIELDS = tuple(f.name for f in fields(SamplingParams) if f.name != "logit_bias")
+_SAMPLING_FIELDS = tuple(f.name for f in fields(SamplingParams) if f.name not in ("logit_bias", "structured_output"))
 
 
 @functools.lru_cache(maxsize=64)

@@ -34,6 +34,9 @@ Policies (documented in docs/api.md):
   OpenAI's cap), each id in [0, vocab_size) and named once, each bias finite and in
   [-100, 100] (OpenAI's range; vLLM clamps to it, we refuse past it). The bias is
   added to that token's logit before penalties and temperature; empty is none.
+* ``structured_output``: a ``meshserve.structured_output.StructuredOutput`` that xgrammar
+  parses (kind, size and spec checked there); None is none. Its token mask applies
+  first, before the raw logprobs are taken (vLLM v1 masks the logits it samples from).
 
 The ``min_tokens`` mask, the logit bias and the penalties run before temperature,
 in that order (vLLM v1's), and also change greedy rows (greedy is the argmax of the
@@ -46,7 +49,9 @@ import ctypes
 import math
 from dataclasses import dataclass, field, replace
 
+from meshserve import structured_output as structured
 from meshserve.errors import InvalidArgument
+from meshserve.structured_output import StructuredOutput
 
 DEFAULT_MAX_TOKENS = 16
 GREEDY_TEMPERATURE = 1e-3
@@ -89,6 +94,8 @@ class SamplingParams:
             positions it skips would have no logits).
         logit_bias: (token id, bias) pairs added to those tokens' logits, sorted by
             id once validated (OpenAI's ``logit_bias`` map); () is none.
+        structured_output: the constraint on the generated text, or None (see
+            ``meshserve.structured_output``).
     """
 
     max_tokens: int = DEFAULT_MAX_TOKENS
@@ -108,6 +115,7 @@ class SamplingParams:
     logprobs: int | None = None
     prompt_logprobs: int | None = None
     logit_bias: tuple[tuple[int, float], ...] = ()
+    structured_output: StructuredOutput | None = None
 
     @property
     def greedy(self) -> bool:
@@ -174,6 +182,8 @@ def validate(params: SamplingParams, *, max_model_len: int, vocab_size: int) -> 
         _check(0 <= tid < vocab_size, f"stop_token_ids entry {tid} is outside the vocabulary [0, {vocab_size})")
     _validate_extras(params)
     _validate_logit_bias(params.logit_bias, vocab_size)
+    if params.structured_output is not None:
+        structured.validate(params.structured_output)
     logit_bias = tuple(sorted(params.logit_bias))
     if params.top_k == -1 or logit_bias != params.logit_bias:
         return replace(params, top_k=0 if params.top_k == -1 else params.top_k, logit_bias=logit_bias)
@@ -262,6 +272,7 @@ def params_from_proto(msg) -> SamplingParams:
         logprobs=msg.logprobs if msg.HasField("logprobs") else None,
         prompt_logprobs=msg.prompt_logprobs if msg.HasField("prompt_logprobs") else None,
         logit_bias=tuple(sorted(msg.logit_bias.items())),
+        structured_output=structured.from_proto(msg.structured_output) if msg.HasField("structured_output") else None,
     )
 
 
@@ -287,3 +298,5 @@ def to_proto(params: SamplingParams, msg) -> None:
     if params.prompt_logprobs is not None:
         msg.prompt_logprobs = params.prompt_logprobs
     msg.logit_bias.update(params.logit_bias)
+    if params.structured_output is not None:
+        structured.to_proto(params.structured_output, msg.structured_output)

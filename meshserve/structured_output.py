@@ -1,0 +1,184 @@
+"""Structured outputs: a request's constraint on the text it may generate (pure data).
+
+A ``StructuredOutput`` names one formal language, and generation samples only tokens
+that keep the output a prefix of a sentence of it (vLLM's structured outputs, OpenAI's
+``response_format``). Five kinds, vLLM's ``StructuredOutputsParams`` fields:
+
+* ``json``: a JSON Schema (its JSON text): the output is a JSON value it accepts;
+* ``json_object``: any JSON value (``response_format: {"type": "json_object"}``);
+* ``regex``: a regular expression the whole output matches;
+* ``choice``: exactly one of the given strings;
+* ``grammar``: an EBNF grammar (xgrammar's dialect, GBNF's: ``root ::= ...``).
+
+The grammar engine is xgrammar (Dong et al., 2024, "XGrammar: Flexible and Efficient
+Structured Generation Engine for Large Language Models"; vLLM's default backend).
+This module only parses a spec into xgrammar's tokenizer-free ``Grammar`` (cheap, a
+few milliseconds): the gateway does it to refuse a bad spec before admission, the
+executor to compile it against its tokenizer (``executor.engine.structured_output``).
+A choice list becomes the grammar ``root ::= "a" | "b"`` with vLLM's escaping
+(``vllm/v1/structured_output/utils.py``, ``choice_as_grammar``).
+
+Limits (a spec is compiled against the whole vocabulary, so its size is bounded):
+a spec of at most ``MAX_SPEC_CHARS`` characters; at most ``MAX_CHOICES`` choices, each
+non-empty, together at most ``MAX_SPEC_CHARS`` characters.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass, field
+
+from meshserve.errors import InvalidArgument
+
+KINDS = ("json", "json_object", "regex", "choice", "grammar")
+MAX_SPEC_CHARS = 65_536
+MAX_CHOICES = 1_024
+
+
+@dataclass(frozen=True)
+class StructuredOutput:
+    """One request's structured-output constraint.
+
+    Attributes:
+        kind: one of ``KINDS``.
+        spec: the JSON Schema's JSON text (``json``), the regex (``regex``), the EBNF
+            grammar (``grammar``); "" for ``json_object`` and ``choice``.
+        choices: the strings of ``choice`` (in order); () for the other kinds.
+    """
+
+    kind: str
+    spec: str = ""
+    choices: tuple[str, ...] = field(default_factory=tuple)
+
+    @property
+    def ebnf(self) -> str | None:
+        """The EBNF grammar of ``grammar`` and ``choice``; None for the other kinds."""
+        if self.kind == "choice":
+            return choice_grammar(self.choices)
+        return self.spec if self.kind == "grammar" else None
+
+    def key(self) -> dict:
+        """A JSON-ready form that names the constraint exactly (the result cache's key)."""
+        return {"kind": self.kind, "spec": self.spec, "choices": list(self.choices)}
+
+
+def choice_grammar(choices: tuple[str, ...] | list[str]) -> str:
+    """The EBNF grammar accepting exactly one of ``choices`` (vLLM's ``choice_as_grammar``:
+    backslash, quote, LF, CR and tab escaped, other C0 controls and DEL as ``\\uXXXX``)."""
+    return "root ::= " + " | ".join(f'"{_escape_ebnf(c)}"' for c in choices)
+
+
+_EBNF_ESCAPES = {"\\": "\\\\", '"': '\\"', "\n": "\\n", "\r": "\\r", "\t": "\\t"}
+
+
+def _escape_ebnf(text: str) -> str:
+    return "".join(_EBNF_ESCAPES.get(ch) or (f"\\u{ord(ch):04x}" if ord(ch) < 0x20 or ord(ch) == 0x7F else ch)
+                   for ch in text)
+
+
+def json_spec(schema) -> str:
+    """A JSON Schema given as a dict (or a JSON text) as the canonical JSON text ``spec``
+    holds (keys sorted, no spaces), so equal schemas give equal specs.
+
+    Raises:
+        InvalidArgument: a text that is not JSON, or a schema that is not an object
+            or a boolean.
+    """
+    if isinstance(schema, str):
+        try:
+            schema = json.loads(schema)
+        except ValueError as error:
+            raise InvalidArgument(f"structured output json: the schema is not valid JSON ({error})") from None
+    if not isinstance(schema, (dict, bool)):
+        raise InvalidArgument(f"structured output json: a JSON Schema is an object or a boolean, "
+                              f"got {type(schema).__name__}")
+    return json.dumps(schema, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+
+
+def validate(structured: StructuredOutput) -> None:
+    """Checks the kind, the limits, and that xgrammar parses the spec.
+
+    Raises:
+        InvalidArgument: the message names the kind and xgrammar's reason.
+    """
+    if structured.kind not in KINDS:
+        raise InvalidArgument(f"structured output kind must be one of {', '.join(KINDS)}, got {structured.kind!r}")
+    if structured.kind == "choice":
+        if not 1 <= len(structured.choices) <= MAX_CHOICES:
+            raise InvalidArgument(f"structured output choice takes 1 to {MAX_CHOICES} strings, "
+                                  f"got {len(structured.choices)}")
+        if not all(structured.choices):
+            raise InvalidArgument("structured output choice strings must not be empty")
+        if sum(map(len, structured.choices)) > MAX_SPEC_CHARS:
+            raise InvalidArgument(f"structured output choice strings take at most {MAX_SPEC_CHARS} characters "
+                                  "together")
+    elif structured.choices:
+        raise InvalidArgument(f"structured output {structured.kind} takes no choices")
+    if structured.kind in ("json", "regex", "grammar"):
+        if not structured.spec:
+            raise InvalidArgument(f"structured output {structured.kind} must not be empty")
+        if len(structured.spec) > MAX_SPEC_CHARS:
+            raise InvalidArgument(f"structured output {structured.kind} takes at most {MAX_SPEC_CHARS} characters, "
+                                  f"got {len(structured.spec)}")
+    elif structured.spec:
+        raise InvalidArgument(f"structured output {structured.kind} takes no spec")
+    grammar(structured)
+
+
+def grammar(structured: StructuredOutput):
+    """xgrammar's tokenizer-free ``Grammar`` of the constraint (imports xgrammar).
+
+    Raises:
+        InvalidArgument: xgrammar cannot parse the spec; its reason, without its
+            source location, is in the message.
+    """
+    import xgrammar  # heavy (seconds, with torch): only when a request has a constraint
+
+    try:
+        if structured.kind == "json":
+            return xgrammar.Grammar.from_json_schema(structured.spec)
+        if structured.kind == "json_object":
+            return xgrammar.Grammar.builtin_json_grammar()
+        if structured.kind == "regex":
+            return xgrammar.Grammar.from_regex(structured.spec)
+        return xgrammar.Grammar.from_ebnf(structured.ebnf)
+    except (RuntimeError, ValueError) as error:
+        raise InvalidArgument(f"structured output {structured.kind}: {_reason(error)}") from None
+
+
+_SOURCE_LOCATION = re.compile(r"^\[[0-9:]+\] \S+:\d+: ")
+
+
+def _reason(error: Exception) -> str:
+    """xgrammar's message without its ``[time] file.cc:line:`` prefix and trailing space."""
+    return _SOURCE_LOCATION.sub("", str(error)).strip().replace("Check failed: (error.empty()) is false: ", "")
+
+
+def to_proto(structured: StructuredOutput, msg) -> None:
+    """Writes ``structured`` into an empty ``meshserve.v1.StructuredOutput`` message."""
+    if structured.kind == "json":
+        msg.json_schema = structured.spec
+    elif structured.kind == "json_object":
+        msg.json_object = True
+    elif structured.kind == "regex":
+        msg.regex = structured.spec
+    elif structured.kind == "choice":
+        msg.choice.values.extend(structured.choices)
+    else:
+        msg.grammar = structured.spec
+
+
+def from_proto(msg) -> StructuredOutput | None:
+    """The constraint a ``meshserve.v1.StructuredOutput`` names; None when no kind is set
+    (not yet validated: ``validate``)."""
+    kind = msg.WhichOneof("kind")
+    if kind is None:
+        return None
+    if kind == "json_schema":
+        return StructuredOutput("json", msg.json_schema)
+    if kind == "json_object":
+        return StructuredOutput("json_object")
+    if kind == "choice":
+        return StructuredOutput("choice", choices=tuple(msg.choice.values))
+    return StructuredOutput(kind, getattr(msg, kind))
