@@ -93,7 +93,13 @@ class ExecutorServicer(executor_pb2_grpc.ExecutorServicer):
         if engine_id in self.active_leases:
             raise AlreadyExists(f"request_id {request.request_id!r} is already in use by an unfinished request")
         # the one check of this request in the executor: INVALID_ARGUMENT before any choice starts
-        checked = eng.check_request(request.prompt_token_ids, params_from_proto(request.sampling))
+        params = params_from_proto(request.sampling)
+        if params.structured_output is None:
+            checked = eng.check_request(request.prompt_token_ids, params)
+        else:  # compiling its grammar can take longer than a token's step: off the loop
+            checked = await asyncio.to_thread(eng.check_request, request.prompt_token_ids, params)
+            if engine_id in self.active_leases:  # the same id came in while this one compiled
+                raise AlreadyExists(f"request_id {request.request_id!r} is already in use by an unfinished request")
         check_cache_salt(request.cache_salt or None)
         salt = cache_salt(self.prefix_cache_scope, claims.tenant, request.cache_salt)
         checked = dataclasses.replace(checked, cache_salt=salt,

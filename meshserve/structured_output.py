@@ -144,13 +144,13 @@ def grammar(structured: StructuredOutput):
             return xgrammar.Grammar.from_regex(structured.spec)
         return xgrammar.Grammar.from_ebnf(structured.ebnf)
     except (RuntimeError, ValueError) as error:
-        raise InvalidArgument(f"structured output {structured.kind}: {_reason(error)}") from None
+        raise InvalidArgument(f"structured output {structured.kind}: {reason(error)}") from None
 
 
 _SOURCE_LOCATION = re.compile(r"^\[[0-9:]+\] \S+:\d+: ")
 
 
-def _reason(error: Exception) -> str:
+def reason(error: Exception) -> str:
     """xgrammar's message without its ``[time] file.cc:line:`` prefix and trailing space."""
     return _SOURCE_LOCATION.sub("", str(error)).strip().replace("Check failed: (error.empty()) is false: ", "")
 

@@ -62,6 +62,7 @@ only in ``update_from_output``.
 from __future__ import annotations
 
 import bisect
+import logging
 import time
 
 from executor.engine.config import BatchSchedulerConfig
@@ -73,6 +74,8 @@ from executor.engine.request import Request, RequestStatus
 from executor.engine.scheduler_output import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
 from executor.engine.step_budget import StepState, batching_hold_deadline, cap_prefill, may_chunk
 from executor.engine.stop import check_stop
+
+log = logging.getLogger(__name__)
 
 
 class BatchScheduler:
@@ -351,15 +354,17 @@ class BatchScheduler:
 
     def _scheduled_request(self, request: Request, num_new: int) -> ScheduledRequest:
         start = request.num_computed_tokens
+        sample = start + num_new == request.num_tokens
         return ScheduledRequest(
             request_id=request.request_id,
             token_ids=request.all_token_ids[start:start + num_new],
             num_computed_tokens=start,
             block_ids=self.kv.get_block_ids(request.request_id),
             sampling_params=request.sampling_params,
-            sample=start + num_new == request.num_tokens,
+            sample=sample,
             all_token_ids=request.all_token_ids,  # a view for penalties / min_tokens, not a copy
             num_prompt_tokens=request.num_prompt_tokens,
+            grammar_bitmask=request.grammar.bitmask() if sample and request.grammar is not None else None,
         )
 
     # -- update ---------------------------------------------------------------
@@ -388,6 +393,9 @@ class BatchScheduler:
                 continue  # a prefill chunk that is not the last
             request.append_output(token)
             self.num_generation_tokens += 1
+            if request.grammar is not None and not request.grammar.accept(token):
+                log.warning("request %s: its grammar refused the sampled token %d; it ends", request.request_id,
+                            token)
             status = check_stop(request, self.eos_token_ids)
             if status is not None:
                 self._finish(request, status)

@@ -29,10 +29,12 @@ from executor.engine.kv_cache_manager import KVCacheManager, cdiv, num_blocks_fo
 from executor.engine.kv_connector import KVConnector, KVConnectorScheduler
 from executor.engine.outputs import EngineStats, RequestOutput
 from executor.engine.request import CheckedRequest, Request
+from executor.engine.structured_output import GrammarCompiler, GrammarState
 from executor.engine.worker_group import WorkerGroup
 from executor.worker.group import make_worker_group
 from meshserve.block_hash import KVStoreFingerprint, ModelFingerprint
 from meshserve.errors import InvalidArgument
+from meshserve.model_files import resolve_model
 from meshserve.sampling import SamplingParams, validate
 
 log = logging.getLogger(__name__)
@@ -75,6 +77,8 @@ class LLMEngine:
         self.kv_cache_manager = KVCacheManager(self.num_blocks, self.block_size, config.cache.enable_prefix_caching,
                                                self.fingerprint, config.cache.enable_kv_events)
         self.batch_scheduler = BatchScheduler(config.batch, self.kv_cache_manager, self.eos_token_ids)
+        self.grammars = GrammarCompiler(lambda: resolve_model(config.model, config.revision).path, self.vocab_size,
+                                        self.eos_token_ids)
         self.kv_connector: KVConnector | None = None
         self.num_steps = 0
         self.forward_seconds = 0.0  # wall seconds spent in execute_model (busy fraction, MFU)
@@ -93,14 +97,17 @@ class LLMEngine:
         (the executor's servicer, ``AsyncEngine.generate``, ``add_request``); returns it
         with normalised params for ``add_checked``, which does not check again.
 
-        Thread-safe (reads only immutable limits). Does not check the request id.
+        Thread-safe (reads only immutable limits; a structured output's grammar is compiled
+        under the compiler's own lock, milliseconds for common schemas). Does not check the
+        request id.
 
         Raises:
             InvalidArgument: invalid params (checked first), an empty prompt, an id
                 outside the vocabulary, a prompt that leaves no room for one generated
                 token within ``max_model_len``, a prompt needing more blocks than the
                 whole cache, or a prompt longer than ``max_num_batched_tokens`` with
-                chunked prefill off.
+                chunked prefill off; a structured output xgrammar cannot compile, or a model
+                without a tokenizer.
         """
         params = validate(params, max_model_len=self.max_model_len, vocab_size=self.vocab_size)
         n = len(prompt_token_ids)
@@ -120,7 +127,8 @@ class LLMEngine:
         if not batch.enable_chunked_prefill and n > batch.max_num_batched_tokens:
             raise InvalidArgument(f"prompt has {n} tokens, more than max_num_batched_tokens "
                                   f"{batch.max_num_batched_tokens} (chunked prefill is off)")
-        return CheckedRequest(tuple(prompt_token_ids), params)
+        grammar = self.grammars.compile(params.structured_output) if params.structured_output is not None else None
+        return CheckedRequest(tuple(prompt_token_ids), params, grammar=grammar)
 
     @property
     def kv_store_fingerprint(self) -> KVStoreFingerprint:
@@ -179,6 +187,8 @@ class LLMEngine:
                           next(self._arrivals), max_len)
         request.trace_context = trace_context
         request.cache_salt = checked.cache_salt
+        if checked.grammar is not None:
+            request.grammar = GrammarState(checked.grammar)
         self.batch_scheduler.add_request(request)
 
     def abort_request(self, request_id: str) -> bool:

@@ -61,16 +61,21 @@ class CheckedRequest:
         sampling_params: validated and normalised (``meshserve.sampling.validate``).
         cache_salt: salts the request's chain hashes (``meshserve.block_hash.salted_root``):
             requests with different salts never share prefix blocks; "" shares with all.
+        grammar: the ``xgrammar.CompiledGrammar`` of ``sampling_params.structured_output``
+            (``executor.engine.structured_output``), shared by the request's choices; None
+            without one.
     """
 
     prompt_token_ids: tuple[int, ...]
     sampling_params: SamplingParams
     cache_salt: str = ""
+    grammar: object = None
 
     def for_choice(self, index: int) -> "CheckedRequest":
         """Choice ``index`` of an ``n`` > 1 request (``SamplingParams.for_choice``: seed +
         index, prompt logprobs on choice 0 only; both keep the params valid)."""
-        return CheckedRequest(self.prompt_token_ids, self.sampling_params.for_choice(index), self.cache_salt)
+        return CheckedRequest(self.prompt_token_ids, self.sampling_params.for_choice(index), self.cache_salt,
+                              self.grammar)
 
 
 @dataclass(eq=False)
@@ -100,6 +105,8 @@ class Request:
         cache_salt: salts its chain hashes (``CheckedRequest.cache_salt``).
         num_prefill_deferrals: steps its prefill sat out for shorter ones
             (``BatchSchedulerConfig.short_prefill_tokens``).
+        grammar: its structured output's matcher (``executor.engine.structured_output.GrammarState``),
+            or None.
     """
 
     request_id: str
@@ -120,6 +127,7 @@ class Request:
     trace_context: object = None
     cache_salt: str = ""
     num_prefill_deferrals: int = 0
+    grammar: object = None
 
     def __post_init__(self) -> None:
         self.all_token_ids = list(self.prompt_token_ids) + list(self.output_token_ids)

@@ -37,6 +37,9 @@ class ScheduledRequest:
             penalties and ``min_tokens``.
         num_prompt_tokens: the prompt's length; ``all_token_ids[num_prompt_tokens:]``
             are the outputs so far.
+        grammar_bitmask: with ``sample`` and a structured output, the tokens its grammar
+            allows next: ``ceil(vocab_size / 32)`` little-endian int32 words, bit ``j`` of
+            word ``w`` for token ``32 * w + j`` (xgrammar's layout); None: no constraint.
     """
 
     request_id: str
@@ -47,6 +50,7 @@ class ScheduledRequest:
     sample: bool
     all_token_ids: Sequence[int] = ()
     num_prompt_tokens: int = 0
+    grammar_bitmask: bytes | None = None
 
     @property
     def num_output_tokens(self) -> int:

@@ -15,11 +15,16 @@ def check_stop(request: Request, eos_token_ids: frozenset[int]) -> RequestStatus
 
     ``min_tokens``: the first ``min_tokens`` outputs never stop on a stop token id
     or EOS (the sampler masks those ids there, so they cannot even be sampled).
+
+    A structured output whose grammar terminated (it accepted EOS where it was
+    complete) is "stop" too, ``ignore_eos`` or not: the grammar allows nothing more.
     """
     params = request.sampling_params
     last = request.output_token_ids[-1]
     may_stop = len(request.output_token_ids) > params.min_tokens
     if may_stop and (last in params.stop_token_ids or (not params.ignore_eos and last in eos_token_ids)):
+        return RequestStatus.FINISHED_STOPPED
+    if request.grammar is not None and request.grammar.terminated:
         return RequestStatus.FINISHED_STOPPED
     if len(request.output_token_ids) >= params.max_tokens or request.num_tokens >= request.max_len:
         return RequestStatus.FINISHED_LENGTH_CAPPED

@@ -108,7 +108,8 @@ class ModelRunner:
                                         [self._generator(s) for _, s in sampling], self.vocab_size, self.device,
                                         token_ids=[s.all_token_ids for _, s in sampling],
                                         num_prompt_tokens=[s.num_prompt_tokens for _, s in sampling],
-                                        eos_token_ids=self.eos_token_ids)
+                                        eos_token_ids=self.eos_token_ids,
+                                        grammar_bitmasks=[s.grammar_bitmask for _, s in sampling])
             sampled = self.sampler(logits, batch)
         ids = [s.request_id for _, s in sampling]
         logprobs = {} if sampled.logprobs is None else {

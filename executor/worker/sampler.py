@@ -1,12 +1,17 @@
-"""Sampler: min_tokens, logit bias, penalties, greedy, temperature, min-p, top-k and
-top-p over a batch of float32 logits, plus the sampled tokens' logprobs.
+"""Sampler: structured-output masks, min_tokens, logit bias, penalties, greedy,
+temperature, min-p, top-k and top-p over a batch of float32 logits, plus the sampled
+tokens' logprobs.
 
-Per step, in this order (vLLM v1's: its ``MinTokensLogitsProcessor`` and
-``LogitBiasLogitsProcessor``, then ``apply_penalties``, then ``sample``)::
+Per step, in this order (vLLM v1's: the grammar bitmask applied to the logits before
+the sampler, then its ``MinTokensLogitsProcessor`` and ``LogitBiasLogitsProcessor``,
+then ``apply_penalties``, then ``sample``)::
 
-    raw = nan_to_num(logits)                        # logprobs come from here ("raw logprobs")
+    raw = nan_to_num(logits)
+    raw[grammar rows, tokens the grammar forbids] = -inf
+                                                    # logprobs come from here ("raw logprobs")
     x = raw.clone()
-    x[min_tokens rows, EOS + stop ids] = -inf       # before min_tokens outputs
+    x[min_tokens rows, EOS + stop ids] = -inf       # before min_tokens outputs; a grammar row
+                                                    # left with no token keeps its grammar's
     x[bias rows, bias ids] += bias                  # logit_bias (-inf stays -inf)
     x = penalties(x)                                # repetition (prompt + output), presence, frequency (output)
     greedy rows: argmax(x)                          # masks, bias and penalties do change greedy
@@ -132,6 +137,8 @@ class SamplingBatch:
         logit_bias: ``(rows, token_ids, biases)``: int64, int64 and float32 ``(B,)``
             over the ``B`` entries of every row's ``logit_bias`` (each pair once), or None.
         logprobs: per row, the number of top logprobs to return, or None for none.
+        grammar: ``(rows, allowed)``: int64 ``(G,)`` and bool ``(G, vocab_size)``, the
+            tokens each structured-output row's grammar allows next; None without one.
         all_greedy / use_top_k / use_top_p / use_min_p: batch-level shortcuts.
     """
 
@@ -149,12 +156,14 @@ class SamplingBatch:
     banned: tuple[torch.Tensor, torch.Tensor] | None = None
     logit_bias: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
     logprobs: list[int | None] | None = None
+    grammar: tuple[torch.Tensor, torch.Tensor] | None = None
 
     @classmethod
     def build(cls, params: list[SamplingParams], generators: list[torch.Generator | None], vocab_size: int,
               device: torch.device | str = "cpu", *, token_ids: list[Sequence[int]] | None = None,
               num_prompt_tokens: list[int] | None = None,
-              eos_token_ids: frozenset[int] = frozenset()) -> "SamplingBatch":
+              eos_token_ids: frozenset[int] = frozenset(),
+              grammar_bitmasks: Sequence[bytes | None] | None = None) -> "SamplingBatch":
         """From each row's (validated) params and generator.
 
         Args:
@@ -162,6 +171,8 @@ class SamplingBatch:
                 penalties and ``min_tokens``); None: no history.
             num_prompt_tokens: per row, the prompt's length within ``token_ids``.
             eos_token_ids: the model's EOS ids (masked by ``min_tokens``).
+            grammar_bitmasks: per row, ``ScheduledRequest.grammar_bitmask`` (None: no
+                constraint); None: no row has one.
         """
         token_ids = token_ids if token_ids is not None else [()] * len(params)
         num_prompt_tokens = num_prompt_tokens if num_prompt_tokens is not None else [len(t) for t in token_ids]
@@ -186,7 +197,22 @@ class SamplingBatch:
             banned=_banned(params, token_ids, num_prompt_tokens, eos_token_ids, device),
             logit_bias=_logit_bias(params, device),
             logprobs=[p.logprobs for p in params] if any(p.logprobs is not None for p in params) else None,
+            grammar=_grammar(grammar_bitmasks, vocab_size, device) if grammar_bitmasks else None,
         )
+
+
+_BIT = torch.arange(32, dtype=torch.int32)
+
+
+def _grammar(bitmasks: Sequence[bytes | None], vocab_size: int, device) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """The rows with a grammar bitmask and their ``(G, vocab_size)`` bool allowed tokens
+    (the packed words unpacked with one shift and mask; see ``SamplingBatch.grammar``)."""
+    rows = [i for i, b in enumerate(bitmasks) if b is not None]
+    if not rows:
+        return None
+    words = torch.frombuffer(bytearray(b"".join(bitmasks[i] for i in rows)), dtype=torch.int32).view(len(rows), -1)
+    allowed = ((words.unsqueeze(-1) >> _BIT) & 1).view(len(rows), -1)[:, :vocab_size].bool()
+    return torch.tensor(rows, dtype=torch.int64, device=device), allowed.to(device)
 
 
 def _banned(params, token_ids, num_prompt_tokens, eos_token_ids, device) -> tuple[torch.Tensor, torch.Tensor] | None:
@@ -248,11 +274,18 @@ class Sampler:
             raw = torch.nan_to_num(raw, nan=finfo.min, posinf=finfo.max, neginf=finfo.min)
         else:  # the float32 copy is ours: no second (num_reqs, vocab_size) tensor and its page faults
             raw.nan_to_num_(nan=finfo.min, posinf=finfo.max, neginf=finfo.min)
+        if batch.grammar is not None:  # raw is our own copy here (nan_to_num or float())
+            rows, allowed = batch.grammar
+            raw[rows] = raw[rows].masked_fill_(~allowed, float("-inf"))
         logits = raw
         if batch.penalties is not None or batch.banned is not None or batch.logit_bias is not None:
             logits = raw.clone()  # raw stays as it is: the logprobs' source
             if batch.banned is not None:
                 logits[batch.banned] = float("-inf")
+                if batch.grammar is not None:  # min_tokens yields where the grammar allows only an end
+                    rows = batch.grammar[0]
+                    dead = rows[torch.isneginf(logits[rows]).all(dim=-1)]
+                    logits[dead] = raw[dead]
             if batch.logit_bias is not None:  # each (row, id) once: a plain indexed add, the same on every device
                 rows, ids, biases = batch.logit_bias
                 logits.index_put_((rows, ids), biases, accumulate=True)

@@ -15,7 +15,9 @@
   its top k is one key, with its rank there (as vLLM's dict, where the top k's entry
   replaces it); one outside them has its rank in the whole vocabulary (the
   executor's, as vLLM counts it; null from an executor that does not send it). A
-  logprob of -inf is -9999.0, as vLLM clamps it (JSON has no infinity).
+  logprob of -inf is -9999.0, as vLLM clamps it (JSON has no infinity), here and in
+  the two shapes above (a structured output's mask gives -inf to the tokens its grammar
+  forbids, which a top k can hold when fewer tokens are allowed).
 
 A token's text is the tokenizer's decoding of that one id, and ``bytes`` are that
 text's UTF-8 bytes. A byte-level token that holds only part of a multi-byte
@@ -99,7 +101,7 @@ def chat_logprobs(entries: Sequence[TokenLogprob], texts: TokenTexts, context: d
     sampled ids before them (``sampled_context``; updated)."""
     def one(token_id: int, logprob: float, before: deque[int]) -> dict:
         text = texts.in_context(token_id, before)
-        return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
+        return {"token": text, "logprob": _floored(logprob), "bytes": list(text.encode("utf-8"))}
 
     return {"content": [{**one(e.token_id, e.logprob, before),
                          "top_logprobs": [one(t.token_id, t.logprob, before) for t in e.top]}
@@ -116,15 +118,15 @@ def completion_logprobs(entries: Sequence[TokenLogprob], texts: TokenTexts, offs
         alternatives.append(_alternatives(e, texts, before))
         offsets.append(offset)
         offset += len(tokens[-1])
-    return {"tokens": tokens, "token_logprobs": [e.logprob for e in entries],
+    return {"tokens": tokens, "token_logprobs": [_floored(e.logprob) for e in entries],
             "top_logprobs": alternatives, "text_offset": offsets}
 
 
-PROMPT_LOGPROB_FLOOR = -9999.0  # vLLM's value for a prompt token's -inf
+LOGPROB_FLOOR = -9999.0  # vLLM's value for a -inf logprob (prompt and generated tokens)
 
 
 def _floored(logprob: float) -> float:
-    return PROMPT_LOGPROB_FLOOR if logprob == -math.inf else logprob
+    return LOGPROB_FLOOR if logprob == -math.inf else logprob
 
 
 def echoed_prompt_logprobs(prompt_ids: Sequence[int], prompt_entries: Sequence[TokenLogprob], texts: TokenTexts,
@@ -143,7 +145,7 @@ def echoed_prompt_logprobs(prompt_ids: Sequence[int], prompt_entries: Sequence[T
         offsets.append(offsets[-1] + len(tokens[-1]))
         tokens.append(texts.in_context(e.token_id, before))
         logprobs.append(_floored(e.logprob))
-        tops.append({key: _floored(v) for key, v in _alternatives(e, texts, before).items()})
+        tops.append(_alternatives(e, texts, before))
     return {"tokens": tokens, "token_logprobs": logprobs, "top_logprobs": tops, "text_offset": offsets}
 
 
@@ -173,7 +175,7 @@ def prompt_logprobs(entries: Sequence[TokenLogprob], texts: TokenTexts) -> list[
 def _alternatives(entry: TokenLogprob, texts: TokenTexts, before: Sequence[int]) -> dict[str, float]:
     """A completions position's ``{token: logprob}``: its top k, then the sampled token
     when it is not among them (each token's text after the sampled ids ``before``)."""
-    top = {texts.in_context(t.token_id, before): t.logprob for t in entry.top}
+    top = {texts.in_context(t.token_id, before): _floored(t.logprob) for t in entry.top}
     if all(t.token_id != entry.token_id for t in entry.top):
-        top.setdefault(texts.in_context(entry.token_id, before), entry.logprob)
+        top.setdefault(texts.in_context(entry.token_id, before), _floored(entry.logprob))
     return top
