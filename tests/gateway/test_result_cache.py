@@ -9,6 +9,7 @@ import pytest
 from gateway.result_cache import ResultCache, cache_key, is_deterministic
 from meshserve.errors import InvalidArgument
 from meshserve.sampling import SamplingParams
+from meshserve.structured_output import StructuredOutput
 
 
 class FakeClock:
@@ -36,7 +37,7 @@ def test_deterministic_means_greedy_or_seeded(params, deterministic):
 CHANGED = {"max_tokens": 17, "temperature": 0.5, "top_p": 0.9, "top_k": 5, "seed": 1, "stop": ("x",),
            "stop_token_ids": (7,), "ignore_eos": True, "min_p": 0.1, "repetition_penalty": 1.1,
            "presence_penalty": 0.5, "frequency_penalty": 0.5, "min_tokens": 2, "n": 2, "logprobs": 0,
-           "prompt_logprobs": 0, "logit_bias": ((5, 1.0),)}
+           "prompt_logprobs": 0, "logit_bias": ((5, 1.0),), "structured_output": StructuredOutput("json_object")}
 
 
 def test_every_parameter_model_and_prompt_change_the_key():
@@ -64,6 +65,18 @@ def test_each_logit_bias_has_its_own_key_and_validate_makes_the_order_irrelevant
     keys = [key(), key((5, 1.0)), key((5, 2.0)), key((6, 1.0)), key((5, 1.0), (6, 1.0)), key((5, -1.0))]
     assert len(set(keys)) == len(keys)
     assert key((6, 1.0), (5, 1.0)) == key((5, 1.0), (6, 1.0))  # a JSON object's key order means nothing
+
+
+def test_each_structured_output_has_its_own_key():
+    def key(structured):
+        return cache_key("m", "r1", [1, 2, 3], SamplingParams(temperature=0.0, structured_output=structured),
+                         scope="tenant:a")
+
+    keys = [key(None), key(StructuredOutput("json_object")), key(StructuredOutput("json", '{"type":"object"}')),
+            key(StructuredOutput("json", '{"type":"array"}')), key(StructuredOutput("regex", "[a-z]+")),
+            key(StructuredOutput("grammar", "[a-z]+")), key(StructuredOutput("choice", choices=("a", "b"))),
+            key(StructuredOutput("choice", choices=("b", "a"))), key(StructuredOutput("choice", choices=("a,b",)))]
+    assert len(set(keys)) == len(keys)
 
 
 def test_a_cache_salt_changes_the_key_and_no_salt_keeps_the_documented_one():
@@ -108,8 +121,8 @@ def test_bad_bounds_are_invalid_arguments():
 
 def test_the_key_is_the_documented_sha256_so_gateways_of_other_versions_share_entries():
     """The key is SHA-256 over the canonical JSON of model fingerprint, prompt ids, every
-    sampling field (``asdict``; ``logit_bias`` only when set) and scope: gateways sharing a
-    Redis cache must agree on it, those that predate ``logit_bias`` included (the pinned hex)."""
+    sampling field (``asdict``; ``logit_bias`` and ``structured_output`` only when set) and scope:
+    gateways sharing a Redis cache must agree on it, those that predate them included (the pinned hex)."""
     import hashlib
     import json
     from dataclasses import asdict
@@ -118,7 +131,7 @@ def test_the_key_is_the_documented_sha256_so_gateways_of_other_versions_share_en
 
     params = SamplingParams(max_tokens=9, temperature=0.0, stop=("\n", "END"), stop_token_ids=(2, 7), seed=5,
                             logprobs=2)
-    sampling = {k: v for k, v in asdict(params).items() if k != "logit_bias"}
+    sampling = {k: v for k, v in asdict(params).items() if k not in ("logit_bias", "structured_output")}
     body = json.dumps({"model": f"{ModelFingerprint('m', 'r1').root_hash:x}", "prompt": [1, 2, 3],
                        "sampling": sampling, "scope": "tenant:acme"}, sort_keys=True, separators=(",", ":"))
     key = cache_key("m", "r1", (1, 2, 3), params, scope="tenant:acme")
@@ -126,7 +139,8 @@ def test_the_key_is_the_documented_sha256_so_gateways_of_other_versions_share_en
     assert key == "45462c2087b41b2bda9b7327f537d9d460a62ff10d45a5338907238a0d578abc"  # before logit_bias existed
     biased = replace(params, logit_bias=((2, -1.5), (7, 100.0)))
     body = json.dumps({"model": f"{ModelFingerprint('m', 'r1').root_hash:x}", "prompt": [1, 2, 3],
-                       "sampling": asdict(biased), "scope": "tenant:acme"}, sort_keys=True, separators=(",", ":"))
+                       "sampling": {k: v for k, v in asdict(biased).items() if k != "structured_output"},
+                       "scope": "tenant:acme"}, sort_keys=True, separators=(",", ":"))
     assert '"logit_bias":[[2,-1.5],[7,100.0]]' in body
     assert cache_key("m", "r1", (1, 2, 3), biased, scope="tenant:acme") == hashlib.sha256(body.encode()).hexdigest()
     salted = json.dumps({"cache_salt": "s1", "model": f"{ModelFingerprint('m', 'r1').root_hash:x}", "prompt": [1, 2, 3],
