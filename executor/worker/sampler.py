@@ -42,6 +42,7 @@ from typing import Sequence
 import torch
 
 from executor.engine.outputs import TokenLogprob
+from executor.worker.grammar_mask import GrammarMask
 from executor.worker.logprobs import token_logprobs
 from meshserve.sampling import SamplingParams
 
@@ -137,8 +138,8 @@ class SamplingBatch:
         logit_bias: ``(rows, token_ids, biases)``: int64, int64 and float32 ``(B,)``
             over the ``B`` entries of every row's ``logit_bias`` (each pair once), or None.
         logprobs: per row, the number of top logprobs to return, or None for none.
-        grammar: ``(rows, allowed)``: int64 ``(G,)`` and bool ``(G, vocab_size)``, the
-            tokens each structured-output row's grammar allows next; None without one.
+        grammar: the structured-output rows' token masks (``executor.worker.grammar_mask``),
+            or None when no row has one.
         all_greedy / use_top_k / use_top_p / use_min_p: batch-level shortcuts.
     """
 
@@ -156,7 +157,7 @@ class SamplingBatch:
     banned: tuple[torch.Tensor, torch.Tensor] | None = None
     logit_bias: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
     logprobs: list[int | None] | None = None
-    grammar: tuple[torch.Tensor, torch.Tensor] | None = None
+    grammar: GrammarMask | None = None
 
     @classmethod
     def build(cls, params: list[SamplingParams], generators: list[torch.Generator | None], vocab_size: int,
@@ -197,22 +198,10 @@ class SamplingBatch:
             banned=_banned(params, token_ids, num_prompt_tokens, eos_token_ids, device),
             logit_bias=_logit_bias(params, device),
             logprobs=[p.logprobs for p in params] if any(p.logprobs is not None for p in params) else None,
-            grammar=_grammar(grammar_bitmasks, vocab_size, device) if grammar_bitmasks else None,
+            grammar=GrammarMask.build(grammar_bitmasks, device) if grammar_bitmasks else None,
         )
 
 
-_BIT = torch.arange(32, dtype=torch.int32)
-
-
-def _grammar(bitmasks: Sequence[bytes | None], vocab_size: int, device) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """The rows with a grammar bitmask and their ``(G, vocab_size)`` bool allowed tokens
-    (the packed words unpacked with one shift and mask; see ``SamplingBatch.grammar``)."""
-    rows = [i for i, b in enumerate(bitmasks) if b is not None]
-    if not rows:
-        return None
-    words = torch.frombuffer(bytearray(b"".join(bitmasks[i] for i in rows)), dtype=torch.int32).view(len(rows), -1)
-    allowed = ((words.unsqueeze(-1) >> _BIT) & 1).view(len(rows), -1)[:, :vocab_size].bool()
-    return torch.tensor(rows, dtype=torch.int64, device=device), allowed.to(device)
 
 
 def _banned(params, token_ids, num_prompt_tokens, eos_token_ids, device) -> tuple[torch.Tensor, torch.Tensor] | None:
@@ -275,15 +264,14 @@ class Sampler:
         else:  # the float32 copy is ours: no second (num_reqs, vocab_size) tensor and its page faults
             raw.nan_to_num_(nan=finfo.min, posinf=finfo.max, neginf=finfo.min)
         if batch.grammar is not None:  # raw is our own copy here (nan_to_num or float())
-            rows, allowed = batch.grammar
-            raw[rows] = raw[rows].masked_fill_(~allowed, float("-inf"))
+            batch.grammar.apply(raw)
         logits = raw
         if batch.penalties is not None or batch.banned is not None or batch.logit_bias is not None:
             logits = raw.clone()  # raw stays as it is: the logprobs' source
             if batch.banned is not None:
                 logits[batch.banned] = float("-inf")
                 if batch.grammar is not None:  # min_tokens yields where the grammar allows only an end
-                    rows = batch.grammar[0]
+                    rows = batch.grammar.rows
                     dead = rows[torch.isneginf(logits[rows]).all(dim=-1)]
                     logits[dead] = raw[dead]
             if batch.logit_bias is not None:  # each (row, id) once: a plain indexed add, the same on every device

@@ -165,19 +165,23 @@ def test_a_model_without_a_tokenizer_refuses_structured_outputs(tmp_path, defaul
         eng.shutdown()
 
 
-def test_the_samplers_mask_is_xgrammars_bitmask_applied_first():
-    """Rows with a bitmask (a 1,000-token vocabulary: its last word half used) sample
-    and take logprobs from the logits with xgrammar's ``apply_token_bitmask_inplace``
-    applied; a row without one is untouched; min_tokens still masks EOS where the
-    grammar allows more than the end."""
+@pytest.mark.parametrize("vocab", [1000, 1024])
+def test_the_samplers_mask_is_xgrammars_bitmask_applied_first(vocab):
+    """Rows with a bitmask sample and take logprobs from the logits with xgrammar's
+    ``apply_token_bitmask_inplace`` applied (a 1,024-token vocabulary takes the
+    word-at-a-time path, with words all forbidden, all allowed and mixed; 1,000 the
+    whole unpack); a row without one is untouched; min_tokens still masks EOS where
+    the grammar allows more than the end."""
     import xgrammar
 
     from executor.worker.sampler import Sampler, SamplingBatch
 
-    vocab, eos = 1000, 7
+    eos = 7
     generator = torch.Generator().manual_seed(5)
     logits = torch.randn(3, vocab, generator=generator)
     words = torch.randint(-2**31, 2**31 - 1, (2, 32), dtype=torch.int32, generator=generator)
+    words[:, 3:9] = 0
+    words[:, 12:20] = -1
     words[0, 0] |= 1 << eos  # row 0 allows EOS, which its min_tokens masks
     reference = logits.clone()
     xgrammar.apply_token_bitmask_inplace(reference[:2], words)
@@ -196,6 +200,34 @@ def test_the_samplers_mask_is_xgrammars_bitmask_applied_first():
         assert list(entry.top_token_ids) == expected[row].topk(2).indices.tolist()
     allowed = ((words.unsqueeze(-1) >> torch.arange(32, dtype=torch.int32)) & 1).view(2, -1).bool()
     assert allowed[0, out.token_ids[0]] and allowed[1, out.token_ids[1]]
+
+
+@pytest.mark.parametrize("rows", [[0, 1, 2], [1], [0, 2]])
+@pytest.mark.parametrize("contiguous", [True, False])
+def test_a_grammar_mask_sets_exactly_the_forbidden_tokens_to_minus_infinity(rows, contiguous):
+    """``GrammarMask.apply`` equals xgrammar's ``apply_token_bitmask_inplace`` bit for bit,
+    on every row or some, with words all zero, all one and mixed (4,100 tokens: the last
+    word partly past the vocabulary); a non-contiguous tensor takes the torch path that
+    other devices take."""
+    import xgrammar
+
+    from executor.worker.grammar_mask import GrammarMask
+
+    generator = torch.Generator().manual_seed(11)
+    logits = torch.randn(3, 4200 if not contiguous else 4100, generator=generator)[:, :4100]
+    words = torch.randint(-2**31, 2**31 - 1, (len(rows), 129), dtype=torch.int32, generator=generator)
+    words[:, ::3] = 0
+    words[:, 1::5] = -1
+    expected = logits.clone()
+    every_row = torch.full((3, 129), -1, dtype=torch.int32)  # xgrammar's indices pick rows of both
+    every_row[rows] = words
+    xgrammar.apply_token_bitmask_inplace(expected, every_row, indices=rows)
+    bitmasks = [None] * 3
+    for i, row in enumerate(rows):
+        bitmasks[row] = words[i].numpy().tobytes()
+    mask = GrammarMask.build(bitmasks)
+    mask.apply(logits)
+    assert torch.equal(logits, expected)
 
 
 def test_min_tokens_gives_way_only_on_rows_whose_grammar_allows_nothing_else():
