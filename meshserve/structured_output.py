@@ -78,8 +78,9 @@ def _escape_ebnf(text: str) -> str:
 
 
 def json_spec(schema) -> str:
-    """A JSON Schema given as a dict (or a JSON text) as the canonical JSON text ``spec``
-    holds (keys sorted, no spaces), so equal schemas give equal specs.
+    """A JSON Schema given as a dict (or a JSON text) as the compact JSON text ``spec``
+    holds (no spaces). Key order is kept: it is the order in which the output's object
+    properties are generated (xgrammar's, as vLLM's), so two orders are two constraints.
 
     Raises:
         InvalidArgument: a text that is not JSON, or a schema that is not an object
@@ -93,7 +94,7 @@ def json_spec(schema) -> str:
     if not isinstance(schema, (dict, bool)):
         raise InvalidArgument(f"structured output json: a JSON Schema is an object or a boolean, "
                               f"got {type(schema).__name__}")
-    return json.dumps(schema, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+    return json.dumps(schema, separators=(",", ":"), ensure_ascii=False)
 
 
 def validate(structured: StructuredOutput) -> None:
