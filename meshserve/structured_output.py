@@ -20,7 +20,10 @@ A choice list becomes the grammar ``root ::= "a" | "b"`` with vLLM's escaping
 
 Limits (a spec is compiled against the whole vocabulary, so its size is bounded):
 a spec of at most ``MAX_SPEC_CHARS`` characters; at most ``MAX_CHOICES`` choices, each
-non-empty, together at most ``MAX_SPEC_CHARS`` characters.
+non-empty, together at most ``MAX_SPEC_CHARS`` characters; a JSON Schema's objects and
+arrays nested at most ``MAX_JSON_NESTING`` levels below its root (vLLM's limit: xgrammar's
+conversion time grows steeply with depth, 3 s at 400 levels, over a minute at 1,200,
+all of it inside one call that cannot be interrupted).
 """
 
 from __future__ import annotations
@@ -34,6 +37,7 @@ from meshserve.errors import InvalidArgument
 KINDS = ("json", "json_object", "regex", "choice", "grammar")
 MAX_SPEC_CHARS = 65_536
 MAX_CHOICES = 1_024
+MAX_JSON_NESTING = 64  # vLLM's MAX_STRUCTURED_OUTPUT_JSON_NESTING
 
 
 @dataclass(frozen=True)
@@ -83,25 +87,61 @@ def json_spec(schema) -> str:
     properties are generated (xgrammar's, as vLLM's), so two orders are two constraints.
 
     Raises:
-        InvalidArgument: a text that is not JSON, or a schema that is not an object
-            or a boolean.
+        InvalidArgument: a text that is not JSON, a schema that is not an object or a
+            boolean, or one nested deeper than ``MAX_JSON_NESTING``.
     """
     if isinstance(schema, str):
-        try:
-            schema = json.loads(schema)
-        except ValueError as error:
-            raise InvalidArgument(f"structured output json: the schema is not valid JSON ({error})") from None
+        schema = _parsed(schema)
     if not isinstance(schema, (dict, bool)):
         raise InvalidArgument(f"structured output json: a JSON Schema is an object or a boolean, "
                               f"got {type(schema).__name__}")
+    _check_nesting(schema)
     return json.dumps(schema, separators=(",", ":"), ensure_ascii=False)
 
 
-def validate(structured: StructuredOutput) -> None:
-    """Checks the kind, the limits, and that xgrammar parses the spec.
+def _parsed(text: str):
+    """A JSON text's value.
 
     Raises:
-        InvalidArgument: the message names the kind and xgrammar's reason.
+        InvalidArgument: not JSON, or nested too deeply for Python's parser (deeper than
+            ``MAX_JSON_NESTING`` anyway).
+    """
+    try:
+        return json.loads(text)
+    except RecursionError:
+        raise _too_deep() from None
+    except ValueError as error:
+        raise InvalidArgument(f"structured output json: the schema is not valid JSON ({error})") from None
+
+
+def _too_deep() -> InvalidArgument:
+    return InvalidArgument(f"structured output json: the schema is nested too deeply: objects and arrays may nest "
+                           f"at most {MAX_JSON_NESTING} levels")
+
+
+def _check_nesting(value) -> None:
+    """Refuses a JSON value whose objects and arrays nest more than ``MAX_JSON_NESTING``
+    levels below the root (level by level, without recursion: vLLM's ``check_json_nesting``).
+
+    Raises:
+        InvalidArgument: nested too deeply.
+    """
+    level = [value] if isinstance(value, (dict, list)) else []
+    for _ in range(MAX_JSON_NESTING):
+        level = [child for node in level for child in (node.values() if isinstance(node, dict) else node)
+                 if isinstance(child, (dict, list))]
+        if not level:
+            return
+    raise _too_deep()
+
+
+def validate(structured: StructuredOutput) -> None:
+    """Checks the kind, the limits (a JSON Schema's nesting too), and that xgrammar
+    parses the spec.
+
+    Raises:
+        InvalidArgument: the message names the kind and the reason (xgrammar's, when it
+            refuses the spec).
     """
     if structured.kind not in KINDS:
         raise InvalidArgument(f"structured output kind must be one of {', '.join(KINDS)}, got {structured.kind!r}")
@@ -124,6 +164,8 @@ def validate(structured: StructuredOutput) -> None:
                                   f"got {len(structured.spec)}")
     elif structured.spec:
         raise InvalidArgument(f"structured output {structured.kind} takes no spec")
+    if structured.kind == "json":  # before xgrammar: its time grows steeply with the depth
+        _check_nesting(_parsed(structured.spec))
     grammar(structured)
 
 
