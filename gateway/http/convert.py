@@ -22,6 +22,8 @@ Mappings that are not one-to-one:
   as a decimal integer, as OpenAI's clients write it (``"50256"``; not ``"05"``,
   ``" 5"`` or ``"5.0"``, which vLLM's ``int()`` takes, so that two keys never name
   one id); ``null`` and ``{}`` are none.
+* ``response_format`` and vLLM's ``structured_outputs`` → ``structured_output``, checked
+  here so that an error names the field as sent (``gateway.http.structured``).
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ from contextlib import aclosing
 from typing import AsyncIterator, TypeVar
 
 from gateway.http.schemas import MAX_PROMPTS, ChatCompletionRequest, CompletionRequest, SamplingFields
+from gateway.http.structured import structured_output
 from gateway.http.unsupported import refuse_unsupported
 from gateway.prompt import ROLE_ALIASES, template_kwargs_text
 from gateway.prompt_limits import not_unicode
@@ -42,10 +45,12 @@ from meshserve.sampling import DEFAULT_MAX_TOKENS, SamplingParams
 
 
 def _sampling(body: SamplingFields, max_tokens: int, logprobs: int | None) -> SamplingParams:
-    """The request's ``SamplingParams`` (unvalidated: the core validates).
+    """The request's ``SamplingParams`` (unvalidated: the core validates; the structured
+    output is checked here, naming the body's field).
 
     Raises:
-        InvalidArgument: a ``logit_bias`` key that is not a token id.
+        InvalidArgument: a ``logit_bias`` key that is not a token id; a bad
+            ``response_format`` or ``structured_outputs`` (``gateway.http.structured``).
     """
     given = {name: getattr(body, name) for name in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty",
                                                     "presence_penalty", "frequency_penalty", "min_tokens")
@@ -53,7 +58,8 @@ def _sampling(body: SamplingFields, max_tokens: int, logprobs: int | None) -> Sa
     return SamplingParams(max_tokens=max_tokens, seed=body.seed, stop=body.stop_strings(),
                           stop_token_ids=tuple(body.stop_token_ids or ()), ignore_eos=body.ignore_eos, n=body.n,
                           logprobs=logprobs, prompt_logprobs=body.prompt_logprobs,
-                          logit_bias=_logit_bias(body.logit_bias or {}), **given)
+                          logit_bias=_logit_bias(body.logit_bias or {}), structured_output=structured_output(body),
+                          **given)
 
 
 _TOKEN_ID_KEY = re.compile(r"0|-?[1-9][0-9]{0,17}")  # a decimal integer as str(int) writes it (ranges: the core's)
@@ -72,7 +78,7 @@ def chat_request(body: ChatCompletionRequest, max_model_len: int, request_id: st
     """A chat body as one ``GenerationRequest``.
 
     Raises:
-        InvalidArgument: a field meshserve does not implement.
+        InvalidArgument: a field meshserve does not implement, or a bad structured output.
     """
     refuse_unsupported(body)
     max_tokens = body.max_completion_tokens or body.max_tokens or max_model_len
@@ -112,7 +118,8 @@ def completion_requests(body: CompletionRequest, request_id: str) -> list[Genera
 
     Raises:
         InvalidArgument: no prompt, more than ``MAX_PROMPTS``, a prompt of several that
-            is not valid Unicode (``prompt[1]``), or a field meshserve does not implement.
+            is not valid Unicode (``prompt[1]``), a field meshserve does not implement, or a bad
+            structured output.
     """
     refuse_unsupported(body)
     prompts = _prompts(body.prompt)

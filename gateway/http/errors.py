@@ -148,6 +148,7 @@ _UNION_FORMS = {
     "messages.content": "a string, a list of text parts or null",
     "tool_choice": "a string or an object",
     "function_call": "a string or an object",
+    "structured_outputs.json": "a JSON Schema (an object) or its JSON text (a string)",
 }
 
 

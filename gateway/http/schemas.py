@@ -4,8 +4,10 @@ Field names, types and defaults follow OpenAI's API reference for
 ``POST /v1/completions`` and ``POST /v1/chat/completions``, plus the extra
 sampling fields vLLM accepts that clients send (``top_k``, ``min_p``,
 ``min_tokens``, ``repetition_penalty``, ``ignore_eos``, ``stop_token_ids``,
-``priority``, ``prompt_logprobs``…). Unknown fields are ignored, as OpenAI's servers and vLLM do, except
-vLLM's extras meshserve does not implement (refused: ``gateway.http.unsupported``).
+``priority``, ``prompt_logprobs``…) and structured outputs (OpenAI's ``response_format``,
+vLLM's ``structured_outputs``: ``gateway.http.structured``). Unknown fields are ignored,
+as OpenAI's servers and vLLM do, except vLLM's extras meshserve does not implement
+(refused: ``gateway.http.unsupported``).
 Numbers are JSON numbers, as in OpenAI's API: an integer field (``max_tokens``,
 ``n``, ``seed``, token ids…) takes an integer only, never a boolean, a float
 (``4.0``) or a string (``"4"``), which pydantic's lax mode would convert
@@ -56,6 +58,27 @@ class StreamOptions(BaseModel):
     _null_is_the_default = model_validator(mode="before")(without_nulls)
 
 
+class StructuredOutputsFields(BaseModel):
+    """vLLM's ``structured_outputs`` object (its ``StructuredOutputsParams``): one kind of
+    constraint (``json``, ``regex``, ``choice``, ``grammar``, ``json_object``) and options
+    meshserve serves at their defaults only; ``gateway.http.structured`` checks them. A
+    field sent as null is its default; unknown fields are ignored, as vLLM ignores them."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    json_schema: dict[str, Any] | str | None = Field(None, alias="json")  # an object or its JSON text
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: StrictBool | None = None
+    disable_any_whitespace: Any = False
+    disable_additional_properties: Any = False
+    whitespace_pattern: Any = None
+    structural_tag: Any = None
+
+    _null_is_the_default = model_validator(mode="before")(without_nulls)
+
+
 class SamplingFields(BaseModel):
     """The fields both routes share (OpenAI's, then vLLM's extras). Unknown fields are
     kept aside (``model_extra``) only so that vLLM's extras meshserve does not
@@ -93,6 +116,9 @@ class SamplingFields(BaseModel):
     prompt_logprobs: StrictInt | None = None  # vLLM's: k; each prompt position's logprobs (range: the core's)
     best_of: StrictInt | None = None  # OpenAI's (completions), vLLM's in chat too: refused unless it equals n
     cache_salt: str | None = None  # vLLM's: salts the prefix cache (checked by the core: non-empty, bounded)
+    # structured outputs (``gateway.http.structured``); response_format is parsed there, naming it in any error
+    response_format: dict[str, Any] | None = None
+    structured_outputs: StructuredOutputsFields | None = None
 
     def stop_strings(self) -> tuple[str, ...]:
         """``stop`` as a tuple of strings (one string is one stop string)."""
@@ -171,7 +197,6 @@ class ChatCompletionRequest(SamplingFields):
     tool_choice: str | dict[str, Any] | None = None
     functions: list[Any] | None = None  # OpenAI's older name of tools
     function_call: str | dict[str, Any] | None = None  # ... and of tool_choice
-    response_format: dict[str, Any] | None = None
     # vLLM's chat extras
     add_generation_prompt: StrictBool = True
     continue_final_message: StrictBool = False

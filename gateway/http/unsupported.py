@@ -6,14 +6,16 @@ Two kinds, both refused with ``InvalidArgument`` (400, ``param`` naming the fiel
 * OpenAI's fields the bodies declare (``suffix``, ``best_of``
   other than ``n`` (in chat too, as vLLM's chat body takes it), ``tools``…):
   ``refuse_unsupported`` checks their parsed values;
-* vLLM's extras (``VLLM_EXTRAS``, the one list of them): guided decoding / structured
-  outputs, beam search, token masks, prompt truncation, special-token handling of the
-  text, KV transfer (disaggregated prefill), multimodal processor arguments… The
-  bodies do not declare them: they arrive among a body's unknown fields
-  (``model_extra``), and each is refused when its value is not one of those that ask
-  for what meshserve does anyway (vLLM's defaults: ``use_beam_search: false`` passes).
-  A field sent as null is its default, as every field (dropped before). Other unknown
-  fields are ignored, as OpenAI's servers and vLLM ignore them.
+* vLLM's extras (``VLLM_EXTRAS``, the one list of them): the older guided decoding
+  fields (vLLM 0.32 takes ``structured_outputs`` and ``response_format`` instead, which
+  meshserve serves: ``gateway.http.structured``), structural tags, beam search, token
+  masks, prompt truncation, special-token handling of the text, KV transfer
+  (disaggregated prefill), multimodal processor arguments… The bodies do not declare
+  them: they arrive among a body's unknown fields (``model_extra``), and each is
+  refused when its value is not one of those that ask for what meshserve does anyway
+  (vLLM's defaults: ``use_beam_search: false`` passes). A field sent as null is its
+  default, as every field (dropped before). Other unknown fields are ignored, as
+  OpenAI's servers and vLLM ignore them.
 
 What a stream cannot carry is refused by ``refuse_unstreamable``, which only the
 OpenAI routes call (a task ignores ``stream``).
@@ -47,12 +49,11 @@ class Extra:
     routes: str = "both"
 
 
-_GUIDED = "structured outputs, guided decoding"
+_GUIDED = "vLLM's older guided decoding; use structured_outputs or response_format"
 VLLM_EXTRAS: tuple[Extra, ...] = (
-    *(Extra(name, _GUIDED) for name in ("structured_outputs", "guided_json", "guided_regex", "guided_choice",
-                                        "guided_grammar", "guided_decoding_backend", "guided_whitespace_pattern",
-                                        "structural_tag")),
-    Extra("response_format", _GUIDED, ({"type": "text"},), routes="completions"),  # chat declares it (OpenAI's)
+    *(Extra(name, _GUIDED) for name in ("guided_json", "guided_regex", "guided_choice", "guided_grammar",
+                                        "guided_decoding_backend", "guided_whitespace_pattern")),
+    Extra("structural_tag", "structural tags"),
     Extra("use_beam_search", "beam search", (False,)),
     Extra("length_penalty", "beam search", (1.0,)),
     Extra("early_stopping", "beam search", (False,)),
@@ -116,8 +117,6 @@ def refuse_unsupported(body: SamplingFields) -> None:
         for name in ("tool_choice", "function_call"):  # "none" asks for no call: what meshserve does
             if getattr(body, name) not in (None, "none"):
                 raise InvalidArgument(f"{name} is not supported (only \"none\")")
-        if body.response_format and body.response_format.get("type", "text") != "text":
-            raise InvalidArgument("response_format: only {'type': 'text'} is supported")
     _refuse_vllm_extras(body)
 
 

@@ -267,7 +267,7 @@ def test_the_union_fields_are_found_from_the_body_models():
 
     assert union_paths(Outer) == {"a", "a.|.x", "n.x"}
     assert union_paths(ChatCompletionRequest) | union_paths(CompletionRequest) == {
-        "prompt", "stop", "messages.content", "tool_choice", "function_call"}
+        "prompt", "stop", "messages.content", "tool_choice", "function_call", "structured_outputs.json"}
 
 
 def test_a_null_inside_stream_options_is_its_default_as_at_the_top_level():

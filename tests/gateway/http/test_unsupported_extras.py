@@ -54,12 +54,10 @@ def test_each_extra_is_refused_naming_it_and_its_default_passes(route, extra):
 
 @pytest.mark.parametrize("route, fields, message", [
     ("chat", {"guided_json": {"type": "object"}},
-     "guided_json is not supported (structured outputs, guided decoding)"),
+     "guided_json is not supported (vLLM's older guided decoding; use structured_outputs or response_format)"),
     ("completions", {"guided_choice": ["yes", "no"]},
-     "guided_choice is not supported (structured outputs, guided decoding)"),
-    ("completions", {"response_format": {"type": "json_object"}},
-     'response_format is not supported (structured outputs, guided decoding); only '
-     'response_format: {"type": "text"} is served'),
+     "guided_choice is not supported (vLLM's older guided decoding; use structured_outputs or response_format)"),
+    ("completions", {"structural_tag": "{}"}, "structural_tag is not supported (structural tags)"),
     ("chat", {"use_beam_search": True, "n": 2},
      "use_beam_search is not supported (beam search); only use_beam_search: false is served"),
     ("completions", {"skip_special_tokens": 1},  # a boolean only as itself
@@ -122,7 +120,8 @@ async def test_the_routes_answer_400_naming_the_field(tokenizer, path, body):
     async with app_client(tokenizer, mesh) as http:
         r = await http.post(path, json={**body, "guided_regex": "[a-z]+"})
     assert (r.status_code, r.json()) == (400, {"error": {
-        "message": "guided_regex is not supported (structured outputs, guided decoding)",
+        "message": "guided_regex is not supported (vLLM's older guided decoding; use structured_outputs or "
+                   "response_format)",
         "type": "invalid_request_error", "param": "guided_regex", "code": "invalid_value"}})
     assert mesh.prompts == []  # refused before anything ran
 
