@@ -10,7 +10,9 @@ from typing import AsyncIterator, Mapping, Sequence
 
 import grpc
 
+from meshserve import structured_output as structured
 from meshserve.grpc_server import CHANNEL_OPTIONS, open_channel
+from meshserve.structured_output import StructuredOutput
 from meshserve.tls import PLAINTEXT, TLSConfig
 from meshserve.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
 
@@ -47,6 +49,7 @@ def build_request(
     include_stop_str_in_output: bool = False,
     cache_salt: str | None = None,
     logit_bias: Mapping[int, float] | None = None,
+    structured_output: StructuredOutput | None = None,
 ) -> gateway_pb2.GenerateRequest:
     """A ``GenerateRequest`` from text, token ids or chat messages ((role, content) pairs).
 
@@ -54,6 +57,8 @@ def build_request(
     ``include_stop_str_in_output``: a choice a stop string ended keeps it in its text.
     ``cache_salt``: the request's prefix cache salt (None: none).
     ``logit_bias``: token id → bias added to its logit (None: none).
+    ``structured_output``: the constraint on the generated text (None: none; the gateway
+    checks it: ``meshserve.structured_output``).
     """
     req = gateway_pb2.GenerateRequest(request_id=request_id, include_stop_str_in_output=include_stop_str_in_output,
                                       cache_salt=cache_salt)
@@ -76,6 +81,8 @@ def build_request(
     s.stop_token_ids.extend(stop_token_ids)
     s.ignore_eos = ignore_eos
     s.logit_bias.update(logit_bias or {})
+    if structured_output is not None:
+        structured.to_proto(structured_output, s.structured_output)
     if priority is not None:
         req.priority = priority
     return req

@@ -93,6 +93,17 @@ def generate(
                                                       help="In [-2, 2] (0: off)."),
     logit_bias: list[str] = typer.Option([], "--logit-bias", metavar="ID=BIAS",
                                          help="Add BIAS, in [-100, 100], to token ID's logit; may repeat."),
+    json_schema: Optional[str] = typer.Option(None, "--json-schema", metavar="FILE", show_default="none",
+                                              help="Structured output: JSON that FILE's JSON Schema accepts."),
+    json_object: bool = typer.Option(False, "--json-object", help="Structured output: a JSON object or array."),
+    regex: Optional[str] = typer.Option(None, "--regex", metavar="RE", show_default="none",
+                                        help="Structured output: text RE matches whole."),
+    choice: list[str] = typer.Option([], "--choice", metavar="TEXT",
+                                     help="Structured output: exactly one of the --choice strings; repeat for each."),
+    grammar: Optional[str] = typer.Option(None, "--grammar", metavar="FILE", show_default="none",
+                                          help="Structured output: a sentence of FILE's EBNF grammar (root ::= …). "
+                                               "At most one of --json-schema, --json-object, --regex, --choice, "
+                                               "--grammar."),
     n: Optional[int] = typer.Option(None, "--n", show_default=_GATEWAY_DEFAULTS["n"],
                                     help="Choices per prompt, in [1, 16]."),
     logprobs: Optional[int] = typer.Option(None, "--logprobs", show_default="none: off",
@@ -120,6 +131,7 @@ def generate(
 
     tls = tls_settings(tls_cert, tls_key, tls_ca, insecure, client=True)
     biases = parse_logit_bias(logit_bias)
+    constraint = structured_option(json_schema, json_object, regex, choice, grammar)
     if request_id and len(prompt) > 1:  # "" names nothing: each request gets a new id
         raise typer.BadParameter("one id names one request: give --request-id with one --prompt only",
                                  param_hint="'--request-id'")
@@ -137,7 +149,8 @@ def generate(
                                       presence_penalty=presence_penalty, frequency_penalty=frequency_penalty, n=n,
                                       logprobs=logprobs, prompt_logprobs=prompt_logprobs,
                                       stop_token_ids=stop_token_ids, include_stop_str_in_output=include_stop_str,
-                                      cache_salt=cache_salt, logit_bias=biases) for p in prompt]
+                                      cache_salt=cache_salt, logit_bias=biases, structured_output=constraint)
+                        for p in prompt]
             except ValueError as exc:  # an integer the wire type cannot hold
                 print(f"error: bad option value: {exc}", file=sys.stderr)
                 return 2
@@ -218,6 +231,55 @@ def parse_logit_bias(items: list[str]) -> dict[int, float]:
             raise typer.BadParameter(f"token id {parsed[0]} is given twice", param_hint="'--logit-bias'")
         biases[parsed[0]] = parsed[1]
     return biases
+
+
+def structured_option(json_schema: Optional[str], json_object: bool, regex: Optional[str], choice: list[str],
+                      grammar: Optional[str]):
+    """The structured output the options ask for (a ``StructuredOutput``; None: none). The
+    gateway checks the spec itself (a bad schema, regex or grammar: INVALID_ARGUMENT).
+
+    Raises:
+        typer.BadParameter: two kinds given (``--choice`` may repeat: one kind), a file
+            that cannot be read or is not UTF-8, a ``--json-schema`` file that is not JSON or
+            not a schema object (exit code 2).
+    """
+    from meshserve.errors import InvalidArgument
+    from meshserve.structured_output import StructuredOutput, json_spec
+
+    given = [name for name, on in (("--json-schema", json_schema is not None), ("--json-object", json_object),
+                                   ("--regex", regex is not None), ("--choice", bool(choice)),
+                                   ("--grammar", grammar is not None)) if on]
+    if len(given) > 1:
+        raise typer.BadParameter(f"one structured output at a time: {' and '.join(given)} were given",
+                                 param_hint=f"'{given[1]}'")
+    if json_schema is not None:
+        try:
+            return StructuredOutput("json", json_spec(_read_option_file(json_schema, "--json-schema")))
+        except InvalidArgument as exc:
+            reason = str(exc).removeprefix("structured output json: ")
+            raise typer.BadParameter(f"{json_schema}: {reason}", param_hint="'--json-schema'") from None
+    if grammar is not None:
+        return StructuredOutput("grammar", _read_option_file(grammar, "--grammar"))
+    if json_object:
+        return StructuredOutput("json_object")
+    if regex is not None:
+        return StructuredOutput("regex", regex)
+    return StructuredOutput("choice", choices=tuple(choice)) if choice else None
+
+
+def _read_option_file(path: str, option: str) -> str:
+    """The text of an option's file.
+
+    Raises:
+        typer.BadParameter: it cannot be read, or is not UTF-8 (exit code 2).
+    """
+    try:
+        with open(path, encoding="utf-8") as f:
+            return f.read()
+    except OSError as exc:
+        raise typer.BadParameter(f"cannot read {path}: {exc.strerror or exc}", param_hint=f"'{option}'") from None
+    except UnicodeDecodeError as exc:
+        raise typer.BadParameter(f"{path} is not UTF-8 text (byte {exc.start})", param_hint=f"'{option}'") from None
 
 
 def key_hint(code: str, api_key: Optional[str]) -> str:

@@ -32,7 +32,7 @@ def test_generate_shows_a_default_for_every_option_it_leaves_unset():
         "--min-p": "0.0", "--min-tokens": "0", "--repetition-penalty": "1.0", "--presence-penalty": "0.0",
         "--frequency-penalty": "0.0", "--n": "1", "--logprobs": "none: off", "--prompt-logprobs": "none: off",
         "--priority": "the tenant's", "--api-key": "none: the open tenant", "--request-id": "a new one",
-        "--cache-salt": "none",
+        "--cache-salt": "none", "--json-schema": "none", "--regex": "none", "--grammar": "none",
         "--tls-cert": True, "--tls-key": True, "--tls-ca": True}  # no certificate: plaintext (their help)
 
 
