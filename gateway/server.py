@@ -37,6 +37,7 @@ from gateway.task_readiness import TASKS_HEALTH_SERVICE, TaskStoreProbe
 from gateway.task_runner import TaskRunner
 from gateway.task_store import MemoryTaskStore
 from gateway.tenants import TenantRegistry
+from meshserve import structured_output
 from meshserve.errors import InvalidArgument
 from meshserve.grpc_server import NOT_SERVING, SERVING, Service
 from meshserve.metrics import priority_classes
@@ -129,6 +130,7 @@ async def start_gateway(
     ``gateway.http.body_guards.BODY_TIMEOUT_S``).
     ``health_port``: a plaintext health-only port (``Service``; None: none).
     """
+    structured_output.preload()  # the first constrained request does not import xgrammar on the loop
     service = Service("meshserve.v1.Gateway", port, host, tls, public=True, health_port=health_port)
     mesh = GrpcMeshClient(scheduler_address, tls)
     core = GatewayCore(tokenizer, model, mesh, hash_block_size, result_cache, prompt_limits=prompt_limits,

@@ -5,7 +5,8 @@ that keep the output a prefix of a sentence of it (vLLM's structured outputs, Op
 ``response_format``). Five kinds, vLLM's ``StructuredOutputsParams`` fields:
 
 * ``json``: a JSON Schema (its JSON text): the output is a JSON value it accepts;
-* ``json_object``: any JSON value (``response_format: {"type": "json_object"}``);
+* ``json_object``: a JSON object (``response_format: {"type": "json_object"}``; the
+  schema ``{"type": "object"}``, as vLLM's xgrammar backend compiles it);
 * ``regex``: a regular expression the whole output matches;
 * ``choice``: exactly one of the given strings;
 * ``grammar``: an EBNF grammar (xgrammar's dialect, GBNF's: ``root ::= ...``).
@@ -24,12 +25,18 @@ non-empty, together at most ``MAX_SPEC_CHARS`` characters; a JSON Schema's objec
 arrays nested at most ``MAX_JSON_NESTING`` levels below its root (vLLM's limit: xgrammar's
 conversion time grows steeply with depth, 3 s at 400 levels, over a minute at 1,200,
 all of it inside one call that cannot be interrupted).
+
+xgrammar's import takes ~2 s (it imports torch), so a service that parses specs calls
+``preload`` at start: the import then runs in a background thread, not on the event
+loop of the first constrained request.
 """
 
 from __future__ import annotations
 
+import importlib
 import json
 import re
+import threading
 from dataclasses import dataclass, field
 
 from meshserve.errors import InvalidArgument
@@ -38,6 +45,7 @@ KINDS = ("json", "json_object", "regex", "choice", "grammar")
 MAX_SPEC_CHARS = 65_536
 MAX_CHOICES = 1_024
 MAX_JSON_NESTING = 64  # vLLM's MAX_STRUCTURED_OUTPUT_JSON_NESTING
+JSON_OBJECT_SCHEMA = '{"type": "object"}'  # json_object's grammar (vLLM's xgrammar backend)
 
 
 @dataclass(frozen=True)
@@ -182,12 +190,27 @@ def grammar(structured: StructuredOutput):
         if structured.kind == "json":
             return xgrammar.Grammar.from_json_schema(structured.spec)
         if structured.kind == "json_object":
-            return xgrammar.Grammar.builtin_json_grammar()
+            return xgrammar.Grammar.from_json_schema(JSON_OBJECT_SCHEMA)
         if structured.kind == "regex":
             return xgrammar.Grammar.from_regex(structured.spec)
         return xgrammar.Grammar.from_ebnf(structured.ebnf)
     except (RuntimeError, ValueError) as error:
         raise InvalidArgument(f"structured output {structured.kind}: {reason(error)}") from None
+
+
+_preloading: list[threading.Thread] = []
+_preload_lock = threading.Lock()
+
+
+def preload() -> threading.Thread:
+    """Imports xgrammar in a daemon thread, once per process; returns that thread."""
+    with _preload_lock:
+        if not _preloading:
+            thread = threading.Thread(target=importlib.import_module, args=("xgrammar",), name="xgrammar-import",
+                                      daemon=True)
+            thread.start()
+            _preloading.append(thread)
+        return _preloading[0]
 
 
 _SOURCE_LOCATION = re.compile(r"^\[[0-9:]+\] \S+:\d+: ")

@@ -38,7 +38,8 @@ log = logging.getLogger(__name__)
 
 class GrammarCompiler:
     """Compiles constraints against one model's tokenizer; thread-safe (``check_request``
-    runs on the servicer's loop and in tests on any thread).
+    runs in the servicer's worker threads and in tests on any thread), and one slow
+    compile does not hold up another's.
 
     The tokenizer (``AutoTokenizer`` from the model folder) and xgrammar's
     ``TokenizerInfo`` are built at the first constrained request (about 0.2 s for a
@@ -67,21 +68,21 @@ class GrammarCompiler:
             InvalidArgument: xgrammar cannot compile the spec, or the model folder has
                 no tokenizer (structured outputs need one).
         """
-        with self._lock:
+        with self._lock:  # the cache and the first use; a compile itself runs outside (xgrammar's is thread-safe)
             compiled = self._cache.get(spec)
             if compiled is not None:
                 self._cache.move_to_end(spec)
                 return compiled
             compiler = self._compiler or self._make_compiler()
-            grammar = structured.grammar(spec)
-            try:
-                compiled = compiler.compile_grammar(grammar)
-            except (RuntimeError, ValueError) as error:
-                raise InvalidArgument(f"structured output {spec.kind}: {structured.reason(error)}") from None
+        try:
+            compiled = compiler.compile_grammar(structured.grammar(spec))
+        except (RuntimeError, ValueError) as error:
+            raise InvalidArgument(f"structured output {spec.kind}: {structured.reason(error)}") from None
+        with self._lock:
             self._cache[spec] = compiled
             if len(self._cache) > MAX_CACHED_GRAMMARS:
                 self._cache.popitem(last=False)
-            return compiled
+        return compiled
 
     def _make_compiler(self):
         import xgrammar

@@ -2,7 +2,7 @@
 
 ``python -m meshserve.bench.structured_outputs [--vllm-python PATH] [--report-dir DIR]``
 
-1. **Answers**: ``CASES`` (JSON Schemas, any JSON, regexes, choices, an EBNF grammar,
+1. **Answers**: ``CASES`` (JSON Schemas, a JSON object, regexes, choices, an EBNF grammar,
    each a chat question to the default model) run greedily in the engine and, with
    ``--vllm-python``, in vLLM's offline engine in its own environment
    (``vllm_structured_runner.py``); the token ids are compared case by case. Both use
