@@ -8,7 +8,7 @@ body                                       constraint
 ``response_format: {"type": "text"}``      none (so is an absent or null one)
 ``response_format: {"type":                ``json_object``
 "json_object"}``
-``response_format: {"type":                ``json``: the schema (an object), canonical
+``response_format: {"type":                ``json``: the schema (an object), compact
 "json_schema", "json_schema": {"name",     (``json_spec``); ``name`` is required (a
 "schema", "strict", "description"}}``      string), ``strict`` and ``description``
                                            are taken and change nothing
