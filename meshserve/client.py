@@ -109,8 +109,18 @@ class Logprob:
         return cls(msg.token_id, msg.logprob, tuple((t.token_id, t.logprob) for t in msg.top), msg.rank)
 
     def as_json(self) -> dict:
-        return {"token_id": self.token_id, "logprob": self.logprob, "rank": self.rank,
-                "top": [list(t) for t in self.top]}
+        """A JSON-ready dict; a logprob of -inf (a token a structured output forbids) is
+        ``LOGPROB_FLOOR``, as the HTTP API writes it (JSON has no infinity)."""
+        return {"token_id": self.token_id, "logprob": _finite(self.logprob), "rank": self.rank,
+                "top": [[token_id, _finite(logprob)] for token_id, logprob in self.top]}
+
+
+LOGPROB_FLOOR = -9999.0
+"""A -inf logprob in JSON: vLLM's value, as the gateway's HTTP API writes it."""
+
+
+def _finite(logprob: float) -> float:
+    return LOGPROB_FLOOR if logprob == float("-inf") else logprob
 
 
 @dataclass

@@ -95,7 +95,7 @@ def generate(
                                          help="Add BIAS, in [-100, 100], to token ID's logit; may repeat."),
     json_schema: Optional[str] = typer.Option(None, "--json-schema", metavar="FILE", show_default="none",
                                               help="Structured output: JSON that FILE's JSON Schema accepts."),
-    json_object: bool = typer.Option(False, "--json-object", help="Structured output: a JSON object or array."),
+    json_object: bool = typer.Option(False, "--json-object", help="Structured output: a JSON object."),
     regex: Optional[str] = typer.Option(None, "--regex", metavar="RE", show_default="none",
                                         help="Structured output: text RE matches whole."),
     choice: list[str] = typer.Option([], "--choice", metavar="TEXT",

@@ -265,6 +265,7 @@ async def run_executor(engine_config: EngineConfig, port: int, host: str, schedu
         service = bind_executor_service(port, host, tls, health_port, metrics_port)  # held while the model loads
         try:
             engine = await asyncio.to_thread(LLMEngine, engine_config)
+            await asyncio.to_thread(engine.grammars.warm)  # before serving: its build holds the GIL for long
         except BaseException:
             await service.stop(0)  # its ports are free again (an in-process caller lives on)
             raise

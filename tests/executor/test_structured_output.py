@@ -5,6 +5,7 @@ when complete, and a bad spec is refused before anything is queued."""
 from __future__ import annotations
 
 import json
+import logging
 
 import pytest
 import torch
@@ -151,7 +152,7 @@ def test_a_bad_spec_is_refused_before_anything_is_queued(engine, spec, message):
     assert not engine.has_unfinished_requests()
 
 
-def test_a_model_without_a_tokenizer_refuses_structured_outputs(tmp_path, default_model):
+def test_a_model_without_a_tokenizer_refuses_structured_outputs(tmp_path, default_model, caplog):
     """A safetensors folder with no tokenizer files: the request is INVALID_ARGUMENT."""
     import shutil
 
@@ -159,6 +160,9 @@ def test_a_model_without_a_tokenizer_refuses_structured_outputs(tmp_path, defaul
         shutil.copy(default_model.path / name, tmp_path / name)
     eng = LLMEngine(EngineConfig(model=str(tmp_path), dtype="float32", cache=CacheConfig(num_blocks=16)))
     try:
+        with caplog.at_level(logging.WARNING, logger="executor.engine.structured_output"):
+            eng.grammars.warm()  # a served executor's start-up: logged, not raised
+        assert "structured outputs are refused on this executor" in caplog.text
         with pytest.raises(InvalidArgument, match="structured outputs need the model's tokenizer"):
             eng.add_request("r", [1, 2, 3], SamplingParams(structured_output=SPECS["choice"]))
         assert eng.generate([[1, 2, 3]], SamplingParams(max_tokens=2, temperature=0.0)) != []
@@ -245,3 +249,17 @@ def test_min_tokens_gives_way_only_on_rows_whose_grammar_allows_nothing_else():
     batch = SamplingBatch.build(params, [None] * 2, vocab, token_ids=[[1], [1]], num_prompt_tokens=[1, 1],
                                 eos_token_ids=frozenset({eos}), grammar_bitmasks=[only_eos.numpy().tobytes(), None])
     assert Sampler()(logits, batch).token_ids.tolist() == [eos, 0]
+
+
+def test_warming_builds_the_tables_once_and_compiles_use_them(default_model):
+    """``warm`` (a served executor's start-up) builds the tokenizer's tables; a later
+    compile reuses them and the cache returns the same compiled grammar."""
+    from executor.engine.structured_output import GrammarCompiler
+
+    grammars = GrammarCompiler(lambda: default_model.path, 49152, frozenset({2}))
+    grammars.warm()
+    tables = grammars._compiler
+    assert tables is not None
+    grammars.warm()
+    compiled = grammars.compile(SPECS["choice"])
+    assert grammars._compiler is tables and grammars.compile(SPECS["choice"]) is compiled
