@@ -263,3 +263,28 @@ def test_warming_builds_the_tables_once_and_compiles_use_them(default_model):
     grammars.warm()
     compiled = grammars.compile(SPECS["choice"])
     assert grammars._compiler is tables and grammars.compile(SPECS["choice"]) is compiled
+
+
+@pytest.mark.model
+def test_a_tensor_parallel_group_gives_the_single_rank_constrained_answers(small_model, tokenizer):
+    """S over 2 ranks (gloo): the bitmasks travel in the pickled step to the rank that
+    samples; constrained answers (with preemption and chunked prefill at work, as the
+    parallel tests' configuration makes them) equal the single-rank engine's."""
+    from tests.support.parallel import parallel_config
+
+    prompts = [chat(tokenizer, QUESTIONS[k]) for k in SPECS]
+    params = [SamplingParams(max_tokens=12, temperature=0.0, structured_output=s) for s in SPECS.values()]
+    single = LLMEngine(parallel_config(str(small_model), num_blocks=24))
+    try:
+        expected = single.generate(prompts, params)
+    finally:
+        single.shutdown()
+    group = LLMEngine(parallel_config(str(small_model), tensor_parallel_size=2, num_blocks=24))
+    try:
+        assert group.generate(prompts, params) == expected
+        assert group.kv_cache_manager.num_free_blocks == 24
+    finally:
+        group.shutdown()
+    answers = dict(zip(SPECS, (tokenizer.decode(o, skip_special_tokens=True) for o in expected)))
+    assert answers["choice"] in SPECS["choice"].choices  # random weights, yet only a choice can come out
+    assert answers["grammar"] in ("The answer is red.", "The answer is blue.")
