@@ -288,3 +288,50 @@ def test_a_tensor_parallel_group_gives_the_single_rank_constrained_answers(small
     answers = dict(zip(SPECS, (tokenizer.decode(o, skip_special_tokens=True) for o in expected)))
     assert answers["choice"] in SPECS["choice"].choices  # random weights, yet only a choice can come out
     assert answers["grammar"] in ("The answer is red.", "The answer is blue.")
+
+
+def finished_outputs(engine, requests: dict[str, tuple[list[int], SamplingParams]]) -> dict:
+    """Runs the requests to their end: id → (tokens, finish reason, logprob of each token)."""
+    for request_id, (prompt, params) in requests.items():
+        engine.add_request(request_id, prompt, params)
+    got = {request_id: ([], None, []) for request_id in requests}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            tokens, _, logprobs = got[out.request_id]
+            tokens += out.new_token_ids
+            logprobs += [e.logprob for e in out.logprobs or ()]
+            got[out.request_id] = (tokens, out.finish_reason, logprobs)
+    return got
+
+
+def test_a_grammar_at_a_dead_end_ends_the_request_without_a_token_it_forbids(engine, tokenizer):
+    """After "Hello" this grammar allows no token (its rule ``tail`` has no sentence): the
+    request ends "stop" with the text it accepted, greedy or sampled, and no token the
+    grammar forbids (it was token 0, sampled from a row all -inf, with a NaN logprob)."""
+    spec = StructuredOutput("grammar", 'root ::= "Hello" tail\ntail ::= tail')
+    prompt = chat(tokenizer, "Say hello.")
+    got = finished_outputs(engine, {
+        "dead-end-greedy": (prompt, SamplingParams(max_tokens=6, temperature=0.0, logprobs=2, structured_output=spec)),
+        "dead-end-sampled": (prompt, SamplingParams(max_tokens=6, temperature=1.0, seed=4, logprobs=2,
+                                                    structured_output=spec)),
+    })
+    for tokens, finish_reason, logprobs in got.values():
+        assert (tokenizer.decode(tokens), finish_reason) == ("Hello", "stop")
+        assert len(logprobs) == len(tokens) and all(-100.0 < lp <= 0.0 for lp in logprobs)
+    assert got["dead-end-greedy"][0] == [19556]
+    assert engine.kv_cache_manager.num_free_blocks == engine.num_blocks
+
+
+@pytest.mark.parametrize("spec", [
+    StructuredOutput("grammar", "root ::= root"),
+    StructuredOutput("grammar", "root ::= [^\\x00-\\U0010ffff]"),
+    StructuredOutput("json", json_spec({"$ref": "#/$defs/a", "$defs": {"a": {"$ref": "#/$defs/a"}}})),
+])
+def test_a_grammar_with_no_sentence_the_tokenizer_can_form_is_refused(engine, spec):
+    """No first token fits: refused before anything is queued (it sampled token 0 with a
+    NaN logprob and ended "stop")."""
+    with pytest.raises(InvalidArgument) as raised:
+        engine.add_request("no-sentence", [1, 2, 3], SamplingParams(structured_output=spec))
+    assert str(raised.value) == (f"structured output {spec.kind}: no text the model's tokenizer can form "
+                                 "starts a sentence of it (its grammar allows no first token)")
+    assert not engine.has_unfinished_requests()
