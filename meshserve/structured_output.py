@@ -214,11 +214,15 @@ def preload() -> threading.Thread:
 
 
 _SOURCE_LOCATION = re.compile(r"^\[[0-9:]+\] \S+:\d+: ")
+_FAILED_CHECK = re.compile(r"^Check failed: \(.*?\) is false: ")
 
 
 def reason(error: Exception) -> str:
-    """xgrammar's message without its ``[time] file.cc:line:`` prefix and trailing space."""
-    return _SOURCE_LOCATION.sub("", str(error)).strip().replace("Check failed: (error.empty()) is false: ", "")
+    """xgrammar's message without its ``[time] file.cc:line:`` prefix, its ``Check failed:
+    (cond) is false:`` one and trailing space; a message it left empty (a schema with an
+    integer of hundreds of digits) says so."""
+    text = _FAILED_CHECK.sub("", _SOURCE_LOCATION.sub("", str(error)).strip())
+    return text or "xgrammar cannot convert it (it gave no reason)"
 
 
 def to_proto(structured: StructuredOutput, msg) -> None:

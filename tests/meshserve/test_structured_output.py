@@ -74,6 +74,18 @@ def test_every_bad_spec_is_invalid_argument_naming_its_kind(spec, message):
     assert "/project/" not in str(raised.value) and ".cc:" not in str(raised.value)  # no C++ source location
 
 
+@pytest.mark.parametrize("schema, message", [
+    ({"type": "integer", "minimum": 10**30}, "structured output json: Integer exceeds maximum limit"),
+    ({"enum": [10**400]}, "structured output json: xgrammar cannot convert it (it gave no reason)"),
+])
+def test_xgrammars_failed_checks_and_silent_refusals_read_as_reasons(schema, message):
+    """xgrammar's ``Check failed: (cond) is false:`` prefix is not the user's reason, and
+    an error with no message still says why (it ended in "json: ")."""
+    with pytest.raises(InvalidArgument) as raised:
+        so.validate(StructuredOutput("json", so.json_spec(schema)))
+    assert str(raised.value) == message
+
+
 @pytest.mark.parametrize("spec", [
     StructuredOutput("json", so.json_spec({"type": "object"})),
     StructuredOutput("json_object"),
