@@ -13,6 +13,7 @@ from typer.testing import CliRunner
 import meshserve.client
 from meshserve.cli import app
 from meshserve.client import Completion
+from tests.meshserve.cli.conftest import recording_requests
 
 
 async def fake_generate_choices(stub, request, metadata=(), timeout=None, on_delta=None) -> list[Completion]:
@@ -60,19 +61,6 @@ def test_one_prompt_is_prompt_0_and_a_failed_prompt_is_named_by_its_index(monkey
     lines = [json.loads(line) for line in result.stdout.splitlines()]
     assert lines[1] == {"prompt_index": 1, "error": {"code": "UNAVAILABLE", "message": "no executor"}}
     assert [(line["prompt_index"], line["text"]) for line in (lines[0], lines[2])] == [(0, "sky #0"), (2, "sun #0")]
-
-
-def recording_requests(monkeypatch) -> list:
-    """The requests ``generate`` sends from now on (each answered ``ok``)."""
-    sent = []
-
-    async def recording(stub, request, metadata=(), timeout=None, on_delta=None) -> list[Completion]:
-        sent.append(request)
-        return [Completion(index=0, text="ok", finish_reason="stop")]
-
-    monkeypatch.setattr(meshserve.client, "generate_choices", recording)
-    monkeypatch.delenv("MESHSERVE_API_KEY", raising=False)
-    return sent
 
 
 def test_stop_token_ids_include_stop_str_and_cache_salt_reach_the_request(monkeypatch):

@@ -12,11 +12,11 @@ import json
 import pytest
 from typer.testing import CliRunner
 
-import meshserve.client
 from meshserve.cli import app
-from meshserve.client import Completion, build_request
+from meshserve.client import build_request
 from meshserve.sampling import params_from_proto
 from meshserve.structured_output import StructuredOutput
+from tests.meshserve.cli.conftest import recording_requests
 
 SCHEMA = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
 
@@ -35,14 +35,7 @@ def test_build_request_carries_each_kind(constraint):
 @pytest.fixture
 def generate(monkeypatch):
     """Runs ``meshserve generate --prompt sky`` with the given options; returns (result, requests sent)."""
-    sent = []
-
-    async def recording(stub, request, metadata=(), timeout=None, on_delta=None) -> list[Completion]:
-        sent.append(request)
-        return [Completion(index=0, text="ok", finish_reason="stop")]
-
-    monkeypatch.setattr(meshserve.client, "generate_choices", recording)
-    monkeypatch.delenv("MESHSERVE_API_KEY", raising=False)
+    sent = recording_requests(monkeypatch)
 
     def run(*options: str):
         sent.clear()
