@@ -391,38 +391,28 @@ class BatchScheduler:
             token = runner_output.sampled_token_ids.get(request.request_id)
             if token is None:
                 continue  # a prefill chunk that is not the last
-            if request.grammar is not None and not request.grammar.accept(token):
-                outputs.append(self._dead_end(request, token, runner_output))
-                continue
-            request.append_output(token)
-            self.num_generation_tokens += 1
-            status = check_stop(request, self.eos_token_ids)
+            # a grammar refuses a token only where it allowed none (a rule with no sentence the tokenizer can
+            # form: the row was all -inf, its token arbitrary, its logprob NaN): the request ends without it
+            dead_end = request.grammar is not None and not request.grammar.accept(token)
+            if dead_end:
+                log.warning("request %s: its grammar allows no token (it refused %d); it ends", request.request_id,
+                            token)
+                status = RequestStatus.FINISHED_STOPPED
+            else:
+                request.append_output(token)
+                self.num_generation_tokens += 1
+                status = check_stop(request, self.eos_token_ids)
             if status is not None:
                 self._finish(request, status)
-            logprobs = runner_output.logprobs.get(request.request_id)
+            logprobs = None if dead_end else runner_output.logprobs.get(request.request_id)
             preempted_at_ns, request.preempted_at_ns = tuple(request.preempted_at_ns), []
-            outputs.append(RequestOutput(request.request_id, [token], status is not None,
+            outputs.append(RequestOutput(request.request_id, [] if dead_end else [token], status is not None,
                                          status.finish_reason if status else None, request.num_cached_tokens,
                                          logprobs=None if logprobs is None else [logprobs],
                                          prompt_logprobs=runner_output.prompt_logprobs.get(request.request_id),
                                          num_kvstore_tokens=request.num_kvstore_tokens,
                                          preempted_at_ns=preempted_at_ns))
         return outputs
-
-    def _dead_end(self, request: Request, token: int, runner_output: ModelRunnerOutput) -> RequestOutput:
-        """Ends a request whose grammar refused its sampled token, without it: the grammar
-        allowed no token at all (a rule with no sentence the tokenizer can form: the row
-        was all -inf, its token arbitrary and its logprob NaN), or the mask failed (a bug).
-        The output so far is a prefix the grammar accepted; it ends "stop", as where the
-        grammar allows nothing more."""
-        log.warning("request %s: its grammar refused the sampled token %d (it allows none); it ends",
-                    request.request_id, token)
-        self._finish(request, RequestStatus.FINISHED_STOPPED)
-        preempted_at_ns, request.preempted_at_ns = tuple(request.preempted_at_ns), []
-        return RequestOutput(request.request_id, [], True, RequestStatus.FINISHED_STOPPED.finish_reason,
-                             request.num_cached_tokens,
-                             prompt_logprobs=runner_output.prompt_logprobs.get(request.request_id),
-                             num_kvstore_tokens=request.num_kvstore_tokens, preempted_at_ns=preempted_at_ns)
 
     def _finish(self, request: Request, status: RequestStatus) -> None:
         if request.status == RequestStatus.RUNNING:
