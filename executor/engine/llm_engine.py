@@ -98,8 +98,8 @@ class LLMEngine:
         with normalised params for ``add_checked``, which does not check again.
 
         Thread-safe (reads only immutable limits; a structured output's grammar is compiled
-        under the compiler's own lock, milliseconds for common schemas). Does not check the
-        request id.
+        by ``grammars``, which is thread-safe: milliseconds for common schemas). Does not
+        check the request id.
 
         Raises:
             InvalidArgument: invalid params (checked first), an empty prompt, an id

@@ -94,13 +94,14 @@ class GrammarCompiler:
         return compiled
 
     def warm(self) -> None:
-        """Builds the tokenizer's tables now (once); a model without a tokenizer is only
-        logged (its constrained requests are then refused)."""
+        """Builds the tokenizer's tables now (once). Never raises: a model without a
+        tokenizer, or one xgrammar cannot read, is only logged, so that the executor
+        serves all else (its constrained requests are then refused, or retry the build)."""
         with self._lock:
             if self._compiler is None:
                 try:
                     self._make_compiler()
-                except InvalidArgument as error:
+                except Exception as error:  # noqa: BLE001 - structured outputs must not stop the executor
                     log.warning("%s: structured outputs are refused on this executor", error)
 
     def _make_compiler(self):
