@@ -202,8 +202,6 @@ class SamplingBatch:
         )
 
 
-
-
 def _banned(params, token_ids, num_prompt_tokens, eos_token_ids, device) -> tuple[torch.Tensor, torch.Tensor] | None:
     rows, cols = [], []
     for i, p in enumerate(params):
