@@ -17,7 +17,9 @@ def check_stop(request: Request, eos_token_ids: frozenset[int]) -> RequestStatus
     or EOS (the sampler masks those ids there, so they cannot even be sampled).
 
     A structured output whose grammar terminated (it accepted EOS where it was
-    complete) is "stop" too, ``ignore_eos`` or not: the grammar allows nothing more.
+    complete) is "stop" too, ``ignore_eos`` or not: the grammar allows nothing more; one
+    whose mask took too long to fill (``GrammarState.overran``) is "abort" after the
+    token that mask chose (``executor.engine.structured_output.MAX_MASK_FILL_S``).
     """
     params = request.sampling_params
     last = request.output_token_ids[-1]
@@ -26,6 +28,8 @@ def check_stop(request: Request, eos_token_ids: frozenset[int]) -> RequestStatus
         return RequestStatus.FINISHED_STOPPED
     if request.grammar is not None and request.grammar.terminated:
         return RequestStatus.FINISHED_STOPPED
+    if request.grammar is not None and request.grammar.overran:
+        return RequestStatus.FINISHED_ABORTED
     if len(request.output_token_ids) >= params.max_tokens or request.num_tokens >= request.max_len:
         return RequestStatus.FINISHED_LENGTH_CAPPED
     return None

@@ -335,3 +335,22 @@ def test_a_grammar_with_no_sentence_the_tokenizer_can_form_is_refused(engine, sp
     assert str(raised.value) == (f"structured output {spec.kind}: no text the model's tokenizer can form "
                                  "starts a sentence of it (its grammar allows no first token)")
     assert not engine.has_unfinished_requests()
+
+
+def test_a_request_whose_mask_takes_too_long_to_fill_ends_abort_and_frees_its_blocks(engine, tokenizer,
+                                                                                    monkeypatch):
+    """A fill over ``MAX_MASK_FILL_S`` (set below any fill here) marks the request: the
+    token its mask chose is kept and it ends "abort" there, beside a plain request that
+    runs to its end."""
+    from executor.engine import structured_output
+
+    monkeypatch.setattr(structured_output, "MAX_MASK_FILL_S", -1.0)
+    prompt = chat(tokenizer, QUESTIONS["json"])
+    got = finished_outputs(engine, {
+        "slow": (prompt, SamplingParams(max_tokens=8, temperature=0.0, structured_output=SPECS["json"])),
+        "plain": (prompt, SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)),
+    })
+    tokens, reason, _ = got["slow"]
+    assert (tokens, reason) == ([107], "abort")  # '{', the grammar's first token, then the end
+    assert got["plain"][1] == "length" and len(got["plain"][0]) == 8
+    assert engine.kv_cache_manager.num_free_blocks == engine.num_blocks

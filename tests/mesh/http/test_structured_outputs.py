@@ -83,3 +83,20 @@ async def test_a_bad_spec_is_a_400_naming_the_field(http_mesh, aclient, fields, 
                                               max_tokens=4, **fields)
     assert (err.value.status_code, err.value.body["param"], err.value.body["message"]) == (400, param, message)
     await http_mesh.wait_released()
+
+
+async def test_a_request_whose_grammar_is_too_slow_ends_abort_over_http_and_grpc(http_mesh, aclient, monkeypatch):
+    """A mask fill over the engine's limit (set below any fill here) ends the request
+    "abort" after one token, on both faces; the mesh then holds no block or lease."""
+    from executor.engine import structured_output
+
+    monkeypatch.setattr(structured_output, "MAX_MASK_FILL_S", -1.0)
+    constraint = StructuredOutput("json_object")
+    over_grpc = await generate(http_mesh.stub, build_request("Paris as JSON:", max_tokens=8, temperature=0,
+                                                             structured_output=constraint), GRPC_KEY)
+    out = await aclient.completions.create(model=SERVED, prompt="Paris as JSON:", max_tokens=8, temperature=0,
+                                           extra_body={"response_format": {"type": "json_object"}})
+    assert (over_grpc.finish_reason, len(over_grpc.token_ids)) == ("abort", 1)
+    assert (out.choices[0].finish_reason, out.choices[0].text, out.usage.completion_tokens) == (
+        "abort", over_grpc.text, 1)
+    await http_mesh.wait_released()
