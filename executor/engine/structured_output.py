@@ -33,8 +33,9 @@ from meshserve.structured_output import StructuredOutput
 
 MAX_CACHED_GRAMMARS = 128
 MAX_MASK_FILL_S = 0.05
-"""The longest one request's bitmask fill may take (seconds) before the request is ended
-"abort" (``GrammarState.overran``). Fills run on the engine's thread, so a slow one
+"""The most CPU time one request's bitmask fill may take (seconds of the engine thread's
+own CPU time, ``time.thread_time``: a thread descheduled on a loaded host does not count)
+before the request is ended "abort" (``GrammarState.overran``). Fills run on the engine's thread, so a slow one
 delays every request of the step; for an ambiguous grammar xgrammar's work grows with
 the tokens generated (``(a*)*b`` pushed to ``a``: a step from 50 to 558 ms by the 500th
 token on one Zen 4 core), while a usual fill takes 0.003-0.1 ms: 50 ms is a margin of
@@ -160,13 +161,13 @@ class GrammarState:
         """The tokens allowed next: ``ceil(vocab_size / 32)`` little-endian int32 words as
         bytes (a copy; about 6 KB for a 49,152-token vocabulary). A fill longer than
         ``MAX_MASK_FILL_S`` sets ``overran`` (logged): the mask is still used this step."""
-        started = time.perf_counter()
+        started = time.thread_time()
         self._matcher.fill_next_token_bitmask(self._bitmask, 0)
-        elapsed = time.perf_counter() - started
+        elapsed = time.thread_time() - started
         if elapsed > MAX_MASK_FILL_S and not self.overran:
             self.overran = True
-            log.warning("a structured output's mask took %.3f s to fill (more than %.3f s, on the engine's thread): "
-                        "the request ends (abort)", elapsed, MAX_MASK_FILL_S)
+            log.warning("a structured output's mask took %.3f s of CPU to fill (more than %.3f s, on the engine's "
+                        "thread): the request ends (abort)", elapsed, MAX_MASK_FILL_S)
         return self._bitmask.numpy().tobytes()
 
     def accept(self, token_id: int) -> bool:
