@@ -105,3 +105,18 @@ def test_no_constraint_is_none_on_the_wire():
     to_proto(SamplingParams(), msg)
     assert not msg.HasField("structured_output")
     assert params_from_proto(msg).structured_output is None
+
+
+def test_a_valid_spec_is_parsed_once_and_a_bad_one_each_time(monkeypatch):
+    """A gateway validates each request's constraint twice (HTTP conversion, then the core):
+    xgrammar's parse runs once for a spec that passes."""
+    calls = []
+    real = so.grammar
+    monkeypatch.setattr(so, "grammar", lambda spec: calls.append(spec) or real(spec))
+    so._parses.cache_clear()
+    good, bad = StructuredOutput("regex", "[0-9]{2}-only-once"), StructuredOutput("regex", "[0-9")
+    for _ in range(3):
+        validate(SamplingParams(structured_output=good), max_model_len=64, vocab_size=100)
+        with pytest.raises(InvalidArgument):
+            validate(SamplingParams(structured_output=bad), max_model_len=64, vocab_size=100)
+    assert calls == [good, bad, bad, bad]
