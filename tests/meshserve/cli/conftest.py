@@ -2,9 +2,7 @@
 
 import pytest
 
-import meshserve.client
 from meshserve.cli.launcher import Mesh
-from meshserve.client import Completion
 
 
 @pytest.fixture
@@ -19,16 +17,3 @@ def spawned(monkeypatch):
 
     monkeypatch.setattr(Mesh, "_spawn", spawn)
     return names
-
-
-def recording_requests(monkeypatch) -> list:
-    """The requests ``generate`` sends from now on (each answered ``ok``)."""
-    sent = []
-
-    async def recording(stub, request, metadata=(), timeout=None, on_delta=None) -> list[Completion]:
-        sent.append(request)
-        return [Completion(index=0, text="ok", finish_reason="stop")]
-
-    monkeypatch.setattr(meshserve.client, "generate_choices", recording)
-    monkeypatch.delenv("MESHSERVE_API_KEY", raising=False)
-    return sent

@@ -13,7 +13,7 @@ from typer.testing import CliRunner
 import meshserve.client
 from meshserve.cli import app
 from meshserve.client import Completion
-from tests.meshserve.cli.conftest import recording_requests
+from tests.support.generate_requests import recording_requests
 
 
 async def fake_generate_choices(stub, request, metadata=(), timeout=None, on_delta=None) -> list[Completion]:

@@ -16,7 +16,7 @@ from meshserve.cli import app
 from meshserve.client import build_request
 from meshserve.sampling import params_from_proto
 from meshserve.structured_output import StructuredOutput
-from tests.meshserve.cli.conftest import recording_requests
+from tests.support.generate_requests import recording_requests
 
 SCHEMA = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
 
