@@ -72,7 +72,8 @@ def test_two_kinds_or_a_bad_file_are_usage_errors_and_nothing_is_sent(generate, 
     a_list.write_text("[1, 2]")
     for options, message in [
         (["--regex", "a", "--choice", "a"], "one structured output at a time: --regex and --choice were given"),
-        (["--json-object", "--grammar", "g"], "one structured output at a time: --json-object and --grammar were given"),
+        (["--json-object", "--grammar", "g"],
+         "one structured output at a time: --json-object and --grammar were given"),
         (["--json-schema", str(tmp_path / "none.json")], f"cannot read {tmp_path / 'none.json'}: No such file"),
         (["--grammar", str(tmp_path)], f"cannot read {tmp_path}: Is a directory"),
         (["--json-schema", str(not_json)], (f"{not_json}: the schema is not valid JSON (Expecting property name "
