@@ -35,11 +35,14 @@ MAX_CACHED_GRAMMARS = 128
 MAX_MASK_FILL_S = 0.05
 """The most CPU time one request's bitmask fill may take (seconds of the engine thread's
 own CPU time, ``time.thread_time``: a thread descheduled on a loaded host does not count)
-before the request is ended "abort" (``GrammarState.overran``). Fills run on the engine's thread, so a slow one
-delays every request of the step; for an ambiguous grammar xgrammar's work grows with
-the tokens generated (``(a*)*b`` pushed to ``a``: a step from 50 to 558 ms by the 500th
-token on one Zen 4 core), while a usual fill takes 0.003-0.1 ms: 50 ms is a margin of
-hundreds on a loaded host, and bounds what one request costs its neighbours a step."""
+before the request is ended "abort" (``GrammarState.overran``). Fills run on the engine's
+thread, so a slow one delays every request of the step; for an ambiguous grammar
+xgrammar's work grows with the tokens generated (``(a*)*b`` pushed to ``a``: a step from
+50 to 558 ms by the 500th token on one Zen 4 core). Usual fills, measured there over 1,042
+fills of 8 sampled answers (temperature 0.9, up to 200 tokens) to a nested JSON Schema
+with patterns, enums and ``anyOf``, a JSON object, a regex and a repeating EBNF grammar:
+median 0.026 ms, p99 2.7 ms, at most 3.1 ms. 50 ms bounds what one request costs its
+neighbours a step, 16 times the largest usual fill."""
 
 log = logging.getLogger(__name__)
 
