@@ -41,7 +41,8 @@ request's newly computed full blocks are registered in the cache. A preempted
 request usually finds its own blocks again, so recompute is often cheap. A
 waiting request whose next uncached block another running request is computing
 right now waits for it instead of computing it twice (in-flight prefix sharing,
-as SGLang's radix cache does for concurrent requests).
+as SGLang's radix cache does for concurrent requests); it waits before it would
+take a slot, so it preempts nobody for a step it does not run.
 
 KV from the kvstore (vLLM's KV connector, WAITING_FOR_REMOTE_KVS): with a
 connector's scheduler half set (``set_kv_connector``,
@@ -303,14 +304,15 @@ class BatchScheduler:
             if not verdict:
                 index += 1
                 continue
-            if len(self.running) >= self.config.max_num_seqs:
-                if self._preempt_lower(request, state):
-                    continue
-                return
             if pending and self.kv.next_cacheable_hash(request, num_hit + num_ext) in pending:
-                state.deferred_for_prefix.add(request.request_id)
+                state.deferred_for_prefix.add(request.request_id)  # before taking a slot: it waits either way
                 index += 1
                 continue
+            if len(self.running) >= self.config.max_num_seqs:
+                if self._preempt_lower(request, state):
+                    pending = self._pending_hashes()  # the victim computes nothing now
+                    continue
+                return
             num_new = cap_prefill(request.num_tokens - num_hit - num_ext, state)
             if num_new > state.budget and not may_chunk(self.config, request, num_new):
                 return
@@ -318,6 +320,7 @@ class BatchScheduler:
             new_blocks = self.kv.allocate_slots(request.request_id, num_hit + num_ext + num_new, computed_blocks)
             if new_blocks is None:
                 if self._preempt_lower(request, state):
+                    pending = self._pending_hashes()
                     continue
                 return  # head-of-line waits for blocks; running requests free them
             self.waiting.pop(index)

@@ -319,6 +319,34 @@ def test_in_flight_prefix_sharing_defers_to_the_request_computing_it():
     assert s.prefix_cache_hit_tokens == 16
 
 
+def test_a_higher_priority_request_waits_for_the_shared_block_before_taking_a_slot():
+    """One slot; a low-priority request is computing the block a high-priority one starts
+    with. The high one waits a step for it (the low one finishes the block, nobody is
+    preempted), then preempts the low one and reads the block from the cache. Before, it
+    preempted first, then waited on the victim's block, which the victim, readmitted in
+    the same step, restarted from 0: a livelock (found by the property test)."""
+    s = make_scheduler(num_blocks=10, block_size=4, budget=3, max_num_seqs=1, caching=True)
+    low = make_request("low", 4, max_tokens=3, priority=0)
+    s.add_request(low)
+    out, _ = run_step(s)
+    assert shares(out) == {"low": 3}
+    high = make_request("high", 5, max_tokens=2, priority=1)
+    high.prompt_token_ids[:4] = high.all_token_ids[:4] = low.prompt_token_ids
+    s.add_request(high)
+
+    out, _ = run_step(s)
+    assert shares(out) == {"low": 1}
+    assert (s.num_deferred_for_prefix, s.num_preemptions) == (1, 0)
+    assert high.status == RequestStatus.WAITING and low.num_computed_tokens == 4
+
+    out, _ = run_step(s)
+    assert shares(out) == {"high": 1}
+    assert (high.num_cached_tokens, s.num_preemptions, low.status) == (4, 1, RequestStatus.PREEMPTED)
+    for _ in range(10):
+        run_step(s)
+    assert not s.has_unfinished_requests() and s.kv.num_free_blocks == s.kv.num_blocks
+
+
 def test_in_flight_prefix_sharing_off_without_caching():
     s = make_scheduler(num_blocks=40, block_size=4, budget=100, max_num_seqs=8, caching=False)
     for rid in ("a", "b"):

@@ -81,6 +81,9 @@ def drive(cfg, reqs, caching: bool) -> dict[str, int]:
 
 @settings(max_examples=3000, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(configs, arrivals, st.booleans())
+@example({"max_num_seqs": 1, "budget": 4, "num_blocks": 10, "chunked": True, "short": 0, "threshold": 3},
+         [(0, 1, 1, 0, 0), (3, 1, 5, 0, 0), (7, 4, 1, 1, 1), (8, 5, 1, 2, 1)], True)  # a request preempted
+# for a higher one, which then waited on the victim's block, was readmitted and restarted it each step
 def test_every_request_finishes_and_every_block_comes_back(cfg, reqs, caching):
     drive(cfg, reqs, caching)
 

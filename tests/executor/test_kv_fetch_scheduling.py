@@ -257,11 +257,12 @@ def test_a_retry_under_the_same_id_never_loads_the_aborted_requests_fetch():
         m.close()
 
 
-def test_a_request_preempted_in_the_step_that_admitted_it_loads_nothing():
-    """Found by a review: L, admitted with 3 fetched blocks, was preempted later in
-    the same step (W, of a higher priority, came in the second pass over a full
-    ``max_num_seqs``); its loads stayed in the step's ``kv_loads`` for blocks it no
-    longer held, and it reported 12 kvstore tokens it never used."""
+def test_a_higher_priority_request_waiting_on_a_shared_block_preempts_nobody_for_it():
+    """L (low priority, 3 blocks fetched from another executor) and W (high priority,
+    sharing the prefix A is computing) wait while A runs; ``max_num_seqs`` is 2. W waits
+    for A's blocks before it would take a slot, so L is admitted with its loads and keeps
+    them. (Before, W preempted L, admitted with its loads in that step, then waited
+    anyway: L recomputed everything, and its loads had to be discarded.)"""
     m = Mesh(budget=32, max_num_seqs=2, long_prefill_token_threshold=8)
     try:
         shared = list(range(40))
@@ -277,13 +278,15 @@ def test_a_request_preempted_in_the_step_that_admitted_it_loads_nothing():
         m.s.add_request(low)
         m.wait_fetched()
         out, _ = m.step()
-        assert (out.preempted_request_ids, out.kv_loads, m.s.kv.get_block_ids("L")) == (["L"], [], [])
-        assert (low.num_cached_tokens, low.num_kvstore_tokens, m.s.kvstore_hit_tokens) == (0, 0, 0)
+        assert (shares(out), out.preempted_request_ids, m.s.num_deferred_for_prefix) == ({"A": 8, "L": 1}, [], 1)
+        assert [(block, bytes(p)) for block, p in out.kv_loads] == [(10 + i, payload(i)) for i in range(3)]
+        assert (low.num_cached_tokens, low.num_kvstore_tokens, m.s.kvstore_hit_tokens) == (12, 12, 12)
         finals = {}
         for _ in range(40):
             _, results = m.step()
             finals.update({r.request_id: r for r in results if r.finished})
-        assert (finals["L"].num_cached_tokens, finals["L"].num_kvstore_tokens) == (0, 0)
-        assert (sorted(finals), m.s.kv.block_pool.num_free_blocks) == (["A", "L", "W"], 32)  # every block back
+        assert {rid: (r.num_cached_tokens, r.num_kvstore_tokens) for rid, r in finals.items()} == {
+            "A": (0, 0), "L": (12, 12), "W": (40, 0)}  # W read A's 10 blocks from the local cache
+        assert m.s.kv.block_pool.num_free_blocks == 32  # every block back
     finally:
         m.close()
