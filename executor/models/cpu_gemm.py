@@ -22,6 +22,19 @@ the arithmetic. Packing the weight once removes it. Two packings:
   oneDNN's 139-183 (the peak is ~232): a 32-row decode step's GEMMs 1.14x faster, 8 rows
   1.36x, 1 row 1.40x (the LM head read from memory at 14 GB/s against 9), a 150-token
   prefill 1.05x (``python -m meshserve.bench.cpu_gemm --dtype bfloat16``).
+- **bfloat16 on a CPU with AMX-BF16** (Sapphire Rapids and later), **opt-in**
+  (``MESHSERVE_CPU_GEMM_AMX=1``): the panels above for steps of fewer than
+  ``AMX_MIN_ROWS`` tokens (they feed the one-call decoder stack,
+  ``executor.models.cpu_decoder_stack``), and beside them oneDNN's packing (``pack_amx``),
+  whose kernels multiply on AMX tiles, for the larger steps. On one Sapphire Rapids core
+  our ``vdpbf16ps`` kernel reaches 46-82 GFLOP/s where oneDNN's AMX kernels reach 270-370
+  at 32-150 rows (a 32-row decode step's GEMMs 125.6 against 37.1 ms, a 150-token
+  prefill's 883 against 117 ms); at 1-4 rows the two are level (20-22 ms a step: the
+  weights' bytes bound them). Not the default because rows through oneDNN round as oneDNN
+  does: a bfloat16 row's result then depends on the step's size, so a prompt's warm run
+  (prefix cache hit, a 1-token step) no longer gives its cold run's bits (case C08), nor a
+  short prompt beside a long one its bits alone. Also a third copy of the weights in
+  memory. float32 is not affected.
 - **otherwise** (several threads, no compiler, no AVX2/FMA for float32 or no AVX512-BF16 for
   bfloat16, ``MESHSERVE_CPU_GEMM_KERNEL=0``): oneDNN's ``torch.ops.mkldnn._reorder_linear_weight``
   and ``_linear_pointwise``, the ops inductor's CPU weight-prepacking pass emits (15-30%
@@ -40,6 +53,7 @@ from __future__ import annotations
 
 import ctypes
 import logging
+import os
 import threading
 from pathlib import Path
 
@@ -56,6 +70,14 @@ SOURCE_BF16 = Path(__file__).with_name("cpu_gemm_bf16.c")
 FLAGS = ("-O3", "-march=native", "-fPIC", "-shared", "-std=c11")
 _PACK_BATCH_HINT = 32
 """Rows oneDNN tunes its packed layout for; any number of rows works."""
+AMX_MIN_ROWS = 16
+"""Rows (tokens of a step) from which a bfloat16 layer with an AMX copy (``pack_amx``) uses
+it. Measured on one Sapphire Rapids core (``python -m meshserve.bench.step_profile --dtype
+bfloat16``, autogroup off): a decode step at 8 requests takes 88 ms through the panels and
+the one-call decoder stack against 98 ms through oneDNN's AMX kernels and the eager layers,
+at 32 requests 143 against 89 ms."""
+AMX_SWITCH = "MESHSERVE_CPU_GEMM_AMX"
+"""``1`` makes ``pack_amx`` copies (off by default: see the module doc)."""
 _lock = threading.Lock()
 _PACKED_WEIGHTS = huge_pages.Arena()
 """Where every panel-packed weight of this process lies: a model's weights one after another,
@@ -198,6 +220,35 @@ def pack(weight: torch.Tensor) -> torch.Tensor | None:
     return packed
 
 
+def cpu_has_amx_bf16() -> bool:
+    """Whether this CPU has AMX's bfloat16 tile multiply (``amx_bf16`` in its flags)."""
+    return "amx_bf16" in cpu_kernel.cpu_flags().split()
+
+
+def pack_amx(weight: torch.Tensor, packed: torch.Tensor | None) -> torch.Tensor | None:
+    """oneDNN's packing of ``weight`` ``(out, in)`` bfloat16 for steps of ``AMX_MIN_ROWS`` rows
+    or more, beside its bfloat16 panels ``packed`` (``pack(weight)``), on a CPU with AMX-BF16
+    (see the module doc); ``None`` anywhere else (another dtype or packing, no AMX, no oneDNN,
+    a probe product that disagrees with ``F.linear``, ``MESHSERVE_CPU_GEMM_AMX`` not ``1``),
+    where ``packed`` serves every step."""
+    if (not is_panel_packed(packed) or packed.dtype != torch.bfloat16 or os.environ.get(AMX_SWITCH, "0") != "1"
+            or not cpu_has_amx_bf16() or not hasattr(torch.ops.mkldnn, "_reorder_linear_weight")):
+        return None
+    try:
+        amx = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), _PACK_BATCH_HINT)
+        probe = torch.randn(AMX_MIN_ROWS, weight.shape[1], generator=torch.Generator().manual_seed(0)).to(weight.dtype)
+        with torch.no_grad():
+            got = torch.ops.mkldnn._linear_pointwise.default(probe, amx, None, "none", [], "").float()
+            want = F.linear(probe, weight).float()
+    except RuntimeError as err:
+        log.debug("oneDNN cannot pack a %s bfloat16 weight for AMX (%s)", tuple(weight.shape), err)
+        return None
+    if not torch.allclose(got, want, rtol=2e-2, atol=2e-2 * float(want.abs().max())):
+        log.warning("oneDNN's AMX product disagrees with F.linear on a %s weight; not used", tuple(weight.shape))
+        return None
+    return amx
+
+
 def check_panel_shapes(x: torch.Tensor, packed: torch.Tensor, out_features: int) -> None:
     """Raises ``RuntimeError`` unless ``x`` ``(..., in)`` float32 CPU can be multiplied by
     ``packed`` ``(panels, in, w)`` float32 contiguous into ``out_features`` columns: the C
@@ -274,15 +325,18 @@ def panel_linear_bf16(x: torch.Tensor, packed: torch.Tensor, weight_shape: tuple
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-           packed: torch.Tensor | None) -> torch.Tensor:
+           packed: torch.Tensor | None, packed_amx: torch.Tensor | None = None) -> torch.Tensor:
     """``x W^T + b``: ``x`` ``(num_tokens, in)`` → ``(num_tokens, out)``, through ``packed``
-    (from ``pack(weight)``) when there is one, else ``F.linear``."""
+    (from ``pack(weight)``) when there is one, else ``F.linear``; through ``packed_amx`` (from
+    ``pack_amx``) instead for ``AMX_MIN_ROWS`` tokens or more."""
     if packed is None:
         return F.linear(x, weight, bias)
     if is_panel_packed(packed):
         if x.dtype != packed.dtype:
             return F.linear(x, weight, bias)
         if packed.dtype == torch.bfloat16:  # not traced by torch.compile: its decode step is float32-only
+            if packed_amx is not None and x.numel() >= AMX_MIN_ROWS * x.shape[-1]:
+                return torch.ops.mkldnn._linear_pointwise.default(x, packed_amx, bias, "none", [], "")
             return panel_linear_bf16(x, packed, tuple(weight.shape), bias)
         if torch.compiler.is_compiling():  # traced by torch.compile: the kernel as an operator
             y = cpu_kernel.TRACED_OPS.panel_linear(x, packed, weight.shape[0])
