@@ -206,13 +206,10 @@ class DecoderStack:
         """Whether ``run`` takes this step: every token a decode-kernel row (a decode-only
         plan of the torch backend's kernel, or its token rows), torch on one thread, ``x``
         and the rotary table of the model's dtype, every layer's KV cache bound, contiguous,
-        of that dtype, and every slot of ``md.slot_mapping`` in the caches; on a CPU with
-        AMX-BF16, fewer than ``cpu_gemm.AMX_MIN_ROWS`` tokens (see ``cpu_gemm.pack_amx``)."""
+        of that dtype, and every slot of ``md.slot_mapping`` in the caches."""
         plan = md.plan
         if any(m.packed_weight is not p for m, p in zip(self._linears, self._packed)):
             return False  # panels dropped or replaced (load_weights, a benchmark's plain F.linear side)
-        if len(x) >= cpu_gemm.AMX_MIN_ROWS and self._linears[0].packed_weight_amx is not None:
-            return False  # a large step on an AMX CPU: the eager layers' oneDNN AMX GEMMs are faster
         if (not isinstance(plan, TorchPlan) or x.dtype != self.dtype or x.device.type != "cpu" or x.dim() != 2
                 or rope[0].dtype != self.dtype or torch.get_num_threads() != 1 or torch.compiler.is_compiling()):
             return False

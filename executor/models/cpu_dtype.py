@@ -83,15 +83,15 @@ def probe_matmul_ms(hidden: int, intermediate: int, repeat: int = 5) -> tuple[fl
     cases = {}
     for dtype in (torch.float32, torch.bfloat16):
         ws = [w.to(dtype) for w in weights]
-        cases[dtype] = (ws, [(p, cpu_gemm.pack_amx(w, p)) for w, p in ((w, cpu_gemm.pack(w)) for w in ws)],
+        cases[dtype] = (ws, [cpu_gemm.pack(w) for w in ws],
                         {rows: [x.to(dtype) for x in xs] for rows, xs in inputs.items()})
 
     def once(dtype: torch.dtype) -> float:
         ws, packed, xs = cases[dtype]
         start = time.perf_counter()
         for rows in xs:
-            for w, (p, amx), x in zip(ws, packed, xs[rows]):
-                cpu_gemm.linear(x, w, None, p, amx)
+            for w, p, x in zip(ws, packed, xs[rows]):
+                cpu_gemm.linear(x, w, None, p)
         return time.perf_counter() - start
 
     times: dict[torch.dtype, list[float]] = {torch.float32: [], torch.bfloat16: []}

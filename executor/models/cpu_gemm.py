@@ -22,19 +22,12 @@ the arithmetic. Packing the weight once removes it. Two packings:
   oneDNN's 139-183 (the peak is ~232): a 32-row decode step's GEMMs 1.14x faster, 8 rows
   1.36x, 1 row 1.40x (the LM head read from memory at 14 GB/s against 9), a 150-token
   prefill 1.05x (``python -m meshserve.bench.cpu_gemm --dtype bfloat16``).
-- **bfloat16 on a CPU with AMX-BF16** (Sapphire Rapids and later), **opt-in**
-  (``MESHSERVE_CPU_GEMM_AMX=1``): the panels above for steps of fewer than
-  ``AMX_MIN_ROWS`` tokens (they feed the one-call decoder stack,
-  ``executor.models.cpu_decoder_stack``), and beside them oneDNN's packing (``pack_amx``),
-  whose kernels multiply on AMX tiles, for the larger steps. On one Sapphire Rapids core
-  our ``vdpbf16ps`` kernel reaches 46-82 GFLOP/s where oneDNN's AMX kernels reach 270-370
-  at 32-150 rows (a 32-row decode step's GEMMs 125.6 against 37.1 ms, a 150-token
-  prefill's 883 against 117 ms); at 1-4 rows the two are level (20-22 ms a step: the
-  weights' bytes bound them). Not the default because rows through oneDNN round as oneDNN
-  does: a bfloat16 row's result then depends on the step's size, so a prompt's warm run
-  (prefix cache hit, a 1-token step) no longer gives its cold run's bits (case C08), nor a
-  short prompt beside a long one its bits alone. Also a third copy of the weights in
-  memory. float32 is not affected.
+  On a CPU with AMX-BF16 (Sapphire Rapids and later) the same panels are multiplied on AMX
+  tiles instead (``cpu_gemm_amx.c``: ``TDPBF16PS`` over blocks of 16 feature pairs, in
+  order, so batch-invariant too): on one Sapphire Rapids core, interleaved on the model's
+  121 weights, the GEMMs of a 32-row decode step 6.2x faster than the ``vdpbf16ps``
+  kernel's, 8 rows 3.0x, a 150-token prefill 7.6x, 1 row 0.89x (bytes-bound; the row padded
+  to a tile of 16). ``MESHSERVE_CPU_GEMM_AMX=0`` keeps the ``vdpbf16ps`` kernel there.
 - **otherwise** (several threads, no compiler, no AVX2/FMA for float32 or no AVX512-BF16 for
   bfloat16, ``MESHSERVE_CPU_GEMM_KERNEL=0``): oneDNN's ``torch.ops.mkldnn._reorder_linear_weight``
   and ``_linear_pointwise``, the ops inductor's CPU weight-prepacking pass emits (15-30%
@@ -51,6 +44,7 @@ libraries are built once by the system C compiler and cached as the attention ke
 
 from __future__ import annotations
 
+import copy
 import ctypes
 import logging
 import os
@@ -67,17 +61,11 @@ log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("cpu_gemm.c")
 SOURCE_BF16 = Path(__file__).with_name("cpu_gemm_bf16.c")
+SOURCE_AMX = Path(__file__).with_name("cpu_gemm_amx.c")
+AMX_SWITCH = "MESHSERVE_CPU_GEMM_AMX"
 FLAGS = ("-O3", "-march=native", "-fPIC", "-shared", "-std=c11")
 _PACK_BATCH_HINT = 32
 """Rows oneDNN tunes its packed layout for; any number of rows works."""
-AMX_MIN_ROWS = 16
-"""Rows (tokens of a step) from which a bfloat16 layer with an AMX copy (``pack_amx``) uses
-it. Measured on one Sapphire Rapids core (``python -m meshserve.bench.step_profile --dtype
-bfloat16``, autogroup off): a decode step at 8 requests takes 88 ms through the panels and
-the one-call decoder stack against 98 ms through oneDNN's AMX kernels and the eager layers,
-at 32 requests 143 against 89 ms."""
-AMX_SWITCH = "MESHSERVE_CPU_GEMM_AMX"
-"""``1`` makes ``pack_amx`` copies (off by default: see the module doc)."""
 _lock = threading.Lock()
 _PACKED_WEIGHTS = huge_pages.Arena()
 """Where every panel-packed weight of this process lies: a model's weights one after another,
@@ -118,6 +106,23 @@ class GemmKernelBf16:
         self.packed_gemm = _bound(lib.packed_gemm_bf16, ctypes.c_int32, _PTR, _I64, _I64, _I64, _PTR, _I64, _PTR,
                                   _PTR, _I64)  # the bias pointer before the output
         self.panel_width = int(lib.gemm_bf16_panel_width())
+        self.amx = False  # load_bf16 sets True where packed_gemm is cpu_gemm_amx.c's
+
+
+class GemmKernelAmx:
+    """``cpu_gemm_amx.c``'s GEMM on the bfloat16 panels (``ctypes``), its signature
+    ``cpu_gemm_bf16.c``'s ``packed_gemm_bf16``.
+
+    Raises:
+        AttributeError: Linux refused this process AMX's tile state (``arch_prctl``), or the
+            library was built for a CPU without AMX-BF16, as for a missing symbol.
+    """
+
+    def __init__(self, lib: ctypes.CDLL):
+        if not lib.gemm_amx_available():
+            raise AttributeError("AMX tiles unavailable to this process (or the CPU lacks AMX-BF16)")
+        self.packed_gemm = _bound(lib.packed_gemm_bf16_amx, ctypes.c_int32, _PTR, _I64, _I64, _I64, _PTR, _I64, _PTR,
+                                  _PTR, _I64)
 
 
 def _load_once(key: str, cpu_flags: set[str], lacking: str, label: str, source: Path, bind):
@@ -136,10 +141,23 @@ def load() -> GemmKernel | None:
 
 def load_bf16() -> GemmKernelBf16 | None:
     """The bfloat16 GEMM kernel, built if needed; ``None`` where it cannot be (a CPU without
-    AVX512-BF16, no compiler, a failed build, ``MESHSERVE_CPU_GEMM_KERNEL=0``). Once per
-    process."""
-    return _load_once("bf16", {"avx512f", "avx512bw", "avx512vl", "avx512_bf16"}, "AVX512-BF16",
-                      "bfloat16 CPU GEMM kernel", SOURCE_BF16, GemmKernelBf16)
+    AVX512-BF16, no compiler, a failed build, ``MESHSERVE_CPU_GEMM_KERNEL=0``). On a CPU with
+    AMX-BF16 its ``packed_gemm`` is ``cpu_gemm_amx.c``'s, on the same panels, unless
+    ``MESHSERVE_CPU_GEMM_AMX=0`` or that library cannot be built or given the tiles. Once
+    per process."""
+    kernel = _loaded.get("bf16 chosen")
+    if kernel is None and "bf16 chosen" not in _loaded:
+        kernel = _load_once("bf16", {"avx512f", "avx512bw", "avx512vl", "avx512_bf16"}, "AVX512-BF16",
+                            "bfloat16 CPU GEMM kernel", SOURCE_BF16, GemmKernelBf16)
+        amx = None
+        if kernel is not None and os.environ.get(AMX_SWITCH, "1") != "0":
+            amx = _load_once("amx", {"amx_tile", "amx_bf16", "avx512_bf16", "avx512bw"}, "AMX-BF16",
+                             "AMX bfloat16 CPU GEMM kernel", SOURCE_AMX, GemmKernelAmx)
+        if amx is not None:
+            kernel = copy.copy(kernel)
+            kernel.packed_gemm, kernel.amx = amx.packed_gemm, True
+        _loaded["bf16 chosen"] = kernel
+    return kernel
 
 
 def is_panel_packed(packed: torch.Tensor | None) -> bool:
@@ -220,35 +238,6 @@ def pack(weight: torch.Tensor) -> torch.Tensor | None:
     return packed
 
 
-def cpu_has_amx_bf16() -> bool:
-    """Whether this CPU has AMX's bfloat16 tile multiply (``amx_bf16`` in its flags)."""
-    return "amx_bf16" in cpu_kernel.cpu_flags().split()
-
-
-def pack_amx(weight: torch.Tensor, packed: torch.Tensor | None) -> torch.Tensor | None:
-    """oneDNN's packing of ``weight`` ``(out, in)`` bfloat16 for steps of ``AMX_MIN_ROWS`` rows
-    or more, beside its bfloat16 panels ``packed`` (``pack(weight)``), on a CPU with AMX-BF16
-    (see the module doc); ``None`` anywhere else (another dtype or packing, no AMX, no oneDNN,
-    a probe product that disagrees with ``F.linear``, ``MESHSERVE_CPU_GEMM_AMX`` not ``1``),
-    where ``packed`` serves every step."""
-    if (not is_panel_packed(packed) or packed.dtype != torch.bfloat16 or os.environ.get(AMX_SWITCH, "0") != "1"
-            or not cpu_has_amx_bf16() or not hasattr(torch.ops.mkldnn, "_reorder_linear_weight")):
-        return None
-    try:
-        amx = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), _PACK_BATCH_HINT)
-        probe = torch.randn(AMX_MIN_ROWS, weight.shape[1], generator=torch.Generator().manual_seed(0)).to(weight.dtype)
-        with torch.no_grad():
-            got = torch.ops.mkldnn._linear_pointwise.default(probe, amx, None, "none", [], "").float()
-            want = F.linear(probe, weight).float()
-    except RuntimeError as err:
-        log.debug("oneDNN cannot pack a %s bfloat16 weight for AMX (%s)", tuple(weight.shape), err)
-        return None
-    if not torch.allclose(got, want, rtol=2e-2, atol=2e-2 * float(want.abs().max())):
-        log.warning("oneDNN's AMX product disagrees with F.linear on a %s weight; not used", tuple(weight.shape))
-        return None
-    return amx
-
-
 def check_panel_shapes(x: torch.Tensor, packed: torch.Tensor, out_features: int) -> None:
     """Raises ``RuntimeError`` unless ``x`` ``(..., in)`` float32 CPU can be multiplied by
     ``packed`` ``(panels, in, w)`` float32 contiguous into ``out_features`` columns: the C
@@ -325,18 +314,15 @@ def panel_linear_bf16(x: torch.Tensor, packed: torch.Tensor, weight_shape: tuple
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-           packed: torch.Tensor | None, packed_amx: torch.Tensor | None = None) -> torch.Tensor:
+           packed: torch.Tensor | None) -> torch.Tensor:
     """``x W^T + b``: ``x`` ``(num_tokens, in)`` → ``(num_tokens, out)``, through ``packed``
-    (from ``pack(weight)``) when there is one, else ``F.linear``; through ``packed_amx`` (from
-    ``pack_amx``) instead for ``AMX_MIN_ROWS`` tokens or more."""
+    (from ``pack(weight)``) when there is one, else ``F.linear``."""
     if packed is None:
         return F.linear(x, weight, bias)
     if is_panel_packed(packed):
         if x.dtype != packed.dtype:
             return F.linear(x, weight, bias)
         if packed.dtype == torch.bfloat16:  # not traced by torch.compile: its decode step is float32-only
-            if packed_amx is not None and x.numel() >= AMX_MIN_ROWS * x.shape[-1]:
-                return torch.ops.mkldnn._linear_pointwise.default(x, packed_amx, bias, "none", [], "")
             return panel_linear_bf16(x, packed, tuple(weight.shape), bias)
         if torch.compiler.is_compiling():  # traced by torch.compile: the kernel as an operator
             y = cpu_kernel.TRACED_OPS.panel_linear(x, packed, weight.shape[0])

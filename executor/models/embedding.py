@@ -63,17 +63,14 @@ class ParallelLMHead(VocabParallelEmbedding):
     """
 
     packed_weight: torch.Tensor | None = None  # cpu_gemm.pack(weight), once loaded
-    packed_weight_amx: torch.Tensor | None = None  # cpu_gemm.pack_amx(...): large steps on AMX
 
     def process_weights_after_loading(self) -> None:
         """Packs the loaded (possibly tied) weight for the CPU GEMM; the embedding
         lookup keeps reading the plain weight."""
         self.packed_weight = cpu_gemm.pack(self.weight)
-        self.packed_weight_amx = cpu_gemm.pack_amx(self.weight, self.packed_weight)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        logits = self.tp.all_gather_last_dim(cpu_gemm.linear(hidden, self.weight, None, self.packed_weight,
-                                                                  self.packed_weight_amx))
+        logits = self.tp.all_gather_last_dim(cpu_gemm.linear(hidden, self.weight, None, self.packed_weight))
         return logits[..., : self.num_embeddings]
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:  # pragma: no cover - not an embedding

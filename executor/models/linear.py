@@ -63,7 +63,6 @@ class ColumnParallelLinear(nn.Module):
             self.bias = nn.Parameter(torch.empty(self.output_size_per_rank, dtype=dtype), requires_grad=False)
             attach_weight_loader(self.bias, self)
         self.packed_weight: torch.Tensor | None = None  # cpu_gemm.pack(weight), once loaded
-        self.packed_weight_amx: torch.Tensor | None = None  # cpu_gemm.pack_amx(...): large steps on AMX
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: object = None) -> None:
         """Copies this rank's rows of the full ``(out, in)`` weight (or ``(out,)`` bias)."""
@@ -73,10 +72,9 @@ class ColumnParallelLinear(nn.Module):
     def process_weights_after_loading(self) -> None:
         """Packs the loaded weight for the CPU GEMM (nothing on other devices)."""
         self.packed_weight = cpu_gemm.pack(self.weight)
-        self.packed_weight_amx = cpu_gemm.pack_amx(self.weight, self.packed_weight)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return cpu_gemm.linear(x, self.weight, self.bias, self.packed_weight, self.packed_weight_amx)
+        return cpu_gemm.linear(x, self.weight, self.bias, self.packed_weight)
 
 
 class MergedColumnParallelLinear(ColumnParallelLinear):
@@ -154,7 +152,6 @@ class RowParallelLinear(nn.Module):
             self.bias = nn.Parameter(torch.empty(output_size, dtype=dtype), requires_grad=False)
             attach_weight_loader(self.bias, self)
         self.packed_weight: torch.Tensor | None = None  # cpu_gemm.pack(weight), once loaded
-        self.packed_weight_amx: torch.Tensor | None = None  # cpu_gemm.pack_amx(...): large steps on AMX
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: object = None) -> None:
         """Copies this rank's columns of the full ``(out, in)`` weight; the bias whole."""
@@ -167,12 +164,11 @@ class RowParallelLinear(nn.Module):
     def process_weights_after_loading(self) -> None:
         """Packs the loaded weight for the CPU GEMM (nothing on other devices)."""
         self.packed_weight = cpu_gemm.pack(self.weight)
-        self.packed_weight_amx = cpu_gemm.pack_amx(self.weight, self.packed_weight)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.tp.world_size == 1:
-            return cpu_gemm.linear(x, self.weight, self.bias, self.packed_weight, self.packed_weight_amx)
-        y = self.tp.all_reduce(cpu_gemm.linear(x, self.weight, None, self.packed_weight, self.packed_weight_amx))
+            return cpu_gemm.linear(x, self.weight, self.bias, self.packed_weight)
+        y = self.tp.all_reduce(cpu_gemm.linear(x, self.weight, None, self.packed_weight))
         return y if self.bias is None else y + self.bias
 
 

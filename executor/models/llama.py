@@ -253,7 +253,7 @@ class LlamaForCausalLM(nn.Module):
         self.decoder_stack = None  # its pointers go stale with the packed copies, until process_weights_after_loading
         for module in self.modules():  # packed copies go stale: process_weights_after_loading() again
             if getattr(module, "packed_weight", None) is not None:
-                module.packed_weight = module.packed_weight_amx = None
+                module.packed_weight = None
         params = dict(self.named_parameters(remove_duplicate=False))
         loaded: set[str] = set()
         for name, tensor in weights:

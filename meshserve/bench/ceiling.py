@@ -85,7 +85,7 @@ def matmul_only(model, batch: int, repeat: int):
 
     def own():
         for m, x, b in zip(layers, inputs, biases):
-            cpu_gemm.linear(x, m.weight, b, m.packed_weight, getattr(m, "packed_weight_amx", None))
+            cpu_gemm.linear(x, m.weight, b, m.packed_weight)
 
     with torch.inference_mode():
         plain_times, own_times = [], []
@@ -149,16 +149,16 @@ def forward(loaded, batch: int, context: int, repeat: int) -> tuple[Figure, Figu
             loaded.model.compute_logits(hidden)
 
     linears = [m for m in loaded.model.modules() if hasattr(m, "packed_weight")]
-    packed = [(m.packed_weight, getattr(m, "packed_weight_amx", None)) for m in linears]
+    packed = [m.packed_weight for m in linears]
     packed_times, plain_times = [], []
     try:
         for _ in range(repeat):
             packed_times += _time(step, 1)
             for m in linears:
-                m.packed_weight = m.packed_weight_amx = None
+                m.packed_weight = None
             plain_times += _time(step, 1)
-            for m, (p, amx) in zip(linears, packed):
-                m.packed_weight, m.packed_weight_amx = p, amx
+            for m, p in zip(linears, packed):
+                m.packed_weight = p
     finally:
         for layer in layers:
             layer.kv_cache = None

@@ -2,7 +2,8 @@
 [--json FILE]``: the model's linear layers on one thread through the three CPU GEMMs the
 engine can use, interleaved: plain ``F.linear`` (MKL or oneDNN), oneDNN on its packed
 weight, and our kernel on its panels (``cpu_gemm.c`` for float32, ``cpu_gemm_bf16.c`` for
-bfloat16 on a CPU with AVX512-BF16; ``executor/models/cpu_gemm.py``).
+bfloat16 on a CPU with AVX512-BF16, ``cpu_gemm_amx.c`` on one with AMX-BF16 unless
+``MESHSERVE_CPU_GEMM_AMX=0``; ``executor/models/cpu_gemm.py``).
 
 For each ``--rows`` (tokens in a step) and each weight shape of the model (``qkv``,
 ``o``, ``gate_up``, ``down`` for every layer, the LM head once), random inputs and
@@ -66,7 +67,7 @@ def main(argv: list[str] | None = None) -> int:
     if kernel is None:
         print(f"the {args.dtype} CPU GEMM kernel could not be built here (see the log)", file=sys.stderr)
         return 1
-    ours = "cpu_gemm.c" if dtype == torch.float32 else "cpu_gemm_bf16.c"
+    ours = "cpu_gemm.c" if dtype == torch.float32 else "cpu_gemm_amx.c" if kernel.amx else "cpu_gemm_bf16.c"
     files = resolve_model(args.model)
     hf = AutoConfig.from_pretrained(files.path)
     layers = int(hf.num_hidden_layers)

@@ -27,12 +27,9 @@ def tiny_models(tmp_path_factory):
 
 
 @pytest.fixture
-def driver(one_thread, monkeypatch):
-    """The driver's kernels built; no AMX copies (``cpu_gemm.pack_amx``), so the eager layers
-    it is compared with multiply through the same panels at every step size."""
+def driver(one_thread):
     if cpu_decoder_stack.load() is None or cpu_kernel.load() is None:
         pytest.skip("no C compiler on this host")
-    monkeypatch.setenv(cpu_gemm.AMX_SWITCH, "0")
 
 
 def needs_gemm(dtype: str) -> None:

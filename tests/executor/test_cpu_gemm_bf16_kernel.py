@@ -1,10 +1,14 @@
-"""The bfloat16 CPU GEMM (executor/models/cpu_gemm_bf16.c through cpu_gemm.py), on CPUs
-with AVX512-BF16 (skipped elsewhere): the panel packing of feature pairs, exact products
-where the float32 sums are exact, agreement with F.linear (oneDNN: float32 sums, one
-rounding to bfloat16) on the model's shapes and ragged ones, bitwise batch invariance, the
-bias added before the rounding, strided inputs, and refusals of mismatched sizes."""
+"""The bfloat16 CPU GEMMs (executor/models/cpu_gemm_bf16.c, and cpu_gemm_amx.c on the same
+panels where the CPU has AMX-BF16, through cpu_gemm.py), each test once per GEMM, on CPUs
+with AVX512-BF16 (skipped elsewhere; the AMX one only with AMX): the panel packing of
+feature pairs, exact products where the float32 sums are exact, agreement with F.linear
+(oneDNN: float32 sums, one rounding to bfloat16) on the model's shapes and ragged ones,
+bitwise batch invariance, the bias added before the rounding, strided inputs, zero rows and
+features, and refusals of mismatched sizes."""
 
 from __future__ import annotations
+
+import ctypes
 
 import pytest
 import torch
@@ -14,10 +18,16 @@ from executor.models import cpu_gemm
 from tests.support.kernels import load_fresh, run_fresh_process, small_ints
 
 
-@pytest.fixture
-def kernel(kernel_cache, monkeypatch, one_thread):
-    return load_fresh(cpu_gemm, kernel_cache, monkeypatch, "no C compiler, or no AVX512-BF16 on this host",
-                      loader="load_bf16")
+@pytest.fixture(params=["vdpbf16ps", "amx"])
+def kernel(request, kernel_cache, monkeypatch, one_thread):
+    """``load_bf16()``'s kernel with its ``packed_gemm`` the ``vdpbf16ps`` one
+    (``MESHSERVE_CPU_GEMM_AMX=0``) or the AMX one (skipped without AMX)."""
+    monkeypatch.setenv(cpu_gemm.AMX_SWITCH, "1" if request.param == "amx" else "0")
+    loaded = load_fresh(cpu_gemm, kernel_cache, monkeypatch, "no C compiler, or no AVX512-BF16 on this host",
+                        loader="load_bf16")
+    if loaded.amx != (request.param == "amx"):
+        pytest.skip("no AMX-BF16 on this host (or Linux gave this process no tiles)")
+    return loaded
 
 
 def _randn(*shape: int, seed: int) -> torch.Tensor:
@@ -144,7 +154,9 @@ def test_the_c_function_takes_zero_rows_and_zero_features_without_dividing_by_ze
         "import torch\n"
         "torch.set_num_threads(1)\n"
         "from executor.models import cpu_gemm\n"
+        f"import os; os.environ['{cpu_gemm.AMX_SWITCH}'] = '{'1' if kernel.amx else '0'}'\n"
         "k = cpu_gemm.load_bf16()\n"
+        f"assert k.amx == {kernel.amx}\n"
         "x, bias = torch.ones(2, 4, dtype=torch.bfloat16), torch.arange(5.0).bfloat16()\n"
         "packed = cpu_gemm.pack_panels_bf16(torch.ones(5, 4, dtype=torch.bfloat16), k)\n"
         "y = torch.full((2, 5), 7.0, dtype=torch.bfloat16)\n"
@@ -156,3 +168,27 @@ def test_the_c_function_takes_zero_rows_and_zero_features_without_dividing_by_ze
     zero_rows, zero_features = run_fresh_process(script, kernel_cache).strip().splitlines()[-2:]
     assert zero_rows == "0 " + str([[7.0] * 5] * 2)
     assert zero_features == "0 " + str([[0.0, 1.0, 2.0, 3.0, 4.0]] * 2)
+
+
+def test_the_amx_switch_keeps_the_vdpbf16ps_kernel_and_both_agree(kernel_cache, monkeypatch, one_thread):
+    """On an AMX CPU ``load_bf16`` multiplies the panels on AMX tiles unless
+    ``MESHSERVE_CPU_GEMM_AMX=0``; the two GEMMs agree within bfloat16's rounding of float32
+    sums, maybe added in another order (skipped without AMX)."""
+    kernels = {}
+    for switch in ("0", "1"):
+        monkeypatch.setenv(cpu_gemm.AMX_SWITCH, switch)
+        kernels[switch] = load_fresh(cpu_gemm, kernel_cache, monkeypatch, "no AVX512-BF16 here", loader="load_bf16")
+    if not kernels["1"].amx:
+        pytest.skip("no AMX-BF16 on this host (or Linux gave this process no tiles)")
+    assert not kernels["0"].amx
+    w, x, bias = _randn(200, 576, seed=1), _randn(40, 576, seed=2), _randn(200, seed=3)
+    packed = cpu_gemm.pack_panels_bf16(w, kernels["0"])
+    y = {}
+    for switch, k in kernels.items():
+        out = torch.empty(40, 200, dtype=torch.bfloat16)
+        assert k.packed_gemm(x.data_ptr(), 40, 576, 576, packed.data_ptr(), 200, bias.data_ptr(), out.data_ptr(),
+                             200) == 0
+        y[switch] = out
+    addresses = {ctypes.cast(k.packed_gemm, ctypes.c_void_p).value for k in kernels.values()}
+    assert len(addresses) == 2  # two C functions
+    torch.testing.assert_close(y["1"], y["0"], rtol=2e-2, atol=2e-2)
