@@ -35,7 +35,8 @@ def test_the_wheel_ships_every_kernel_source(tmp_path):
     assert kernel_sources() == {"executor/attention/cpu_paged_attention.c",
                                 "executor/attention/cpu_prefill_attention.c", "executor/models/cpu_decoder_stack.c",
                                 "executor/models/cpu_fused.c",
-                                "executor/models/cpu_gemm.c", "executor/models/cpu_gemm_bf16.c",
+                                "executor/models/cpu_gemm.c", "executor/models/cpu_gemm_amx.c",
+                                "executor/models/cpu_gemm_bf16.c",
                                 "executor/models/cpu_ops.cpp"}
     assert shipped == kernel_sources()
 
