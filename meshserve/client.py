@@ -12,6 +12,7 @@ import grpc
 
 from meshserve import structured_output as structured
 from meshserve.grpc_server import CHANNEL_OPTIONS, open_channel
+from meshserve.sampling import floored_logprob
 from meshserve.structured_output import StructuredOutput
 from meshserve.tls import PLAINTEXT, TLSConfig
 from meshserve.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
@@ -110,17 +111,9 @@ class Logprob:
 
     def as_json(self) -> dict:
         """A JSON-ready dict; a logprob of -inf (a token a structured output forbids) is
-        ``LOGPROB_FLOOR``, as the HTTP API writes it (JSON has no infinity)."""
-        return {"token_id": self.token_id, "logprob": _finite(self.logprob), "rank": self.rank,
-                "top": [[token_id, _finite(logprob)] for token_id, logprob in self.top]}
-
-
-LOGPROB_FLOOR = -9999.0
-"""A -inf logprob in JSON: vLLM's value, as the gateway's HTTP API writes it."""
-
-
-def _finite(logprob: float) -> float:
-    return LOGPROB_FLOOR if logprob == float("-inf") else logprob
+        ``meshserve.sampling.LOGPROB_FLOOR``, as the HTTP API writes it (JSON has no infinity)."""
+        return {"token_id": self.token_id, "logprob": floored_logprob(self.logprob), "rank": self.rank,
+                "top": [[token_id, floored_logprob(logprob)] for token_id, logprob in self.top]}
 
 
 @dataclass

@@ -65,6 +65,9 @@ MAX_LOGPROBS = 20
 MAX_PENALTY = 2.0  # |presence_penalty| and |frequency_penalty| (OpenAI's range)
 MAX_LOGIT_BIAS = 100.0  # |bias| of a logit_bias entry (OpenAI's range)
 MAX_LOGIT_BIAS_ENTRIES = 300  # entries of logit_bias (OpenAI's cap)
+LOGPROB_FLOOR = -9999.0
+"""A -inf logprob (a token a structured output forbids) in JSON, which has no infinity:
+vLLM's value, written by the HTTP API and ``meshserve generate --json``."""
 
 
 @dataclass(frozen=True)
@@ -300,3 +303,8 @@ def to_proto(params: SamplingParams, msg) -> None:
     msg.logit_bias.update(params.logit_bias)
     if params.structured_output is not None:
         structured.to_proto(params.structured_output, msg.structured_output)
+
+
+def floored_logprob(logprob: float) -> float:
+    """``logprob``, or ``LOGPROB_FLOOR`` for -inf (JSON has no infinity)."""
+    return LOGPROB_FLOOR if logprob == -math.inf else logprob

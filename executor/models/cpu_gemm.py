@@ -80,6 +80,8 @@ def _bound(fn, restype, *argtypes):
 
 
 _PTR, _I64 = ctypes.c_void_p, ctypes.c_int64
+_BF16_GEMM_SIGNATURE = (ctypes.c_int32, _PTR, _I64, _I64, _I64, _PTR, _I64, _PTR, _PTR, _I64)
+"""Result and arguments of both bfloat16 GEMMs: (x, m, k, ldx, panels, n, bias, y, ldy)."""
 
 
 class GemmKernel:
@@ -103,8 +105,7 @@ class GemmKernelBf16:
         if not lib.gemm_bf16_available():
             raise AttributeError("the bfloat16 GEMM was built without AVX512-BF16")
         self.pack_weight = _bound(lib.pack_weight_bf16, None, _PTR, _I64, _I64, _PTR)
-        self.packed_gemm = _bound(lib.packed_gemm_bf16, ctypes.c_int32, _PTR, _I64, _I64, _I64, _PTR, _I64, _PTR,
-                                  _PTR, _I64)  # the bias pointer before the output
+        self.packed_gemm = _bound(lib.packed_gemm_bf16, *_BF16_GEMM_SIGNATURE)
         self.panel_width = int(lib.gemm_bf16_panel_width())
         self.amx = False  # load_bf16 sets True where packed_gemm is cpu_gemm_amx.c's
 
@@ -121,8 +122,7 @@ class GemmKernelAmx:
     def __init__(self, lib: ctypes.CDLL):
         if not lib.gemm_amx_available():
             raise AttributeError("AMX tiles unavailable to this process (or the CPU lacks AMX-BF16)")
-        self.packed_gemm = _bound(lib.packed_gemm_bf16_amx, ctypes.c_int32, _PTR, _I64, _I64, _I64, _PTR, _I64, _PTR,
-                                  _PTR, _I64)
+        self.packed_gemm = _bound(lib.packed_gemm_bf16_amx, *_BF16_GEMM_SIGNATURE)
 
 
 def _load_once(key: str, cpu_flags: set[str], lacking: str, label: str, source: Path, bind):
@@ -145,8 +145,7 @@ def load_bf16() -> GemmKernelBf16 | None:
     AMX-BF16 its ``packed_gemm`` is ``cpu_gemm_amx.c``'s, on the same panels, unless
     ``MESHSERVE_CPU_GEMM_AMX=0`` or that library cannot be built or given the tiles. Once
     per process."""
-    kernel = _loaded.get("bf16 chosen")
-    if kernel is None and "bf16 chosen" not in _loaded:
+    if "bf16 chosen" not in _loaded:
         kernel = _load_once("bf16", {"avx512f", "avx512bw", "avx512vl", "avx512_bf16"}, "AVX512-BF16",
                             "bfloat16 CPU GEMM kernel", SOURCE_BF16, GemmKernelBf16)
         amx = None
@@ -157,7 +156,7 @@ def load_bf16() -> GemmKernelBf16 | None:
             kernel = copy.copy(kernel)
             kernel.packed_gemm, kernel.amx = amx.packed_gemm, True
         _loaded["bf16 chosen"] = kernel
-    return kernel
+    return _loaded["bf16 chosen"]
 
 
 def is_panel_packed(packed: torch.Tensor | None) -> bool:

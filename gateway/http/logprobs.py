@@ -36,13 +36,13 @@ model's raw distribution.
 
 from __future__ import annotations
 
-import math
 import os
 from collections import deque
 from typing import Iterable, Sequence
 
 from gateway.detokenizer import REPLACEMENT_CHAR
 from gateway.events import TokenLogprob
+from meshserve.sampling import floored_logprob
 
 CONTEXT_TOKENS = 4
 """Sampled tokens before a token that ``TokenTexts.in_context`` decodes it after (vLLM's:
@@ -101,7 +101,7 @@ def chat_logprobs(entries: Sequence[TokenLogprob], texts: TokenTexts, context: d
     sampled ids before them (``sampled_context``; updated)."""
     def one(token_id: int, logprob: float, before: deque[int]) -> dict:
         text = texts.in_context(token_id, before)
-        return {"token": text, "logprob": _floored(logprob), "bytes": list(text.encode("utf-8"))}
+        return {"token": text, "logprob": floored_logprob(logprob), "bytes": list(text.encode("utf-8"))}
 
     return {"content": [{**one(e.token_id, e.logprob, before),
                          "top_logprobs": [one(t.token_id, t.logprob, before) for t in e.top]}
@@ -118,15 +118,8 @@ def completion_logprobs(entries: Sequence[TokenLogprob], texts: TokenTexts, offs
         alternatives.append(_alternatives(e, texts, before))
         offsets.append(offset)
         offset += len(tokens[-1])
-    return {"tokens": tokens, "token_logprobs": [_floored(e.logprob) for e in entries],
+    return {"tokens": tokens, "token_logprobs": [floored_logprob(e.logprob) for e in entries],
             "top_logprobs": alternatives, "text_offset": offsets}
-
-
-LOGPROB_FLOOR = -9999.0  # vLLM's value for a -inf logprob (prompt and generated tokens)
-
-
-def _floored(logprob: float) -> float:
-    return LOGPROB_FLOOR if logprob == -math.inf else logprob
 
 
 def echoed_prompt_logprobs(prompt_ids: Sequence[int], prompt_entries: Sequence[TokenLogprob], texts: TokenTexts,
@@ -144,7 +137,7 @@ def echoed_prompt_logprobs(prompt_ids: Sequence[int], prompt_entries: Sequence[T
         e = TokenLogprob(e.token_id, e.logprob, e.top[:k], e.rank)
         offsets.append(offsets[-1] + len(tokens[-1]))
         tokens.append(texts.in_context(e.token_id, before))
-        logprobs.append(_floored(e.logprob))
+        logprobs.append(floored_logprob(e.logprob))
         tops.append(_alternatives(e, texts, before))
     return {"tokens": tokens, "token_logprobs": logprobs, "top_logprobs": tops, "text_offset": offsets}
 
@@ -161,7 +154,7 @@ def prompt_logprobs(entries: Sequence[TokenLogprob], texts: TokenTexts) -> list[
     """vLLM's ``prompt_logprobs`` of one prompt from the core's ``entries`` (one per
     prompt position after the first)."""
     def one(logprob: float, rank: int | None, decoded: str) -> dict:
-        return {"logprob": _floored(logprob), "rank": rank, "decoded_token": decoded}
+        return {"logprob": floored_logprob(logprob), "rank": rank, "decoded_token": decoded}
 
     out: list[dict | None] = [None]
     for e, before in _sampled(entries, sampled_context()):
@@ -175,7 +168,7 @@ def prompt_logprobs(entries: Sequence[TokenLogprob], texts: TokenTexts) -> list[
 def _alternatives(entry: TokenLogprob, texts: TokenTexts, before: Sequence[int]) -> dict[str, float]:
     """A completions position's ``{token: logprob}``: its top k, then the sampled token
     when it is not among them (each token's text after the sampled ids ``before``)."""
-    top = {texts.in_context(t.token_id, before): _floored(t.logprob) for t in entry.top}
+    top = {texts.in_context(t.token_id, before): floored_logprob(t.logprob) for t in entry.top}
     if all(t.token_id != entry.token_id for t in entry.top):
-        top.setdefault(texts.in_context(entry.token_id, before), _floored(entry.logprob))
+        top.setdefault(texts.in_context(entry.token_id, before), floored_logprob(entry.logprob))
     return top

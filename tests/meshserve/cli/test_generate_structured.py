@@ -88,7 +88,8 @@ def test_two_kinds_or_a_bad_file_are_usage_errors_and_nothing_is_sent(generate, 
 def test_json_output_writes_a_forbidden_tokens_minus_infinity_as_the_http_api_does():
     """A structured output gives -inf to forbidden tokens; ``--json`` prints strict JSON
     (-9999.0, the HTTP API's and vLLM's value), never ``-Infinity``."""
-    from meshserve.client import LOGPROB_FLOOR, Logprob
+    from meshserve.client import Logprob
+    from meshserve.sampling import LOGPROB_FLOOR
 
     entry = Logprob(49, -0.0095, ((49, -0.0095), (50, -4.5), (1, float("-inf"))), 1)
     text = json.dumps(entry.as_json(), allow_nan=False)
