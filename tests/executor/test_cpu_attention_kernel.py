@@ -73,6 +73,48 @@ def test_kernel_is_batch_invariant(kernel):
         assert torch.equal(alone[0], together[i])
 
 
+def _token_rows(prompts, num_heads, num_kv_heads, head_dim, block_size, seed):
+    """Every token of ``prompts`` ((context, new tokens, request) each; requests named alike
+    share their blocks) as a query row of the kernel: ``(q, key_cache, value_cache,
+    block_table, seq_lens)`` in bfloat16, the rows in order, blocks scattered."""
+    gen = torch.Generator().manual_seed(seed)
+    longest = {}
+    for context, new, name in prompts:
+        longest[name] = max(longest.get(name, 0), context + new)
+    need = {name: -(-n // block_size) for name, n in longest.items()}
+    perm = torch.randperm(sum(need.values()) + 3, generator=gen).tolist()
+    blocks, width, i = {}, max(need.values()) + 2, 0
+    for name, n in need.items():
+        blocks[name] = perm[i:i + n] + [perm[-1]] * (width - n)  # padding past its own blocks
+        i += n
+    shape = (len(perm), block_size, num_kv_heads, head_dim)
+    cache = [torch.randn(shape, generator=gen).bfloat16() for _ in range(2)]
+    rows = [(name, context + j + 1) for context, new, name in prompts for j in range(new)]
+    q = torch.randn(len(rows), num_heads, head_dim, generator=gen).bfloat16()
+    table = torch.tensor([blocks[name] for name, _ in rows], dtype=torch.int32)
+    seq_lens = torch.tensor([length for _, length in rows], dtype=torch.int32)
+    return q, cache[0], cache[1], table, seq_lens
+
+
+# A prompt's tokens are consecutive rows with one key more each over the same blocks: the kernel
+# takes up to 16 such rows together (each key and value row read once for them) in bfloat16.
+# Geometries: value accumulators of 3 heads (9/3), 3 + 3 (12/2), 2 (8/4), 3 + 1 (8/2) for two
+# rows at once; head_dim 128 and 32 take the prompt's rows together for the scores only.
+@pytest.mark.parametrize("num_heads, num_kv_heads, head_dim, block_size", [
+    (9, 3, 64, 16), (12, 2, 64, 32), (8, 4, 64, 5), (8, 2, 64, 16), (8, 2, 128, 16), (4, 4, 32, 1)])
+def test_a_prompts_rows_taken_together_get_the_bits_each_gets_alone(kernel, num_heads, num_kv_heads, head_dim,
+                                                                   block_size):
+    prompts = [(40, 1, "decode"), (0, 37, "prompt"), (17, 2, "chunk"), (0, 1, "one"), (63, 5, "late"),
+               (6, 4, "shared"), (10, 3, "shared"), (90, 1, "decode2"), (0, 3, "three")]
+    q, key_cache, value_cache, table, seq_lens = _token_rows(prompts, num_heads, num_kv_heads, head_dim,
+                                                             block_size, seed=4)
+    together = cpu_kernel.decode_attention(kernel, q, key_cache, value_cache, table, seq_lens, 0.125)
+    for i in range(q.shape[0]):
+        alone = cpu_kernel.decode_attention(kernel, q[i:i + 1], key_cache, value_cache, table[i:i + 1],
+                                            seq_lens[i:i + 1], 0.125)
+        assert torch.equal(alone[0].view(torch.int16), together[i].view(torch.int16)), i
+
+
 def _sdpa_reference(query_lens, contexts, monkeypatch, seed):
     """The step through the backend without the kernel: padded SDPA decodes, SDPA prefills."""
     monkeypatch.setenv("MESHSERVE_CPU_ATTENTION_KERNEL", "0")
