@@ -411,6 +411,7 @@ static int64_t run_length(const int32_t *block_table, int64_t bt_stride, const i
                           int64_t r, int64_t bs) {
     const int64_t L = seq_lens[r];
     int64_t R = 1;
+    if (L < 1) return 1; /* no keys: the one-row path's answer (an engine's rows have one at least) */
     while (R < RUN_ROWS && r + R < n && seq_lens[r + R] == L + R &&
            memcmp(block_table + (r + R) * bt_stride, block_table + r * bt_stride,
                   sizeof(int32_t) * (size_t)((L + R + bs - 1) / bs)) == 0)
@@ -466,8 +467,11 @@ static __attribute__((noinline)) int attend(
         if (seq_lens[r] > max_len) max_len = seq_lens[r];
     float *scores = malloc(sizeof(float) * (size_t)(H * max_len + 2 * H * D + 4 * KVH * D));
     if (!scores) return 1;
-    float *qs = scores + H * max_len, *acc = qs + H * D, *tmp = acc + H * D, *run_scores = NULL;
+    float *qs = scores + H * max_len, *acc = qs + H * D, *tmp = acc + H * D;
+#ifdef HAVE_BF16_DOT
+    float *run_scores = NULL; /* a run's scores (run_bf16), grown as needed */
     int64_t run_floats = 0;
+#endif
     for (int64_t r = 0; r < n; r++) {
         const int64_t L = seq_lens[r], q_off = r * H * D;
         const int32_t *blocks = block_table + r * bt_stride;
@@ -476,7 +480,7 @@ static __attribute__((noinline)) int attend(
         const int64_t next_len = r + 1 < n ? seq_lens[r + 1] : 0;
 #ifdef HAVE_BF16_DOT
         const int64_t R = bf16 && D % 32 == 0 && D <= 256 ? run_length(block_table, bt_stride, seq_lens, n, r, bs) : 1;
-        if (R > 1) { /* qs holds the second row's sums (its query is read in bfloat16) */
+        if (R > 1) { /* qs: the sums of a row pair's second row (run_bf16 reads the queries in bfloat16) */
             const int64_t need = R * H * (L + R - 1);
             if (need > run_floats) {
                 float *grown = realloc(run_scores, sizeof(float) * (size_t)need);
@@ -517,7 +521,9 @@ static __attribute__((noinline)) int attend(
                 ((float *)out)[q_off + i] = acc[i];
         }
     }
+#ifdef HAVE_BF16_DOT
     free(run_scores);
+#endif
     free(scores);
     return 0;
 }
