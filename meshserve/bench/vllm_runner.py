@@ -14,8 +14,9 @@ one JSON line each on stdin::
     {"concurrency": 8, "requests": [{"id": "r0", "prompt_token_ids": [...], "output_len": 128}, ...]}
 
 Each run is the closed loop of ``meshserve bench``: at most ``concurrency``
-requests in the engine, the next one added as soon as one finishes; greedy,
-``ignore_eos``, exactly ``output_len`` tokens (``min_tokens = max_tokens``). It
+requests in the engine, the next one submitted as soon as one finishes and added as
+an asynchronous engine would take it (``run_closed_loop``); greedy, ``ignore_eos``,
+exactly ``output_len`` tokens (``min_tokens = max_tokens``). It
 answers one JSON line::
 
     {"results": [{"id", "submit", "token_times": [...], "end"}], "wall_s": ...}
@@ -48,26 +49,56 @@ def build_engine(args):
     return LLMEngine.from_engine_args(engine_args)
 
 
-def run_closed_loop(engine, requests: list[dict], concurrency: int) -> dict:
-    """Runs ``requests`` with at most ``concurrency`` in the engine; their token times."""
-    from vllm import SamplingParams
+def run_closed_loop(engine, requests: list[dict], concurrency: int, sampling_params=None) -> dict:
+    """Runs ``requests`` with at most ``concurrency`` in the engine; their token times.
+
+    ``engine``: ``add_request(id, prompt, params)`` and ``step() -> outputs``, as
+    ``vllm.LLMEngine``; ``sampling_params(n)``: the parameters of a request of ``n``
+    output tokens (None: vLLM's ``SamplingParams``, greedy, exactly ``n`` tokens).
+
+    Arrivals are those an asynchronous engine sees (meshserve's ``AsyncEngine`` behind the
+    engine target, vLLM's own ``AsyncLLM`` behind its server): a closed-loop client sends
+    its next request when its last one ends, by which time such an engine is already
+    running its next step, so the request joins the step after it. This loop steps the
+    engine itself and could add it before that next step, a whole step earlier than any
+    server could, and vLLM's TTFT at 8 and 32 requests would lose that step against the
+    engine target's but not against a server's. So a request submitted while others run
+    is submitted (its TTFT starts) at once and added after the next step; one submitted
+    to an idle engine (nothing in flight) is added at once, as an idle server takes it.
+    """
+    if sampling_params is None:
+        from vllm import SamplingParams
+
+        def sampling_params(n):
+            return SamplingParams(temperature=0.0, max_tokens=n, min_tokens=n, ignore_eos=True)
 
     pending = list(reversed(requests))
     times: dict[str, list[float]] = {}
     submit: dict[str, float] = {}
     end: dict[str, float] = {}
     seen: dict[str, int] = {}
+    arrived: list[dict] = []  # submitted while a step ran: added after the next one
     in_flight = 0
     start = time.monotonic()
-    while pending or in_flight:
-        while pending and in_flight < concurrency:
+
+    def add(req: dict) -> None:
+        nonlocal in_flight
+        engine.add_request(req["id"], {"prompt_token_ids": list(req["prompt_token_ids"])},
+                           sampling_params(int(req["output_len"])))
+        in_flight += 1
+
+    while pending or in_flight or arrived:
+        for req in arrived:
+            add(req)
+        arrived, busy = [], in_flight > 0
+        while pending and in_flight + len(arrived) < concurrency:
             req = pending.pop()
-            n = int(req["output_len"])
-            params = SamplingParams(temperature=0.0, max_tokens=n, min_tokens=n, ignore_eos=True)
             submit[req["id"]] = time.monotonic()
             times[req["id"]], seen[req["id"]] = [], 0
-            engine.add_request(req["id"], {"prompt_token_ids": list(req["prompt_token_ids"])}, params)
-            in_flight += 1
+            if busy:
+                arrived.append(req)
+            else:
+                add(req)
         outputs = engine.step()
         now = time.monotonic()
         for out in outputs:

@@ -344,6 +344,51 @@ def test_the_vllm_runner_binds_its_threads_to_the_cores_the_bench_may_use():
     assert runner.omp_threads_bind(len(cores)) == ",".join(map(str, cores))
 
 
+def test_the_vllm_runner_adds_a_request_sent_while_others_run_after_the_next_step():
+    """As an asynchronous engine takes it (ours behind the engine target, vLLM's behind its
+    server): the step that ends a request is followed at once by the next, so the request a
+    closed-loop client sends then joins the step after it; requests sent to an idle engine
+    join its first step."""
+    import importlib.util
+    from types import SimpleNamespace
+
+    from meshserve.bench.vllm_target import RUNNER
+
+    spec = importlib.util.spec_from_file_location("vllm_runner_under_test", RUNNER)
+    runner = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(runner)
+
+    class Engine:  # one token a step for each request in it
+        def __init__(self):
+            self.steps, self.joined, self.running = 0, {}, {}
+
+        def add_request(self, request_id, prompt, params):
+            self.joined[request_id] = self.steps
+            self.running[request_id] = (params, [])
+
+        def step(self):
+            outputs = []
+            for request_id, (n, tokens) in list(self.running.items()):
+                tokens.append(7)
+                finished = len(tokens) == n
+                outputs.append(SimpleNamespace(request_id=request_id, finished=finished,
+                                               outputs=[SimpleNamespace(token_ids=list(tokens))]))
+                if finished:
+                    del self.running[request_id]
+            self.steps += 1
+            return outputs
+
+    engine = Engine()
+    requests = [{"id": f"r{i}", "prompt_token_ids": [1, 2], "output_len": n} for i, n in enumerate([2, 3, 1, 1])]
+    got = runner.run_closed_loop(engine, requests, 2, sampling_params=lambda n: n)
+    # r0 and r1 join the idle engine's first step (0); r0 ends in step 1, so r2, sent then, joins step 3;
+    # r1 ends in step 2, when r2 waits to run step 3: r3, sent then, joins step 4
+    assert engine.joined == {"r0": 0, "r1": 0, "r2": 3, "r3": 4}
+    assert [len(r["token_times"]) for r in got["results"]] == [2, 3, 1, 1]
+    r2 = got["results"][2]
+    assert r2["submit"] <= r2["token_times"][0] and engine.steps == 5
+
+
 def test_hf_targets_refuse_sampled_requests_and_static_open_loop():
     sampled = [BenchRequest("bench-3", (20,), 4, Sampling(temperature=0.7))]
     with pytest.raises(ValueError, match="hf-continuous runs greedy requests with ignore_eos only; bench-3 asks "
