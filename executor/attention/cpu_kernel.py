@@ -65,6 +65,11 @@ def _compiler() -> str | None:
     return None
 
 
+def cpu_flags() -> str:
+    """This CPU's feature flags as ``/proc/cpuinfo`` lists them (space-separated), or ``""``."""
+    return _cpu_flags()
+
+
 def _cpu_flags() -> str:
     try:
         with open("/proc/cpuinfo") as f:

@@ -28,7 +28,8 @@ Per layer:
    A step that also has longer chunks runs only those in SDPA; its short chunks' tokens
    stay such rows beside the decodes, so a prompt gets the same bits beside a long one
    as alone (and as its tokens get as decodes: cached, chunked or preempted alike).
-   In bfloat16 on a CPU with AVX512-BF16 (head_dim 64 or 128), a step's longer chunks
+   In bfloat16 on a CPU with AVX512-BF16 but no AMX-BF16 (head_dim 64 or 128; with AMX
+   SDPA is the faster, ``cpu_prefill_kernel.preferred``), a step's longer chunks
    run in the prefill kernel (``cpu_prefill_kernel.py``) instead of SDPA, one call for
    them beside the decode kernel's one call for the decodes and the shorter chunks'
    token rows: tiles of query rows share each key and value they read (30 layers of one
@@ -110,9 +111,10 @@ class TorchAttentionBackend(AttentionBackend):
         return self._kernel
 
     def _cpu_prefill_kernel(self):
-        """The CPU prefill kernel (``cpu_prefill_kernel``), or None where it cannot be had."""
+        """The CPU prefill kernel (``cpu_prefill_kernel``), or None where it cannot be had
+        or SDPA is faster (``cpu_prefill_kernel.preferred``: a CPU with AMX-BF16)."""
         if self._prefill_kernel is _UNSET:
-            self._prefill_kernel = cpu_prefill_kernel.load()
+            self._prefill_kernel = cpu_prefill_kernel.preferred()
         return self._prefill_kernel
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: KVCache,

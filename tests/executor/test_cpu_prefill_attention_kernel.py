@@ -16,6 +16,14 @@ def kernel(tmp_path, monkeypatch):
                       "no AVX512-BF16 on this CPU (or no C compiler): prefills keep the decode kernel or SDPA")
 
 
+@pytest.fixture
+def backend_takes_it(kernel, monkeypatch):
+    """The kernel, which the backend then takes for long chunks even on a CPU with AMX-BF16
+    (where it would run them in SDPA: ``cpu_prefill_kernel.preferred``)."""
+    monkeypatch.setattr(cpu_prefill_kernel, "preferred", lambda: kernel)
+    return kernel
+
+
 def _reference(q, cache, md, scale):
     """Causal attention in float32 over each request's keys gathered from the cache
     (their bfloat16 values, exactly), ``(tokens, heads, head_dim)`` float32."""
@@ -140,11 +148,11 @@ def test_the_switch_turns_it_off(tmp_path, monkeypatch):
     assert not list(tmp_path.glob("kernels/cpu_prefill_attention-*.so"))
 
 
-def test_backend_runs_decodes_in_the_decode_kernel_and_prefills_in_the_prefill_kernel(kernel, one_thread):
+def test_backend_runs_decodes_in_the_decode_kernel_and_prefills_in_the_prefill_kernel(backend_takes_it, one_thread):
     """A bfloat16 step of 3 decodes and 2 long prefill chunks: one call of each kernel, the
     decode rows bitwise the decode kernel's, the prefill rows the prefill kernel's, all
     close to float32 attention; a float32 step falls back and says so in its plan."""
-    decode_kernel = cpu_kernel.load()
+    kernel, decode_kernel = backend_takes_it, cpu_kernel.load()
     if decode_kernel is None:
         pytest.skip("no decode kernel")
     query_lens, contexts = [1, 1, 1, 7, 400], [40, 17, 2, 380, 9]
@@ -169,7 +177,7 @@ def test_backend_runs_decodes_in_the_decode_kernel_and_prefills_in_the_prefill_k
     assert md32.plan.prefill_rows is None  # later plans know
 
 
-def test_backend_keeps_short_bfloat16_prefills_as_decode_kernel_rows(kernel, one_thread):
+def test_backend_keeps_short_bfloat16_prefills_as_decode_kernel_rows(backend_takes_it, one_thread):
     """A bfloat16 step whose chunks are all at most PREFILL_KERNEL_MAX_LEN tokens (context
     included) keeps one decode-kernel call with every prompt token a query row: each prompt
     token's output is bitwise its decode, so a prompt gets the same bits cached or not,
@@ -190,12 +198,12 @@ def test_backend_keeps_short_bfloat16_prefills_as_decode_kernel_rows(kernel, one
         assert torch.equal(alone[0], got[row]), row
 
 
-def test_backend_keeps_short_chunks_beside_a_long_one_as_decode_kernel_rows(kernel, one_thread):
+def test_backend_keeps_short_chunks_beside_a_long_one_as_decode_kernel_rows(backend_takes_it, one_thread):
     """A bfloat16 step with long chunks (past PREFILL_KERNEL_MAX_LEN) and short ones: only the
     long ones go to the prefill kernel (each bitwise its run alone); the decodes and the short
     chunks keep the decode kernel's rows, so a short prompt's bits do not depend on whether a
     long prompt shares its step."""
-    decode_kernel = cpu_kernel.load()
+    kernel, decode_kernel = backend_takes_it, cpu_kernel.load()
     if decode_kernel is None:
         pytest.skip("no decode kernel")
     query_lens, contexts = [1, 1, 30, 400, 20, 500, 7], [40, 3, 0, 0, 100, 0, 377]
@@ -217,4 +225,26 @@ def test_backend_keeps_short_chunks_beside_a_long_one_as_decode_kernel_rows(kern
             alone = cpu_kernel.decode_attention(decode_kernel, q[row:row + 1], *cache, md.block_table[r:r + 1],
                                                 keys, 0.125)
             assert torch.equal(alone[0], got[row]), (r, row)
+    torch.testing.assert_close(got.float(), _reference(q, cache, md, 0.125), rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.parametrize("amx", [True, False])
+def test_the_backend_runs_long_chunks_in_sdpa_on_a_cpu_with_amx_and_in_the_kernel_without(kernel, one_thread,
+                                                                                           monkeypatch, amx):
+    """With AMX-BF16, ATen's flash attention (SDPA) multiplies on AMX tiles and is 1.9-2.8x
+    the kernel for long chunks (one Sapphire Rapids core), so the backend runs them there;
+    without it (Zen 4: the kernel 3-3.8x SDPA) in the kernel. The short chunks stay the
+    decode kernel's rows either way."""
+    flags = "fpu avx2 avx512f avx512bw avx512_bf16" + (" amx_tile amx_bf16" if amx else "")
+    monkeypatch.setattr(cpu_kernel, "_cpu_flags", lambda: flags)
+    assert (cpu_prefill_kernel.preferred() is None) == amx
+    query_lens, contexts = [1, 30, 400], [40, 0, 9]
+    q, k, v, cache, md = paged_batch(query_lens, contexts, 9, 3, 64, 16, torch.bfloat16, seed=5)
+    backend = TorchAttentionBackend()
+    backend.plan(md)
+    if amx:
+        assert md.plan.prefill_rows is None and [(c.start, c.end) for c in md.plan.prefills] == [(31, 431)]
+    else:
+        assert md.plan.prefill_rows.query_start.tolist() == [0, 400] and md.plan.prefills == []
+    got = backend.forward(q, k, v, cache, md, 0.125)
     torch.testing.assert_close(got.float(), _reference(q, cache, md, 0.125), rtol=2e-2, atol=2e-2)

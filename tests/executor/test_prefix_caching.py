@@ -158,6 +158,8 @@ def test_a_short_prompt_beside_a_long_one_gets_the_bits_it_gets_alone(tokenizer,
         pytest.skip("the prefill kernel runs bfloat16 only, on AVX512-BF16")
     if prefill_kernel == "off":
         monkeypatch.setattr(TorchAttentionBackend, "_cpu_prefill_kernel", lambda self: None)
+    else:  # taken for long chunks even where SDPA is the faster (a CPU with AMX-BF16)
+        monkeypatch.setattr(cpu_prefill_kernel, "preferred", cpu_prefill_kernel.load)
     engine = LLMEngine(EngineConfig(dtype=dtype, num_threads=1,
                                     cache=CacheConfig(block_size=16, num_blocks=64),
                                     batch=BatchSchedulerConfig(max_num_seqs=8, max_num_batched_tokens=1024)))
