@@ -60,11 +60,11 @@ def run_closed_loop(engine, requests: list[dict], concurrency: int, sampling_par
     engine target, vLLM's own ``AsyncLLM`` behind its server): a closed-loop client sends
     its next request when its last one ends, by which time such an engine is already
     running its next step, so the request joins the step after it. This loop steps the
-    engine itself and could add it before that next step, a whole step earlier than any
-    server could, and vLLM's TTFT at 8 and 32 requests would lose that step against the
-    engine target's but not against a server's. So a request submitted while others run
-    is submitted (its TTFT starts) at once and added after the next step; one submitted
-    to an idle engine (nothing in flight) is added at once, as an idle server takes it.
+    engine itself and could add it before that next step, a whole step sooner than any
+    server can, which would take a step off vLLM's TTFT at 8 and 32 requests that no
+    server gives it. So a request submitted while others run is submitted (its TTFT
+    starts) at once and added after the next step; one submitted to an idle engine
+    (nothing in flight) is added at once, as an idle server takes it.
     """
     if sampling_params is None:
         from vllm import SamplingParams

@@ -248,3 +248,8 @@ def test_the_backend_runs_long_chunks_in_sdpa_on_a_cpu_with_amx_and_in_the_kerne
         assert md.plan.prefill_rows.query_start.tolist() == [0, 400] and md.plan.prefills == []
     got = backend.forward(q, k, v, cache, md, 0.125)
     torch.testing.assert_close(got.float(), _reference(q, cache, md, 0.125), rtol=2e-2, atol=2e-2)
+    decode_kernel = cpu_kernel.load()
+    for row, keys in ((1, 1), (30, 30)):  # the 30-token prompt's first and last rows: their decodes' bits
+        alone = cpu_kernel.decode_attention(decode_kernel, q[row:row + 1], *cache, md.block_table[1:2],
+                                            torch.tensor([keys], dtype=torch.int32), 0.125)
+        assert torch.equal(alone[0], got[row]), row
