@@ -67,10 +67,6 @@ def _compiler() -> str | None:
 
 def cpu_flags() -> str:
     """This CPU's feature flags as ``/proc/cpuinfo`` lists them (space-separated), or ``""``."""
-    return _cpu_flags()
-
-
-def _cpu_flags() -> str:
     try:
         with open("/proc/cpuinfo") as f:
             for line in f:
@@ -85,7 +81,7 @@ def library_path(compiler: str, source: Path = SOURCE, flags: tuple[str, ...] = 
     """Where the library built by ``compiler`` from ``source`` with ``flags`` for this CPU
     is cached (``kernels/<source stem>-<hash>.so``)."""
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=30).stdout
-    key = hashlib.sha256("\0".join([source.read_text(), version, _cpu_flags(), *flags, *_LINK]).encode()
+    key = hashlib.sha256("\0".join([source.read_text(), version, cpu_flags(), *flags, *_LINK]).encode()
                          ).hexdigest()[:16]
     return cache_dir() / "kernels" / f"{source.stem}-{key}.so"
 
@@ -143,18 +139,18 @@ def build_and_load(label: str, source: Path, flags: tuple[str, ...], switch: str
         return None
 
 
-def load_once(loaded: dict, lock: threading.Lock, key: str, cpu_flags: set[str], lacking: str, label: str,
+def load_once(loaded: dict, lock: threading.Lock, key: str, needed_flags: set[str], lacking: str, label: str,
               source: Path, flags: tuple[str, ...], switch: str, fallback: str,
               bind: Callable[[ctypes.CDLL], object]) -> object | None:
     """``build_and_load``'s result for ``source``, kept in ``loaded[key]`` (a kernel
     module's cache, read without ``lock`` once set, filled under it); ``None``, logged,
-    where this CPU lacks one of ``cpu_flags`` (``lacking`` names them in the log)."""
+    where this CPU lacks one of ``needed_flags`` (``lacking`` names them in the log)."""
     kernel = loaded.get(key, _UNSET)
     if kernel is not _UNSET:
         return kernel
     with lock:
         if key not in loaded:
-            if cpu_flags <= set(_cpu_flags().split()):
+            if needed_flags <= set(cpu_flags().split()):
                 loaded[key] = build_and_load(label, source, flags, switch, fallback, bind)
             else:
                 log.info("this CPU lacks %s: %s instead of the %s", lacking, fallback, label)

@@ -236,7 +236,7 @@ def test_the_backend_runs_long_chunks_in_sdpa_on_a_cpu_with_amx_and_in_the_kerne
     without it (Zen 4: the kernel 3-3.8x SDPA) in the kernel. The short chunks stay the
     decode kernel's rows either way."""
     flags = "fpu avx2 avx512f avx512bw avx512_bf16" + (" amx_tile amx_bf16" if amx else "")
-    monkeypatch.setattr(cpu_kernel, "_cpu_flags", lambda: flags)
+    monkeypatch.setattr(cpu_kernel, "cpu_flags", lambda: flags)
     assert (cpu_prefill_kernel.preferred() is None) == amx
     query_lens, contexts = [1, 30, 400], [40, 0, 9]
     q, k, v, cache, md = paged_batch(query_lens, contexts, 9, 3, 64, 16, torch.bfloat16, seed=5)
