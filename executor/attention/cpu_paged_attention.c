@@ -380,29 +380,12 @@ static inline int64_t bf16_dot_steps(int64_t L, int64_t H, int64_t KVH, int64_t 
     return groups * H + L * KVH * ((G + JB - 1) / JB);
 }
 
-static void one_request_bf16_dot(const uint16_t *restrict q, const void *key_cache, const void *value_cache,
-                                 const int32_t *blocks, int64_t L, int64_t H, int64_t KVH, int64_t D, int64_t bs,
-                                 float scale, float *restrict scores, float *restrict acc, Prefetcher *ahead) {
-    if (D == 64) {
-        qk_bf16(q, 1, key_cache, blocks, L, H, KVH, 64, bs, scale, scores, 0, ahead);
-        softmax_rows(scores, H, L);
-        pv_bf16(scores, value_cache, blocks, L, H, KVH, 64, bs, acc, ahead);
-    } else if (D == 128) {
-        qk_bf16(q, 1, key_cache, blocks, L, H, KVH, 128, bs, scale, scores, 0, ahead);
-        softmax_rows(scores, H, L);
-        pv_bf16(scores, value_cache, blocks, L, H, KVH, 128, bs, acc, ahead);
-    } else {
-        qk_bf16(q, 1, key_cache, blocks, L, H, KVH, D, bs, scale, scores, 0, ahead);
-        softmax_rows(scores, H, L);
-        pv_bf16(scores, value_cache, blocks, L, H, KVH, D, bs, acc, ahead);
-    }
-}
-
 /* Most rows of a run (consecutive tokens of one request, as a prompt's rows come) taken
  * together: each group of 16 keys, and each value row, is then read once for all of them
  * (qk_bf16, pv_bf16_2rows) instead of once a row, with the sums each row gets alone: the
- * same bits. 1.3x the rows one by one for a 150-token prompt's 30 layers in bfloat16 on one
- * Sapphire Rapids core (`python -m meshserve.bench.cpu_prefill_attention`, token_rows). */
+ * same bits. 1.6x the rows one by one for a 150-token prompt's 30 layers in bfloat16 on one
+ * Sapphire Rapids core (the two kernels interleaved; `python -m
+ * meshserve.bench.cpu_prefill_attention` times the token rows). */
 #define RUN_ROWS 16
 
 /* The rows r, r + 1, ... of one run: seq_lens one more each and the same blocks (each row's
@@ -419,15 +402,15 @@ static int64_t run_length(const int32_t *block_table, int64_t bt_stride, const i
     return R;
 }
 
-/* R rows of one run (q: R rows of H x D; row i has L0 + i keys of `blocks`) into out (R rows of
- * H x D, bfloat16): scores (R * H * (L0 + R - 1) floats), acc and acc2 (H * D floats each). */
+/* R rows of one run (q: R rows of H x D; row i has L0 + i keys of `blocks`; R = 1: one row)
+ * into out (R rows of H x D, bfloat16): scores (R * H * (L0 + R - 1) floats), acc and acc2
+ * (H * D floats each); `ahead` prefetches the next request meanwhile. */
 static inline __attribute__((always_inline)) void run_bf16_dot(
     const uint16_t *restrict q, int64_t R, const void *key_cache, const void *value_cache, const int32_t *blocks,
     int64_t L0, int64_t H, int64_t KVH, int64_t D, int64_t bs, float scale, float *restrict scores,
-    float *restrict acc, float *restrict acc2, uint16_t *restrict out) {
-    Prefetcher none = prefetcher(key_cache, value_cache, NULL, 0, 0, bs, 0);
+    float *restrict acc, float *restrict acc2, uint16_t *restrict out, Prefetcher *ahead) {
     const int64_t s_stride = H * (L0 + R - 1);
-    qk_bf16(q, R, key_cache, blocks, L0, H, KVH, D, bs, scale, scores, s_stride, &none);
+    qk_bf16(q, R, key_cache, blocks, L0, H, KVH, D, bs, scale, scores, s_stride, ahead);
     for (int64_t i = 0; i < R; i++) softmax_rows(scores + i * s_stride, H, L0 + i);
     for (int64_t i = 0; i < R;) {
         float *sc = scores + i * s_stride;
@@ -437,7 +420,7 @@ static inline __attribute__((always_inline)) void run_bf16_dot(
             for (int64_t e = 0; e < H * D; e++) out[(i + 1) * H * D + e] = bf16_store(acc2[e]);
             i += 2;
         } else {
-            pv_bf16(sc, value_cache, blocks, L0 + i, H, KVH, D, bs, acc, &none);
+            pv_bf16(sc, value_cache, blocks, L0 + i, H, KVH, D, bs, acc, ahead);
             for (int64_t e = 0; e < H * D; e++) out[i * H * D + e] = bf16_store(acc[e]);
             i += 1;
         }
@@ -446,13 +429,15 @@ static inline __attribute__((always_inline)) void run_bf16_dot(
 
 static void run_bf16(const uint16_t *restrict q, int64_t R, const void *key_cache, const void *value_cache,
                      const int32_t *blocks, int64_t L0, int64_t H, int64_t KVH, int64_t D, int64_t bs, float scale,
-                     float *restrict scores, float *restrict acc, float *restrict acc2, uint16_t *restrict out) {
+                     float *restrict scores, float *restrict acc, float *restrict acc2, uint16_t *restrict out,
+                     Prefetcher *ahead) {
     if (D == 64) /* a constant head size lets the compiler unroll */
-        run_bf16_dot(q, R, key_cache, value_cache, blocks, L0, H, KVH, 64, bs, scale, scores, acc, acc2, out);
+        run_bf16_dot(q, R, key_cache, value_cache, blocks, L0, H, KVH, 64, bs, scale, scores, acc, acc2, out, ahead);
     else if (D == 128)
-        run_bf16_dot(q, R, key_cache, value_cache, blocks, L0, H, KVH, 128, bs, scale, scores, acc, acc2, out);
+        run_bf16_dot(q, R, key_cache, value_cache, blocks, L0, H, KVH, 128, bs, scale, scores, acc, acc2, out,
+                     ahead);
     else
-        run_bf16_dot(q, R, key_cache, value_cache, blocks, L0, H, KVH, D, bs, scale, scores, acc, acc2, out);
+        run_bf16_dot(q, R, key_cache, value_cache, blocks, L0, H, KVH, D, bs, scale, scores, acc, acc2, out, ahead);
 }
 #endif
 
@@ -479,28 +464,31 @@ static __attribute__((noinline)) int attend(
         const int32_t *next_blocks = r + 1 < n ? block_table + (r + 1) * bt_stride : NULL;
         const int64_t next_len = r + 1 < n ? seq_lens[r + 1] : 0;
 #ifdef HAVE_BF16_DOT
-        const int64_t R = bf16 && D % 32 == 0 && D <= 256 ? run_length(block_table, bt_stride, seq_lens, n, r, bs) : 1;
-        if (R > 1) { /* qs: the sums of a row pair's second row (run_bf16 reads the queries in bfloat16) */
-            const int64_t need = R * H * (L + R - 1);
-            if (need > run_floats) {
-                float *grown = realloc(run_scores, sizeof(float) * (size_t)need);
-                if (!grown) {
-                    free(run_scores), free(scores);
-                    return 1;
+        if (bf16 && D % 32 == 0 && D <= 256) { /* one row, or a run of them (run_length) */
+            const int64_t R = run_length(block_table, bt_stride, seq_lens, n, r, bs);
+            float *sc = scores; /* one row: H * max_len floats */
+            if (R > 1) {
+                const int64_t need = R * H * (L + R - 1);
+                if (need > run_floats) {
+                    float *grown = realloc(run_scores, sizeof(float) * (size_t)need);
+                    if (!grown) {
+                        free(run_scores), free(scores);
+                        return 1;
+                    }
+                    run_scores = grown, run_floats = need;
                 }
-                run_scores = grown, run_floats = need;
+                sc = run_scores;
             }
-            run_bf16((const uint16_t *)q + q_off, R, key_cache, value_cache, blocks, L, H, KVH, D, bs, scale,
-                     run_scores, acc, qs, (uint16_t *)out + q_off);
+            /* a run prefetches nothing: its rows share their blocks, read by its first row */
+            Prefetcher ahead = R > 1 ? prefetcher(key_cache, value_cache, NULL, 0, 0, bs, 0)
+                                     : prefetcher(key_cache, value_cache, next_blocks, next_len,
+                                                  bf16_dot_steps(L, H, KVH, D, bs), bs, block_bytes);
+            /* qs: the sums of a row pair's second row (the queries are read in bfloat16) */
+            run_bf16((const uint16_t *)q + q_off, R, key_cache, value_cache, blocks, L, H, KVH, D, bs, scale, sc,
+                     acc, qs, (uint16_t *)out + q_off, &ahead);
             r += R - 1;
             continue;
         }
-        if (bf16 && D % 32 == 0 && D <= 256) {
-            Prefetcher ahead = prefetcher(key_cache, value_cache, next_blocks, next_len,
-                                          bf16_dot_steps(L, H, KVH, D, bs), bs, block_bytes);
-            one_request_bf16_dot((const uint16_t *)q + q_off, key_cache, value_cache, blocks, L, H, KVH, D, bs,
-                                 scale, scores, acc, &ahead);
-        } else
 #endif
         {
             Prefetcher ahead = prefetcher(key_cache, value_cache, next_blocks, next_len, 2 * ((L + 3) / 4) * H, bs,
