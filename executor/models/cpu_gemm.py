@@ -24,10 +24,10 @@ the arithmetic. Packing the weight once removes it. Two packings:
   prefill 1.05x (``python -m meshserve.bench.cpu_gemm --dtype bfloat16``).
   On a CPU with AMX-BF16 (Sapphire Rapids and later) the same panels are multiplied on AMX
   tiles instead (``cpu_gemm_amx.c``: ``TDPBF16PS`` over blocks of 16 feature pairs, in
-  order, so batch-invariant too): on one Sapphire Rapids core, interleaved on the model's
-  121 weights, the GEMMs of a 32-row decode step 6.2x faster than the ``vdpbf16ps``
-  kernel's, 8 rows 3.0x, a 150-token prefill 7.6x, 1 row 0.89x (bytes-bound; the row padded
-  to a tile of 16). ``MESHSERVE_CPU_GEMM_AMX=0`` keeps the ``vdpbf16ps`` kernel there.
+  order, so batch-invariant too; two row tiles by a pair of panels a pass): on one Sapphire
+  Rapids core, against vLLM's oneDNN matmul on the model's layer shapes, 1.8x at 1 and 32
+  rows, 1.05x at 150, 0.82x at 2,048. ``MESHSERVE_CPU_GEMM_AMX=0`` keeps the ``vdpbf16ps``
+  kernel there.
 - **otherwise** (several threads, no compiler, no AVX2/FMA for float32 or no AVX512-BF16 for
   bfloat16, ``MESHSERVE_CPU_GEMM_KERNEL=0``): oneDNN's ``torch.ops.mkldnn._reorder_linear_weight``
   and ``_linear_pointwise``, the ops inductor's CPU weight-prepacking pass emits (15-30%

@@ -3,20 +3,31 @@
 // pack_weight_bf16: per panel of NR = 48 columns, ceil(k / 2) steps of 48 column pairs).
 //
 // A panel step of 16 feature pairs is three AMX B tiles of 16 pairs x 16 columns (the panel's
-// rows of 192 bytes, read 64 bytes apart); 16 input rows x 32 features are the A tile, read
+// rows of 192 bytes, read 64 bytes apart); 16 input rows x 32 features are an A tile, read
 // straight from x. TDPBF16PS (Intel SDM, "Intel AMX") adds each output's 16 pairs of products
 // to its float32 sum; the output tiles go over the feature blocks in order, the features past
 // the last whole block of 16 pairs (k = 576: 4 pairs) are added after them by VDPBF16PS, then
 // the bias in float32, then one rounding to bfloat16. Each output's sum is so one fixed
 // sequence of operations over its row and column, whatever m is or where its row falls among
-// the 16 of a tile: batch-invariant by construction, as cpu_gemm_bf16.c (not bitwise equal to
-// it: its chain adds one pair at a time).
+// the tiles: batch-invariant by construction, as cpu_gemm_bf16.c (not bitwise equal to it: its
+// chain adds one pair at a time).
+//
+// Blocking (as oneDNN's AMX brgemm blocks, its own code): two row tiles (32 rows) by one panel
+// at a time, six C tiles, the A and B tiles loaded into one register each in an order that
+// reuses each load once (7 loads for 6 TDPBF16PS; a lone last row tile takes 1 A by 3 B).
+// Panels go in pairs, both for the same 32 rows before the outputs are written, so a row's
+// 96 outputs are 192 bytes: three whole cache lines, each written once by one 64-byte store.
+// (One panel's 96 bytes left half lines that were read from memory for ownership and written
+// back twice: at 2,048 rows the writes took a third of the time. Non-temporal stores, which
+// skip that read, made the GEMM alone faster still but the next op slower: it reads them back.)
 //
 // The loops are cpu_gemm_bf16.c's: input rows in chunks of at most 512 KiB, and for each chunk
-// every panel once, its row tiles inner, so a panel stays in L2 across them and the weights
-// stream from memory once per chunk. Rows past the last 16 go through a zero-padded copy of
-// them (and every row when k is odd, to pad its last pair). Linux hands AMX's tile state
-// to a process only when it asks (arch_prctl ARCH_REQ_XCOMP_PERM): gemm_amx_available() asks.
+// every panel pair once, its row tiles inner, so the pair stays in L2 across them and the
+// weights stream from memory once per chunk, in order: the hardware's prefetcher keeps up with
+// them (prefetching the next panel in software, as the kernel once did, made decode steps of 1-8
+// rows 10% slower). Rows past the last 16 go through a zero-padded copy of them (and every
+// row when k is odd, to pad its last pair). Linux hands AMX's tile state to a process only
+// when it asks (arch_prctl ARCH_REQ_XCOMP_PERM): gemm_amx_available() asks.
 #define _GNU_SOURCE
 #include <immintrin.h>
 #include <stdint.h>
@@ -28,6 +39,7 @@
 #define NR 48
 #define TR 16     // rows of a tile
 #define TPAIRS 16 // feature pairs of a tile (64 bytes a row)
+#define CW (2 * NR) // columns of a panel pair: the row stride of the sums
 #define A_CHUNK_BYTES (512 * 1024)
 
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__) && defined(__AVX512BW__)
@@ -45,12 +57,12 @@ typedef struct {
     uint8_t rows[16];
 } tile_config;
 
-static void configure(void) {
+static void configure(void) {  // eight tiles of 16 rows x 64 bytes
     tile_config cfg;
     memset(&cfg, 0, sizeof cfg);
     cfg.palette_id = 1;
-    for (int t = 0; t < 7; t++) {  // 0: A; 1-3: B; 4-6: C
-        cfg.rows[t] = t >= 1 && t <= 3 ? TPAIRS : TR;
+    for (int t = 0; t < 8; t++) {
+        cfg.rows[t] = TR;
         cfg.colsb[t] = 64;
     }
     _tile_loadconfig(&cfg);
@@ -60,21 +72,14 @@ static inline __m512 widen(__m256i bf16) {  // 16 bfloat16 -> 16 float32, exactl
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bf16), 16));
 }
 
-// One panel for TR rows of a (row stride lda elements): sums into c (TR x NR float32), then the
-// tail pairs, the bias, the rounding, stored to y's first `rows` rows and `cols` columns.
-static void panel(const uint16_t *a, int64_t lda, int64_t kp, const uint16_t *b, const uint16_t *bias, int64_t cols,
-                  uint16_t *y, int64_t ldy, int64_t rows, const char *next) {
-    float c[TR][NR] __attribute__((aligned(64)));
-    int64_t blocks = kp / TPAIRS;
+// The float32 sums of the whole feature blocks of 16 rows of a (row stride lda elements) with
+// one panel b, into c (16 x 48, row stride CW floats). Tiles: 0 A, 1-3 B, 4-6 C.
+static void sums_one(const uint16_t *a, int64_t lda, const uint16_t *b, int64_t blocks, float *c) {
     _tile_zero(4);
     _tile_zero(5);
     _tile_zero(6);
     for (int64_t kb = 0; kb < blocks; kb++) {
         const uint16_t *bk = b + kb * TPAIRS * NR * 2;
-        if (next) {  // the next panel's same block, 48 lines, while this one multiplies (decode: bytes-bound)
-            const char *pf = next + kb * TPAIRS * NR * 4;
-            for (int line = 0; line < TPAIRS * NR * 4 / 64; line++) _mm_prefetch(pf + 64 * line, _MM_HINT_T0);
-        }
         _tile_loadd(0, a + kb * TPAIRS * 2, lda * 2);
         _tile_loadd(1, bk, NR * 4);
         _tile_loadd(2, bk + 32, NR * 4);
@@ -83,31 +88,84 @@ static void panel(const uint16_t *a, int64_t lda, int64_t kp, const uint16_t *b,
         _tile_dpbf16ps(5, 0, 2);
         _tile_dpbf16ps(6, 0, 3);
     }
-    _tile_stored(4, &c[0][0], NR * 4);
-    _tile_stored(5, &c[0][16], NR * 4);
-    _tile_stored(6, &c[0][32], NR * 4);
-    __m512 add[3];
-    __mmask16 live[3];
-    for (int j = 0; j < 3; j++) {
+    _tile_stored(4, c, CW * 4);
+    _tile_stored(5, c + 16, CW * 4);
+    _tile_stored(6, c + 32, CW * 4);
+}
+
+// The same for 32 rows: a0's 16 and a1's 16 (each with its row stride), into c (32 x 48, row
+// stride CW). Tiles: 0 A (a0's or a1's block), 1 B (one of the three), 2-4 C of a0's rows,
+// 5-7 of a1's. Each block: B0 a0 a1 | B1 a0 | B2 a1, each output's block added once, in order.
+static void sums_two(const uint16_t *a0, int64_t lda0, const uint16_t *a1, int64_t lda1, const uint16_t *b,
+                     int64_t blocks, float *c) {
+    _tile_zero(2);
+    _tile_zero(3);
+    _tile_zero(4);
+    _tile_zero(5);
+    _tile_zero(6);
+    _tile_zero(7);
+    for (int64_t kb = 0; kb < blocks; kb++) {
+        const uint16_t *bk = b + kb * TPAIRS * NR * 2;
+        _tile_loadd(1, bk, NR * 4);
+        _tile_loadd(0, a0 + kb * TPAIRS * 2, lda0 * 2);
+        _tile_dpbf16ps(2, 0, 1);
+        _tile_loadd(0, a1 + kb * TPAIRS * 2, lda1 * 2);
+        _tile_dpbf16ps(5, 0, 1);
+        _tile_loadd(1, bk + 32, NR * 4);
+        _tile_dpbf16ps(6, 0, 1);
+        _tile_loadd(0, a0 + kb * TPAIRS * 2, lda0 * 2);
+        _tile_dpbf16ps(3, 0, 1);
+        _tile_loadd(1, bk + 64, NR * 4);
+        _tile_dpbf16ps(4, 0, 1);
+        _tile_loadd(0, a1 + kb * TPAIRS * 2, lda1 * 2);
+        _tile_dpbf16ps(7, 0, 1);
+    }
+    float *c1 = c + TR * CW;
+    _tile_stored(2, c, CW * 4);
+    _tile_stored(3, c + 16, CW * 4);
+    _tile_stored(4, c + 32, CW * 4);
+    _tile_stored(5, c1, CW * 4);
+    _tile_stored(6, c1 + 16, CW * 4);
+    _tile_stored(7, c1 + 32, CW * 4);
+}
+
+// rows x cols (cols <= 96: panel b0's, then b1's; b1 NULL: one panel) outputs from the sums c
+// (row stride CW): the tail pairs of a's rows by VDPBF16PS, the bias, one rounding, then
+// 32 outputs (64 bytes) a store.
+static void finish(const float *c, const uint16_t *a, int64_t lda, int64_t blocks, int64_t kp, const uint16_t *b0,
+                   const uint16_t *b1, const uint16_t *bias, int64_t cols, uint16_t *y, int64_t ldy, int64_t rows) {
+    __m512 add[6];
+    __mmask16 live[6];
+    for (int j = 0; j < 6; j++) {
         int64_t left = cols - 16 * j;
         live[j] = left >= 16 ? 0xFFFF : left > 0 ? (__mmask16)((1u << left) - 1) : 0;
         add[j] = bias ? widen(_mm256_maskz_loadu_epi16(live[j], bias + 16 * j)) : _mm512_setzero_ps();
     }
     for (int64_t i = 0; i < rows; i++) {
-        __m512 acc[3];
-        for (int j = 0; j < 3; j++) acc[j] = _mm512_load_ps(&c[i][16 * j]);
+        __m512 acc[6];
+        for (int j = 0; j < 6; j++) acc[j] = _mm512_load_ps(c + i * CW + 16 * j);
         for (int64_t kk = blocks * TPAIRS; kk < kp; kk++) {
             uint32_t pair;
             memcpy(&pair, a + i * lda + 2 * kk, 4);
             __m512bh ai = (__m512bh)_mm512_set1_epi32((int)pair);
-            const uint16_t *bk = b + kk * NR * 2;
+            const uint16_t *bk = b0 + kk * NR * 2;  // (indices known when compiled: acc stays in registers)
             acc[0] = _mm512_dpbf16_ps(acc[0], ai, (__m512bh)_mm512_loadu_si512(bk));
             acc[1] = _mm512_dpbf16_ps(acc[1], ai, (__m512bh)_mm512_loadu_si512(bk + 32));
             acc[2] = _mm512_dpbf16_ps(acc[2], ai, (__m512bh)_mm512_loadu_si512(bk + 64));
+            if (b1) {
+                bk = b1 + kk * NR * 2;
+                acc[3] = _mm512_dpbf16_ps(acc[3], ai, (__m512bh)_mm512_loadu_si512(bk));
+                acc[4] = _mm512_dpbf16_ps(acc[4], ai, (__m512bh)_mm512_loadu_si512(bk + 32));
+                acc[5] = _mm512_dpbf16_ps(acc[5], ai, (__m512bh)_mm512_loadu_si512(bk + 64));
+            }
         }
-        for (int j = 0; j < 3; j++) {
-            __m256i out = (__m256i)_mm512_cvtneps_pbh(_mm512_add_ps(acc[j], add[j]));
-            _mm256_mask_storeu_epi16(y + i * ldy + 16 * j, live[j], out);
+        for (int j = 0; j < 6; j += 2) {
+            __mmask32 mask = (__mmask32)live[j] | (__mmask32)live[j + 1] << 16;
+            if (!mask) break;
+            __m256i lo = (__m256i)_mm512_cvtneps_pbh(_mm512_add_ps(acc[j], add[j]));
+            __m256i hi = (__m256i)_mm512_cvtneps_pbh(_mm512_add_ps(acc[j + 1], add[j + 1]));
+            __m512i out = _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1);
+            _mm512_mask_storeu_epi16(y + i * ldy + 16 * j, mask, out);
         }
     }
 }
@@ -120,11 +178,12 @@ static _Thread_local int64_t pad_elems;
 // the padding buffer cannot be allocated (y untouched).
 int32_t packed_gemm_bf16_amx(const uint16_t *x, int64_t m, int64_t k, int64_t ldx, const uint16_t *bp, int64_t n,
                              const uint16_t *bias, uint16_t *y, int64_t ldy) {
-    int64_t panels = (n + NR - 1) / NR, kp = (k + 1) / 2, full = m / TR * TR;
+    int64_t panels = (n + NR - 1) / NR, kp = (k + 1) / 2, blocks = kp / TPAIRS, full = m / TR * TR;
+    int64_t tiles = (m + TR - 1) / TR;
     if (m <= 0) return 0;
     int odd = k % 2 != 0;  // the last pair would read past a row: every row copied with a zero feature
     if (m > full || odd) {
-        int64_t need = (odd ? m + TR : TR) * kp * 2;
+        int64_t need = (odd ? tiles * TR : TR) * kp * 2;
         if (pad_elems < need) {
             free(pad);
             pad = aligned_alloc(64, (size_t)((need * 2 + 63) / 64 * 64));
@@ -132,41 +191,53 @@ int32_t packed_gemm_bf16_amx(const uint16_t *x, int64_t m, int64_t k, int64_t ld
             if (!pad) return -1;
         }
     }
-    configure();
-    // panels outer, row blocks inner: a panel (kp x 192 bytes) stays in L2 while every row
-    // block reads it, so the weights stream from memory once a call, as in cpu_gemm_bf16.c
+    // the rows of whole tiles read from a (x, or all of them from pad when k is odd), the rest from pad
     const uint16_t *a = x;
     int64_t lda = ldx, whole = full;
-    if (odd) {  // every row copied with its k padded to whole pairs (k odd): rare, not a model's shape
-        int64_t rows = (m + TR - 1) / TR * TR;
-        memset(pad, 0, (size_t)(rows * kp * 4));
+    if (odd) {  // rare, not a model's shape
+        memset(pad, 0, (size_t)(tiles * TR * kp * 4));
         for (int64_t i = 0; i < m; i++) memcpy(pad + i * kp * 2, x + i * ldx, (size_t)(k * 2));
         a = pad;
         lda = kp * 2;
-        whole = rows;
+        whole = tiles * TR;
     } else if (m > full) {  // the last rows, zero-padded to a tile
         memset(pad, 0, (size_t)(TR * kp * 4));
         for (int64_t i = full; i < m; i++) memcpy(pad + (i - full) * kp * 2, x + i * ldx, (size_t)(k * 2));
     }
-    // rows in chunks of at most A_CHUNK_BYTES of input, so a chunk's rows stay in L2 beside the panel
-    int64_t chunk = (A_CHUNK_BYTES / (4 * (kp > 0 ? kp : 1))) / TR * TR;
-    if (chunk < TR) chunk = TR;
-    int64_t r0 = 0;
-    do {  // once at least: with fewer than TR rows there is only the padded tail
-        int64_t r1 = r0 + chunk < whole ? r0 + chunk : whole;
-        int last = r1 == whole;  // the padded tail rows go with the last chunk
-        for (int64_t p = 0; p < panels; p++) {
-            const uint16_t *b = bp + p * kp * NR * 2, *bias_p = bias ? bias + p * NR : NULL;
-            int64_t cols = n - p * NR < NR ? n - p * NR : NR;
-            const char *next = p + 1 < panels ? (const char *)(b + kp * NR * 2) : NULL;  // prefetched by the first tile
-            for (int64_t r = r0; r < r1; r += TR)
-                panel(a + r * lda, lda, kp, b, bias_p, cols, y + r * ldy + p * NR, ldy, m - r < TR ? m - r : TR,
-                      r == r0 ? next : NULL);
-            if (last && !odd && m > full)
-                panel(pad, kp * 2, kp, b, bias_p, cols, y + full * ldy + p * NR, ldy, m - full, r1 == r0 ? next : NULL);
+    // row tiles in chunks of at most A_CHUNK_BYTES of input (an even count), so a chunk's rows stay in L2
+    int64_t chunk = A_CHUNK_BYTES / (4 * (kp > 0 ? kp : 1)) / (2 * TR) * 2;
+    if (chunk < 2) chunk = 2;
+    float c[2 * TR * CW] __attribute__((aligned(64)));  // the sums of 32 rows x a panel pair
+    configure();
+    for (int64_t t0 = 0; t0 < tiles; t0 += chunk) {
+        int64_t t1 = t0 + chunk < tiles ? t0 + chunk : tiles;
+        for (int64_t p = 0; p < panels; p += 2) {
+            int two_panels = p + 1 < panels;
+            const uint16_t *b0 = bp + p * kp * NR * 2, *b1 = two_panels ? b0 + kp * NR * 2 : NULL;
+            const uint16_t *bias_p = bias ? bias + p * NR : NULL;
+            int64_t cols = n - p * NR < 2 * NR ? n - p * NR : 2 * NR;
+            for (int64_t t = t0; t < t1; t += 2) {
+                int two_tiles = t + 1 < t1;
+                const uint16_t *a0 = t * TR < whole ? a + t * TR * lda : pad;
+                const uint16_t *a1 = (t + 1) * TR < whole ? a + (t + 1) * TR * lda : pad;
+                int64_t lda0 = t * TR < whole ? lda : kp * 2, lda1 = (t + 1) * TR < whole ? lda : kp * 2;
+                for (int q = 0; q < 1 + two_panels; q++) {
+                    const uint16_t *b = q ? b1 : b0;
+                    if (two_tiles)
+                        sums_two(a0, lda0, a1, lda1, b, blocks, c + q * NR);
+                    else
+                        sums_one(a0, lda0, b, blocks, c + q * NR);
+                }
+                if (blocks == 0) memset(c, 0, sizeof c);  // k < 32: only tail pairs
+                int64_t r = t * TR;
+                finish(c, a0, lda0, blocks, kp, b0, b1, bias_p, cols, y + r * ldy + p * NR, ldy,
+                       m - r < TR ? m - r : TR);
+                if (two_tiles)
+                    finish(c + TR * CW, a1, lda1, blocks, kp, b0, b1, bias_p, cols, y + (r + TR) * ldy + p * NR, ldy,
+                           m - r - TR < TR ? m - r - TR : TR);
+            }
         }
-        r0 = r1;
-    } while (r0 < whole);
+    }
     _tile_release();
     return 0;
 }

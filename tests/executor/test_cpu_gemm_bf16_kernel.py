@@ -107,6 +107,31 @@ def test_a_row_is_computed_the_same_alone_and_in_any_batch(kernel):
         assert torch.equal(cpu_gemm.panel_linear_bf16(x[rows], packed, (n, k), None), batch[rows])
 
 
+@pytest.mark.parametrize("k", [576, 70])
+def test_an_output_gets_the_same_bits_whichever_rows_and_panels_share_its_pass(kernel, k):
+    """The AMX GEMM multiplies two row tiles (32 rows) by a pair of panels (96 columns) in one
+    pass, a lone last tile or panel alone, and writes a row's 96 outputs with 64-byte stores;
+    the vdpbf16ps one has its own row blocks. Each output's bits are the same in any such
+    grouping: every row alone, and in batches of 16, 32, 47 and 81 rows (pairs, lone tiles,
+    padded tails); the first 48, 96 and 100 columns of the weight packed alone (one panel, a
+    pair, a pair and a ragged one), against all 244 (two pairs and a ragged lone panel), with
+    a bias; 70 features leave 3 pairs past the last block of 16 for the vector tail."""
+    n = 244
+    w, bias = (_randn(n, k, seed=20).float() * k ** -0.5).bfloat16(), _randn(n, seed=21)
+    x = _randn(81, k, seed=22)
+    full = cpu_gemm.panel_linear_bf16(x, cpu_gemm.pack_panels_bf16(w, kernel), (n, k), bias)
+    for rows in (16, 32, 47, 81):
+        part = cpu_gemm.panel_linear_bf16(x[:rows], cpu_gemm.pack_panels_bf16(w, kernel), (n, k), bias)
+        assert torch.equal(part, full[:rows])
+    for i in (0, 15, 16, 31, 32, 46, 47, 80):
+        alone = cpu_gemm.panel_linear_bf16(x[i:i + 1], cpu_gemm.pack_panels_bf16(w, kernel), (n, k), bias)
+        assert torch.equal(alone[0], full[i])
+    for cols in (48, 96, 100):
+        packed = cpu_gemm.pack_panels_bf16(w[:cols].contiguous(), kernel)
+        assert torch.equal(cpu_gemm.panel_linear_bf16(x, packed, (cols, k), bias[:cols].contiguous()), full[:, :cols])
+    torch.testing.assert_close(full, F.linear(x, w, bias), rtol=8e-3, atol=2e-2)
+
+
 def test_linear_packs_bfloat16_into_panels_adds_the_bias_and_takes_strided_inputs(kernel):
     w, b = _randn(100, 64, seed=5), _randn(100, seed=6)
     packed = cpu_gemm.pack(w)
