@@ -23,9 +23,11 @@
 //
 // The loops are cpu_gemm_bf16.c's: input rows in chunks of at most 512 KiB, and for each chunk
 // every panel pair once, its row tiles inner, so the pair stays in L2 across them and the
-// weights stream from memory once per chunk, in order: the hardware's prefetcher keeps up with
-// them (prefetching the next panel in software, as the kernel once did, made decode steps of 1-8
-// rows 10% slower). Rows past the last 16 go through a zero-padded copy of them (and every
+// weights stream from memory once per chunk, in order: while the first row tiles multiply a
+// block, the one PREFETCH_AHEAD bytes on is prefetched, which keeps a steady stream of requests
+// in flight at decode sizes (without it, 1-150 rows ran up to 1.3x slower whenever the host's
+// memory was busy; the whole next panel prefetched at once, as the kernel once did, made 1-8
+// rows 10% slower than no prefetch). Rows past the last 16 go through a zero-padded copy of them (and every
 // row when k is odd, to pad its last pair). Linux hands AMX's tile state to a process only
 // when it asks (arch_prctl ARCH_REQ_XCOMP_PERM): gemm_amx_available() asks.
 #define _GNU_SOURCE
@@ -41,6 +43,7 @@
 #define TPAIRS 16 // feature pairs of a tile (64 bytes a row)
 #define CW (2 * NR) // columns of a panel pair: the row stride of the sums
 #define A_CHUNK_BYTES (512 * 1024)
+#define PREFETCH_AHEAD (12 * 1024) // 4 blocks of a panel ahead (tried: 6 and 12 KiB best, 24 and 48 slower)
 
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__) && defined(__AVX512BW__)
 
@@ -72,14 +75,24 @@ static inline __m512 widen(__m256i bf16) {  // 16 bfloat16 -> 16 float32, exactl
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bf16), 16));
 }
 
+// The panel's lines PREFETCH_AHEAD bytes past block bk (3 KiB: one block's), into L1: past a
+// panel's end they are the next one's (the panels lie one after another), past the weight's end
+// nothing (a prefetch never faults).
+static inline void ahead(const uint16_t *bk) {
+    const char *p = (const char *)bk + PREFETCH_AHEAD;
+    for (int line = 0; line < TPAIRS * NR * 4 / 64; line++) _mm_prefetch(p + 64 * line, _MM_HINT_T0);
+}
+
 // The float32 sums of the whole feature blocks of 16 rows of a (row stride lda elements) with
-// one panel b, into c (16 x 48, row stride CW floats). Tiles: 0 A, 1-3 B, 4-6 C.
-static void sums_one(const uint16_t *a, int64_t lda, const uint16_t *b, int64_t blocks, float *c) {
+// one panel b, into c (16 x 48, row stride CW floats); prefetch: the rows' first tiles (see ahead).
+// Tiles: 0 A, 1-3 B, 4-6 C.
+static void sums_one(const uint16_t *a, int64_t lda, const uint16_t *b, int64_t blocks, float *c, int prefetch) {
     _tile_zero(4);
     _tile_zero(5);
     _tile_zero(6);
     for (int64_t kb = 0; kb < blocks; kb++) {
         const uint16_t *bk = b + kb * TPAIRS * NR * 2;
+        if (prefetch) ahead(bk);
         _tile_loadd(0, a + kb * TPAIRS * 2, lda * 2);
         _tile_loadd(1, bk, NR * 4);
         _tile_loadd(2, bk + 32, NR * 4);
@@ -97,7 +110,7 @@ static void sums_one(const uint16_t *a, int64_t lda, const uint16_t *b, int64_t 
 // stride CW). Tiles: 0 A (a0's or a1's block), 1 B (one of the three), 2-4 C of a0's rows,
 // 5-7 of a1's. Each block: B0 a0 a1 | B1 a0 | B2 a1, each output's block added once, in order.
 static void sums_two(const uint16_t *a0, int64_t lda0, const uint16_t *a1, int64_t lda1, const uint16_t *b,
-                     int64_t blocks, float *c) {
+                     int64_t blocks, float *c, int prefetch) {
     _tile_zero(2);
     _tile_zero(3);
     _tile_zero(4);
@@ -106,6 +119,7 @@ static void sums_two(const uint16_t *a0, int64_t lda0, const uint16_t *a1, int64
     _tile_zero(7);
     for (int64_t kb = 0; kb < blocks; kb++) {
         const uint16_t *bk = b + kb * TPAIRS * NR * 2;
+        if (prefetch) ahead(bk);
         _tile_loadd(1, bk, NR * 4);
         _tile_loadd(0, a0 + kb * TPAIRS * 2, lda0 * 2);
         _tile_dpbf16ps(2, 0, 1);
@@ -224,9 +238,9 @@ int32_t packed_gemm_bf16_amx(const uint16_t *x, int64_t m, int64_t k, int64_t ld
                 for (int q = 0; q < 1 + two_panels; q++) {
                     const uint16_t *b = q ? b1 : b0;
                     if (two_tiles)
-                        sums_two(a0, lda0, a1, lda1, b, blocks, c + q * NR);
+                        sums_two(a0, lda0, a1, lda1, b, blocks, c + q * NR, t == t0);
                     else
-                        sums_one(a0, lda0, b, blocks, c + q * NR);
+                        sums_one(a0, lda0, b, blocks, c + q * NR, t == t0);
                 }
                 if (blocks == 0) memset(c, 0, sizeof c);  // k < 32: only tail pairs
                 int64_t r = t * TR;
