@@ -186,6 +186,33 @@ def supports(q: torch.Tensor, key_cache: torch.Tensor) -> bool:
             and key_cache.is_contiguous() and torch.get_num_threads() == 1)
 
 
+def check_decode_shapes(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+                        block_table: torch.Tensor, seq_lens: torch.Tensor, out: torch.Tensor | None) -> None:
+    """Raises RuntimeError unless ``decode_attention``'s tensors fit together (shapes, dtypes,
+    layouts; not the values: block ids and lengths are the engine's to keep in range)."""
+    if q.dim() != 3 or q.dtype not in (torch.float32, torch.bfloat16):
+        raise RuntimeError(f"decode attention takes q (n, heads, head_dim) float32 or bfloat16, not "
+                           f"{tuple(q.shape)} {q.dtype}")
+    n, num_heads, head_dim = q.shape
+    for name, cache in (("key_cache", key_cache), ("value_cache", value_cache)):
+        if (cache.dim() != 4 or cache.dtype != q.dtype or not cache.is_contiguous() or cache.shape[3] != head_dim
+                or cache.shape != key_cache.shape or num_heads % max(1, cache.shape[2]) or cache.shape[2] < 1):
+            raise RuntimeError(f"decode attention takes a contiguous {name} (blocks, block_size, kv_heads, "
+                               f"{head_dim}) {q.dtype} (kv_heads dividing {num_heads}), not {tuple(cache.shape)} "
+                               f"{cache.dtype}")
+    if (block_table.dtype != torch.int32 or block_table.dim() != 2 or block_table.shape[0] < n
+            or block_table.stride(1) != 1):
+        raise RuntimeError(f"decode attention takes a block_table of at least {n} int32 rows of contiguous entries, "
+                           f"not {tuple(block_table.shape)} {block_table.dtype}")
+    if seq_lens.dtype != torch.int32 or seq_lens.dim() != 1 or seq_lens.shape[0] < n or not seq_lens.is_contiguous():
+        raise RuntimeError(f"decode attention takes contiguous seq_lens of at least {n} int32, not "
+                           f"{tuple(seq_lens.shape)} {seq_lens.dtype}")
+    if out is not None and (out.dtype != q.dtype or not out.is_contiguous() or out.dim() != 3
+                            or out.shape[0] < n or out.shape[1:] != q.shape[1:]):
+        raise RuntimeError(f"decode attention writes a contiguous out of at least {n} rows of {tuple(q.shape[1:])} "
+                           f"{q.dtype}, not {tuple(out.shape)} {out.dtype}")
+
+
 def decode_attention(fn, q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
                      block_table: torch.Tensor, seq_lens: torch.Tensor, scale: float,
                      out: torch.Tensor | None = None) -> torch.Tensor:
@@ -196,9 +223,12 @@ def decode_attention(fn, q: torch.Tensor, key_cache: torch.Tensor, value_cache: 
     when given, else a new tensor.
 
     Raises:
+        RuntimeError: the tensors do not fit together (the C kernel trusts its sizes: it would
+            read or write out of bounds), as a torch op raises on mismatched shapes.
         MemoryError: the kernel could not allocate its scratch memory.
     """
     q = q.contiguous()
+    check_decode_shapes(q, key_cache, value_cache, block_table, seq_lens, out)
     n, num_heads, head_dim = q.shape
     num_blocks, block_size, num_kv_heads, _ = key_cache.shape
     if out is None:

@@ -63,6 +63,35 @@ def test_kernel_in_bfloat16_is_batch_invariant(kernel):
         assert torch.equal(alone[0], together[i])
 
 
+def test_tensors_that_do_not_fit_together_are_refused_before_the_kernel_reads_them(kernel):
+    """The C kernel trusts its sizes (fewer seq_lens or block-table rows than queries would be
+    read past their ends): the wrapper refuses each mismatch with a RuntimeError, as a torch op
+    does, and the valid call still gives the same output."""
+    q, k, v, cache, md = _batch([1] * 4, [3, 50, 7, 20], 9, 3, 64, 16, torch.float32, seed=4)
+    TorchAttentionBackend().forward(q, k, v, cache, md, 0.125)
+    bt, lens = md.block_table, md.seq_lens
+    want = cpu_kernel.decode_attention(kernel, q, *cache, bt, lens, 0.125)
+    kc, vc = cache
+    bad = {
+        "seq_lens": (q, kc, vc, bt, lens[:3], None),
+        "int64 seq_lens": (q, kc, vc, bt, lens.long(), None),
+        "block_table": (q, kc, vc, bt[:3], lens, None),
+        "int64 block_table": (q, kc, vc, bt.long(), lens, None),
+        "transposed block_table": (q, kc, vc, bt.t().contiguous().t(), lens, None),
+        "head_dim": (q[..., :32].contiguous(), kc, vc, bt, lens, None),
+        "kv_heads": (q[:, :8].contiguous(), kc, vc, bt, lens, None),
+        "value_cache": (q, kc, vc[:, :8].contiguous(), bt, lens, None),
+        "dtype": (q.bfloat16(), kc, vc, bt, lens, None),
+        "q dims": (q.reshape(4, -1), kc, vc, bt, lens, None),
+        "out rows": (q, kc, vc, bt, lens, torch.empty(3, 9, 64)),
+        "out dtype": (q, kc, vc, bt, lens, torch.empty(4, 9, 64, dtype=torch.bfloat16)),
+    }
+    for qq, kk, vv, table, seq, out in bad.values():
+        with pytest.raises(RuntimeError, match="decode attention takes|decode attention writes"):
+            cpu_kernel.decode_attention(kernel, qq, kk, vv, table, seq, 0.125, out)
+    assert torch.equal(cpu_kernel.decode_attention(kernel, q, *cache, bt, lens, 0.125), want)
+
+
 def test_kernel_is_batch_invariant(kernel):
     q, k, v, cache, md = _batch([1] * 6, [3, 50, 7, 120, 16, 33], 9, 3, 64, 16, torch.float32, seed=2)
     TorchAttentionBackend().forward(q, k, v, cache, md, 0.125)
