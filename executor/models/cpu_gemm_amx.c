@@ -68,6 +68,9 @@ static void configure(void) {  // eight tiles of 16 rows x 64 bytes
         cfg.rows[t] = TR;
         cfg.colsb[t] = 64;
     }
+    // GCC's _tile_loadconfig tells the compiler it reads 8 bytes of cfg: at -O1 and -Os it kept
+    // only those of the zeroing above, and LDTILECFG faulted on the rest. The whole of it is read here.
+    __asm__ volatile("" : : "m"(cfg));
     _tile_loadconfig(&cfg);
 }
 
@@ -157,7 +160,8 @@ static void finish(const float *c, const uint16_t *a, int64_t lda, int64_t block
     }
     for (int64_t i = 0; i < rows; i++) {
         __m512 acc[6];
-        for (int j = 0; j < 6; j++) acc[j] = _mm512_load_ps(c + i * CW + 16 * j);
+        for (int j = 0; j < 6; j++)  // a lone last panel leaves the second's sums unwritten: not read
+            acc[j] = live[j] ? _mm512_load_ps(c + i * CW + 16 * j) : _mm512_setzero_ps();
         for (int64_t kk = blocks * TPAIRS; kk < kp; kk++) {
             uint32_t pair;
             memcpy(&pair, a + i * lda + 2 * kk, 4);
@@ -196,7 +200,8 @@ int32_t packed_gemm_bf16_amx(const uint16_t *x, int64_t m, int64_t k, int64_t ld
     int64_t tiles = (m + TR - 1) / TR;
     if (m <= 0) return 0;
     int odd = k % 2 != 0;  // the last pair would read past a row: every row copied with a zero feature
-    if (m > full || odd) {
+    int padded = kp > 0 && (m > full || odd);  // no features (k = 0): nothing to pad, pad may be NULL
+    if (padded) {
         int64_t need = (odd ? tiles * TR : TR) * kp * 2;
         if (pad_elems < need) {
             free(pad);
@@ -208,13 +213,13 @@ int32_t packed_gemm_bf16_amx(const uint16_t *x, int64_t m, int64_t k, int64_t ld
     // the rows of whole tiles read from a (x, or all of them from pad when k is odd), the rest from pad
     const uint16_t *a = x;
     int64_t lda = ldx, whole = full;
-    if (odd) {  // rare, not a model's shape
+    if (odd && padded) {  // rare, not a model's shape
         memset(pad, 0, (size_t)(tiles * TR * kp * 4));
         for (int64_t i = 0; i < m; i++) memcpy(pad + i * kp * 2, x + i * ldx, (size_t)(k * 2));
         a = pad;
         lda = kp * 2;
         whole = tiles * TR;
-    } else if (m > full) {  // the last rows, zero-padded to a tile
+    } else if (padded) {  // the last rows, zero-padded to a tile
         memset(pad, 0, (size_t)(TR * kp * 4));
         for (int64_t i = full; i < m; i++) memcpy(pad + (i - full) * kp * 2, x + i * ldx, (size_t)(k * 2));
     }
