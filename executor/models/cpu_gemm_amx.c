@@ -12,7 +12,7 @@
 // the tiles: batch-invariant by construction, as cpu_gemm_bf16.c (not bitwise equal to it: its
 // chain adds one pair at a time).
 //
-// Blocking (as oneDNN's AMX brgemm blocks, its own code): two row tiles (32 rows) by one panel
+// Blocking (the idea of oneDNN's AMX brgemm kernels, in our own code): two row tiles (32 rows) by one panel
 // at a time, six C tiles, the A and B tiles loaded into one register each in an order that
 // reuses each load once (7 loads for 6 TDPBF16PS; a lone last row tile takes 1 A by 3 B).
 // Panels go in pairs, both for the same 32 rows before the outputs are written, so a row's
@@ -25,10 +25,10 @@
 // every panel pair once, its row tiles inner, so the pair stays in L2 across them and the
 // weights stream from memory once per chunk, in order: while the first row tiles multiply a
 // block, the one PREFETCH_AHEAD bytes on is prefetched, which keeps a steady stream of requests
-// in flight at decode sizes (without it, 1-150 rows ran up to 1.3x slower whenever the host's
+// in flight at decode sizes (without it, 8-150 rows ran up to 1.4x slower whenever the host's
 // memory was busy; the whole next panel prefetched at once, as the kernel once did, made 1-8
-// rows 10% slower than no prefetch). Rows past the last 16 go through a zero-padded copy of them (and every
-// row when k is odd, to pad its last pair). Linux hands AMX's tile state to a process only
+// rows 10% slower than no prefetch). Rows past the last 16 go through a zero-padded copy of
+// them (and every row when k is odd, to pad its last pair). Linux hands AMX's tile state to a process only
 // when it asks (arch_prctl ARCH_REQ_XCOMP_PERM): gemm_amx_available() asks.
 #define _GNU_SOURCE
 #include <immintrin.h>
