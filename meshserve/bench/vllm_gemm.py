@@ -98,7 +98,7 @@ def main() -> None:
             if dtype == torch.bfloat16:
                 packed, y = panels(pack, w), torch.empty(rows, out_f, dtype=dtype)
 
-                def engine(x=x, packed=packed, y=y, n=out_f, k=in_f):
+                def engine(x=x, packed=packed, y=y, n=out_f, k=in_f, rows=rows):
                     if gemm(x.data_ptr(), rows, k, k, packed.data_ptr(), n, None, y.data_ptr(), n):
                         raise MemoryError("the engine's GEMM could not allocate its padding")
                     return y

@@ -47,7 +47,7 @@ async def refused_connect(address: str, tls: TLSConfig) -> tuple[grpc.StatusCode
         call = scheduler_pb2_grpc.SchedulerStub(ch).Connect(timeout=30)
         try:
             code = await asyncio.wait_for(call.code(), 10)
-        except asyncio.TimeoutError:
+        except TimeoutError:
             pytest.fail("Scheduler.Connect was not refused")
         return code, await call.details()
 
