@@ -196,7 +196,7 @@ def check_decode_shapes(q: torch.Tensor, key_cache: torch.Tensor, value_cache: t
     n, num_heads, head_dim = q.shape
     for name, cache in (("key_cache", key_cache), ("value_cache", value_cache)):
         if (cache.dim() != 4 or cache.dtype != q.dtype or not cache.is_contiguous() or cache.shape[3] != head_dim
-                or cache.shape != key_cache.shape or num_heads % max(1, cache.shape[2]) or cache.shape[2] < 1):
+                or cache.shape != key_cache.shape or cache.shape[2] < 1 or num_heads % cache.shape[2]):
             raise RuntimeError(f"decode attention takes a contiguous {name} (blocks, block_size, kv_heads, "
                                f"{head_dim}) {q.dtype} (kv_heads dividing {num_heads}), not {tuple(cache.shape)} "
                                f"{cache.dtype}")

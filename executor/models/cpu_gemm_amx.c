@@ -87,8 +87,8 @@ static inline void ahead(const uint16_t *bk) {
 }
 
 // The float32 sums of the whole feature blocks of 16 rows of a (row stride lda elements) with
-// one panel b, into c (16 x 48, row stride CW floats); prefetch: the rows' first tiles (see ahead).
-// Tiles: 0 A, 1-3 B, 4-6 C.
+// one panel b, into c (16 x 48, row stride CW floats; zeros when there are none, k < 32);
+// prefetch: the rows' first tiles (see ahead). Tiles: 0 A, 1-3 B, 4-6 C.
 static void sums_one(const uint16_t *a, int64_t lda, const uint16_t *b, int64_t blocks, float *c, int prefetch) {
     _tile_zero(4);
     _tile_zero(5);
@@ -201,6 +201,14 @@ static inline void claim(uint16_t *y, int64_t ldy, int64_t rows, int64_t cols) {
 static _Thread_local uint16_t *pad;  // the last rows, zero-padded to TR, with an even k: grown once per thread
 static _Thread_local int64_t pad_elems;
 
+// Row tile t's first row and its row stride (*ld): in a (row stride lda) below row `whole`, else
+// the zero-padded tail in pad (row stride kp pairs).
+static inline const uint16_t *tile_rows(const uint16_t *a, int64_t lda, int64_t whole, int64_t kp, int64_t t,
+                                        int64_t *ld) {
+    *ld = t * TR < whole ? lda : kp * 2;
+    return t * TR < whole ? a + t * TR * lda : pad;
+}
+
 // As packed_gemm_bf16 (cpu_gemm_bf16.c): y (m rows, row stride ldy) = x (m rows of k, row stride
 // ldx) . W^T + bias (NULL: none), W packed by pack_weight_bf16 for n columns. Returns 0, or -1 if
 // the padding buffer cannot be allocated (y untouched).
@@ -247,9 +255,9 @@ int32_t packed_gemm_bf16_amx(const uint16_t *x, int64_t m, int64_t k, int64_t ld
             int64_t cols = n - p * NR < 2 * NR ? n - p * NR : 2 * NR;
             for (int64_t t = t0; t < t1; t += 2) {
                 int two_tiles = t + 1 < t1;
-                const uint16_t *a0 = t * TR < whole ? a + t * TR * lda : pad;
-                const uint16_t *a1 = (t + 1) * TR < whole ? a + (t + 1) * TR * lda : pad;
-                int64_t lda0 = t * TR < whole ? lda : kp * 2, lda1 = (t + 1) * TR < whole ? lda : kp * 2;
+                int64_t lda0, lda1;
+                const uint16_t *a0 = tile_rows(a, lda, whole, kp, t, &lda0);
+                const uint16_t *a1 = tile_rows(a, lda, whole, kp, t + 1, &lda1);
                 int64_t pass_rows = (1 + two_tiles) * TR < m - t * TR ? (1 + two_tiles) * TR : m - t * TR;
                 if (tiles > 2) claim(y + t * TR * ldy + p * NR, ldy, pass_rows, cols);  // (decode: y stays cached)
                 for (int q = 0; q < 1 + two_panels; q++) {
@@ -259,7 +267,6 @@ int32_t packed_gemm_bf16_amx(const uint16_t *x, int64_t m, int64_t k, int64_t ld
                     else
                         sums_one(a0, lda0, b, blocks, c + q * NR, t == t0);
                 }
-                if (blocks == 0) memset(c, 0, sizeof c);  // k < 32: only tail pairs
                 int64_t r = t * TR;
                 finish(c, a0, lda0, blocks, kp, b0, b1, bias_p, cols, y + r * ldy + p * NR, ldy,
                        m - r < TR ? m - r : TR);
