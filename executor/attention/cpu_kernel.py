@@ -230,7 +230,7 @@ def decode_attention(fn, q: torch.Tensor, key_cache: torch.Tensor, value_cache: 
     q = q.contiguous()
     check_decode_shapes(q, key_cache, value_cache, block_table, seq_lens, out)
     n, num_heads, head_dim = q.shape
-    num_blocks, block_size, num_kv_heads, _ = key_cache.shape
+    _, block_size, num_kv_heads, _ = key_cache.shape
     if out is None:
         out = torch.empty_like(q)
     rc = fn(q.data_ptr(), key_cache.data_ptr(), value_cache.data_ptr(), block_table.data_ptr(),

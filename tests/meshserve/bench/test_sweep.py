@@ -324,16 +324,23 @@ def test_the_vllm_runner_imports_nothing_of_meshserve():
     assert 'if __name__ == "__main__":' in RUNNER.read_text()
 
 
-def test_the_vllm_runner_binds_its_threads_to_the_cores_the_bench_may_use():
-    """``taskset -c 1 meshserve bench ...`` runs vLLM's OpenMP thread on core 1 too, not on core 0."""
+def _vllm_runner():
+    """The vLLM runner script as a module (it imports vllm only inside ``main()``)."""
     import importlib.util
-    import os
 
     from meshserve.bench.vllm_target import RUNNER
 
     spec = importlib.util.spec_from_file_location("vllm_runner_under_test", RUNNER)
     runner = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(runner)  # imports vllm only inside main()
+    spec.loader.exec_module(runner)
+    return runner
+
+
+def test_the_vllm_runner_binds_its_threads_to_the_cores_the_bench_may_use():
+    """``taskset -c 1 meshserve bench ...`` runs vLLM's OpenMP thread on core 1 too, not on core 0."""
+    import os
+
+    runner = _vllm_runner()
     cores = sorted(os.sched_getaffinity(0))
     try:
         os.sched_setaffinity(0, {cores[-1]})
@@ -349,14 +356,9 @@ def test_the_vllm_runner_adds_a_request_sent_while_others_run_after_the_next_ste
     server): the step that ends a request is followed at once by the next, so the request a
     closed-loop client sends then joins the step after it; requests sent to an idle engine
     join its first step."""
-    import importlib.util
     from types import SimpleNamespace
 
-    from meshserve.bench.vllm_target import RUNNER
-
-    spec = importlib.util.spec_from_file_location("vllm_runner_under_test", RUNNER)
-    runner = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(runner)
+    runner = _vllm_runner()
 
     class Engine:  # one token a step for each request in it
         def __init__(self):
