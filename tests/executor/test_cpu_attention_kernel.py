@@ -63,6 +63,35 @@ def test_kernel_in_bfloat16_is_batch_invariant(kernel):
         assert torch.equal(alone[0], together[i])
 
 
+def test_on_a_cpu_with_amx_the_bfloat16_scores_are_multiplied_on_tiles(kernel):
+    """Where the CPU has AMX-BF16 the kernel takes its tile path (the bit-for-bit tests above
+    then check it), and says so; elsewhere it does not claim it."""
+    assert cpu_kernel.scores_on_amx() == ("amx_bf16" in cpu_kernel.cpu_flags().split())
+
+
+@pytest.mark.parametrize("head_dim", [32, 64, 128])
+def test_a_softmax_saturated_on_one_key_returns_that_keys_value_row_exactly(kernel, head_dim):
+    """One key's score 200 above the rest (their weights e^-200: zero in float32): the output
+    is that key's value row, bit for bit, for a decode and for a prompt's rows taken together,
+    wherever the key falls among 16-key groups and blocks."""
+    gen = torch.Generator().manual_seed(7)
+    num_blocks, block_size, length = 6, 16, 70
+    key_cache = torch.randn(num_blocks, block_size, 1, head_dim, generator=gen).bfloat16() * 0.01
+    value_cache = torch.randn(num_blocks, block_size, 1, head_dim, generator=gen).bfloat16()
+    table = torch.tensor([[3, 0, 5, 1, 4, 2]], dtype=torch.int32)
+    q = torch.zeros(length, 1, head_dim, dtype=torch.bfloat16)
+    q[:, 0, 0] = 100.0
+    for hot in (0, 15, 16, 37, 69):
+        keys = key_cache.clone()
+        block, slot = table[0, hot // block_size], hot % block_size
+        keys[block, slot, 0, 0] = 4.0  # a score of 4 * 100 * 0.5 = 200 against at most 0.5
+        rows = cpu_kernel.decode_attention(kernel, q[hot:], keys, value_cache, table.expand(length - hot, 6),
+                                           torch.arange(hot + 1, length + 1, dtype=torch.int32), 0.5)
+        want = value_cache[block, slot, 0]
+        for i in range(length - hot):
+            assert torch.equal(rows[i, 0].view(torch.int16), want.view(torch.int16)), (hot, i)
+
+
 def test_tensors_that_do_not_fit_together_are_refused_before_the_kernel_reads_them(kernel):
     """The C kernel trusts its sizes (fewer seq_lens or block-table rows than queries would be
     read past their ends): the wrapper refuses each mismatch with a RuntimeError, as a torch op
