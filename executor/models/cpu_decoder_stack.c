@@ -32,6 +32,8 @@ typedef void (*norm_fn)(const void *x, void *residual, const void *weight, void 
 typedef void (*rotary_fn)(void *x, int64_t row_stride, int64_t n, int64_t heads, int64_t D, const void *cos_,
                           const void *sin_);
 typedef void (*silu_fn)(const void *gate_up, void *out, int64_t n, int64_t inter);
+typedef int32_t (*gemm_silu_fn)(const void *x, int64_t m, int64_t k, int64_t ldx, const void *bp, int64_t inter,
+                                const void *bias, const float *table, void *y, int64_t ldy);
 typedef int (*attention_fn)(const void *q, const void *key_cache, const void *value_cache,
                             const int32_t *block_table, int64_t bt_stride, const int32_t *seq_lens, void *out,
                             int64_t n, int64_t H, int64_t KVH, int64_t D, int64_t bs, float scale, int bf16);
@@ -43,6 +45,8 @@ typedef struct {
     rotary_fn rotary;
     silu_fn silu;
     attention_fn attention;
+    gemm_silu_fn gemm_silu;  /* NULL, or the GEMM that applies silu to the gate_up panels it packs */
+    const float *silu_table; /* gemm_silu's table (cpu_fused.c's silu_bf16_table) */
     int64_t bf16, lanes;   /* lanes: cpu_fused's summation lanes */
     int64_t hidden, heads, kv_heads, head_dim, inter, block_size;
     float eps, scale;
@@ -104,8 +108,13 @@ int decoder_stack(const Stack *s, const Layer *layers, int64_t num_layers, void 
             return 1;
         if (gemm(s, a, n, H * D, L->o, hid, L->o_bias, x)) return 1;
         s->norm(x, residual, L->norm2, h, n, hid, s->eps, (int32_t)s->lanes);
-        if (gemm(s, h, n, hid, L->gate_up, 2 * s->inter, L->gate_up_bias, gate_up)) return 1;
-        s->silu(gate_up, act, n, s->inter);
+        if (s->gemm_silu) { /* the gate and up outputs never written: bitwise the two calls below */
+            if (s->gemm_silu(h, n, hid, hid, L->gate_up, s->inter, L->gate_up_bias, s->silu_table, act, s->inter))
+                return 1;
+        } else {
+            if (gemm(s, h, n, hid, L->gate_up, 2 * s->inter, L->gate_up_bias, gate_up)) return 1;
+            s->silu(gate_up, act, n, s->inter);
+        }
         if (gemm(s, act, n, s->inter, L->down, hid, L->down_bias, x)) return 1;
     }
     return 0;

@@ -3,8 +3,8 @@ is a row of the CPU decode-attention kernel: decode-only steps and steps of shor
 chunks, on a CPU running torch on one thread, float32 or bfloat16, one rank.
 
 The eager layers (``executor.models.llama``) call C kernels for all their work there (the
-GEMMs on packed panels, the fused norm, rotary and SiLU-and-multiply, the paged decode
-attention), yet spend about as long again between them in Python: module calls, argument
+GEMMs on packed panels, the fused norm, rotary and SiLU-and-multiply, or on AMX the GEMM that
+applies the SiLU as it writes, the paged decode attention), yet spend about as long again between them in Python: module calls, argument
 checks, views, fresh tensors. ``cpu_decoder_stack.c`` calls the same kernels through
 their function pointers, in the same order, on the same inputs, so its outputs are
 bitwise the eager path's (tested), without that Python: one decode step of SmolLM2-135M
@@ -47,8 +47,8 @@ _P, _I64, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
 
 
 class _Stack(ctypes.Structure):
-    _fields_ = [("gemm", _P), ("norm", _P), ("rotary", _P), ("silu", _P), ("attention", _P),
-                ("bf16", _I64), ("lanes", _I64), ("hidden", _I64), ("heads", _I64), ("kv_heads", _I64),
+    _fields_ = [("gemm", _P), ("norm", _P), ("rotary", _P), ("silu", _P), ("attention", _P), ("gemm_silu", _P),
+                ("silu_table", _P), ("bf16", _I64), ("lanes", _I64), ("hidden", _I64), ("heads", _I64), ("kv_heads", _I64),
                 ("head_dim", _I64), ("inter", _I64), ("block_size", _I64), ("eps", _F), ("scale", _F)]
 
 
@@ -88,6 +88,13 @@ def _ptr(t: torch.Tensor | None) -> int | None:
     return None if t is None else t.data_ptr()
 
 
+def _panels(linear) -> torch.Tensor | None:
+    """The packed panels a linear layer's GEMM reads: its fused SiLU packing where it has one
+    (``MergedColumnParallelLinear.silu_packed``), else its ``packed_weight``."""
+    silu_packed = getattr(linear, "silu_packed", None)
+    return silu_packed if silu_packed is not None else linear.packed_weight
+
+
 def _fits(t: torch.Tensor, dtype: torch.dtype, numel: int) -> bool:
     """Whether the C can read ``t`` as ``numel`` contiguous values of ``dtype`` on the CPU."""
     return t.dtype == dtype and t.device.type == "cpu" and t.is_contiguous() and t.numel() == numel
@@ -104,7 +111,7 @@ class DecoderStack:
         self._run, self._scratch_bytes = fns
         self._stack, self._layers, self.dtype = stack, layers, dtype
         self._linears = linears  # every layer's four linear modules, in table order
-        self._packed = [m.packed_weight for m in linears]  # the panels the table names (held: never freed under it)
+        self._packed = [_panels(m) for m in linears]  # the panels the table names (held: never freed under it)
         self._attention = [layer.self_attn.attn for layer in layers]  # (a module lookup a layer a step saved)
         qkv = (stack.heads + 2 * stack.kv_heads) * stack.head_dim
         # each layer's norm weights and biases in table order: where the module keeps it (a
@@ -133,10 +140,13 @@ class DecoderStack:
         attn, mlp = first.self_attn, first.mlp
         linears = [m for layer in layers for m in (layer.self_attn.qkv_proj, layer.self_attn.o_proj,
                                                    layer.mlp.gate_up_proj, layer.mlp.down_proj)]
-        if any(m.tp.world_size != 1 or not cpu_gemm.is_panel_packed(m.packed_weight)
-               or m.packed_weight.dtype != dtype or m.weight.device.type != "cpu"
+        if any(m.tp.world_size != 1 or not cpu_gemm.is_panel_packed(_panels(m))
+               or _panels(m).dtype != dtype or m.weight.device.type != "cpu"
                or (m.bias is not None and m.bias.dtype != dtype) for m in linears):
             return None
+        fused_silu = {getattr(layer.mlp.gate_up_proj, "silu_packed", None) is not None for layer in layers}
+        if len(fused_silu) != 1:
+            return None  # some layers' gate_up packed for the fused SiLU GEMM and some not
         if any(norm.weight.dtype != dtype for layer in layers
                for norm in (layer.input_layernorm, layer.post_attention_layernorm)):
             return None  # the eager norm keeps the torch ops there
@@ -154,6 +164,8 @@ class DecoderStack:
             rotary=_address(fused.rotary_inplace_bf16 if bf16 else fused.rotary_inplace),
             silu=_address(fused.silu_mul_bf16 if bf16 else fused.silu_mul),
             attention=_address(attention), bf16=int(bf16), lanes=fused.lanes,
+            gemm_silu=_address(gemm.packed_gemm_silu) if True in fused_silu else None,
+            silu_table=fused.silu_table if True in fused_silu else None,
             hidden=attn.qkv_proj.weight.shape[1], heads=attn.num_heads, kv_heads=attn.num_kv_heads,
             head_dim=attn.head_dim, inter=mlp.down_proj.weight.shape[1], block_size=0, eps=eps.pop(),
             scale=attn.attn.scale)
@@ -195,7 +207,7 @@ class DecoderStack:
             entry.norm1, entry.norm2 = _ptr(norm1), _ptr(norm2)
             entry.qkv, entry.qkv_bias = _ptr(a.qkv_proj.packed_weight), _ptr(qkv_bias)
             entry.o, entry.o_bias = _ptr(a.o_proj.packed_weight), _ptr(o_bias)
-            entry.gate_up, entry.gate_up_bias = _ptr(m.gate_up_proj.packed_weight), _ptr(gate_up_bias)
+            entry.gate_up, entry.gate_up_bias = _ptr(_panels(m.gate_up_proj)), _ptr(gate_up_bias)
             entry.down, entry.down_bias = _ptr(m.down_proj.packed_weight), _ptr(down_bias)
             entry.key_cache, entry.value_cache = caches[2 * i].data_ptr(), caches[2 * i + 1].data_ptr()
         s.block_size, self._slots = block_size, caches[0].shape[0] * block_size
@@ -208,7 +220,7 @@ class DecoderStack:
         and the rotary table of the model's dtype, every layer's KV cache bound, contiguous,
         of that dtype, and every slot of ``md.slot_mapping`` in the caches."""
         plan = md.plan
-        if any(m.packed_weight is not p for m, p in zip(self._linears, self._packed)):
+        if any(_panels(m) is not p for m, p in zip(self._linears, self._packed)):
             return False  # panels dropped or replaced (load_weights, a benchmark's plain F.linear side)
         if (not isinstance(plan, TorchPlan) or x.dtype != self.dtype or x.device.type != "cpu" or x.dim() != 2
                 or rope[0].dtype != self.dtype or torch.get_num_threads() != 1 or torch.compiler.is_compiling()):

@@ -260,6 +260,10 @@ __attribute__((constructor)) static void fill_silu_bf16_table(void) {
     }
 }
 
+/* The address of silu_bf16_table, for the AMX GEMM that applies silu_mul_bf16 as it writes
+ * (cpu_gemm_amx.c's packed_gemm_silu_bf16_amx): one table, so both round alike. */
+const float *silu_bf16_table_address(void) { return silu_bf16_table; }
+
 /* silu_mul on bfloat16 rows, rounding as torch's F.silu(gate).mul_(up) does: SiLU in
  * float32 rounded to bfloat16 (ATen's silu kernel for reduced floats), then the product
  * with up rounded: out = bf16(bf16(g / (1 + e^-g)) * u), the first factor from

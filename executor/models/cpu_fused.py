@@ -83,6 +83,9 @@ class FusedKernels:
     silu_mul_bf16: object
     lanes: int = 8
     norm_bitwise: bool = True
+    silu_table: int = 0
+    """The address of the library's ``silu_bf16_table`` (bf16(silu(g)) for every bfloat16
+    gate g, 65,536 float32), which ``silu_mul_bf16`` and the AMX GEMM's fused SiLU read."""
 
 
 _UNSET = object()
@@ -158,7 +161,9 @@ def _bind(lib: ctypes.CDLL) -> FusedKernels:
         functions += [norm, rotary, silu]
     kernels = FusedKernels(*functions)
     lanes = sum_lanes(kernels)
-    return replace(kernels, lanes=lanes or 8, norm_bitwise=lanes is not None)
+    lib.silu_bf16_table_address.restype = ctypes.c_void_p
+    return replace(kernels, lanes=lanes or 8, norm_bitwise=lanes is not None,
+                   silu_table=lib.silu_bf16_table_address())
 
 
 def usable(x: torch.Tensor) -> FusedKernels | None:

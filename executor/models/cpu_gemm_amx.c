@@ -146,6 +146,56 @@ static void sums_two(const uint16_t *a0, int64_t lda0, const uint16_t *a1, int64
     _tile_stored(7, c1 + 32, CW * 4);
 }
 
+// Which of a row's six 16-column sums are live for `cols` (<= 96) columns: mask j its columns
+// 16 j.. that exist.
+static inline void live_masks(int64_t cols, __mmask16 live[6]) {
+    for (int j = 0; j < 6; j++) {
+        int64_t left = cols - 16 * j;
+        live[j] = left >= 16 ? 0xFFFF : left > 0 ? (__mmask16)((1u << left) - 1) : 0;
+    }
+}
+
+// Row a_row's float32 sums over panel b0's columns, then b1's (b1 NULL: one panel), from its sums
+// c_row of the whole feature blocks: the tail pairs past them added by VDPBF16PS, in order.
+static inline __attribute__((always_inline)) void row_sums(const float *c_row, const uint16_t *a_row,
+                                                           int64_t blocks, int64_t kp, const uint16_t *b0,
+                                                           const uint16_t *b1, const __mmask16 live[6],
+                                                           __m512 acc[6]) {
+    for (int j = 0; j < 6; j++)  // a lone last panel leaves the second's sums unwritten: not read
+        acc[j] = live[j] ? _mm512_load_ps(c_row + 16 * j) : _mm512_setzero_ps();
+    for (int64_t kk = blocks * TPAIRS; kk < kp; kk++) {
+        uint32_t pair;
+        memcpy(&pair, a_row + 2 * kk, 4);
+        __m512bh ai = (__m512bh)_mm512_set1_epi32((int)pair);
+        const uint16_t *bk = b0 + kk * NR * 2;  // (indices known when compiled: acc stays in registers)
+        acc[0] = _mm512_dpbf16_ps(acc[0], ai, (__m512bh)_mm512_loadu_si512(bk));
+        acc[1] = _mm512_dpbf16_ps(acc[1], ai, (__m512bh)_mm512_loadu_si512(bk + 32));
+        acc[2] = _mm512_dpbf16_ps(acc[2], ai, (__m512bh)_mm512_loadu_si512(bk + 64));
+        if (b1) {
+            bk = b1 + kk * NR * 2;
+            acc[3] = _mm512_dpbf16_ps(acc[3], ai, (__m512bh)_mm512_loadu_si512(bk));
+            acc[4] = _mm512_dpbf16_ps(acc[4], ai, (__m512bh)_mm512_loadu_si512(bk + 32));
+            acc[5] = _mm512_dpbf16_ps(acc[5], ai, (__m512bh)_mm512_loadu_si512(bk + 64));
+        }
+    }
+}
+
+// The bias of `cols` columns as six float32 vectors (zeros past them, or none: NULL).
+static inline void bias_vectors(const uint16_t *bias, const __mmask16 live[6], __m512 add[6]) {
+    for (int j = 0; j < 6; j++)
+        add[j] = bias ? widen(_mm256_maskz_loadu_epi16(live[j], bias + 16 * j)) : _mm512_setzero_ps();
+}
+
+// The row's 96 outputs (two 16-column halves a 64-byte store) under the live masks.
+static inline void store_row(uint16_t *y_row, const __m256i out[6], const __mmask16 live[6]) {
+    for (int j = 0; j < 6; j += 2) {
+        __mmask32 mask = (__mmask32)live[j] | (__mmask32)live[j + 1] << 16;
+        if (!mask) break;
+        __m512i pair = _mm512_inserti64x4(_mm512_castsi256_si512(out[j]), out[j + 1], 1);
+        _mm512_mask_storeu_epi16(y_row + 16 * j, mask, pair);
+    }
+}
+
 // rows x cols (cols <= 96: panel b0's, then b1's; b1 NULL: one panel) outputs from the sums c
 // (row stride CW): the tail pairs of a's rows by VDPBF16PS, the bias, one rounding, then
 // 32 outputs (64 bytes) a store.
@@ -153,38 +203,55 @@ static void finish(const float *c, const uint16_t *a, int64_t lda, int64_t block
                    const uint16_t *b1, const uint16_t *bias, int64_t cols, uint16_t *y, int64_t ldy, int64_t rows) {
     __m512 add[6];
     __mmask16 live[6];
-    for (int j = 0; j < 6; j++) {
-        int64_t left = cols - 16 * j;
-        live[j] = left >= 16 ? 0xFFFF : left > 0 ? (__mmask16)((1u << left) - 1) : 0;
-        add[j] = bias ? widen(_mm256_maskz_loadu_epi16(live[j], bias + 16 * j)) : _mm512_setzero_ps();
-    }
+    live_masks(cols, live);
+    bias_vectors(bias, live, add);
     for (int64_t i = 0; i < rows; i++) {
         __m512 acc[6];
-        for (int j = 0; j < 6; j++)  // a lone last panel leaves the second's sums unwritten: not read
-            acc[j] = live[j] ? _mm512_load_ps(c + i * CW + 16 * j) : _mm512_setzero_ps();
-        for (int64_t kk = blocks * TPAIRS; kk < kp; kk++) {
-            uint32_t pair;
-            memcpy(&pair, a + i * lda + 2 * kk, 4);
-            __m512bh ai = (__m512bh)_mm512_set1_epi32((int)pair);
-            const uint16_t *bk = b0 + kk * NR * 2;  // (indices known when compiled: acc stays in registers)
-            acc[0] = _mm512_dpbf16_ps(acc[0], ai, (__m512bh)_mm512_loadu_si512(bk));
-            acc[1] = _mm512_dpbf16_ps(acc[1], ai, (__m512bh)_mm512_loadu_si512(bk + 32));
-            acc[2] = _mm512_dpbf16_ps(acc[2], ai, (__m512bh)_mm512_loadu_si512(bk + 64));
-            if (b1) {
-                bk = b1 + kk * NR * 2;
-                acc[3] = _mm512_dpbf16_ps(acc[3], ai, (__m512bh)_mm512_loadu_si512(bk));
-                acc[4] = _mm512_dpbf16_ps(acc[4], ai, (__m512bh)_mm512_loadu_si512(bk + 32));
-                acc[5] = _mm512_dpbf16_ps(acc[5], ai, (__m512bh)_mm512_loadu_si512(bk + 64));
-            }
+        __m256i out[6];
+        row_sums(c + i * CW, a + i * lda, blocks, kp, b0, b1, live, acc);
+        for (int j = 0; j < 6; j++) out[j] = (__m256i)_mm512_cvtneps_pbh(_mm512_add_ps(acc[j], add[j]));
+        store_row(y + i * ldy, out, live);
+    }
+}
+
+// bf16_store of cpu_fused.c on 16 lanes: round to nearest even (infinities stay), every NaN
+// the one 0x7fc0, as torch's bfloat16 conversion (not VCVTNEPS2BF16, which flushes denormals to
+// zero and keeps a NaN's sign: the product below must round as silu_mul_bf16 rounds it).
+static inline __m256i round_bf16(__m512 f) {
+    const __m512i u = _mm512_castps_si512(f);
+    const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+    __m512i r = _mm512_srli_epi32(_mm512_add_epi32(u, _mm512_add_epi32(_mm512_set1_epi32(0x7fff), lsb)), 16);
+    const __m512i magnitude = _mm512_and_si512(u, _mm512_set1_epi32(0x7fffffff));
+    r = _mm512_mask_mov_epi32(r, _mm512_cmpgt_epu32_mask(magnitude, _mm512_set1_epi32(0x7f800000)),
+                              _mm512_set1_epi32(0x7fc0));
+    return _mm512_cvtepi32_epi16(r);
+}
+
+// rows x cols (cols <= 96) outputs of SiLU(gate) * up from the gate sums cg (panels g0, g1) and
+// the up sums cu (panels u0, u1), each row stride CW: each gate and up output as finish makes it
+// (tail pairs, bias, one rounding to bfloat16), then cpu_fused.c's silu_mul_bf16 on them:
+// bf16(table[gate's bits] * up), table its silu_bf16_table (bf16(silu(g)) for every bfloat16 g).
+static void finish_silu(const float *cg, const float *cu, const uint16_t *a, int64_t lda, int64_t blocks,
+                        int64_t kp, const uint16_t *g0, const uint16_t *g1, const uint16_t *u0, const uint16_t *u1,
+                        const uint16_t *bias_g, const uint16_t *bias_u, const float *table, int64_t cols,
+                        uint16_t *y, int64_t ldy, int64_t rows) {
+    __m512 add_g[6], add_u[6];
+    __mmask16 live[6];
+    live_masks(cols, live);
+    bias_vectors(bias_g, live, add_g);
+    bias_vectors(bias_u, live, add_u);
+    for (int64_t i = 0; i < rows; i++) {
+        __m512 gate[6], up[6];
+        __m256i out[6];
+        row_sums(cg + i * CW, a + i * lda, blocks, kp, g0, g1, live, gate);
+        row_sums(cu + i * CW, a + i * lda, blocks, kp, u0, u1, live, up);
+        for (int j = 0; j < 6; j++) {
+            __m256i g = (__m256i)_mm512_cvtneps_pbh(_mm512_add_ps(gate[j], add_g[j]));
+            __m256i u = (__m256i)_mm512_cvtneps_pbh(_mm512_add_ps(up[j], add_u[j]));
+            __m512 silu = _mm512_mask_i32gather_ps(_mm512_setzero_ps(), live[j], _mm512_cvtepu16_epi32(g), table, 4);
+            out[j] = round_bf16(_mm512_mul_ps(silu, widen(u)));
         }
-        for (int j = 0; j < 6; j += 2) {
-            __mmask32 mask = (__mmask32)live[j] | (__mmask32)live[j + 1] << 16;
-            if (!mask) break;
-            __m256i lo = (__m256i)_mm512_cvtneps_pbh(_mm512_add_ps(acc[j], add[j]));
-            __m256i hi = (__m256i)_mm512_cvtneps_pbh(_mm512_add_ps(acc[j + 1], add[j + 1]));
-            __m512i out = _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1);
-            _mm512_mask_storeu_epi16(y + i * ldy + 16 * j, mask, out);
-        }
+        store_row(y + i * ldy, out, live);
     }
 }
 
@@ -209,13 +276,22 @@ static inline const uint16_t *tile_rows(const uint16_t *a, int64_t lda, int64_t 
     return t * TR < whole ? a + t * TR * lda : pad;
 }
 
-// As packed_gemm_bf16 (cpu_gemm_bf16.c): y (m rows, row stride ldy) = x (m rows of k, row stride
-// ldx) . W^T + bias (NULL: none), W packed by pack_weight_bf16 for n columns. Returns 0, or -1 if
-// the padding buffer cannot be allocated (y untouched).
-int32_t packed_gemm_bf16_amx(const uint16_t *x, int64_t m, int64_t k, int64_t ldx, const uint16_t *bp, int64_t n,
-                             const uint16_t *bias, uint16_t *y, int64_t ldy) {
-    int64_t panels = (n + NR - 1) / NR, kp = (k + 1) / 2, blocks = kp / TPAIRS, full = m / TR * TR;
-    int64_t tiles = (m + TR - 1) / TR;
+// The sums of one row tile (a0) or two (a1 too) with panel b into c (see sums_one, sums_two).
+static inline void pass_sums(const uint16_t *a0, int64_t lda0, const uint16_t *a1, int64_t lda1, int two_tiles,
+                             const uint16_t *b, int64_t blocks, float *c, int prefetch) {
+    if (two_tiles)
+        sums_two(a0, lda0, a1, lda1, b, blocks, c, prefetch);
+    else
+        sums_one(a0, lda0, b, blocks, c, prefetch);
+}
+
+// The GEMM of packed_gemm_bf16_amx (table NULL) or of packed_gemm_silu_bf16_amx (table its SiLU
+// table): n output columns, 96 a step (a panel pair; with the table, its gate pair then its up
+// pair, the four panels of one group).
+static int32_t gemm_amx(const uint16_t *x, int64_t m, int64_t k, int64_t ldx, const uint16_t *bp, int64_t n,
+                        const uint16_t *bias, const float *table, uint16_t *y, int64_t ldy) {
+    int64_t kp = (k + 1) / 2, blocks = kp / TPAIRS, full = m / TR * TR, panel = kp * NR * 2;
+    int64_t tiles = (m + TR - 1) / TR, steps = (n + CW - 1) / CW;
     if (m <= 0) return 0;
     int odd = k % 2 != 0;  // the last pair would read past a row: every row copied with a zero feature
     int padded = kp > 0 && (m > full || odd);  // no features (k = 0): nothing to pad, pad may be NULL
@@ -244,40 +320,63 @@ int32_t packed_gemm_bf16_amx(const uint16_t *x, int64_t m, int64_t k, int64_t ld
     // row tiles in chunks of at most A_CHUNK_BYTES of input (an even count), so a chunk's rows stay in L2
     int64_t chunk = A_CHUNK_BYTES / (4 * (kp > 0 ? kp : 1)) / (2 * TR) * 2;
     if (chunk < 2) chunk = 2;
-    float c[2 * TR * CW] __attribute__((aligned(64)));  // the sums of 32 rows x a panel pair
+    float c[2][2 * TR * CW] __attribute__((aligned(64)));  // the sums of 32 rows x a panel pair (and the up pair)
     configure();
     for (int64_t t0 = 0; t0 < tiles; t0 += chunk) {
         int64_t t1 = t0 + chunk < tiles ? t0 + chunk : tiles;
-        for (int64_t p = 0; p < panels; p += 2) {
-            int two_panels = p + 1 < panels;
-            const uint16_t *b0 = bp + p * kp * NR * 2, *b1 = two_panels ? b0 + kp * NR * 2 : NULL;
-            const uint16_t *bias_p = bias ? bias + p * NR : NULL;
-            int64_t cols = n - p * NR < 2 * NR ? n - p * NR : 2 * NR;
+        for (int64_t step = 0; step < steps; step++) {
+            int64_t col0 = step * CW, cols = n - col0 < CW ? n - col0 : CW;
+            int two_panels = cols > NR;
+            const uint16_t *b0 = bp + (table ? 4 : 2) * step * panel, *u0 = table ? b0 + 2 * panel : NULL;
+            const uint16_t *b1 = two_panels ? b0 + panel : NULL, *u1 = two_panels && table ? u0 + panel : NULL;
+            const uint16_t *bias_g = bias ? bias + col0 : NULL, *bias_u = bias ? bias + n + col0 : NULL;
             for (int64_t t = t0; t < t1; t += 2) {
                 int two_tiles = t + 1 < t1;
                 int64_t lda0, lda1;
                 const uint16_t *a0 = tile_rows(a, lda, whole, kp, t, &lda0);
                 const uint16_t *a1 = tile_rows(a, lda, whole, kp, t + 1, &lda1);
                 int64_t pass_rows = (1 + two_tiles) * TR < m - t * TR ? (1 + two_tiles) * TR : m - t * TR;
-                if (tiles > 2) claim(y + t * TR * ldy + p * NR, ldy, pass_rows, cols);  // (decode: y stays cached)
+                if (tiles > 2) claim(y + t * TR * ldy + col0, ldy, pass_rows, cols);  // (decode: y stays cached)
                 for (int q = 0; q < 1 + two_panels; q++) {
-                    const uint16_t *b = q ? b1 : b0;
-                    if (two_tiles)
-                        sums_two(a0, lda0, a1, lda1, b, blocks, c + q * NR, t == t0);
-                    else
-                        sums_one(a0, lda0, b, blocks, c + q * NR, t == t0);
+                    pass_sums(a0, lda0, a1, lda1, two_tiles, q ? b1 : b0, blocks, c[0] + q * NR, t == t0);
+                    if (table) pass_sums(a0, lda0, a1, lda1, two_tiles, q ? u1 : u0, blocks, c[1] + q * NR, t == t0);
                 }
-                int64_t r = t * TR;
-                finish(c, a0, lda0, blocks, kp, b0, b1, bias_p, cols, y + r * ldy + p * NR, ldy,
-                       m - r < TR ? m - r : TR);
-                if (two_tiles)
-                    finish(c + TR * CW, a1, lda1, blocks, kp, b0, b1, bias_p, cols, y + (r + TR) * ldy + p * NR, ldy,
-                           m - r - TR < TR ? m - r - TR : TR);
+                for (int half = 0; half < 1 + two_tiles; half++) {
+                    int64_t r = (t + half) * TR, rows = m - r < TR ? m - r : TR;
+                    const uint16_t *a_half = half ? a1 : a0;
+                    int64_t lda_half = half ? lda1 : lda0;
+                    if (table)
+                        finish_silu(c[0] + half * TR * CW, c[1] + half * TR * CW, a_half, lda_half, blocks, kp, b0,
+                                    b1, u0, u1, bias_g, bias_u, table, cols, y + r * ldy + col0, ldy, rows);
+                    else
+                        finish(c[0] + half * TR * CW, a_half, lda_half, blocks, kp, b0, b1, bias_g, cols,
+                               y + r * ldy + col0, ldy, rows);
+                }
             }
         }
     }
     _tile_release();
     return 0;
+}
+
+// As packed_gemm_bf16 (cpu_gemm_bf16.c): y (m rows, row stride ldy) = x (m rows of k, row stride
+// ldx) . W^T + bias (NULL: none), W packed by pack_weight_bf16 for n columns. Returns 0, or -1 if
+// the padding buffer cannot be allocated (y untouched).
+int32_t packed_gemm_bf16_amx(const uint16_t *x, int64_t m, int64_t k, int64_t ldx, const uint16_t *bp, int64_t n,
+                             const uint16_t *bias, uint16_t *y, int64_t ldy) {
+    return gemm_amx(x, m, k, ldx, bp, n, bias, NULL, y, ldy);
+}
+
+// SwiGLU's gate/up projection and its activation in one pass, the gate and up outputs never
+// written: y (m rows of `inter`, row stride ldy) = bf16(table[bf16(x . Wg^T + bg)] * bf16(x . Wu^T
+// + bu)), bitwise packed_gemm_bf16_amx's [gate | up] followed by cpu_fused.c's silu_mul_bf16 (whose
+// silu_bf16_table is `table`). W = [Wg; Wu] (2 inter x k) packed by pack_weight_bf16 in groups of
+// 96 outputs: group q's rows 96 q.. of Wg, then the same of Wu, each zero-padded to 96 rows (the
+// panels 4 q .. 4 q + 3); bias (2 inter: [bg | bu], NULL: none) unpacked. Returns as
+// packed_gemm_bf16_amx.
+int32_t packed_gemm_silu_bf16_amx(const uint16_t *x, int64_t m, int64_t k, int64_t ldx, const uint16_t *bp,
+                                  int64_t inter, const uint16_t *bias, const float *table, uint16_t *y, int64_t ldy) {
+    return gemm_amx(x, m, k, ldx, bp, inter, bias, table, y, ldy);
 }
 
 #else  // no AMX-BF16 on the CPU this was built for: the library says so and does nothing
@@ -286,6 +385,11 @@ int32_t gemm_amx_available(void) { return 0; }
 int32_t packed_gemm_bf16_amx(const uint16_t *x, int64_t m, int64_t k, int64_t ldx, const uint16_t *bp, int64_t n,
                              const uint16_t *bias, uint16_t *y, int64_t ldy) {
     (void)x, (void)m, (void)k, (void)ldx, (void)bp, (void)n, (void)bias, (void)y, (void)ldy;
+    return -2;
+}
+int32_t packed_gemm_silu_bf16_amx(const uint16_t *x, int64_t m, int64_t k, int64_t ldx, const uint16_t *bp,
+                                  int64_t inter, const uint16_t *bias, const float *table, uint16_t *y, int64_t ldy) {
+    (void)x, (void)m, (void)k, (void)ldx, (void)bp, (void)inter, (void)bias, (void)table, (void)y, (void)ldy;
     return -2;
 }
 

@@ -94,10 +94,14 @@ class LlamaMLP(nn.Module):
             raise ValueError(f"hidden_act {config.hidden_act!r} is not supported (only silu)")
         bias = bool(getattr(config, "mlp_bias", False))
         size = config.intermediate_size
-        self.gate_up_proj = MergedColumnParallelLinear(config.hidden_size, [size, size], bias=bias, tp=tp, dtype=dtype)
+        self.gate_up_proj = MergedColumnParallelLinear(config.hidden_size, [size, size], bias=bias, tp=tp, dtype=dtype,
+                                                       silu_mul=True)
         self.down_proj = RowParallelLinear(size, config.hidden_size, bias=bias, tp=tp, dtype=dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        act = self.gate_up_proj.forward_silu_mul(x) if x.dim() == 2 else None
+        if act is not None:  # bfloat16 on an AMX CPU: the GEMM applies the activation as it writes
+            return self.down_proj(act)
         gate_up = self.gate_up_proj(x)
         kernels = cpu_fused.usable(gate_up) if gate_up.dim() == 2 and gate_up.is_contiguous() else None
         if kernels is not None:  # float32 or bfloat16 on one CPU thread: one C call (cpu_fused.py)
@@ -254,6 +258,8 @@ class LlamaForCausalLM(nn.Module):
         for module in self.modules():  # packed copies go stale: process_weights_after_loading() again
             if getattr(module, "packed_weight", None) is not None:
                 module.packed_weight = None
+            if getattr(module, "silu_packed", None) is not None:
+                module.silu_packed = None
         params = dict(self.named_parameters(remove_duplicate=False))
         loaded: set[str] = set()
         for name, tensor in weights:

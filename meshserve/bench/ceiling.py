@@ -8,8 +8,9 @@ of context (spread over ±20%), it reports tokens per second of:
   ``gate_up_proj``, ``down_proj`` and the LM head: the same weights and shapes) on
   ``batch`` rows, once through plain ``F.linear`` (MKL) and once through the
   kernel the model itself calls (the packed CPU GEMM of
-  ``executor/models/cpu_gemm.py`` where the weight could be packed). The ceiling a
-  forward pass would reach if attention, norms and Python cost nothing;
+  ``executor/models/cpu_gemm.py`` where the weight could be packed; where
+  ``gate_up_proj`` is packed for the fused SiLU GEMM, that GEMM, activation included).
+  The ceiling a forward pass would reach if attention, norms and Python cost nothing;
 * **forward**: the model's forward pass and logits for that decode step over a
   paged KV cache (``plan`` + ``model(...)`` + ``compute_logits``; no ModelRunner,
   no sampler), with the model's kernels and, for comparison, with every layer on
@@ -85,7 +86,10 @@ def matmul_only(model, batch: int, repeat: int):
 
     def own():
         for m, x, b in zip(layers, inputs, biases):
-            cpu_gemm.linear(x, m.weight, b, m.packed_weight)
+            if getattr(m, "silu_packed", None) is not None:  # the model's call: GEMM and activation
+                m.forward_silu_mul(x)
+            else:
+                cpu_gemm.linear(x, m.weight, b, m.packed_weight)
 
     with torch.inference_mode():
         plain_times, own_times = [], []
@@ -149,16 +153,20 @@ def forward(loaded, batch: int, context: int, repeat: int) -> tuple[Figure, Figu
             loaded.model.compute_logits(hidden)
 
     linears = [m for m in loaded.model.modules() if hasattr(m, "packed_weight")]
-    packed = [m.packed_weight for m in linears]
+    packed = [(m.packed_weight, getattr(m, "silu_packed", None)) for m in linears]
     packed_times, plain_times = [], []
     try:
         for _ in range(repeat):
             packed_times += _time(step, 1)
             for m in linears:
                 m.packed_weight = None
+                if hasattr(m, "silu_packed"):
+                    m.silu_packed = None
             plain_times += _time(step, 1)
-            for m, p in zip(linears, packed):
+            for m, (p, silu_p) in zip(linears, packed):
                 m.packed_weight = p
+                if hasattr(m, "silu_packed"):
+                    m.silu_packed = silu_p
     finally:
         for layer in layers:
             layer.kv_cache = None
@@ -217,7 +225,8 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(args.threads)
     files = resolve_model(args.model)
     loaded = load_model(files.path, dtype=args.dtype, max_model_len=None, attention_backend="torch", device="cpu")
-    num_packed = sum(1 for m in loaded.model.modules() if getattr(m, "packed_weight", None) is not None)
+    num_packed = sum(1 for m in loaded.model.modules()
+                     if getattr(m, "packed_weight", None) is not None or getattr(m, "silu_packed", None) is not None)
     num_linear = sum(1 for m in loaded.model.modules() if hasattr(m, "packed_weight"))
     print(f"{files.model_id}  {loaded.dtype}  batch {args.batch}  context ~{args.context}  threads {args.threads}  "
           f"torch {torch.__version__} ({torch.backends.cpu.get_cpu_capability()})  "
