@@ -234,13 +234,16 @@ static inline __attribute__((always_inline)) __m512 hsum16(const __m512 *v) {
     return _mm512_add_ps(_mm512_shuffle_f32x4(lo, hi, 0x88), _mm512_shuffle_f32x4(lo, hi, 0xDD));
 }
 
-/* e^x, 16 lanes, for x <= 0 (a softmax's scores less their maximum; results below 2^-126 are flushed to 0 where MXCSR says so, as in the kernel):
- * x = n ln2 + r with |r| <= ln2 / 2 (ln2 split in two, Cody-Waite), e^r by Cephes expf's
- * polynomial (S. L. Moshier, Cephes Math Library, expf.c), 2^n by VSCALEFPS; within 2 ulp
- * of the correctly rounded e^x. Every row's every score goes through it the same way: a
- * score's value depends on it and its row's maximum only. */
+/* e^x, 16 lanes, for x <= 0 (a softmax's scores less their maximum; results below 2^-126
+ * are flushed to 0 where MXCSR says so, as in the kernel; a NaN stays NaN, so a NaN key still
+ * makes its rows NaN): x = n ln2 + r with |r| <= ln2 / 2 (ln2 split in two, Cody-Waite), e^r
+ * by Cephes expf's polynomial (S. L. Moshier, Cephes Math Library, expf.c), 2^n by
+ * VSCALEFPS; within 1.26 ulp of the exact e^x (every float in [-88, 0] with a normal
+ * result checked). Every row's every score goes through it the same way: a score's value
+ * depends on it and its row's maximum only. */
 static inline __attribute__((always_inline)) __m512 exp_nonpositive(__m512 x) {
-    x = _mm512_max_ps(x, _mm512_set1_ps(-104.0f));
+    const __m512 lowest = _mm512_set1_ps(-104.0f); /* (a compare, not VMAXPS, which would turn NaN into -104) */
+    x = _mm512_mask_mov_ps(x, _mm512_cmp_ps_mask(x, lowest, _CMP_LT_OQ), lowest);
     const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
                                           _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
     __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);

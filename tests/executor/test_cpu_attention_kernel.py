@@ -92,6 +92,27 @@ def test_a_softmax_saturated_on_one_key_returns_that_keys_value_row_exactly(kern
             assert torch.equal(rows[i, 0].view(torch.int16), want.view(torch.int16)), (hot, i)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_nan_key_in_the_context_makes_the_rows_that_see_it_nan(kernel, dtype):
+    """A NaN in a cached key (a corrupt cache, an overflowed projection) is not hidden: every
+    row whose keys include it comes out NaN in the heads of its kv head, as SDPA's would, for a
+    decode and for a prompt's rows taken together; the rows before it and the other kv head's
+    heads stay finite."""
+    gen = torch.Generator().manual_seed(9)
+    length, bad = 40, 21
+    key_cache = torch.randn(3, 16, 2, 64, generator=gen).to(dtype)
+    value_cache = torch.randn(3, 16, 2, 64, generator=gen).to(dtype)
+    key_cache[bad // 16, bad % 16, 0, 7] = float("nan")
+    q = torch.randn(length, 4, 64, generator=gen).to(dtype)  # heads 0-1 read kv head 0, heads 2-3 kv head 1
+    table = torch.tensor([[0, 1, 2]], dtype=torch.int32).expand(length, 3)
+    rows = cpu_kernel.decode_attention(kernel, q, key_cache, value_cache, table,
+                                       torch.arange(1, length + 1, dtype=torch.int32), 0.125)
+    for i in range(length):  # row i holds keys 0..i
+        assert bool(rows[i, :2].isnan().all()) == (i >= bad), i
+        assert not bool(rows[i, :2].isnan().any()) or i >= bad
+        assert bool(rows[i, 2:].isfinite().all()), i
+
+
 def test_tensors_that_do_not_fit_together_are_refused_before_the_kernel_reads_them(kernel):
     """The C kernel trusts its sizes (fewer seq_lens or block-table rows than queries would be
     read past their ends): the wrapper refuses each mismatch with a RuntimeError, as a torch op
