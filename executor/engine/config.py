@@ -142,6 +142,11 @@ class EngineConfig:
         compile: run decode-only steps through ``torch.compile``, compiled at start-up
             per decode batch-size bucket (``executor.worker.compiled_decode``; CPU,
             float32, one thread, one rank: elsewhere the engine logs why and stays eager).
+        warm_up: run one full step of prompt tokens through the model at start-up
+            (``LLMEngine.warm_up``), so that the first full steps after it do not pay for
+            memory the process touches for the first time. The executor's CLI and the
+            bench's engine target turn it on; off here so that library users and tests
+            that build many engines pay nothing for it.
     """
 
     model: str = "default"
@@ -157,6 +162,7 @@ class EngineConfig:
     revision: str | None = None
     cuda_graphs: bool | None = None
     compile: bool = False
+    warm_up: bool = False
 
     def __post_init__(self) -> None:
         """Checks what can be checked before the model loads.

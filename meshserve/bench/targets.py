@@ -61,6 +61,7 @@ class EngineTarget(Target):
                                        **({} if c.short_prefill_tokens is None else
                                           {"short_prefill_tokens": c.short_prefill_tokens})),
             compile=c.compile,
+            warm_up=True,  # as the executor's CLI runs it
         )
         llm = await asyncio.to_thread(LLMEngine, cfg)
         self.engine = AsyncEngine(llm)
