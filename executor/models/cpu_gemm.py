@@ -263,7 +263,7 @@ def pack_silu_mul(weight: torch.Tensor) -> torch.Tensor | None:
     from executor.models import cpu_fused
 
     if (weight.device.type != "cpu" or weight.dim() != 2 or weight.dtype != torch.bfloat16 or weight.shape[0] % 2
-            or torch.get_num_threads() != 1 or os.environ.get(SILU_SWITCH, "1") == "0"):
+            or 0 in weight.shape or torch.get_num_threads() != 1 or os.environ.get(SILU_SWITCH, "1") == "0"):
         return None
     kernel, fused = load_bf16(), cpu_fused.load()
     if kernel is None or kernel.packed_gemm_silu is None or fused is None:
@@ -337,9 +337,15 @@ def silu_panels_linear_bf16(x: torch.Tensor, packed: torch.Tensor, weight_shape:
     n, k = weight_shape
     inter, lead = n // 2, x.shape[:-1]
     groups = -(-inter // SILU_GROUP)
+    if x.dtype != torch.bfloat16 or x.device.type != "cpu" or x.dim() < 1 or x.shape[-1] != k:
+        raise RuntimeError(f"the bfloat16 GEMM kernel takes ({k},)-feature bfloat16 CPU input, not "
+                           f"{tuple(x.shape)} {x.dtype} on {x.device}")
+    if tuple(packed.shape) != (4 * groups, -(-k // 2), SILU_GROUP) or n % 2:
+        raise RuntimeError(f"not the fused SiLU packing of a {n} x {k} weight: {tuple(packed.shape)}")
     if bias is not None:
-        if bias.shape != (n,):
-            raise RuntimeError(f"the bfloat16 GEMM kernel takes a ({n},) bfloat16 CPU bias, not {tuple(bias.shape)}")
+        if bias.dtype != torch.bfloat16 or bias.device.type != "cpu" or bias.shape != (n,):
+            raise RuntimeError(f"the bfloat16 GEMM kernel takes a ({n},) bfloat16 CPU bias, not {tuple(bias.shape)} "
+                               f"{bias.dtype}")
         bias = torch.stack([F.pad(half, (0, groups * SILU_GROUP - inter)).view(groups, SILU_GROUP)
                             for half in bias.split(inter)], dim=1).reshape(-1)
     y = panel_linear_bf16(x, packed, (2 * groups * SILU_GROUP, k), bias).view(-1, groups, 2, SILU_GROUP)

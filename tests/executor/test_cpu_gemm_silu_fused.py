@@ -115,3 +115,9 @@ def test_sizes_that_do_not_match_the_packing_are_refused(kernels):
         cpu_gemm.silu_mul_linear_bf16(torch.zeros(3, 64), packed, (200, 64), None)
     assert cpu_gemm.pack_silu_mul(_randn(201, 64, seed=11)) is None  # no gate/up halves
     assert cpu_gemm.pack_silu_mul(w.float()) is None
+    assert cpu_gemm.pack_silu_mul(_randn(200, 0, seed=12)) is None and cpu_gemm.pack_silu_mul(_randn(0, 64, seed=12)) is None
+    x = _randn(3, 64, seed=9)  # the layer's plain output: its errors name the weight's own sizes
+    with pytest.raises(RuntimeError, match=r"a \(200,\) bfloat16 CPU bias"):
+        cpu_gemm.silu_panels_linear_bf16(x, packed, (200, 64), _randn(100, seed=10))
+    with pytest.raises(RuntimeError, match="fused SiLU packing of a 400 x 64 weight"):
+        cpu_gemm.silu_panels_linear_bf16(x, packed, (400, 64), None)
