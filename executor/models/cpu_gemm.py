@@ -28,7 +28,7 @@ the arithmetic. Packing the weight once removes it. Two packings:
   Rapids core, against vLLM's oneDNN matmul on the model's layer shapes, 1.8x at 1 and 32
   rows, 1.05x at 150, 0.82x at 2,048. ``MESHSERVE_CPU_GEMM_AMX=0`` keeps the ``vdpbf16ps``
   kernel there. The AMX kernel also takes SwiGLU's ``gate_up_proj`` packed in groups of 96
-  gate and 96 up columns (``pack_silu_mul``) and writes ``silu(gate) * up`` only, bitwise the
+  gate and 96 up columns (``cpu_gemm_silu.py``) and writes ``silu(gate) * up`` only, bitwise the
   GEMM then ``cpu_fused.silu_mul``: the 2 x 1,536 gate and up outputs never go to memory and
   back (30 layers at 2,048 rows 219 -> 182 ms, at 32 rows 10.8 -> 9.6;
   ``MESHSERVE_CPU_GEMM_SILU=0`` keeps the two calls).
@@ -67,10 +67,6 @@ SOURCE = Path(__file__).with_name("cpu_gemm.c")
 SOURCE_BF16 = Path(__file__).with_name("cpu_gemm_bf16.c")
 SOURCE_AMX = Path(__file__).with_name("cpu_gemm_amx.c")
 AMX_SWITCH = "MESHSERVE_CPU_GEMM_AMX"
-SILU_SWITCH = "MESHSERVE_CPU_GEMM_SILU"
-SILU_GROUP = 96
-"""Outputs of SiLU(gate) * up a pass of the fused GEMM makes (a panel pair of gate columns
-and the pair of up columns for the same outputs: ``pack_silu_mul``)."""
 FLAGS = ("-O3", "-march=native", "-fPIC", "-shared", "-std=c11")
 _PACK_BATCH_HINT = 32
 """Rows oneDNN tunes its packed layout for; any number of rows works."""
@@ -248,108 +244,24 @@ def pack(weight: torch.Tensor) -> torch.Tensor | None:
     return packed
 
 
-def pack_silu_mul(weight: torch.Tensor) -> torch.Tensor | None:
-    """SwiGLU's stacked ``[gate; up]`` weight ``(2 inter, in)`` bfloat16 packed for
-    ``silu_mul_linear_bf16``, which computes ``silu(x Wg^T + bg) * (x Wu^T + bu)`` in one pass
-    (the AMX GEMM's ``packed_gemm_silu_bf16_amx``: the gate and up outputs are never written
-    out, only their product); ``None`` where that kernel is not to be had (not a bfloat16
-    CPU weight of even rows, torch on several threads, no AMX GEMM or fused kernels,
-    ``MESHSERVE_CPU_GEMM_SILU=0``) or a probe disagrees with the unfused ops. Its result is
-    bitwise the AMX GEMM's ``[gate | up]`` followed by ``cpu_fused.silu_mul``.
-
-    Layout: groups of ``SILU_GROUP`` outputs, group ``q`` the gate rows ``96 q ..`` then the
-    up rows ``96 q ..`` (each zero-padded to 96 rows), packed as ``pack_panels_bf16`` packs
-    a weight: ``(4 ceil(inter / 96), ceil(in / 2), 96)``."""
-    from executor.models import cpu_fused
-
-    if (weight.device.type != "cpu" or weight.dim() != 2 or weight.dtype != torch.bfloat16 or weight.shape[0] % 2
-            or 0 in weight.shape or torch.get_num_threads() != 1 or os.environ.get(SILU_SWITCH, "1") == "0"):
-        return None
-    kernel, fused = load_bf16(), cpu_fused.load()
-    if kernel is None or kernel.packed_gemm_silu is None or fused is None:
-        return None
-    inter, k = weight.shape[0] // 2, weight.shape[1]
-    groups = -(-inter // SILU_GROUP)
-    halves = [torch.nn.functional.pad(half.detach(), (0, 0, 0, groups * SILU_GROUP - inter)).view(groups, SILU_GROUP, k)
-              for half in weight.split(inter)]
-    packed = pack_panels_bf16(torch.stack(halves, dim=1).reshape(2 * groups * SILU_GROUP, k), kernel)
-    probe = torch.randn(3, k, generator=torch.Generator().manual_seed(0)).bfloat16()
-    with torch.no_grad():
-        got = silu_mul_linear_bf16(probe, packed, tuple(weight.shape), None).float()
-        gate, up = F.linear(probe, weight).float().split(inter, dim=-1)
-        want = F.silu(gate) * up
-    scale = float(want.abs().nan_to_num(0.0, 0.0, 0.0).max())  # (a weight may hold infinities or NaNs)
-    if not torch.allclose(got, want, rtol=2e-2, atol=2e-2 * scale, equal_nan=True):
-        log.warning("the fused SiLU GEMM disagrees with the unfused ops on a %s weight; not fused", tuple(weight.shape))
-        return None
-    return packed
-
-
-def silu_mul_linear_bf16(x: torch.Tensor, packed: torch.Tensor, weight_shape: tuple[int, int],
-                         bias: torch.Tensor | None) -> torch.Tensor:
-    """``silu(x Wg^T + bg) * (x Wu^T + bu)``: ``x`` ``(..., in)`` bfloat16, ``packed`` from
-    ``pack_silu_mul`` of a ``weight_shape = (2 inter, in)`` weight ``[Wg; Wu]``, ``bias``
-    ``(2 inter,)`` bfloat16 ``[bg | bu]`` or ``None`` → ``(..., inter)`` bfloat16, bitwise
-    ``cpu_fused.silu_mul`` of ``panel_linear_bf16``'s ``(..., 2 inter)``.
+def bf16_operands(x: torch.Tensor, bias: torch.Tensor | None, n: int, k: int,
+                   what: str) -> tuple[torch.Tensor, torch.Tensor | None, torch.Size]:
+    """``(rows, bias, lead)``: ``x`` ``(..., k)`` as rows of ``k`` features with unit stride,
+    ``bias`` ``(n,)`` contiguous, and ``x``'s leading dimensions, once both are checked.
 
     Raises:
-        RuntimeError: ``x`` or ``bias`` is not a bfloat16 CPU tensor of the weight's sizes,
-            or ``packed`` is not its packing (as ``F.linear`` raises on mismatched shapes).
-        MemoryError: the kernel's padding buffer (16 rows of ``in``) cannot be allocated.
+        RuntimeError: ``x`` or ``bias`` is not a bfloat16 CPU tensor of those sizes (``what``
+            names the kernel in the message).
     """
-    from executor.models import cpu_fused
-
-    n, k = weight_shape
-    inter = n // 2
     if x.dtype != torch.bfloat16 or x.device.type != "cpu" or x.dim() < 1 or x.shape[-1] != k:
-        raise RuntimeError(f"the fused SiLU GEMM takes ({k},)-feature bfloat16 CPU input, not "
-                           f"{tuple(x.shape)} {x.dtype} on {x.device}")
+        raise RuntimeError(f"{what} takes ({k},)-feature bfloat16 CPU input, not {tuple(x.shape)} {x.dtype} on "
+                           f"{x.device}")
     if bias is not None and (bias.dtype != torch.bfloat16 or bias.device.type != "cpu" or bias.shape != (n,)):
-        raise RuntimeError(f"the fused SiLU GEMM takes a ({n},) bfloat16 CPU bias, not {tuple(bias.shape)} "
-                           f"{bias.dtype}")
-    kernel, fused = load_bf16(), cpu_fused.load()
-    shape = (4 * -(-inter // SILU_GROUP), -(-k // 2), SILU_GROUP)
-    if (kernel is None or kernel.packed_gemm_silu is None or fused is None or n % 2 or packed.dim() != 3
-            or packed.dtype != torch.bfloat16 or not packed.is_contiguous() or packed.data_ptr() % 64 != 0
-            or tuple(packed.shape) != shape):
-        raise RuntimeError(f"not the fused SiLU packing of a {n} x {k} weight: {tuple(packed.shape)} {packed.dtype}")
-    lead = x.shape[:-1]
-    x2 = x.reshape(-1, k)
-    if x2.stride(-1) != 1:
-        x2 = x2.contiguous()
-    bias = bias.contiguous() if bias is not None else None
-    m = x2.shape[0]
-    y = x2.new_empty(m, inter)
-    if m and kernel.packed_gemm_silu(x2.data_ptr(), m, k, x2.stride(0), packed.data_ptr(), inter,
-                                     bias.data_ptr() if bias is not None else None, fused.silu_table, y.data_ptr(),
-                                     inter) != 0:
-        raise MemoryError("the fused SiLU GEMM's padding buffer")
-    return y.view(*lead, inter)
-
-
-def silu_panels_linear_bf16(x: torch.Tensor, packed: torch.Tensor, weight_shape: tuple[int, int],
-                            bias: torch.Tensor | None) -> torch.Tensor:
-    """``x W^T + b`` (``[gate | up]``, not their activation) on ``pack_silu_mul``'s panels of a
-    ``weight_shape = (2 inter, in)`` weight: the GEMM over them as they lie (``panel_linear_bf16``,
-    the bias laid out alike), the columns then put back in order. Bitwise ``panel_linear_bf16``
-    on the weight's own panels (each output column is the same sums wherever its panel lies),
-    so a layer packed for the fused GEMM still gives its plain output. Raises as that."""
-    n, k = weight_shape
-    inter, lead = n // 2, x.shape[:-1]
-    groups = -(-inter // SILU_GROUP)
-    if x.dtype != torch.bfloat16 or x.device.type != "cpu" or x.dim() < 1 or x.shape[-1] != k:
-        raise RuntimeError(f"the bfloat16 GEMM kernel takes ({k},)-feature bfloat16 CPU input, not "
-                           f"{tuple(x.shape)} {x.dtype} on {x.device}")
-    if tuple(packed.shape) != (4 * groups, -(-k // 2), SILU_GROUP) or n % 2:
-        raise RuntimeError(f"not the fused SiLU packing of a {n} x {k} weight: {tuple(packed.shape)}")
-    if bias is not None:
-        if bias.dtype != torch.bfloat16 or bias.device.type != "cpu" or bias.shape != (n,):
-            raise RuntimeError(f"the bfloat16 GEMM kernel takes a ({n},) bfloat16 CPU bias, not {tuple(bias.shape)} "
-                               f"{bias.dtype}")
-        bias = torch.stack([F.pad(half, (0, groups * SILU_GROUP - inter)).view(groups, SILU_GROUP)
-                            for half in bias.split(inter)], dim=1).reshape(-1)
-    y = panel_linear_bf16(x, packed, (2 * groups * SILU_GROUP, k), bias).view(-1, groups, 2, SILU_GROUP)
-    return y.transpose(1, 2).reshape(-1, 2, groups * SILU_GROUP)[:, :, :inter].reshape(*lead, n)
+        raise RuntimeError(f"{what} takes a ({n},) bfloat16 CPU bias, not {tuple(bias.shape)} {bias.dtype}")
+    rows = x.reshape(-1, k)
+    if rows.stride(-1) != 1:
+        rows = rows.contiguous()
+    return rows, bias.contiguous() if bias is not None else None, x.shape[:-1]
 
 
 def check_panel_shapes(x: torch.Tensor, packed: torch.Tensor, out_features: int) -> None:
@@ -403,22 +315,12 @@ def panel_linear_bf16(x: torch.Tensor, packed: torch.Tensor, weight_shape: tuple
             8 rows of them) cannot be allocated.
     """
     n, k = weight_shape
-    if x.dtype != torch.bfloat16 or x.device.type != "cpu" or x.dim() < 1 or x.shape[-1] != k:
-        raise RuntimeError(f"the bfloat16 GEMM kernel takes ({k},)-feature bfloat16 CPU input, not "
-                           f"{tuple(x.shape)} {x.dtype} on {x.device}")
-    if bias is not None and (bias.dtype != torch.bfloat16 or bias.device.type != "cpu" or bias.shape != (n,)):
-        raise RuntimeError(f"the bfloat16 GEMM kernel takes a ({n},) bfloat16 CPU bias, not {tuple(bias.shape)} "
-                           f"{bias.dtype}")
+    x2, bias, lead = bf16_operands(x, bias, n, k, "the bfloat16 GEMM kernel")
     kernel = load_bf16()
     w = kernel.panel_width if kernel is not None else 0
     if (kernel is None or packed.dim() != 3 or packed.dtype != torch.bfloat16 or not packed.is_contiguous()
             or packed.data_ptr() % 64 != 0 or tuple(packed.shape) != (-(-n // w), -(-k // 2), 2 * w)):
         raise RuntimeError(f"not the bfloat16 panels of a {n} x {k} weight: {tuple(packed.shape)} {packed.dtype}")
-    lead = x.shape[:-1]
-    x2 = x.reshape(-1, k)
-    if x2.stride(-1) != 1:
-        x2 = x2.contiguous()
-    bias = bias.contiguous() if bias is not None else None
     m = x2.shape[0]
     y = x2.new_empty(m, n)
     if m and kernel.packed_gemm(x2.data_ptr(), m, k, x2.stride(0), packed.data_ptr(), n,

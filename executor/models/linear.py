@@ -25,7 +25,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from executor.models import cpu_fused, cpu_gemm
+from executor.models import cpu_fused, cpu_gemm, cpu_gemm_silu
 from executor.models.checkpoint import CheckpointTensor, attach_weight_loader, materialize
 from executor.models.parallel import SINGLE, TensorParallel
 
@@ -83,7 +83,7 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
 
     With ``silu_mul`` (two stacked matrices, SwiGLU's gate and up), the layer also offers
     ``forward_silu_mul``: ``silu(gate) * up`` of its outputs. Where the AMX GEMM can
-    compute that in one pass (``cpu_gemm.pack_silu_mul``: bfloat16 on one thread on a CPU
+    compute that in one pass (``cpu_gemm_silu.pack_silu_mul``: bfloat16 on one thread on a CPU
     with AMX-BF16), the weight is packed for it only (``silu_packed``; ``packed_weight``
     None): ``forward`` then multiplies on those panels and puts the columns back in order,
     bitwise its output on the plain panels.
@@ -98,18 +98,18 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
         if silu_mul and (len(output_sizes) != 2 or output_sizes[0] != output_sizes[1]):
             raise ValueError(f"silu_mul takes a gate and an up matrix of one size, not {output_sizes}")
         self.silu_mul = silu_mul
-        self.silu_packed: torch.Tensor | None = None  # cpu_gemm.pack_silu_mul(weight), once loaded
+        self.silu_packed: torch.Tensor | None = None  # cpu_gemm_silu.pack_silu_mul(weight), once loaded
 
     def process_weights_after_loading(self) -> None:
         """Packs the loaded weight for the fused SiLU GEMM where it is to be had, else for
         the CPU GEMM."""
-        self.silu_packed = cpu_gemm.pack_silu_mul(self.weight) if self.silu_mul else None
+        self.silu_packed = cpu_gemm_silu.pack_silu_mul(self.weight) if self.silu_mul else None
         self.packed_weight = None if self.silu_packed is not None else cpu_gemm.pack(self.weight)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.silu_packed is None or x.dtype != torch.bfloat16:
             return super().forward(x)
-        return cpu_gemm.silu_panels_linear_bf16(x, self.silu_packed, tuple(self.weight.shape), self.bias)
+        return cpu_gemm_silu.silu_panels_linear_bf16(x, self.silu_packed, tuple(self.weight.shape), self.bias)
 
     def forward_silu_mul(self, x: torch.Tensor) -> torch.Tensor | None:
         """``silu(gate) * up`` of this layer's outputs for ``x`` ``(num_tokens, in)`` →
@@ -119,7 +119,7 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
         if (self.silu_packed is None or x.dtype != torch.bfloat16 or x.device.type != "cpu"
                 or torch.get_num_threads() != 1 or torch.compiler.is_compiling() or cpu_fused.load() is None):
             return None  # (the fused kernels switched off: the torch activation after forward)
-        return cpu_gemm.silu_mul_linear_bf16(x, self.silu_packed, tuple(self.weight.shape), self.bias)
+        return cpu_gemm_silu.silu_mul_linear_bf16(x, self.silu_packed, tuple(self.weight.shape), self.bias)
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: object = None) -> None:
         """Copies this rank's rows of stacked matrix number ``shard_id`` into its slice."""
