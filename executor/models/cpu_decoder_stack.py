@@ -4,9 +4,10 @@ chunks, on a CPU running torch on one thread, float32 or bfloat16, one rank.
 
 The eager layers (``executor.models.llama``) call C kernels for all their work there (the
 GEMMs on packed panels, the fused norm, rotary and SiLU-and-multiply, or on AMX the GEMM that
-applies the SiLU as it writes, the paged decode attention), yet spend about as long again between them in Python: module calls, argument
-checks, views, fresh tensors. ``cpu_decoder_stack.c`` calls the same kernels through
-their function pointers, in the same order, on the same inputs, so its outputs are
+applies the SiLU as it writes, the paged decode attention), yet spend about as long again
+between them in Python: module calls, argument checks, views, fresh tensors.
+``cpu_decoder_stack.c`` calls the same kernels through their function pointers, in the
+same order, on the same inputs, so its outputs are
 bitwise the eager path's (tested), without that Python: one decode step of SmolLM2-135M
 (forward + logits) in bfloat16 on one Zen 4 core, 1 request 23.9 -> 16.5 ms, 32 requests
 68.3 -> 55.8 ms (``python -m meshserve.bench.cpu_decoder_stack``; ``reports/cpu-speed/``).
@@ -48,8 +49,9 @@ _P, _I64, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
 
 class _Stack(ctypes.Structure):
     _fields_ = [("gemm", _P), ("norm", _P), ("rotary", _P), ("silu", _P), ("attention", _P), ("gemm_silu", _P),
-                ("silu_table", _P), ("bf16", _I64), ("lanes", _I64), ("hidden", _I64), ("heads", _I64), ("kv_heads", _I64),
-                ("head_dim", _I64), ("inter", _I64), ("block_size", _I64), ("eps", _F), ("scale", _F)]
+                ("silu_table", _P), ("bf16", _I64), ("lanes", _I64), ("hidden", _I64), ("heads", _I64),
+                ("kv_heads", _I64), ("head_dim", _I64), ("inter", _I64), ("block_size", _I64), ("eps", _F),
+                ("scale", _F)]
 
 
 class _Layer(ctypes.Structure):

@@ -115,7 +115,8 @@ def test_sizes_that_do_not_match_the_packing_are_refused(kernels):
         cpu_gemm_silu.silu_mul_linear_bf16(torch.zeros(3, 64), packed, (200, 64), None)
     assert cpu_gemm_silu.pack_silu_mul(_randn(201, 64, seed=11)) is None  # no gate/up halves
     assert cpu_gemm_silu.pack_silu_mul(w.float()) is None
-    assert cpu_gemm_silu.pack_silu_mul(_randn(200, 0, seed=12)) is None and cpu_gemm_silu.pack_silu_mul(_randn(0, 64, seed=12)) is None
+    assert cpu_gemm_silu.pack_silu_mul(_randn(200, 0, seed=12)) is None  # no features
+    assert cpu_gemm_silu.pack_silu_mul(_randn(0, 64, seed=12)) is None  # no outputs
     x = _randn(3, 64, seed=9)  # the layer's plain output: its errors name the weight's own sizes
     with pytest.raises(RuntimeError, match=r"a \(200,\) bfloat16 CPU bias"):
         cpu_gemm_silu.silu_panels_linear_bf16(x, packed, (200, 64), _randn(100, seed=10))
