@@ -421,17 +421,17 @@ static void amx_configure(void) { /* tiles 0-4 of 16 rows x 64 bytes: A, B and t
 static void pack_queries(const uint16_t *restrict q, int64_t R, int64_t H, int64_t G, int64_t D, int64_t h,
                          uint32_t *restrict b) {
     const int64_t C = D / 32, cols = R * G, tiles = (cols + 15) / 16;
-    memset(b, 0, sizeof(uint32_t) * (size_t)(tiles * C * 256));
-    for (int64_t n = 0; n < cols; n++) {
-        const int64_t r = n / G, j = h * G + n % G, ct = n / 16, col = n % 16;
-        const uint16_t *qj = q + r * H * D + j * D;
-        for (int64_t kc = 0; kc < C; kc++)
-            for (int64_t p = 0; p < 16; p++) {
-                uint32_t pair;
-                memcpy(&pair, qj + 32 * kc + 2 * p, 4);
-                b[((ct * C + kc) * 16 + p) * 16 + col] = pair;
+    for (int64_t ct = 0; ct < tiles; ct++)
+        for (int64_t kc = 0; kc < C; kc++) { /* 16 columns' 16 pairs each, turned (bits moved, not computed) */
+            __m512 rows[16];
+            for (int64_t n = 0; n < 16; n++) {
+                const int64_t col = ct * 16 + n, r = col / G, j = h * G + col % G;
+                rows[n] = col < cols ? _mm512_loadu_ps((const float *)(q + r * H * D + j * D + 32 * kc))
+                                     : _mm512_setzero_ps();
             }
-    }
+            transpose16(rows);
+            for (int64_t p = 0; p < 16; p++) _mm512_storeu_ps((float *)(b + ((ct * C + kc) * 16 + p) * 16), rows[p]);
+        }
 }
 
 /* Scores of one group of 16 keys (rows of `keys`, row stride `ld` elements) against the column
