@@ -470,8 +470,6 @@ static inline __attribute__((always_inline)) void qk_amx(
     Prefetcher *ahead, uint32_t *restrict b, uint16_t *restrict pad) {
     const int64_t G = H / KVH, row_stride = KVH * D, block_stride = bs * row_stride, C = D / 32, Lmax = L0 + R - 1;
     const int64_t tiles = (R * G + 15) / 16;
-    const __m512i index = _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
-                                             _mm512_set1_epi32(16));
     const __m512 vscale = _mm512_set1_ps(scale);
     float c[3 * 256] __attribute__((aligned(64)));
     for (int64_t h = 0; h < KVH; h++) {
@@ -494,12 +492,9 @@ static inline __attribute__((always_inline)) void qk_amx(
                     amx_group(k, ld, b, C, ct, nct, c);
                     for (int q2 = 0; q2 < nct; q2++) {
                         const int64_t n0 = (ct + q2) * 16, live = R * G - n0 < 16 ? R * G - n0 : 16;
-                        __m512 col[16];
-                        if (live > 4) { /* the whole tile turned: column n the lanes of col[n] */
-                            for (int i = 0; i < 16; i++) col[i] = _mm512_load_ps(c + q2 * 256 + 16 * i);
-                            transpose16(col);
-                        } else
-                            for (int64_t n = 0; n < live; n++) col[n] = _mm512_i32gather_ps(index, c + q2 * 256 + n, 4);
+                        __m512 col[16]; /* the tile turned: column n the lanes of col[n] */
+                        for (int i = 0; i < 16; i++) col[i] = _mm512_load_ps(c + q2 * 256 + 16 * i);
+                        transpose16(col);
                         for (int64_t n = 0; n < live; n++) {
                             const int64_t r = (n0 + n) / G, j = h * G + (n0 + n) % G, L = L0 + r;
                             const int64_t count = L - t < bs ? L - t : bs;
