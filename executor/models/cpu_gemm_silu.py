@@ -28,6 +28,11 @@ SILU_GROUP = 96
 and the pair of up columns for the same outputs: ``pack_silu_mul``)."""
 
 
+def packing_shape(n: int, k: int) -> tuple[int, int, int]:
+    """The shape of ``pack_silu_mul``'s panels of an ``(n, k)`` weight (``n = 2 inter``)."""
+    return 4 * -(-(n // 2) // SILU_GROUP), -(-k // 2), SILU_GROUP
+
+
 def pack_silu_mul(weight: torch.Tensor) -> torch.Tensor | None:
     """SwiGLU's stacked ``[gate; up]`` weight ``(2 inter, in)`` bfloat16 packed for
     ``silu_mul_linear_bf16``, which computes ``silu(x Wg^T + bg) * (x Wu^T + bu)`` in one pass
@@ -39,7 +44,7 @@ def pack_silu_mul(weight: torch.Tensor) -> torch.Tensor | None:
 
     Layout: groups of ``SILU_GROUP`` outputs, group ``q`` the gate rows ``96 q ..`` then the
     up rows ``96 q ..`` (each zero-padded to 96 rows), packed as ``pack_panels_bf16`` packs
-    a weight: ``(4 ceil(inter / 96), ceil(in / 2), 96)``."""
+    a weight: ``packing_shape``, ``(4 ceil(inter / 96), ceil(in / 2), 96)``."""
     if (weight.device.type != "cpu" or weight.dim() != 2 or weight.dtype != torch.bfloat16 or weight.shape[0] % 2
             or 0 in weight.shape or torch.get_num_threads() != 1 or os.environ.get(SILU_SWITCH, "1") == "0"):
         return None
@@ -79,10 +84,9 @@ def silu_mul_linear_bf16(x: torch.Tensor, packed: torch.Tensor, weight_shape: tu
     inter = n // 2
     x2, bias, lead = bf16_operands(x, bias, n, k, "the fused SiLU GEMM")
     kernel, fused = load_bf16(), cpu_fused.load()
-    shape = (4 * -(-inter // SILU_GROUP), -(-k // 2), SILU_GROUP)
     if (kernel is None or kernel.packed_gemm_silu is None or fused is None or n % 2 or packed.dim() != 3
             or packed.dtype != torch.bfloat16 or not packed.is_contiguous() or packed.data_ptr() % 64 != 0
-            or tuple(packed.shape) != shape):
+            or tuple(packed.shape) != packing_shape(n, k)):
         raise RuntimeError(f"not the fused SiLU packing of a {n} x {k} weight: {tuple(packed.shape)} {packed.dtype}")
     m = x2.shape[0]
     y = x2.new_empty(m, inter)
@@ -104,7 +108,7 @@ def silu_panels_linear_bf16(x: torch.Tensor, packed: torch.Tensor, weight_shape:
     inter, lead = n // 2, x.shape[:-1]
     groups = -(-inter // SILU_GROUP)
     bf16_operands(x, bias, n, k, "the bfloat16 GEMM kernel")  # (checked against the weight's own sizes)
-    if tuple(packed.shape) != (4 * groups, -(-k // 2), SILU_GROUP) or n % 2:
+    if tuple(packed.shape) != packing_shape(n, k) or n % 2:
         raise RuntimeError(f"not the fused SiLU packing of a {n} x {k} weight: {tuple(packed.shape)}")
     if bias is not None:
         bias = torch.stack([F.pad(half, (0, groups * SILU_GROUP - inter)).view(groups, SILU_GROUP)
