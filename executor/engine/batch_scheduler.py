@@ -7,8 +7,9 @@ step gives every scheduled request a share of ``max_num_batched_tokens``:
 
 1. running decodes, one token each (keeps inter-token latency flat);
 2. running requests still in their prompt (chunked prefill), a chunk each;
-3. waiting requests in order (higher priority first, then earlier arrival), a
-   first chunk each, while the budget, ``max_num_seqs`` and free blocks allow.
+3. waiting requests in order (higher priority first, then the fewest prompt tokens
+   with ``prefill_order`` "shortest", the default, then earlier arrival), a first
+   chunk each, while the budget, ``max_num_seqs`` and free blocks allow.
 
 With short prefills first on (the default), 2 and 3 run twice: first for the
 prefills with few tokens left, then for the rest (see below).
@@ -70,7 +71,8 @@ from executor.engine.config import BatchSchedulerConfig
 from executor.engine.kv_cache_manager import KVCacheManager
 from executor.engine.kv_connector import KVConnectorScheduler
 from executor.engine.outputs import RequestOutput
-from executor.engine.prefill_order import Admit, count_sit_outs, shorts_only, the_rest
+from executor.engine.prefill_order import (Admit, count_passed_by_later, count_sit_outs, shorts_only, shortest_first,
+                                           the_rest)
 from executor.engine.request import Request, RequestStatus
 from executor.engine.scheduler_output import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
 from executor.engine.step_budget import StepState, batching_hold_deadline, cap_prefill, may_chunk
@@ -193,8 +195,10 @@ class BatchScheduler:
             state.prefill_cap = self.config.long_prefill_token_threshold
         self.hold_deadline = None
         had_running = bool(self.running)
+        waiting = list(self.waiting) if self.config.prefill_order == "shortest" and len(self.waiting) > 1 else []
         self._schedule_running(state, decodes=True)
         limit = self.config.short_prefill_tokens
+        charged: set[str] = set()
         if limit:
             before = set(state.scheduled)
             passed: list[Request] = []
@@ -202,9 +206,11 @@ class BatchScheduler:
             short_priority = max((self.requests[rid].priority for rid in state.scheduled if rid not in before),
                                  default=None)
             self._schedule_prefills(state, had_running, the_rest(limit, short_priority, passed))
-            count_sit_outs(passed, state.scheduled, short_priority)
+            charged = count_sit_outs(passed, state.scheduled, short_priority)
         else:
             self._schedule_prefills(state, had_running, None)
+        if waiting:
+            count_passed_by_later(waiting, state.scheduled, charged)
         self.num_deferred_for_prefix += len(state.deferred_for_prefix)
         batch = [(self.requests[rid], n) for rid, n in state.scheduled.items()]
         kv_loads, kv_saves = self.connector.build_connector_meta(batch) if self.connector else ([], [])
@@ -277,7 +283,8 @@ class BatchScheduler:
         return pending
 
     def _schedule_waiting(self, state: StepState, had_running: bool, admit: Admit | None = None) -> None:
-        """Admits waiting requests in order (see the module doc).
+        """Admits waiting requests in order (see the module doc; ``prefill_order`` "shortest":
+        in ``shortest_first`` order).
 
         In-flight prefix sharing: a request whose next uncached prompt block is
         being computed by a running request (the same system prompt, arrived
@@ -290,9 +297,11 @@ class BatchScheduler:
             self.hold_deadline = deadline
             return
         pending = self._pending_hashes() if self.waiting else set()
+        shortest = self.config.prefill_order == "shortest"
+        order = shortest_first(self.waiting) if shortest else self.waiting
         index = 0
-        while index < len(self.waiting) and state.budget > 0:
-            request = self.waiting[index]
+        while index < len(order) and state.budget > 0:
+            request = order[index]
             if len(self.running) >= self.config.max_num_seqs and self.running[-1].priority >= request.priority:
                 return  # no slot, and none to take: nor for the requests behind (no higher priority)
             # a waiting request holds no block (new, or preempted and freed)
@@ -323,7 +332,9 @@ class BatchScheduler:
                     pending = self._pending_hashes()
                     continue
                 return  # head-of-line waits for blocks; running requests free them
-            self.waiting.pop(index)
+            order.pop(index)
+            if shortest:
+                self.waiting.remove(request)
             if self.connector is not None:  # the first new blocks receive the fetched payloads this step
                 self.connector.update_state_after_alloc(request, len(computed_blocks), new_blocks)
             if had_running and request.num_preemptions == 0:

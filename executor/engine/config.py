@@ -37,6 +37,9 @@ class CacheConfig:
             raise ValueError(f"num_blocks must be >= 1, got {self.num_blocks}")
 
 
+PREFILL_ORDERS = ("shortest", "arrival")  # BatchSchedulerConfig.prefill_order
+
+
 @dataclass(frozen=True)
 class BatchSchedulerConfig:
     """The iteration-level batch scheduler.
@@ -58,7 +61,12 @@ class BatchSchedulerConfig:
             with at most this many tokens left to compute (prefix-cache hits' tails,
             short prompts); when it took any, longer prefills of no higher priority
             sit out the step (each at most ``MAX_PREFILL_DEFERRALS`` steps in all;
-            ``executor.engine.prefill_order``). 0: arrival order only.
+            ``executor.engine.prefill_order``). 0: off.
+        prefill_order: the order a step visits the waiting requests in, within a
+            priority: "shortest" (the default): the fewest tokens to compute first, a
+            request passed over by later arrivals at most ``MAX_PREFILL_DEFERRALS``
+            steps (``executor.engine.prefill_order.shortest_first``); "arrival": FCFS,
+            as vLLM's ``fcfs`` policy.
     """
 
     max_num_seqs: int = 64
@@ -67,6 +75,7 @@ class BatchSchedulerConfig:
     max_batch_wait_ms: float = 0.0
     long_prefill_token_threshold: int = 0
     short_prefill_tokens: int = 64
+    prefill_order: str = "shortest"
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1:
@@ -79,6 +88,8 @@ class BatchSchedulerConfig:
             raise ValueError(f"long_prefill_token_threshold must be >= 0, got {self.long_prefill_token_threshold}")
         if self.short_prefill_tokens < 0:
             raise ValueError(f"short_prefill_tokens must be >= 0, got {self.short_prefill_tokens}")
+        if self.prefill_order not in PREFILL_ORDERS:
+            raise ValueError(f"prefill_order must be one of {', '.join(PREFILL_ORDERS)}, got {self.prefill_order!r}")
         if self.long_prefill_token_threshold and not self.enable_chunked_prefill:
             raise ValueError("long_prefill_token_threshold needs chunked prefill (it splits prompts into chunks)")
 

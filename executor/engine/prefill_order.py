@@ -20,11 +20,22 @@ has sat out its steps (it may be waiting for free blocks, which short ones must
 not take first). This is shortest-remaining-processing-time order (Schrage, 1968)
 at the granularity of a step: the short prefill gets a short step, the long one
 waits a few short steps. Decodes are not prefills and always run first.
+
+Shortest prompts first (``BatchSchedulerConfig.prefill_order`` = "shortest"):
+both passes visit the waiting requests in ``shortest_first`` order instead of
+arrival order: within a priority, the fewest tokens to compute first. When more
+prompts wait than one step's budget holds (a burst), the step then completes as
+many prompts as fit, and every prompt it completes gets its first token a whole
+step sooner; the long prompts, which wait a step longer, would have waited most
+of it anyway. ``count_passed_by_later`` charges a waiting request each step a
+later arrival of no higher priority went before it, so it too waits at most
+``MAX_PREFILL_DEFERRALS`` steps; then it, and a preempted request, go first in
+arrival order.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 
 from executor.engine.request import Request, RequestStatus
 
@@ -89,12 +100,70 @@ def sits_out(request: Request, num_left: int, limit: int, short_priority: int | 
                 or request.num_prefill_deferrals >= MAX_PREFILL_DEFERRALS)
 
 
-def count_sit_outs(passed: Iterable[Request], scheduled: dict[str, int], short_priority: int | None) -> None:
+def count_sit_outs(passed: Iterable[Request], scheduled: dict[str, int], short_priority: int | None) -> set[str]:
     """Charges the step to each prefill the first pass passed over that did not run
     (``scheduled``: request id -> tokens this step) when short ones of no lower
-    priority ran (``short_priority``), towards its ``MAX_PREFILL_DEFERRALS``."""
+    priority ran (``short_priority``), towards its ``MAX_PREFILL_DEFERRALS``.
+
+    Returns:
+        The ids of the requests it charged.
+    """
+    charged: set[str] = set()
     if short_priority is None:
-        return
+        return charged
     for request in {r.request_id: r for r in passed}.values():
         if request.request_id not in scheduled and request.priority <= short_priority:
+            request.num_prefill_deferrals += 1
+            charged.add(request.request_id)
+    return charged
+
+
+def goes_first(request: Request) -> bool:
+    """A waiting request that ``shortest_first`` puts ahead of its priority's others:
+    one preempted (it ran already), or one passed over ``MAX_PREFILL_DEFERRALS`` steps."""
+    return request.num_preemptions > 0 or request.num_prefill_deferrals >= MAX_PREFILL_DEFERRALS
+
+
+def shortest_first(waiting: Sequence[Request]) -> list[Request]:
+    """The order "shortest" visits the waiting requests in: higher priority first; within
+    a priority those that ``goes_first`` in arrival order, then the others by tokens to
+    compute (``Request.num_tokens``: prompt tokens, plus output tokens for a preempted
+    one; a prefix-cache hit is not subtracted), fewest first, ties in arrival order.
+
+    Args:
+        waiting: ``BatchScheduler.waiting`` (sorted by ``Request.sort_key``).
+
+    Returns:
+        A new list; ``waiting`` is not changed.
+    """
+    if len(waiting) < 2:
+        return list(waiting)
+
+    def key(request: Request) -> tuple[int, int, int, int]:
+        first = goes_first(request)
+        return -request.priority, 0 if first else 1, 0 if first else request.num_tokens, request.arrival
+    return sorted(waiting, key=key)
+
+
+def count_passed_by_later(waiting: Iterable[Request], scheduled: dict[str, int], charged: set[str]) -> None:
+    """Charges the step to each request of ``waiting`` (the queue as the step began) that
+    did not run while one of them of no higher priority that arrived later did, towards
+    its ``MAX_PREFILL_DEFERRALS`` (once a step: not if ``count_sit_outs`` ``charged`` it).
+
+    Args:
+        waiting: the requests that were waiting when the step began.
+        scheduled: request id -> tokens this step.
+        charged: ids already charged this step.
+    """
+    waiting = list(waiting)
+    latest: dict[int, int] = {}  # priority -> latest arrival among the waiting requests that ran
+    for request in waiting:
+        if request.request_id in scheduled:
+            latest[request.priority] = max(latest.get(request.priority, -1), request.arrival)
+    if not latest:
+        return
+    for request in waiting:
+        if request.request_id in scheduled or request.request_id in charged:
+            continue
+        if any(p <= request.priority and arrival > request.arrival for p, arrival in latest.items()):
             request.num_prefill_deferrals += 1

@@ -38,7 +38,9 @@ class BenchConfig:
         long_prefill_token_threshold: most prompt tokens one request computes in a step
             (engine, mesh and vllm; 0: no cap).
         short_prefill_tokens: the engine's short-prefills-first limit (engine and mesh;
-            None: the engine's default; 0: arrival order).
+            None: the engine's default; 0: off).
+        prefill_order: the engine's order of waiting prompts, "shortest" or "arrival"
+            (engine and mesh; None: the engine's default).
         executors: executor processes of a launched mesh.
         addr: host:port of a running gateway (mesh target only; None: launch one).
         num_threads: torch CPU threads of the engine, of each launched executor and of
@@ -75,6 +77,7 @@ class BenchConfig:
     max_batch_wait_ms: float = 0.0
     long_prefill_token_threshold: int = 0
     short_prefill_tokens: int | None = None
+    prefill_order: str | None = None
     executor_addrs: tuple[str, ...] = ()
     stats_interval_s: float = 0.5
     request_rate: float | None = None
@@ -104,6 +107,12 @@ class BenchConfig:
             raise ValueError(f"long_prefill_token_threshold must be >= 0, got {self.long_prefill_token_threshold}")
         if self.request_rate is not None and not self.request_rate > 0:
             raise ValueError(f"request rate must be > 0 requests/s (or inf), got {self.request_rate}")
+        if self.prefill_order is not None:
+            from executor.engine.config import PREFILL_ORDERS  # imports torch: only when asked
+
+            if self.prefill_order not in PREFILL_ORDERS:
+                raise ValueError(f"prefill_order must be one of {', '.join(PREFILL_ORDERS)}, "
+                                 f"got {self.prefill_order!r}")
         if self.request_rate is not None and self.target == "hf-static":
             raise ValueError("hf-static runs static batches and has no open loop (--request-rate)")
 

@@ -89,4 +89,4 @@ class Target(ABC):
                            "block_size": c.block_size, "enable_prefix_caching": c.enable_prefix_caching,
                            "max_batch_wait_ms": c.max_batch_wait_ms, "compile": c.compile,
                            "long_prefill_token_threshold": c.long_prefill_token_threshold,
-                           "short_prefill_tokens": c.short_prefill_tokens}}
+                           "short_prefill_tokens": c.short_prefill_tokens, "prefill_order": c.prefill_order}}

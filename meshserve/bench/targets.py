@@ -59,7 +59,8 @@ class EngineTarget(Target):
                                        max_batch_wait_ms=c.max_batch_wait_ms,
                                        long_prefill_token_threshold=c.long_prefill_token_threshold,
                                        **({} if c.short_prefill_tokens is None else
-                                          {"short_prefill_tokens": c.short_prefill_tokens})),
+                                          {"short_prefill_tokens": c.short_prefill_tokens}),
+                                       **({} if c.prefill_order is None else {"prefill_order": c.prefill_order})),
             compile=c.compile,
             warm_up=True,  # as the executor's CLI runs it
         )
@@ -95,7 +96,8 @@ class EngineTarget(Target):
         llm = self.engine.engine
         settings = self._engine_settings()
         settings["engine"].update(num_blocks=llm.num_blocks, block_size=llm.block_size,
-                                  short_prefill_tokens=llm.config.batch.short_prefill_tokens)
+                                  short_prefill_tokens=llm.config.batch.short_prefill_tokens,
+                                  prefill_order=llm.config.batch.prefill_order)
         return {"dtype": str(llm.dtype).removeprefix("torch."), **settings}
 
 
@@ -135,6 +137,8 @@ class MeshTarget(Target):
                 "--long-prefill-token-threshold", str(c.long_prefill_token_threshold)]
         if c.short_prefill_tokens is not None:
             args += ["--short-prefill-tokens", str(c.short_prefill_tokens)]
+        if c.prefill_order is not None:
+            args += ["--prefill-order", c.prefill_order]
         if not c.enable_prefix_caching:
             args.append("--no-prefix-caching")
         if c.compile:

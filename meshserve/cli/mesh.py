@@ -159,7 +159,10 @@ def up(
                                                       "(default 0). " + _FOR.format("executors")),
     short_prefill_tokens: Optional[int] = typer.Option(None, "--short-prefill-tokens", min=0,
                                                        help="Short prefills first up to this many tokens (default "
-                                                            "64; 0: arrival order). " + _FOR.format("executors")),
+                                                            "64; 0: off). " + _FOR.format("executors")),
+    prefill_order: Optional[str] = typer.Option(None, "--prefill-order",
+                                                help="Order of waiting prompts within a priority: shortest or "
+                                                     "arrival (default shortest). " + _FOR.format("executors")),
     long_prefill_token_threshold: Optional[int] = typer.Option(None, "--long-prefill-token-threshold", min=0,
                                                                help="Most prompt tokens one request computes in a "
                                                                     "step (default 0: no cap). "
@@ -222,7 +225,8 @@ def up(
                                       tensor_parallel_size=tensor_parallel_size,
                                       pipeline_parallel_size=pipeline_parallel_size,
                                       long_prefill_token_threshold=long_prefill_token_threshold or 0,
-                                      short_prefill_tokens=short_prefill_tokens)  # as each executor checks them
+                                      short_prefill_tokens=short_prefill_tokens,
+                                      prefill_order=prefill_order)  # as each executor checks them
         processes.check_parallel_layout(cfg.model, revision, tensor_parallel_size, pipeline_parallel_size)
         if queue_policy is not None or tenants or pools:  # as the scheduler reads them (the gateway reads tenants too)
             processes.scheduler_config(queue_policy or "fcfs", tenants_file=tenants, pools_file=pools)
@@ -256,7 +260,7 @@ def up(
     export_trace_settings(traces, otlp_endpoint, trace_sample_ratio)
     executor_flags = service_flags(device=device, block_size=block_size, max_num_seqs=max_num_seqs,
                                    max_batch_wait_ms=max_batch_wait_ms, revision=revision,
-                                   short_prefill_tokens=short_prefill_tokens,
+                                   short_prefill_tokens=short_prefill_tokens, prefill_order=prefill_order,
                                    long_prefill_token_threshold=long_prefill_token_threshold)
     executor_flags += parallel_args(tensor_parallel_size, pipeline_parallel_size)
     gateway_flags = service_flags(revision=revision, tokenizer=tokenizer, chat_template=chat_template,

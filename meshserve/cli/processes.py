@@ -183,7 +183,7 @@ def engine_config(model: str, dtype: str, kv_cache_memory: str, block_size: int,
                   tensor_parallel_size: int = 1, pipeline_parallel_size: int = 1,
                   revision: str | None = None, cuda_graphs: bool | None = None,
                   compile: bool = False, long_prefill_token_threshold: int = 0,
-                  short_prefill_tokens: int | None = None) -> EngineConfig:
+                  short_prefill_tokens: int | None = None, prefill_order: str | None = None) -> EngineConfig:
     """The executor's ``EngineConfig`` from its flags (``kv_cache_memory`` a byte size such as ``2GiB``;
     the parallel sizes: the ranks of one replica, ``executor.worker.multiproc_group``; ``cuda_graphs``
     None: wherever they can run).
@@ -216,7 +216,8 @@ def engine_config(model: str, dtype: str, kv_cache_memory: str, block_size: int,
                                    max_batch_wait_ms=max_batch_wait_ms,
                                    long_prefill_token_threshold=long_prefill_token_threshold,
                                    **({} if short_prefill_tokens is None else
-                                      {"short_prefill_tokens": short_prefill_tokens})),
+                                      {"short_prefill_tokens": short_prefill_tokens}),
+                                   **({} if prefill_order is None else {"prefill_order": prefill_order})),
         parallel=ParallelConfig(tensor_parallel_size=tensor_parallel_size,
                                 pipeline_parallel_size=pipeline_parallel_size),
     )

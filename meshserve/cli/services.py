@@ -125,7 +125,11 @@ def executor(
     short_prefill_tokens: Optional[int] = typer.Option(None, "--short-prefill-tokens", min=0,
                                                        help="Short prefills first: prefills with at most this many "
                                                             "tokens to compute run first, longer ones sit out up to "
-                                                            "4 steps (default 64; 0: arrival order)."),
+                                                            "4 steps (default 64; 0: off)."),
+    prefill_order: Optional[str] = typer.Option(None, "--prefill-order",
+                                                help="Order of waiting prompts within a priority: shortest (fewest "
+                                                     "tokens first; a prompt passed over at most 4 steps) or "
+                                                     "arrival (FCFS). Default shortest."),
     max_model_len: Optional[int] = typer.Option(None, help="Longest prompt + output (default: the model's)."),
     num_threads: Optional[int] = typer.Option(None, show_default="torch's own, about one per core",
                                               help="torch CPU threads."),
@@ -188,7 +192,7 @@ def executor(
                                       pipeline_parallel_size=pipeline_parallel_size, revision=revision,
                                       cuda_graphs=cuda_graphs,
                                       compile=compile, long_prefill_token_threshold=long_prefill_token_threshold,
-                                      short_prefill_tokens=short_prefill_tokens)
+                                      short_prefill_tokens=short_prefill_tokens, prefill_order=prefill_order)
     except ValueError as exc:  # a bad flag value: typer prints usage and the message, exit code 2
         raise typer.BadParameter(str(exc)) from None
     if kvstore is not None and not is_address(kvstore):

@@ -65,7 +65,10 @@ def bench(
                                                           "computes in a step (0: no cap)."),
     short_prefill_tokens: Optional[int] = typer.Option(None, "--short-prefill-tokens", min=0,
                                                        help="engine/mesh: short prefills first up to this many "
-                                                            "tokens (default: the engine's; 0: arrival order)."),
+                                                            "tokens (default: the engine's; 0: off)."),
+    prefill_order: Optional[str] = typer.Option(None, "--prefill-order",
+                                                help="engine/mesh: order of waiting prompts within a priority, "
+                                                     "shortest or arrival (default: the engine's, shortest)."),
     compile: bool = typer.Option(False, "--compile/--no-compile", help="engine/mesh: torch.compile the decode "
                                  "steps at start-up (CPU, float32, one thread)."),
     addr: Optional[str] = typer.Option(None, "--addr", help="mesh target: a running gateway's host:port."),
@@ -105,7 +108,8 @@ def bench(
                           num_threads=num_threads, block_size=block_size,
                           enable_prefix_caching=not no_prefix_caching, max_batch_wait_ms=max_batch_wait_ms,
                           long_prefill_token_threshold=long_prefill_token_threshold,
-                          short_prefill_tokens=short_prefill_tokens, executor_addrs=tuple(executor_addr),
+                          short_prefill_tokens=short_prefill_tokens, prefill_order=prefill_order,
+                          executor_addrs=tuple(executor_addr),
                           request_rate=request_rate, tls_dir=tls_dir,
                           vllm_python=vllm_python, compile=compile, cpu_affinity=cpu_affinity)
         points = sweep_points(concurrency, request_rate, parse_values(sweep_concurrency, int),

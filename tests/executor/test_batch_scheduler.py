@@ -14,9 +14,10 @@ from tests.support.engine_steps import make_request, run_step, shares
 
 
 def make_scheduler(num_blocks=100, block_size=4, budget=10, max_num_seqs=4, chunked=True, eos=frozenset(),
-                   caching=False, max_batch_wait_ms=0.0):
+                   caching=False, max_batch_wait_ms=0.0, prefill_order="shortest"):
     config = BatchSchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=budget,
-                                  enable_chunked_prefill=chunked, max_batch_wait_ms=max_batch_wait_ms)
+                                  enable_chunked_prefill=chunked, max_batch_wait_ms=max_batch_wait_ms,
+                                  prefill_order=prefill_order)
     return BatchScheduler(config, KVCacheManager(num_blocks, block_size, enable_caching=caching), eos)
 
 
@@ -78,14 +79,14 @@ def test_max_num_seqs_and_joined_running_batch():
 
 
 def test_preemption_victim_is_lowest_priority_then_latest_arrival():
-    s = make_scheduler(num_blocks=6, block_size=4, budget=100)
+    s = make_scheduler(num_blocks=6, block_size=4, budget=100, prefill_order="arrival")
     a = make_request("a", 8, max_tokens=6)
     b = make_request("b", 8, max_tokens=7, priority=1)
     c = make_request("c", 7, max_tokens=6)
     for r in (a, b, c):
         s.add_request(r)
     out, _ = run_step(s)
-    assert [x.request_id for x in out.scheduled] == ["b", "a", "c"]  # priority, then arrival
+    assert [x.request_id for x in out.scheduled] == ["b", "a", "c"]  # priority, then arrival (not length)
     assert (s.kv.get_block_ids("b"), s.kv.get_block_ids("a"), s.kv.get_block_ids("c")) == ([0, 1], [2, 3], [4, 5])
 
     out, _ = run_step(s)  # b needs a 3rd block: c (priority 0, latest) is preempted

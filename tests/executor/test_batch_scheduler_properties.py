@@ -1,6 +1,6 @@
 """Property tests (hypothesis) of the batch scheduler under random arrivals: liveness, KV
 conservation, the step budget, and the documented bound on how often a prefill is passed
-(short prefills first, `executor/engine/prefill_order.py`)."""
+(short prefills first and shortest prompts first, `executor/engine/prefill_order.py`)."""
 
 from __future__ import annotations
 
@@ -24,6 +24,7 @@ configs = st.fixed_dictionaries({
     "chunked": st.booleans(),
     "short": st.sampled_from([0, 2, 4, 8, 16]),
     "threshold": st.sampled_from([0, 0, 3, 8]),
+    "order": st.sampled_from(["shortest", "arrival"]),
 })
 arrival = st.tuples(st.integers(0, 12), st.integers(1, 36), st.integers(1, 5), st.integers(0, 2),
                     st.integers(0, 2))  # step, prompt length, max_tokens, priority, prefix group
@@ -34,7 +35,7 @@ def build(cfg, caching: bool) -> BatchScheduler:
     threshold = cfg["threshold"] if cfg["chunked"] else 0
     config = BatchSchedulerConfig(max_num_seqs=cfg["max_num_seqs"], max_num_batched_tokens=cfg["budget"],
                                   enable_chunked_prefill=cfg["chunked"], short_prefill_tokens=cfg["short"],
-                                  long_prefill_token_threshold=threshold)
+                                  long_prefill_token_threshold=threshold, prefill_order=cfg.get("order", "shortest"))
     return BatchScheduler(config, KVCacheManager(cfg["num_blocks"], BLOCK, enable_caching=caching))
 
 

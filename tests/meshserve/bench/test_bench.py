@@ -230,6 +230,9 @@ def test_config_validation():
     assert BenchConfig("mesh", 1, spec, addr="x:1", executor_addrs=("x:2",)).executor_addrs == ("x:2",)
     assert BenchConfig("hf-static", 8, spec).effective_concurrency == 8
     assert BenchConfig("hf-continuous", 8, spec).effective_concurrency == 8
+    with pytest.raises(ValueError, match="prefill_order must be one of shortest, arrival, got 'sjf'"):
+        BenchConfig("engine", 1, spec, prefill_order="sjf")
+    assert BenchConfig("engine", 1, spec, prefill_order="arrival").prefill_order == "arrival"
 
 
 # --- engine counters ----------------------------------------------------------

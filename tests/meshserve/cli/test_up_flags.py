@@ -47,10 +47,17 @@ def test_up_flags_reach_each_service(started, tmp_path):
 
 
 def test_up_passes_the_prefill_order_flags_to_the_executors(started):
-    result = _up("--short-prefill-tokens", "0", "--long-prefill-token-threshold", "128")
+    result = _up("--short-prefill-tokens", "0", "--long-prefill-token-threshold", "128", "--prefill-order", "arrival")
     assert result.exit_code == 0, result.output
-    assert started[0].config.executor_args[2:] == ["--short-prefill-tokens", "0",
+    assert started[0].config.executor_args[2:] == ["--short-prefill-tokens", "0", "--prefill-order", "arrival",
                                                    "--long-prefill-token-threshold", "128"]
+
+
+def test_up_refuses_an_unknown_prefill_order_before_starting_anything(started):
+    result = _up("--prefill-order", "random")
+    assert result.exit_code == 2
+    assert "prefill_order must be one of shortest, arrival, got 'random'" in result.output
+    assert started == []
 
 
 def test_mesh_config_file_names_each_service_and_up_flags_win(started, tmp_path):
@@ -133,7 +140,7 @@ def test_up_help_shows_the_service_flags():
     for flag in ("--queue-policy", "--pools", "--tenants", "--device", "--dtype", "--max-batch-wait-ms",
                  "--block-size", "--max-num-seqs", "--kvstore", "--http-port", "--served-model-name", "--config",
                  "--revision", "--tokenizer", "--chat-template", "--short-prefill-tokens",
-                 "--long-prefill-token-threshold"):
+                 "--long-prefill-token-threshold", "--prefill-order"):
         assert flag in result.output, flag
 
 
