@@ -71,8 +71,8 @@ from executor.engine.config import BatchSchedulerConfig
 from executor.engine.kv_cache_manager import KVCacheManager
 from executor.engine.kv_connector import KVConnectorScheduler
 from executor.engine.outputs import RequestOutput
-from executor.engine.prefill_order import (Admit, count_passed_by_later, count_sit_outs, shorts_only, shortest_first,
-                                           the_rest)
+from executor.engine.prefill_order import (SHORTEST_FIRST_WINDOW, Admit, count_passed_by_later, count_sit_outs,
+                                           shorts_only, shortest_first, the_rest)
 from executor.engine.request import Request, RequestStatus
 from executor.engine.scheduler_output import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
 from executor.engine.step_budget import StepState, batching_hold_deadline, cap_prefill, may_chunk
@@ -195,7 +195,8 @@ class BatchScheduler:
             state.prefill_cap = self.config.long_prefill_token_threshold
         self.hold_deadline = None
         had_running = bool(self.running)
-        waiting = list(self.waiting) if self.config.prefill_order == "shortest" and len(self.waiting) > 1 else []
+        shortest = self.config.prefill_order == "shortest" and len(self.waiting) > 1
+        waiting = self.waiting[:SHORTEST_FIRST_WINDOW] if shortest else []
         self._schedule_running(state, decodes=True)
         limit = self.config.short_prefill_tokens
         charged: set[str] = set()
@@ -298,7 +299,9 @@ class BatchScheduler:
             return
         pending = self._pending_hashes() if self.waiting else set()
         shortest = self.config.prefill_order == "shortest"
-        order = shortest_first(self.waiting) if shortest else self.waiting
+        if shortest and state.waiting_order is None:  # once a step: the second pass goes on with what is left
+            state.waiting_order = shortest_first(self.waiting, self.kv.num_cached_tokens)
+        order = state.waiting_order if shortest else self.waiting
         index = 0
         while index < len(order) and state.budget > 0:
             request = order[index]

@@ -111,6 +111,19 @@ class KVCacheManager:
             blocks.append(block.block_id)
         return blocks, len(blocks) * self.block_size
 
+    def num_cached_tokens(self, request: Request) -> int:
+        """The token count of ``get_computed_blocks``'s prefix, without its block ids."""
+        if not self.enable_caching or getattr(request.sampling_params, "prompt_logprobs", None) is not None:
+            return 0
+        cached = self.block_pool.cached_block_hash_to_block
+        max_blocks = (request.num_tokens - 1) // self.block_size
+        num_blocks = 0
+        for block_hash in self.block_hashes(request):
+            if num_blocks == max_blocks or block_hash not in cached:
+                break
+            num_blocks += 1
+        return num_blocks * self.block_size
+
     def next_cacheable_hash(self, request: Request, num_hit: int) -> BlockHash | None:
         """The hash of the full block right after a ``num_hit``-token cached prefix,
         if the prefix cache could serve that block to this request; else None

@@ -42,6 +42,7 @@ class StepState:
     preempted: list[str]
     prefill_cap: int = 0         # most prompt tokens of one request this step (0: no cap)
     deferred_for_prefix: set[str] = field(default_factory=set)
+    waiting_order: list[Request] | None = None  # prefill_order "shortest": the waiting requests not yet taken
 
 
 def cap_prefill(num_new: int, state: StepState) -> int:

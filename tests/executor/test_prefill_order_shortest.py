@@ -11,15 +11,18 @@ from executor.engine.batch_scheduler import BatchScheduler
 from executor.engine.config import BatchSchedulerConfig
 from executor.engine.kv_cache_manager import KVCacheManager
 from executor.engine.prefill_order import MAX_PREFILL_DEFERRALS, shortest_first
-from executor.engine.request import RequestStatus
+from executor.engine.request import Request, RequestStatus
+from meshserve.sampling import SamplingParams
 from tests.support.engine_steps import make_request, run_step, shares
+
+ONE = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
 
 
 def make_scheduler(order: str = "shortest", budget: int = 100, short: int = 0, num_blocks: int = 64,
-                   max_num_seqs: int = 8) -> BatchScheduler:
+                   max_num_seqs: int = 8, caching: bool = False) -> BatchScheduler:
     config = BatchSchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=budget,
                                   short_prefill_tokens=short, prefill_order=order)
-    return BatchScheduler(config, KVCacheManager(num_blocks, 4))
+    return BatchScheduler(config, KVCacheManager(num_blocks, 4, enable_caching=caching))
 
 
 def finish_all(s: BatchScheduler) -> list[dict[str, int]]:
@@ -92,6 +95,18 @@ def test_prompts_out_of_passes_go_first_in_arrival_order():
     assert finish_all(s)[0] == {"second": 3, f"late{MAX_PREFILL_DEFERRALS}": 7}
 
 
+@pytest.mark.parametrize("order,expected", [("shortest", {"hit": 3, "unique": 7}), ("arrival", {"unique": 10})])
+def test_a_prefix_cache_hit_counts_only_its_uncached_tail(order, expected):
+    s = make_scheduler(order, budget=10, caching=True)
+    prefix = list(range(100, 116))  # four blocks of 4
+    s.add_request(Request("warm", prefix + [1, 2], ONE, 0, 0, 10_000))
+    finish_all(s)
+    s.add_request(Request("unique", list(range(200, 212)), ONE, 0, 1, 10_000))
+    s.add_request(Request("hit", prefix + [3, 4, 5], ONE, 0, 2, 10_000))  # 19 tokens, 16 of them cached
+    assert shares(run_step(s)[0]) == expected
+    finish_all(s)
+
+
 def test_a_higher_priority_prompt_goes_first_however_long():
     s = make_scheduler(budget=40)
     s.add_request(make_request("short-low", 5, max_tokens=1, priority=0))
@@ -119,6 +134,25 @@ def test_shortest_first_orders_by_priority_then_first_ones_then_length_then_arri
     reqs[4].num_prefill_deferrals = MAX_PREFILL_DEFERRALS
     assert [r.request_id for r in shortest_first(reqs)] == ["high", "bounded", "mid", "tie", "long"]
     assert [r.request_id for r in reqs] == ["long", "mid", "tie", "high", "bounded"]  # not reordered in place
+
+
+def test_shortest_first_sorts_only_its_window():
+    reqs = [make_request(rid, n) for rid, n in (("a", 30), ("b", 20), ("c", 10), ("d", 5))]
+    for i, r in enumerate(reqs):
+        r.arrival = i
+    assert [r.request_id for r in shortest_first(reqs, window=3)] == ["c", "b", "a", "d"]
+
+
+@pytest.mark.parametrize("tail", [[1, 2], [], [9]])
+def test_the_cached_token_count_is_the_computed_blocks_length(tail):
+    """Whole prompt cached ([]): one token is left to compute, so its last block is not counted."""
+    s = make_scheduler(caching=True)
+    prefix = list(range(100, 116))
+    s.add_request(Request("warm", prefix + [7], ONE, 0, 0, 10_000))
+    finish_all(s)
+    request = Request("probe", prefix + tail, ONE, 0, 1, 10_000)
+    blocks, num_hit = s.kv.get_computed_blocks(request)
+    assert s.kv.num_cached_tokens(request) == num_hit == {2: 16, 0: 12, 1: 16}[len(tail)]
 
 
 def test_config_rejects_an_unknown_order():
