@@ -17,6 +17,7 @@ expose their engine counters (``read_stats``) for the KV and prefix-cache figure
 from __future__ import annotations
 
 import asyncio
+import gc
 import os
 import tempfile
 import time
@@ -67,6 +68,10 @@ class EngineTarget(Target):
         llm = await asyncio.to_thread(LLMEngine, cfg)
         self.engine = AsyncEngine(llm)
         await self.engine.start()
+        # the start-up heap out of the cyclic collector while it serves, as the executor's CLI does and as
+        # vLLM's engine core does in-process too (freeze_gc_heap at start-up, gc.unfreeze at shutdown)
+        gc.collect()
+        gc.freeze()
 
     async def send(self, req: BenchRequest) -> RequestResult:
         s = req.sampling
@@ -82,6 +87,7 @@ class EngineTarget(Target):
     async def stop(self) -> None:
         if self.engine is not None:
             await self.engine.stop()
+            gc.unfreeze()
 
     def processes(self) -> dict[str, int]:
         return {"engine": os.getpid()}  # its busiest thread: the engine's step loop

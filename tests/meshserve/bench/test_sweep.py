@@ -552,6 +552,26 @@ async def test_sweep_with_a_baseline_writes_every_point_and_the_ratios(tmp_path)
 
 
 @pytest.mark.model
+async def test_the_engine_target_freezes_the_start_up_heap_while_it_serves():
+    """As the executor's CLI, and as vLLM's engine core in-process (``freeze_gc_heap`` at
+    start-up, ``gc.unfreeze`` at shutdown): the cyclic collector skips the start-up heap."""
+    import gc
+
+    from meshserve.bench.targets import EngineTarget
+    from meshserve.model_files import resolve_model
+
+    cfg = BenchConfig("engine", 1, WorkloadSpec(num_requests=1, seed=0, **TINY), warmup=0, dtype="float32",
+                      kv_cache_memory="64MiB")
+    target = EngineTarget(cfg, resolve_model("default").path)
+    await target.start()
+    try:
+        assert gc.get_freeze_count() > 100_000  # the model's modules, torch's and the tokenizer's objects
+    finally:
+        await target.stop()
+    assert gc.get_freeze_count() == 0
+
+
+@pytest.mark.model
 async def test_multi_turn_on_the_engine_reuses_each_previous_prompt(tokenizer):
     """2 conversations of 2 turns at concurrency 2: each second turn is sent after its
     first, whose prompt blocks are then cached, so it hits every full block of it."""
