@@ -72,7 +72,7 @@ from executor.engine.kv_cache_manager import KVCacheManager
 from executor.engine.kv_connector import KVConnectorScheduler
 from executor.engine.outputs import RequestOutput
 from executor.engine.prefill_order import (SHORTEST_FIRST_WINDOW, Admit, count_passed_by_later, count_sit_outs,
-                                           shorts_only, shortest_first, the_rest)
+                                           insert_preempted, shorts_only, shortest_first, the_rest)
 from executor.engine.request import Request, RequestStatus
 from executor.engine.scheduler_output import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
 from executor.engine.step_budget import StepState, batching_hold_deadline, cap_prefill, may_chunk
@@ -273,6 +273,8 @@ class BatchScheduler:
         request.preempted_at_ns.append(time.time_ns())
         self.num_preemptions += 1
         bisect.insort(self.waiting, request, key=lambda r: r.sort_key)
+        if state.waiting_order is not None:  # shortest first: this step's order takes it too
+            insert_preempted(state.waiting_order, request)
 
     def _pending_hashes(self) -> set:
         """Full prompt blocks that running requests are computing now (see
@@ -300,7 +302,7 @@ class BatchScheduler:
         pending = self._pending_hashes() if self.waiting else set()
         shortest = self.config.prefill_order == "shortest"
         if shortest and state.waiting_order is None:  # once a step: the second pass goes on with what is left
-            state.waiting_order = shortest_first(self.waiting, self.kv.num_cached_tokens)
+            state.waiting_order = shortest_first(self.waiting, self._num_cached_or_loadable)
         order = state.waiting_order if shortest else self.waiting
         index = 0
         while index < len(order) and state.budget > 0:
@@ -355,6 +357,12 @@ class BatchScheduler:
             state.budget -= num_new
             if self.kv.enable_caching:
                 pending.update(self.kv.pending_block_hashes(request))
+
+    def _num_cached_or_loadable(self, request: Request) -> int:
+        """Tokens of ``request`` it will not compute: its local prefix-cache hit and the
+        fetched blocks that continue it (``shortest_first``'s measure)."""
+        num_hit = self.kv.num_cached_tokens(request)
+        return num_hit + self._num_loadable_blocks(request, num_hit // self.kv.block_size) * self.kv.block_size
 
     def _num_loadable_blocks(self, request: Request, num_hit_blocks: int) -> int:
         """Fetched blocks that continue the local prefix hit, keeping the last prompt

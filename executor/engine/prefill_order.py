@@ -156,6 +156,20 @@ def shortest_first(waiting: Sequence[Request], num_cached: Callable[[Request], i
     return sorted(waiting[:window], key=key) + list(waiting[window:])
 
 
+def insert_preempted(order: list[Request], request: Request) -> None:
+    """Puts ``request``, preempted while the step is being built, into the step's
+    ``shortest_first`` ``order`` where that order puts it (it ``goes_first``): after the
+    requests of higher priority and those of its own that go first and arrived earlier,
+    before the rest. Without it a later, shorter request of its priority could take the
+    blocks it just freed in the same step, a pass no deferral counts."""
+    for index, other in enumerate(order):
+        if other.priority < request.priority or (other.priority == request.priority and (
+                not goes_first(other) or other.arrival > request.arrival)):
+            order.insert(index, request)
+            return
+    order.append(request)
+
+
 def count_passed_by_later(waiting: Iterable[Request], scheduled: dict[str, int], charged: set[str]) -> None:
     """Charges the step to each request of ``waiting`` (the queue as the step began) that
     did not run while one of them of no higher priority that arrived later did, towards

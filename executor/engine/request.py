@@ -104,7 +104,10 @@ class Request:
             the parent of kvstore fetch and publish spans.
         cache_salt: salts its chain hashes (``CheckedRequest.cache_salt``).
         num_prefill_deferrals: steps its prefill sat out for shorter ones
-            (``BatchSchedulerConfig.short_prefill_tokens``).
+            (``BatchSchedulerConfig.short_prefill_tokens``) or, waiting, was passed by a
+            later arrival of no higher priority (``prefill_order`` "shortest"; whatever
+            kept it out, a prefix being computed by another request included);
+            ``executor.engine.prefill_order``.
         grammar: its structured output's matcher (``executor.engine.structured_output.GrammarState``),
             or None.
     """

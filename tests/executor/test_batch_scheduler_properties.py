@@ -95,6 +95,10 @@ def test_every_request_finishes_and_every_block_comes_back(cfg, reqs, caching):
          [(0, 1, 1, 1, 0), (0, 5, 2, 1, 0), (0, 15, 1, 0, 0)] + [(0, 1, 1, 0, 0)] * 7
          + [(0, 6, 3, 1, 0), (1, 1, 1, 1, 0), (1, 12, 5, 1, 0), (2, 6, 1, 1, 0)])  # a running prefill out of
 # sit-outs once passed a higher-priority one in the first pass, uncounted
+@example({"max_num_seqs": 3, "budget": 16, "num_blocks": 6, "chunked": True, "short": 0, "threshold": 0,
+          "order": "shortest"},
+         [(0, 20, 1, 0, 0)] + [(i, 16, 1, 0, 0) for i in range(4)] + [(5, 8, 1, 1, 0), (5, 3, 1, 0, 0)])  # shortest
+# first: a request preempted for a higher one left out of the step's order, passed by a later short one, uncounted
 def test_no_prefill_is_passed_more_than_the_documented_bound(cfg, reqs):
     """Caching off (no in-flight prefix sharing, the one other way to be passed): a prefill is
     passed by a request behind it in scheduling order at most MAX_PREFILL_DEFERRALS steps."""

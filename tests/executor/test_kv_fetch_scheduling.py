@@ -290,3 +290,25 @@ def test_a_higher_priority_request_waiting_on_a_shared_block_preempts_nobody_for
         assert m.s.kv.block_pool.num_free_blocks == 32  # every block back
     finally:
         m.close()
+
+
+@pytest.mark.parametrize("order", ["shortest", "arrival"])
+def test_shortest_first_counts_the_blocks_the_kvstore_can_load(order):
+    """A request with 60 of its 61 tokens loadable from the kvstore has one token to compute:
+    shortest first takes it before a new 24-token prompt (found by breaking it: sorted as 61
+    tokens, it waited while the new prompt took the whole budget)."""
+    m = Mesh(budget=24, prefill_order=order, short_prefill_tokens=0)
+    try:
+        stored = make_request("stored", 61, max_tokens=1)
+        m.publish_elsewhere(stored, 15)
+        fresh = make_request("fresh", 24, max_tokens=1)  # arrives after stored, shares no block with it
+        fresh.prompt_token_ids[:] = fresh.all_token_ids[:] = [500 + i for i in range(24)]
+        m.s.add_request(stored)
+        m.wait_fetched()
+        m.s.add_request(fresh)  # asks the store too, which has nothing of it
+        m.wait_fetched()
+        out, results = m.step()
+        assert shares(out) == {"stored": 1, "fresh": 23}
+        assert [r.request_id for r in results] == ["stored"] and stored.num_kvstore_tokens == 60
+    finally:
+        m.close()

@@ -10,7 +10,7 @@ import pytest
 from executor.engine.batch_scheduler import BatchScheduler
 from executor.engine.config import BatchSchedulerConfig
 from executor.engine.kv_cache_manager import KVCacheManager
-from executor.engine.prefill_order import MAX_PREFILL_DEFERRALS, shortest_first
+from executor.engine.prefill_order import MAX_PREFILL_DEFERRALS, insert_preempted, shortest_first
 from executor.engine.request import Request, RequestStatus
 from meshserve.sampling import SamplingParams
 from tests.support.engine_steps import make_request, run_step, shares
@@ -105,6 +105,34 @@ def test_a_prefix_cache_hit_counts_only_its_uncached_tail(order, expected):
     s.add_request(Request("hit", prefix + [3, 4, 5], ONE, 0, 2, 10_000))  # 19 tokens, 16 of them cached
     assert shares(run_step(s)[0]) == expected
     finish_all(s)
+
+
+def test_a_request_preempted_for_a_higher_one_is_not_passed_by_a_later_shorter_one_in_that_step():
+    """Found by breaking it: the victim went back to waiting but not into the step's order, so
+    a later 3-token prompt of its priority took the blocks it freed, a pass no deferral counted
+    (repeated, the victim never finished)."""
+    s = make_scheduler(budget=16, num_blocks=6, max_num_seqs=3)
+    s.add_request(make_request("long", 20, max_tokens=1))
+    assert shares(run_step(s)[0]) == {"long": 16}
+    s.add_request(make_request("high", 8, max_tokens=1, priority=1))  # needs 2 blocks, 1 is free
+    s.add_request(make_request("late", 3, max_tokens=1, priority=0))
+    out, _ = run_step(s)
+    assert out.preempted_request_ids == ["long"]
+    assert shares(out) == {"high": 8, "long": 8}  # long first again, ahead of late, as in arrival order
+    assert finish_all(s) == [{"long": 12, "late": 3}]
+
+
+def test_insert_preempted_puts_the_victim_after_higher_priorities_and_earlier_first_ones():
+    reqs = {rid: make_request(rid, n, priority=p) for rid, n, p in
+            (("high", 50, 1), ("early-first", 40, 0), ("short", 5, 0), ("victim", 30, 0), ("low", 2, -1))}
+    for i, r in enumerate(reqs.values()):
+        r.arrival = i
+    reqs["early-first"].num_prefill_deferrals = MAX_PREFILL_DEFERRALS
+    reqs["victim"].num_preemptions = 1
+    order = [reqs[rid] for rid in ("high", "early-first", "short", "low")]
+    insert_preempted(order, reqs["victim"])
+    assert [r.request_id for r in order] == ["high", "early-first", "victim", "short", "low"]
+    assert [r.request_id for r in shortest_first(list(reqs.values()))] == [r.request_id for r in order]
 
 
 def test_a_higher_priority_prompt_goes_first_however_long():
