@@ -194,8 +194,11 @@ def engine_config(model: str, dtype: str, kv_cache_memory: str, block_size: int,
     if long_prefill_token_threshold and no_chunked_prefill:  # named by its flags, not by the config fields
         raise ValueError("--long-prefill-token-threshold needs chunked prefill (it splits prompts into chunks): "
                          "drop --no-chunked-prefill")
-    from executor.engine.config import (BatchSchedulerConfig, CacheConfig, EngineConfig,  # torch: as run_executor
-                                        ParallelConfig)
+    from executor.engine.config import (PREFILL_ORDERS, BatchSchedulerConfig, CacheConfig,  # torch: as run_executor
+                                        EngineConfig, ParallelConfig)
+
+    if prefill_order is not None and prefill_order not in PREFILL_ORDERS:  # named by its flag
+        raise ValueError(f"--prefill-order must be one of {', '.join(PREFILL_ORDERS)}, got {prefill_order!r}")
 
     return EngineConfig(
         model=model,
@@ -289,8 +292,10 @@ async def run_executor(engine_config: EngineConfig, port: int, host: str, schedu
         # skip it (they took 3% of a 2,048-token prefill step's time, `perf record`)
         gc.collect()
         gc.freeze()
-        log.info("executor serving on %s (%d KV blocks of %d tokens)%s", svc.address, engine.num_blocks,
-                 engine.block_size, _health_note(svc))
+        batch = engine.config.batch
+        log.info("executor serving on %s (%d KV blocks of %d tokens; prefill order %s, short prefills first up to "
+                 "%d tokens)%s", svc.address, engine.num_blocks, engine.block_size, batch.prefill_order,
+                 batch.short_prefill_tokens, _health_note(svc))
 
     async def stop():
         await holder["svc"].watchdog.stop()

@@ -46,7 +46,7 @@ def test_triton_backend_needs_cuda_outside_the_interpreter(monkeypatch):
         (["--kvstore", "nowhere"], "--kvstore must be HOST:PORT, got 'nowhere'"),
         (["--max-buffered-outputs", "0"], "should be greater than or equal to 1"),
         (["--long-prefill-token-threshold", "-1"], "should be greater than or equal to 0"),
-        (["--prefill-order", "random"], "prefill_order must be one of shortest, arrival, got 'random'"),
+        (["--prefill-order", "random"], "--prefill-order must be one of shortest, arrival, got 'random'"),
         (["--no-chunked-prefill", "--long-prefill-token-threshold", "64"],
          "--long-prefill-token-threshold needs chunked prefill (it splits prompts into chunks): drop "
          "--no-chunked-prefill"),
