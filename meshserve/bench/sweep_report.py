@@ -38,8 +38,8 @@ def points_table(doc: dict) -> list[str]:
     lines = ["| load | system | requests | output tokens/s | requests/s | TTFT p50 ms | TTFT p99 ms | TPOT p50 ms "
              "| TPOT p99 ms | e2e p50 s | e2e p99 s |", "|---|---|---|---|---|---|---|---|---|---|---|"]
     for p in doc["points"]:
-        for _, r in systems(doc, p):
-            lines.append(f"| {_load(p)} | {r['target']} | {r['num_requests']} | {r['output_tokens_per_s']:.1f} | "
+        for name, r in systems(doc, p):  # a baseline by its name: engine@float32 beside the target engine
+            lines.append(f"| {_load(p)} | {name} | {r['num_requests']} | {r['output_tokens_per_s']:.1f} | "
                          f"{r['requests_per_s']:.2f} | {_ms(r['ttft_p50_s'])} | {_ms(r['ttft_p99_s'])} | "
                          f"{_ms(r['tpot_p50_s'])} | {_ms(r['tpot_p99_s'])} | {r['e2e_p50_s']:.2f} | "
                          f"{r['e2e_p99_s']:.2f} |")

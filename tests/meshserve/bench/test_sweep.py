@@ -483,6 +483,18 @@ def test_report_folder_with_three_baselines_has_a_row_a_ratio_table_and_a_line_f
     assert "| concurrency 4 | 2.50 | 0.40 | 0.40 |" in expected  # hf-generate at point 1: 5 / 2
 
 
+def test_a_baseline_of_the_target_in_another_dtype_is_named_by_its_baseline_name(tmp_path):
+    """The four-way matrix's rows (run 79's summary had engine, engine, vllm, vllm)."""
+    doc = _closed_doc(["engine@float32", "vllm@bfloat16"])
+    for point in doc["points"]:
+        point["baselines"]["engine@float32"]["target"] = "engine"
+        point["baselines"]["vllm@bfloat16"]["target"] = "vllm"
+    md = write_report_dir(doc, tmp_path)[1].read_text()
+    rows = [line.split(" | ")[:2] for line in md.splitlines() if line.startswith("| concurrency 1 |")
+            and line.count("|") == 12]
+    assert rows == [["| concurrency 1", n] for n in ("engine", "engine@float32", "vllm@bfloat16")]
+
+
 def test_report_folder_without_a_baseline_has_the_target_rows_only(tmp_path):
     doc = _closed_doc([])
     files = write_report_dir(doc, tmp_path)
