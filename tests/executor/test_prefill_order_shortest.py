@@ -13,7 +13,7 @@ from executor.engine.kv_cache_manager import KVCacheManager
 from executor.engine.prefill_order import MAX_PREFILL_DEFERRALS, insert_preempted, shortest_first
 from executor.engine.request import Request, RequestStatus
 from meshserve.sampling import SamplingParams
-from tests.support.engine_steps import make_request, run_step, shares
+from tests.support.engine_steps import finish_all, make_request, run_step, shares
 
 ONE = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
 
@@ -23,14 +23,6 @@ def make_scheduler(order: str = "shortest", budget: int = 100, short: int = 0, n
     config = BatchSchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=budget,
                                   short_prefill_tokens=short, prefill_order=order)
     return BatchScheduler(config, KVCacheManager(num_blocks, 4, enable_caching=caching))
-
-
-def finish_all(s: BatchScheduler) -> list[dict[str, int]]:
-    steps = []
-    while s.has_unfinished_requests():
-        steps.append(shares(run_step(s)[0]))
-    assert s.kv.num_free_blocks == s.kv.num_blocks
-    return steps
 
 
 def add_burst(s: BatchScheduler, lengths: dict[str, int], max_tokens: int = 1) -> None:

@@ -12,7 +12,7 @@ from executor.engine.kv_cache_manager import KVCacheManager
 from executor.engine.prefill_order import MAX_PREFILL_DEFERRALS
 from executor.engine.request import Request, RequestStatus
 from meshserve.sampling import SamplingParams
-from tests.support.engine_steps import make_request, run_step, shares
+from tests.support.engine_steps import finish_all, make_request, run_step, shares
 
 ONE = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
 SYSTEM = list(range(50, 58))  # two blocks of 4
@@ -21,14 +21,6 @@ SYSTEM = list(range(50, 58))  # two blocks of 4
 def make_scheduler(short: int, budget: int = 100, caching: bool = False) -> BatchScheduler:
     config = BatchSchedulerConfig(max_num_seqs=8, max_num_batched_tokens=budget, short_prefill_tokens=short)
     return BatchScheduler(config, KVCacheManager(64, 4, enable_caching=caching))
-
-
-def finish_all(s: BatchScheduler) -> list[dict[str, int]]:
-    steps = []
-    while s.has_unfinished_requests():
-        steps.append(shares(run_step(s)[0]))
-    assert s.kv.num_free_blocks == s.kv.num_blocks
-    return steps
 
 
 def one_short_a_step(s: BatchScheduler, num_steps: int, length: int, priority: int = 0) -> list[dict[str, int]]:

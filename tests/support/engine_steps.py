@@ -35,3 +35,13 @@ def run_step(scheduler: BatchScheduler, token: int = 7) -> tuple[SchedulerOutput
 def shares(out: SchedulerOutput) -> dict[str, int]:
     """request id -> tokens scheduled this step."""
     return {s.request_id: s.num_scheduled_tokens for s in out.scheduled}
+
+
+def finish_all(scheduler: BatchScheduler) -> list[dict[str, int]]:
+    """Steps (``run_step``) until no request is left; each step's ``shares``. Every KV block
+    must be free at the end."""
+    steps = []
+    while scheduler.has_unfinished_requests():
+        steps.append(shares(run_step(scheduler)[0]))
+    assert scheduler.kv.num_free_blocks == scheduler.kv.num_blocks
+    return steps
