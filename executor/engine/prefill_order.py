@@ -24,11 +24,10 @@ waits a few short steps. Decodes are not prefills and always run first.
 Shortest prompts first (``BatchSchedulerConfig.prefill_order`` = "shortest"):
 both passes visit the waiting requests in ``shortest_first`` order instead of
 arrival order: within a priority, the fewest tokens to compute first (less what
-the prefix cache holds). When more
-prompts wait than one step's budget holds (a burst), the step then completes as
-many prompts as fit, and every prompt it completes gets its first token a whole
-step sooner; the long prompts, which wait a step longer, would have waited most
-of it anyway. ``count_passed_by_later`` charges a waiting request each step a
+the prefix cache holds and the kvstore can load). When more prompts wait than
+one step's budget holds (a burst), the step then completes as many prompts as
+fit, and every prompt it completes gets its first token a whole step sooner; the
+long prompts, which wait a step longer, would have waited most of it anyway. ``count_passed_by_later`` charges a waiting request each step a
 later arrival of no higher priority went before it, so it too waits at most
 ``MAX_PREFILL_DEFERRALS`` steps; then it, and a preempted request, go first in
 arrival order.
@@ -139,8 +138,9 @@ def shortest_first(waiting: Sequence[Request], num_cached: Callable[[Request], i
 
     Args:
         waiting: ``BatchScheduler.waiting`` (sorted by ``Request.sort_key``).
-        num_cached: a request's tokens in the prefix cache now
-            (``KVCacheManager.num_cached_tokens``; default: none).
+        num_cached: a request's tokens it will not compute: in the prefix cache now or
+            loadable from the kvstore (``BatchScheduler._num_cached_or_loadable``;
+            default: none).
         window: how many to sort.
 
     Returns:
