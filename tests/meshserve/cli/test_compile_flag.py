@@ -9,9 +9,9 @@ import pytest
 from typer.testing import CliRunner
 
 from meshserve.bench.config import BenchConfig
-from meshserve.bench.targets import MeshTarget
 from meshserve.bench.workload import WorkloadSpec
 from meshserve.cli import app, processes, services
+from tests.support.bench_launch import launched_executor_args
 
 runner = CliRunner()
 
@@ -43,24 +43,5 @@ def test_bench_compile_flag_reaches_the_bench_config(monkeypatch):
 
 
 def test_the_launched_mesh_passes_compile_to_its_executors(monkeypatch, tmp_path):
-    started = []
-
-    class Recorder:
-        gateway_address = "127.0.0.1:1"
-
-        def __init__(self, config):
-            started.append(config)
-
-        async def start(self):
-            return None
-
-    import asyncio
-
-    import meshserve.bench.targets as targets
-
-    monkeypatch.setattr(targets, "Mesh", Recorder)
     cfg = BenchConfig(target="mesh", concurrency=1, workload=WorkloadSpec(num_requests=1), compile=True)
-    target = MeshTarget(cfg, tmp_path)
-    asyncio.run(target._launch())
-    assert "--compile" in started[0].executor_args
-    target.log_dir.rmdir()
+    assert "--compile" in launched_executor_args(monkeypatch, cfg, tmp_path)
