@@ -30,6 +30,23 @@ from executor.models.checkpoint import CheckpointTensor, attach_weight_loader, m
 from executor.models.parallel import SINGLE, TensorParallel
 
 
+PACKED_COPIES = ("packed_weight", "silu_packed")
+"""The attributes in which a layer keeps a packed copy of its weight (``cpu_gemm.pack``,
+``cpu_gemm_silu.pack_silu_mul``): stale once the weight changes, remade by
+``process_weights_after_loading``."""
+
+
+def packed_copies(module: nn.Module) -> dict[str, torch.Tensor | None]:
+    """The module's packed copies of its weight, by attribute (empty for a module without)."""
+    return {name: getattr(module, name) for name in PACKED_COPIES if hasattr(module, name)}
+
+
+def set_packed_copies(module: nn.Module, copies: dict[str, torch.Tensor | None]) -> None:
+    """Sets the module's packed copies (``packed_copies``' form; None drops one)."""
+    for name, value in copies.items():
+        setattr(module, name, value)
+
+
 def _copy(param: nn.Parameter, loaded: torch.Tensor | CheckpointTensor) -> None:
     if param.shape != loaded.shape:
         raise ValueError(f"checkpoint tensor of shape {tuple(loaded.shape)} does not fit parameter "

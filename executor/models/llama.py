@@ -39,7 +39,8 @@ from executor.models import cpu_fused
 from executor.models.checkpoint import materialize
 from executor.models.cpu_decoder_stack import DecoderStack
 from executor.models.embedding import ParallelLMHead, VocabParallelEmbedding
-from executor.models.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
+from executor.models.linear import (MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear,
+                                    packed_copies, set_packed_copies)
 from executor.models.norm import RMSNorm
 from executor.models.parallel import SINGLE, PipelineStage, TensorParallel
 from executor.models.rotary import RotaryEmbedding, head_dim_of, rope_inv_freq
@@ -256,10 +257,7 @@ class LlamaForCausalLM(nn.Module):
         """
         self.decoder_stack = None  # its pointers go stale with the packed copies, until process_weights_after_loading
         for module in self.modules():  # packed copies go stale: process_weights_after_loading() again
-            if getattr(module, "packed_weight", None) is not None:
-                module.packed_weight = None
-            if getattr(module, "silu_packed", None) is not None:
-                module.silu_packed = None
+            set_packed_copies(module, dict.fromkeys(packed_copies(module)))
         params = dict(self.named_parameters(remove_duplicate=False))
         loaded: set[str] = set()
         for name, tensor in weights:

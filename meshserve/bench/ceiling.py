@@ -141,6 +141,8 @@ def forward(loaded, batch: int, context: int, repeat: int) -> tuple[Figure, Figu
     ``(packed, plain)`` Figures."""
     import torch
 
+    from executor.models.linear import packed_copies, set_packed_copies
+
     md, input_ids, positions = decode_step_inputs(loaded, batch, context)
     layers = loaded.model.attention_layers()
     backend = layers[0].backend
@@ -153,20 +155,16 @@ def forward(loaded, batch: int, context: int, repeat: int) -> tuple[Figure, Figu
             loaded.model.compute_logits(hidden)
 
     linears = [m for m in loaded.model.modules() if hasattr(m, "packed_weight")]
-    packed = [(m.packed_weight, getattr(m, "silu_packed", None)) for m in linears]
+    packed = [packed_copies(m) for m in linears]
     packed_times, plain_times = [], []
     try:
         for _ in range(repeat):
             packed_times += _time(step, 1)
-            for m in linears:
-                m.packed_weight = None
-                if hasattr(m, "silu_packed"):
-                    m.silu_packed = None
+            for m, copies in zip(linears, packed):
+                set_packed_copies(m, dict.fromkeys(copies))
             plain_times += _time(step, 1)
-            for m, (p, silu_p) in zip(linears, packed):
-                m.packed_weight = p
-                if hasattr(m, "silu_packed"):
-                    m.silu_packed = silu_p
+            for m, copies in zip(linears, packed):
+                set_packed_copies(m, copies)
     finally:
         for layer in layers:
             layer.kv_cache = None
@@ -221,12 +219,12 @@ def main(argv: list[str] | None = None) -> int:
     import torch
 
     from executor.model_loader import load_model
+    from executor.models.linear import packed_copies
 
     torch.set_num_threads(args.threads)
     files = resolve_model(args.model)
     loaded = load_model(files.path, dtype=args.dtype, max_model_len=None, attention_backend="torch", device="cpu")
-    num_packed = sum(1 for m in loaded.model.modules()
-                     if getattr(m, "packed_weight", None) is not None or getattr(m, "silu_packed", None) is not None)
+    num_packed = sum(1 for m in loaded.model.modules() if any(c is not None for c in packed_copies(m).values()))
     num_linear = sum(1 for m in loaded.model.modules() if hasattr(m, "packed_weight"))
     print(f"{files.model_id}  {loaded.dtype}  batch {args.batch}  context ~{args.context}  threads {args.threads}  "
           f"torch {torch.__version__} ({torch.backends.cpu.get_cpu_capability()})  "
